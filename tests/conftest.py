@@ -1,0 +1,97 @@
+"""Shared test harness: run the engine in-process (fast) or as a real subprocess."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "goals.py"
+sys.path.insert(0, str(SCRIPT.parent))
+
+import goals  # noqa: E402
+
+
+class Result:
+    def __init__(self, code, out, err):
+        self.code, self.out, self.err = code, out, err
+
+    @property
+    def json(self):
+        return json.loads(self.out)
+
+    def __repr__(self):
+        return f"Result(code={self.code}, out={self.out[-2000:]!r}, err={self.err[-2000:]!r})"
+
+
+def state_files(state_dir):
+    """Every file under the state directory with its bytes (the lock file excluded): compare
+    before/after a refused command to prove nothing changed."""
+    state_dir = Path(state_dir)
+    if not state_dir.exists():
+        return {}
+    return {str(p.relative_to(state_dir)): p.read_bytes()
+            for p in sorted(state_dir.rglob("*")) if p.is_file() and p.name != "lock"}
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A fresh repository root (it has a .git directory) as the current directory."""
+    for var in ("FABLIZE_DIR", "FABLIZE_CRASH_AT", "FABLIZE_LOCK_TIMEOUT", "GITHUB_STEP_SUMMARY",
+                "FABLIZE_GUARD_MAX"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / ".git").mkdir()
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def fab(project, capsys):
+    """fab("status", "--json") runs goals.main in-process; returns Result(code, out, err)."""
+    def run(*args):
+        code = goals.main([str(a) for a in args])
+        captured = capsys.readouterr()
+        return Result(code, captured.out, captured.err)
+    run.dir = project / ".fablize"
+    run.root = project
+    return run
+
+
+def run_cli(*args, cwd, env=None, input=None, timeout=120):
+    """The real entry point in a subprocess."""
+    full_env = {k: v for k, v in os.environ.items()
+                if not k.startswith("FABLIZE_") and k != "GITHUB_STEP_SUMMARY"}
+    full_env.update(env or {})
+    p = subprocess.run([sys.executable, str(SCRIPT), *[str(a) for a in args]], cwd=str(cwd),
+                       env=full_env, input=input, capture_output=True, timeout=timeout)
+    return Result(p.returncode, p.stdout.decode("utf-8", "replace"),
+                  p.stderr.decode("utf-8", "replace"))
+
+
+def make_plan(fab, n=3, *extra):
+    """create a plan of n stories S1..Sn; extra options are passed to create."""
+    goals_args = []
+    for i in range(1, n + 1):
+        goals_args += ["--goal", f"S{i}::objective {i}"]
+    r = fab("create", "--brief", "test plan", *goals_args, *extra)
+    assert r.code == 0, r
+    return r
+
+
+def complete(fab, sid, final=False):
+    """next + complete the story `sid` (which must be the one next hands out)."""
+    r = fab("next")
+    assert r.code == 0 and f"handoff — {sid}" in r.out, r
+    args = ["checkpoint", "--id", sid, "--status", "complete", "--evidence", f"{sid} done"]
+    if final:
+        args += ["--verify-cmd", "pytest -q", "--verify-evidence", "3 passed"]
+    r = fab(*args)
+    assert r.code == 0, r
+    return r
+
+
+def ledger(state_dir):
+    return [json.loads(line) for line in (Path(state_dir) / "ledger.jsonl").read_text().splitlines()]
