@@ -96,6 +96,16 @@ class Bench:
     def cli(self, state_dir, *args):
         return [self.python, SCRIPT, "--dir", state_dir, *args]
 
+    def installed(self, work, state, *args):
+        code = (f"import sys; sys.path.insert(0, {HERE!r}); import goals; "
+                f"sys.exit(goals.main({['--dir', state, *args]!r}))")
+        return [self.python, "-c", code]
+
+    def cache_env(self, work):
+        env = dict(self.env, PYTHONPYCACHEPREFIX=os.path.join(work, "pycache"))
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        return env
+
     def row(self, command, stories, events, samples, bare):
         cost, base = median_ms(samples), median_ms(bare)
         self.rows.append((command, stories, events, cost, base, cost - base, cost / base))
@@ -109,6 +119,10 @@ class Bench:
         for command in (["status"], ["status", "--json"]):
             samples = [timed(self.cli(state, *command), work) for _ in range(self.repeat)]
             self.row(" ".join(command), stories, events, samples, bare)
+        # what an installed `fablize` pays: the module's bytecode is cached, a script's never is
+        cached = [timed(self.installed(work, state, "status"), work, self.cache_env(work))
+                  for _ in range(self.repeat + 1)][1:]
+        self.row("status (installed)", stories, events, cached, bare)
         # next activates a story (timed), then checkpoint completes it (timed), repeat
         nexts, checkpoints, reshows = [], [], []
         for i in range(self.repeat):

@@ -1876,6 +1876,11 @@ def cmd_create(ctx, a):
     check_text("--brief", a.brief)
     specs = build_stories(a)
     unverifiable = unverifiable_checks(specs, store.root)
+    fields = {"brief": a.brief, "count": len(specs), "plan_id": new_plan_id(), "stories": specs,
+              "options": {"rounds": a.rounds, "require_run": a.require_run},
+              "unverifiable": unverifiable}
+    # judge the new plan before anything moves: a bad one must not archive the old one
+    apply_event(None, dict(fields, seq=1, ts=now_iso(), event="plan_created"))
     store.create_dir()
     with store.session() as s:
         replaces = None
@@ -1883,9 +1888,7 @@ def cmd_create(ctx, a):
             if not a.force:
                 raise refused(PLAN_EXISTS, "plan_exists")
             replaces = s.archive()
-        s.commit("plan_created", brief=a.brief, count=len(specs), plan_id=new_plan_id(),
-                 stories=specs, options={"rounds": a.rounds, "require_run": a.require_run},
-                 unverifiable=unverifiable, replaces=replaces)
+        s.commit("plan_created", replaces=replaces, **fields)
         plan = s.plan
     ctx.say(f"fablize: plan created — {len(specs)} stories")
     for story in plan["goals"]:
@@ -2518,7 +2521,11 @@ class Context:
         self.say = out.say
         self.data = out.data
         self.json = out.json
-        self.timeout = getattr(args, "timeout", None) or DEFAULT_RUN_TIMEOUT
+        self.timeout = getattr(args, "timeout", None)
+        if self.timeout is None:
+            self.timeout = DEFAULT_RUN_TIMEOUT
+        elif not self.timeout > 0:
+            raise usage("--timeout must be a number of seconds > 0.")
         console = os.path.basename(sys.argv[0] or "") == "fablize"
         self.prog = "fablize" if console else "goals.py"
         # the exact command a hook or CLAUDE.md can run from anywhere
