@@ -22,12 +22,12 @@ refused() {
   fi
 }
 
-echo "### Create a 3-story plan; the final check is frozen with the plan"
+echo "### Create a 3-story plan; G002's acceptance check is frozen with the plan"
 goals create --brief "Add a --version flag" \
   --goal "Parse flag::accept --version on the command line" \
-  --goal "Print version::print the version string and exit 0" \
+  --goal "Print version::write the version to version.txt" \
   --goal "Verify::run the tests" \
-  --verify "python3 -c 'print(\"tests pass\")'"
+  --check G002="test -s version.txt"
 
 echo "### Start the first story"
 goals next
@@ -42,9 +42,12 @@ goals checkpoint --id G001 --status complete \
 echo "### Next story"
 goals next
 
-echo "### Complete G002 with evidence"
-goals checkpoint --id G002 --status complete \
-  --evidence "python3 cli.py --version prints 1.0.0"
+echo "### Claim G002 done before the work exists: the engine runs the frozen check — refused"
+refused checkpoint --id G002 --status complete --evidence "version printing done"
+
+echo "### Do the work, then complete G002: the frozen check passes"
+echo "1.0.0" > version.txt
+goals checkpoint --id G002 --status complete --evidence "version.txt holds 1.0.0"
 
 echo "### Final story"
 goals next
@@ -52,9 +55,9 @@ goals next
 echo "### Claim the final story done without verification: refused"
 refused checkpoint --id G003 --status complete --evidence "all done"
 
-echo "### Complete the final story: the engine runs the frozen check itself"
-goals checkpoint --id G003 --status complete \
-  --evidence "the frozen check passes" --run
+echo "### Complete the final story: the engine runs the verification itself (--run)"
+goals checkpoint --id G003 --status complete --evidence "the test suite passes" \
+  --run --verify-cmd "python3 -c 'print(\"3 passed\")'"
 
 echo "### Status"
 goals status
@@ -62,7 +65,10 @@ goals status
 echo "### Audit the ledger and the snapshot"
 goals audit
 
-echo "### The ledger: one event a line, each chained to the previous by hash"
-cat "$STATE/ledger.jsonl"
+echo "### The history, from the ledger"
+goals log
+
+echo "### The ledger itself: one event a line, each chained to the previous by hash (first 2)"
+head -n 2 "$STATE/ledger.jsonl"
 
 echo "### Demo finished: every gate behaved"

@@ -76,15 +76,21 @@ BLOCK_TEMPLATE = """\
 through fablize instead of declaring "done" yourself:
 
 1. `{cli} create --brief "<task>" --goal "title::objective" ... --verify "<test command>"`
-   (the last story is the verification gate; freeze the checks that prove it).
+   The last story is the verification gate. Freeze the checks that prove a story with
+   `--check G00N="<cmd>"`; if it says a check cannot run here, fix that now.
 2. `{cli} next` — activates ONE story and prints its handoff. Work that story only.
 3. `{cli} checkpoint --id G00N --status complete --evidence "<what you did, what you saw>"`
-   Prefer `--run --verify-cmd "<cmd>"`: the engine runs the command and records the result.
+   Frozen checks run by themselves; otherwise prefer `--run --verify-cmd "<cmd>"`: the
+   engine runs the command and records the result.
    Not achieved yet: `--status failed --evidence "<what is missing>"` (another round).
    Impossible as specified: `--status blocked --evidence "<why>"`, then stop and ask the human.
-4. Repeat from 2 until it prints `all stories complete`. A refusal is not an error to work
-   around: produce the evidence it asks for.
-5. Resuming after a crash or compaction: `{cli} status`, then `{cli} next`.
+4. A judged story (`create --judge`) goes to review: never judge your own work. A separate
+   judge runs `{cli} judge-packet --id G00N`, checks the artifact itself and answers with
+   `{cli} verdict --id G00N achieved|not-achieved|unachievable --evidence "<what it saw>" --agent <judge>`.
+5. Repeat from 2 until it prints `all stories complete ✓` (or `all stories done ✓` after a
+   human accepted a story). A refusal is not an error to work around: produce the evidence
+   it asks for.
+6. Resuming after a crash or compaction: `{cli} status`, then `{cli} next`.
 
 Never edit `.fablize/` by hand; `{cli} audit` detects it.
 <!-- fablize:end -->
@@ -1404,7 +1410,7 @@ def execute_runs(ctx, store, story_id_, commands, after_seq):
         record.update(id=story_id_, check=check, after_seq=after_seq, started=started,
                       git_head=head, git_dirty=dirty, tmp_log=tmp_log)
         ctx.say(f"fablize: {label} {'passed' if run_passed(record) else 'FAILED'} — "
-                f"{describe_exit(record)}, {record['duration_s']} s, {record['bytes']} bytes")
+                f"{run_result(record)}")
         records.append(record)
     return records
 
@@ -1430,8 +1436,12 @@ def indent(text, prefix="    "):
 
 
 def run_summary(run):
-    return (f"`{one_line(run['cmd'])}` → {describe_exit(run)}, {run.get('duration_s')} s, "
-            f"{run.get('bytes')} bytes, sha256 {str(run.get('sha256'))[:16]}…")
+    return (f"`{one_line(run['cmd'])}` → {run_result(run)}, sha256 {str(run.get('sha256'))[:16]}…")
+
+
+def run_result(run):
+    took = "" if run.get("timed_out") else f", {run.get('duration_s')} s"
+    return f"{describe_exit(run)}{took}, {run.get('bytes')} bytes"
 
 
 def completion_command(ctx, plan, story):
@@ -1485,7 +1495,7 @@ def render_carried(plan, story):
         run = dep["last_run"]
         if run:
             lines.append("verification run: " + defuse(run_summary(run)) + " — output tail:")
-            lines.append(indent(defuse(last_chars(run["tail"]))))
+            lines.append(indent(defuse(last_chars(run["tail"])) or "(no output)"))
     return lines
 
 
@@ -1683,6 +1693,9 @@ def audit_ledger(data, snapshot_raw, since=None, require_independent=False):
         if "digest" in snap and snap["digest"] != canonical_digest(snap):
             raise damaged(f"{SNAPSHOT} was changed outside fablize: its digest does not match its "
                           "content.", "snapshot_edited")
+        if "digest" not in snap and "ledger" not in snap:
+            raise damaged(f"{SNAPSHOT} was written by the original goals.py; run `goals.py status` "
+                          "to import it into a hash-chained ledger first.", "legacy")
     snap_seq = snap.get("ledger", {}).get("seq") if isinstance(snap, dict) else None
     snap_view = None
     independence = []
@@ -1888,7 +1901,7 @@ def cmd_create(ctx, a):
             if not a.force:
                 raise refused(PLAN_EXISTS, "plan_exists")
             replaces = s.archive()
-        s.commit("plan_created", replaces=replaces, **fields)
+        s.commit("plan_created", **fields, replaces=replaces)
         plan = s.plan
     ctx.say(f"fablize: plan created — {len(specs)} stories")
     for story in plan["goals"]:
@@ -1975,8 +1988,10 @@ def say_after_checkpoint(ctx, plan, story):
     if blocked:
         ctx.say(f"fablize: {len(left)} stories left — {', '.join(blocked)} blocked: what depends on "
                 "it waits for a human decision.")
-    else:
+    elif active_stories(plan) or pick_ready(plan):
         ctx.say(f"fablize: {len(left)} stories left — continue with `next`.")
+    else:
+        ctx.say(f"fablize: {len(left)} stories left — next: {next_step(ctx, plan)}")
 
 
 def cmd_checkpoint(ctx, a):

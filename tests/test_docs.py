@@ -1,0 +1,451 @@
+"""The documents cannot drift from the code.
+
+README.md, SKILL.md, fablize-block.md and the agent definitions are read against the
+engine itself: its parser (every command and option), its error codes (read from the
+source), its exit codes, environment variables, events, statuses and version. A command
+line in any document that names an option the engine does not have fails here.
+"""
+
+import argparse
+import ast
+import inspect
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, SCRIPT, goals
+
+README = ROOT / "README.md"
+SKILL = ROOT / "SKILL.md"
+BLOCK = ROOT / "fablize-block.md"
+
+GLOBAL_OPTIONS = {"--dir": 1, "--json": 0, "--version": 0, "-h": 0, "--help": 0}
+SHELL_STOPS = {"|", "||", "&&", ";", ">", ">>", "2>&1"}
+
+
+def read(path):
+    return path.read_text(encoding="utf-8")
+
+
+def subparsers():
+    """{command name: its parser}, from the full parser."""
+    return dict(goals.build_parser()._subparsers._group_actions[0].choices)
+
+
+def options_of(parser):
+    return {s for action in parser._actions for s in action.option_strings}
+
+
+def section(text, heading):
+    """The body of the section whose heading line is `heading`, up to the next heading of
+    the same or a higher level."""
+    level = len(heading) - len(heading.lstrip("#"))
+    lines = text.split("\n")
+    assert heading in lines, f"README has no section {heading!r}"
+    start = lines.index(heading) + 1
+    fenced = False
+    for end in range(start, len(lines)):
+        if re.match(r"\s*```", lines[end]):
+            fenced = not fenced  # engine output in a code block may start with "## "
+        elif not fenced and re.match(r"#{1,%d} " % level, lines[end]):
+            break
+    else:
+        end = len(lines)
+    return "\n".join(lines[start:end])
+
+
+FENCE = re.compile(r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```", re.M | re.S)
+
+
+def fenced_blocks(text, info=None):
+    pattern = re.compile(r"^[ \t]*```%s\n(.*?)^[ \t]*```"
+                         % (re.escape(info) if info else r"[^\n]*"), re.M | re.S)
+    return [m.group(1) for m in pattern.finditer(text)]
+
+
+def code_fragments(text):
+    """Every line of a fenced block (shell continuations joined) and every inline code span
+    outside them."""
+    frags = []
+    for block in fenced_blocks(text):
+        frags += re.sub(r"\\\n\s*", " ", block).splitlines()
+    frags += re.findall(r"`([^`\n]+)`", FENCE.sub("", text))
+    return frags
+
+
+def tokens_of(fragment):
+    try:
+        return shlex.split(fragment)
+    except ValueError:  # an apostrophe in prose or output: whitespace is good enough
+        return fragment.split()
+
+
+def invocations(text):
+    """[(fragment, args after the program)] for each `goals.py …` or `fablize …` call."""
+    found = []
+    for frag in code_fragments(text):
+        toks = tokens_of(frag)
+        for i, tok in enumerate(toks):
+            # `fablize` is the installed command only where a command line starts with it
+            prog = re.search(r"(^|/)goals\.py$", tok) or \
+                (tok == "fablize" and (i == 0 or toks[i - 1] == "$")
+                 and re.match(r"-|[a-z]", toks[i + 1] if i + 1 < len(toks) else ""))
+            if not prog:
+                continue
+            args = []
+            for t in toks[i + 1:]:
+                if t in SHELL_STOPS or t.startswith("#"):
+                    break
+                args.append(t.rstrip(";"))
+                if t.endswith(";"):
+                    break
+            found.append((frag, args))
+    return found
+
+
+def command_and_options(args):
+    """(command or None, [option names]) of one invocation's arguments."""
+    i = 0
+    while i < len(args) and args[i].split("=")[0] in GLOBAL_OPTIONS:
+        i += 1 + (GLOBAL_OPTIONS[args[i].split("=")[0]] if "=" not in args[i] else 0)
+    if i >= len(args):
+        return None, []
+    opts = [a.split("=", 1)[0] for a in args[i + 1:] if re.match(r"--?[A-Za-z]", a)]
+    return args[i], opts
+
+
+def check_invocations(text, where):
+    """Every documented call names a real command and only that command's options."""
+    parsers = subparsers()
+    used = set()
+    for frag, args in invocations(text):
+        command, opts = command_and_options(args)
+        if command is None:
+            continue
+        if command not in parsers:
+            # a synopsis (`goals.py [--dir PATH] COMMAND …`) is not a call
+            assert re.match(r"[\[<A-Z…]|\.\.\.", command), \
+                f"{where}: `{frag}` calls unknown command {command!r}"
+            continue
+        used.add(command)
+        unknown = [o for o in opts if o not in options_of(parsers[command])]
+        assert not unknown, f"{where}: `{frag}` uses {unknown}, which `{command}` does not have"
+    return used
+
+
+def engine_error_codes():
+    """{code: {exit codes}} for every error the engine can raise, read from its source:
+    refused()/usage()/damaged() calls (their default code when they give none),
+    FablizeError(...) calls, and `….code = "…"` reassignments (exit unknown: empty set)."""
+    helpers = {"refused": goals.EXIT_REFUSED, "usage": goals.EXIT_USAGE,
+               "damaged": goals.EXIT_DAMAGED}
+    defaults = {name: inspect.signature(getattr(goals, name)).parameters["code"].default
+                for name in helpers}
+    codes = {defaults[name]: {exit_code} for name, exit_code in helpers.items()}
+    source = read(SCRIPT)
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            name = node.func.id
+            if name in helpers:
+                given = node.args[1] if len(node.args) > 1 else \
+                    next((k.value for k in node.keywords if k.arg == "code"), None)
+                if given is None:
+                    code = defaults[name]
+                else:
+                    assert isinstance(given, ast.Constant) and isinstance(given.value, str), \
+                        f"goals.py line {node.lineno}: an error code must be a string literal"
+                    code = given.value
+                codes.setdefault(code, set()).add(helpers[name])
+            elif name == "FablizeError" and len(node.args) > 2 and \
+                    isinstance(node.args[1], ast.Constant):
+                exit_code = getattr(goals, node.args[2].id) if isinstance(node.args[2], ast.Name) \
+                    else node.args[2].value
+                codes.setdefault(node.args[1].value, set()).add(exit_code)
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and \
+                isinstance(node.targets[0], ast.Attribute) and node.targets[0].attr == "code" \
+                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            codes.setdefault(node.value.value, set())
+    return codes
+
+
+def readme_error_codes():
+    """{code: {exit codes}} from the README's error-code table."""
+    table = section(read(README), "### Error codes")
+    rows = re.findall(r"^\| `([a-z_]+)` \| ([\d, ]+) \|", table, re.M)
+    assert rows, "README's error-code table has no rows"
+    return {code: {int(x) for x in exits.split(",")} for code, exits in rows}
+
+
+def front_matter(text):
+    """A tiny YAML front-matter reader: `---`, then `key: value` lines, then `---`."""
+    lines = text.split("\n")
+    assert lines[0] == "---", "SKILL.md must open with a `---` front-matter line"
+    end = lines.index("---", 1)
+    fields = {}
+    for line in lines[1:end]:
+        key, sep, value = line.partition(": ")
+        assert sep and re.fullmatch(r"[a-z][a-z-]*", key), f"not a `key: value` line: {line!r}"
+        assert key not in fields, f"front matter repeats {key!r}"
+        fields[key] = value.strip()
+    return fields
+
+
+# The parser: every command and option has help and is in the README ########
+
+
+def test_every_command_and_option_has_help_text():
+    parser = goals.build_parser()
+    sub = parser._subparsers._group_actions[0]
+    for action in parser._actions:
+        if not isinstance(action, argparse._SubParsersAction):
+            assert action.help and action.help.strip(), f"goals.py {action.option_strings}: no help"
+    summaries = {a.dest: a.help for a in sub._choices_actions}
+    assert set(summaries) == set(sub.choices)
+    for name, command in sub.choices.items():
+        assert summaries[name] and summaries[name].strip(), f"`{name}` has no summary in --help"
+        for action in command._actions:
+            what = action.option_strings or [action.dest]
+            assert action.help not in (None, argparse.SUPPRESS) and action.help.strip(), \
+                f"`{name}` {what}: no help"
+
+
+def test_every_command_has_a_readme_section_and_an_example():
+    text = read(README)
+    used = check_invocations(text, "README.md")
+    for name in subparsers():
+        assert f"### `{name}`" in text.split("\n"), f"README has no section for `{name}`"
+        assert name in used, f"README has no example calling `goals.py {name}`"
+
+
+def test_every_option_of_every_command_is_in_the_readme():
+    text = read(README)
+    parsers = {"goals.py": goals.build_parser(), **subparsers()}
+    missing = []
+    for name, parser in parsers.items():
+        for action in parser._actions:
+            for opt in action.option_strings:
+                if not re.search(r"(?<![\w-])%s(?![\w-])" % re.escape(opt), text):
+                    missing.append(f"{name} {opt}")
+            for choice in (action.choices or []) if not action.option_strings else []:
+                if not isinstance(action, argparse._SubParsersAction):
+                    assert re.search(r"`[^`\n]*\b%s\b" % re.escape(choice), text), \
+                        f"README does not show `{name}` {action.dest} {choice!r}"
+    assert not missing, "options missing from README.md: " + ", ".join(missing)
+
+
+def test_command_lines_in_every_document_use_only_real_commands_and_options():
+    for path in [README, SKILL, BLOCK, *sorted((ROOT / "agents").glob("*.md"))]:
+        check_invocations(read(path), path.name)
+
+
+def test_readme_quick_start_prints_what_the_engine_prints(fab):
+    """The quick start's transcript, up to the first abbreviated step, is real output."""
+    block = fenced_blocks(section(read(README), "## Quick start"), "console")[0]
+    steps = []
+    for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+        if line.startswith("$ "):
+            steps.append((line[2:], []))
+        elif line.strip():
+            steps[-1][1].append(line)
+    ran = 0
+    for command, expected in steps:
+        if "#" in command:
+            break
+        args = shlex.split(command)
+        assert args[:2] == ["python3", "scripts/goals.py"], command
+        code = 0
+        if expected and re.search(r"\s\(exit \d\)$", expected[-1]):
+            code = int(expected[-1][-2])
+            expected[-1] = re.sub(r"\s+\(exit \d\)$", "", expected[-1])
+        r = fab(*args[2:])
+        assert r.code == code, (command, r)
+        actual = [x for x in (r.out + r.err).splitlines() if x.strip()]
+        assert actual == expected, f"README quick start drifted at `{command}`"
+        ran += 1
+    assert ran >= 4, "the quick start should show create, next, a refusal and a completion"
+
+
+# The other documents ########################################################
+
+
+def test_block_file_is_exactly_the_block_the_engine_installs():
+    expected = goals.render_block("python3 scripts/goals.py")
+    assert read(BLOCK) == expected, \
+        "fablize-block.md drifted: regenerate it with goals.render_block(\"python3 scripts/goals.py\")"
+    assert expected.startswith(goals.BLOCK_BEGIN) and expected.rstrip("\n").endswith(goals.BLOCK_END)
+
+
+def test_skill_front_matter_names_fablize_and_says_when_to_use_it():
+    fields = front_matter(read(SKILL))
+    assert fields.get("name") == "fablize"
+    assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", fields["name"]) and len(fields["name"]) <= 64
+    description = fields.get("description", "")
+    assert 0 < len(description) <= 1024
+    assert re.search(r"\b2\+ sequential stories\b", description), \
+        "the description must say when to use it: tasks with 2+ sequential stories"
+    assert len(fields.get("compatibility", "")) <= 500
+    assert set(fields) <= {"name", "description", "license", "compatibility", "allowed-tools"}
+    for key, value in fields.items():
+        # plain YAML scalars: what the tiny reader returns is what a YAML parser returns
+        assert value and value[0] not in "-?:,[]{}#&*!|>'\"%@`", f"{key}: starts with a YAML indicator"
+        assert ": " not in value and " #" not in value, f"{key}: not a plain YAML scalar"
+
+
+def test_skill_gives_both_invocations_and_teaches_the_whole_loop():
+    text = read(SKILL)
+    assert "python3 scripts/goals.py" in text
+    assert 'python3 "${CLAUDE_PLUGIN_ROOT}/scripts/goals.py"' in text
+    used = check_invocations(text, "SKILL.md")
+    assert {"create", "next", "checkpoint", "status", "decide", "add", "judge-packet",
+            "verdict"} <= used
+    for status in ("complete", "failed", "blocked"):
+        assert f"**{status}**" in text, f"SKILL.md does not explain the verdict {status!r}"
+    assert "## Writing good checklists" in text and "3–5" in text
+
+
+# Codes, variables, files ####################################################
+
+
+def test_every_error_code_the_engine_raises_is_in_the_readme_with_its_exit_code():
+    engine, readme = engine_error_codes(), readme_error_codes()
+    assert len(engine) > 40, "reading the engine's error codes found too few"
+    missing = sorted(set(engine) - set(readme))
+    assert not missing, f"error codes missing from README's table: {missing}"
+    stale = sorted(set(readme) - set(engine))
+    assert not stale, f"README lists error codes the engine never raises: {stale}"
+    wrong = {c: (sorted(readme[c]), sorted(e)) for c, e in engine.items() if e and readme[c] != e}
+    assert not wrong, f"README exit codes differ from the engine's (readme, engine): {wrong}"
+
+
+def test_readme_exit_code_table_has_every_exit_code():
+    table = section(read(README), "## Exit codes")
+    for code, word in ((goals.EXIT_OK, "done"), (goals.EXIT_REFUSED, "refused"),
+                       (goals.EXIT_USAGE, "usage"), (goals.EXIT_DAMAGED, "damaged")):
+        assert re.search(r"^\| %d \| %s\b" % (code, word), table, re.M), \
+            f"exit code {code} ({word}) missing from README's table"
+
+
+def test_every_environment_variable_the_engine_reads_is_documented():
+    source = read(SCRIPT)
+    names = set(re.findall(r"""os\.(?:environ(?:\.get)?|getenv)\s*[(\[]\s*["']([A-Z_][A-Z0-9_]*)""",
+                           source))
+    assert {"FABLIZE_DIR", "FABLIZE_LOCK_TIMEOUT", "GITHUB_STEP_SUMMARY"} <= names
+    table = section(read(README), "## Environment variables")
+    missing = sorted(n for n in names if f"`{n}`" not in table)
+    assert not missing, f"environment variables missing from README: {missing}"
+
+
+def test_readme_names_every_ledger_event_status_and_state_file():
+    text = read(README)
+    files = section(text, "## Files")
+    for event in goals.TRANSITIONS:
+        assert f"`{event}`" in files, f"ledger event {event!r} missing from README"
+    for field in ("seq", "ts", "event", "prev", "ledger", "digest"):
+        assert f"`{field}`" in files, f"{field!r} missing from README's ledger/snapshot format"
+    for name in (goals.SNAPSHOT, goals.LEDGER, goals.LOCK, goals.RUNS, goals.ARCHIVE):
+        assert f"`{name}" in files, f"state file {name!r} missing from README's Files"
+    for status in goals.STATUSES:
+        assert f"`{goals.MARKS[status]} {status}`" in text or f"`{status}`" in text, status
+        if status != "accepted":
+            assert f"`{goals.MARKS[status]} {status}`" in text, f"mark of {status!r} not shown"
+
+
+def test_readme_documents_the_make_targets_and_the_version():
+    text = read(README)
+    makefile = read(ROOT / "Makefile")
+    for target in ("demo", "test"):
+        assert f"`make {target}`" in text
+        assert re.search(r"^%s:" % target, makefile, re.M), f"Makefile has no `{target}` target"
+    assert "scripts/demo.sh" in text and "scripts/demo.sh" in makefile
+    assert "vermin" in text and "vermin" in makefile
+    assert f"`fablize {goals.__version__}`" in text
+
+
+def test_plugin_manifest_version_is_the_engine_version():
+    manifest = json.loads(read(ROOT / ".claude-plugin" / "plugin.json"))
+    assert manifest["version"] == goals.__version__
+
+
+# Recipes that must work as printed ##########################################
+
+
+def readme_settings():
+    for block in fenced_blocks(read(README), "json"):
+        try:
+            data = json.loads(block)
+        except ValueError:
+            continue
+        if isinstance(data, dict) and "hooks" in data:
+            return data["hooks"]
+    pytest.fail("README has no settings.json snippet with hooks")
+
+
+def hook_commands(hooks, event):
+    return [h["command"] for group in hooks[event] for h in group["hooks"]]
+
+
+def test_readme_hooks_snippet_matches_the_plugin_hooks():
+    readme = readme_settings()
+    plugin = json.loads(read(ROOT / "hooks" / "hooks.json"))["hooks"]
+    assert set(readme) == set(plugin) == {"Stop", "SessionStart"}
+    for event in plugin:
+        assert [g.get("matcher") for g in readme[event]] == [g.get("matcher") for g in plugin[event]]
+        args = [[c.split('goals.py"', 1)[1].strip() for c in hook_commands(h, event)]
+                for h in (readme, plugin)]
+        assert args[0] == args[1], f"{event}: README runs {args[0]}, the plugin {args[1]}"
+
+
+def run_hook(command, cwd, payload=""):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("FABLIZE_") and k != "GITHUB_STEP_SUMMARY"}
+    env["CLAUDE_PROJECT_DIR"] = str(ROOT)
+    return subprocess.run(["bash", "-c", command], cwd=str(cwd), env=env, input=payload,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_readme_hooks_snippet_blocks_a_stop_with_ready_work_and_allows_one_without_a_plan(tmp_path):
+    hooks = readme_settings()
+    stop, = hook_commands(hooks, "Stop")
+    start, = hook_commands(hooks, "SessionStart")
+    empty = tmp_path / "empty"
+    project = tmp_path / "project"
+    for d in (empty, project):
+        (d / ".git").mkdir(parents=True)
+    r = subprocess.run([sys.executable, str(SCRIPT), "create", "--brief", "b", "--goal", "A::a",
+                        "--goal", "V::v"], cwd=str(project), capture_output=True, text=True)
+    assert r.returncode == 0, r
+
+    def payload(cwd):
+        return json.dumps({"session_id": "s", "hook_event_name": "Stop",
+                           "stop_hook_active": False, "cwd": str(cwd)})
+
+    r = run_hook(stop, project, payload(project))
+    assert r.returncode == 0 and json.loads(r.stdout)["decision"] == "block", r
+    assert "G001" in json.loads(r.stdout)["reason"]
+    r = run_hook(start, project)
+    assert r.returncode == 0 and r.stdout.startswith("fablize: 0/2 complete — b"), r
+    for command, stdin in ((stop, payload(empty)), (start, "")):
+        r = run_hook(command, empty, stdin)
+        assert (r.returncode, r.stdout, r.stderr) == (0, "", ""), r
+
+
+def test_readme_ci_recipe_audits_since_the_last_green_head_and_reports():
+    text = read(README)
+    yaml_blocks = fenced_blocks(section(text, "## CI"), "yaml")
+    assert yaml_blocks, "README's CI section has no GitHub Actions job"
+    job = yaml_blocks[0]
+    assert 'goals.py audit --require-complete --since "$LAST_GREEN_HEAD"' in job
+    assert "goals.py report" in job
+    assert "GITHUB_STEP_SUMMARY" in section(text, "## CI")
+    assert "`.fablize/goals.json`" in text and "`.fablize/ledger.jsonl`" in text
+
+
+def test_readme_keeps_the_adversarial_and_benchmark_sections():
+    lines = read(README).split("\n")
+    assert "## What it refuses, what it detects" in lines
+    assert "## Performance" in lines
