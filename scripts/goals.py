@@ -172,6 +172,13 @@ def _escape_table(keep):
 
 _ESCAPE_TEXT = _escape_table("\n\t")
 _ESCAPE_LINE = _escape_table("")
+# json.dumps escapes C0 itself; DEL, C1 and bidi controls become \uXXXX (still valid JSON)
+_ESCAPE_JSON = {c: "\\u%04x" % c for c in _ESCAPE_LINE if c >= 0x7F}
+
+
+def json_text(obj):
+    """One JSON document for a terminal: no raw control character in it."""
+    return json.dumps(obj, ensure_ascii=False).translate(_ESCAPE_JSON)
 
 
 def clean(text):
@@ -609,6 +616,11 @@ def describe_exit(run):
     return f"exit {run.get('exit_code')}"
 
 
+def is_original_snapshot(snap):
+    """A goals.json written by the original goals.py: none of the keys this engine writes."""
+    return not any(key in snap for key in ("digest", "ledger", "plan_id", "schema_version"))
+
+
 def validate_snapshot(plan):
     """A snapshot of the right shape, or exit 3 saying what is wrong."""
     def bad(what):
@@ -1018,9 +1030,10 @@ class Session:
     def load(self):
         """The current plan, or None when there is none. Raises FablizeError(exit 3) on damage."""
         snap = self._read_snapshot()
-        if snap is not None and "digest" not in snap and "ledger" not in snap:
-            return self._import_original(snap)
         fd = self.ledger_fd()
+        if snap is not None and is_original_snapshot(snap):
+            self._refuse_stripped_snapshot(fd)
+            return self._import_original(snap)
         end = self._cut_torn_tail(fd, snap) if fd is not None else 0
         lines = lines_backward(fd, end) if end else iter(())
         snap_seq = snap["ledger"]["seq"] if snap else 0
@@ -1056,6 +1069,24 @@ class Session:
             raise refused("no plan — run `create` first.", "no_plan")
         return plan
 
+    def _refuse_stripped_snapshot(self, fd):
+        """An original-format goals.json beside a hash-chained ledger is a hand edit, not an
+        old plan: importing it would launder whatever it claims."""
+        end = ledger_end(fd)[0] if fd is not None else 0
+        last = next(lines_backward(fd, end), None) if end else None
+        if last is not None and parse_event(last[1]) is not None:
+            raise damaged(f"{SNAPSHOT} lost its ledger position and digest but {LEDGER} is "
+                          "hash-chained: it was edited by hand — run `goals.py audit`; "
+                          "`goals.py rebuild` regenerates it from the ledger.", "snapshot_edited")
+
+    def refuse_original(self):
+        """Reading commands do not import an original plan; they say how to."""
+        snap = self._read_snapshot()
+        if snap is not None and is_original_snapshot(snap):
+            self._refuse_stripped_snapshot(self.ledger_fd())
+            raise damaged(f"{SNAPSHOT} was written by the original goals.py; run `goals.py status` "
+                          "to import it into a hash-chained ledger first.", "legacy")
+
     def _read_snapshot(self):
         raw = read_state_file(self.store.path(SNAPSHOT))
         if raw is None:
@@ -1067,7 +1098,7 @@ class Session:
             raise damaged(f"{SNAPSHOT} is {what} — run `goals.py audit`; `goals.py rebuild` "
                           "regenerates it from the ledger.", "bad_snapshot")
         validate_snapshot(snap)
-        if "digest" in snap or "ledger" in snap:
+        if not is_original_snapshot(snap):
             pos = snap.get("ledger")
             if not (isinstance(pos, dict) and isinstance(pos.get("seq"), int)
                     and isinstance(pos.get("head"), str)):
@@ -1219,8 +1250,7 @@ class Session:
         """A plan written by the original goals.py (no ledger position): keep its files in
         archive/ and start a hash-chained ledger that carries its stories as they are."""
         if not self.exclusive:
-            raise damaged(f"{SNAPSHOT} was written by the original goals.py; run any writing "
-                          "command (e.g. `goals.py status`) to import it first.", "legacy")
+            self.refuse_original()
         old = self.archive()
         stories = []
         for i, g in enumerate(snap["goals"], 1):
@@ -1690,12 +1720,9 @@ def audit_ledger(data, snapshot_raw, since=None, require_independent=False):
             validate_snapshot(snap)
         except ValueError:
             raise damaged(f"{SNAPSHOT} is not valid JSON.", "bad_snapshot")
-        if "digest" in snap and snap["digest"] != canonical_digest(snap):
+        if snap.get("digest") != canonical_digest(snap):
             raise damaged(f"{SNAPSHOT} was changed outside fablize: its digest does not match its "
                           "content.", "snapshot_edited")
-        if "digest" not in snap and "ledger" not in snap:
-            raise damaged(f"{SNAPSHOT} was written by the original goals.py; run `goals.py status` "
-                          "to import it into a hash-chained ledger first.", "legacy")
     snap_seq = snap.get("ledger", {}).get("seq") if isinstance(snap, dict) else None
     snap_view = None
     independence = []
@@ -1987,7 +2014,8 @@ def say_after_checkpoint(ctx, plan, story):
     blocked = [s["id"] for s in left if s["status"] == "blocked"]
     if blocked:
         ctx.say(f"fablize: {len(left)} stories left — {', '.join(blocked)} blocked: what depends on "
-                "it waits for a human decision.")
+                f"it waits for a human decision: {ctx.prog} decide --id {blocked[0]} "
+                "accept|retry|amend --note \"…\"")
     elif active_stories(plan) or pick_ready(plan):
         ctx.say(f"fablize: {len(left)} stories left — continue with `next`.")
     else:
@@ -2147,6 +2175,7 @@ def cmd_add(ctx, a):
 
 def cmd_audit(ctx, a):
     with open_plan(ctx, exclusive=False) as s:
+        s.refuse_original()
         data = s.store.ledger_bytes()
         snapshot = read_state_file(s.store.path(SNAPSHOT))
     report = audit_ledger(data, snapshot, a.since, a.require_independent_judge)
@@ -2207,6 +2236,7 @@ def check_run_logs(store, data):
 
 def cmd_rebuild(ctx, a):
     with open_plan(ctx) as s:
+        s.refuse_original()
         fd = s.ledger_fd()
         if fd is None:
             raise refused("no plan — run `create` first.", "no_plan")
@@ -2226,6 +2256,7 @@ def cmd_rebuild(ctx, a):
 
 def cmd_log(ctx, a):
     with open_plan(ctx, exclusive=False) as s:
+        s.refuse_original()
         data = s.store.ledger_bytes()
     events = []
     for lineno, line in enumerate(data.split(b"\n")[:-1], 1):
@@ -2562,7 +2593,7 @@ class Context:
         """Hook output: exactly this object (or nothing), whatever --json says."""
         self.out.raw = True
         if obj is not None:
-            sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
+            sys.stdout.write(json_text(obj) + "\n")
 
 
 def quote_path(path):
@@ -2816,7 +2847,7 @@ def main(argv=None):
             obj["warnings"] = out.warnings
         if error is not None:
             obj["error"] = {"code": error.code, "message": error.message, "exit": code}
-        sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
+        sys.stdout.write(json_text(obj) + "\n")
     elif error is not None:
         sys.stderr.write("fablize: " + one_line(error.message) + "\n")
     try:

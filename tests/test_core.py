@@ -1,0 +1,919 @@
+"""The foundation rules (issue 2): invariants, resume, blank text, honest completion,
+state discovery, `create --force`, `--json`, escaping, damaged snapshots, symlinks,
+huge and binary evidence, --version/--help. Mostly in-process through `fab`."""
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import SCRIPT, complete, ledger, make_plan, run_cli, state_files
+
+import goals
+
+STORY_ROW = re.compile(r"^  (\S) (G\d{3}) \[(\w+)\] (.*)$")
+GATE = ("the final story cannot complete without --verify-cmd and --verify-evidence "
+        "(verification gate).")
+RAW_CONTROLS = ("\x1b", "\r", "\x07", "\x00", "\x7f", "\x9b", "\u202e")
+
+
+def rows(out):
+    return [m.groups() for m in map(STORY_ROW.match, out.splitlines()) if m]
+
+
+def refused(fab, args, code, message, exit_code=1):
+    """Run a command that must be refused: exit code, message on stderr, nothing written."""
+    before = state_files(fab.dir)
+    r = fab(*args)
+    assert r.code == exit_code, r
+    assert message in r.err, r
+    assert r.err.startswith("fablize: "), r
+    assert state_files(fab.dir) == before, "a refused command changed the state files"
+    r_json = fab(*args, "--json")
+    assert r_json.code == exit_code, r_json
+    assert r_json.json["error"]["code"] == code, r_json
+    assert state_files(fab.dir) == before, "a refused command (--json) changed the state files"
+    return r
+
+
+def start(fab, sid):
+    r = fab("next")
+    assert r.code == 0 and f"handoff — {sid} " in r.out, r
+    return r
+
+
+# Invariants ##################################################################
+
+
+@pytest.mark.parametrize("sid, status_word", [("G002", "pending"), ("G003", "pending")])
+def test_checkpoint_refuses_a_story_that_next_did_not_activate(fab, sid, status_word):
+    make_plan(fab, 3)
+    refused(fab, ["checkpoint", "--id", sid, "--status", "complete", "--evidence", "e"],
+            "not_active", f"{sid} is not active ({status_word}) — activate it with `next` first.")
+    start(fab, "G001")
+    for status in ("complete", "failed", "blocked"):
+        refused(fab, ["checkpoint", "--id", sid, "--status", status, "--evidence", "e"],
+                "not_active", f"{sid} is not active ({status_word})")
+
+
+def test_checkpoint_refuses_a_story_that_is_already_complete(fab):
+    make_plan(fab, 3)
+    complete(fab, "G001")
+    refused(fab, ["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "again"],
+            "not_active", "G001 is not active (complete) — activate it with `next` first.")
+    refused(fab, ["checkpoint", "--id", "G001", "--status", "failed", "--evidence", "undo"],
+            "not_active", "G001 is not active (complete)")
+
+
+def test_checkpoint_refuses_an_unknown_story(fab):
+    make_plan(fab, 2)
+    start(fab, "G001")
+    refused(fab, ["checkpoint", "--id", "G009", "--status", "complete", "--evidence", "e"],
+            "not_found", "G009 not found.")
+    refused(fab, ["checkpoint", "--id", "g001", "--status", "complete", "--evidence", "e"],
+            "not_found", "g001 not found.")
+
+
+@pytest.mark.parametrize("evidence", [None, "", " ", "\t\n  \r\n"])
+def test_complete_refuses_missing_or_blank_evidence(fab, evidence):
+    make_plan(fab, 3)
+    start(fab, "G001")
+    args = ["checkpoint", "--id", "G001", "--status", "complete"]
+    if evidence is not None:
+        args += ["--evidence", evidence]
+    refused(fab, args, "no_evidence", "a complete checkpoint requires non-empty --evidence.")
+    assert fab("status", "--json").json["stories"][0]["status"] == "in_progress"
+
+
+@pytest.mark.parametrize("extra", [
+    [],
+    ["--verify-cmd", "pytest -q"],
+    ["--verify-evidence", "12 passed"],
+    ["--verify-cmd", "   ", "--verify-evidence", "12 passed"],
+    ["--verify-cmd", "pytest -q", "--verify-evidence", "\n\t "],
+    ["--verify-cmd", "", "--verify-evidence", ""],
+])
+def test_final_story_refuses_completion_without_verification(fab, extra):
+    make_plan(fab, 2)
+    complete(fab, "G001")
+    start(fab, "G002")
+    refused(fab, ["checkpoint", "--id", "G002", "--status", "complete", "--evidence", "done",
+                  *extra], "verification_gate", GATE)
+    r = fab("checkpoint", "--id", "G002", "--status", "complete", "--evidence", "done",
+            "--verify-cmd", "pytest -q", "--verify-evidence", "12 passed")
+    assert r.code == 0 and "all stories complete ✓" in r.out, r
+
+
+def test_the_verification_gate_applies_only_to_the_final_story(fab):
+    make_plan(fab, 3)
+    start(fab, "G001")
+    r = fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "done")
+    assert r.code == 0, r
+
+
+def test_final_story_evidence_is_still_required_with_verification(fab):
+    make_plan(fab, 1)
+    start(fab, "G001")
+    refused(fab, ["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "  ",
+                  "--verify-cmd", "pytest", "--verify-evidence", "ok"],
+            "no_evidence", "a complete checkpoint requires non-empty --evidence.")
+
+
+def file_stamps(state_dir):
+    """(inode, size, mtime) of every state file: a rewrite with identical bytes still shows."""
+    return {p.name: (p.stat().st_ino, p.stat().st_size, p.stat().st_mtime_ns)
+            for p in Path(state_dir).iterdir() if p.is_file() and p.name != "lock"}
+
+
+def test_next_while_a_story_is_in_progress_reprints_its_handoff_and_writes_nothing(fab):
+    make_plan(fab, 3)
+    first = start(fab, "G001")
+    before = state_files(fab.dir)
+    stamps = file_stamps(fab.dir)
+    for _ in range(3):
+        again = fab("next")
+        assert again.code == 0, again
+        assert again.out.splitlines()[0] == first.out.splitlines()[0] == "=== fablize handoff — G001 S1"
+        assert "Resumed" in again.out and "Resumed" not in first.out
+        assert "On completion: goals.py checkpoint --id G001" in again.out
+        assert state_files(fab.dir) == before
+    j = fab("next", "--json").json
+    assert j["ok"] and j["activated"] is False and j["story"]["id"] == "G001"
+    assert state_files(fab.dir) == before
+    assert file_stamps(fab.dir) == stamps, "the snapshot or ledger was rewritten"
+    assert [e["event"] for e in ledger(fab.dir)] == ["plan_created", "story_started"]
+
+
+def test_status_resumes_a_dead_session_from_the_files(project):
+    assert run_cli("create", "--brief", "b", "--goal", "a::x", "--goal", "b::y", cwd=project).code == 0
+    assert run_cli("next", cwd=project).code == 0
+    r = run_cli("status", cwd=project)        # a new process: only the files remember
+    assert r.code == 0, r
+    assert rows(r.out) == [("▶", "G001", "in_progress", "a"), ("·", "G002", "pending", "b")]
+    assert "finish G001" in r.out
+
+
+# Blank titles and objectives #################################################
+
+
+@pytest.mark.parametrize("goal", ["   ::objective", "title::   ", "::", "\t\n::\n", " :: "])
+def test_titles_and_objectives_empty_after_stripping_are_refused(fab, goal):
+    r = fab("create", "--brief", "b", "--goal", "fine::ok", "--goal", goal)
+    assert r.code == 2, r
+    assert "must not be empty" in r.err and "G002" in r.err, r
+    assert state_files(fab.dir) == {}
+    assert fab("create", "--brief", "b", "--goal", goal, "--json").json["error"]["code"] == \
+        "blank_goal"
+
+
+def test_a_blank_goal_with_force_keeps_the_existing_plan(fab):
+    make_plan(fab, 2)
+    before = state_files(fab.dir)
+    r = fab("create", "--brief", "new", "--goal", " ::x", "--force")
+    assert r.code == 2 and "must not be empty" in r.err, r
+    assert state_files(fab.dir) == before
+    assert not (fab.dir / "archive").exists()
+
+
+@pytest.mark.parametrize("goal", [" ::objective", "title:: \t"])
+def test_add_refuses_a_blank_title_or_objective(fab, goal):
+    make_plan(fab, 2)
+    before = state_files(fab.dir)
+    r = fab("add", "--goal", goal)
+    assert r.code == 2 and "must not be empty" in r.err, r
+    assert state_files(fab.dir) == before
+
+
+# Honest completion: never "all stories complete" unless they are #############
+
+
+def assert_never_all_complete(*results):
+    for r in results:
+        assert "all stories complete" not in r.out + r.err, r
+        assert "all stories done" not in r.out + r.err, r
+
+
+def test_a_blocked_final_story_is_not_reported_as_all_complete(fab):
+    """The original printed "all stories complete ✓" once no story was pending/in progress."""
+    make_plan(fab, 3)
+    complete(fab, "G001")
+    complete(fab, "G002")
+    start(fab, "G003")
+    cp = fab("checkpoint", "--id", "G003", "--status", "blocked", "--evidence", "no test env")
+    assert cp.code == 0, cp
+    assert "G003 → blocked" in cp.out and "decide --id G003" in cp.out, cp
+    nxt = fab("next")
+    assert nxt.code == 1, nxt
+    assert "G003 is blocked (no test env)" in nxt.err
+    assert "decide --id G003 accept|retry|amend" in nxt.err
+    st = fab("status")
+    assert st.code == 0 and "G003 is blocked" in st.out and "decide --id G003" in st.out, st
+    assert_never_all_complete(cp, nxt, st)
+    assert fab("next", "--json").json["error"]["code"] == "halted"
+
+
+def test_a_blocked_story_halts_what_depends_on_it_and_next_names_it(fab):
+    make_plan(fab, 3)
+    start(fab, "G001")
+    cp = fab("checkpoint", "--id", "G001", "--status", "blocked", "--evidence", "API key missing")
+    assert cp.code == 0, cp
+    assert "G001 → blocked" in cp.out and "decide --id G001" in cp.out
+    before = state_files(fab.dir)
+    nxt = fab("next")
+    assert nxt.code == 1 and "G001 is blocked (API key missing)" in nxt.err, nxt
+    assert "decide --id G001" in nxt.err
+    assert state_files(fab.dir) == before
+    assert_never_all_complete(cp, nxt)
+
+
+def test_a_failed_final_story_is_reopened_not_reported_done(fab):
+    make_plan(fab, 2)
+    complete(fab, "G001")
+    start(fab, "G002")
+    cp = fab("checkpoint", "--id", "G002", "--status", "failed", "--evidence", "3 tests fail")
+    assert cp.code == 0 and "G002 → failed" in cp.out and "next" in cp.out, cp
+    nxt = fab("next")
+    assert nxt.code == 0 and nxt.out.startswith("=== fablize handoff — G002 "), nxt
+    assert "3 tests fail" in nxt.out and "round 2" in nxt.out
+    assert_never_all_complete(cp, nxt)
+
+
+def test_a_story_out_of_rounds_is_blocked_and_next_names_the_decision(fab):
+    make_plan(fab, 2, "--rounds", "1")
+    start(fab, "G001")
+    cp = fab("checkpoint", "--id", "G001", "--status", "failed", "--evidence", "nope")
+    assert cp.code == 0 and "G001 → blocked" in cp.out and "decide --id G001" in cp.out, cp
+    nxt = fab("next")
+    assert nxt.code == 1 and "G001 is blocked" in nxt.err and "decide --id G001" in nxt.err, nxt
+    assert_never_all_complete(cp, nxt)
+
+
+def test_checkpoint_of_another_story_names_the_blocked_one(fab):
+    make_plan(fab, 3, "--parallel")
+    start(fab, "G001")
+    assert fab("checkpoint", "--id", "G001", "--status", "blocked", "--evidence", "why").code == 0
+    start(fab, "G002")
+    cp = fab("checkpoint", "--id", "G002", "--status", "complete", "--evidence", "done")
+    assert cp.code == 0, cp
+    assert "G001 blocked" in cp.out
+    assert_never_all_complete(cp)
+
+
+def test_checkpoint_of_another_story_gives_the_decide_command_for_the_blocked_one(fab):
+    make_plan(fab, 3, "--parallel")
+    start(fab, "G001")
+    assert fab("checkpoint", "--id", "G001", "--status", "blocked", "--evidence", "why").code == 0
+    start(fab, "G002")
+    cp = fab("checkpoint", "--id", "G002", "--status", "complete", "--evidence", "done")
+    assert cp.code == 0, cp
+    assert "decide --id G001" in cp.out, cp
+
+
+def test_all_stories_complete_is_said_only_when_every_story_is_complete(fab):
+    make_plan(fab, 3)
+    complete(fab, "G001")
+    r = complete(fab, "G002")
+    assert_never_all_complete(r, fab("status"))
+    r = complete(fab, "G003", final=True)
+    assert r.out.splitlines()[-1] == "fablize: all stories complete ✓"
+    assert fab("status").out.splitlines()[-1] == "fablize: all stories complete ✓"
+    assert fab("next").out == "fablize: all stories complete ✓\n"
+    assert fab("status", "--json").json["complete"] is True
+
+
+def test_a_human_acceptance_is_not_called_complete(fab):
+    make_plan(fab, 2)
+    complete(fab, "G001")
+    start(fab, "G002")
+    fab("checkpoint", "--id", "G002", "--status", "blocked", "--evidence", "no CI here")
+    r = fab("decide", "--id", "G002", "accept", "--note", "verified by hand on staging")
+    assert r.code == 0, r
+    assert "all stories complete" not in r.out
+    assert "all stories done ✓ (G002 accepted by a human decision)" in r.out
+
+
+# State discovery #############################################################
+
+
+def plan_brief(state_dir):
+    return json.loads((Path(state_dir) / "goals.json").read_text(encoding="utf-8"))["brief"]
+
+
+def create_in(fab, brief, *opts):
+    r = fab(*opts, "create", "--brief", brief, "--goal", "a::b")
+    assert r.code == 0, r
+    return r
+
+
+@pytest.mark.parametrize("where", ["before", "after", "equals"])
+def test_dir_option_names_the_state_directory_before_or_after_the_command(fab, where):
+    other = fab.root / "elsewhere" / "state"
+    opts = {"before": ["--dir", str(other)], "equals": [f"--dir={other}"]}.get(where, [])
+    args = [*opts, "create", "--brief", "in other", "--goal", "a::b"]
+    if where == "after":
+        args += ["--dir", str(other)]
+    r = fab(*args)
+    assert r.code == 0, r
+    assert plan_brief(other) == "in other"
+    assert not fab.dir.exists()
+    r = fab("status", "--dir", str(other)) if where == "after" else fab(*opts, "status")
+    assert r.code == 0 and "in other" in r.out, r
+    assert fab("status").code == 1          # the discovered state is untouched
+
+
+def test_fablize_dir_is_the_state_directory_itself(fab, monkeypatch):
+    env_dir = fab.root / "env-state"
+    monkeypatch.setenv("FABLIZE_DIR", str(env_dir))
+    create_in(fab, "from env")
+    assert (env_dir / "goals.json").is_file() and (env_dir / "ledger.jsonl").is_file()
+    assert not (env_dir / ".fablize").exists() and not fab.dir.exists()
+    sub = fab.root / "deep" / "er"
+    sub.mkdir(parents=True)
+    monkeypatch.chdir(sub)
+    assert "from env" in fab("status").out
+    # --dir beats $FABLIZE_DIR
+    explicit = fab.root / "explicit"
+    create_in(fab, "explicit", "--dir", str(explicit))
+    assert plan_brief(explicit) == "explicit" and plan_brief(env_dir) == "from env"
+
+
+def test_a_subdirectory_finds_the_state_at_the_repository_root(fab, monkeypatch):
+    sub = fab.root / "src" / "pkg" / "deep"
+    sub.mkdir(parents=True)
+    monkeypatch.chdir(sub)
+    create_in(fab, "from a subdirectory")       # no state yet: it goes to the repository root
+    assert plan_brief(fab.dir) == "from a subdirectory"
+    assert not (sub / ".fablize").exists()
+    monkeypatch.chdir(fab.root / "src")
+    assert fab("next").code == 0
+    monkeypatch.chdir(sub)
+    assert fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
+               "--verify-cmd", "c", "--verify-evidence", "v").code == 0
+    assert [e["event"] for e in ledger(fab.dir)] == ["plan_created", "story_started", "checkpoint"]
+
+
+def test_the_nearest_state_directory_wins(fab, monkeypatch):
+    create_in(fab, "root plan")
+    inner = fab.root / "pkg"
+    inner.mkdir()
+    create_in(fab, "pkg plan", "--dir", str(inner / ".fablize"))
+    (inner / "src").mkdir()
+    monkeypatch.chdir(inner / "src")
+    assert "pkg plan" in fab("status").out
+    monkeypatch.chdir(fab.root)
+    assert "root plan" in fab("status").out
+
+
+def test_a_git_worktree_has_its_own_state(fab, monkeypatch):
+    create_in(fab, "main checkout")
+    before = state_files(fab.dir)
+    wt = fab.root / "worktrees" / "feature"
+    (wt / "src").mkdir(parents=True)
+    (wt / ".git").write_text("gitdir: ../../.git/worktrees/feature\n")   # a .git FILE
+    monkeypatch.chdir(wt / "src")
+    r = fab("status")
+    assert r.code == 1 and "no plan" in r.err, r
+    create_in(fab, "worktree plan")
+    assert plan_brief(wt / ".fablize") == "worktree plan"
+    assert state_files(fab.dir) == before
+
+
+def test_walking_up_stops_at_the_repository_root(fab, monkeypatch):
+    outer = fab.root / "outer"
+    create_in(fab, "outside the repo", "--dir", str(outer / ".fablize"))
+    before = state_files(outer / ".fablize")
+    repo = outer / "repo"
+    (repo / ".git").mkdir(parents=True)
+    (repo / "sub").mkdir()
+    monkeypatch.chdir(repo / "sub")
+    r = fab("status")
+    assert r.code == 1 and "no plan" in r.err, r
+    create_in(fab, "inside")
+    assert plan_brief(repo / ".fablize") == "inside"
+    assert state_files(outer / ".fablize") == before
+
+
+def test_without_a_repository_the_state_is_in_the_current_directory(fab, monkeypatch,
+                                                                     tmp_path_factory):
+    base = tmp_path_factory.mktemp("norepo")
+    for d in [base, *base.parents]:
+        if (d / ".git").exists() or (d / ".fablize").exists():
+            pytest.skip(f"{d} holds .git or .fablize: no repository-free directory here")
+    cwd = base / "a" / "b"
+    cwd.mkdir(parents=True)
+    monkeypatch.chdir(cwd)
+    create_in(fab, "no repo")
+    assert plan_brief(cwd / ".fablize") == "no repo"
+    assert not (base / ".fablize").exists() and not (base / "a" / ".fablize").exists()
+
+
+# create --force loses nothing ###############################################
+
+
+def test_create_force_archives_the_old_plan_whole(fab):
+    make_plan(fab, 3)
+    complete(fab, "G001")
+    start(fab, "G002")
+    old_snap = (fab.dir / "goals.json").read_bytes()
+    old_ledger = (fab.dir / "ledger.jsonl").read_bytes()
+    old_id = json.loads(old_snap)["plan_id"]
+    r = fab("create", "--brief", "second", "--goal", "x::y", "--force")
+    assert r.code == 0, r
+    kept = fab.dir / "archive" / old_id
+    assert (kept / "goals.json").read_bytes() == old_snap
+    assert (kept / "ledger.jsonl").read_bytes() == old_ledger
+    assert old_id in r.out
+    events = ledger(fab.dir)
+    assert len(events) == 1 and events[0]["event"] == "plan_created"
+    assert events[0]["seq"] == 1 and events[0]["prev"] == "0" * 64
+    replaces = events[0]["replaces"]
+    assert replaces["plan_id"] == old_id
+    assert replaces["head"] == hashlib.sha256(old_ledger.rstrip(b"\n").split(b"\n")[-1]).hexdigest()
+    assert plan_brief(fab.dir) == "second"
+    assert fab("audit").code == 0
+
+
+def test_create_force_twice_keeps_both_old_plans(fab):
+    make_plan(fab, 2)
+    first = (fab.dir / "ledger.jsonl").read_bytes()
+    assert fab("create", "--brief", "second", "--goal", "a::b", "--force").code == 0
+    second = (fab.dir / "ledger.jsonl").read_bytes()
+    assert fab("create", "--brief", "third", "--goal", "a::b", "--force").code == 0
+    kept = sorted((fab.dir / "archive").iterdir())
+    assert len(kept) == 2
+    assert sorted((k / "ledger.jsonl").read_bytes() for k in kept) == sorted([first, second])
+    third = ledger(fab.dir)[0]
+    assert third["replaces"]["head"] == hashlib.sha256(second.rstrip(b"\n")).hexdigest()
+
+
+# --json on every command #####################################################
+
+
+def check_json(r, ok):
+    """stdout is exactly one JSON object with schema_version 1; errors carry code and exit."""
+    assert r.out.endswith("\n") and r.out.count("\n") == 1, r
+    obj = json.loads(r.out)
+    assert isinstance(obj, dict), r
+    assert obj["schema_version"] == 1 and obj["ok"] is ok, r
+    if ok:
+        assert r.code == 0 and "error" not in obj, r
+    else:
+        err = obj["error"]
+        assert isinstance(err["code"], str) and re.fullmatch(r"[a-z_]+", err["code"]), r
+        assert isinstance(err["message"], str) and err["message"], r
+        assert err["exit"] == r.code != 0, r
+    return obj
+
+
+def judged_plan(fab):
+    """G001 judged and in review (waiting for a verdict), G002 the final story."""
+    r = fab("create", "--brief", "b", "--goal", "a::x", "--goal", "b::y", "--judge", "G001")
+    assert r.code == 0, r
+    start(fab, "G001")
+    r = fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
+            "--agent", "worker")
+    assert r.code == 0 and "review" in r.out, r
+
+
+def blocked_plan(fab):
+    make_plan(fab, 2)
+    start(fab, "G001")
+    assert fab("checkpoint", "--id", "G001", "--status", "blocked", "--evidence", "why").code == 0
+
+
+def plan2(fab):
+    make_plan(fab, 2)
+
+
+def active_plan(fab):
+    make_plan(fab, 2)
+    start(fab, "G001")
+
+
+def nothing(fab):
+    pass
+
+
+def edited_ledger(fab):
+    make_plan(fab, 2)
+    start(fab, "G001")
+    path = fab.dir / "ledger.jsonl"
+    path.write_bytes(path.read_bytes().replace(b'"brief":"test plan"', b'"brief":"test plaN"', 1))
+
+
+# command -> (setup, success args, setup for the failure, failure args, error code, exit)
+JSON_CASES = {
+    "create": (nothing, ["create", "--brief", "b", "--goal", "a::b"],
+               plan2, ["create", "--brief", "b", "--goal", "a::b"], "plan_exists", 1),
+    "next": (plan2, ["next"], nothing, ["next"], "no_plan", 1),
+    "checkpoint": (active_plan, ["checkpoint", "--id", "G001", "--status", "complete",
+                                 "--evidence", "e"],
+                   active_plan, ["checkpoint", "--id", "G001", "--status", "complete"],
+                   "no_evidence", 1),
+    "status": (plan2, ["status"], nothing, ["status"], "no_plan", 1),
+    "verify": (plan2, ["verify", "--id", "G001", "--verify-cmd", "exit 0"],
+               plan2, ["verify", "--id", "G001"], "no_checks", 1),
+    "decide": (blocked_plan, ["decide", "--id", "G001", "retry", "--note", "try again"],
+               plan2, ["decide", "--id", "G001", "retry", "--note", "n"], "not_decidable", 1),
+    "add": (plan2, ["add", "--goal", "extra::more"], plan2, ["add", "--goal", "::"],
+            "blank_goal", 2),
+    "audit": (plan2, ["audit"], edited_ledger, ["audit"], "broken_chain", 3),
+    "rebuild": (plan2, ["rebuild"], nothing, ["rebuild"], "no_plan", 1),
+    "log": (plan2, ["log"], nothing, ["log"], "no_plan", 1),
+    "report": (plan2, ["report"], nothing, ["report"], "no_plan", 1),
+    "judge-packet": (judged_plan, ["judge-packet", "--id", "G001"],
+                     plan2, ["judge-packet", "--id", "G404"], "not_found", 1),
+    "verdict": (judged_plan, ["verdict", "--id", "G001", "achieved", "--evidence", "seen",
+                              "--agent", "judge"],
+                plan2, ["verdict", "--id", "G001", "achieved", "--evidence", "e",
+                        "--agent", "judge"], "not_in_review", 1),
+    "install-block": (nothing, ["install-block", "AGENTS.md"],
+                      lambda fab: (fab.root / "AGENTS.md").symlink_to(fab.root / "target.md"),
+                      ["install-block", "AGENTS.md"], "symlink", 1),
+}
+
+
+def test_json_cases_cover_every_command_but_the_hook():
+    assert set(JSON_CASES) == set(goals.COMMANDS) - {"guard"}
+
+
+@pytest.mark.parametrize("position", ["after", "before"])
+@pytest.mark.parametrize("command", sorted(JSON_CASES))
+def test_json_success_prints_exactly_one_object(fab, command, position):
+    setup, args, *_ = JSON_CASES[command]
+    setup(fab)
+    argv = [*args, "--json"] if position == "after" else ["--json", *args]
+    obj = check_json(fab(*argv), ok=True)
+    assert obj["command"] == command
+
+
+@pytest.mark.parametrize("command", sorted(JSON_CASES))
+def test_json_failure_carries_a_stable_code_and_the_exit_code(fab, command):
+    _, _, setup, args, code, exit_code = JSON_CASES[command]
+    setup(fab)
+    before = state_files(fab.dir)
+    r = fab(*args, "--json")
+    obj = check_json(r, ok=False)
+    assert (obj["error"]["code"], r.code) == (code, exit_code), r
+    assert obj["command"] == command
+    assert state_files(fab.dir) == before
+
+
+@pytest.mark.parametrize("args", [
+    ["checkpoint", "--json"],                       # --id and --status missing
+    ["--json", "frobnicate"],
+    ["--json"],
+    ["create", "--brief", "b", "--goal", "no separator", "--json"],
+])
+def test_json_usage_errors_are_one_object_with_exit_2(fab, args):
+    obj = check_json(fab(*args), ok=False)
+    assert obj["error"]["exit"] == 2
+
+
+def test_json_on_a_damaged_snapshot_is_one_object_with_exit_3(fab):
+    make_plan(fab, 2)
+    (fab.dir / "goals.json").write_bytes(b"{")
+    obj = check_json(fab("status", "--json"), ok=False)
+    assert obj["error"] == {"code": "bad_snapshot", "message": obj["error"]["message"], "exit": 3}
+
+
+# Control characters never reach output raw ###################################
+
+
+def assert_escaped(text):
+    for c in RAW_CONTROLS:
+        assert c not in text, f"raw {c!r} in output: {text!r}"
+
+
+def test_control_characters_in_titles_brief_and_evidence_are_shown_escaped(fab):
+    nasty = "A\x1b[2J\rB\x07C\u202eD\x9bE\x7f"
+    r = fab("create", "--brief", "brief " + nasty, "--goal", f"title {nasty}::objective {nasty}",
+            "--goal", "final::check")
+    assert r.code == 0, r
+    outputs = [r]
+    start_r = fab("next")
+    outputs.append(start_r)
+    assert start_r.out.splitlines()[0] == \
+        "=== fablize handoff — G001 title A\\x1b[2J\\x0dB\\x07C\\u202eD\\x9bE\\x7f"
+    outputs.append(fab("checkpoint", "--id", "G001", "--status", "complete",
+                       "--evidence", f"evidence {nasty}\nsecond line {nasty}"))
+    outputs.append(fab("next"))                 # carries G001's evidence into the handoff
+    outputs += [fab("status"), fab("log"), fab("judge-packet", "--id", "G001"), fab("report"),
+                fab("create", "--brief", "x", "--goal", f"no separator {nasty}", "--force")]
+    for o in outputs:
+        assert_escaped(o.out)
+        assert_escaped(o.err)
+    status = outputs[4].out
+    assert "brief A\\x1b[2J\\x0dB\\x07C\\u202eD\\x9bE\\x7f" in status
+    assert "\\x1b[2J" in outputs[3].out                 # the carried evidence, escaped
+    assert "no separator A\\x1b[2J" in outputs[-1].err
+    # stored exactly as given
+    snap = json.loads((fab.dir / "goals.json").read_text(encoding="utf-8"))
+    assert snap["goals"][0]["title"] == f"title {nasty}"
+    assert snap["goals"][0]["evidence"] == f"evidence {nasty}\nsecond line {nasty}"
+
+
+def test_a_newline_in_a_title_cannot_forge_a_status_row(fab):
+    forged = "real\n  ✓ G002 [complete] forged\nfablize: all stories complete ✓"
+    r = fab("create", "--brief", "b\nfablize: 2/2 complete", "--goal", f"{forged}::x",
+            "--goal", "final::y")
+    assert r.code == 0, r
+    st = fab("status")
+    assert [row[:3] for row in rows(st.out)] == [("·", "G001", "pending"), ("·", "G002", "pending")]
+    assert not any(line.startswith("fablize: all stories") for line in st.out.splitlines())
+    assert st.out.splitlines()[0] == "fablize: 0/2 complete — b\\x0afablize: 2/2 complete"
+    for out in (r.out, fab("next").out, fab("log").out):
+        assert not any(line.startswith("  ✓ G002") or line.startswith("fablize: all stories")
+                       for line in out.splitlines()), out
+
+
+def test_json_output_never_carries_raw_terminal_controls(fab):
+    nasty = "A\u202eB\x9bC\x7fD\u2028E"
+    r = fab("create", "--brief", nasty, "--goal", f"{nasty}::{nasty}", "--json")
+    assert r.code == 0, r
+    for c in ("\u202e", "\x9b", "\x7f", "\u2028"):
+        assert c not in r.out, f"raw {c!r} in --json output"
+    assert json.loads(fab("status", "--json").out)["brief"] == nasty
+
+
+# A damaged goals.json is exit 3, one line, nothing changed ###################
+
+
+def _edit_snapshot(fn):
+    def edit(raw):
+        snap = json.loads(raw)
+        fn(snap)
+        return json.dumps(snap).encode()
+    return edit
+
+
+def _set_status(value):
+    def fn(snap):
+        snap["goals"][0]["status"] = value
+    return fn
+
+
+BAD_SNAPSHOTS = {
+    "empty": lambda raw: b"",
+    "whitespace": lambda raw: b" \n\t\n",
+    "truncated": lambda raw: raw[:len(raw) // 2],
+    "non-utf8": lambda raw: raw.replace(b'"S1"', b'"S\xff\xfe1"'),
+    "json list": lambda raw: b"[" + raw.rstrip() + b"]",
+    "json string": lambda raw: b'"goals"',
+    "goals not a list": _edit_snapshot(lambda s: s.update(goals={"G001": s["goals"][0]})),
+    "goals empty": _edit_snapshot(lambda s: s.update(goals=[])),
+    "story not an object": _edit_snapshot(lambda s: s["goals"].__setitem__(0, "G001")),
+    "status 5": _edit_snapshot(_set_status(5)),
+    "status unknown": _edit_snapshot(_set_status("done")),
+    "title not a string": _edit_snapshot(lambda s: s["goals"][0].update(title=None)),
+    "ledger position missing": _edit_snapshot(lambda s: s.pop("ledger")),
+    "hand edit of a status": _edit_snapshot(_set_status("complete")),
+    "hand edit of evidence": _edit_snapshot(lambda s: s["goals"][0].update(evidence="forged")),
+}
+
+COMMANDS_ON_PLAN = [
+    ["status"], ["next"], ["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e"],
+    ["add", "--goal", "x::y"], ["report"], ["judge-packet", "--id", "G001"],
+    ["decide", "--id", "G001", "retry", "--note", "n"], ["audit"],
+]
+
+
+@pytest.mark.parametrize("damage", sorted(BAD_SNAPSHOTS))
+def test_a_damaged_snapshot_is_refused_with_exit_3_and_changes_nothing(fab, damage):
+    make_plan(fab, 2)
+    path = fab.dir / "goals.json"
+    path.write_bytes(BAD_SNAPSHOTS[damage](path.read_bytes()))
+    before = state_files(fab.dir)
+    for args in COMMANDS_ON_PLAN:
+        r = fab(*args)
+        assert r.code == 3, (args, r)
+        assert r.err.startswith("fablize: ") and r.err.count("\n") == 1, (args, r)
+        assert "Traceback" not in r.err and r.out == "", (args, r)
+        assert state_files(fab.dir) == before, args
+
+
+def test_a_hand_edited_status_names_the_digest_and_the_way_out(fab):
+    make_plan(fab, 2)
+    path = fab.dir / "goals.json"
+    path.write_bytes(path.read_bytes().replace(b'"status":"pending"', b'"status":"complete"', 1))
+    r = fab("status")
+    assert r.code == 3 and "goals.json" in r.err and "digest" in r.err and "audit" in r.err, r
+    assert fab("status", "--json").json["error"]["code"] == "snapshot_edited"
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "non-utf8", "hand edit of a status"])
+def test_a_damaged_snapshot_gives_no_traceback_in_the_real_process(project, damage):
+    assert run_cli("create", "--brief", "b", "--goal", "S1::x", "--goal", "S2::y",
+                   cwd=project).code == 0
+    path = project / ".fablize" / "goals.json"
+    path.write_bytes(BAD_SNAPSHOTS[damage](path.read_bytes()))
+    before = state_files(project / ".fablize")
+    r = run_cli("next", cwd=project)
+    assert r.code == 3, r
+    assert r.err.startswith("fablize: ") and r.err.count("\n") == 1 and "Traceback" not in r.err, r
+    assert state_files(project / ".fablize") == before
+
+
+def test_a_snapshot_stripped_of_its_digest_beside_a_chained_ledger_is_tampering(fab):
+    make_plan(fab, 2)
+    path = fab.dir / "goals.json"
+    snap = json.loads(path.read_bytes())
+    del snap["digest"], snap["ledger"]
+    for g in snap["goals"]:
+        g.update(status="complete", evidence="forged")
+    path.write_text(json.dumps(snap))
+    before = state_files(fab.dir)
+    r = fab("status")
+    assert "all stories complete" not in r.out
+    assert r.code == 3, r
+    assert state_files(fab.dir) == before
+    assert fab("audit", "--require-complete").code != 0
+
+
+# Symlinks in the state directory ##############################################
+
+
+def plant_symlink(fab, name, outside, dangling):
+    target = fab.root / outside
+    if not dangling:
+        target.write_bytes(b"precious bytes outside .fablize\n")
+    link = fab.dir / name
+    if link.exists() or link.is_symlink():
+        if not dangling:  # keep the real content in the outside file, like a planted link would
+            target.write_bytes(link.read_bytes())
+        link.unlink()
+    link.symlink_to(target)
+    return target
+
+
+def outside_files(fab):
+    return {str(p.relative_to(fab.root)): p.read_bytes() for p in fab.root.rglob("*")
+            if p.is_file() and ".fablize" not in p.parts and ".git" not in p.parts}
+
+
+SYMLINK_COMMANDS = [
+    ["status"], ["next"], ["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e"],
+    ["create", "--brief", "new", "--goal", "a::b", "--force"], ["audit"], ["log"],
+]
+
+
+@pytest.mark.parametrize("dangling", [False, True], ids=["to-a-file", "dangling"])
+@pytest.mark.parametrize("name", ["goals.json", "ledger.jsonl", "lock"])
+def test_a_symlinked_state_file_is_refused_and_its_target_untouched(fab, name, dangling):
+    make_plan(fab, 2)
+    start(fab, "G001")
+    target = plant_symlink(fab, name, "outside.txt", dangling)
+    before_out = outside_files(fab)
+    before = state_files(fab.dir)
+    for args in SYMLINK_COMMANDS:
+        if args[0] == "log" and name == "goals.json":
+            continue  # log reads the ledger only
+        r = fab(*args)
+        assert r.code == 3, (args, r)
+        assert "is a symlink — refusing" in r.err and r.err.count("\n") == 1, (args, r)
+        assert outside_files(fab) == before_out, args
+        assert state_files(fab.dir) == before, args
+        assert target.exists() is not dangling
+    assert fab("status", "--json").json["error"]["code"] == "symlink"
+
+
+def test_a_symlinked_broken_file_is_refused_when_a_torn_tail_is_moved_aside(fab):
+    make_plan(fab, 2)
+    ledger_path = fab.dir / "ledger.jsonl"
+    with open(ledger_path, "ab") as f:
+        f.write(b'{"seq":2,"ts":"x"')            # a torn last line
+    target = plant_symlink(fab, "ledger.jsonl.broken", "outside.txt", dangling=True)
+    before = state_files(fab.dir)
+    r = fab("next")
+    assert r.code == 3 and "is a symlink — refusing" in r.err, r
+    assert not target.exists()
+    assert state_files(fab.dir) == before
+
+
+@pytest.mark.parametrize("subdir, args", [
+    ("archive", ["create", "--brief", "new", "--goal", "a::b", "--force"]),
+    ("runs", ["verify", "--id", "G001", "--verify-cmd", "exit 0"]),
+])
+def test_a_symlinked_state_subdirectory_is_refused(fab, subdir, args):
+    make_plan(fab, 2)
+    outside = fab.root / "outside-dir"
+    outside.mkdir()
+    (fab.dir / subdir).symlink_to(outside)
+    before = state_files(fab.dir)
+    r = fab(*args)
+    assert r.code == 3 and "is a symlink — refusing" in r.err, r
+    assert list(outside.iterdir()) == []
+    assert state_files(fab.dir) == before
+
+
+@pytest.mark.parametrize("args", [["status"], ["next"], ["audit"],
+                                  ["create", "--brief", "b", "--goal", "a::b", "--force"]])
+def test_a_discovered_state_directory_that_is_a_symlink_is_refused(fab, args):
+    real = fab.root / "real-state"
+    create_in(fab, "planted", "--dir", str(real))
+    before = state_files(real)
+    fab.dir.symlink_to(real)
+    r = fab(*args)
+    assert r.code == 3 and "is a symlink — refusing" in r.err, r
+    assert state_files(real) == before
+
+
+def test_nothing_is_written_outside_the_state_directory(fab):
+    before = outside_files(fab)
+    make_plan(fab, 2)
+    complete(fab, "G001")
+    fab("status")
+    fab("audit")
+    complete(fab, "G002", final=True)
+    fab("create", "--brief", "again", "--goal", "a::b", "--force")
+    assert outside_files(fab) == before
+
+
+# Huge and binary evidence #####################################################
+
+
+@pytest.mark.parametrize("option", ["--evidence", "--verify-evidence", "--verify-cmd"])
+def test_five_megabytes_of_evidence_is_refused_as_usage(fab, option):
+    make_plan(fab, 1)
+    start(fab, "G001")
+    args = {"--evidence": "e", "--verify-cmd": "pytest", "--verify-evidence": "ok"}
+    args[option] = "x" * (5 << 20)
+    flat = [x for kv in args.items() for x in kv]
+    before = state_files(fab.dir)
+    r = fab("checkpoint", "--id", "G001", "--status", "complete", *flat)
+    assert r.code == 2, r
+    assert option in r.err and "5,242,880 bytes" in r.err and "limit" in r.err, r
+    assert r.err.count("\n") == 1 and len(r.err) < 500
+    assert state_files(fab.dir) == before
+    assert fab("checkpoint", "--id", "G001", "--status", "complete", *flat, "--json") \
+        .json["error"]["code"] == "too_large"
+    assert state_files(fab.dir) == before
+
+
+def test_a_five_megabyte_brief_or_title_is_refused(fab):
+    big = "y" * (5 << 20)
+    assert fab("create", "--brief", big, "--goal", "a::b").code == 2
+    assert fab("create", "--brief", "b", "--goal", f"{big}::b").code == 2
+    assert state_files(fab.dir) == {}
+
+
+def test_binary_looking_evidence_is_stored_and_shown_escaped(fab):
+    make_plan(fab, 2)
+    start(fab, "G001")
+    evidence = "bin\x00ary \x1b[31mred\x1b[0m bell\x07 cr\r lone\udcff end"
+    r = fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", evidence)
+    assert r.code == 0, r
+    stored = evidence.replace("\udcff", "\ufffd")   # undecodable argv bytes: U+FFFD
+    assert ledger(fab.dir)[-1]["evidence"] == stored
+    snap = json.loads((fab.dir / "goals.json").read_text(encoding="utf-8"))
+    assert snap["goals"][0]["evidence"] == stored
+    shown = [fab("next"), fab("log"), fab("judge-packet", "--id", "G001")]
+    for o in shown:
+        assert o.code == 0, o
+        assert_escaped(o.out + o.err)
+        assert "bin\\x00ary \\x1b[31mred" in o.out, o
+    assert fab("audit").code == 0
+
+
+def test_undecodable_argv_bytes_are_accepted_by_the_real_process(project):
+    assert run_cli("create", "--brief", "b", "--goal", "a::x", "--goal", "b::y", cwd=project).code == 0
+    assert run_cli("next", cwd=project).code == 0
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FABLIZE_")}
+    p = subprocess.run([sys.executable, str(SCRIPT), "checkpoint", "--id", "G001", "--status",
+                        "complete", "--evidence", b"latin1 caf\xe9 \xff\xfe end"],
+                       cwd=str(project), env=env, capture_output=True, timeout=120)
+    assert p.returncode == 0, p
+    assert b"Traceback" not in p.stderr
+    assert ledger(project / ".fablize")[-1]["evidence"] == "latin1 caf\ufffd \ufffd\ufffd end"
+    assert run_cli("audit", cwd=project).code == 0
+
+
+# --version and --help ########################################################
+
+
+def test_version_prints_the_version(fab):
+    r = fab("--version")
+    assert r.code == 0
+    assert r.out.strip() == f"fablize {goals.__version__}"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", goals.__version__)
+
+
+def test_help_lists_every_command(fab):
+    r = fab("--help")
+    assert r.code == 0, r
+    listed = set(re.findall(r"^\s{2,}([a-z][a-z-]+)\b", r.out, re.M))
+    assert set(goals.COMMANDS) <= listed, set(goals.COMMANDS) - listed
+    assert "Exit codes" in r.out
+
+
+@pytest.mark.parametrize("command", sorted(goals.COMMANDS))
+def test_each_command_has_its_own_help(fab, command):
+    r = fab(command, "--help")
+    assert r.code == 0, r
+    assert r.out.startswith(f"usage: goals.py {command}"), r
+    assert "--json" in r.out and "--dir" in r.out
