@@ -1164,14 +1164,21 @@ class Session:
 
     def commit(self, kind, **fields):
         """Append one event (checked by apply_event first) and save the snapshot."""
+        plan, line = self._prepare(kind, fields)
+        self._append(self.ledger_fd(create=True), line)
+        self._settle(plan, line)
+        return self.last
+
+    def _prepare(self, kind, fields):
         plan = self.plan
-        seq = plan["ledger"]["seq"] + 1 if plan else 1
-        record = {"seq": seq, "ts": now_iso(), "event": kind}
+        record = {"seq": plan["ledger"]["seq"] + 1 if plan else 1, "ts": now_iso(), "event": kind}
         record.update(fields)
         record["prev"] = plan["ledger"]["head"] if plan else ZERO_HASH
         plan = apply_event(plan, record)
-        line = dumps(record).encode("utf-8")
-        fd = self.ledger_fd(create=True)
+        self.last = record
+        return plan, dumps(record).encode("utf-8")
+
+    def _append(self, fd, line):
         crash_point("before-ledger-write")
         n = os.write(fd, line + b"\n")  # one write on an O_APPEND descriptor
         if n != len(line) + 1:
@@ -1180,36 +1187,39 @@ class Session:
         crash_point("after-ledger-write")
         os.fsync(fd)
         crash_point("after-ledger-fsync")
-        plan["ledger"] = {"seq": seq, "head": sha256_hex(line)}
+
+    def _settle(self, plan, line):
+        plan["ledger"] = {"seq": self.last["seq"], "head": sha256_hex(line)}
         self.save_snapshot(plan)
         self.plan = plan
-        return record
 
-    def save_snapshot(self, plan):
-        body = snapshot_bytes(plan)
-        target = self.store.path(SNAPSHOT)
-        tmp = f"{target}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
-        fd = open_state_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    def replace_plan(self, fields):
+        """Start a new plan over the current one, which moves whole to archive/<plan id>/.
+        The old plan stays current until the new ledger is durable, so a crash anywhere leaves
+        the old plan or the new one, never none: its files are linked into the archive, the new
+        first event goes to ledger.jsonl.new, and one rename swaps it in."""
+        store = self.store
+        old = self._archive_current()
+        plan, line = self._prepare("plan_created", dict(fields, replaces=old))
+        staged = store.path(LEDGER + ".new")
+        if os.path.lexists(staged):
+            os.unlink(staged)  # left by a crash before its swap: never current
+        fd = open_state_file(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
-            try:
-                write_all(fd, body)
-                crash_point("after-snapshot-temp")
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            crash_point("before-snapshot-replace")
-            os.replace(tmp, target)  # rename last: a crash before it leaves the old snapshot whole
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        crash_point("after-snapshot-replace")
-        fsync_dir(self.store.dir)
+            self._append(fd, line)
+        finally:
+            os.close(fd)
+        self._close_ledger()
+        if os.path.lexists(store.path(SNAPSHOT)):
+            os.unlink(store.path(SNAPSHOT))  # from here a crash rolls the old ledger forward
+        os.replace(staged, store.path(LEDGER))
+        fsync_dir(store.dir)
+        self._settle(plan, line)
+        return old
 
-    def archive(self):
-        """Move the current plan whole to archive/<plan id>/; returns what it archived."""
+    def _archive_current(self):
+        """Copy the current plan into archive/<plan id>/ (hard links: constant time) and move its
+        run logs there; returns what a new plan_created names as the plan it replaces."""
         store = self.store
         raw = read_state_file(store.path(SNAPSHOT))
         try:
@@ -1234,36 +1244,76 @@ class Session:
             n += 1
             dest = store.path(os.path.join(ARCHIVE, f"{plan_id}.{n}"))
         os.mkdir(dest)
-        self._close_ledger()
-        for name in (RUNS, LEDGER + ".broken", SNAPSHOT, LEDGER):
+        for name in (SNAPSHOT, LEDGER):
+            if os.path.lexists(store.path(name)):
+                link_or_copy(store.path(name), os.path.join(dest, name))
+        # the old plan's logs leave before the new plan can write runs/<seq>-<id>.log over them
+        for name in (RUNS, LEDGER + ".broken"):
             if os.path.lexists(store.path(name)):
                 os.replace(store.path(name), os.path.join(dest, name))
-                if name == SNAPSHOT:
-                    crash_point("after-archive-snapshot")
         fsync_dir(dest)
         fsync_dir(store.dir)
+        crash_point("after-archive-snapshot")
         self.plan = None
         return {"plan_id": plan_id, "head": head, "seq": seq,
                 "path": os.path.relpath(dest, store.dir)}
+
+    def save_snapshot(self, plan):
+        body = snapshot_bytes(plan)
+        target = self.store.path(SNAPSHOT)
+        for name in os.listdir(self.store.dir):
+            if name.startswith(SNAPSHOT + ".tmp-"):  # left by a killed writer; we hold the lock
+                os.unlink(self.store.path(name))
+        tmp = f"{target}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
+        fd = open_state_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            try:
+                write_all(fd, body)
+                crash_point("after-snapshot-temp")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            crash_point("before-snapshot-replace")
+            os.replace(tmp, target)  # rename last: a crash before it leaves the old snapshot whole
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        crash_point("after-snapshot-replace")
+        fsync_dir(self.store.dir)
 
     def _import_original(self, snap):
         """A plan written by the original goals.py (no ledger position): keep its files in
         archive/ and start a hash-chained ledger that carries its stories as they are."""
         if not self.exclusive:
             self.refuse_original()
-        old = self.archive()
         stories = []
         for i, g in enumerate(snap["goals"], 1):
             stories.append({"id": story_id(i), "title": g["title"], "objective": g["objective"],
                             "status": g["status"], "evidence": g.get("evidence"),
                             "after": [story_id(i - 1)] if i > 1 else []})
         stories[-1]["after"] = [s["id"] for s in stories[:-1]]
-        self.commit("plan_created", brief=snap["brief"], count=len(stories), plan_id=new_plan_id(),
-                    stories=stories, options={"rounds": DEFAULT_ROUNDS, "require_run": False},
-                    imported_from={"tool": "goals.py (original)", "archive": old["path"]})
+        old = self.replace_plan({
+            "brief": snap["brief"], "count": len(stories), "plan_id": new_plan_id(),
+            "stories": stories, "options": {"rounds": DEFAULT_ROUNDS, "require_run": False},
+            "imported_from": {"tool": "goals.py (original)"}})
         self.out.warn(f"imported the plan written by the original goals.py; its files are kept "
                       f"in {old['path']}.")
         return self.plan
+
+
+def link_or_copy(src, dst):
+    try:
+        os.link(src, dst)
+    except OSError:  # no hard links here (some filesystems): copy, refusing a symlink
+        fd = open_state_file(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            write_all(fd, read_state_file(src) or b"")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def new_plan_id():
@@ -1927,8 +1977,9 @@ def cmd_create(ctx, a):
         if has_plan_files(store):
             if not a.force:
                 raise refused(PLAN_EXISTS, "plan_exists")
-            replaces = s.archive()
-        s.commit("plan_created", **fields, replaces=replaces)
+            replaces = s.replace_plan(fields)
+        else:
+            s.commit("plan_created", **fields, replaces=None)
         plan = s.plan
     ctx.say(f"fablize: plan created — {len(specs)} stories")
     for story in plan["goals"]:

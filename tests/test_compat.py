@@ -295,7 +295,8 @@ def test_status_imports_a_plan_written_by_the_original_and_keeps_its_files(fab):
     assert created["event"] == "plan_created" and created["seq"] == 1
     assert created["prev"] == "0" * 64
     assert created["brief"] == "옛 계획 — old plan" and created["count"] == 3
-    assert created["imported_from"]["archive"] == str(kept.relative_to(fab.dir))
+    assert created["imported_from"]["tool"] == "goals.py (original)"
+    assert created["replaces"]["path"] == str(kept.relative_to(fab.dir))
     snap = json.loads((fab.dir / "goals.json").read_text(encoding="utf-8"))
     assert [(g["status"], g["evidence"]) for g in snap["goals"]] == \
         [("complete", "evidence 1"), ("in_progress", None), ("pending", None)]
