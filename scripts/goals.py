@@ -1080,10 +1080,15 @@ class Session:
                           "`goals.py rebuild` regenerates it from the ledger.", "snapshot_edited")
 
     def refuse_original(self):
-        """Reading commands do not import an original plan; they say how to."""
-        snap = self._read_snapshot()
-        if snap is not None and is_original_snapshot(snap):
-            self._refuse_stripped_snapshot(self.ledger_fd())
+        """Commands that read the ledger itself (audit, log, rebuild) do not import an original
+        plan; they say how to. Any other damage to goals.json is theirs to report or repair."""
+        snap = loose_snapshot(self.store)
+        if snap is None or not is_original_snapshot(snap):
+            return
+        fd = self.ledger_fd()
+        end = ledger_end(fd)[0] if fd is not None else 0
+        last = next(lines_backward(fd, end), None) if end else None
+        if last is None or parse_event(last[1]) is None:
             raise damaged(f"{SNAPSHOT} was written by the original goals.py; run `goals.py status` "
                           "to import it into a hash-chained ledger first.", "legacy")
 
@@ -1126,8 +1131,8 @@ class Session:
             raise damaged(f"{LEDGER}: the last two lines are damaged — run `goals.py audit`.",
                           "bad_line")
         if (prev_ev["seq"] if prev_ev else 0) < snap_seq:
-            raise damaged(f"{LEDGER}: the last line is damaged but {SNAPSHOT} reflects it — run "
-                          "`goals.py audit`.", "bad_line")
+            raise damaged(f"{LEDGER} line {snap_seq}: the last line is damaged but {SNAPSHOT} "
+                          f"reflects event {snap_seq} — run `goals.py audit`.", "bad_line")
         if not self.exclusive:
             self.out.warn(f"{LEDGER} ends with a torn line ({len(torn)} bytes, never "
                           "acknowledged); the next writing command moves it aside.")
@@ -1238,11 +1243,7 @@ class Session:
         plan_id = plan_id if isinstance(plan_id, str) and re.fullmatch(r"[\w.-]+", plan_id) \
             else "unknown-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         ensure_subdir(store.path(ARCHIVE))
-        dest = store.path(os.path.join(ARCHIVE, plan_id))
-        n = 1
-        while os.path.lexists(dest):
-            n += 1
-            dest = store.path(os.path.join(ARCHIVE, f"{plan_id}.{n}"))
+        dest = free_name(store.path(os.path.join(ARCHIVE, plan_id)))
         os.mkdir(dest)
         for name in (SNAPSHOT, LEDGER):
             if os.path.lexists(store.path(name)):
@@ -1302,6 +1303,24 @@ class Session:
         self.out.warn(f"imported the plan written by the original goals.py; its files are kept "
                       f"in {old['path']}.")
         return self.plan
+
+
+def loose_snapshot(store):
+    """goals.json as a dict with a goals list, or None when it is missing or unreadable."""
+    try:
+        snap = json.loads(read_state_file(store.path(SNAPSHOT)) or b"null")
+    except ValueError:
+        return None
+    return snap if isinstance(snap, dict) and isinstance(snap.get("goals"), list) else None
+
+
+def free_name(path):
+    """`path`, or `path.2`, `path.3`, … whichever does not exist yet."""
+    candidate, n = path, 1
+    while os.path.lexists(candidate):
+        n += 1
+        candidate = f"{path}.{n}"
+    return candidate
 
 
 def link_or_copy(src, dst):
@@ -1805,6 +1824,10 @@ def audit_ledger(data, snapshot_raw, since=None, require_independent=False):
             snap_view = json.loads(dumps(plan))
     if plan is None:
         raise refused("no plan — run `create` first.", "no_plan")
+    replaced = events[0].get("replaces") if events and events[0] else None
+    if not since_found and isinstance(replaced, dict) and replaced.get("head") == since_hash \
+            and since_seq in (None, replaced.get("seq")):
+        since_found = True  # the head was the last event of the plan `create --force` archived
     if not since_found:
         where = f"line {since_seq} does not exist" if since_seq else "no line hashes to it"
         raise damaged(f"--since {since_hash[:16]}…: {where} — the ledger was truncated or "
@@ -2291,13 +2314,19 @@ def cmd_rebuild(ctx, a):
         fd = s.ledger_fd()
         if fd is None:
             raise refused("no plan — run `create` first.", "no_plan")
-        s._cut_torn_tail(fd, None)
+        old = loose_snapshot(s.store)
+        position = old.get("ledger") if old else None
+        # a last line the old snapshot reflects was acknowledged: damage, not a torn write
+        reflected = position if isinstance(position, dict) and type(position.get("seq")) is int \
+            else {"seq": 0}
+        s._cut_torn_tail(fd, {"ledger": reflected})
         report = audit_ledger(s.store.ledger_bytes(), None)
         plan = report["plan"]
         target = s.store.path(SNAPSHOT)
         kept = None
         if os.path.lexists(target):
-            kept = f"{SNAPSHOT}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.bak"
+            kept = os.path.basename(free_name(
+                f"{target}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.bak"))
             os.replace(target, s.store.path(kept))
         s.save_snapshot(plan)
     ctx.say(f"fablize: rebuilt {SNAPSHOT} from {report['events']} ledger events"
@@ -2321,6 +2350,8 @@ def cmd_log(ctx, a):
             events.append(ev)
     if not events:
         raise refused("no plan — run `create` first.", "no_plan")
+    if a.id is not None and len(events) == 1:
+        raise refused(f"{a.id} not found.", "not_found")  # only plan_created names no story
     for ev in events:
         ctx.say(format_event(ev))
     ctx.data["events"] = events
@@ -2439,8 +2470,12 @@ def cmd_report(ctx, a):
     text = render_report(plan, runs)
     target = a.out or os.environ.get("GITHUB_STEP_SUMMARY")
     if target:
-        with open(target, "w" if a.out else "a", encoding="utf-8") as f:
-            f.write(text)
+        with open(target, "wb" if a.out else "ab+") as f:
+            if f.seek(0, os.SEEK_END) > 0:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")  # a heading must start its own line
+            f.write(text.encode("utf-8"))
         ctx.say(f"fablize: report written to {target}")
     else:
         ctx.say(text)
@@ -2805,6 +2840,24 @@ COMMANDS = {"create": add_create, "next": add_next, "checkpoint": add_checkpoint
             "audit": add_audit, "rebuild": add_rebuild, "log": add_log, "guard": add_guard,
             "report": add_report, "judge-packet": add_judge_packet, "verdict": add_verdict,
             "install-block": add_install_block}
+# one line each in `goals.py --help`; each command's own --help says more
+SUMMARIES = {
+    "create": "create a plan of sequential stories",
+    "next": "activate the next ready story, print its handoff",
+    "checkpoint": "record a story's result, with evidence",
+    "status": "show the plan and what to do next",
+    "verify": "run a story's frozen checks now",
+    "decide": "a human's call on a blocked story",
+    "add": "add a story before the final one",
+    "audit": "check that the whole ledger can be trusted",
+    "rebuild": "regenerate goals.json from the ledger",
+    "log": "the plan's history, readable",
+    "guard": "Stop hook: no stopping while work is left",
+    "report": "a Markdown summary for a PR or CI job",
+    "judge-packet": "what a judge needs to judge a story",
+    "verdict": "a judge's verdict on a story in review",
+    "install-block": "put the fablize block into CLAUDE.md",
+}
 DIR_HELP = ("state directory (default: $FABLIZE_DIR, else .fablize/ found walking up to the "
             "repository root)")
 JSON_HELP = "print exactly one JSON object to stdout"
@@ -2837,7 +2890,13 @@ def build_parser(only=None):
     common = Parser(add_help=False)
     common.add_argument("--dir", default=argparse.SUPPRESS, metavar="PATH", help=DIR_HELP)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help=JSON_HELP)
-    p = Parser(prog="goals.py", description="fablize goal engine: split a task into stories; "
+    class Formatter(argparse.HelpFormatter):
+        def __init__(self, prog):
+            super().__init__(prog, max_help_position=30)
+            self._action_max_length = 20  # room for `install-block` and its line on one row
+
+    p = Parser(prog="goals.py", formatter_class=Formatter,
+               description="fablize goal engine: split a task into stories; "
                "\"done\" is refused until evidence shows it.",
                epilog="Exit codes: 0 done, 1 refused, 2 usage, 3 damaged state. "
                       "`goals.py COMMAND --help` shows a command's options.")
@@ -2847,8 +2906,8 @@ def build_parser(only=None):
     p.add_argument("--json", action="store_true", default=False, help=JSON_HELP)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=Parser)
 
-    def command(name, func, summary):
-        c = sub.add_parser(name, parents=[common], help=summary, description=summary)
+    def command(name, func, description):
+        c = sub.add_parser(name, parents=[common], help=SUMMARIES[name], description=description)
         c.set_defaults(func=func)
         return c
 
