@@ -838,7 +838,9 @@ class Lock:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_BINARY, 0o644)
         except FileExistsError:
             pid = self._owner_pid()
-            if pid is not None and not pid_alive(pid):
+            if pid is None and self._owner_age() > 5:
+                pid = 0  # created but never written: its creator died between the two steps
+            if pid is not None and (pid == 0 or not pid_alive(pid)):
                 self.out.warn(f"removed a stale lock left by process {pid}, which is no longer running.")
                 try:
                     os.unlink(path)
@@ -860,6 +862,12 @@ class Lock:
             return None
         except FileNotFoundError:
             return None
+
+    def _owner_age(self):
+        try:
+            return time.time() - os.lstat(self.path + ".owner").st_mtime
+        except FileNotFoundError:
+            return 0
 
     def _holder(self):
         if fcntl is None:
