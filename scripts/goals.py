@@ -1360,6 +1360,10 @@ _SHELL_BUILTINS = frozenset(
     "unalias unset until wait while { }".split())
 
 
+_PREFIX_WORDS = frozenset("! { if then elif else while until do exec time command builtin "
+                          "nohup env".split())
+
+
 def unverifiable_reason(cmd, root):
     """Why `cmd` cannot run here (a program not found), or None if it looks runnable."""
     import shlex
@@ -1379,9 +1383,11 @@ def unverifiable_reason(cmd, root):
             continue
         if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", token, re.S):
             continue  # VAR=value before the program
+        if token in _PREFIX_WORDS:
+            continue  # `exec X`, `! X`, `if X`, `{ X; }`, `time X`: X is the program
         expect_program = False
-        if token in _SHELL_BUILTINS:
-            continue
+        if token in _SHELL_BUILTINS or "$" in token or "`" in token:
+            continue  # a builtin, or a program named by a variable: nothing to look up
         if "/" in token:
             path = token if os.path.isabs(token) else os.path.join(root, token)
             if not os.path.exists(path):
@@ -1439,26 +1445,35 @@ def run_check(cmd, cwd, timeout, stream, log_path):
     count = [0]
     log_fd = open_state_file(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    # a child that escaped the process group may keep writing after the run is over: what it
+    # writes then belongs to no run, so the reader drops it once `finished` is set
+    guard = threading.Lock()
+    finished = [False]
 
     def pump(pipe):
-        while True:
-            try:
+        try:
+            while True:
                 chunk = os.read(pipe, READ_CHUNK)
                 if not chunk:
-                    break
-                count[0] += len(chunk)
-                digest.update(chunk)
-                tail.extend(chunk)
-                del tail[:-4 * TAIL_CHARS]
-                write_all(log_fd, chunk)
-            except OSError:  # the log was closed under us: a child kept the pipe open too long
-                break
-            if stream is not None:
-                try:
-                    stream.write(clean(decoder.decode(chunk)))
-                    stream.flush()
-                except (OSError, ValueError):
-                    pass
+                    return
+                with guard:
+                    if finished[0]:
+                        return
+                    count[0] += len(chunk)
+                    digest.update(chunk)
+                    tail.extend(chunk)
+                    del tail[:-4 * TAIL_CHARS]
+                    write_all(log_fd, chunk)
+                    if stream is not None:
+                        try:
+                            stream.write(clean(decoder.decode(chunk)))
+                            stream.flush()
+                        except (OSError, ValueError):
+                            pass
+        except OSError:
+            return
+        finally:
+            os.close(pipe)  # the reader's own descriptor: never reused under another run
 
     started = time.monotonic()
     record = {"cmd": cmd, "cwd": cwd, "exit_code": None, "signal": None, "timed_out": False,
@@ -1472,7 +1487,8 @@ def run_check(cmd, cwd, timeout, stream, log_path):
         record["error"] = str(e)
         proc = None
     if proc is not None:
-        reader = threading.Thread(target=pump, args=(proc.stdout.fileno(),), daemon=True)
+        reader = threading.Thread(target=pump, args=(os.dup(proc.stdout.fileno()),), daemon=True)
+        proc.stdout.close()
         reader.start()
         try:
             code = proc.wait(timeout=timeout)
@@ -1490,6 +1506,8 @@ def run_check(cmd, cwd, timeout, stream, log_path):
             except ValueError:
                 record["signal"] = f"signal {-code}"
         record["exit_code"] = code
+    with guard:
+        finished[0] = True
     os.fsync(log_fd)
     os.close(log_fd)
     text = bytes(tail).decode("utf-8", "replace")
