@@ -199,6 +199,12 @@ _MARKERS = (
 )
 
 
+def defused_line(text):
+    """A title, objective or brief on one line of output: escaped, and unable to pass for an
+    engine marker."""
+    return defuse(one_line(text))
+
+
 def defuse(text):
     """Carried text cannot pass for engine output: markers are rewritten into hyphenated
     forms that a scanner (even one reading a whitespace-stripped view) does not accept."""
@@ -1594,7 +1600,7 @@ def render_map(plan, story):
     for i in range(start, end):
         s = goals[i]
         label = "NOW" if s is story else MAP_LABELS[s["status"]]
-        line = f" {i + 1:>{width}}. [{label:<8}] {s['id']} {one_line(s['title'])}"
+        line = f" {i + 1:>{width}}. [{label:<8}] {s['id']} {defused_line(s['title'])}"
         if s is story:
             line += "   ← you are here"
         elif s["status"] == "in_progress" and s["agent"]:
@@ -1610,7 +1616,7 @@ def render_carried(plan, story):
     lines = []
     for dep_id in story["after"]:
         dep = find_story(plan, dep_id)
-        lines.append(f"## From {dep['id']} — {one_line(dep['title'])} (direct dependency, "
+        lines.append(f"## From {dep['id']} — {defused_line(dep['title'])} (direct dependency, "
                      f"{MAP_LABELS[dep['status']]})")
         if dep["decision"] and dep["status"] == "accepted":
             lines.append("accepted by a human decision: " + defuse(last_chars(dep["decision"]["note"])))
@@ -1640,8 +1646,8 @@ def render_feedback(story):
 
 
 def render_handoff(ctx, plan, story, reshown):
-    lines = [f"=== fablize handoff — {story['id']} {one_line(story['title'])}",
-             f"Objective: {one_line(story['objective'])}"]
+    lines = [f"=== fablize handoff — {story['id']} {defused_line(story['title'])}",
+             f"Objective: {defused_line(story['objective'])}"]
     for a in story["amendments"]:
         lines.append(f"Amended ({a['ts'][:10]}): {one_line(a['note'])}")
     rounds = plan["options"]["rounds"]
@@ -1755,7 +1761,7 @@ def format_event(ev):
     kind, sid = ev.get("event"), ev.get("id", "")
     when = str(ev.get("ts", ""))[:19].replace("T", " ")
     if kind == "plan_created":
-        text = f"plan created — {ev.get('count')} stories: {one_line(ev.get('brief'))}"
+        text = f"plan created — {ev.get('count')} stories: {defused_line(ev.get('brief'))}"
         if ev.get("replaces"):
             text += f" (replaces {ev['replaces'].get('plan_id')}, archived)"
         if ev.get("imported_from"):
@@ -1775,7 +1781,7 @@ def format_event(ev):
         text = f"{sid} decision: {ev.get('decision')} — {one_line(ev.get('note'))}"
     elif kind == "story_added":
         story = ev.get("story", {})
-        text = f"{story.get('id')} added: {one_line(story.get('title'))}"
+        text = f"{story.get('id')} added: {defused_line(story.get('title'))}"
     elif kind == "verdict":
         text = (f"{sid} verdict {ev.get('verdict')} by {one_line(ev.get('agent'))} — "
                 f"{one_line(last_chars(ev.get('evidence'), 200))}")
@@ -2032,7 +2038,7 @@ def cmd_create(ctx, a):
         plan = s.plan
     ctx.say(f"fablize: plan created — {len(specs)} stories")
     for story in plan["goals"]:
-        ctx.say(f"  {story['id']} {one_line(story['title'])}: {one_line(story['objective'])}")
+        ctx.say(f"  {story['id']} {defused_line(story['title'])}: {defused_line(story['objective'])}")
     if replaces:
         ctx.say(f"fablize: the previous plan {replaces['plan_id']} is kept whole in "
                 f"{replaces['path']}/ (head {replaces['head']}).")
@@ -2185,9 +2191,9 @@ def cmd_status(ctx, a):
             return
         raise refused("no plan — run `create` first.", "no_plan")
     done = sum(1 for x in plan["goals"] if x["status"] in DONE)
-    ctx.say(f"fablize: {done}/{len(plan['goals'])} complete — {one_line(plan['brief'])}")
+    ctx.say(f"fablize: {done}/{len(plan['goals'])} complete — {defused_line(plan['brief'])}")
     for story in plan["goals"]:
-        ctx.say(f"  {MARKS[story['status']]} {story['id']} [{story['status']}] {one_line(story['title'])}")
+        ctx.say(f"  {MARKS[story['status']]} {story['id']} [{story['status']}] {defused_line(story['title'])}")
         for detail in status_details(plan, story):
             ctx.say(f"      {detail}")
     for u in plan["unverifiable"]:
@@ -2266,7 +2272,7 @@ def cmd_add(ctx, a):
         s.commit("story_added", story=spec, unverifiable=unverifiable)
         plan = s.plan
     story = find_story(plan, spec["id"])
-    ctx.say(f"fablize: added {story['id']} {one_line(story['title'])} — before the final story "
+    ctx.say(f"fablize: added {story['id']} {defused_line(story['title'])} — before the final story "
             f"{plan['goals'][-1]['id']}" + (f", after {', '.join(story['after'])}"
                                             if story["after"] else ""))
     say_unverifiable(ctx, unverifiable)
@@ -2290,7 +2296,7 @@ def cmd_audit(ctx, a):
     ctx.say(f"fablize: audit ok — {report['events']} events, hash chain intact, every event legal "
             f"when replayed; snapshot {report['snapshot']}.")
     ctx.say(f"  head: {report['head']}   (keep it; `audit --since` proves later history only grew)")
-    ctx.say(f"  plan: {report['done']}/{report['total']} done — {one_line(plan['brief'])}")
+    ctx.say(f"  plan: {report['done']}/{report['total']} done — {defused_line(plan['brief'])}")
     if report["torn_tail_bytes"]:
         ctx.say(f"  torn tail: {report['torn_tail_bytes']} bytes after the last event — a write that "
                 "never completed; the next writing command moves it aside.")
@@ -2407,12 +2413,12 @@ def guard_verdict(ctx, payload):
         cli = ctx.cli
         if active:
             story = active[0]
-            reason = (f"fablize: {story['id']} \"{one_line(story['title'])}\" is still in progress. "
+            reason = (f"fablize: {story['id']} \"{defused_line(story['title'])}\" is still in progress. "
                       f"Finish it, then run: {cli} checkpoint --id {story['id']} --status complete "
                       "--evidence \"<what you did and saw>\" (or --status failed / blocked with "
                       "the reason).")
         else:
-            reason = (f"fablize: the plan is not finished — {ready['id']} \"{one_line(ready['title'])}\""
+            reason = (f"fablize: the plan is not finished — {ready['id']} \"{defused_line(ready['title'])}\""
                       f" is ready. Run: {cli} next")
         reason += f" [guard block {blocks + 1} of at most {limit} in a row]"
         s.commit("guard_block", reason=reason, fresh=not repeat)
@@ -2516,11 +2522,11 @@ def cmd_judge_packet(ctx, a):
         (r for r in reversed(story["runs"]) if r["check"] == i), None)}
         for i, cmd in enumerate(story["checks"])]
     items += [{"kind": "item", "text": text} for text in story["accept"]]
-    lines = [f"=== fablize judge packet — {story['id']} {one_line(story['title'])} "
+    lines = [f"=== fablize judge packet — {story['id']} {defused_line(story['title'])} "
              f"[{story['status']}, round {story['round']}]",
              "You are the judge. You did not do this work: judge the artifact itself, not anyone's "
              "account of it.",
-             f"Objective: {one_line(story['objective'])}"]
+             f"Objective: {defused_line(story['objective'])}"]
     lines += [f"Amended: {one_line(x['note'])}" for x in story["amendments"]]
     lines.append("Checklist — every item must be seen to pass:")
     for n, item in enumerate(items, 1):
@@ -2540,11 +2546,11 @@ def cmd_judge_packet(ctx, a):
             lines.append(f"  event {r['seq']}: {defuse(run_summary(r))} — output tail:")
             lines.append(indent(defuse(last_chars(r["tail"])), "      "))
     sid = story["id"]
-    lines += [
-        "How to judge:",
-        "  - Go to the artifact (files, the running program, its output) and check every item.",
-        "  - An item without evidence you saw yourself is not passed. Ambiguous means not achieved.",
-        "  - Do not fix the work. Answer with exactly one verdict:",
+    instructions = [
+        "Go to the artifact (files, the running program, its output) and check every item.",
+        "An item without evidence you saw yourself is not passed. Ambiguous means not achieved.",
+        "Do not fix the work. Answer with exactly one verdict:"]
+    lines += ["How to judge:"] + [f"  - {x}" for x in instructions] + [
         f"    {ctx.prog} verdict --id {sid} achieved --evidence \"<what you checked and saw>\" --agent <you>",
         f"    {ctx.prog} verdict --id {sid} not-achieved --evidence \"<what is missing, not how to fix "
         "it>\" --agent <you>",
@@ -2555,7 +2561,8 @@ def cmd_judge_packet(ctx, a):
         ctx.say(line)
     ctx.data.update(id=sid, status=story["status"], round=story["round"],
                     objective=story["objective"], amendments=story["amendments"],
-                    checklist=items, evidence=story["evidence"], runs=story["runs"])
+                    checklist=items, evidence=story["evidence"], runs=story["runs"],
+                    instructions=instructions, verdicts=[x.strip() for x in lines[-3:]])
 
 
 def cmd_verdict(ctx, a):
