@@ -151,6 +151,24 @@ def dumps(obj):
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
+def load_json(raw):
+    """json.loads for state we did not just write: nesting too deep for the parser and lone
+    surrogates (which no UTF-8 file or terminal can hold) are ValueErrors like any bad JSON."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested too deeply")
+    if (b"\\ud" in raw or b"\\uD" in raw) if isinstance(raw, bytes) else \
+            ("\\ud" in raw or "\\uD" in raw):
+        try:
+            dumps(value).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("a lone surrogate (\\ud800–\\udfff) in a string")
+        except RecursionError:
+            raise ValueError("nested too deeply")
+    return value
+
+
 def blank(text):
     return not (text and text.strip())
 
@@ -227,7 +245,11 @@ def fix_argv_text(text):
         text.encode("utf-8")
         return text
     except UnicodeEncodeError:
-        return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        try:
+            raw = text.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # a surrogate no byte decoded to (a Windows argv)
+            raw = text.encode("utf-8", "surrogatepass")
+        return raw.decode("utf-8", "replace")
 
 
 def split_assignment(option, value):
@@ -248,6 +270,118 @@ def story_id(number):
 # event) checks that the event is legal and applies it. Commands build events and
 # call it; `audit` and roll-forward replay the ledger through the same function, so
 # a rule enforced at the call is the same rule checked after the fact.
+
+
+# The shapes of the plan, for state read back from disk: a hand-crafted goals.json (even with
+# a recomputed digest) or a chained but forged ledger line must be exit 3, never a traceback
+# three commands later. A spec is a type, a tuple of alternatives, {key: spec} or [item spec].
+_N = type(None)
+_TEXT = (str, _N)
+RUN_SPEC = {"seq": int, "check": (int, _N), "cmd": str, "exit_code": (int, _N), "signal": _TEXT,
+            "timed_out": bool, "error": _TEXT, "duration_s": (int, float, _N), "bytes": (int, _N),
+            "sha256": _TEXT, "tail": _TEXT, "log": _TEXT, "ok": bool}
+NOTE_SPEC = {"note": str, "seq": int, "ts": str}
+STORY_SPEC = {
+    "id": str, "title": str, "objective": str, "status": str, "evidence": _TEXT,
+    "after": [str], "checks": [str], "accept": [str], "judge": bool, "round": int,
+    "round_base": int, "agent": _TEXT, "executor": _TEXT, "started_seq": (int, _N),
+    "started_ts": _TEXT, "verify_cmd": _TEXT, "verify_evidence": _TEXT, "runs": [RUN_SPEC],
+    "last_run": (RUN_SPEC, _N), "amendments": [NOTE_SPEC], "blocked_reason": _TEXT,
+    "feedback": ({"source": str, "round": int, "text": _TEXT,
+                  "runs": [{"cmd": str, "exit": str, "tail": _TEXT}]}, _N),
+    "decision": ({"decision": str, "note": str, "seq": int, "ts": str}, _N),
+    "judged_by": ({"agent": str, "verdict": str, "seq": int}, _N)}
+UNVERIFIABLE_SPEC = [{"id": str, "check": int, "cmd": str, "reason": str}]
+PLAN_SPEC = {"schema_version": int, "plan_id": str, "brief": str, "created": str,
+             "goals": [STORY_SPEC], "options": {"rounds": int, "require_run": bool},
+             "unverifiable": UNVERIFIABLE_SPEC, "replaces": (dict, _N), "guard": {"blocks": int},
+             "ledger": {"seq": int, "head": str}}
+ORIGINAL_SPEC = {"brief": str, "goals": [{"id": str, "title": str, "objective": str,
+                                          "status": str, "evidence": _TEXT}]}
+
+
+def misfit(value, spec, path="", required=True):
+    """Where `value` does not fit `spec` (a path like .goals[2].runs[0].cmd), or None. With
+    `required`, every key of a dict spec must be present (snapshots); events may omit the
+    optional ones."""
+    if type(spec) is dict:
+        if type(value) is not dict:
+            return path
+        for key, sub in spec.items():
+            if required and key not in value:
+                return f"{path}.{key}"
+            found = misfit(value.get(key), sub, f"{path}.{key}", required)
+            if found:
+                return found
+        return None
+    if type(spec) is list:
+        if type(value) is not list:
+            return path
+        for i, item in enumerate(value):
+            found = misfit(item, spec[0], f"{path}[{i}]", required)
+            if found:
+                return found
+        return None
+    if type(spec) is tuple:
+        return None if any(misfit(value, alt, path, required) is None for alt in spec) else path
+    return None if type(value) is spec else path  # exact: a bool is not a round number
+
+
+def compile_spec(spec, required=True):
+    """A spec in the form `fits` checks quickly: plain fields are a set of types, tested
+    inline; only nested ones recurse (every command checks the whole snapshot)."""
+    if type(spec) is dict:
+        plain, nested = [], []
+        keys = tuple(spec) if required else ()
+        for key, sub in spec.items():
+            if type(sub) is type or (type(sub) is tuple and all(type(x) is type for x in sub)):
+                plain.append((key, frozenset(sub if type(sub) is tuple else (sub,))))
+            elif type(sub) is tuple and _N in sub:  # optional: None needs no recursion
+                rest = tuple(x for x in sub if x is not _N)
+                nested.append((key, True, compile_spec(rest[0] if len(rest) == 1 else rest,
+                                                       required)))
+            else:
+                nested.append((key, False, compile_spec(sub, required)))
+        return ("dict", tuple(plain), tuple(nested), keys)
+    if type(spec) is list:
+        return ("list", compile_spec(spec[0], required))
+    if type(spec) is tuple:
+        return ("any", tuple(compile_spec(x, required) for x in spec))
+    return ("type", frozenset((spec,)))
+
+
+def fits(value, compiled):
+    kind = compiled[0]
+    if kind == "dict":
+        if type(value) is not dict:
+            return False
+        for key in compiled[3]:
+            if key not in value:
+                return False
+        get = value.get
+        for key, types in compiled[1]:
+            if type(get(key)) not in types:
+                return False
+        for key, optional, sub in compiled[2]:
+            item = get(key)
+            if not ((optional and item is None) or fits(item, sub)):
+                return False
+        return True
+    if kind == "list":
+        if type(value) is not list:
+            return False
+        sub = compiled[1]
+        for item in value:
+            if not fits(item, sub):
+                return False
+        return True
+    if kind == "any":
+        return any(fits(value, alt) for alt in compiled[1])
+    return type(value) in compiled[1]
+
+
+_PLAN_CHECK = compile_spec(PLAN_SPEC)
+_ORIGINAL_CHECK = compile_spec(ORIGINAL_SPEC)
 
 
 def new_story(spec):
@@ -583,6 +717,26 @@ def _ev_guard_block(plan, ev):
     return plan
 
 
+_SPEC_STORY = {"id": str, "title": str, "objective": str, "after": ([str], _N),
+               "checks": ([str], _N), "accept": ([str], _N), "judge": (bool, _N),
+               "status": _TEXT, "evidence": _TEXT}
+EVENT_SPECS = {
+    "plan_created": {"brief": str, "plan_id": str, "stories": [_SPEC_STORY],
+                     "options": ({"rounds": (int, _N), "require_run": (bool, _N)}, _N),
+                     "unverifiable": (UNVERIFIABLE_SPEC, _N), "replaces": (dict, _N)},
+    "story_started": {"id": str, "agent": _TEXT},
+    "checkpoint": {"id": str, "status": str, "evidence": _TEXT, "verify_cmd": _TEXT,
+                   "verify_evidence": _TEXT, "agent": _TEXT, "run": (bool, _N)},
+    "verify_run": dict({k: v for k, v in RUN_SPEC.items() if k not in ("seq", "ok")},
+                       id=str, after_seq=int),
+    "decision": {"id": str, "decision": str, "note": _TEXT},
+    "story_added": {"story": _SPEC_STORY, "unverifiable": (UNVERIFIABLE_SPEC, _N)},
+    "verdict": {"id": str, "verdict": str, "evidence": _TEXT, "agent": _TEXT},
+    "guard_block": {"reason": _TEXT, "fresh": (bool, _N)},
+}
+_EVENT_CHECKS = {kind: compile_spec(dict(spec, ts=str), required=False)
+                 for kind, spec in EVENT_SPECS.items()}
+
 TRANSITIONS = {
     "plan_created": _ev_plan_created,
     "story_started": _ev_story_started,
@@ -593,6 +747,17 @@ TRANSITIONS = {
     "verdict": _ev_verdict,
     "guard_block": _ev_guard_block,
 }
+
+
+def check_event(ev, lineno):
+    """A ledger line's event has the fields its kind needs, of the right types. The engine's own
+    events always do; this is for lines read back (roll-forward, and audit when the replayed
+    plan turns out malformed: checking every line up front would halve audit's speed)."""
+    kind = ev.get("event")
+    if kind in _EVENT_CHECKS and not fits(ev, _EVENT_CHECKS[kind]):
+        where = misfit(ev, dict(EVENT_SPECS[kind], ts=str), required=False).lstrip(".")
+        raise damaged(f"{LEDGER} line {lineno}: malformed {kind} event ({where} is missing or of "
+                      "the wrong type) — run `goals.py audit`.", "bad_event")
 
 
 def apply_event(plan, ev):
@@ -627,24 +792,25 @@ def is_original_snapshot(snap):
     return not any(key in snap for key in ("digest", "ledger", "plan_id", "schema_version"))
 
 
+
+
 def validate_snapshot(plan):
     """A snapshot of the right shape, or exit 3 saying what is wrong."""
     def bad(what):
         return damaged(f"{SNAPSHOT}: not a fablize snapshot ({what}) — run `goals.py audit`.",
                        "bad_snapshot")
-    if not isinstance(plan, dict):
+    if type(plan) is not dict:
         raise bad("top level is not an object")
-    if not isinstance(plan.get("brief"), str) or not isinstance(plan.get("goals"), list) \
-            or not plan["goals"]:
-        raise bad("brief or goals missing")
+    original = is_original_snapshot(plan)
+    found = None if fits(plan, _ORIGINAL_CHECK if original else _PLAN_CHECK) else \
+        misfit(plan, ORIGINAL_SPEC if original else PLAN_SPEC)
+    if found:
+        raise bad(f"{found.lstrip('.')} is missing or of the wrong type")
+    if not plan["goals"]:
+        raise bad("the plan has no stories")
     for i, story in enumerate(plan["goals"]):
-        if not isinstance(story, dict):
-            raise bad(f"goals[{i}] is not an object")
-        for key in ("id", "title", "objective"):
-            if not isinstance(story.get(key), str):
-                raise bad(f"goals[{i}].{key} is not a string")
-        if story.get("status") not in STATUSES:
-            raise bad(f"goals[{i}].status is {one_line(story.get('status'))!r}")
+        if story["status"] not in STATUSES:
+            raise bad(f"goals[{i}].status is {one_line(story['status'])!r}")
     return plan
 
 
@@ -930,7 +1096,7 @@ def lines_backward(fd, end):
 def parse_event(line):
     """The event on a ledger line, or None when the line is not one."""
     try:
-        ev = json.loads(line)
+        ev = load_json(line)
     except ValueError:
         return None
     if isinstance(ev, dict) and isinstance(ev.get("seq"), int) and isinstance(ev.get("event"), str):
@@ -1111,7 +1277,7 @@ class Session:
         if raw is None:
             return None
         try:
-            snap = json.loads(raw)
+            snap = load_json(raw)
         except ValueError as e:
             what = "empty" if not raw.strip() else f"not valid JSON ({e})"
             raise damaged(f"{SNAPSHOT} is {what} — run `goals.py audit`; `goals.py rebuild` "
@@ -1172,6 +1338,7 @@ class Session:
             if ev["seq"] != seq + 1 or ev.get("prev") != head:
                 raise damaged(f"{LEDGER} line {ev['seq']}: the hash chain is broken — run "
                               "`goals.py audit`.", "broken_chain")
+            check_event(ev, ev["seq"])
             plan = replay_line(plan, ev, ev["seq"])
             seq, head = ev["seq"], sha256_hex(line)
             plan["ledger"] = {"seq": seq, "head": head}
@@ -1242,7 +1409,7 @@ class Session:
         store = self.store
         raw = read_state_file(store.path(SNAPSHOT))
         try:
-            plan_id = json.loads(raw)["plan_id"] if raw else None
+            plan_id = load_json(raw)["plan_id"] if raw else None
         except (ValueError, KeyError, TypeError):
             plan_id = None
         fd = self.ledger_fd()
@@ -1322,7 +1489,7 @@ class Session:
 def loose_snapshot(store):
     """goals.json as a dict with a goals list, or None when it is missing or unreadable."""
     try:
-        snap = json.loads(read_state_file(store.path(SNAPSHOT)) or b"null")
+        snap = load_json(read_state_file(store.path(SNAPSHOT)) or b"null")
     except ValueError:
         return None
     return snap if isinstance(snap, dict) and isinstance(snap.get("goals"), list) else None
@@ -1455,6 +1622,7 @@ def run_check(cmd, cwd, timeout, stream, log_path):
     # writes then belongs to no run, so the reader drops it once `finished` is set
     guard = threading.Lock()
     finished = [False]
+    at_start = [True]
 
     def pump(pipe):
         try:
@@ -1472,7 +1640,9 @@ def run_check(cmd, cwd, timeout, stream, log_path):
                     write_all(log_fd, chunk)
                     if stream is not None:
                         try:
-                            stream.write(clean(decoder.decode(chunk)))
+                            piece, at_start[0] = quote_output(clean(decoder.decode(chunk)),
+                                                              at_start[0])
+                            stream.write(piece)
                             stream.flush()
                         except (OSError, ValueError):
                             pass
@@ -1519,9 +1689,23 @@ def run_check(cmd, cwd, timeout, stream, log_path):
     text = bytes(tail).decode("utf-8", "replace")
     record.update(duration_s=round(time.monotonic() - started, 3), bytes=count[0],
                   sha256=digest.hexdigest(), tail=text[-TAIL_CHARS:])
-    if stream is not None and count[0] and not text.endswith("\n"):
+    if stream is not None and not at_start[0]:
         stream.write("\n")
     return record
+
+
+OUTPUT_BAR = "  │ "
+
+
+def quote_output(text, at_start):
+    """A command's streamed output, every line behind a bar, so that no line it prints can
+    pass for the engine's own; returns the text and whether the next chunk starts a line."""
+    if not text:
+        return "", at_start
+    quoted = (OUTPUT_BAR if at_start else "") + text.replace("\n", "\n" + OUTPUT_BAR)
+    if text.endswith("\n"):
+        return quoted[:-len(OUTPUT_BAR)], True
+    return quoted, False
 
 
 def execute_runs(ctx, store, story_id_, commands, after_seq):
@@ -1567,7 +1751,8 @@ def indent(text, prefix="    "):
 
 
 def run_summary(run):
-    return (f"`{one_line(run['cmd'])}` → {run_result(run)}, sha256 {str(run.get('sha256'))[:16]}…")
+    return (f"`{one_line(run.get('cmd'))}` → {run_result(run)}, "
+            f"sha256 {str(run.get('sha256'))[:16]}…")
 
 
 def run_result(run):
@@ -1817,7 +2002,7 @@ def audit_ledger(data, snapshot_raw, since=None, require_independent=False):
     snap = None
     if snapshot_raw is not None:
         try:
-            snap = json.loads(snapshot_raw)
+            snap = load_json(snapshot_raw)
             validate_snapshot(snap)
         except ValueError:
             raise damaged(f"{SNAPSHOT} is not valid JSON.", "bad_snapshot")
@@ -1855,6 +2040,9 @@ def audit_ledger(data, snapshot_raw, since=None, require_independent=False):
             plan["ledger"] = {"seq": lineno, "head": head}
             snap_view = json.loads(dumps(plan))
     if plan is None:
+        if snap is not None:
+            raise damaged(f"{SNAPSHOT} reflects event {snap_seq} but {LEDGER} is empty or "
+                          "missing.", "disagree")
         raise refused("no plan — run `create` first.", "no_plan")
     replaced = events[0].get("replaces") if events and events[0] else None
     if not since_found and isinstance(replaced, dict) and replaced.get("head") == since_hash \
@@ -1865,6 +2053,11 @@ def audit_ledger(data, snapshot_raw, since=None, require_independent=False):
         raise damaged(f"--since {since_hash[:16]}…: {where} — the ledger was truncated or "
                       "re-written from scratch.", "history_rewritten")
     plan["ledger"] = {"seq": len(lines), "head": head}
+    if not fits(plan, _PLAN_CHECK):
+        for lineno, ev in enumerate(events, 1):
+            check_event(ev, lineno)
+        where = misfit(plan, PLAN_SPEC).lstrip(".")
+        raise damaged(f"the replay of {LEDGER} gives a malformed plan ({where}).", "bad_event")
     report = {"events": len(lines), "head": f"{len(lines)}:{head}", "torn_tail_bytes": len(torn),
               "snapshot": "missing", "plan": plan, "independence": independence}
     if snap is not None:
@@ -1885,7 +2078,7 @@ def parse_events(lines):
     """parse_event for every line; the whole ledger in one json call when it is all well
     formed (JSON strings never hold a raw newline, so the lines join into one array)."""
     try:
-        events = json.loads("[" + b",".join(lines).decode("utf-8") + "]")
+        events = load_json("[" + b",".join(lines).decode("utf-8") + "]")
     except ValueError:
         events = None
     if events is not None and len(events) == len(lines) and all(
@@ -2376,6 +2569,7 @@ def cmd_log(ctx, a):
         if ev is None:
             raise damaged(f"{LEDGER} line {lineno} is not a ledger event — run `goals.py audit`.",
                           "bad_line")
+        check_event(ev, lineno)
         if a.id is None or ev.get("id") == a.id or \
                 (ev["event"] == "story_added" and ev.get("story", {}).get("id") == a.id) or \
                 (ev["event"] == "plan_created" and a.id is not None):
@@ -2438,7 +2632,7 @@ def cmd_guard(ctx, a):
         except (OSError, ValueError, AttributeError):
             raw = b""
     try:
-        payload = json.loads(raw) if raw.strip() else None
+        payload = load_json(raw) if raw.strip() else None
     except ValueError:
         payload = None
     if not isinstance(payload, dict):
@@ -2497,8 +2691,12 @@ def cmd_report(ctx, a):
     with open_plan(ctx, exclusive=False) as s:
         plan = s.require_plan()
         data = s.store.ledger_bytes()
-    runs = [ev for ev in (parse_event(x) for x in data.split(b"\n") if b'"verify_run"' in x)
-            if ev and ev["event"] == "verify_run"]
+    runs = []
+    for lineno, line in enumerate(data.split(b"\n"), 1):
+        ev = parse_event(line) if b'"verify_run"' in line else None
+        if ev and ev["event"] == "verify_run":
+            check_event(ev, lineno)
+            runs.append(ev)
     text = render_report(plan, runs)
     target = a.out or os.environ.get("GITHUB_STEP_SUMMARY")
     if target:
