@@ -2499,6 +2499,9 @@ def cmd_audit(ctx, a):
     if report["independence"]:
         raise refused("audit: a verdict was not given by an independent judge — "
                       + "; ".join(report["independence"]), "judge_not_independent")
+    if a.require_logs and missing_logs:
+        raise refused(f"audit: {missing_logs} verification run log(s) are missing, so those runs "
+                      "cannot be shown to have happened — commit .fablize/runs/.", "missing_logs")
     if a.require_complete and not report["complete"]:
         left = [f"{x['id']} [{x['status']}]" for x in plan["goals"] if x["status"] not in DONE]
         raise refused("audit: trusted but incomplete — " + ", ".join(left), "incomplete")
@@ -3022,6 +3025,8 @@ def add_audit(command):
                    help="exit 3 unless the ledger still holds this earlier head (history only grew)")
     c.add_argument("--require-independent-judge", action="store_true",
                    help="exit 1 unless every verdict came from an agent other than the executor")
+    c.add_argument("--require-logs", action="store_true",
+                   help="exit 1 unless every verification run's log is present (and matches)")
 
 
 def add_rebuild(command):

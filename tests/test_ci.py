@@ -901,3 +901,18 @@ def test_report_user_text_cannot_break_its_tables(fab):
     graph = md.split("```mermaid\n", 1)[1].split("```", 1)[0]
     assert set(re.findall(r"^  (\S+) --> (\S+)$", graph, re.M)) == {("G001", "G002")}
     assert md.count("```") == 2  # the user's backticks open no code block
+
+
+def test_audit_require_logs_refuses_a_run_whose_log_is_missing(fab):
+    make_plan(fab, 1, "--verify", "true")
+    assert fab("next").code == 0
+    assert fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "ok").code == 0
+    assert fab("audit", "--require-logs").code == 0
+    log = next((fab.dir / "runs").glob("*.log"))
+    log.unlink()
+    before = state_files(fab.dir)
+    r = fab("audit", "--require-logs", "--json")
+    assert r.code == 1 and r.json["error"]["code"] == "missing_logs", r
+    assert "1 verification run log(s) are missing" in r.json["error"]["message"]
+    assert state_files(fab.dir) == before
+    assert fab("audit").code == 0  # without the option a missing log is only reported
