@@ -505,7 +505,7 @@ def _ev_plan_created(plan, ev):
         "created": ev["ts"],
         "goals": stories,
         "options": {"rounds": rounds, "require_run": bool(options.get("require_run", False))},
-        "unverifiable": list(ev.get("unverifiable", [])),
+        "unverifiable": list(ev.get("unverifiable") or []),
         "replaces": ev.get("replaces"),
         "guard": {"blocks": 0},
     }
@@ -680,7 +680,7 @@ def _ev_story_added(plan, ev):
     validate_graph(plan["goals"] + [story])
     plan["goals"].insert(len(plan["goals"]) - 1, story)
     final["after"].append(story["id"])
-    plan["unverifiable"].extend(ev.get("unverifiable", []))
+    plan["unverifiable"].extend(ev.get("unverifiable") or [])
     return plan
 
 
