@@ -400,7 +400,7 @@ def new_story(spec):
 
 def find_story(plan, sid):
     goals = plan["goals"]
-    if isinstance(sid, str) and len(sid) > 1 and sid[1:].isdigit():
+    if isinstance(sid, str) and len(sid) > 1 and sid[1:].isascii() and sid[1:].isdigit():
         i = int(sid[1:]) - 1
         if 0 <= i < len(goals) and goals[i]["id"] == sid:
             return goals[i]
@@ -1996,7 +1996,7 @@ def audit_ledger(data, snapshot_raw, since=None, require_independent=False):
         seq_text, _, since_hash = since.rpartition(":")
         since_hash = since_hash.strip().lower()
         if seq_text:
-            if not seq_text.isdigit():
+            if not (seq_text.isascii() and seq_text.isdigit()):
                 raise usage("--since takes HASH or SEQ:HASH (as `audit` prints its head).")
             since_seq = int(seq_text)
     snap = None
@@ -2152,7 +2152,7 @@ def parse_goal(value, number):
 def parse_ids(text, option):
     ids = [part.strip().upper() for part in text.split(",") if part.strip()]
     for sid in ids:
-        if not re.fullmatch(r"G\d{3,}", sid):
+        if not re.fullmatch(r"G[0-9]{3,}", sid):
             raise usage(f"{option}: {one_line(sid)} is not a story id (G001, G002, …).", "bad_id")
     return ids
 
@@ -2624,7 +2624,7 @@ def guard_verdict(ctx, payload):
 
 def guard_limit():
     raw = os.environ.get("FABLIZE_GUARD_MAX", str(DEFAULT_GUARD_MAX))
-    return int(raw) if raw.isdigit() else DEFAULT_GUARD_MAX
+    return int(raw) if raw.isascii() and raw.isdigit() else DEFAULT_GUARD_MAX
 
 
 def cmd_guard(ctx, a):
