@@ -151,15 +151,20 @@ def dumps(obj):
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
-def load_json(raw):
+def has_surrogate_escape(raw):
+    return (b"\\ud" in raw or b"\\uD" in raw) if isinstance(raw, bytes) else \
+        ("\\ud" in raw or "\\uD" in raw)
+
+
+def load_json(raw, surrogates=None):
     """json.loads for state we did not just write: nesting too deep for the parser and lone
-    surrogates (which no UTF-8 file or terminal can hold) are ValueErrors like any bad JSON."""
+    surrogates (which no UTF-8 file or terminal can hold) are ValueErrors like any bad JSON.
+    `surrogates=False` says the caller already knows `raw` has no \\ud… escape."""
     try:
         value = json.loads(raw)
     except RecursionError:
         raise ValueError("nested too deeply")
-    if (b"\\ud" in raw or b"\\uD" in raw) if isinstance(raw, bytes) else \
-            ("\\ud" in raw or "\\uD" in raw):
+    if surrogates if surrogates is not None else has_surrogate_escape(raw):
         try:
             dumps(value).encode("utf-8")
         except UnicodeEncodeError:
@@ -400,10 +405,12 @@ def new_story(spec):
 
 def find_story(plan, sid):
     goals = plan["goals"]
-    if isinstance(sid, str) and len(sid) > 1 and sid[1:].isascii() and sid[1:].isdigit():
-        i = int(sid[1:]) - 1
-        if 0 <= i < len(goals) and goals[i]["id"] == sid:
-            return goals[i]
+    try:  # G007 is usually the 7th story (stories added later sit before the final one)
+        story = goals[int(sid[1:]) - 1]
+        if story["id"] == sid:
+            return story
+    except (ValueError, TypeError, IndexError):
+        pass
     for story in goals:
         if story["id"] == sid:
             return story
@@ -635,7 +642,7 @@ RUN_FIELDS = ("seq", "check", "cmd", "exit_code", "signal", "timed_out", "error"
 def _ev_verify_run(plan, ev):
     story = find_story(plan, ev["id"])
     record = dict(zip(RUN_FIELDS, map(ev.get, RUN_FIELDS)))
-    record["ok"] = run_passed(ev)
+    record["ok"] = run_passed(record)
     story["last_run"] = record
     # fresh evidence only: a run counts for the round in which it started
     if story["status"] == "in_progress" and ev.get("after_seq", -1) >= story["started_seq"]:
@@ -883,8 +890,9 @@ def read_all(fd, start=0, size=None):
     os.lseek(fd, start, os.SEEK_SET)
     chunks = []
     left = size
+    step = max(READ_CHUNK, os.fstat(fd).st_size - start) if size is None else 0
     while left is None or left > 0:
-        chunk = os.read(fd, READ_CHUNK if left is None else min(left, 1 << 24))
+        chunk = os.read(fd, min(step, 1 << 30) if left is None else min(left, 1 << 24))
         if not chunk:
             break
         chunks.append(chunk)
@@ -1986,10 +1994,8 @@ def audit_ledger(data, snapshot_raw, since=None, require_independent=False):
     from hashlib import sha256  # OpenSSL's is several times faster on long ledgers
     lines = data.split(b"\n")
     torn = lines.pop()  # b"" when the ledger ends with a newline
-    events = parse_events(lines)
-    if not torn and events and events[-1] is None:
+    if not torn and lines and parse_event(lines[-1]) is None:
         torn = lines.pop()  # an unparsable last line is a torn write too
-        events.pop()
     plan, head = None, ZERO_HASH
     since_seq, since_hash, since_found = None, None, since is None
     if since is not None:
@@ -2011,9 +2017,9 @@ def audit_ledger(data, snapshot_raw, since=None, require_independent=False):
                           "content.", "snapshot_edited")
     snap_seq = snap.get("ledger", {}).get("seq") if isinstance(snap, dict) else None
     snap_view = None
-    independence = []
-    for lineno, (line, ev) in enumerate(zip(lines, events), 1):
-        if ev is None:
+    independence, run_logs = [], []
+    for lineno, (line, ev) in enumerate(zip(lines, parse_in_chunks(lines, data)), 1):
+        if type(ev) is not dict or type(ev.get("seq")) is not int or type(ev.get("event")) is not str:
             raise damaged(f"{LEDGER} line {lineno}: not a ledger event (unparsable or missing "
                           "seq/event) — damaged or edited.", "bad_line")
         if ev["seq"] != lineno:
@@ -2023,13 +2029,15 @@ def audit_ledger(data, snapshot_raw, since=None, require_independent=False):
             raise damaged(f"{LEDGER} line {lineno}: the hash chain is broken — its prev does not "
                           f"match line {lineno - 1}, so an earlier line was changed, removed or "
                           "reordered.", "broken_chain")
-        if require_independent and ev["event"] == "verdict" and plan is not None:
-            story = find_story(plan, ev.get("id"))
+        plan = replay_line(plan, ev, lineno)
+        if ev["event"] == "verify_run" and type(ev.get("log")) is str:
+            run_logs.append((lineno, ev["log"], ev.get("sha256")))
+        if require_independent and ev["event"] == "verdict":  # a verdict leaves executor as it was
+            story = find_story(plan, ev["id"])
             if story["executor"] is None or story["executor"] == ev.get("agent"):
                 independence.append(f"line {lineno}: {story['id']} judged by "
                                     f"{one_line(ev.get('agent'))}, executor "
                                     f"{one_line(story['executor'] or 'unnamed')}")
-        plan = replay_line(plan, ev, lineno)
         head = sha256(line).hexdigest()
         if since_seq == lineno or (since_seq is None and head == since_hash):
             if head != since_hash:
@@ -2044,7 +2052,8 @@ def audit_ledger(data, snapshot_raw, since=None, require_independent=False):
             raise damaged(f"{SNAPSHOT} reflects event {snap_seq} but {LEDGER} is empty or "
                           "missing.", "disagree")
         raise refused("no plan — run `create` first.", "no_plan")
-    replaced = events[0].get("replaces") if events and events[0] else None
+    first = parse_event(lines[0]) if lines else None
+    replaced = first.get("replaces") if first else None
     if not since_found and isinstance(replaced, dict) and replaced.get("head") == since_hash \
             and since_seq in (None, replaced.get("seq")):
         since_found = True  # the head was the last event of the plan `create --force` archived
@@ -2054,12 +2063,13 @@ def audit_ledger(data, snapshot_raw, since=None, require_independent=False):
                       "re-written from scratch.", "history_rewritten")
     plan["ledger"] = {"seq": len(lines), "head": head}
     if not fits(plan, _PLAN_CHECK):
-        for lineno, ev in enumerate(events, 1):
+        for lineno, ev in enumerate(parse_in_chunks(lines, data), 1):
             check_event(ev, lineno)
         where = misfit(plan, PLAN_SPEC).lstrip(".")
         raise damaged(f"the replay of {LEDGER} gives a malformed plan ({where}).", "bad_event")
     report = {"events": len(lines), "head": f"{len(lines)}:{head}", "torn_tail_bytes": len(torn),
-              "snapshot": "missing", "plan": plan, "independence": independence}
+              "snapshot": "missing", "plan": plan, "independence": independence,
+              "run_logs": run_logs}
     if snap is not None:
         if snap_view is None:
             raise damaged(f"{SNAPSHOT} reflects event {snap_seq}, which the ledger does not "
@@ -2074,17 +2084,23 @@ def audit_ledger(data, snapshot_raw, since=None, require_independent=False):
     return report
 
 
-def parse_events(lines):
+def parse_in_chunks(lines, data, size=4096):
+    """parse_events over a long ledger a slice at a time: memory stays flat and each slice's
+    events are freed as the replay moves on."""
+    surrogates = has_surrogate_escape(data)  # one scan of the whole ledger, not one a slice
+    for start in range(0, len(lines), size):
+        yield from parse_events(lines[start:start + size], surrogates)
+
+
+def parse_events(lines, surrogates=None):
     """parse_event for every line; the whole ledger in one json call when it is all well
     formed (JSON strings never hold a raw newline, so the lines join into one array)."""
     try:
-        events = load_json("[" + b",".join(lines).decode("utf-8") + "]")
+        events = load_json("[" + b",".join(lines).decode("utf-8") + "]", surrogates)
     except ValueError:
         events = None
-    if events is not None and len(events) == len(lines) and all(
-            type(ev) is dict and type(ev.get("seq")) is int and type(ev.get("event")) is str
-            for ev in events):
-        return events
+    if events is not None and len(events) == len(lines):
+        return events  # the replay checks each is an event (cheaper there than a second pass)
     return [parse_event(line) for line in lines]
 
 
@@ -2479,7 +2495,7 @@ def cmd_audit(ctx, a):
         snapshot = read_state_file(s.store.path(SNAPSHOT))
     report = audit_ledger(data, snapshot, a.since, a.require_independent_judge)
     plan = report.pop("plan")
-    missing_logs, bad_logs = check_run_logs(ctx.store, data)
+    missing_logs, bad_logs = check_run_logs(ctx.store, report.pop("run_logs"))
     if bad_logs:
         raise damaged(bad_logs[0], "run_log_mismatch")
     report.update(missing_logs=missing_logs, complete=plan_done(plan),
@@ -2507,32 +2523,26 @@ def cmd_audit(ctx, a):
         raise refused("audit: trusted but incomplete — " + ", ".join(left), "incomplete")
 
 
-def check_run_logs(store, data):
-    """Compare each verify_run's recorded digest with its log file where the file exists."""
+def check_run_logs(store, run_logs):
+    """Compare each run's recorded digest with its log file where the file exists; `run_logs`
+    is audit's list of (line, log path, sha256)."""
     missing, bad = 0, []
-    if b'"verify_run"' not in data:
-        return missing, bad
-    for line in data.split(b"\n"):
-        if b'"event":"verify_run"' not in line:
-            continue
-        ev = parse_event(line)
-        if not ev or not isinstance(ev.get("log"), str):
-            continue
-        path = os.path.join(store.dir, ev["log"])
+    for lineno, log, digest in run_logs:
+        path = os.path.join(store.dir, log)
         if os.path.commonpath([os.path.abspath(path), store.dir]) != store.dir:
-            bad.append(f"{LEDGER} line {ev['seq']}: run log path {one_line(ev['log'])} leaves the "
-                       "state directory.")
+            bad.append(f"{LEDGER} line {lineno}: run log path {one_line(log)} leaves the state "
+                       "directory.")
             continue
         try:
             content = read_state_file(path)
         except FablizeError as e:
-            bad.append(f"{LEDGER} line {ev['seq']}: {e.message}")
+            bad.append(f"{LEDGER} line {lineno}: {e.message}")
             continue
         if content is None:
             missing += 1
-        elif sha256_hex(content) != ev.get("sha256"):
-            bad.append(f"{LEDGER} line {ev['seq']}: {ev['log']} does not match the sha256 recorded "
-                       "for that run — the log was edited or replaced.")
+        elif sha256_hex(content) != digest:
+            bad.append(f"{LEDGER} line {lineno}: {log} does not match the sha256 recorded for "
+                       "that run — the log was edited or replaced.")
     return missing, bad
 
 
