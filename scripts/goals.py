@@ -2019,12 +2019,12 @@ def audit_ledger(data, snapshot_raw, since=None, require_independent=False):
     snap_view = None
     independence, run_logs = [], []
     for lineno, (line, ev) in enumerate(zip(lines, parse_in_chunks(lines, data)), 1):
-        if type(ev) is not dict or type(ev.get("seq")) is not int or type(ev.get("event")) is not str:
+        if type(ev) is not dict:
             raise damaged(f"{LEDGER} line {lineno}: not a ledger event (unparsable or missing "
                           "seq/event) — damaged or edited.", "bad_line")
-        if ev["seq"] != lineno:
-            raise damaged(f"{LEDGER} line {lineno}: seq is {ev['seq']}, expected {lineno} — a line "
-                          "was deleted, duplicated or moved.", "bad_seq")
+        if ev.get("seq") != lineno:  # a seq of another type is not equal either
+            raise damaged(f"{LEDGER} line {lineno}: seq is {one_line(repr(ev.get('seq')))}, "
+                          f"expected {lineno} — a line was deleted, duplicated or moved.", "bad_seq")
         if ev.get("prev") != head:
             raise damaged(f"{LEDGER} line {lineno}: the hash chain is broken — its prev does not "
                           f"match line {lineno - 1}, so an earlier line was changed, removed or "
@@ -2039,7 +2039,8 @@ def audit_ledger(data, snapshot_raw, since=None, require_independent=False):
                                     f"{one_line(ev.get('agent'))}, executor "
                                     f"{one_line(story['executor'] or 'unnamed')}")
         head = sha256(line).hexdigest()
-        if since_seq == lineno or (since_seq is None and head == since_hash):
+        if since_found is False and (since_seq == lineno or (since_seq is None
+                                                              and head == since_hash)):
             if head != since_hash:
                 raise damaged(f"{LEDGER} line {lineno} no longer hashes to {since_hash[:16]}… "
                               "(--since): history before it was rewritten.", "history_rewritten")
