@@ -95,3 +95,14 @@ def complete(fab, sid, final=False):
 
 def ledger(state_dir):
     return [json.loads(line) for line in (Path(state_dir) / "ledger.jsonl").read_text().splitlines()]
+
+
+def assert_refused(fab, args, code, *fragments):
+    """`fab(*args)` exits `code`, says each fragment on stderr, and changes no state file."""
+    before = state_files(fab.dir)
+    r = fab(*args)
+    assert r.code == code, r
+    for fragment in fragments:
+        assert fragment in r.err, r
+    assert state_files(fab.dir) == before
+    return r

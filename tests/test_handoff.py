@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import goals
-from conftest import SCRIPT, complete, ledger, make_plan, run_cli, state_files
+from conftest import SCRIPT, assert_refused, complete, ledger, make_plan, run_cli, state_files
 
 HERE_MARK = "← you are here"
 FILES_WARNING = "exist only if that work was kept"
@@ -103,16 +103,6 @@ def claim(fab, agent):
     r = fab("next", "--agent", agent, "--json")
     assert r.code == 0, r
     return r.json["story"]["id"]
-
-
-def assert_refused(fab, args, code, *fragments):
-    before = state_files(fab.dir)
-    r = fab(*args)
-    assert r.code == code, r
-    for fragment in fragments:
-        assert fragment in r.err, r
-    assert state_files(fab.dir) == before
-    return r
 
 
 # The Bar: story 40 of 100 ###################################################

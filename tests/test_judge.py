@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import goals
-from conftest import ROOT, ledger, make_plan, state_files
+from conftest import ROOT, assert_refused, ledger, make_plan, state_files
 
 INSTRUCTION_FRAGMENTS = ("Go to the artifact", "check every item",
                          "An item without evidence you saw yourself is not passed",
@@ -23,16 +23,6 @@ def status_json(fab):
     r = fab("status", "--json")
     assert r.code == 0, r
     return {s["id"]: s for s in r.json["stories"]}
-
-
-def assert_refused(fab, args, code, *fragments):
-    before = state_files(fab.dir)
-    r = fab(*args)
-    assert r.code == code, r
-    for fragment in fragments:
-        assert fragment in r.err, r
-    assert state_files(fab.dir) == before
-    return r
 
 
 def to_review(fab, sid="G001", agent=None, evidence=None, checkpoint_agent=None):
