@@ -1019,13 +1019,16 @@ class Lock:
         except FileExistsError:
             pid = self._owner_pid()
             if pid is None and self._owner_age() > 5:
-                pid = 0  # created but never written: its creator died between the two steps
-            if pid is not None and (pid == 0 or not pid_alive(pid)):
+                # created but never written: its creator died between the two steps
+                self.out.warn("removed a stale lock file that no process finished writing.")
+            elif pid is not None and not pid_alive(pid):
                 self.out.warn(f"removed a stale lock left by process {pid}, which is no longer running.")
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+            else:
+                return False
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
             return False
         try:
             write_all(fd, str(os.getpid()).encode())

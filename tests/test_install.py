@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -550,3 +551,26 @@ def test_stop_hook_blocks_while_work_is_left_and_allows_otherwise(fab):
     complete(fab, "G002", final=True)
     code, out, _ = stop(fab.root)
     assert (code, out) == (0, "")  # complete
+
+
+def test_lock_fallback_removes_an_owner_file_never_written_once_it_is_old(fab, no_fcntl):
+    make_plan(fab, 2)
+    owner = fab.dir / "lock.owner"
+    owner.write_text("")
+    old = time.time() - 60
+    os.utime(owner, (old, old))
+    r = fab("next")
+    assert r.code == 0, r
+    assert "removed a stale lock file that no process finished writing" in r.err
+    assert not owner.exists()
+
+
+def test_lock_fallback_waits_for_a_fresh_owner_file_not_yet_written(fab, no_fcntl, monkeypatch):
+    make_plan(fab, 2)
+    owner = fab.dir / "lock.owner"
+    owner.write_text("")  # its creator may be about to write its pid
+    monkeypatch.setenv("FABLIZE_LOCK_TIMEOUT", "0.05")
+    before = state_files(fab.dir)
+    r = fab("next")
+    assert r.code == 3 and "stale" not in r.err, r
+    assert owner.exists() and state_files(fab.dir) == before
