@@ -1225,7 +1225,7 @@ class Session:
         if snap is not None and is_original_snapshot(snap):
             self._refuse_stripped_snapshot(fd)
             return self._import_original(snap)
-        end = self._cut_torn_tail(fd, snap) if fd is not None else 0
+        end = self.cut_torn_tail(fd, snap) if fd is not None else 0
         lines = lines_backward(fd, end) if end else iter(())
         snap_seq = snap["ledger"]["seq"] if snap else 0
         newer = []
@@ -1306,7 +1306,7 @@ class Session:
                               "ledger.", "snapshot_edited")
         return snap
 
-    def _cut_torn_tail(self, fd, snap):
+    def cut_torn_tail(self, fd, snap):
         """Move an unterminated or unparsable last line aside; return the ledger's good end."""
         end, torn = ledger_end(fd)
         if not torn and end:
@@ -2561,7 +2561,7 @@ def cmd_rebuild(ctx, a):
         # a last line the old snapshot reflects was acknowledged: damage, not a torn write
         reflected = position if isinstance(position, dict) and type(position.get("seq")) is int \
             else {"seq": 0}
-        s._cut_torn_tail(fd, {"ledger": reflected})
+        s.cut_torn_tail(fd, {"ledger": reflected})
         report = audit_ledger(s.store.ledger_bytes(), None)
         plan = report["plan"]
         target = s.store.path(SNAPSHOT)
