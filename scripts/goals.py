@@ -2765,19 +2765,20 @@ def cmd_judge_packet(ctx, a):
         "Go to the artifact (files, the running program, its output) and check every item.",
         "An item without evidence you saw yourself is not passed. Ambiguous means not achieved.",
         "Do not fix the work. Answer with exactly one verdict:"]
-    lines += ["How to judge:"] + [f"  - {x}" for x in instructions] + [
-        f"    {ctx.prog} verdict --id {sid} achieved --evidence \"<what you checked and saw>\" --agent <you>",
-        f"    {ctx.prog} verdict --id {sid} not-achieved --evidence \"<what is missing, not how to fix "
+    verdicts = [
+        f"{ctx.prog} verdict --id {sid} achieved --evidence \"<what you checked and saw>\" --agent <you>",
+        f"{ctx.prog} verdict --id {sid} not-achieved --evidence \"<what is missing, not how to fix "
         "it>\" --agent <you>",
-        f"    {ctx.prog} verdict --id {sid} unachievable --evidence \"<why more rounds cannot help>\" "
+        f"{ctx.prog} verdict --id {sid} unachievable --evidence \"<why more rounds cannot help>\" "
         "--agent <you>",
     ]
+    lines += ["How to judge:"] + [f"  - {x}" for x in instructions] + [f"    {x}" for x in verdicts]
     for line in lines:
         ctx.say(line)
     ctx.data.update(id=sid, status=story["status"], round=story["round"],
                     objective=story["objective"], amendments=story["amendments"],
                     checklist=items, evidence=story["evidence"], runs=story["runs"],
-                    instructions=instructions, verdicts=[x.strip() for x in lines[-3:]])
+                    instructions=instructions, verdicts=verdicts)
 
 
 def cmd_verdict(ctx, a):
