@@ -26,6 +26,7 @@ Files (the state directory, normally .fablize/ at the repository root):
 Exit codes: 0 done, 1 refused, 2 usage, 3 damaged. Stdlib only, Python 3.9+.
 """
 
+import collections
 import json
 import os
 import re
@@ -36,7 +37,7 @@ __version__ = "1.0.0"
 
 # Constants ##################################################################
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2          # of the --json envelope (2: `done` is a count everywhere)
 ZERO_HASH = "0" * 64
 STATE_DIRNAME = ".fablize"
 SNAPSHOT = "goals.json"
@@ -47,12 +48,20 @@ ARCHIVE = "archive"
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_DAMAGED = 0, 1, 2, 3
 
-STATUSES = ("pending", "in_progress", "complete", "failed", "blocked", "accepted", "review")
+# Every status: its mark in `status`, its label in the plan map, its colour in `report`.
+STATUS_TABLE = {
+    "pending": ("·", "pending", "#eeeeee"),
+    "in_progress": ("▶", "active", "#fff59d"),
+    "complete": ("✓", "done", "#c8e6c9"),
+    "failed": ("✗", "failed", "#ffcdd2"),
+    "blocked": ("■", "blocked", "#ef9a9a"),
+    "accepted": ("✓", "accepted", "#dcedc8"),
+    "review": ("◇", "review", "#bbdefb"),
+}
+STATUSES = tuple(STATUS_TABLE)
+MARKS = {status: row[0] for status, row in STATUS_TABLE.items()}
+MAP_LABELS = {status: row[1] for status, row in STATUS_TABLE.items()}
 DONE = ("complete", "accepted")
-MARKS = {"complete": "✓", "in_progress": "▶", "pending": "·", "failed": "✗",
-         "blocked": "■", "accepted": "✓", "review": "◇"}
-MAP_LABELS = {"complete": "done", "pending": "pending", "failed": "failed", "blocked": "blocked",
-              "accepted": "accepted", "review": "review", "in_progress": "active"}
 DECISIONS = ("accept", "retry", "amend")
 VERDICTS = ("achieved", "not-achieved", "unachievable")
 
@@ -277,130 +286,146 @@ def story_id(number):
 # a rule enforced at the call is the same rule checked after the fact.
 
 
-# The shapes of the plan, for state read back from disk: a hand-crafted goals.json (even with
-# a recomputed digest) or a chained but forged ledger line must be exit 3, never a traceback
-# three commands later. A spec is a type, a tuple of alternatives, {key: spec} or [item spec].
+# The shapes of state read back from disk: a hand-crafted goals.json (even with a recomputed
+# digest) or a chained but forged ledger line must be exit 3, never a traceback three commands
+# later. A spec is a type, a tuple of alternatives, [item spec] or {key: spec}; in a dict spec
+# a key ending in "?" may be absent, and a key the spec does not name is never allowed.
 _N = type(None)
 _TEXT = (str, _N)
+_COMPILED = {}
+
+
+def _compile(spec):
+    """The spec in the form misfit walks: type sets tested inline, only nested specs recurse.
+    Compiled on first use and kept (a command compiles only the specs it checks)."""
+    found = _COMPILED.get(id(spec))
+    if found is not None:
+        return found[0]
+    if type(spec) is type:
+        c = ("t", frozenset((spec,)))
+    elif type(spec) is tuple and all(type(x) is type for x in spec):
+        c = ("t", frozenset(spec))
+    elif type(spec) is tuple:
+        c = ("a", tuple(_compile(x) for x in spec))
+    elif type(spec) is list:
+        c = ("l", _compile(spec[0]))
+    else:
+        required, allowed, plain, nested = set(), set(), [], []
+        for key, sub in spec.items():
+            optional = key.endswith("?")
+            key = key.rstrip("?")
+            allowed.add(key)
+            if not optional:
+                required.add(key)
+            sub_c = _compile(sub)
+            none_ok = optional or (sub_c[0] == "a" and ("t", frozenset((_N,))) in sub_c[1])
+            if sub_c[0] == "t":
+                plain.append((key, sub_c[1] | {_N} if optional else sub_c[1]))
+            else:
+                if sub_c[0] == "a":  # (dict-or-list spec, None): None is tested inline
+                    rest = tuple(x for x in sub_c[1] if x != ("t", frozenset((_N,))))
+                    sub_c = rest[0] if len(rest) == 1 else ("a", rest)
+                nested.append((key, sub_c, none_ok))
+        c = ("d", frozenset(required), frozenset(allowed), tuple(plain), tuple(nested))
+    _COMPILED[id(spec)] = (c, spec)  # the spec is kept alive so its id is never reused
+    return c
+
+
+def misfit(value, spec, path=""):
+    """Where `value` does not fit `spec` (a path like .goals[2].runs[0].cmd), or None."""
+    return _misfit(value, _compile(spec), path)
+
+
+def _misfit(value, c, path):
+    kind = c[0]
+    if kind == "t":
+        return None if type(value) in c[1] else path or "."
+    if kind == "d":
+        if type(value) is not dict:
+            return path or "."
+        keys = value.keys()
+        if not (keys >= c[1] and keys <= c[2]):
+            odd = sorted(c[1] - keys) or sorted(k for k in keys if k not in c[2])
+            return f"{path}.{one_line(str(odd[0]))[:60]}"
+        get = value.get
+        for key, types in c[3]:
+            if type(get(key)) not in types:
+                return f"{path}.{key}"
+        for key, sub, none_ok in c[4]:
+            item = get(key)
+            if item is None and none_ok:
+                continue
+            found = _misfit(item, sub, f"{path}.{key}")
+            if found:
+                return found
+        return None
+    if kind == "l":
+        if type(value) is not list:
+            return path or "."
+        sub = c[1]
+        if sub[0] == "t":
+            types = sub[1]
+            for i, item in enumerate(value):
+                if type(item) not in types:
+                    return f"{path}[{i}]"
+            return None
+        for i, item in enumerate(value):
+            found = _misfit(item, sub, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    for alt in c[1]:
+        if _misfit(value, alt, path) is None:
+            return None
+    return path or "."
+
+
+# A run as the snapshot keeps it: the latest run of each frozen check (or --run command) in the
+# story's current round, which is all the gates read; every other run lives only in the ledger.
 RUN_SPEC = {"seq": int, "check": (int, _N), "cmd": str, "exit_code": (int, _N), "signal": _TEXT,
             "timed_out": bool, "error": _TEXT, "duration_s": (int, float, _N), "bytes": (int, _N),
             "sha256": _TEXT, "tail": _TEXT, "log": _TEXT, "ok": bool}
+RUN_FIELDS = tuple(k for k in RUN_SPEC if k != "ok")
 NOTE_SPEC = {"note": str, "seq": int, "ts": str}
-STORY_SPEC = {
-    "id": str, "title": str, "objective": str, "status": str, "evidence": _TEXT,
-    "after": [str], "checks": [str], "accept": [str], "judge": bool, "round": int,
-    "round_base": int, "agent": _TEXT, "executor": _TEXT, "started_seq": (int, _N),
-    "started_ts": _TEXT, "verify_cmd": _TEXT, "verify_evidence": _TEXT, "runs": [RUN_SPEC],
-    "last_run": (RUN_SPEC, _N), "amendments": [NOTE_SPEC], "blocked_reason": _TEXT,
-    "feedback": ({"source": str, "round": int, "text": _TEXT,
-                  "runs": [{"cmd": str, "exit": str, "tail": _TEXT}]}, _N),
-    "decision": ({"decision": str, "note": str, "seq": int, "ts": str}, _N),
-    "judged_by": ({"agent": str, "verdict": str, "seq": int}, _N)}
+FEEDBACK_SPEC = {"source": str, "round": int, "text": _TEXT,
+                 "runs": [{"cmd": str, "exit": str, "tail": _TEXT}]}
+
+# A story's fields, (spec, initial value) each: new stories, the snapshot's shape and the
+# --json story all come from this one table.
+STORY_FIELDS = {
+    "id": (str, None), "title": (str, None), "objective": (str, None),
+    "status": (str, "pending"), "evidence": (_TEXT, None),
+    "after": ([str], []), "checks": ([str], []), "accept": ([str], []), "judge": (bool, False),
+    "round": (int, 0), "round_base": (int, 0), "agent": (_TEXT, None), "executor": (_TEXT, None),
+    "started_seq": ((int, _N), None), "started_ts": (_TEXT, None),
+    "verify_cmd": (_TEXT, None), "verify_evidence": (_TEXT, None),
+    "runs": ([RUN_SPEC], []), "last_run": ((RUN_SPEC, _N), None),
+    "feedback": ((FEEDBACK_SPEC, _N), None), "amendments": ([NOTE_SPEC], []),
+    "decision": (({"decision": str, "note": str, "seq": int, "ts": str}, _N), None),
+    "blocked_reason": (_TEXT, None),
+    "judged_by": (({"agent": str, "verdict": str, "seq": int}, _N), None),
+}
+STORY_SPEC = {key: spec for key, (spec, _) in STORY_FIELDS.items()}
+# a story as create, add and an import write it into their event
+STORY_EVENT_SPEC = {"id": str, "title": str, "objective": str, "after": [str], "checks?": [str],
+                    "accept?": [str], "judge?": bool, "status?": str, "evidence?": _TEXT}
 UNVERIFIABLE_SPEC = [{"id": str, "check": int, "cmd": str, "reason": str}]
-PLAN_SPEC = {"schema_version": int, "plan_id": str, "brief": str, "created": str,
+REPLACES_SPEC = {"plan_id": str, "head": _TEXT, "seq": (int, _N), "path": str}
+PLAN_SPEC = {"schema_version": int, "digest?": str, "plan_id": str, "brief": str, "created": str,
              "goals": [STORY_SPEC], "options": {"rounds": int, "require_run": bool},
-             "unverifiable": UNVERIFIABLE_SPEC, "replaces": (dict, _N), "guard": {"blocks": int},
-             "ledger": {"seq": int, "head": str}}
-ORIGINAL_SPEC = {"brief": str, "goals": [{"id": str, "title": str, "objective": str,
-                                          "status": str, "evidence": _TEXT}]}
-
-
-def misfit(value, spec, path="", required=True):
-    """Where `value` does not fit `spec` (a path like .goals[2].runs[0].cmd), or None. With
-    `required`, every key of a dict spec must be present (snapshots); events may omit the
-    optional ones."""
-    if type(spec) is dict:
-        if type(value) is not dict:
-            return path
-        for key, sub in spec.items():
-            if required and key not in value:
-                return f"{path}.{key}"
-            found = misfit(value.get(key), sub, f"{path}.{key}", required)
-            if found:
-                return found
-        return None
-    if type(spec) is list:
-        if type(value) is not list:
-            return path
-        for i, item in enumerate(value):
-            found = misfit(item, spec[0], f"{path}[{i}]", required)
-            if found:
-                return found
-        return None
-    if type(spec) is tuple:
-        return None if any(misfit(value, alt, path, required) is None for alt in spec) else path
-    return None if type(value) is spec else path  # exact: a bool is not a round number
-
-
-def compile_spec(spec, required=True):
-    """A spec in the form `fits` checks quickly: plain fields are a set of types, tested
-    inline; only nested ones recurse (every command checks the whole snapshot)."""
-    if type(spec) is dict:
-        plain, nested = [], []
-        keys = tuple(spec) if required else ()
-        for key, sub in spec.items():
-            if type(sub) is type or (type(sub) is tuple and all(type(x) is type for x in sub)):
-                plain.append((key, frozenset(sub if type(sub) is tuple else (sub,))))
-            elif type(sub) is tuple and _N in sub:  # optional: None needs no recursion
-                rest = tuple(x for x in sub if x is not _N)
-                nested.append((key, True, compile_spec(rest[0] if len(rest) == 1 else rest,
-                                                       required)))
-            else:
-                nested.append((key, False, compile_spec(sub, required)))
-        return ("dict", tuple(plain), tuple(nested), keys)
-    if type(spec) is list:
-        return ("list", compile_spec(spec[0], required))
-    if type(spec) is tuple:
-        return ("any", tuple(compile_spec(x, required) for x in spec))
-    return ("type", frozenset((spec,)))
-
-
-def fits(value, compiled):
-    kind = compiled[0]
-    if kind == "dict":
-        if type(value) is not dict:
-            return False
-        for key in compiled[3]:
-            if key not in value:
-                return False
-        get = value.get
-        for key, types in compiled[1]:
-            if type(get(key)) not in types:
-                return False
-        for key, optional, sub in compiled[2]:
-            item = get(key)
-            if not ((optional and item is None) or fits(item, sub)):
-                return False
-        return True
-    if kind == "list":
-        if type(value) is not list:
-            return False
-        sub = compiled[1]
-        for item in value:
-            if not fits(item, sub):
-                return False
-        return True
-    if kind == "any":
-        return any(fits(value, alt) for alt in compiled[1])
-    return type(value) in compiled[1]
-
-
-_PLAN_CHECK = compile_spec(PLAN_SPEC)
-_ORIGINAL_CHECK = compile_spec(ORIGINAL_SPEC)
+             "unverifiable": UNVERIFIABLE_SPEC, "replaces": (REPLACES_SPEC, _N),
+             "guard": {"blocks": int}, "ledger": {"seq": int, "head": str}}
+ORIGINAL_SPEC = {"brief": str, "created?": _TEXT, "goals": [{"id": str, "title": str,
+                                                              "objective": str, "status": str,
+                                                              "evidence?": _TEXT}]}
 
 
 def new_story(spec):
-    return {
-        "id": spec["id"], "title": spec["title"], "objective": spec["objective"],
-        "status": spec.get("status", "pending"), "evidence": spec.get("evidence"),
-        "after": list(spec.get("after", [])), "checks": list(spec.get("checks", [])),
-        "accept": list(spec.get("accept", [])), "judge": bool(spec.get("judge", False)),
-        "round": 0, "round_base": 0, "agent": None, "executor": None,
-        "started_seq": None, "started_ts": None,
-        "verify_cmd": None, "verify_evidence": None,
-        "runs": [], "last_run": None, "feedback": None, "amendments": [],
-        "decision": None, "blocked_reason": None, "judged_by": None,
-    }
+    story = {key: list(value) if type(value) is list else value
+             for key, (_, value) in STORY_FIELDS.items()}
+    for key, value in spec.items():
+        story[key] = list(value) if type(value) is list else value
+    return story
 
 
 def find_story(plan, sid):
@@ -414,7 +439,7 @@ def find_story(plan, sid):
     for story in goals:
         if story["id"] == sid:
             return story
-    raise refused(f"{sid} not found.", "not_found")
+    raise refused(f"{one_line(sid)} not found.", "not_found")
 
 
 def is_final(plan, story):
@@ -443,6 +468,10 @@ def active_stories(plan):
 
 def plan_done(plan):
     return all(s["status"] in DONE for s in plan["goals"])
+
+
+def done_count(plan):
+    return sum(1 for s in plan["goals"] if s["status"] in DONE)
 
 
 def rounds_left(plan, story):
@@ -475,52 +504,86 @@ def validate_graph(stories):
             visit(s["id"], [s["id"]])
 
 
+def forged(what):
+    """A field no command of this engine would have written: the ledger was written by hand."""
+    return damaged(what + " — not what fablize writes: the line was written or edited by hand.",
+                   "bad_event")
+
+
 def _check_story_text(spec):
     if blank(spec.get("title")) or blank(spec.get("objective")):
-        raise usage(f"{spec.get('id')}: title and objective must not be empty — "
+        raise usage(f"{one_line(spec.get('id'))}: title and objective must not be empty — "
                     "--goal format is 'title::objective'.", "blank_goal")
+
+
+def _check_unverifiable(stories, found):
+    by_id = {s["id"]: s for s in stories}
+    for u in found:
+        story = by_id.get(u["id"])
+        if story is None or not 0 <= u["check"] < len(story["checks"]) or \
+                story["checks"][u["check"]] != u["cmd"]:
+            raise forged(f"unverifiable check {one_line(u['id'])}/{u['check']} is not a frozen "
+                         "check of the plan")
+
+
+def _check_agent(agent):
+    if agent is not None and blank(agent):
+        raise forged("an agent name is blank")
+
+
+_PLAN_ID = re.compile(r"[\w.-]+\Z", re.A)
+ORIGINAL_STATUSES = ("pending", "in_progress", "complete", "failed", "blocked")
 
 
 def _ev_plan_created(plan, ev):
     specs = ev["stories"]
     if not specs:
         raise usage("at least one --goal is required.", "no_goals")
-    imported = bool(ev.get("imported_from"))
+    if ev["count"] != len(specs):
+        raise forged(f"count is {ev['count']} but the event lists {len(specs)} stories")
+    if not _PLAN_ID.match(ev["plan_id"]):
+        raise forged(f"plan_id {one_line(ev['plan_id'])!r} is not a plan id")
+    imported = ev.get("imported_from") is not None
     for i, spec in enumerate(specs, 1):
         if spec["id"] != story_id(i):
             raise damaged(f"story {i} has id {one_line(spec['id'])}, expected {story_id(i)}")
         _check_story_text(spec)
-        if spec.get("status", "pending") != "pending" and not imported:
-            raise damaged(f"{spec['id']} is created with status {spec['status']}")
+        if "status" in spec or "evidence" in spec:
+            if not imported:
+                raise damaged(f"{spec['id']} is created with status {one_line(spec.get('status'))}")
+            if spec.get("status") not in ORIGINAL_STATUSES:
+                raise forged(f"{spec['id']} is imported with status {one_line(spec.get('status'))}")
     final = specs[-1]
     others = [s["id"] for s in specs[:-1]]
-    if sorted(final.get("after", [])) != sorted(others):
+    if sorted(final["after"]) != sorted(others):
         raise damaged("the final story must depend on every other story")
     stories = [new_story(s) for s in specs]
     validate_graph(stories)
-    options = ev.get("options") or {}
-    rounds = options.get("rounds", DEFAULT_ROUNDS)
-    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+    rounds = ev["options"]["rounds"]
+    if rounds < 1:
         raise usage("--rounds must be a whole number ≥ 1.", "bad_rounds")
+    unverifiable = ev.get("unverifiable") or []
+    _check_unverifiable(stories, unverifiable)
     for s in stories:
         if s["status"] == "in_progress":
             s.update(round=1, started_seq=ev["seq"], started_ts=ev["ts"])
     return {
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": SNAPSHOT_VERSION,
         "plan_id": ev["plan_id"],
         "brief": ev["brief"],
         "created": ev["ts"],
         "goals": stories,
-        "options": {"rounds": rounds, "require_run": bool(options.get("require_run", False))},
-        "unverifiable": list(ev.get("unverifiable") or []),
-        "replaces": ev.get("replaces"),
+        "options": {"rounds": rounds, "require_run": ev["options"]["require_run"]},
+        "unverifiable": list(unverifiable),
+        "replaces": ev["replaces"],
         "guard": {"blocks": 0},
     }
 
 
 def _ev_story_started(plan, ev):
     story = find_story(plan, ev["id"])
-    agent = ev.get("agent")
+    agent = ev["agent"]
+    _check_agent(agent)
     if story["status"] not in ("pending", "failed"):
         raise refused(f"{story['id']} cannot start: it is {story['status']}.", "not_startable")
     pending = waits_for(plan, story)
@@ -533,19 +596,26 @@ def _ev_story_started(plan, ev):
         raise refused(f"agent {one_line(agent)} already holds a story.", "busy")
     if rounds_left(plan, story) <= 0:
         raise refused(f"{story['id']} has used all its rounds.", "rounds_exhausted")
+    if ev["title"] != story["title"] or ev["round"] != story["round"] + 1:
+        raise forged(f"{story['id']} started with title {one_line(ev['title'])[:60]!r}, round "
+                     f"{ev['round']}; the plan says {one_line(story['title'])[:60]!r}, round "
+                     f"{story['round'] + 1}")
     story.update(status="in_progress", round=story["round"] + 1, agent=agent,
                  started_seq=ev["seq"], started_ts=ev["ts"], runs=[])
     return plan
 
 
+def run_key(run):
+    return run["cmd"] if run["check"] is None else run["check"]
+
+
 def _fresh_ok_run(story, check=None, cmd=None):
-    """The latest run of this round for a frozen check (by index) or a --run command."""
-    latest = None
+    """This round's latest run of a frozen check (by index) or of a --run command."""
+    key = cmd if check is None else check
     for run in story["runs"]:
-        if (check is not None and run["check"] == check) or \
-                (check is None and run["check"] is None and run["cmd"] == cmd):
-            latest = run
-    return latest
+        if run_key(run) == key:
+            return run
+    return None
 
 
 def verification_gap(plan, story, ev):
@@ -587,6 +657,7 @@ def checkpoint_gate(plan, story, ev):
         raise refused(f"{story['id']} is not active ({story['status']}) — activate it with `next` "
                       "first.", "not_active")
     agent = ev.get("agent")
+    _check_agent(agent)
     if agent is not None and story["agent"] is not None and agent != story["agent"]:
         raise refused(f"{story['id']} is held by agent {one_line(story['agent'])}, "
                       f"not {one_line(agent)}.", "held_by_other")
@@ -612,47 +683,68 @@ def _failed_run_tails(story):
             for r in story["runs"] if not r["ok"]]
 
 
+CHECKPOINT_STATUSES = ("complete", "failed", "blocked")
+
+
 def _ev_checkpoint(plan, ev):
     story = find_story(plan, ev["id"])
-    if ev["status"] not in ("complete", "failed", "blocked"):
+    if ev["status"] not in CHECKPOINT_STATUSES:
         raise usage(f"unknown checkpoint status {one_line(ev['status'])}")
+    if ev.get("run") is False:
+        raise forged("run is false")
     checkpoint_gate(plan, story, ev)
+    cited = ev.get("runs") or []
+    if len(set(cited)) != len(cited) or len(cited) > max(1, len(story["checks"])) or \
+            any(not 0 < seq < ev["seq"] for seq in cited):
+        raise forged(f"the checkpoint cites runs {cited[:5]}, which no checkpoint of "
+                     f"{story['id']} ran")
     if ev["status"] == "complete":
         gap = verification_gap(plan, story, ev)
         if gap is not None:
             raise gap
-    story["evidence"] = ev.get("evidence")
+    story["evidence"] = ev["evidence"]
     story["executor"] = ev.get("agent") or story["agent"]
     if ev["status"] == "complete":
-        story.update(verify_cmd=ev.get("verify_cmd"), verify_evidence=ev.get("verify_evidence"),
+        story.update(verify_cmd=ev["verify_cmd"], verify_evidence=ev["verify_evidence"],
                      agent=None, feedback=None, blocked_reason=None)
         story["status"] = "review" if story["judge"] else "complete"
     elif ev["status"] == "failed":
         _fail_round(plan, story, {"source": "checkpoint", "round": story["round"],
-                                  "text": ev.get("evidence"), "runs": _failed_run_tails(story)})
+                                  "text": ev["evidence"], "runs": _failed_run_tails(story)})
     else:
-        story.update(status="blocked", agent=None, blocked_reason=ev.get("evidence"))
+        story.update(status="blocked", agent=None, blocked_reason=ev["evidence"])
     return plan
 
 
-RUN_FIELDS = ("seq", "check", "cmd", "exit_code", "signal", "timed_out", "error", "duration_s",
-              "bytes", "sha256", "tail", "log")
+_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 
 
 def _ev_verify_run(plan, ev):
     story = find_story(plan, ev["id"])
+    check = ev["check"]
+    if check is not None and not (0 <= check < len(story["checks"])
+                                  and story["checks"][check] == ev["cmd"]):
+        raise forged(f"run of check {check} of {story['id']} with a command that is not that "
+                     "frozen check")
+    if ev["log"] != f"{RUNS}/{ev['seq']}-{story['id']}.log":
+        raise forged(f"run log {one_line(ev['log'])[:80]!r} is not where fablize writes it")
+    if not _HEX64.match(ev["sha256"]) or ev["bytes"] < 0 or ev["duration_s"] < 0 or \
+            not 0 <= ev["after_seq"] < ev["seq"] or len(ev["tail"]) > TAIL_CHARS:
+        raise forged("a run's digest, size, duration, tail or position is out of range")
     record = dict(zip(RUN_FIELDS, map(ev.get, RUN_FIELDS)))
     record["ok"] = run_passed(record)
     story["last_run"] = record
-    # fresh evidence only: a run counts for the round in which it started
-    if story["status"] == "in_progress" and ev.get("after_seq", -1) >= story["started_seq"]:
-        story["runs"].append(record)
+    # fresh evidence only: a run counts for the round in which it started; per check, the
+    # latest run replaces the one before, so the snapshot never holds history
+    if story["status"] == "in_progress" and ev["after_seq"] >= story["started_seq"]:
+        key = run_key(record)
+        story["runs"] = [r for r in story["runs"] if run_key(r) != key] + [record]
     return plan
 
 
 def _ev_decision(plan, ev):
     story = find_story(plan, ev["id"])
-    decision, note = ev["decision"], ev.get("note")
+    decision, note = ev["decision"], ev["note"]
     if decision not in DECISIONS:
         raise usage(f"unknown decision {one_line(decision)}")
     if blank(note):
@@ -682,24 +774,27 @@ def _ev_story_added(plan, ev):
     expected = story_id(len(plan["goals"]) + 1)
     if spec["id"] != expected:
         raise damaged(f"added story has id {one_line(spec['id'])}, expected {expected}")
+    if "status" in spec or "evidence" in spec:
+        raise forged(f"{spec['id']} is added with a status")
     _check_story_text(spec)
     story = new_story(spec)
     validate_graph(plan["goals"] + [story])
+    _check_unverifiable([story], ev["unverifiable"])
     plan["goals"].insert(len(plan["goals"]) - 1, story)
     final["after"].append(story["id"])
-    plan["unverifiable"].extend(ev.get("unverifiable") or [])
+    plan["unverifiable"].extend(ev["unverifiable"])
     return plan
 
 
 def _ev_verdict(plan, ev):
     story = find_story(plan, ev["id"])
-    verdict, agent = ev["verdict"], ev.get("agent")
+    verdict, agent = ev["verdict"], ev["agent"]
     if verdict not in VERDICTS:
         raise usage(f"unknown verdict {one_line(verdict)}")
     if story["status"] != "review":
         raise refused(f"{story['id']} is {story['status']}, not in review — there is nothing to "
                       "judge.", "not_in_review")
-    if blank(ev.get("evidence")):
+    if blank(ev["evidence"]):
         raise refused("a verdict requires non-empty --evidence (what you checked and saw).",
                       "no_evidence")
     if blank(agent):
@@ -712,69 +807,61 @@ def _ev_verdict(plan, ev):
         story["status"] = "complete"
     elif verdict == "not-achieved":
         _fail_round(plan, story, {"source": "judge", "round": story["round"],
-                                  "text": ev.get("evidence"), "runs": []})
+                                  "text": ev["evidence"], "runs": []})
     else:
-        story.update(status="blocked", blocked_reason=ev.get("evidence"))
+        story.update(status="blocked", blocked_reason=ev["evidence"])
     return plan
 
 
 def _ev_guard_block(plan, ev):
     # a fresh stop (not one caused by the previous block) starts the count again
-    plan["guard"]["blocks"] = 1 if ev.get("fresh") else plan["guard"]["blocks"] + 1
+    plan["guard"]["blocks"] = 1 if ev["fresh"] else plan["guard"]["blocks"] + 1
     return plan
 
 
-_SPEC_STORY = {"id": str, "title": str, "objective": str, "after": ([str], _N),
-               "checks": ([str], _N), "accept": ([str], _N), "judge": (bool, _N),
-               "status": _TEXT, "evidence": _TEXT}
-EVENT_SPECS = {
-    "plan_created": {"brief": str, "plan_id": str, "stories": [_SPEC_STORY],
-                     "options": ({"rounds": (int, _N), "require_run": (bool, _N)}, _N),
-                     "unverifiable": (UNVERIFIABLE_SPEC, _N), "replaces": (dict, _N)},
-    "story_started": {"id": str, "agent": _TEXT},
-    "checkpoint": {"id": str, "status": str, "evidence": _TEXT, "verify_cmd": _TEXT,
-                   "verify_evidence": _TEXT, "agent": _TEXT, "run": (bool, _N)},
-    "verify_run": dict({k: v for k, v in RUN_SPEC.items() if k not in ("seq", "ok")},
-                       id=str, after_seq=int),
-    "decision": {"id": str, "decision": str, "note": _TEXT},
-    "story_added": {"story": _SPEC_STORY, "unverifiable": (UNVERIFIABLE_SPEC, _N)},
-    "verdict": {"id": str, "verdict": str, "evidence": _TEXT, "agent": _TEXT},
-    "guard_block": {"reason": _TEXT, "fresh": (bool, _N)},
+# Every event: its transition and exactly the fields fablize writes for it (seq, ts, event and
+# prev on every line). Replay checks each line against this table, so a re-chained line carrying
+# anything the engine would not have written is damage, named by its line.
+_EVENT_BASE = {"seq": int, "ts": str, "event": str, "prev": str}
+EVENTS = {
+    "plan_created": (_ev_plan_created, {
+        "brief": str, "count": int, "plan_id": str, "stories": [STORY_EVENT_SPEC],
+        "options": {"rounds": int, "require_run": bool}, "unverifiable?": UNVERIFIABLE_SPEC,
+        "replaces": (REPLACES_SPEC, _N), "imported_from?": {"tool": str}}),
+    "story_started": (_ev_story_started, {"id": str, "title": str, "round": int, "agent": _TEXT}),
+    "checkpoint": (_ev_checkpoint, {
+        "id": str, "status": str, "evidence": _TEXT, "verify_cmd": _TEXT,
+        "verify_evidence": _TEXT, "agent?": _TEXT, "run?": bool, "runs?": [int]}),
+    "verify_run": (_ev_verify_run, {
+        "id": str, "check": (int, _N), "cmd": str, "cwd": str, "exit_code": (int, _N),
+        "signal": _TEXT, "timed_out": bool, "error": _TEXT, "duration_s": (int, float),
+        "bytes": int, "sha256": str, "tail": str, "log": str, "after_seq": int, "started": str,
+        "git_head": _TEXT, "git_dirty": (bool, _N)}),
+    "decision": (_ev_decision, {"id": str, "decision": str, "note": str}),
+    "story_added": (_ev_story_added, {"story": STORY_EVENT_SPEC, "unverifiable": UNVERIFIABLE_SPEC}),
+    "verdict": (_ev_verdict, {"id": str, "verdict": str, "evidence": str, "agent": str}),
+    "guard_block": (_ev_guard_block, {"reason": str, "fresh": bool}),
 }
-_EVENT_CHECKS = {kind: compile_spec(dict(spec, ts=str), required=False)
-                 for kind, spec in EVENT_SPECS.items()}
-
-TRANSITIONS = {
-    "plan_created": _ev_plan_created,
-    "story_started": _ev_story_started,
-    "checkpoint": _ev_checkpoint,
-    "verify_run": _ev_verify_run,
-    "decision": _ev_decision,
-    "story_added": _ev_story_added,
-    "verdict": _ev_verdict,
-    "guard_block": _ev_guard_block,
-}
-
-
-def check_event(ev, lineno):
-    """A ledger line's event has the fields its kind needs, of the right types. The engine's own
-    events always do; this is for lines read back (roll-forward, and audit when the replayed
-    plan turns out malformed: checking every line up front would halve audit's speed)."""
-    kind = ev.get("event")
-    if kind in _EVENT_CHECKS and not fits(ev, _EVENT_CHECKS[kind]):
-        where = misfit(ev, dict(EVENT_SPECS[kind], ts=str), required=False).lstrip(".")
-        raise damaged(f"{LEDGER} line {lineno}: malformed {kind} event ({where} is missing or of "
-                      "the wrong type) — run `goals.py audit`.", "bad_event")
+EVENT_SPECS = {kind: dict(_EVENT_BASE, **fields) for kind, (_, fields) in EVENTS.items()}
+_TS = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}\+00:00\Z", re.A)
 
 
 def apply_event(plan, ev):
-    """Check that `ev` is legal in `plan` and apply it (in place). Raises FablizeError."""
+    """Check that `ev` is an event fablize writes and is legal in `plan`, and apply it (in
+    place). Commands and every replay go through here. Raises FablizeError."""
     kind = ev.get("event")
-    if kind not in TRANSITIONS:
-        raise damaged(f"unknown event {one_line(kind)!r}", "unknown_event")
+    entry = EVENTS.get(kind) if type(kind) is str else None
+    if entry is None:
+        raise damaged(f"unknown event {one_line(repr(kind))[:60]}", "unknown_event")
+    where = misfit(ev, EVENT_SPECS[kind])
+    if where:
+        raise damaged(f"malformed {kind} event ({where.lstrip('.')} is missing, unexpected or of "
+                      "the wrong type)", "bad_event")
+    if not _TS.match(ev["ts"]):
+        raise forged(f"ts {one_line(ev['ts'])[:40]!r} is not a UTC timestamp")
     if (plan is None) != (kind == "plan_created"):
         raise damaged("plan_created must be the first event and only the first", "bad_sequence")
-    plan = TRANSITIONS[kind](plan, ev)
+    plan = entry[0](plan, ev)
     if kind != "guard_block":
         plan["guard"]["blocks"] = 0
     return plan
@@ -790,7 +877,7 @@ def describe_exit(run):
     if run.get("timed_out"):
         return f"timed out after {run.get('duration_s')} s"
     if run.get("signal"):
-        return f"killed by {run['signal']}"
+        return f"killed by {one_line(run['signal'])}"
     return f"exit {run.get('exit_code')}"
 
 
@@ -799,20 +886,16 @@ def is_original_snapshot(snap):
     return not any(key in snap for key in ("digest", "ledger", "plan_id", "schema_version"))
 
 
-
-
 def validate_snapshot(plan):
     """A snapshot of the right shape, or exit 3 saying what is wrong."""
     def bad(what):
-        return damaged(f"{SNAPSHOT}: not a fablize snapshot ({what}) — run `goals.py audit`.",
+        return damaged(f"{SNAPSHOT}: not a fablize snapshot ({what}) — run `audit`.",
                        "bad_snapshot")
     if type(plan) is not dict:
         raise bad("top level is not an object")
-    original = is_original_snapshot(plan)
-    found = None if fits(plan, _ORIGINAL_CHECK if original else _PLAN_CHECK) else \
-        misfit(plan, ORIGINAL_SPEC if original else PLAN_SPEC)
+    found = misfit(plan, ORIGINAL_SPEC if is_original_snapshot(plan) else PLAN_SPEC)
     if found:
-        raise bad(f"{found.lstrip('.')} is missing or of the wrong type")
+        raise bad(f"{found.lstrip('.')} is missing, unexpected or of the wrong type")
     if not plan["goals"]:
         raise bad("the plan has no stories")
     for i, story in enumerate(plan["goals"]):
@@ -873,12 +956,15 @@ def symlink_refusal(path):
 
 
 def open_state_file(path, flags, mode=0o644):
-    """os.open that never follows a symlink and refuses anything but a regular file."""
+    """os.open that never follows a symlink, never blocks (a FIFO or a device opens at once, and
+    is then refused) and accepts nothing but a regular file."""
     try:
-        fd = os.open(path, flags | O_NOFOLLOW | O_CLOEXEC | O_BINARY, mode)
+        fd = os.open(path, flags | O_NOFOLLOW | O_CLOEXEC | O_BINARY | O_NONBLOCK, mode)
     except OSError as e:
         if e.errno == errno.ELOOP or (e.errno != errno.ENOENT and os.path.islink(path)):
             raise symlink_refusal(path)
+        if e.errno == errno.ENXIO:  # a FIFO without a reader, opened for writing
+            raise damaged(f"{path} is not a regular file.", "not_a_file")
         raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
@@ -903,7 +989,7 @@ def read_all(fd, start=0, size=None):
 
 def read_state_file(path):
     try:
-        fd = open_state_file(path, os.O_RDONLY | O_NONBLOCK)
+        fd = open_state_file(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
     try:
@@ -978,10 +1064,9 @@ class Lock:
     """The state directory's lock: flock on `lock` where fcntl exists; elsewhere an
     exclusive-create `lock.owner` file holding the owner's pid (a dead owner's is stale)."""
 
-    def __init__(self, state_dir, exclusive, out):
+    def __init__(self, state_dir, warnings):
         self.path = os.path.join(state_dir, LOCK)
-        self.exclusive = exclusive
-        self.out = out
+        self.warnings = warnings
         self.fd = None
         self.owner_path = None
 
@@ -1005,7 +1090,7 @@ class Lock:
         if self.fd is None:
             self.fd = open_state_file(self.path, os.O_RDWR | os.O_CREAT)
         try:
-            fcntl.flock(self.fd, (fcntl.LOCK_EX if self.exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True
         except OSError as e:
             if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
@@ -1020,9 +1105,9 @@ class Lock:
             pid = self._owner_pid()
             if pid is None and self._owner_age() > 5:
                 # created but never written: its creator died between the two steps
-                self.out.warn("removed a stale lock file that no process finished writing.")
+                self.warnings.append("removed a stale lock file that no process finished writing.")
             elif pid is not None and not pid_alive(pid):
-                self.out.warn(f"removed a stale lock left by process {pid}, which is no longer running.")
+                self.warnings.append(f"removed a stale lock left by process {pid}, which is no longer running.")
             else:
                 return False
             try:
@@ -1069,93 +1154,333 @@ class Lock:
         return False
 
 
-def ledger_end(fd):
-    """(end, torn): `end` is the size of the ledger's newline-terminated part; `torn` the bytes
-    after it (an unterminated last line: a write that never completed)."""
-    size = os.fstat(fd).st_size
-    if size == 0 or read_all(fd, size - 1, 1) == b"\n":
-        return size, b""
-    pos = size
-    while pos > 0:
-        start = max(0, pos - READ_CHUNK)
-        i = read_all(fd, start, pos - start).rfind(b"\n")
-        if i >= 0:
-            end = start + i + 1
-            return end, read_all(fd, end, size - end)
-        pos = start
-    return 0, read_all(fd, 0, size)
-
-
-def lines_backward(fd, end):
-    """Yield (offset, line) for each complete line before `end`, newest first."""
-    buf = b""
-    pos = end
-    while pos > 0:
-        start = max(0, pos - READ_CHUNK)
-        buf = read_all(fd, start, pos - start) + buf
-        pos = start
-        while True:
-            i = buf.rfind(b"\n", 0, len(buf) - 1)
-            if i < 0:
-                break
-            yield pos + i + 1, buf[i + 1:-1]
-            buf = buf[:i + 1]
-    if buf:
-        yield 0, buf[:-1]
-
-
 def parse_event(line):
     """The event on a ledger line, or None when the line is not one."""
     try:
         ev = load_json(line)
     except ValueError:
         return None
-    if isinstance(ev, dict) and isinstance(ev.get("seq"), int) and isinstance(ev.get("event"), str):
+    if type(ev) is dict and type(ev.get("seq")) is int and type(ev.get("event")) is str:
         return ev
     return None
 
 
+def parse_events(lines):
+    """parse_event for a batch of lines, in one json call when they are all well formed (JSON
+    strings never hold a raw newline, so the lines join into one array)."""
+    try:
+        joined = b",".join(lines)
+        events = load_json(b"[" + joined + b"]", has_surrogate_escape(joined))
+    except ValueError:
+        events = None
+    if events is not None and len(events) == len(lines):
+        return events  # Replay.feed checks each is an event (cheaper there than a second pass)
+    return [parse_event(line) for line in lines]
+
+
+class Ledger:
+    """ledger.jsonl: its tail read backwards (cost linear in what is read), its lines streamed
+    forwards in batches (memory flat in its length), one event appended with one write."""
+
+    def __init__(self, path, writable=False):
+        self.path = path
+        self.writable = writable
+        self.fd = None
+
+    def open(self, create=False):
+        """The descriptor, or None when there is no ledger."""
+        if self.fd is None:
+            flags = os.O_RDONLY if not self.writable else \
+                os.O_RDWR | os.O_APPEND | (os.O_CREAT if create else 0)
+            try:
+                self.fd = open_state_file(self.path, flags)
+            except FileNotFoundError:
+                return None
+        return self.fd
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def end(self):
+        """(end, torn): `end` is the size of the ledger's newline-terminated part; `torn` the
+        bytes after it (an unterminated last line: a write that never completed)."""
+        read, size = self.read, self.size()
+        if size == 0 or read(size - 1, 1) == b"\n":
+            return size, b""
+        pos = size
+        while pos > 0:
+            start = max(0, pos - READ_CHUNK)
+            i = read(start, pos - start).rfind(b"\n")
+            if i >= 0:
+                end = start + i + 1
+                return end, read(end, size - end)
+            pos = start
+        return 0, read(0, size)
+
+    def size(self):
+        return os.fstat(self.fd).st_size
+
+    def read(self, start, size):
+        return read_all(self.fd, start, size)
+
+    def backward(self, end):
+        """Yield (offset, line) for each complete line before `end`, newest first; every byte
+        is read once, so a long line costs what its length costs."""
+        if end <= 0:
+            return
+        pos, parts = end - 1, []
+        while pos > 0:
+            start = max(0, pos - READ_CHUNK)
+            chunk = self.read(start, pos - start)
+            i = len(chunk)
+            while True:
+                j = chunk.rfind(b"\n", 0, i)
+                if j < 0:
+                    parts.append(chunk[:i])
+                    break
+                parts.append(chunk[j + 1:i])
+                yield start + j + 1, b"".join(reversed(parts))
+                parts = []
+                i = j
+            pos = start
+        yield 0, b"".join(reversed(parts))
+
+    def last(self, end):
+        return next(self.backward(end), (None, None))[1]
+
+    def batches(self, end, size=1 << 20):
+        """The complete lines before `end` (a line boundary), a list per megabyte or so."""
+        pos, parts = 0, []
+        while pos < end:
+            chunk = self.read(pos, min(size, end - pos))
+            if not chunk:
+                break
+            pos += len(chunk)
+            k = chunk.rfind(b"\n")
+            if k < 0:
+                parts.append(chunk)
+                continue
+            head = chunk[:k]
+            if parts:
+                head = b"".join(parts + [head])
+            parts = [chunk[k + 1:]] if k + 1 < len(chunk) else []
+            yield head.split(b"\n")
+
+    def append(self, line, fd=None):
+        fd = self.fd if fd is None else fd
+        crash_point("before-ledger-write")
+        n = os.write(fd, line + b"\n")  # one write on an O_APPEND descriptor
+        if n != len(line) + 1:
+            raise damaged(f"short write to {LEDGER} ({n} of {len(line) + 1} bytes); the next "
+                          "command moves the torn line aside.", "io_error")
+        crash_point("after-ledger-write")
+        os.fsync(fd)
+        crash_point("after-ledger-fsync")
+
+    def cut(self, end, torn):
+        """Move the torn bytes after `end` to ledger.jsonl.broken, then truncate (a writer only)."""
+        bfd = open_state_file(self.path + ".broken", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        try:
+            write_all(bfd, torn if torn.endswith(b"\n") else torn + b"\n")
+            os.fsync(bfd)
+        finally:
+            os.close(bfd)
+        os.ftruncate(self.fd, end)
+        os.fsync(self.fd)
+
+
+class MemoryLedger(Ledger):
+    """A ledger's bytes already in memory (an archived plan, a ledger read from a git ref)."""
+
+    def __init__(self, data):
+        super().__init__(None)
+        self.data = data
+        self.fd = -1
+
+    def size(self):
+        return len(self.data)
+
+    def read(self, start, size):
+        return self.data[start:start + size]
+
+    def close(self):
+        pass
+
+
+def line_error(lineno, what, code="bad_event"):
+    """Damage at one ledger line: every message about a line starts the same way."""
+    return FablizeError(f"{LEDGER} line {lineno}: {what}", code, EXIT_DAMAGED)
+
+
+def not_an_event(lineno):
+    return line_error(lineno, "not a ledger event (unparsable, or no seq/event) — damaged or "
+                      "edited.", "bad_line")
+
+
+class Replay:
+    """The one path from ledger lines to a plan. Each line must carry the next seq and the hash
+    of the line before it, and hold an event fablize would have written that is legal in the
+    plan so far (apply_event). Load, roll-forward, audit, rebuild, log and report all feed
+    their lines through here, so every check and every message exists once."""
+
+    def __init__(self, plan=None, seq=0, head=ZERO_HASH, digest=None):
+        self.plan, self.seq, self.head = plan, seq, head
+        self.digest = digest or sha256_hex
+
+    def feed(self, line, ev):
+        n = self.seq + 1
+        if type(ev) is not dict or type(ev.get("event")) is not str:
+            raise not_an_event(n)
+        if ev.get("seq") != n or type(ev.get("seq")) is not int:
+            raise line_error(n, f"seq is {one_line(repr(ev.get('seq')))[:40]}, expected {n} — a "
+                             "line was deleted, duplicated or moved.", "bad_seq")
+        if ev.get("prev") != self.head:
+            raise line_error(n, f"the hash chain is broken — its prev does not match line "
+                             f"{n - 1}, so an earlier line was changed, removed or reordered.",
+                             "broken_chain")
+        try:
+            self.plan = apply_event(self.plan, ev)
+        except FablizeError as e:
+            raise line_error(n, e.message)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError) as e:
+            raise line_error(n, f"malformed {one_line(ev.get('event'))} event "
+                                f"({type(e).__name__})")
+        self.seq, self.head = n, self.digest(line)
+        return ev
+
+    def position(self):
+        return {"seq": self.seq, "head": self.head}
+
+
+def fast_sha256():
+    """OpenSSL's SHA-256 (several times faster on long inputs; hashlib costs ~4 ms to import,
+    so only what reads a whole ledger or a large file uses it)."""
+    from hashlib import sha256
+    return lambda data: sha256(data).hexdigest()
+
+
+def replay_all(ledger, end, on_event=None):
+    """Replay the ledger's first `end` bytes from nothing, streaming; returns the Replay."""
+    replay = Replay(digest=fast_sha256())
+    feed = replay.feed
+    for lines in ledger.batches(end):
+        for line, ev in zip(lines, parse_events(lines)):
+            feed(line, ev)
+            if on_event is not None:
+                on_event(replay, line, ev)
+    return replay
+
+
+# The snapshot ###############################################################
+#
+# goals.json starts with its digest: the SHA-256 of the file's own bytes after that first key,
+# so checking it costs one hash and no re-serialising. Snapshots of version 1 (a digest over
+# sorted keys, and every run of every story) still verify; the engine then rebuilds them from
+# the ledger.
+
+SNAPSHOT_VERSION = 2
+_DIGEST_PREFIX = b'{"digest":"'
+
+
+def snapshot_bytes(plan):
+    """The snapshot: its digest, the plan's fields, then one story per line (readable, and
+    written by json's C encoder, which an `indent` would switch off)."""
+    head = {k: v for k, v in plan.items() if k not in ("goals", "digest")}
+    stories = ",\n".join(dumps(s) for s in plan["goals"])
+    body = (dumps(head)[1:-1] + ',"goals":[\n' + stories + "\n]}\n").encode("utf-8")
+    return _DIGEST_PREFIX + snapshot_digest(body).encode() + b'",' + body
+
+
+def snapshot_digest(body):
+    return (fast_sha256() if len(body) > 1 << 20 else sha256_hex)(body)
+
+
 def canonical_digest(plan):
+    """Version 1's digest: over the plan re-serialised with sorted keys."""
     body = {k: v for k, v in plan.items() if k != "digest"}
     return sha256_hex(json.dumps(body, ensure_ascii=False, sort_keys=True,
                                  separators=(",", ":")).encode("utf-8"))
 
 
-def snapshot_bytes(plan):
-    """The snapshot: the plan's fields, then one story per line (readable, and written by
-    json's C encoder, which an `indent` would switch off)."""
-    head = {k: v for k, v in plan.items() if k not in ("goals", "digest")}
-    head["digest"] = canonical_digest(plan)
-    stories = ",\n".join(dumps(s) for s in plan["goals"])
-    return (dumps(head)[:-1] + ',"goals":[\n' + stories + "\n]}\n").encode("utf-8")
-
-
-def replay_error(lineno, err):
-    return damaged(f"{LEDGER} line {lineno}: {err.message if isinstance(err, FablizeError) else err}"
-                   " — run `goals.py audit`.", "bad_event")
-
-
-def replay_line(plan, ev, lineno):
-    """apply_event for a line read back from the ledger: any failure names the line."""
+def parse_snapshot(raw):
+    """goals.json's bytes as a plan, its digest verified; exit 3 when it cannot be trusted."""
     try:
-        return apply_event(plan, ev)
-    except FablizeError as e:
-        raise replay_error(lineno, e)
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
-        raise replay_error(lineno, f"malformed {ev.get('event')} event ({type(e).__name__}: {e})")
+        snap = load_json(raw)
+    except ValueError as e:
+        what = "empty" if not raw.strip() else f"not valid JSON ({e})"
+        raise damaged(f"{SNAPSHOT} is {what} — run `audit`; `rebuild` regenerates it from the "
+                      "ledger.", "bad_snapshot")
+    validate_snapshot(snap)
+    if is_original_snapshot(snap):
+        return snap
+    n = len(_DIGEST_PREFIX)
+    if raw.startswith(_DIGEST_PREFIX) and raw[n + 64:n + 66] == b'",':
+        good = raw[n:n + 64].decode("ascii", "replace") == snapshot_digest(raw[n + 66:])
+    else:
+        good = snap.get("digest") == canonical_digest(snap)  # version 1's digest
+    if not good:
+        raise damaged(f"{SNAPSHOT} was changed outside fablize (its digest does not match) — run "
+                      "`audit`; `rebuild` regenerates it from the ledger.", "snapshot_edited")
+    return snap
+
+
+def position_error(snap_seq, ledger_seq):
+    """The snapshot reflects an event the ledger does not hold (one message, for every reader)."""
+    where = "is empty" if not ledger_seq else f"ends at event {ledger_seq}"
+    return damaged(f"{SNAPSHOT} reflects event {snap_seq} but {LEDGER} {where} — run `audit`.",
+                   "disagree")
+
+
+def write_atomic(path, data, mode=0o644, sweep=False):
+    """Replace `path` with `data` whole: a temp file in the same directory, fsync, rename, fsync
+    the directory. With `sweep`, temp files a killed writer left are removed first (the caller
+    holds the lock)."""
+    directory = os.path.dirname(path)
+    if sweep:
+        prefix = os.path.basename(path) + ".tmp-"
+        for name in os.listdir(directory):
+            if name.startswith(prefix):
+                os.unlink(os.path.join(directory, name))
+    tmp = f"{path}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
+    fd = open_state_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        try:
+            write_all(fd, data)
+            crash_point("after-snapshot-temp")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        crash_point("before-snapshot-replace")
+        os.replace(tmp, path)  # rename last: a crash before it leaves the old file whole
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    crash_point("after-snapshot-replace")
+    fsync_dir(directory)
+
+
+# Reading and writing the plan ###############################################
 
 
 class Store:
-    """A state directory and the plan in it, read and written under its lock."""
+    """A state directory. Storage never prints: what it has to say goes to `warnings`."""
 
-    def __init__(self, path, discovered, out):
+    def __init__(self, path, discovered, warnings=None):
         self.dir = path
         self.root = os.path.dirname(path)
         self.discovered = discovered
-        self.out = out
+        self.warnings = [] if warnings is None else warnings
 
     def path(self, name):
         return os.path.join(self.dir, name)
+
+    def warn(self, text):
+        self.warnings.append(text)
 
     def exists(self):
         """Whether the state directory exists (refusing a planted symlink in its place)."""
@@ -1173,86 +1498,41 @@ class Store:
         if not self.exists():
             os.makedirs(self.dir, exist_ok=True)
 
-    def session(self, exclusive=True):
-        return Session(self, exclusive)
+    def has_plan_files(self):
+        if os.path.lexists(self.path(SNAPSHOT)):
+            return True
+        try:
+            return os.lstat(self.path(LEDGER)).st_size > 0
+        except FileNotFoundError:
+            return False
 
-    def ledger_bytes(self):
-        return read_state_file(self.path(LEDGER)) or b""
+    def session(self, exclusive=True, imports=False):
+        return Transaction(self) if exclusive else Reading(self, imports)
 
 
-class Session:
-    """The plan under the lock. load() checks the snapshot against the ledger's tail in O(1),
-    moves a torn last line aside and rolls a ledger that is ahead forward; commit() appends one
-    event (one write, fsync) and then replaces the snapshot atomically."""
+class Reading:
+    """The plan as a reader sees it: no lock taken, nothing written. The snapshot is read before
+    the ledger (a writer appends before it replaces the snapshot, so the ledger is never behind
+    what the snapshot says); a ledger ahead is replayed in memory, an unterminated last line is
+    left for a writer. A reader that raced a plan replacement reads again."""
 
-    def __init__(self, store, exclusive):
+    writer = False
+
+    def __init__(self, store, imports=False):
         self.store = store
-        self.out = store.out
-        self.exclusive = exclusive
-        self.lock = Lock(store.dir, exclusive, store.out)
-        self._fd = None
+        self.imports = imports
+        self.ledger = Ledger(store.path(LEDGER), self.writer)
         self.plan = None
 
     def __enter__(self):
-        self.lock.__enter__()
+        # a reader never opens the lock, but a symlink planted there is damage all the same
+        if os.path.islink(self.store.path(LOCK)):
+            raise symlink_refusal(self.store.path(LOCK))
         return self
 
     def __exit__(self, *exc):
-        self._close_ledger()
-        return self.lock.__exit__(*exc)
-
-    def _close_ledger(self):
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def ledger_fd(self, create=False):
-        if self._fd is None:
-            flags = (os.O_RDWR | os.O_APPEND | (os.O_CREAT if create else 0)) if self.exclusive \
-                else os.O_RDONLY
-            try:
-                self._fd = open_state_file(self.store.path(LEDGER), flags)
-            except FileNotFoundError:
-                return None
-        return self._fd
-
-    # reading
-
-    def load(self):
-        """The current plan, or None when there is none. Raises FablizeError(exit 3) on damage."""
-        snap = self._read_snapshot()
-        fd = self.ledger_fd()
-        if snap is not None and is_original_snapshot(snap):
-            self._refuse_stripped_snapshot(fd)
-            return self._import_original(snap)
-        end = self.cut_torn_tail(fd, snap) if fd is not None else 0
-        lines = lines_backward(fd, end) if end else iter(())
-        snap_seq = snap["ledger"]["seq"] if snap else 0
-        newer = []
-        for offset, line in lines:
-            ev = parse_event(line)
-            if ev is None:
-                raise damaged(f"{LEDGER}: line at byte {offset} is not a ledger event — run "
-                              "`goals.py audit`.", "bad_line")
-            if ev["seq"] <= snap_seq:
-                if ev["seq"] < snap_seq:
-                    raise damaged(f"{SNAPSHOT} reflects event {snap_seq} but {LEDGER} ends at "
-                                  f"event {ev['seq']} — run `goals.py audit`.", "disagree")
-                if sha256_hex(line) != snap["ledger"]["head"]:
-                    raise damaged(f"{SNAPSHOT} and {LEDGER} disagree at event {snap_seq} (line "
-                                  f"{snap_seq} is not the one the snapshot reflects) — run "
-                                  "`goals.py audit`.", "disagree")
-                break
-            newer.append((ev, line))
-        else:
-            if snap is not None and snap_seq > 0:
-                raise damaged(f"{SNAPSHOT} reflects event {snap_seq} but {LEDGER} "
-                              f"{'is empty' if not newer else 'does not contain it'} — run "
-                              "`goals.py audit`.", "disagree")
-        self.plan = snap
-        if newer:
-            self.plan = self._roll_forward(snap, newer[::-1])
-        return self.plan
+        self.ledger.close()
+        return False
 
     def require_plan(self):
         plan = self.load()
@@ -1260,15 +1540,123 @@ class Session:
             raise refused("no plan — run `create` first.", "no_plan")
         return plan
 
-    def _refuse_stripped_snapshot(self, fd):
+    def load(self):
+        """The current plan, or None when there is none. Raises FablizeError(exit 3) on damage."""
+        for attempt in range(3):
+            try:
+                return self._load()
+            except FablizeError as e:
+                # `create --force` and `rebuild` swap files under a reader: read again
+                if self.writer or e.code != "disagree" or attempt == 2:
+                    raise
+                self.ledger.close()
+                time.sleep(0.02)
+
+    def _load(self):
+        raw = read_state_file(self.store.path(SNAPSHOT))
+        snap = parse_snapshot(raw) if raw is not None else None
+        ledger = self.ledger
+        if snap is not None and is_original_snapshot(snap):
+            return self.plan_from_original(snap)
+        end = self.good_end(snap) if ledger.open() is not None else 0
+        if snap is not None and snap["schema_version"] < SNAPSHOT_VERSION:
+            return self.upgrade(snap, end)
+        snap_seq = snap["ledger"]["seq"] if snap else 0
+        newer, found = [], None
+        for offset, line in ledger.backward(end):
+            ev = parse_event(line)
+            if ev is None:
+                raise not_an_event(newer[-1][0]["seq"] - 1 if newer else "at the end")
+            if ev["seq"] <= snap_seq:
+                found = (ev["seq"], line)
+                break
+            newer.append((ev, line))
+        if snap is not None and snap_seq > 0:
+            if found is None or found[0] < snap_seq:
+                raise position_error(snap_seq, found[0] if found else 0)
+            if sha256_hex(found[1]) != snap["ledger"]["head"]:
+                raise damaged(f"{SNAPSHOT} and {LEDGER} disagree at event {snap_seq} (line "
+                              f"{snap_seq} is not the one the snapshot reflects) — run `audit`.",
+                              "disagree")
+        self.plan = snap
+        if newer:
+            self.plan = self.roll_forward(snap, newer[::-1])
+        return self.plan
+
+    def good_end(self, snap):
+        """Where the ledger's acknowledged lines end; a torn last line is left in place."""
+        end, torn = self.torn_tail(snap)
+        if torn:
+            self.store.warn(f"{LEDGER} ends with a torn last line ({len(torn)} bytes, never "
+                            "acknowledged); the next writing command moves it aside.")
+        return end
+
+    def torn_tail(self, snap):
+        """(end, torn): an unterminated or unparsable last line is a write that never completed
+        — unless the snapshot reflects it, or the line before it is damaged too."""
+        ledger = self.ledger
+        end, torn = ledger.end()
+        if not torn and end:
+            offset, line = next(ledger.backward(end))
+            if parse_event(line) is None:
+                end, torn = offset, line + b"\n"
+        if not torn:
+            return end, torn
+        snap_seq = snap["ledger"]["seq"] if snap and "ledger" in snap else 0
+        prev = ledger.last(end) if end else None
+        prev_ev = parse_event(prev) if prev is not None else None
+        if prev_ev is None and end:
+            raise damaged(f"{LEDGER}: the last two lines are damaged — run `audit`.", "bad_line")
+        if (prev_ev["seq"] if prev_ev else 0) < snap_seq:
+            raise line_error(snap_seq, f"the last line is damaged but {SNAPSHOT} reflects event "
+                             f"{snap_seq} — run `audit`.", "bad_line")
+        return end, torn
+
+    def roll_forward(self, plan, events):
+        """Apply ledger events the snapshot does not reflect yet (a crash between the two
+        writes, or a reader that came between them)."""
+        pos = plan["ledger"] if plan else {"seq": 0, "head": ZERO_HASH}
+        replay = Replay(plan, pos["seq"], pos["head"])
+        for ev, line in events:
+            replay.feed(line, ev)
+        replay.plan["ledger"] = replay.position()
+        return replay.plan
+
+    def upgrade(self, snap, end):
+        """A version-1 snapshot (it kept every run): its position is checked, then the plan is
+        replayed from the ledger."""
+        snap_seq = snap["ledger"]["seq"]
+        replay = replay_all(self.ledger, end)
+        if replay.seq < snap_seq:
+            raise position_error(snap_seq, replay.seq)
+        if replay.plan is None:
+            return None
+        replay.plan["ledger"] = replay.position()
+        self.plan = replay.plan
+        self.store.warn(f"{SNAPSHOT} is in the format of fablize 1 (it kept every run); "
+                        + ("it was rewritten from the ledger." if self.writer else
+                           "the next writing command rewrites it from the ledger."))
+        return self.plan
+
+    def plan_from_original(self, snap):
+        """A plan written by the original goals.py: `status`, the command its users resume with,
+        imports it once (a write, under the lock); other readers say how."""
+        self.refuse_stripped_snapshot()
+        if not self.imports:
+            raise legacy_refusal()
+        with Transaction(self.store) as t:
+            self.plan = t.load()
+        return self.plan
+
+    def refuse_stripped_snapshot(self):
         """An original-format goals.json beside a hash-chained ledger is a hand edit, not an
         old plan: importing it would launder whatever it claims."""
-        end = ledger_end(fd)[0] if fd is not None else 0
-        last = next(lines_backward(fd, end), None) if end else None
-        if last is not None and parse_event(last[1]) is not None:
-            raise damaged(f"{SNAPSHOT} lost its ledger position and digest but {LEDGER} is "
-                          "hash-chained: it was edited by hand — run `goals.py audit`; "
-                          "`goals.py rebuild` regenerates it from the ledger.", "snapshot_edited")
+        if self.ledger.open() is None:
+            return
+        end = self.ledger.end()[0]
+        last = self.ledger.last(end) if end else None
+        if last is not None and parse_event(last) is not None:
+            raise stripped_snapshot_error()
 
     def refuse_original(self):
         """Commands that read the ledger itself (audit, log, rebuild) do not import an original
@@ -1276,97 +1664,96 @@ class Session:
         snap = loose_snapshot(self.store)
         if snap is None or not is_original_snapshot(snap):
             return
-        fd = self.ledger_fd()
-        end = ledger_end(fd)[0] if fd is not None else 0
-        last = next(lines_backward(fd, end), None) if end else None
-        if last is None or parse_event(last[1]) is None:
-            raise damaged(f"{SNAPSHOT} was written by the original goals.py; run `goals.py status` "
-                          "to import it into a hash-chained ledger first.", "legacy")
+        last = None
+        if self.ledger.open() is not None:
+            end = self.ledger.end()[0]
+            last = self.ledger.last(end) if end else None
+        if last is None or parse_event(last) is None:
+            raise legacy_refusal()
 
-    def _read_snapshot(self):
-        raw = read_state_file(self.store.path(SNAPSHOT))
-        if raw is None:
-            return None
-        try:
-            snap = load_json(raw)
-        except ValueError as e:
-            what = "empty" if not raw.strip() else f"not valid JSON ({e})"
-            raise damaged(f"{SNAPSHOT} is {what} — run `goals.py audit`; `goals.py rebuild` "
-                          "regenerates it from the ledger.", "bad_snapshot")
-        validate_snapshot(snap)
-        if not is_original_snapshot(snap):
-            pos = snap.get("ledger")
-            if not (isinstance(pos, dict) and isinstance(pos.get("seq"), int)
-                    and isinstance(pos.get("head"), str)):
-                raise damaged(f"{SNAPSHOT}: ledger position missing or malformed — run "
-                              "`goals.py audit`.", "bad_snapshot")
-            if snap.get("digest") != canonical_digest(snap):
-                raise damaged(f"{SNAPSHOT} was changed outside fablize (its digest does not match) "
-                              "— run `goals.py audit`; `goals.py rebuild` regenerates it from the "
-                              "ledger.", "snapshot_edited")
-        return snap
 
-    def cut_torn_tail(self, fd, snap):
-        """Move an unterminated or unparsable last line aside; return the ledger's good end."""
-        end, torn = ledger_end(fd)
-        if not torn and end:
-            offset, line = next(lines_backward(fd, end))
-            if parse_event(line) is None:
-                end, torn = offset, line + b"\n"
-        if not torn:
-            return end
-        snap_seq = snap["ledger"]["seq"] if snap else 0
-        prev = next(lines_backward(fd, end), None) if end else None
-        prev_ev = parse_event(prev[1]) if prev else None
-        if prev_ev is None and end:
-            raise damaged(f"{LEDGER}: the last two lines are damaged — run `goals.py audit`.",
-                          "bad_line")
-        if (prev_ev["seq"] if prev_ev else 0) < snap_seq:
-            raise damaged(f"{LEDGER} line {snap_seq}: the last line is damaged but {SNAPSHOT} "
-                          f"reflects event {snap_seq} — run `goals.py audit`.", "bad_line")
-        if not self.exclusive:
-            self.out.warn(f"{LEDGER} ends with a torn line ({len(torn)} bytes, never "
-                          "acknowledged); the next writing command moves it aside.")
-            return end
-        broken = self.store.path(LEDGER + ".broken")
-        bfd = open_state_file(broken, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-        try:
-            write_all(bfd, torn if torn.endswith(b"\n") else torn + b"\n")
-            os.fsync(bfd)
-        finally:
-            os.close(bfd)
-        os.ftruncate(fd, end)
-        os.fsync(fd)
-        self.out.warn(f"{LEDGER}: a torn last line ({len(torn)} bytes, a write that never "
-                      f"completed) was moved to {LEDGER}.broken.")
+def stripped_snapshot_error():
+    return damaged(f"{SNAPSHOT} lost its ledger position and digest but {LEDGER} is hash-chained: "
+                   "it was edited by hand — run `audit`; `rebuild` regenerates it from the "
+                   "ledger.", "snapshot_edited")
+
+
+def legacy_refusal():
+    return damaged(f"{SNAPSHOT} was written by the original goals.py; run `status` (or any writing "
+                   "command) to import it into a hash-chained ledger first.", "legacy")
+
+
+def original_plan_fields(snap):
+    """The plan_created fields that carry an original goals.py plan's stories as they are."""
+    stories = []
+    for i, g in enumerate(snap["goals"], 1):
+        stories.append({"id": story_id(i), "title": g["title"], "objective": g["objective"],
+                        "status": g["status"], "evidence": g.get("evidence"),
+                        "after": [story_id(i - 1)] if i > 1 else []})
+    stories[-1]["after"] = [s["id"] for s in stories[:-1]]
+    return {"brief": snap["brief"], "count": len(stories), "plan_id": new_plan_id(),
+            "stories": stories, "options": {"rounds": DEFAULT_ROUNDS, "require_run": False},
+            "imported_from": {"tool": "goals.py (original)"}}
+
+
+class Transaction(Reading):
+    """A write: the lock held throughout; load() moves a torn last line aside and saves a rolled
+    forward plan; commit() appends one event (one write, fsync) and then replaces the snapshot."""
+
+    writer = True
+
+    def __init__(self, store):
+        super().__init__(store)
+        self.lock = Lock(store.dir, store.warnings)
+        self.last = None
+
+    def __enter__(self):
+        self.lock.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.ledger.close()
+        return self.lock.__exit__(*exc)
+
+    def good_end(self, snap):
+        end, torn = self.torn_tail(snap)
+        if torn:
+            self.ledger.cut(end, torn)
+            self.store.warn(f"{LEDGER}: a torn last line ({len(torn)} bytes, a write that never "
+                            f"completed) was moved to {LEDGER}.broken.")
         return end
 
-    def _roll_forward(self, plan, events):
-        """Apply ledger events the snapshot does not reflect yet (a crash between the two writes)."""
-        seq = plan["ledger"]["seq"] if plan else 0
-        head = plan["ledger"]["head"] if plan else ZERO_HASH
-        for ev, line in events:
-            if ev["seq"] != seq + 1 or ev.get("prev") != head:
-                raise damaged(f"{LEDGER} line {ev['seq']}: the hash chain is broken — run "
-                              "`goals.py audit`.", "broken_chain")
-            check_event(ev, ev["seq"])
-            plan = replay_line(plan, ev, ev["seq"])
-            seq, head = ev["seq"], sha256_hex(line)
-            plan["ledger"] = {"seq": seq, "head": head}
-        if self.exclusive:
+    def cut_torn_tail(self, snap):
+        """rebuild's repair: the ledger's good end, after moving a torn last line aside."""
+        return self.good_end(snap) if self.ledger.open() is not None else 0
+
+    def roll_forward(self, plan, events):
+        plan = super().roll_forward(plan, events)
+        self.save_snapshot(plan)
+        return plan
+
+    def upgrade(self, snap, end):
+        plan = super().upgrade(snap, end)
+        if plan is not None:
             self.save_snapshot(plan)
         return plan
 
-    # writing
+    def plan_from_original(self, snap):
+        """Import for real: the original's files go to archive/, a chained ledger starts."""
+        self.refuse_stripped_snapshot()
+        old = self.replace_plan(original_plan_fields(snap))
+        self.store.warn(f"imported the plan written by the original goals.py; its files are "
+                        f"kept in {old['path']}.")
+        return self.plan
 
     def commit(self, kind, **fields):
         """Append one event (checked by apply_event first) and save the snapshot."""
-        plan, line = self._prepare(kind, fields)
-        self._append(self.ledger_fd(create=True), line)
-        self._settle(plan, line)
+        plan, line = self.prepare(kind, fields)
+        self.ledger.append(line, self.ledger.open(create=True))
+        self.settle(plan, line)
         return self.last
 
-    def _prepare(self, kind, fields):
+    def prepare(self, kind, fields):
         plan = self.plan
         record = {"seq": plan["ledger"]["seq"] + 1 if plan else 1, "ts": now_iso(), "event": kind}
         record.update(fields)
@@ -1375,20 +1762,13 @@ class Session:
         self.last = record
         return plan, dumps(record).encode("utf-8")
 
-    def _append(self, fd, line):
-        crash_point("before-ledger-write")
-        n = os.write(fd, line + b"\n")  # one write on an O_APPEND descriptor
-        if n != len(line) + 1:
-            raise damaged(f"short write to {LEDGER} ({n} of {len(line) + 1} bytes); the next "
-                          "command moves the torn line aside.", "io_error")
-        crash_point("after-ledger-write")
-        os.fsync(fd)
-        crash_point("after-ledger-fsync")
-
-    def _settle(self, plan, line):
+    def settle(self, plan, line):
         plan["ledger"] = {"seq": self.last["seq"], "head": sha256_hex(line)}
         self.save_snapshot(plan)
         self.plan = plan
+
+    def save_snapshot(self, plan):
+        write_atomic(self.store.path(SNAPSHOT), snapshot_bytes(plan), sweep=True)
 
     def replace_plan(self, fields):
         """Start a new plan over the current one, which moves whole to archive/<plan id>/.
@@ -1396,43 +1776,39 @@ class Session:
         the old plan or the new one, never none: its files are linked into the archive, the new
         first event goes to ledger.jsonl.new, and one rename swaps it in."""
         store = self.store
-        old = self._archive_current()
-        plan, line = self._prepare("plan_created", dict(fields, replaces=old))
+        old = self.archive_current()
+        plan, line = self.prepare("plan_created", dict(fields, replaces=old))
         staged = store.path(LEDGER + ".new")
         if os.path.lexists(staged):
             os.unlink(staged)  # left by a crash before its swap: never current
         fd = open_state_file(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
-            self._append(fd, line)
+            self.ledger.append(line, fd)
         finally:
             os.close(fd)
-        self._close_ledger()
+        self.ledger.close()
         if os.path.lexists(store.path(SNAPSHOT)):
             os.unlink(store.path(SNAPSHOT))  # from here a crash rolls the old ledger forward
         os.replace(staged, store.path(LEDGER))
         fsync_dir(store.dir)
-        self._settle(plan, line)
+        self.settle(plan, line)
         return old
 
-    def _archive_current(self):
+    def archive_current(self):
         """Copy the current plan into archive/<plan id>/ (hard links: constant time) and move its
         run logs there; returns what a new plan_created names as the plan it replaces."""
         store = self.store
-        raw = read_state_file(store.path(SNAPSHOT))
-        try:
-            plan_id = load_json(raw)["plan_id"] if raw else None
-        except (ValueError, KeyError, TypeError):
-            plan_id = None
-        fd = self.ledger_fd()
+        snap = loose_snapshot(store)
+        plan_id = snap.get("plan_id") if snap else None
         head, seq = None, 0
-        if fd is not None:
-            end, _ = ledger_end(fd)
-            last = next(lines_backward(fd, end), None) if end else None
+        if self.ledger.open() is not None:
+            end = self.ledger.end()[0]
+            last = self.ledger.last(end) if end else None
             if last is not None:
-                head = sha256_hex(last[1])
-                ev = parse_event(last[1])
+                head = sha256_hex(last)
+                ev = parse_event(last)
                 seq = ev["seq"] if ev else None
-        plan_id = plan_id if isinstance(plan_id, str) and re.fullmatch(r"[\w.-]+", plan_id) \
+        plan_id = plan_id if isinstance(plan_id, str) and _PLAN_ID.match(plan_id) \
             else "unknown-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         ensure_subdir(store.path(ARCHIVE))
         dest = free_name(store.path(os.path.join(ARCHIVE, plan_id)))
@@ -1450,51 +1826,6 @@ class Session:
         self.plan = None
         return {"plan_id": plan_id, "head": head, "seq": seq,
                 "path": os.path.relpath(dest, store.dir)}
-
-    def save_snapshot(self, plan):
-        body = snapshot_bytes(plan)
-        target = self.store.path(SNAPSHOT)
-        for name in os.listdir(self.store.dir):
-            if name.startswith(SNAPSHOT + ".tmp-"):  # left by a killed writer; we hold the lock
-                os.unlink(self.store.path(name))
-        tmp = f"{target}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
-        fd = open_state_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        try:
-            try:
-                write_all(fd, body)
-                crash_point("after-snapshot-temp")
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            crash_point("before-snapshot-replace")
-            os.replace(tmp, target)  # rename last: a crash before it leaves the old snapshot whole
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        crash_point("after-snapshot-replace")
-        fsync_dir(self.store.dir)
-
-    def _import_original(self, snap):
-        """A plan written by the original goals.py (no ledger position): keep its files in
-        archive/ and start a hash-chained ledger that carries its stories as they are."""
-        if not self.exclusive:
-            self.refuse_original()
-        stories = []
-        for i, g in enumerate(snap["goals"], 1):
-            stories.append({"id": story_id(i), "title": g["title"], "objective": g["objective"],
-                            "status": g["status"], "evidence": g.get("evidence"),
-                            "after": [story_id(i - 1)] if i > 1 else []})
-        stories[-1]["after"] = [s["id"] for s in stories[:-1]]
-        old = self.replace_plan({
-            "brief": snap["brief"], "count": len(stories), "plan_id": new_plan_id(),
-            "stories": stories, "options": {"rounds": DEFAULT_ROUNDS, "require_run": False},
-            "imported_from": {"tool": "goals.py (original)"}})
-        self.out.warn(f"imported the plan written by the original goals.py; its files are kept "
-                      f"in {old['path']}.")
-        return self.plan
 
 
 def loose_snapshot(store):
@@ -1727,15 +2058,13 @@ def execute_runs(ctx, store, story_id_, commands, after_seq):
     records = []
     for check, cmd in commands:
         label = f"frozen check {check + 1}" if check is not None else "verification"
-        ctx.say(f"fablize: running {label} for {story_id_}: {one_line(cmd)}")
-        if stream is sys.stdout:
-            sys.stdout.flush()
+        ctx.out.progress(f"fablize: running {label} for {story_id_}: {one_line(cmd)}")
         tmp_log = os.path.join(runs_dir, f".run-{os.getpid()}-{os.urandom(4).hex()}.log")
         started = now_iso()
         record = run_check(cmd, store.root, ctx.timeout, stream, tmp_log)
         record.update(id=story_id_, check=check, after_seq=after_seq, started=started,
                       git_head=head, git_dirty=dirty, tmp_log=tmp_log)
-        ctx.say(f"fablize: {label} {'passed' if run_passed(record) else 'FAILED'} — "
+        ctx.out.progress(f"fablize: {label} {'passed' if run_passed(record) else 'FAILED'} — "
                 f"{run_result(record)}")
         records.append(record)
     return records
@@ -1771,10 +2100,11 @@ def run_result(run):
     return f"{describe_exit(run)}{took}, {run.get('bytes')} bytes"
 
 
-def completion_command(ctx, plan, story):
-    cmd = f"{ctx.prog} checkpoint --id {story['id']} --status complete --evidence \"<evidence>\""
+def completion_command(prog, plan, story):
+    """The checkpoint that completes `story`, as its gate will accept it."""
+    cmd = f"{prog} checkpoint --id {story['id']} --status complete --evidence \"<evidence>\""
     if story["agent"]:
-        cmd += f" --agent {one_line(story['agent'])}"
+        cmd += f" --agent {quote_arg(story['agent'])}"
     if story["checks"]:
         return cmd
     if is_final(plan, story):
@@ -1883,7 +2213,7 @@ def render_handoff(ctx, plan, story, reshown):
     lines.append(f"Not achieved yet: {ctx.prog} checkpoint --id {story['id']} --status failed "
                  "--evidence \"<what is missing>\"; impossible as specified: --status blocked "
                  "--evidence \"<why>\", then stop and ask a human.")
-    lines.append("On completion: " + completion_command(ctx, plan, story))
+    lines.append("On completion: " + completion_command(ctx.prog, plan, story))
     return lines
 
 
@@ -1908,24 +2238,70 @@ def status_details(plan, story):
     return details
 
 
-def next_step(ctx, plan):
-    """What to do now, as one line, or None when the plan is done."""
+def next_action(prog, plan, agent=None):
+    """What to do now — the one answer `next`, `status`, `checkpoint`, `decide`, `verdict`, the
+    guard and every refusal give, so no two commands disagree and no suggested command is one a
+    gate then refuses. A dict: kind (done, finish, next, decide, judge, wait), story, command
+    (runnable as printed) and text (one line)."""
     if plan_done(plan):
-        return None
+        return {"kind": "done", "story": None, "command": None, "text": done_line(plan)}
     active = active_stories(plan)
-    if active:
-        s = active[0]
-        return f"finish {s['id']}, then `{ctx.prog} checkpoint --id {s['id']} --status complete ...`"
-    if pick_ready(plan):
-        return f"`{ctx.prog} next`"
-    blocked = [s["id"] for s in plan["goals"] if s["status"] == "blocked"]
+    mine = [s for s in active if agent is None or s["agent"] == agent]
+    if mine:
+        s = mine[0]
+        command = completion_command(prog, plan, s)
+        return {"kind": "finish", "story": s["id"], "command": command,
+                "text": f"finish {s['id']}, then `{command}`"}
+    ready = pick_ready(plan)
+    if ready is not None:
+        command = f"{prog} next" + (f" --agent {quote_arg(agent)}" if agent is not None else "")
+        return {"kind": "next", "story": ready["id"], "command": command,
+                "text": f"`{command}` (activates {ready['id']})"}
+    blocked = [s for s in plan["goals"] if s["status"] == "blocked"]
     if blocked:
-        return (f"{blocked[0]} is blocked — a human decides: `{ctx.prog} decide --id {blocked[0]} "
-                "accept|retry|amend --note \"…\"`")
-    review = [s["id"] for s in plan["goals"] if s["status"] == "review"]
+        s = blocked[0]
+        command = f"{prog} decide --id {s['id']} accept|retry|amend --note \"<why>\""
+        reason = one_line(last_chars(s["blocked_reason"] or "no reason given", 200))
+        return {"kind": "decide", "story": s["id"], "command": command,
+                "text": f"{s['id']} is blocked ({reason}) — the plan halts here: nothing that "
+                        f"depends on it can start. A human must decide: {command}"}
+    review = [s for s in plan["goals"] if s["status"] == "review"]
     if review:
-        return f"{review[0]} awaits a judge: `{ctx.prog} judge-packet --id {review[0]}`"
-    return None
+        s = review[0]
+        command = f"{prog} judge-packet --id {s['id']}"
+        return {"kind": "judge", "story": s["id"], "command": command,
+                "text": f"{s['id']} awaits an independent judge: hand {s['id']} to the judge, who "
+                        f"runs `{command}`"}
+    held = ", ".join(f"{s['id']} ({one_line(s['agent'] or 'no agent')})" for s in active)
+    return {"kind": "wait", "story": None, "command": None,
+            "text": f"nothing is ready{' for agent ' + one_line(agent) if agent else ''}: in "
+                    f"progress {held}; the rest waits for them"}
+
+
+def quote_arg(text):
+    """A word for a printed command line, quoted for a POSIX shell when it needs to be."""
+    text = one_line(text)
+    return text if re.fullmatch(r"[\w./:@%+=,-]+", text, re.A) else \
+        "'" + text.replace("'", "'\\''") + "'"
+
+
+def plan_summary(plan):
+    """The counts every command's --json carries: `done` is always a count."""
+    return {"done": done_count(plan), "total": len(plan["goals"]), "complete": plan_done(plan)}
+
+
+def left_line(plan, prog):
+    """After a transition: what is left and what to do next, in one line."""
+    action = next_action(prog, plan)
+    if action["kind"] == "done":
+        return action["text"]
+    left = len(plan["goals"]) - done_count(plan)
+    return f"fablize: {left} {'story' if left == 1 else 'stories'} left — next: {action['text']}"
+
+
+def next_line(prog, plan):
+    action = next_action(prog, plan)
+    return action["text"] if action["kind"] == "done" else f"fablize: next — {action['text']}"
 
 
 def done_line(plan):
@@ -1991,73 +2367,79 @@ def format_event(ev):
 # Audit: replaying the whole ledger ##########################################
 
 
-def audit_ledger(data, snapshot_raw, since=None, require_independent=False):
-    """Replay every line; returns a report dict. Raises FablizeError(exit 3) at the first line
-    that cannot be trusted, naming it and why."""
-    from hashlib import sha256  # OpenSSL's is several times faster on long ledgers
-    lines = data.split(b"\n")
-    torn = lines.pop()  # b"" when the ledger ends with a newline
-    if not torn and lines and parse_event(lines[-1]) is None:
-        torn = lines.pop()  # an unparsable last line is a torn write too
-    plan, head = None, ZERO_HASH
-    since_seq, since_hash, since_found = None, None, since is None
-    if since is not None:
-        seq_text, _, since_hash = since.rpartition(":")
-        since_hash = since_hash.strip().lower()
-        if seq_text:
-            if not (seq_text.isascii() and seq_text.isdigit()):
-                raise usage("--since takes HASH or SEQ:HASH (as `audit` prints its head).")
-            since_seq = int(seq_text)
-    snap = None
-    if snapshot_raw is not None:
-        try:
-            snap = load_json(snapshot_raw)
-            validate_snapshot(snap)
-        except ValueError:
-            raise damaged(f"{SNAPSHOT} is not valid JSON.", "bad_snapshot")
-        if snap.get("digest") != canonical_digest(snap):
-            raise damaged(f"{SNAPSHOT} was changed outside fablize: its digest does not match its "
-                          "content.", "snapshot_edited")
-    snap_seq = snap.get("ledger", {}).get("seq") if isinstance(snap, dict) else None
+def parse_since(since):
+    """--since [SEQ:]HASH as (seq or None, hash); a malformed pin is a usage error."""
+    seq_text, _, pin = since.rpartition(":")
+    pin = pin.strip().lower()
+    if not re.fullmatch(r"[0-9a-f]{64}", pin, re.A) or \
+            (seq_text and not (seq_text.isascii() and seq_text.isdigit())):
+        raise usage("--since takes HASH or SEQ:HASH (as `audit` prints its head: 64 hex digits, "
+                    f"optionally after the event number) — not {one_line(since)[:80]!r}.",
+                    "bad_since")
+    return (int(seq_text) if seq_text else None), pin
+
+
+def audit_ledger(source, snapshot_raw, since=None, require_independent=False, runs_dir=None):
+    """Replay every line of `source` (a Ledger, or a ledger's bytes), streaming; returns a report
+    dict. Raises FablizeError(exit 3) at the first line that cannot be trusted, naming it and
+    why. With `runs_dir`, each run's log found there is checked against its recorded digest."""
+    ledger = MemoryLedger(source) if isinstance(source, bytes) else source
+    end, torn = ledger.end() if ledger.fd is not None else (0, b"")
+    if not torn and end:
+        last = ledger.last(end)
+        if parse_event(last) is None:  # an unparsable last line is a torn write too
+            end, torn = end - len(last) - 1, last
+    since_seq, since_hash = parse_since(since) if since is not None else (None, None)
+    since_found = since is None
+    snap = parse_snapshot(snapshot_raw) if snapshot_raw is not None else None
+    if snap is not None and is_original_snapshot(snap):
+        raise stripped_snapshot_error()  # beside a chained ledger (else refuse_original said so)
+    snap_seq = snap["ledger"]["seq"] if snap is not None else None
     snap_view = None
-    independence, run_logs = [], []
-    for lineno, (line, ev) in enumerate(zip(lines, parse_in_chunks(lines, data)), 1):
-        if type(ev) is not dict:
-            raise damaged(f"{LEDGER} line {lineno}: not a ledger event (unparsable or missing "
-                          "seq/event) — damaged or edited.", "bad_line")
-        if ev.get("seq") != lineno:  # a seq of another type is not equal either
-            raise damaged(f"{LEDGER} line {lineno}: seq is {one_line(repr(ev.get('seq')))}, "
-                          f"expected {lineno} — a line was deleted, duplicated or moved.", "bad_seq")
-        if ev.get("prev") != head:
-            raise damaged(f"{LEDGER} line {lineno}: the hash chain is broken — its prev does not "
-                          f"match line {lineno - 1}, so an earlier line was changed, removed or "
-                          "reordered.", "broken_chain")
-        plan = replay_line(plan, ev, lineno)
-        if ev["event"] == "verify_run" and type(ev.get("log")) is str:
-            run_logs.append((lineno, ev["log"], ev.get("sha256")))
-        if require_independent and ev["event"] == "verdict":  # a verdict leaves executor as it was
-            story = find_story(plan, ev["id"])
-            if story["executor"] is None or story["executor"] == ev.get("agent"):
+    present = set(os.listdir(runs_dir)) if runs_dir and os.path.isdir(runs_dir) else set()
+    independence, bad_logs, run_logs = [], [], []
+    counts = {"runs": 0, "missing_logs": 0}
+    digest = fast_sha256()
+
+    def on_event(replay, line, ev):
+        nonlocal since_found, snap_view
+        lineno, kind = replay.seq, ev["event"]
+        if kind == "verify_run":
+            counts["runs"] += 1
+            name = ev["log"].partition("/")[2]
+            if name in present:
+                content = read_state_file(os.path.join(runs_dir, name))
+                run_logs.append((lineno, ev["log"], ev["sha256"]))
+                if content is None or digest(content) != ev["sha256"]:
+                    bad_logs.append(line_error(lineno, f"{one_line(ev['log'])} does not match the "
+                                               "sha256 recorded for that run — the log was edited "
+                                               "or replaced.", "run_log_mismatch"))
+            else:
+                counts["missing_logs"] += 1
+        elif require_independent and kind == "verdict":  # a verdict leaves executor as it was
+            story = find_story(replay.plan, ev["id"])
+            if story["executor"] is None or story["executor"] == ev["agent"]:
                 independence.append(f"line {lineno}: {story['id']} judged by "
-                                    f"{one_line(ev.get('agent'))}, executor "
+                                    f"{one_line(ev['agent'])}, executor "
                                     f"{one_line(story['executor'] or 'unnamed')}")
-        head = sha256(line).hexdigest()
-        if since_found is False and (since_seq == lineno or (since_seq is None
-                                                              and head == since_hash)):
-            if head != since_hash:
+        if not since_found and (since_seq == lineno or (since_seq is None
+                                                         and replay.head == since_hash)):
+            if replay.head != since_hash:
                 raise damaged(f"{LEDGER} line {lineno} no longer hashes to {since_hash[:16]}… "
                               "(--since): history before it was rewritten.", "history_rewritten")
             since_found = True
         if lineno == snap_seq:
-            plan["ledger"] = {"seq": lineno, "head": head}
-            snap_view = json.loads(dumps(plan))
+            replay.plan["ledger"] = replay.position()
+            snap_view = json.loads(dumps(replay.plan))
+
+    replay = replay_all(ledger, end, on_event)
+    plan = replay.plan
     if plan is None:
         if snap is not None:
-            raise damaged(f"{SNAPSHOT} reflects event {snap_seq} but {LEDGER} is empty or "
-                          "missing.", "disagree")
+            raise position_error(snap_seq, 0)
         raise refused("no plan — run `create` first.", "no_plan")
-    first = parse_event(lines[0]) if lines else None
-    replaced = first.get("replaces") if first else None
+    first = parse_event(next(ledger.batches(end))[0])
+    replaced = first.get("replaces")
     if not since_found and isinstance(replaced, dict) and replaced.get("head") == since_hash \
             and since_seq in (None, replaced.get("seq")):
         since_found = True  # the head was the last event of the plan `create --force` archived
@@ -2065,47 +2447,31 @@ def audit_ledger(data, snapshot_raw, since=None, require_independent=False):
         where = f"line {since_seq} does not exist" if since_seq else "no line hashes to it"
         raise damaged(f"--since {since_hash[:16]}…: {where} — the ledger was truncated or "
                       "re-written from scratch.", "history_rewritten")
-    plan["ledger"] = {"seq": len(lines), "head": head}
-    if not fits(plan, _PLAN_CHECK):
-        for lineno, ev in enumerate(parse_in_chunks(lines, data), 1):
-            check_event(ev, lineno)
-        where = misfit(plan, PLAN_SPEC).lstrip(".")
-        raise damaged(f"the replay of {LEDGER} gives a malformed plan ({where}).", "bad_event")
-    report = {"events": len(lines), "head": f"{len(lines)}:{head}", "torn_tail_bytes": len(torn),
-              "snapshot": "missing", "plan": plan, "independence": independence,
+    plan["ledger"] = replay.position()
+    report = {"events": replay.seq, "head": f"{replay.seq}:{replay.head}",
+              "torn_tail_bytes": len(torn), "snapshot": "missing", "plan": plan,
+              "independence": independence, "runs": counts["runs"],
+              "missing_logs": counts["missing_logs"], "bad_logs": bad_logs,
               "run_logs": run_logs}
     if snap is not None:
-        if snap_view is None:
-            raise damaged(f"{SNAPSHOT} reflects event {snap_seq}, which the ledger does not "
-                          "contain.", "disagree")
+        if replay.seq < snap_seq:
+            raise position_error(snap_seq, replay.seq)
+        if snap["schema_version"] < SNAPSHOT_VERSION:
+            if snap_view["ledger"]["head"] != snap["ledger"]["head"]:
+                raise damaged(f"{SNAPSHOT} and {LEDGER} disagree at event {snap_seq}.",
+                              "snapshot_mismatch")
+            report["snapshot"] = "in the format of fablize 1 (the next writing command " \
+                                 "rewrites it)"
+            return report
         mismatch = first_difference(snap_view, {k: v for k, v in snap.items() if k != "digest"})
         if mismatch:
             raise damaged(f"{SNAPSHOT} disagrees with the replay of {LEDGER} up to line {snap_seq}: "
                           f"{mismatch}.", "snapshot_mismatch")
-        behind = len(lines) - snap_seq
-        report["snapshot"] = "in sync" if not behind else f"{behind} events behind (rolled " \
-                                                          "forward by the next command)"
+        behind = replay.seq - snap_seq
+        report["snapshot"] = "in sync" if not behind else \
+            f"{behind} event{'s' if behind > 1 else ''} behind (rolled forward by the next " \
+            "writing command)"
     return report
-
-
-def parse_in_chunks(lines, data, size=4096):
-    """parse_events over a long ledger a slice at a time: memory stays flat and each slice's
-    events are freed as the replay moves on."""
-    surrogates = has_surrogate_escape(data)  # one scan of the whole ledger, not one a slice
-    for start in range(0, len(lines), size):
-        yield from parse_events(lines[start:start + size], surrogates)
-
-
-def parse_events(lines, surrogates=None):
-    """parse_event for every line; the whole ledger in one json call when it is all well
-    formed (JSON strings never hold a raw newline, so the lines join into one array)."""
-    try:
-        events = load_json("[" + b",".join(lines).decode("utf-8") + "]", surrogates)
-    except ValueError:
-        events = None
-    if events is not None and len(events) == len(lines):
-        return events  # the replay checks each is an event (cheaper there than a second pass)
-    return [parse_event(line) for line in lines]
 
 
 def first_difference(expected, actual, path=""):
@@ -2145,12 +2511,7 @@ PLAN_EXISTS = "a plan already exists. Check it with `status`, or replace it with
 
 
 def has_plan_files(store):
-    if os.path.lexists(store.path(SNAPSHOT)):
-        return True
-    try:
-        return os.lstat(store.path(LEDGER)).st_size > 0
-    except FileNotFoundError:
-        return False
+    return store.has_plan_files()
 
 
 def open_plan(ctx, exclusive=True):
@@ -2238,7 +2599,8 @@ def cmd_create(ctx, a):
               "options": {"rounds": a.rounds, "require_run": a.require_run},
               "unverifiable": unverifiable}
     # judge the new plan before anything moves: a bad one must not archive the old one
-    apply_event(None, dict(fields, seq=1, ts=now_iso(), event="plan_created"))
+    apply_event(None, dict(fields, seq=1, ts=now_iso(), event="plan_created", prev=ZERO_HASH,
+                           replaces=None))
     store.create_dir()
     with store.session() as s:
         replaces = None
@@ -2260,26 +2622,13 @@ def cmd_create(ctx, a):
 
 
 def stuck_error(ctx, plan, agent):
-    """Why `next` has nothing to hand out (the plan is not done)."""
-    active = active_stories(plan)
-    blocked = [s for s in plan["goals"] if s["status"] == "blocked"]
-    review = [s for s in plan["goals"] if s["status"] == "review"]
-    if blocked:
-        s = blocked[0]
-        reason = one_line(last_chars(s["blocked_reason"] or "no reason given", 200))
-        held = f" ({', '.join(x['id'] for x in active)} still in progress)" if active else ""
-        return refused(f"{s['id']} is blocked ({reason}) — the plan halts here: nothing that depends "
-                       f"on it can start{held}. A human must decide: {ctx.prog} decide --id "
-                       f"{s['id']} accept|retry|amend --note \"…\"", "halted")
-    if review:
-        s = review[0]
-        return refused(f"{s['id']} awaits an independent judge (review); nothing else is ready. "
-                       f"Judge it: {ctx.prog} judge-packet --id {s['id']}", "awaiting_review")
-    if active:
-        held = ", ".join(f"{s['id']} ({one_line(s['agent'] or 'no agent')})" for s in active)
-        return refused(f"nothing is ready for agent {one_line(agent)}: in progress {held}; the rest "
-                       "waits for them.", "nothing_ready")
-    return refused("nothing is ready.", "nothing_ready")
+    """Why `next` has nothing to hand out (the plan is not done): the plan's next action."""
+    action = next_action(ctx.prog, plan, agent)
+    if action["kind"] == "decide":
+        return refused(action["text"], "halted")
+    if action["kind"] == "judge":
+        return refused(action["text"] + ".", "awaiting_review")
+    return refused(action["text"] + ".", "nothing_ready")
 
 
 def cmd_next(ctx, a):
@@ -2298,7 +2647,7 @@ def cmd_next(ctx, a):
             if story is None:
                 if plan_done(plan):
                     ctx.say(done_line(plan))
-                    ctx.data.update(done=True, story=None, plan=plan_json(plan))
+                    ctx.data.update(plan_summary(plan), story=None, plan=plan_json(plan))
                     return
                 raise stuck_error(ctx, plan, agent)
             s.commit("story_started", id=story["id"], title=story["title"],
@@ -2308,37 +2657,22 @@ def cmd_next(ctx, a):
     lines = render_handoff(ctx, plan, story, reshown)
     for line in lines:
         ctx.say(line)
-    ctx.data.update(done=False, activated=not reshown, story=story_json(plan, story),
+    ctx.data.update(plan_summary(plan), activated=not reshown, story=story_json(plan, story),
                     handoff="\n".join(clean(x) for x in lines))
 
 
 def say_after_checkpoint(ctx, plan, story):
-    sid = story["id"]
-    status = story["status"]
+    sid, status = story["id"], story["status"]
     if status == "failed":
         ctx.say(f"fablize: {sid} → failed (round {story['round']}; {rounds_left(plan, story)} left) — "
                 f"`{ctx.prog} next` reopens it as round {story['round'] + 1} with what was missing.")
     elif status == "blocked":
-        ctx.say(f"fablize: {sid} → blocked — a human must decide: {ctx.prog} decide --id {sid} "
-                "accept|retry|amend --note \"…\"")
+        ctx.say(f"fablize: {sid} → blocked — a human must decide.")
     elif status == "review":
-        ctx.say(f"fablize: {sid} → review — an independent judge decides: {ctx.prog} judge-packet "
-                f"--id {sid}")
+        ctx.say(f"fablize: {sid} → review — an independent judge decides.")
     else:
         ctx.say(f"fablize: {sid} → {status}")
-    if plan_done(plan):
-        ctx.say(done_line(plan))
-        return
-    left = [s for s in plan["goals"] if s["status"] not in DONE]
-    blocked = [s["id"] for s in left if s["status"] == "blocked"]
-    if blocked:
-        ctx.say(f"fablize: {len(left)} stories left — {', '.join(blocked)} blocked: what depends on "
-                f"it waits for a human decision: {ctx.prog} decide --id {blocked[0]} "
-                "accept|retry|amend --note \"…\"")
-    elif active_stories(plan) or pick_ready(plan):
-        ctx.say(f"fablize: {len(left)} stories left — continue with `next`.")
-    else:
-        ctx.say(f"fablize: {len(left)} stories left — next: {next_step(ctx, plan)}")
+    ctx.say(left_line(plan, ctx.prog))
 
 
 def cmd_checkpoint(ctx, a):
@@ -2389,7 +2723,8 @@ def cmd_checkpoint(ctx, a):
             plan = s.plan
     story = find_story(plan, a.id)
     say_after_checkpoint(ctx, plan, story)
-    ctx.data.update(story=story_json(plan, story), runs=runs, done=plan_done(plan))
+    ctx.data.update(plan_summary(plan), story=story_json(plan, story), runs=runs,
+                    next=next_action(ctx.prog, plan))
 
 
 def cmd_status(ctx, a):
@@ -2397,14 +2732,13 @@ def cmd_status(ctx, a):
         if a.resume:
             return
         raise refused("no plan — run `create` first.", "no_plan")
-    with ctx.store.session() as s:
+    with ctx.store.session(exclusive=False, imports=True) as s:
         plan = s.load()
     if plan is None:
         if a.resume:
             return
         raise refused("no plan — run `create` first.", "no_plan")
-    done = sum(1 for x in plan["goals"] if x["status"] in DONE)
-    ctx.say(f"fablize: {done}/{len(plan['goals'])} complete — {defused_line(plan['brief'])}")
+    ctx.say(f"fablize: {done_count(plan)}/{len(plan['goals'])} complete — {defused_line(plan['brief'])}")
     for story in plan["goals"]:
         ctx.say(f"  {MARKS[story['status']]} {story['id']} [{story['status']}] {defused_line(story['title'])}")
         for detail in status_details(plan, story):
@@ -2412,15 +2746,14 @@ def cmd_status(ctx, a):
     for u in plan["unverifiable"]:
         ctx.say(f"  ⚠ {u['id']} check {u['check'] + 1} cannot run here: `{one_line(u['cmd'])}` — "
                 f"{one_line(u['reason'])}")
-    step = next_step(ctx, plan)
-    ctx.say(done_line(plan) if step is None else f"fablize: next — {step}")
+    ctx.say(next_line(ctx.prog, plan))
     if a.resume:
         for story in active_stories(plan):
             ctx.say("")
             for line in render_handoff(ctx, plan, story, True):
                 ctx.say(line)
     if ctx.json:
-        ctx.data.update(plan_json(plan))
+        ctx.data.update(plan_json(plan), next=next_action(ctx.prog, plan))
 
 
 def cmd_verify(ctx, a):
@@ -2457,8 +2790,7 @@ def cmd_decide(ctx, a):
     what = {"accept": "accepted — counts as done", "retry": "back to work, rounds reset",
             "amend": "objective amended, back to work"}[a.decision]
     ctx.say(f"fablize: {a.id} → {story['status']} ({what}; decision recorded in the ledger).")
-    step = next_step(ctx, plan)
-    ctx.say(done_line(plan) if step is None else f"fablize: next — {step}")
+    ctx.say(next_line(ctx.prog, plan))
     ctx.data.update(story=story_json(plan, story))
 
 
@@ -2495,19 +2827,20 @@ def cmd_add(ctx, a):
 def cmd_audit(ctx, a):
     with open_plan(ctx, exclusive=False) as s:
         s.refuse_original()
-        data = s.store.ledger_bytes()
-        snapshot = read_state_file(s.store.path(SNAPSHOT))
-    report = audit_ledger(data, snapshot, a.since, a.require_independent_judge)
+        snapshot = read_state_file(s.store.path(SNAPSHOT))  # before the ledger, as every reader
+        s.ledger.open()
+        report = audit_ledger(s.ledger, snapshot, a.since, a.require_independent_judge,
+                              runs_dir=s.store.path(RUNS))
     plan = report.pop("plan")
-    missing_logs, bad_logs = check_run_logs(ctx.store, report.pop("run_logs"))
+    bad_logs = report.pop("bad_logs")
+    report.pop("run_logs")
     if bad_logs:
-        raise damaged(bad_logs[0], "run_log_mismatch")
-    report.update(missing_logs=missing_logs, complete=plan_done(plan),
-                  done=sum(1 for x in plan["goals"] if x["status"] in DONE),
-                  total=len(plan["goals"]), brief=plan["brief"])
+        raise bad_logs[0]
+    missing_logs = report["missing_logs"]
+    report.update(plan_summary(plan), brief=plan["brief"])
     ctx.data.update(report)
-    ctx.say(f"fablize: audit ok — {report['events']} events, hash chain intact, every event legal "
-            f"when replayed; snapshot {report['snapshot']}.")
+    ctx.say(f"fablize: audit ok — {report['events']} events, hash chain intact, every event what "
+            f"fablize writes and legal when replayed; snapshot {report['snapshot']}.")
     ctx.say(f"  head: {report['head']}   (keep it; `audit --since` proves later history only grew)")
     ctx.say(f"  plan: {report['done']}/{report['total']} done — {defused_line(plan['brief'])}")
     if report["torn_tail_bytes"]:
@@ -2527,43 +2860,22 @@ def cmd_audit(ctx, a):
         raise refused("audit: trusted but incomplete — " + ", ".join(left), "incomplete")
 
 
-def check_run_logs(store, run_logs):
-    """Compare each run's recorded digest with its log file where the file exists; `run_logs`
-    is audit's list of (line, log path, sha256)."""
-    missing, bad = 0, []
-    for lineno, log, digest in run_logs:
-        path = os.path.join(store.dir, log)
-        if os.path.commonpath([os.path.abspath(path), store.dir]) != store.dir:
-            bad.append(f"{LEDGER} line {lineno}: run log path {one_line(log)} leaves the state "
-                       "directory.")
-            continue
-        try:
-            content = read_state_file(path)
-        except FablizeError as e:
-            bad.append(f"{LEDGER} line {lineno}: {e.message}")
-            continue
-        if content is None:
-            missing += 1
-        elif sha256_hex(content) != digest:
-            bad.append(f"{LEDGER} line {lineno}: {log} does not match the sha256 recorded for "
-                       "that run — the log was edited or replaced.")
-    return missing, bad
-
-
 def cmd_rebuild(ctx, a):
     with open_plan(ctx) as s:
         s.refuse_original()
-        fd = s.ledger_fd()
-        if fd is None:
+        if s.ledger.open() is None:
             raise refused("no plan — run `create` first.", "no_plan")
         old = loose_snapshot(s.store)
         position = old.get("ledger") if old else None
         # a last line the old snapshot reflects was acknowledged: damage, not a torn write
         reflected = position if isinstance(position, dict) and type(position.get("seq")) is int \
             else {"seq": 0}
-        s.cut_torn_tail(fd, {"ledger": reflected})
-        report = audit_ledger(s.store.ledger_bytes(), None)
-        plan = report["plan"]
+        end = s.cut_torn_tail({"ledger": reflected})
+        replay = replay_all(s.ledger, end)
+        plan = replay.plan
+        if plan is None:
+            raise refused("no plan — run `create` first.", "no_plan")
+        plan["ledger"] = replay.position()
         target = s.store.path(SNAPSHOT)
         kept = None
         if os.path.lexists(target):
@@ -2571,30 +2883,28 @@ def cmd_rebuild(ctx, a):
                 f"{target}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.bak"))
             os.replace(target, s.store.path(kept))
         s.save_snapshot(plan)
-    ctx.say(f"fablize: rebuilt {SNAPSHOT} from {report['events']} ledger events"
+    ctx.say(f"fablize: rebuilt {SNAPSHOT} from {replay.seq} ledger events"
             + (f"; the old one is kept as {kept}." if kept else "."))
-    ctx.data.update(events=report["events"], kept=kept, plan=plan_json(plan))
+    ctx.data.update(events=replay.seq, kept=kept, plan=plan_json(plan))
 
 
 def cmd_log(ctx, a):
+    events = []
+
+    def pick(replay, line, ev):
+        if a.id is None or ev.get("id") == a.id or ev["event"] == "plan_created" or \
+                (ev["event"] == "story_added" and ev["story"]["id"] == a.id):
+            events.append(ev)
+
     with open_plan(ctx, exclusive=False) as s:
         s.refuse_original()
-        data = s.store.ledger_bytes()
-    events = []
-    for lineno, line in enumerate(data.split(b"\n")[:-1], 1):
-        ev = parse_event(line)
-        if ev is None:
-            raise damaged(f"{LEDGER} line {lineno} is not a ledger event — run `goals.py audit`.",
-                          "bad_line")
-        check_event(ev, lineno)
-        if a.id is None or ev.get("id") == a.id or \
-                (ev["event"] == "story_added" and ev.get("story", {}).get("id") == a.id) or \
-                (ev["event"] == "plan_created" and a.id is not None):
-            events.append(ev)
-    if not events:
+        if s.ledger.open() is None:
+            raise refused("no plan — run `create` first.", "no_plan")
+        replay = replay_all(s.ledger, s.good_end(None), pick)
+    if replay.plan is None:
         raise refused("no plan — run `create` first.", "no_plan")
-    if a.id is not None and len(events) == 1:
-        raise refused(f"{a.id} not found.", "not_found")  # only plan_created names no story
+    if a.id is not None:
+        find_story(replay.plan, a.id)
     for ev in events:
         ctx.say(format_event(ev))
     ctx.data["events"] = events
@@ -2604,36 +2914,43 @@ def guard_verdict(ctx, payload):
     """(reason to block or None, message for the user or None) for a Stop hook."""
     cwd = payload.get("cwd") if isinstance(payload.get("cwd"), str) else os.getcwd()
     if ctx.args.dir is None and not os.environ.get("FABLIZE_DIR"):
-        ctx.store = Store(*find_state_dir(None, cwd), ctx.out)
+        ctx.store = Store(*find_state_dir(None, cwd), ctx.out.warnings)
     if not ctx.store.exists():
         return None, None
+    with ctx.store.session(exclusive=False) as s:
+        if guard_reason(ctx, s.load(), payload) is None:
+            return None, None  # most stops: decided without the lock, nothing written
     with ctx.store.session() as s:
         plan = s.load()
-        if plan is None or plan_done(plan):
-            return None, None
-        active = active_stories(plan)
-        ready = pick_ready(plan)
-        if not active and ready is None:
-            return None, None  # halted on a blocked story or a verdict: a human's or judge's turn
-        limit = guard_limit()
-        repeat = payload.get("stop_hook_active") is True
-        blocks = plan["guard"]["blocks"] if repeat else 0
-        if blocks >= limit:
-            return None, (f"fablize guard: let the agent stop after {blocks} blocks in a row; the "
-                          "plan is not finished — run `status`.")
-        cli = ctx.cli
-        if active:
-            story = active[0]
-            reason = (f"fablize: {story['id']} \"{defused_line(story['title'])}\" is still in progress. "
-                      f"Finish it, then run: {cli} checkpoint --id {story['id']} --status complete "
-                      "--evidence \"<what you did and saw>\" (or --status failed / blocked with "
-                      "the reason).")
-        else:
-            reason = (f"fablize: the plan is not finished — {ready['id']} \"{defused_line(ready['title'])}\""
-                      f" is ready. Run: {cli} next")
-        reason += f" [guard block {blocks + 1} of at most {limit} in a row]"
-        s.commit("guard_block", reason=reason, fresh=not repeat)
+        reason = guard_reason(ctx, plan, payload)
+        if reason is None or reason.startswith("fablize guard:"):
+            return None, reason
+        s.commit("guard_block", reason=reason, fresh=payload.get("stop_hook_active") is not True)
         return reason, None
+
+
+def guard_reason(ctx, plan, payload):
+    """Why the agent may not stop now (its next action), a note that the guard lets go after
+    too many blocks in a row, or None."""
+    if plan is None:
+        return None
+    action = next_action(ctx.cli, plan)
+    if action["kind"] not in ("finish", "next"):
+        return None  # done, or halted on a human's or a judge's turn
+    limit = guard_limit()
+    blocks = plan["guard"]["blocks"] if payload.get("stop_hook_active") is True else 0
+    if blocks >= limit:
+        return (f"fablize guard: let the agent stop after {blocks} blocks in a row; the plan is "
+                "not finished — run `status`.")
+    story = find_story(plan, action["story"])
+    if action["kind"] == "finish":
+        reason = (f"fablize: {story['id']} \"{defused_line(story['title'])}\" is still in "
+                  f"progress. Finish it, then run: {action['command']} (or --status failed / "
+                  "blocked with the reason).")
+    else:
+        reason = (f"fablize: the plan is not finished — {story['id']} "
+                  f"\"{defused_line(story['title'])}\" is ready. Run: {action['command']}")
+    return reason + f" [guard block {blocks + 1} of at most {limit} in a row]"
 
 
 def guard_limit():
@@ -2671,7 +2988,10 @@ def md_cell(text, limit=120):
     return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;").replace("`", "'")
 
 
-def render_report(plan, runs):
+REPORT_RUNS = 100  # the latest runs a report lists; the ledger holds the rest
+
+
+def render_report(plan, runs, total=None):
     goals = plan["goals"]
     done = sum(1 for s in goals if s["status"] in DONE)
     filled = round(20 * done / len(goals))
@@ -2685,6 +3005,8 @@ def render_report(plan, runs):
     if runs:
         lines += ["", "## Verification runs", "",
                   "| Event | Story | Command | Result | Duration | Output sha256 |", "|---|---|---|---|---|---|"]
+        if total and total > len(runs):
+            lines[-3] += f" — the latest {len(runs)} of {total} (`log` lists them all)"
         for r in runs:
             lines.append(f"| {r['seq']} | {r['id']} | `{md_cell(r['cmd'], 80)}` | "
                          f"{'pass' if run_passed(r) else 'FAIL'}: {md_cell(describe_exit(r))} | "
@@ -2696,9 +3018,7 @@ def render_report(plan, runs):
     for s in goals:
         for dep in s["after"]:
             lines.append(f"  {dep} --> {s['id']}")
-    colours = {"complete": "#c8e6c9", "accepted": "#dcedc8", "in_progress": "#fff59d",
-               "pending": "#eeeeee", "failed": "#ffcdd2", "blocked": "#ef9a9a", "review": "#bbdefb"}
-    lines += [f"  classDef {k} fill:{v}" for k, v in colours.items()]
+    lines += [f"  classDef {k} fill:{row[2]}" for k, row in STATUS_TABLE.items()]
     lines += ["```", "", f"Ledger head: `{plan['ledger']['seq']}:{plan['ledger']['head']}` "
               f"(plan `{plan['plan_id']}`)", ""]
     return "\n".join(lines)
@@ -2707,14 +3027,16 @@ def render_report(plan, runs):
 def cmd_report(ctx, a):
     with open_plan(ctx, exclusive=False) as s:
         plan = s.require_plan()
-        data = s.store.ledger_bytes()
-    runs = []
-    for lineno, line in enumerate(data.split(b"\n"), 1):
-        ev = parse_event(line) if b'"verify_run"' in line else None
-        if ev and ev["event"] == "verify_run":
-            check_event(ev, lineno)
-            runs.append(ev)
-    text = render_report(plan, runs)
+        runs = collections.deque(maxlen=REPORT_RUNS)
+        total = [0]
+
+        def keep(replay, line, ev):
+            if ev["event"] == "verify_run":
+                total[0] += 1
+                runs.append(ev)
+
+        replay_all(s.ledger, s.good_end(None), keep)  # the whole history, checked as audit does
+    text = render_report(plan, list(runs), total[0])
     target = a.out or os.environ.get("GITHUB_STEP_SUMMARY")
     if target:
         with open(target, "wb" if a.out else "ab+") as f:
@@ -2851,48 +3173,63 @@ def cmd_install_block(ctx, a):
         backup = target + ".fablize-backup"
         if os.path.islink(backup):
             raise refused(f"{backup} is a symlink — refusing to write through it.", "symlink")
-        write_file_atomic(backup, raw)
-    write_file_atomic(target, new.encode("utf-8"), st.st_mode & 0o7777 if st else 0o644)
+        write_atomic(backup, raw)
+    write_atomic(target, new.encode("utf-8"), st.st_mode & 0o7777 if st else 0o644)
     fsync_dir(directory)
     verb = "removed the fablize block from" if a.remove else "installed the fablize block in"
     ctx.say(f"fablize: {verb} {target}" + (f" (previous file kept as {backup})" if backup else ""))
     ctx.data.update(path=target, changed=True, backup=backup)
 
 
-def write_file_atomic(path, data, mode=0o644):
-    tmp = f"{path}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_BINARY, mode)
-    try:
-        write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        os.replace(tmp, path)
-    except OSError:
-        os.unlink(tmp)
-        raise
-
-
 # Command line ###############################################################
 
 
 class Output:
-    """Human text to stdout as it happens, or one JSON object at the end (--json)."""
+    """A command's result: the lines it says, its --json data, its warnings (storage's too).
+    Nothing below `main` prints, except the progress of a run while it runs; `main` renders the
+    rest once, as text or as the one JSON object."""
 
     def __init__(self, json_mode):
         self.json = json_mode
+        self.lines = []
         self.data = {}
         self.warnings = []
-        self.raw = False
+        self.raw = None
 
     def say(self, text=""):
-        if not self.json:
-            sys.stdout.write(clean(text) + "\n")
+        self.lines.append(text)
 
     def warn(self, text):
         self.warnings.append(text)
-        sys.stderr.write("fablize: warning: " + clean(text) + "\n")
+
+    def progress(self, text):
+        """A line that must be seen now (a run is starting or has ended): to stdout in text
+        mode, to stderr under --json (stdout carries only the JSON object)."""
+        stream = sys.stderr if self.json else sys.stdout
+        stream.write(clean(text) + "\n")
+        stream.flush()
+
+    def render(self, command, error, code):
+        """The command's result on stdout and stderr."""
+        if self.raw is not None:  # a hook's answer: exactly that object, or nothing
+            if self.raw:
+                sys.stdout.write(json_text(self.raw[0]) + "\n")
+            return
+        if self.json:
+            obj = {"schema_version": SCHEMA_VERSION, "ok": error is None, "command": command}
+            obj.update(self.data)
+            if self.warnings:
+                obj["warnings"] = self.warnings
+            if error is not None:
+                obj["error"] = {"code": error.code, "message": error.message, "exit": code}
+            sys.stdout.write(json_text(obj) + "\n")
+            return
+        if self.lines:
+            sys.stdout.write("".join(clean(line) + "\n" for line in self.lines))
+        for text in self.warnings:
+            sys.stderr.write("fablize: warning: " + clean(text) + "\n")
+        if error is not None:
+            sys.stderr.write("fablize: " + one_line(error.message) + "\n")
 
 
 class Context:
@@ -2917,7 +3254,7 @@ class Context:
     @property
     def store(self):
         if self._store is None:
-            self._store = Store(*find_state_dir(self.args.dir, os.getcwd()), self.out)
+            self._store = Store(*find_state_dir(self.args.dir, os.getcwd()), self.out.warnings)
         return self._store
 
     @store.setter
@@ -2926,9 +3263,7 @@ class Context:
 
     def emit_raw(self, obj):
         """Hook output: exactly this object (or nothing), whatever --json says."""
-        self.out.raw = True
-        if obj is not None:
-            sys.stdout.write(json_text(obj) + "\n")
+        self.out.raw = [obj] if obj is not None else []
 
 
 def quote_path(path):
@@ -3192,7 +3527,7 @@ def main(argv=None):
         code, error = EXIT_OK, None
     except FablizeError as e:
         code, error = e.exit_code, e
-    except BrokenPipeError:  # `goals.py status | head`: the reader left; nothing to report
+    except BrokenPipeError:  # the reader of a run's streamed output left
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
     except OSError as e:  # a failing disk, a full one, a permission: state stays old or new
@@ -3201,21 +3536,11 @@ def main(argv=None):
         return 130
     except SystemExit as e:  # --help and --version
         return e.code if isinstance(e.code, int) else EXIT_OK
-    if out.json and not out.raw:
-        obj = {"schema_version": SCHEMA_VERSION, "ok": error is None, "command": command}
-        obj.update(out.data)
-        if out.warnings:
-            obj["warnings"] = out.warnings
-        if error is not None:
-            obj["error"] = {"code": error.code, "message": error.message, "exit": code}
-        sys.stdout.write(json_text(obj) + "\n")
-    elif error is not None:
-        sys.stderr.write("fablize: " + one_line(error.message) + "\n")
     try:
+        out.render(command, error, code)
         sys.stdout.flush()
-    except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+    except BrokenPipeError:  # `goals.py status | head`: the reader left; nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return code
 
 

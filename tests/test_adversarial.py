@@ -425,11 +425,14 @@ def test_appended_event_off_the_chain_is_refused_when_rolled_forward(fab, fault)
           "verify_cmd": "", "verify_evidence": "",
           "prev": goals.ZERO_HASH if fault == "prev" else goals.sha256_hex(lines[-1])}
     write_lines(fab.dir, lines + [goals.dumps(ev).encode()])
+    # one replay, one message: the commands rolling forward say what audit says
+    code = "bad_seq" if fault == "seq-gap" else "broken_chain"
+    message = f"ledger.jsonl line {seq}: " + (
+        f"seq is {seq + 1}, expected {seq} — a line was deleted" if fault == "seq-gap"
+        else "the hash chain is broken")
     for args in (["status"], ["next"]):
-        refuse(fab, *args, exit=3, code="broken_chain",
-               message=f"ledger.jsonl line {ev['seq']}: the hash chain is broken")
-    audit_fails(fab, code="bad_seq" if fault == "seq-gap" else "broken_chain", line=seq,
-                message="a line was deleted" if fault == "seq-gap" else "the hash chain is broken")
+        refuse(fab, *args, exit=3, code=code, message=message)
+    audit_fails(fab, code=code, line=seq, message=message)
 
 
 def test_forged_checkpoint_for_an_inactive_story_is_refused_on_replay(fab):

@@ -39,6 +39,8 @@ def chain(events):
     lines, prev = [], ZERO
     for seq, ev in enumerate(events, 1):
         ev = dict(ev, seq=seq, prev=prev)
+        if ev.get("log") == "AUTO":  # where the engine writes a run's log
+            ev["log"] = f"runs/{seq}-{ev['id']}.log"
         line = encode(ev)
         prev = hashlib.sha256(line).hexdigest()
         lines.append(line)
@@ -68,8 +70,9 @@ def run_ev(sid, exit_code, after_seq):
     """A run of frozen check 1 (`true`) as the engine records it."""
     return {"event": "verify_run", "id": sid, "check": 0, "cmd": "true", "exit_code": exit_code,
             "signal": None, "timed_out": False, "error": None, "duration_s": 0.01, "bytes": 0,
-            "sha256": hashlib.sha256(b"").hexdigest(), "tail": "", "log": None,
-            "after_seq": after_seq}
+            "sha256": hashlib.sha256(b"").hexdigest(), "tail": "", "log": "AUTO",
+            "after_seq": after_seq, "cwd": "/tmp", "started": "2026-01-01T00:00:00.000000+00:00",
+            "git_head": None, "git_dirty": None}
 
 
 def assert_damaged(r, *needles):
@@ -104,7 +107,7 @@ def test_audit_trusts_an_untouched_ledger_and_prints_its_head(history):
     assert "audit ok — 8 events" in r.out and "snapshot in sync" in r.out
     assert f"head: {head_of(fab.dir)}" in r.out
     j = fab("audit", "--json").json
-    assert j["ok"] is True and j["command"] == "audit" and j["schema_version"] == 1
+    assert j["ok"] is True and j["command"] == "audit" and j["schema_version"] == goals.SCHEMA_VERSION
     assert j["events"] == 8 and j["head"] == head_of(fab.dir)
     assert j["torn_tail_bytes"] == 0 and j["complete"] is False and j["done"] == 1
     assert j["total"] == 3
@@ -255,8 +258,7 @@ def test_audit_catches_a_deleted_line(history, lineno):
 def test_audit_catches_a_deleted_last_line(history):
     fab = history
     write_lines(fab.dir, raw_lines(fab.dir)[:-1])
-    assert_damaged(fab("audit"), "goals.json reflects event 8, which the ledger does not "
-                                      "contain")
+    assert_damaged(fab("audit"), "goals.json reflects event 8 but ledger.jsonl ends at event 7")
 
 
 def test_audit_catches_two_reordered_lines(history):
@@ -634,7 +636,7 @@ def test_log_refuses_a_damaged_line(full_history):
     lines = raw_lines(fab.dir)
     lines[4] = b"not an event"
     write_lines(fab.dir, lines)
-    assert_damaged(fab("log"), "ledger.jsonl line 5 is not a ledger event")
+    assert_damaged(fab("log"), "ledger.jsonl line 5: not a ledger event")
 
 
 # guard: the Stop hook #######################################################

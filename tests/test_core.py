@@ -260,7 +260,7 @@ def test_checkpoint_of_another_story_names_the_blocked_one(fab):
     start(fab, "G002")
     cp = fab("checkpoint", "--id", "G002", "--status", "complete", "--evidence", "done")
     assert cp.code == 0, cp
-    assert "G001 blocked" in cp.out
+    assert "G001 is blocked" in cp.out
     assert_never_all_complete(cp)
 
 
@@ -459,7 +459,7 @@ def check_json(r, ok):
     assert r.out.endswith("\n") and r.out.count("\n") == 1, r
     obj = json.loads(r.out)
     assert isinstance(obj, dict), r
-    assert obj["schema_version"] == 1 and obj["ok"] is ok, r
+    assert obj["schema_version"] == goals.SCHEMA_VERSION and obj["ok"] is ok, r
     if ok:
         assert r.code == 0 and "error" not in obj, r
     else:

@@ -143,7 +143,7 @@ def engine_error_codes():
     refused()/usage()/damaged() calls (their default code when they give none),
     FablizeError(...) calls, and `….code = "…"` reassignments (exit unknown: empty set)."""
     helpers = {"refused": goals.EXIT_REFUSED, "usage": goals.EXIT_USAGE,
-               "damaged": goals.EXIT_DAMAGED}
+               "damaged": goals.EXIT_DAMAGED, "line_error": goals.EXIT_DAMAGED}
     defaults = {name: inspect.signature(getattr(goals, name)).parameters["code"].default
                 for name in helpers}
     codes = {defaults[name]: {exit_code} for name, exit_code in helpers.items()}
@@ -152,7 +152,8 @@ def engine_error_codes():
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             name = node.func.id
             if name in helpers:
-                given = node.args[1] if len(node.args) > 1 else \
+                at = 2 if name == "line_error" else 1  # line_error(lineno, message, code)
+                given = node.args[at] if len(node.args) > at else \
                     next((k.value for k in node.keywords if k.arg == "code"), None)
                 if given is None:
                     code = defaults[name]
@@ -343,7 +344,7 @@ def test_every_environment_variable_the_engine_reads_is_documented():
 def test_readme_names_every_ledger_event_status_and_state_file():
     text = read(README)
     files = section(text, "## Files")
-    for event in goals.TRANSITIONS:
+    for event in goals.EVENTS:
         assert f"`{event}`" in files, f"ledger event {event!r} missing from README"
     for field in ("seq", "ts", "event", "prev", "ledger", "digest"):
         assert f"`{field}`" in files, f"{field!r} missing from README's ledger/snapshot format"

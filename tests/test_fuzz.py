@@ -132,7 +132,7 @@ def check_contract(r, json_mode, raw_output=False):
         assert r.out.endswith("\n") and r.out.count("\n") == 1, r
         obj = json.loads(r.out)
         assert isinstance(obj, dict), r
-        assert obj["schema_version"] == 1 and obj["ok"] is (r.code == 0), r
+        assert obj["schema_version"] == goals.SCHEMA_VERSION and obj["ok"] is (r.code == 0), r
         if r.code:
             assert obj["error"]["exit"] == r.code, r
             assert isinstance(obj["error"]["code"], str) and obj["error"]["code"], r

@@ -295,12 +295,12 @@ def test_lock_fallback_is_an_owner_file_with_the_pid_removed_afterwards(fab, no_
     make_plan(fab, 2)
     owner = fab.dir / "lock.owner"
     seen = []
-    load = goals.Session.load
+    load = goals.Transaction.load
 
     def spy(self):
         seen.append(owner.read_text())
         return load(self)
-    monkeypatch.setattr(goals.Session, "load", spy)
+    monkeypatch.setattr(goals.Transaction, "load", spy)
     assert fab("next").code == 0
     assert seen == [str(os.getpid())]
     assert not owner.exists()

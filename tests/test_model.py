@@ -125,14 +125,17 @@ class MStory:
         self.after = list(after)
         self.checks = list(checks)
         self.judge = judge
-        self.runs = []          # (check index or None, passed) made since the latest activation
+        # {check index, or the command of a --run: (check index or None, passed)}: the latest
+        # run of each since the latest activation (the snapshot keeps no older ones)
+        self.runs = {}
         self.last_run = None    # (check index or None, passed) of the latest run at all
 
     def view(self):
         return {"id": self.id, "status": self.status, "round": self.round,
                 "round_base": self.round_base, "agent": self.agent, "executor": self.executor,
                 "after": self.after, "checks": self.checks, "judge": self.judge,
-                "runs": self.runs, "last_run": self.last_run}
+                "runs": list(self.runs.values()),  # a replaced run moves to the end, as there
+                "last_run": self.last_run}
 
 
 class Model:
@@ -197,7 +200,9 @@ class Model:
             rec = (check, self.passes(cmd))
             s.last_run = rec
             if s.status == "in_progress":  # fresh evidence only: a run counts for this round
-                s.runs.append(rec)
+                key = cmd if check is None else check
+                s.runs.pop(key, None)
+                s.runs[key] = rec
             results.append(rec)
         self.events += len(results)
         return results
@@ -220,7 +225,7 @@ class Model:
             refuse("nothing_ready")
         if self.rounds_left(s) <= 0:
             refuse("rounds_exhausted")
-        s.status, s.round, s.agent, s.runs = "in_progress", s.round + 1, agent, []
+        s.status, s.round, s.agent, s.runs = "in_progress", s.round + 1, agent, {}
         self.events += 1
         return Outcome(events=1, handoff=s.id, activated=True)
 
@@ -563,7 +568,7 @@ class GoalEngineMachine(RuleBasedStateMachine):
             lines = out.getvalue().splitlines()
             self.check(len(lines) == 1, f"--json must print exactly one line: {out.getvalue()!r}")
             obj = json.loads(lines[0])
-            self.check(isinstance(obj, dict) and obj["schema_version"] == 1)
+            self.check(isinstance(obj, dict) and obj["schema_version"] == goals.SCHEMA_VERSION)
         run = Run(full, code, out.getvalue(), err.getvalue(), obj)
         self.log.append(f"{code} {' '.join(repr(a) if ' ' in a or not a else a for a in argv)}")
         return run
@@ -698,7 +703,7 @@ class GoalEngineMachine(RuleBasedStateMachine):
         outcome, run = self.step(argv, as_json, self.expect(self.model.next, agent))
         if outcome.exit_code == 0:
             if outcome.handoff is None:
-                self.check(run.obj["done"] is True if as_json else "all stories" in run.out, run)
+                self.check(run.obj["complete"] is True if as_json else "all stories" in run.out, run)
                 self.check_done_line(run)
             elif as_json:
                 self.check(run.obj["story"]["id"] == outcome.handoff, outcome, run)
@@ -772,7 +777,7 @@ class GoalEngineMachine(RuleBasedStateMachine):
             self.model.checkpoint, sid, status, evidence, agent, verify_cmd, verify_evidence, run))
         if outcome.exit_code == 0:
             if as_json:
-                self.check(r.obj["done"] is self.model.plan_done(), r)
+                self.check(r.obj["complete"] is self.model.plan_done(), r)
                 self.check(r.obj["story"]["status"] == self.model.find(sid).status, r)
             else:
                 self.check(f"fablize: {sid} → {self.model.find(sid).status}" in r.out, r)
