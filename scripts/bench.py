@@ -1,18 +1,25 @@
 #!/usr/bin/env python3
-"""fablize benchmark: each command's cost over a bare interpreter, side by side in one run.
+"""fablize benchmark: what each command costs, side by side in one run.
 
-Every figure is the median wall time of N runs of a real process (`python3 scripts/goals.py
-…`), next to the median of `python3 -c pass` measured in the same run, so the table shows
-what the engine adds to the interpreter's start. States with large plans and long ledgers
-are built in-process (never with thousands of process launches).
+Each figure is the median wall time of N runs of a real process, measured interleaved with
+  bare    `python3 -c pass`: the interpreter's own start, the floor of any command;
+  floor   a script doing only the work a writing command must do: take the lock, read and
+          parse goals.json, append one ledger line + fsync, write the snapshot to a temp file
+          + fsync + rename + fsync the directory;
+  script  `python3 scripts/goals.py …`: compiled at every start (Python caches no bytecode
+          for a script);
+  cached  the engine imported as a module with its bytecode cached (the installed command,
+          the plugin's bin/fablize and the hooks take this path).
+Peak memory (max RSS) is the child's own. Large states are built in-process with the engine's
+own transitions (`goals.make_event`), never with thousands of process launches.
 
-  python3 scripts/bench.py            # the full table (a few minutes)
-  python3 scripts/bench.py --quick    # fewer sizes and repeats
+  python3 scripts/bench.py             # the full table (a few minutes)
+  python3 scripts/bench.py --quick     # fewer repeats, smaller ledgers
+  python3 scripts/bench.py --markdown  # the tables README quotes
 Stdlib only.
 """
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -25,202 +32,269 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "goals.py")
 sys.path.insert(0, HERE)
 
-import goals  # noqa: E402  (to build large states in-process)
+import goals  # noqa: E402  (the engine's own functions build the states)
+
+PY = sys.executable
+TS = "2026-01-01T00:00:00.000000+00:00"
+
+FLOOR = r'''
+import fcntl, json, os, sys
+d = sys.argv[1]
+lock = os.open(os.path.join(d, "lock"), os.O_RDWR | os.O_CREAT)
+fcntl.flock(lock, fcntl.LOCK_EX)
+with open(os.path.join(d, "goals.json"), "rb") as f:
+    plan = json.loads(f.read())
+fd = os.open(os.path.join(d, "ledger.jsonl"), os.O_WRONLY | os.O_APPEND)
+os.write(fd, b'{"seq":0,"event":"floor"}\n')
+os.fsync(fd)
+os.close(fd)
+tmp = os.path.join(d, "goals.json.tmp")
+fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+os.write(fd, json.dumps(plan).encode())
+os.fsync(fd)
+os.close(fd)
+os.replace(tmp, os.path.join(d, "goals.json"))
+dfd = os.open(d, os.O_RDONLY)
+os.fsync(dfd)
+os.close(dfd)
+'''
+
+BARE_LOOP = r'''
+import hashlib, json, sys
+n = 0
+with open(sys.argv[1], "rb") as f:
+    for line in f:
+        json.loads(line)
+        hashlib.sha256(line[:-1]).hexdigest()
+        n += 1
+print(n)
+'''
 
 
-def timed(argv, cwd, env=None):
+# Building states with the engine's own transitions #########################
+
+
+class Builder:
+    """A plan grown event by event through goals.make_event (the function every writing command
+    uses), written out at the end as the engine would write it, without an fsync a line."""
+
+    def __init__(self):
+        self.plan, self.lines = None, []
+
+    def add(self, kind, **fields):
+        self.plan, _, line = goals.make_event(self.plan, kind, fields, ts=TS)
+        self.lines.append(line)
+
+    def create(self, stories, checks=0):
+        specs = [{"id": goals.story_id(i), "title": f"story {i}", "objective": f"objective {i}",
+                  "after": [], "checks": ["true"] * checks, "accept": [], "judge": False}
+                 for i in range(1, stories + 1)]
+        specs[-1]["after"] = [s["id"] for s in specs[:-1]]
+        self.add("plan_created", brief="bench", count=stories, plan_id="bench", stories=specs,
+                 options={"rounds": 3, "require_run": False}, unverifiable=[], replaces=None)
+        return self
+
+    def run(self, sid, seq_note=None):
+        """A passing run of the story's first frozen check."""
+        seq = self.plan["ledger"]["seq"] + 1
+        self.add("verify_run", id=sid, check=0, cmd="true", cwd="/", exit_code=0, signal=None,
+                 timed_out=False, error=None, duration_s=0.001, bytes=0,
+                 sha256="e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
+                 tail="", log=f"runs/{seq}-{sid}.log", after_seq=seq - 1, started=TS,
+                 git_head=None, git_dirty=None)
+
+    def write(self, state_dir):
+        os.makedirs(state_dir, exist_ok=True)
+        with open(os.path.join(state_dir, goals.LEDGER), "wb") as f:
+            f.write(b"".join(line + b"\n" for line in self.lines))
+        with open(os.path.join(state_dir, goals.SNAPSHOT), "wb") as f:
+            f.write(goals.snapshot_bytes(self.plan))
+        return state_dir
+
+
+def plan_state(root, name, stories, active=False, runs=0):
+    """A plan of `stories` stories (G001 active when `active`, with `runs` runs of its check)."""
+    b = Builder().create(stories, checks=1 if runs else 0)
+    if active or runs:
+        b.add("story_started", id="G001", title="story 1", round=1, agent=None)
+    for _ in range(runs):
+        b.run("G001")
+    return b.write(os.path.join(root, name, ".fablize"))
+
+
+# Measuring ##################################################################
+
+
+def run_once(argv, cwd, ok=(0,)):
+    """(seconds, max RSS in MiB) of one process."""
     start = time.perf_counter()
-    p = subprocess.run(argv, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                       stdin=subprocess.DEVNULL)
+    p = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(p.pid, 0)
     elapsed = time.perf_counter() - start
-    if p.returncode != 0:
-        raise SystemExit(f"bench: {' '.join(argv[1:])} exited {p.returncode}: "
-                         f"{p.stderr.decode(errors='replace').strip()}")
-    return elapsed
+    err = p.stderr.read()
+    p.stderr.close()
+    code = os.waitstatus_to_exitcode(status) if hasattr(os, "waitstatus_to_exitcode") else \
+        status >> 8
+    if code not in ok:
+        raise SystemExit(f"bench: {' '.join(argv)} exited {code}: "
+                         f"{err.decode(errors='replace').strip()[-300:]}")
+    return elapsed, usage.ru_maxrss / 1024
 
 
-def median_ms(samples):
-    return statistics.median(samples) * 1000
+def interleaved(variants, n, cwd, reset=None, ok=(0,)):
+    """{name: (median ms, median max RSS MiB)} for each (name, argv) in `variants`, run in turn
+    n times, `reset()` before each run of a command that changes its state."""
+    times = {name: [] for name, _ in variants}
+    rss = {name: [] for name, _ in variants}
+    for _ in range(n):
+        for name, argv in variants:
+            if reset is not None:
+                reset()
+            t, m = run_once(argv, cwd, ok)
+            times[name].append(t)
+            rss[name].append(m)
+    return {name: (statistics.median(times[name]) * 1000, statistics.median(rss[name]))
+            for name in times}
 
 
-def write_state(state_dir, stories, events, rounds=3):
-    """A plan of `stories` stories whose ledger holds `events` events, written directly
-    (same bytes the engine would write, without an fsync per line)."""
-    os.makedirs(state_dir, exist_ok=True)
-    specs = [{"id": goals.story_id(i), "title": f"story {i}", "objective": f"objective {i}",
-              "after": [], "checks": [], "accept": [], "judge": False}
-             for i in range(1, stories + 1)]
-    specs[-1]["after"] = [s["id"] for s in specs[:-1]]
-    plan, head = None, goals.ZERO_HASH
-    ts = goals.now_iso()
-    lines = []
-
-    def add(kind, **fields):
-        nonlocal plan, head
-        record = {"seq": len(lines) + 1, "ts": ts, "event": kind}
-        record.update(fields)
-        record["prev"] = head
-        plan = goals.apply_event(plan, record)
-        line = goals.dumps(record).encode("utf-8")
-        head = goals.sha256_hex(line)
-        lines.append(line)
-
-    add("plan_created", brief=f"bench {stories} stories", count=stories, plan_id="bench",
-        stories=specs, options={"rounds": rounds, "require_run": False}, unverifiable=[],
-        replaces=None)
-    filler = {"id": specs[0]["id"], "check": None, "cmd": "true", "cwd": "/tmp", "exit_code": 0,
-              "signal": None, "timed_out": False, "error": None, "duration_s": 0.001, "bytes": 0,
-              "sha256": goals.sha256_hex(b""), "tail": "", "log": None, "after_seq": 0,
-              "started": ts, "git_head": None, "git_dirty": None}
-    while len(lines) < events:
-        add("verify_run", **filler)  # legal at any time; exercises hashing and replay
-    with open(os.path.join(state_dir, goals.LEDGER), "wb") as f:
-        f.write(b"\n".join(lines) + b"\n")
-    plan["ledger"] = {"seq": len(lines), "head": head}
-    with open(os.path.join(state_dir, goals.SNAPSHOT), "wb") as f:
-        f.write(goals.snapshot_bytes(plan))
-    return plan
+def cached_launcher(root):
+    """A file that imports the engine as a module: its bytecode is cached after the first run."""
+    path = os.path.join(root, "fablize_cached.py")
+    with open(path, "w") as f:
+        f.write(f"import sys\nsys.path.insert(0, {HERE!r})\nimport goals\n"
+                "sys.exit(goals.main())\n")
+    subprocess.run([PY, "-c", f"import sys; sys.path.insert(0, {HERE!r}); import goals"],
+                   check=True)  # writes scripts/__pycache__/goals.*.pyc
+    return path
 
 
-class Bench:
-    def __init__(self, repeat, python):
-        self.repeat = repeat
-        self.python = python
-        self.rows = []
-        self.env = dict(os.environ)
-        self.env.pop("FABLIZE_DIR", None)
+def bench_commands(root, sizes, n):
+    """Per command and plan size: bare, floor, script and cached, side by side."""
+    launcher = cached_launcher(root)
+    floor = os.path.join(root, "floor.py")
+    with open(floor, "w") as f:
+        f.write(FLOOR)
+    rows = []
+    commands = {
+        "status": (["status"], False),
+        "next": (["next"], False),
+        "checkpoint": (["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e"],
+                       True),
+    }
+    for stories in sizes:
+        for name, (args, active) in commands.items():
+            pristine = plan_state(root, f"p{stories}-{name}", stories, active=active)
+            work = os.path.join(root, f"w{stories}-{name}", ".fablize")
 
-    def bare(self, cwd):
-        return [timed([self.python, "-c", "pass"], cwd) for _ in range(self.repeat)]
+            def reset(pristine=pristine, work=work):
+                shutil.rmtree(work, ignore_errors=True)
+                shutil.copytree(pristine, work)
 
-    def cli(self, state_dir, *args):
-        return [self.python, SCRIPT, "--dir", state_dir, *args]
-
-    def installed(self, work, state, *args):
-        code = (f"import sys; sys.path.insert(0, {HERE!r}); import goals; "
-                f"sys.exit(goals.main({['--dir', state, *args]!r}))")
-        return [self.python, "-c", code]
-
-    def cache_env(self, work):
-        env = dict(self.env, PYTHONPYCACHEPREFIX=os.path.join(work, "pycache"))
-        env.pop("PYTHONDONTWRITEBYTECODE", None)
-        return env
-
-    def row(self, command, stories, events, samples, bare):
-        cost, base = median_ms(samples), median_ms(bare)
-        self.rows.append((command, stories, events, cost, base, cost - base, cost / base))
-        print(f"  {command:<26} {stories:>6} stories {events:>9} events  "
-              f"{cost:8.1f} ms  (+{cost - base:6.1f} ms, ×{cost / base:.2f})", flush=True)
-
-    def measure_state(self, work, stories, events):
-        state = os.path.join(work, f"s{stories}-e{events}")
-        write_state(state, stories, events)
-        bare = self.bare(work)
-        for command in (["status"], ["status", "--json"]):
-            samples = [timed(self.cli(state, *command), work) for _ in range(self.repeat)]
-            self.row(" ".join(command), stories, events, samples, bare)
-        # what an installed `fablize` pays: the module's bytecode is cached, a script's never is
-        cached = [timed(self.installed(work, state, "status"), work, self.cache_env(work))
-                  for _ in range(self.repeat + 1)][1:]
-        self.row("status (installed)", stories, events, cached, bare)
-        # next activates a story (timed), then checkpoint completes it (timed), repeat
-        nexts, checkpoints, reshows = [], [], []
-        for i in range(self.repeat):
-            nexts.append(timed(self.cli(state, "next"), work))
-            reshows.append(timed(self.cli(state, "next"), work))
-            checkpoints.append(timed(self.cli(state, "checkpoint", "--id", goals.story_id(i + 1),
-                                              "--status", "complete", "--evidence", "bench"), work))
-        self.row("next (activate)", stories, events, nexts, bare)
-        self.row("next (re-show)", stories, events, reshows, bare)
-        self.row("checkpoint complete", stories, events, checkpoints, bare)
-        shutil.rmtree(state)
-
-    def audit_throughput(self, work, events):
-        state = os.path.join(work, f"audit-{events}")
-        write_state(state, 100, events)
-        samples = [timed(self.cli(state, "audit"), work) for _ in range(max(1, self.repeat // 3))]
-        bare = median_ms(self.bare(work)) / 1000
-        seconds = statistics.median(samples)
-        rate = events / max(seconds - bare, 1e-9)
-        print(f"  audit of {events:,} events: {seconds:.2f} s → {rate:,.0f} events/s "
-              "(interpreter start subtracted)", flush=True)
-        shutil.rmtree(state)
-        return events, seconds, rate
-
-    def concurrent(self, work, workers, per_worker):
-        """`workers` agents at once, each claiming and completing `per_worker` stories."""
-        state = os.path.join(work, "concurrent")
-        stories = workers * per_worker + 1
-        subprocess.run(self.cli(state, "create", "--brief", "concurrency", "--parallel",
-                                *[f"--goal=s{i}::o{i}" for i in range(stories)]),
-                       cwd=work, check=True, stdout=subprocess.DEVNULL)
-        script = ("import subprocess, sys\n"
-                  "py, script, state, agent, n = sys.argv[1:6]\n"
-                  "for _ in range(int(n)):\n"
-                  "    out = subprocess.run([py, script, '--dir', state, '--json', 'next', '--agent',"
-                  " agent], capture_output=True, check=True).stdout\n"
-                  "    import json; sid = json.loads(out)['story']['id']\n"
-                  "    subprocess.run([py, script, '--dir', state, 'checkpoint', '--id', sid,"
-                  " '--status', 'complete', '--evidence', 'ok', '--agent', agent],"
-                  " check=True, stdout=subprocess.DEVNULL)\n")
-        env = dict(self.env, FABLIZE_LOCK_TIMEOUT="120")
-        start = time.perf_counter()
-        procs = [subprocess.Popen([self.python, "-c", script, self.python, SCRIPT, state,
-                                   f"agent{w}", str(per_worker)], cwd=work, env=env)
-                 for w in range(workers)]
-        codes = [p.wait() for p in procs]
-        elapsed = time.perf_counter() - start
-        if any(codes):
-            raise SystemExit(f"bench: concurrent workers failed: {codes}")
-        ops = workers * per_worker * 2
-        audit = subprocess.run(self.cli(state, "audit"), cwd=work, capture_output=True)
-        print(f"  {workers} agents × {per_worker} (next + checkpoint): {ops} writes in {elapsed:.1f} s"
-              f" → {ops / elapsed:.1f} writes/s; audit exit {audit.returncode}", flush=True)
-        shutil.rmtree(state)
-        return ops, elapsed, audit.returncode
+            cwd = os.path.dirname(work)
+            res = interleaved([
+                ("bare", [PY, "-c", "pass"]),
+                ("floor", [PY, floor, work]),
+                ("script", [PY, SCRIPT, "--dir", work] + args),
+                ("cached", [PY, launcher, "--dir", work] + args),
+            ], n, cwd, reset)
+            rows.append((stories, name, res))
+    return rows
 
 
-def markdown(bench, audits, concurrency):
-    out = ["| command | stories | ledger events | median | over `python3 -c pass` | ratio |",
-           "|---|---:|---:|---:|---:|---:|"]
-    for command, stories, events, cost, base, over, ratio in bench.rows:
-        out.append(f"| `{command}` | {stories:,} | {events:,} | {cost:.1f} ms | +{over:.1f} ms | "
-                   f"×{ratio:.2f} |")
-    out.append("")
-    for events, seconds, rate in audits:
-        out.append(f"- `audit` of {events:,} events: {seconds:.2f} s, {rate:,.0f} events/s")
-    if concurrency:
-        ops, elapsed, code = concurrency
-        out.append(f"- 16 agents at once: {ops} writes in {elapsed:.1f} s ({ops / elapsed:.1f} "
-                   f"writes/s), audit exit {code}")
+def bench_audit(root, events, n):
+    """audit of a long ledger against a bare loop that parses and hashes the same lines, and
+    status on that plan against status on the same plan with three events."""
+    big = plan_state(root, "audit-big", 100, runs=events - 2)
+    small = plan_state(root, "audit-small", 100, runs=1)
+    ledger = os.path.join(big, goals.LEDGER)
+    loop = os.path.join(root, "bare_loop.py")
+    with open(loop, "w") as f:
+        f.write(BARE_LOOP)
+    res = interleaved([
+        ("bare loop", [PY, loop, ledger]),
+        ("audit", [PY, SCRIPT, "--dir", big, "audit"]),
+    ], n, root)
+    status = interleaved([
+        ("status, 3 events", [PY, SCRIPT, "--dir", small, "status"]),
+        (f"status, {events:,} events", [PY, SCRIPT, "--dir", big, "status"]),
+    ], n, root)
+    size = os.path.getsize(ledger)
+    return events, size, res, status
+
+
+def bench_long_line(root, n):
+    """Reading the ledger's last line backwards: a 32 MB line against an 8 MB one."""
+    out = {}
+    for mb in (8, 32):
+        d = os.path.join(root, f"line{mb}", ".fablize")
+        os.makedirs(d)
+        with open(os.path.join(d, goals.LEDGER), "wb") as f:  # one oversized, unparsable line
+            f.write(b'{"seq":1,"event":"x","pad":"' + b"x" * (mb << 20) + b'"\n')
+        # the line is read whole, then found to be no event: exit 1 (no plan) with a warning
+        out[mb] = interleaved([(f"{mb} MB", [PY, SCRIPT, "--dir", d, "status"])], n, root,
+                              ok=(1,))
+    return out
+
+
+def fmt(ms):
+    return f"{ms:.1f}"
+
+
+def report(rows, audit, lines, markdown):
+    out = []
+    if markdown:
+        out += ["| stories | command | bare | floor | script | cached | script − bare | cached − "
+                "bare | script / floor | cached / floor | max RSS (script) |",
+                "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    else:
+        out.append(f"{'stories':>8} {'command':<11} {'bare':>7} {'floor':>7} {'script':>7} "
+                   f"{'cached':>7} {'scr−bare':>9} {'cch−bare':>9} {'scr/fl':>7} {'cch/fl':>7} "
+                   f"{'RSS MiB':>8}")
+    for stories, name, res in rows:
+        bare, floor, script, cached = (res[k][0] for k in ("bare", "floor", "script", "cached"))
+        cells = [f"{stories:,}", name, fmt(bare), fmt(floor), fmt(script), fmt(cached),
+                 f"+{script - bare:.1f}", f"+{cached - bare:.1f}", f"×{script / floor:.2f}",
+                 f"×{cached / floor:.2f}", f"{res['script'][1]:.0f}"]
+        out.append("| " + " | ".join(cells) + " |" if markdown else
+                   f"{cells[0]:>8} {cells[1]:<11} {cells[2]:>7} {cells[3]:>7} {cells[4]:>7} "
+                   f"{cells[5]:>7} {cells[6]:>9} {cells[7]:>9} {cells[8]:>7} {cells[9]:>7} "
+                   f"{cells[10]:>8}")
+    events, size, res, status = audit
+    loop_ms, audit_ms = res["bare loop"][0], res["audit"][0]
+    out += ["", f"audit of {events:,} events ({size / 1e6:.0f} MB): {audit_ms / 1000:.2f} s "
+            f"({events / audit_ms * 1000:,.0f} events/s), bare parse+hash loop "
+            f"{loop_ms / 1000:.2f} s: audit runs at {loop_ms / audit_ms:.0%} of its rate; "
+            f"audit max RSS {res['audit'][1]:.0f} MiB"]
+    (small_name, (small_ms, small_rss)), (big_name, (big_ms, big_rss)) = status.items()
+    out.append(f"{big_name}: {big_ms:.1f} ms, {big_rss:.0f} MiB; {small_name}: {small_ms:.1f} "
+               f"ms, {small_rss:.0f} MiB: ×{big_ms / small_ms:.2f}")
+    t8, t32 = lines[8]["8 MB"][0], lines[32]["32 MB"][0]
+    out.append(f"a ledger whose last line is 8 MB: {t8:.0f} ms; 32 MB: {t32:.0f} ms "
+               f"(×{t32 / t8:.2f})")
     return "\n".join(out)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
-    p.add_argument("--repeat", type=int, help="runs per figure (default 7, --quick 3)")
-    p.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
+    p.add_argument("--quick", action="store_true", help="fewer repeats and smaller ledgers")
+    p.add_argument("--markdown", action="store_true", help="the tables as Markdown")
+    p.add_argument("--runs", type=int, help="repeats of each figure (default 15, quick 5)")
+    p.add_argument("--events", type=int,
+                   help="events in the long ledger (default 1,000,000, quick 100,000)")
     a = p.parse_args(argv)
-    repeat = a.repeat or (3 if a.quick else 7)
-    bench = Bench(repeat, sys.executable)
-    work = tempfile.mkdtemp(prefix="fablize-bench-")
+    n = a.runs or (5 if a.quick else 15)
+    events = a.events or (100_000 if a.quick else 1_000_000)
+    root = tempfile.mkdtemp(prefix="fablize-bench-")
     try:
-        print(f"fablize bench — Python {sys.version.split()[0]}, {os.cpu_count()} cores, "
-              f"{repeat} runs per figure (medians)", flush=True)
-        plans = [(10, 100), (100, 100), (1000, 1000), (10000, 10000)]
-        ledgers = [(100, 100_000)] if a.quick else [(100, 100_000), (100, 1_000_000)]
-        if a.quick:
-            plans = [(10, 100), (100, 100), (1000, 1000)]
-        for stories, events in plans + ledgers:
-            bench.measure_state(work, stories, events)
-        audits = [bench.audit_throughput(work, 100_000 if a.quick else 1_000_000)]
-        concurrency = bench.concurrent(work, 16, 2 if a.quick else 3)
-        if a.markdown:
-            print()
-            print(markdown(bench, audits, concurrency))
+        rows = bench_commands(root, (100, 10_000), n)
+        audit = bench_audit(root, events, max(3, n // 5))
+        lines = bench_long_line(root, max(3, n // 3))
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"python {sys.version.split()[0]}, {os.cpu_count()} cores; medians of {n} runs "
+          "(interleaved); times in ms")
+    print(report(rows, audit, lines, a.markdown))
     return 0
 
 

@@ -161,8 +161,9 @@ def dumps(obj):
 
 
 def has_surrogate_escape(raw):
-    return (b"\\ud" in raw or b"\\uD" in raw) if isinstance(raw, bytes) else \
-        ("\\ud" in raw or "\\uD" in raw)
+    if isinstance(raw, bytes):
+        return b"\\u" in raw and (b"\\ud" in raw or b"\\uD" in raw)
+    return "\\u" in raw and ("\\ud" in raw or "\\uD" in raw)
 
 
 def load_json(raw, surrogates=None):
@@ -237,12 +238,17 @@ def defused_line(text):
     return defuse(one_line(text))
 
 
+_MARKER_WORDS = ("fablize", "stories", "checkpoint")
+
+
 def defuse(text):
     """Carried text cannot pass for engine output: markers are rewritten into hyphenated
     forms that a scanner (even one reading a whitespace-stripped view) does not accept."""
     text = clean(text)
-    for pattern, replacement in _MARKERS:
-        text = pattern.sub(replacement, text)
+    lowered = text.lower()
+    if any(word in lowered for word in _MARKER_WORDS):  # every marker holds one of them
+        for pattern, replacement in _MARKERS:
+            text = pattern.sub(replacement, text)
     return text
 
 
@@ -331,53 +337,57 @@ def _compile(spec):
     return c
 
 
-def misfit(value, spec, path=""):
-    """Where `value` does not fit `spec` (a path like .goals[2].runs[0].cmd), or None."""
-    return _misfit(value, _compile(spec), path)
+def misfit(value, spec):
+    """Where `value` does not fit `spec` (a path like .goals[2].runs[0].cmd, "." for the value
+    itself), or None."""
+    found = _misfit(value, _compile(spec))
+    return None if found is None else found or "."
 
 
-def _misfit(value, c, path):
+def _misfit(value, c):
+    """None when `value` fits, else the path below it that does not ("" for itself). Paths are
+    built on the way back from a misfit, so a value that fits costs no string."""
     kind = c[0]
     if kind == "t":
-        return None if type(value) in c[1] else path or "."
+        return None if type(value) in c[1] else ""
     if kind == "d":
         if type(value) is not dict:
-            return path or "."
+            return ""
         keys = value.keys()
         if not (keys >= c[1] and keys <= c[2]):
             odd = sorted(c[1] - keys) or sorted(k for k in keys if k not in c[2])
-            return f"{path}.{one_line(str(odd[0]))[:60]}"
+            return "." + one_line(str(odd[0]))[:60]
         get = value.get
         for key, types in c[3]:
             if type(get(key)) not in types:
-                return f"{path}.{key}"
+                return "." + key
         for key, sub, none_ok in c[4]:
             item = get(key)
-            if item is None and none_ok:
+            if (item is None and none_ok) or (item == [] and sub[0] == "l"):
                 continue
-            found = _misfit(item, sub, f"{path}.{key}")
-            if found:
-                return found
+            found = _misfit(item, sub)
+            if found is not None:
+                return f".{key}{found}"
         return None
     if kind == "l":
         if type(value) is not list:
-            return path or "."
+            return ""
         sub = c[1]
         if sub[0] == "t":
             types = sub[1]
             for i, item in enumerate(value):
                 if type(item) not in types:
-                    return f"{path}[{i}]"
+                    return f"[{i}]"
             return None
         for i, item in enumerate(value):
-            found = _misfit(item, sub, f"{path}[{i}]")
-            if found:
-                return found
+            found = _misfit(item, sub)
+            if found is not None:
+                return f"[{i}]{found}"
         return None
     for alt in c[1]:
-        if _misfit(value, alt, path) is None:
+        if _misfit(value, alt) is None:
             return None
-    return path or "."
+    return ""
 
 
 # A run as the snapshot keeps it: the latest run of each frozen check (or --run command) in the
@@ -1696,6 +1706,18 @@ def original_plan_fields(snap):
             "imported_from": {"tool": "goals.py (original)"}}
 
 
+def make_event(plan, kind, fields, ts=None):
+    """The next event of `plan`: (the plan after it, its record, its ledger line). Pure: the
+    plan is changed in place, nothing is written."""
+    record = {"seq": plan["ledger"]["seq"] + 1 if plan else 1, "ts": ts or now_iso(), "event": kind}
+    record.update(fields)
+    record["prev"] = plan["ledger"]["head"] if plan else ZERO_HASH
+    plan = apply_event(plan, record)
+    line = dumps(record).encode("utf-8")
+    plan["ledger"] = {"seq": record["seq"], "head": sha256_hex(line)}
+    return plan, record, line
+
+
 class Transaction(Reading):
     """A write: the lock held throughout; load() moves a torn last line aside and saves a rolled
     forward plan; commit() appends one event (one write, fsync) and then replaces the snapshot."""
@@ -1754,16 +1776,10 @@ class Transaction(Reading):
         return self.last
 
     def prepare(self, kind, fields):
-        plan = self.plan
-        record = {"seq": plan["ledger"]["seq"] + 1 if plan else 1, "ts": now_iso(), "event": kind}
-        record.update(fields)
-        record["prev"] = plan["ledger"]["head"] if plan else ZERO_HASH
-        plan = apply_event(plan, record)
-        self.last = record
-        return plan, dumps(record).encode("utf-8")
+        plan, self.last, line = make_event(self.plan, kind, fields)
+        return plan, line
 
     def settle(self, plan, line):
-        plan["ledger"] = {"seq": self.last["seq"], "head": sha256_hex(line)}
         self.save_snapshot(plan)
         self.plan = plan
 
