@@ -1,0 +1,279 @@
+"""One engine: one replay path that checks every field, a snapshot that holds the present, readers
+that take no lock, one answer to "what next", and nothing that waits on a FIFO."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import SCRIPT, complete, goals, ledger, make_plan, run_cli, state_files
+
+ZERO = "0" * 64
+
+
+def raw_lines(state_dir):
+    return (Path(state_dir) / "ledger.jsonl").read_bytes().split(b"\n")[:-1]
+
+
+def rechain(state_dir, mutate, line):
+    """Change event `line` (1-based) with `mutate(ev)` and re-chain every line after it, as a
+    forger who read DESIGN.md would: the chain is valid, only the content lies."""
+    events = [json.loads(x) for x in raw_lines(state_dir)]
+    mutate(events[line - 1])
+    prev, out = ZERO, []
+    for ev in events:
+        ev["prev"] = prev
+        data = json.dumps(ev, ensure_ascii=False, separators=(",", ":")).encode()
+        prev = hashlib.sha256(data).hexdigest()
+        out.append(data)
+    (Path(state_dir) / "ledger.jsonl").write_bytes(b"".join(x + b"\n" for x in out))
+    (Path(state_dir) / "goals.json").unlink()  # only the ledger is the forger's story
+
+
+@pytest.fixture
+def history(fab):
+    """plan_created, story_started, verify_run, checkpoint, story_started (G002), in a plan with a
+    frozen check on G001 and an unverifiable one on G002."""
+    make_plan(fab, 3, "--check", "G001=true", "--check", "G002=no-such-program-xyz")
+    assert fab("next").code == 0
+    assert fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "ok").code == 0
+    assert fab("next", "--agent", "ann").code == 0
+    return fab
+
+
+FORGERIES = {
+    # name: (line, mutation, what the message names)
+    "count": (1, lambda e: e.update(count=99), "count is 99 but the event lists 3 stories"),
+    "plan_id": (1, lambda e: e.update(plan_id="../../x"), "plan_id"),
+    "extra_field": (1, lambda e: e.update(approved_by="ci"), "approved_by"),
+    "story_extra": (1, lambda e: e["stories"][0].update(done=True), "stories[0].done"),
+    "unverifiable": (1, lambda e: e["unverifiable"][0].update(cmd="true"),
+                     "unverifiable check G002/0"),
+    "ts": (2, lambda e: e.update(ts="yesterday"), "is not a UTC timestamp"),
+    "round": (2, lambda e: e.update(round=42), "round 42"),
+    "title": (2, lambda e: e.update(title="something else"), "'something else'"),
+    "agent_blank": (5, lambda e: e.update(agent=" "), "an agent name is blank"),
+    "run_cmd": (3, lambda e: e.update(cmd="echo ok"), "not that frozen check"),
+    "run_check_index": (3, lambda e: e.update(check=5), "not that frozen check"),
+    "run_log": (3, lambda e: e.update(log="../../etc/passwd"), "is not where fablize writes it"),
+    "run_log_null": (3, lambda e: e.update(log=None), "log"),
+    "run_digest": (3, lambda e: e.update(sha256="nothex"), "out of range"),
+    "run_bytes": (3, lambda e: e.update(bytes=-1), "out of range"),
+    "run_after_seq": (3, lambda e: e.update(after_seq=99), "out of range"),
+    "run_type": (3, lambda e: e.update(exit_code="0"), "exit_code"),
+    "checkpoint_runs": (4, lambda e: e.update(runs=[3, 3]), "cites runs"),
+    "checkpoint_run_false": (4, lambda e: e.update(run=False), "run is false"),
+    "event_kind": (4, lambda e: e.update(event="approve"), "unknown event"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORGERIES))
+def test_a_rechained_ledger_with_a_value_fablize_would_not_write_fails_audit_naming_the_line(
+        history, name):
+    line, mutate, needle = FORGERIES[name]
+    rechain(history.dir, mutate, line)
+    before = state_files(history.dir)
+    for args in (["audit"], ["rebuild"], ["log"], ["report"]):
+        r = history(*args)
+        assert r.code == 3, (args, r)
+        assert f"ledger.jsonl line {line}: " in r.err and needle in r.err, (args, r)
+        assert r.err.count("\n") == 1, (args, r)
+        assert state_files(history.dir) == before, args
+    r = history("audit", "--json")
+    assert r.code == 3 and r.json["error"]["code"] in ("bad_event", "unknown_event"), r
+
+
+def test_the_untouched_history_passes_every_reader(history):
+    rechain(history.dir, lambda e: None, 1)  # re-chaining alone changes nothing
+    for args in (["audit"], ["log"], ["report"], ["rebuild"], ["status"]):
+        assert history(*args).code == 0, args
+
+
+@pytest.mark.parametrize("args", [["status"], ["next"], ["log"], ["report"], ["audit"],
+                                  ["judge-packet", "--id", "G001"], ["rebuild"],
+                                  ["checkpoint", "--id", "G001", "--status", "complete",
+                                   "--evidence", "x"]])
+def test_a_fifo_in_place_of_the_ledger_is_damage_and_never_a_hang(fab, args):
+    make_plan(fab, 2)
+    (fab.dir / "ledger.jsonl").unlink()
+    os.mkfifo(fab.dir / "ledger.jsonl")
+    started = time.monotonic()
+    r = run_cli(*args, cwd=fab.root, timeout=20)
+    assert time.monotonic() - started < 10
+    assert r.code == 3, r
+    assert "ledger.jsonl is not a regular file" in r.err and r.err.count("\n") == 1, r
+
+
+def test_a_fifo_in_place_of_the_snapshot_is_damage_and_never_a_hang(fab):
+    make_plan(fab, 2)
+    (fab.dir / "goals.json").unlink()
+    os.mkfifo(fab.dir / "goals.json")
+    for args in (["status"], ["next"], ["audit"]):
+        r = run_cli(*args, cwd=fab.root, timeout=20)
+        assert r.code == 3 and "goals.json is not a regular file" in r.err, (args, r)
+
+
+def test_the_snapshot_keeps_only_the_latest_run_of_each_check(fab):
+    make_plan(fab, 2, "--check", "G001=true", "--check", "G001=test -d .")
+    assert fab("next").code == 0
+    for _ in range(4):
+        assert fab("verify", "--id", "G001").code == 0
+    snap = json.loads((fab.dir / "goals.json").read_text())
+    runs = snap["goals"][0]["runs"]
+    assert [r["check"] for r in runs] == [0, 1]
+    assert [r["seq"] for r in runs] == [9, 10]  # the fourth verify's two runs
+    assert sum(1 for e in ledger(fab.dir) if e["event"] == "verify_run") == 8  # history stays
+    assert fab("audit").code == 0
+    r = fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "ok")
+    assert r.code == 0, r
+
+
+def test_the_snapshot_digest_covers_its_own_bytes(fab):
+    make_plan(fab, 2)
+    raw = (fab.dir / "goals.json").read_bytes()
+    assert raw.startswith(b'{"digest":"')
+    assert raw[11:75].decode() == hashlib.sha256(raw[77:]).hexdigest()
+    edited = raw.replace(b'"S1"', b'"S9"')
+    (fab.dir / "goals.json").write_bytes(edited)
+    r = fab("status")
+    assert r.code == 3 and "goals.json was changed outside fablize" in r.err, r
+
+
+def test_a_version_1_snapshot_with_every_run_still_loads_and_is_rewritten(fab):
+    make_plan(fab, 2, "--check", "G001=true")
+    assert fab("next").code == 0
+    for _ in range(3):
+        assert fab("verify", "--id", "G001").code == 0
+    snap = json.loads((fab.dir / "goals.json").read_bytes())
+    # the format fablize 1 wrote: every run of the round, a digest over sorted keys
+    runs = [e for e in ledger(fab.dir) if e["event"] == "verify_run"]
+    snap["goals"][0]["runs"] = [dict({k: e.get(k) for k in goals.RUN_FIELDS}, ok=True)
+                                for e in runs]
+    snap["schema_version"] = 1
+    snap.pop("digest")
+    snap["digest"] = goals.canonical_digest(snap)
+    (fab.dir / "goals.json").write_text(json.dumps(snap))
+    before = state_files(fab.dir)
+    r = fab("status")
+    assert r.code == 0 and "format of fablize 1" in r.err and r.err.count("\n") == 1, r
+    assert state_files(fab.dir) == before  # a reader writes nothing
+    r = fab("audit")
+    assert r.code == 0 and "format of fablize 1" in r.out, r
+    assert fab("next").code == 0  # a writer rewrites it from the ledger
+    new = json.loads((fab.dir / "goals.json").read_bytes())
+    assert new["schema_version"] == goals.SNAPSHOT_VERSION and len(new["goals"][0]["runs"]) == 1
+    assert fab("audit").json if False else fab("audit").code == 0
+
+
+def test_readers_answer_while_a_writer_holds_the_lock(fab):
+    import fcntl
+    make_plan(fab, 2)
+    assert fab("next").code == 0
+    fd = os.open(fab.dir / "lock", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        for args in (["status"], ["log"], ["report"], ["audit"], ["judge-packet", "--id", "G001"]):
+            started = time.monotonic()
+            r = run_cli(*args, cwd=fab.root, env={"FABLIZE_LOCK_TIMEOUT": "5"})
+            assert r.code == 0, (args, r)
+            assert time.monotonic() - started < 1.5, args
+    finally:
+        os.close(fd)
+
+
+def test_the_backward_tail_read_reads_each_byte_once():
+    class Counting(goals.MemoryLedger):
+        read_bytes = 0
+
+        def read(self, start, size):
+            Counting.read_bytes += size
+            return super().read(start, size)
+
+    for mb in (1, 4):
+        line = b'{"seq":1,"event":"x","pad":"' + b"x" * (mb << 20) + b'"}'
+        data = b'{"seq":0}\n' + line + b"\n"
+        Counting.read_bytes = 0
+        ledger = Counting(data)
+        end, torn = ledger.end()
+        assert (end, torn) == (len(data), b"")
+        got = list(ledger.backward(end))
+        assert got[0] == (10, line) and got[1] == (0, b'{"seq":0}')
+        assert Counting.read_bytes <= len(data) + 1  # linear: no chunk is read twice
+
+
+def test_streaming_batches_hold_every_line_once():
+    lines = [b'{"seq":%d}' % i + b"x" * (i * 37 % 5000) for i in range(3000)]
+    data = b"".join(x + b"\n" for x in lines)
+    ledger = goals.MemoryLedger(data)
+    got = [x for batch in ledger.batches(len(data), size=4096) for x in batch]
+    assert got == lines
+
+
+def test_json_done_is_a_count_and_complete_a_flag_in_every_command(fab):
+    make_plan(fab, 2)
+    results = [fab("next", "--json"), fab("checkpoint", "--id", "G001", "--status", "complete",
+                                          "--evidence", "e", "--json"),
+               fab("status", "--json"), fab("audit", "--json")]
+    for r in results:
+        assert r.json["schema_version"] == goals.SCHEMA_VERSION == 2, r
+        assert type(r.json["done"]) is int and type(r.json["complete"]) is bool, r
+        assert r.json["total"] == 2, r
+    assert [r.json["done"] for r in results] == [0, 1, 1, 1]
+
+
+# One answer to "what next" ##################################################
+
+
+def next_of_status(fab):
+    line = [x for x in fab("status").out.splitlines() if x.startswith("fablize: next — ")]
+    return line[0] if line else None
+
+
+def guard_reason(fab):
+    payload = json.dumps({"cwd": str(fab.root), "stop_hook_active": False})
+    r = run_cli("guard", cwd=fab.root, input=payload.encode())
+    return json.loads(r.out)["reason"] if r.out.strip() else None
+
+
+def test_the_guard_names_the_completion_the_final_gate_accepts(fab):
+    """The bug this replaces: on an in-progress final story without frozen checks the guard told
+    the agent to run a `checkpoint … --evidence` that the verification gate then refused."""
+    make_plan(fab, 1)
+    assert fab("next").code == 0
+    reason = guard_reason(fab)
+    assert reason is not None and "--verify-cmd" in reason and "--verify-evidence" in reason
+    status_next = next_of_status(fab)
+    assert "--verify-cmd" in status_next and "--verify-evidence" in status_next
+    command = reason.split("then run: ", 1)[1].split(" (or --status", 1)[0]
+    argv = command.split(" checkpoint ", 1)[1]
+    import shlex
+    args = ["checkpoint"] + shlex.split(argv.replace("<evidence>", "done")
+                                        .replace("<command>", "pytest -q")
+                                        .replace("<result>", "3 passed"))
+    r = fab(*args)
+    assert r.code == 0 and "all stories complete ✓" in r.out, r
+
+
+def test_status_checkpoint_next_and_the_guard_give_the_same_next_action(fab):
+    make_plan(fab, 3, "--parallel")
+    assert fab("next").code == 0
+    assert "finish G001" in next_of_status(fab)
+    assert "G001" in guard_reason(fab) and "still in progress" in guard_reason(fab)
+    cp = fab("checkpoint", "--id", "G001", "--status", "blocked", "--evidence", "no API key")
+    status_next = next_of_status(fab)
+    assert "`goals.py next` (activates G002)" in status_next
+    assert cp.out.splitlines()[-1].endswith("next: `goals.py next` (activates G002)"), cp
+    assert fab("next").code == 0 and fab("checkpoint", "--id", "G002", "--status", "complete",
+                                         "--evidence", "e").code == 0
+    # only the blocked story is left before the gate: every command says a human decides
+    status_next = next_of_status(fab)
+    assert "G001 is blocked (no API key)" in status_next
+    nxt = fab("next")
+    assert nxt.code == 1 and "G001 is blocked (no API key)" in nxt.err, nxt
+    assert "A human must decide: goals.py decide --id G001" in nxt.err
+    assert guard_reason(fab) is None  # a human's turn: the guard lets the agent stop
