@@ -3287,8 +3287,9 @@ def quote_path(path):
 
 
 def add_create(command):
-    c = command("create", cmd_create, "create a plan of sequential stories (the last one is the "
-                "verification gate)")
+    c = command("create", cmd_create, "create a plan of sequential stories",
+            "the last one is the verification gate; freeze the commands that prove a story with "
+            "--check and --verify")
     c.add_argument("--brief", required=True, help="the task, in one line")
     c.add_argument("--goal", action="append", default=[], metavar="TITLE::OBJECTIVE",
                    help="a story, in order (repeat; the last is the final verification story)")
@@ -3315,8 +3316,8 @@ def add_create(command):
 
 
 def add_next(command):
-    c = command("next", cmd_next, "activate the next ready story and print its handoff (or "
-                "re-print the one in progress)")
+    c = command("next", cmd_next, "activate the next ready story, print its handoff",
+            'a story already in progress (for this agent) is printed again, never restarted')
     c.add_argument("--agent", metavar="NAME",
                    help="claim a ready story for this agent (one active story per agent)")
 
@@ -3328,8 +3329,9 @@ def add_timeout(c):
 
 
 def add_checkpoint(command):
-    c = command("checkpoint", cmd_checkpoint, "record a story's result: complete needs evidence; "
-                "the final story needs verification")
+    c = command("checkpoint", cmd_checkpoint, "record a story's result, with evidence",
+            "complete needs evidence, and the final story needs verification; frozen checks run "
+            "by themselves")
     c.add_argument("--id", required=True, help="the story, e.g. G001")
     c.add_argument("--status", required=True, choices=["complete", "failed", "blocked"],
                    help="complete (achieved), failed (not achieved: another round), blocked "
@@ -3346,15 +3348,17 @@ def add_checkpoint(command):
 
 
 def add_status(command):
-    c = command("status", cmd_status, "show the plan: every story, what it waits for, what to do "
-                "next (the first command when resuming)")
+    c = command("status", cmd_status, "show the plan and what to do next",
+            "every story, what it waits for, and the next command (the first command when "
+            "resuming)")
     c.add_argument("--resume", action="store_true",
                    help="also print the handoff of each story in progress; print nothing when "
                         "there is no plan (for SessionStart hooks)")
 
 
 def add_verify(command):
-    c = command("verify", cmd_verify, "run a story's frozen checks now, without changing its status")
+    c = command("verify", cmd_verify, "run a story's frozen checks now",
+            "the runs are recorded; the story's status does not change")
     c.add_argument("--id", required=True, help="the story")
     c.add_argument("--verify-cmd", dest="verify_cmd", default="",
                    help="a command to run when the story has no frozen checks")
@@ -3362,7 +3366,8 @@ def add_verify(command):
 
 
 def add_decide(command):
-    c = command("decide", cmd_decide, "a human's call on a blocked, failed or in-review story")
+    c = command("decide", cmd_decide, "a human's call on a blocked, failed or in-review story",
+            'accept it, retry it, or amend its objective')
     c.add_argument("--id", required=True, help="the story")
     c.add_argument("decision", choices=DECISIONS,
                    help="accept (counts as done), retry (back to work, rounds reset), amend "
@@ -3371,7 +3376,8 @@ def add_decide(command):
 
 
 def add_add(command):
-    c = command("add", cmd_add, "add a story before the final verification story")
+    c = command("add", cmd_add, "add a story before the final one",
+            'stories can be added until the final story starts')
     c.add_argument("--goal", required=True, metavar="TITLE::OBJECTIVE", help="the new story")
     c.add_argument("--check", action="append", default=[], metavar="CMD",
                    help="freeze an acceptance command for it (repeatable)")
@@ -3384,7 +3390,9 @@ def add_add(command):
 
 
 def add_audit(command):
-    c = command("audit", cmd_audit, "replay the whole ledger and say whether it can be trusted")
+    c = command("audit", cmd_audit, "check that the whole ledger can be trusted",
+            "replay every line: hash chain, every field, every transition, the snapshot and the "
+            "run logs")
     c.add_argument("--require-complete", action="store_true",
                    help="exit 1 unless every story is complete or accepted")
     c.add_argument("--since", metavar="[SEQ:]HASH",
@@ -3396,32 +3404,38 @@ def add_audit(command):
 
 
 def add_rebuild(command):
-    command("rebuild", cmd_rebuild, "regenerate goals.json from the ledger (the old one is kept)")
+    command("rebuild", cmd_rebuild, "regenerate goals.json from the ledger",
+            'the old snapshot is kept beside it')
 
 
 def add_log(command):
-    c = command("log", cmd_log, "the plan's history in readable form")
+    c = command("log", cmd_log, "the plan's history, readable",
+            'every event of the ledger, checked as audit checks it')
     c.add_argument("--id", help="only this story's events")
 
 
 def add_guard(command):
-    command("guard", cmd_guard, "Claude Code Stop hook: block stopping while the plan has work "
-            "(reads the hook JSON on stdin)")
+    command("guard", cmd_guard, "Stop hook: no stopping while work is left",
+            "reads the Claude Code hook JSON on stdin; never blocks on bad input, a busy lock or "
+            "damaged state")
 
 
 def add_report(command):
-    c = command("report", cmd_report, "a Markdown summary for a pull request or CI job summary")
+    c = command("report", cmd_report, "a Markdown summary for a PR or CI job",
+            'progress, stories, the latest runs and the dependency graph')
     c.add_argument("--out", metavar="FILE",
                    help="write it here (default: append to $GITHUB_STEP_SUMMARY when set, else stdout)")
 
 
 def add_judge_packet(command):
-    c = command("judge-packet", cmd_judge_packet, "what an independent judge needs to judge a story")
+    c = command("judge-packet", cmd_judge_packet, "what a judge needs to judge a story",
+            "the objective, the checklist and this round's evidence and runs")
     c.add_argument("--id", required=True, help="the story")
 
 
 def add_verdict(command):
-    c = command("verdict", cmd_verdict, "an independent judge's verdict on a story in review")
+    c = command("verdict", cmd_verdict, "a judge's verdict on a story in review",
+            "the judge must not be the story's executor")
     c.add_argument("--id", required=True, help="the story")
     c.add_argument("verdict", choices=VERDICTS,
                    help="achieved (complete), not-achieved (another round with what is missing), "
@@ -3431,8 +3445,8 @@ def add_verdict(command):
 
 
 def add_install_block(command):
-    c = command("install-block", cmd_install_block, "put the fablize block into CLAUDE.md or "
-                "AGENTS.md (again: replace it in place)")
+    c = command("install-block", cmd_install_block, "put the fablize block into CLAUDE.md",
+            'or AGENTS.md; again: replace it in place; --remove takes it out')
     c.add_argument("file", nargs="?", help="the file (default: CLAUDE.md at the repository root)")
     c.add_argument("--remove", action="store_true", help="take the block out again")
 
@@ -3442,24 +3456,6 @@ COMMANDS = {"create": add_create, "next": add_next, "checkpoint": add_checkpoint
             "audit": add_audit, "rebuild": add_rebuild, "log": add_log, "guard": add_guard,
             "report": add_report, "judge-packet": add_judge_packet, "verdict": add_verdict,
             "install-block": add_install_block}
-# one line each in `goals.py --help`; each command's own --help says more
-SUMMARIES = {
-    "create": "create a plan of sequential stories",
-    "next": "activate the next ready story, print its handoff",
-    "checkpoint": "record a story's result, with evidence",
-    "status": "show the plan and what to do next",
-    "verify": "run a story's frozen checks now",
-    "decide": "a human's call on a blocked story",
-    "add": "add a story before the final one",
-    "audit": "check that the whole ledger can be trusted",
-    "rebuild": "regenerate goals.json from the ledger",
-    "log": "the plan's history, readable",
-    "guard": "Stop hook: no stopping while work is left",
-    "report": "a Markdown summary for a PR or CI job",
-    "judge-packet": "what a judge needs to judge a story",
-    "verdict": "a judge's verdict on a story in review",
-    "install-block": "put the fablize block into CLAUDE.md",
-}
 DIR_HELP = ("state directory (default: $FABLIZE_DIR, else .fablize/ found walking up to the "
             "repository root)")
 JSON_HELP = "print exactly one JSON object to stdout"
@@ -3508,8 +3504,10 @@ def build_parser(only=None):
     p.add_argument("--json", action="store_true", default=False, help=JSON_HELP)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=Parser)
 
-    def command(name, func, description):
-        c = sub.add_parser(name, parents=[common], help=SUMMARIES[name], description=description)
+    def command(name, func, summary, details):
+        """One command: its summary is its line in `--help`, and its own --help starts with it."""
+        c = sub.add_parser(name, parents=[common], help=summary,
+                           description=f"{summary}: {details}")
         c.set_defaults(func=func)
         return c
 
