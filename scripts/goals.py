@@ -2303,8 +2303,9 @@ def render_resume(ctx, plan, story):
         lines.append(indent(defuse(last_chars(fb["text"], 300))) if not blank(fb["text"])
                      else "    (no reason was recorded)")
     lines += render_round_failures(story, "This round")
-    lines.append(f"Full handoff (plan map, dependencies' evidence, checks): {handoff_command(ctx, story)}"
-                 f"   (or `{ctx.prog} status --resume`)")
+    lines.append("Full handoff (plan map, dependencies' evidence, checks): "
+                 + handoff_command(ctx, story))
+    lines.append(f"  or, for every story in progress: {ctx.prog} status --resume")
     lines.append("Then: " + completion_command(ctx, plan, story))
     return lines
 
