@@ -90,7 +90,8 @@ through fablize instead of declaring "done" yourself:
 5. Repeat from 2 until it prints `all stories complete ✓` (or `all stories done ✓` after a
    human accepted a story). A refusal is not an error to work around: produce the evidence
    it asks for.
-6. Resuming after a crash or compaction: `{cli} status`, then `{cli} next`.
+6. Resuming after a crash or compaction: `{cli} status` (it shows what was missing and what
+   already failed), then `{cli} next`. Every failed or blocked checkpoint needs its reason.
 
 Never edit `.fablize/` by hand; `{cli} audit` detects it.
 <!-- fablize:end -->
