@@ -2789,7 +2789,8 @@ def cmd_audit(ctx, a):
     missing_logs, bad_logs = check_run_logs(ctx.store, report.pop("run_logs"))
     if bad_logs:
         raise damaged(bad_logs[0], "run_log_mismatch")
-    report.update(missing_logs=missing_logs, complete=plan_done(plan),
+    accepted = [x["id"] for x in plan["goals"] if x["status"] == "accepted"]
+    report.update(missing_logs=missing_logs, complete=plan_done(plan), accepted=accepted,
                   done=sum(1 for x in plan["goals"] if x["status"] in DONE),
                   total=len(plan["goals"]), brief=plan["brief"])
     ctx.data.update(report)
@@ -2799,7 +2800,8 @@ def cmd_audit(ctx, a):
     ctx.say(f"fablize: audit ok — {report['events']} events, hash chain intact, every event legal "
             f"when replayed; snapshot {report['snapshot']}.")
     ctx.say(f"  head: {report['head']}   (keep it; `audit --since` proves later history only grew)")
-    ctx.say(f"  plan: {report['done']}/{report['total']} done — {defused_line(plan['brief'])}")
+    ctx.say(f"  plan: {report['done']}/{report['total']} done — {defused_line(plan['brief'])}"
+            + (f" ({', '.join(accepted)} accepted by a human)" if accepted else ""))
     if report["torn_tail_bytes"]:
         ctx.say(f"  torn tail: {report['torn_tail_bytes']} bytes after the last event — a write that "
                 "never completed; the next writing command moves it aside.")

@@ -78,6 +78,9 @@ def test_a_plan_finished_by_a_human_accept_never_reads_as_plainly_complete(fab):
     assert status.startswith("fablize: 2/2 done (G001 accepted by a human) — test plan\n"), status
     data = fab("--json", "status").json
     assert data["accepted"] == ["G001"]
+    audit = fab("audit")
+    assert "  plan: 2/2 done — test plan (G001 accepted by a human)\n" in audit.out, audit
+    assert fab("--json", "audit").json["accepted"] == ["G001"]
 
 
 def test_a_snapshot_written_before_grades_still_loads_and_audits(fab):
