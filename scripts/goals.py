@@ -1883,7 +1883,7 @@ def render_handoff(ctx, plan, story, reshown):
                      f"of {rounds} since the last decision) — the earlier attempt did not achieve the "
                      "objective; what was missing is below. Continue the work; do not restart it.")
     if reshown:
-        lines += render_round_failures(story, "Resumed")
+        lines += render_round_failures(story, "Resumed: ")
     if reshown or story["round"] > 1:
         lines.append("  Files from the earlier attempt exist only if that work was kept (committed or "
                      "still in this working tree): check before relying on them.")
@@ -2271,17 +2271,18 @@ def round_failures(story):
     return [r for r in latest.values() if not r["ok"]]
 
 
-def render_round_failures(story, warning):
+def render_round_failures(story, prefix):
     failed = round_failures(story)
     if not failed:
         return []
-    lines = [f"⚠ {warning}: {len(failed)} run(s) already failed in this round — fix what they "
+    lines = [f"⚠ {prefix}{len(failed)} run(s) already failed in this round — fix what they "
              "show before the complete checkpoint:"]
     for run in failed:
         label = f"frozen check {run['check'] + 1}" if run["check"] is not None else "run"
         lines.append(f"  {label} `{defuse(one_line(run['cmd']))}` ({describe_exit(run)}, event "
                      f"{run['seq']}) — output tail:")
-        lines.append(indent(defuse(last_chars(run["tail"])) or "(no output)", "      "))
+        lines.append(indent(defuse(last_chars(run["tail"]).rstrip("\n")) or "(no output)",
+                            "      "))
     return lines
 
 
@@ -2303,7 +2304,7 @@ def render_resume(ctx, plan, story):
         lines.append(f"What was missing last round (round {fb['round']}):")
         lines.append(indent(defuse(last_chars(fb["text"], 300))) if not blank(fb["text"])
                      else "    (no reason was recorded)")
-    lines += render_round_failures(story, "This round")
+    lines += render_round_failures(story, "")
     lines.append("Full handoff (plan map, dependencies' evidence, checks): "
                  + handoff_command(ctx, story))
     lines.append(f"  or, for every story in progress: {ctx.prog} status --resume")

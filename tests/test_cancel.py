@@ -5,6 +5,7 @@ written, and exit 128 + N. Real processes and real signals throughout."""
 import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -119,6 +120,7 @@ def test_a_stop_signal_kills_the_runs_group_records_it_and_exits_128_plus_n(acti
     assert f"interrupted by {name}" in log, log
 
 
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
 def test_timeout_sends_term_and_the_run_does_not_finish_later(active):
     """The issue's own report: `timeout -s TERM 2 goals.py checkpoint … --run`."""
     proc = subprocess.Popen(["timeout", "--preserve-status", "-s", "TERM", "1.5", sys.executable,
