@@ -23,7 +23,8 @@ Files (the state directory, normally .fablize/ at the repository root):
   runs/         full output of verification runs the engine executed itself
   archive/      plans replaced by `create --force`, kept whole
 
-Exit codes: 0 done, 1 refused, 2 usage, 3 damaged. Stdlib only, Python 3.9+.
+Exit codes: 0 done, 1 refused, 2 usage, 3 damaged; 128 + N when signal N stopped a run.
+Stdlib only, Python 3.9+.
 """
 
 import json
@@ -293,8 +294,8 @@ NOTE_SPEC = {"note": str, "seq": int, "ts": str}
 STORY_SPEC = {
     "id": str, "title": str, "objective": str, "status": str, "evidence": _TEXT,
     "after": [str], "checks": [str], "accept": [str], "judge": bool, "round": int,
-    "round_base": int, "grade": _TEXT, "agent": _TEXT, "executor": _TEXT, "started_seq": (int, _N),
-    "started_ts": _TEXT, "verify_cmd": _TEXT, "verify_evidence": _TEXT, "runs": [RUN_SPEC],
+    "round_base": int, "grade": _TEXT, "agent": _TEXT, "executor": _TEXT,
+    "started_seq": (int, _N), "started_ts": _TEXT, "verify_cmd": _TEXT, "verify_evidence": _TEXT, "runs": [RUN_SPEC],
     "last_run": (RUN_SPEC, _N), "amendments": [NOTE_SPEC], "blocked_reason": _TEXT,
     "feedback": ({"source": str, "round": int, "text": _TEXT,
                   "runs": [{"cmd": str, "exit": str, "tail": _TEXT}]}, _N),
@@ -1980,8 +1981,8 @@ def story_json(plan, story):
     data = {k: story[k] for k in ("id", "title", "objective", "status", "evidence", "after",
                                   "checks", "accept", "judge", "round", "agent", "feedback",
                                   "amendments", "decision", "blocked_reason", "judged_by")}
-    data.update(grade=story_grade(story), final=is_final(plan, story), rounds_left=rounds_left(plan, story),
-                waits_for=waits_for(plan, story), last_run=story["last_run"])
+    data.update(grade=story_grade(story), final=is_final(plan, story),
+                rounds_left=rounds_left(plan, story), waits_for=waits_for(plan, story), last_run=story["last_run"])
     return data
 
 
@@ -2969,7 +2970,8 @@ def render_report(plan, runs):
              f"`{'█' * filled}{'░' * (20 - filled)}` **{done}/{len(goals)} done** "
              f"({100 * done // len(goals)}%)" +
              (" — " + done_line(plan)[len("fablize: "):] if plan_done(plan) else ""),
-             "", "| Story | Title | Status | Rounds | Evidence | Grade |", "|---|---|---|---|---|---|"]
+             "", "| Story | Title | Status | Rounds | Evidence | Grade |",
+             "|---|---|---|---|---|---|"]
     for s in goals:
         evidence = md_cell(s["evidence"])
         if s["status"] == "accepted" and s["decision"]:
@@ -3522,9 +3524,10 @@ def main(argv=None):
     except OSError as e:  # a failing disk, a full one, a permission: state stays old or new
         code, error = EXIT_DAMAGED, FablizeError(f"I/O error: {e}", "io_error", EXIT_DAMAGED)
     except KeyboardInterrupt:  # Ctrl-C outside a run: every write is whole or absent
-        sys.stderr.write("fablize: interrupted (SIGINT); the state is as the last completed "
-                         "command left it.\n")
-        return EXIT_SIGNAL_BASE + 2
+        error = FablizeError("interrupted by SIGINT; the state is as the last completed write "
+                             "left it.", exit_code=EXIT_SIGNAL_BASE + 2)
+        error.code = "interrupted"
+        code = error.exit_code
     except SystemExit as e:  # --help and --version
         return e.code if isinstance(e.code, int) else EXIT_OK
     if out.json and not out.raw:

@@ -2,6 +2,7 @@
 process group — remove the temp log, record the run as interrupted when the state can still be
 written, and exit 128 + N. Real processes and real signals throughout."""
 
+import _thread
 import fcntl
 import json
 import os
@@ -9,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -178,3 +180,23 @@ def test_help_and_readme_document_the_signal_exit_codes():
     table = readme.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
     for code in ("130", "143", "129"):
         assert code in table, code
+
+
+
+def test_ctrl_c_outside_a_run_exits_130_with_one_json_error(fab, monkeypatch):
+    """Ctrl-C while the engine itself works (here: waiting for a lock another command holds)."""
+    assert fab("create", "--brief", "b", "--goal", "A::a").code == 0
+    monkeypatch.setenv("FABLIZE_LOCK_TIMEOUT", "5")
+    fd = os.open(fab.dir / "lock", os.O_RDWR)
+    timer = threading.Timer(0.2, _thread.interrupt_main)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        timer.start()
+        r = fab("--json", "next")
+    finally:
+        timer.cancel()
+        os.close(fd)
+    assert r.code == 130, r
+    assert r.json["error"] == {"code": "interrupted", "exit": 130, "message": "interrupted by "
+                               "SIGINT; the state is as the last completed write left it."}
+    assert len(ledger(fab.dir)) == 1
