@@ -30,3 +30,16 @@ def test_the_demo_shows_every_gate_as_typed_in_short_lines():
     assert "the hash chain is broken" in out and "(exit 3: damaged)" in out
     assert "{" not in "".join(lines[-4:])  # a readable ending, no raw JSON
     assert lines[-1].startswith("the failed round came back")
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or os.name == "nt", reason="needs bash")
+def test_the_demo_fails_when_a_gate_lets_a_claim_through(tmp_path):
+    """An engine whose refusals exit 0 (a gate that says yes) must fail the demo."""
+    lenient = tmp_path / "lenient-python"
+    lenient.write_text(f'#!/bin/sh\n"{sys.executable}" "$@"; rc=$?\n'
+                       '[ "$rc" -eq 1 ] && exit 0\nexit "$rc"\n')
+    lenient.chmod(0o755)
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh")], capture_output=True,
+                       timeout=60, env=dict(os.environ, PYTHON=str(lenient)))
+    assert p.returncode != 0, p.stdout.decode()
+    assert b"demo: expected exit 1, got exit 0" in p.stderr, p.stderr
