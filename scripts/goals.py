@@ -3307,7 +3307,9 @@ def add_checkpoint(command):
     c.add_argument("--status", required=True, choices=["complete", "failed", "blocked"],
                    help="complete (achieved), failed (not achieved: another round), blocked "
                         "(cannot be achieved: a human decides)")
-    c.add_argument("--evidence", default="", help="what was done and what shows it")
+    c.add_argument("--evidence", default="",
+                   help="what was done and what shows it; for failed what is missing, for blocked "
+                        "why (required for every status)")
     c.add_argument("--verify-cmd", dest="verify_cmd", default="",
                    help="the verification command that was run (final story)")
     c.add_argument("--verify-evidence", dest="verify_evidence", default="",
@@ -3434,7 +3436,7 @@ SUMMARIES = {
     "install-block": "put the fablize block into CLAUDE.md",
 }
 DIR_HELP = ("state directory (default: $FABLIZE_DIR, else .fablize/ found walking up to the "
-            "repository root)")
+            "repository root); a project root means its .fablize/")
 JSON_HELP = "print exactly one JSON object to stdout"
 
 
