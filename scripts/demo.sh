@@ -1,74 +1,89 @@
 #!/usr/bin/env bash
-# End-to-end demo of the fablize engine on a throwaway plan: every gate is shown
-# refusing, then passing. Exits 0 only if the engine behaves as documented.
+# The ten-second pitch: a real bug, a real test under a frozen check, an agent that claims
+# "fixed" too early, the round that comes back with what was missing, and an edited ledger
+# that `audit` catches. Every command is shown as typed. Exits non-zero if any gate
+# misbehaves (a refusal that does not come, or comes with the wrong exit code).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
-STATE="$TMP/.fablize"
 cd "$TMP"
+git init -q 2>/dev/null || mkdir .git  # a project root: the state goes to ./.fablize/
 
-goals() { "$PY" "$ROOT/scripts/goals.py" --dir "$STATE" "$@"; }
-
-# A gate must say no with exit 1; anything else (0, usage 2, damage 3) is a failure.
-refused() {
-  local rc=0
-  goals "$@" || rc=$?
-  if [ "$rc" -ne 1 ]; then
-    echo "demo: expected a refusal (exit 1), got exit $rc: goals.py $*" >&2
-    exit 1
-  fi
+# Engine output is shown whole; lines longer than 120 characters wrap at a space.
+goals() { "$PY" "$ROOT/scripts/goals.py" "$@" 2>&1 | fold -s -w 120; }
+BOLD="" PLAIN=""
+if [ -t 1 ]; then BOLD=$'\033[1m' PLAIN=$'\033[0m'; fi
+# A command as it would be typed; a long one continues on the next line before each option.
+typed() {
+  local line="$*"
+  if [ "${#line}" -gt 100 ]; then line="$(printf '%s' "$line" | sed 's/ --/ \\\n    --/g')"; fi
+  printf '\n%s$ %b%s\n' "$BOLD" "$line" "$PLAIN"
+}
+quoted() {
+  local a out=""
+  for a in "$@"; do
+    if [[ "$a" =~ ^[A-Za-z0-9_./:=@%+-]+$ ]]; then out+="$a "; else out+="\"$a\" "; fi
+  done
+  printf '%s' "${out% }"
 }
 
-echo "### Create a 3-story plan; G002's acceptance check is frozen with the plan"
-goals create --brief "Add a --version flag" \
-  --goal "Parse flag::accept --version on the command line" \
-  --goal "Print version::write the version to version.txt" \
-  --goal "Verify::run the tests" \
-  --check G002="test -s version.txt"
+# `expect CODE goals.py ARGS…`: show the command, run it, and stop the demo unless it exits CODE.
+expect() {
+  local want="$1" rc=0
+  shift 2
+  typed "goals.py $(quoted "$@")"
+  goals "$@" || rc=$?
+  if [ "$rc" -ne "$want" ]; then
+    echo "demo: expected exit $want, got exit $rc: goals.py $*" >&2
+    exit 1
+  fi
+  case "$rc" in 1) echo "(exit 1: refused)" ;; 3) echo "(exit 3: damaged)" ;; esac
+}
 
-echo "### Start the first story"
-goals next
+cat > calc.py <<'EOF'
+def add(a, b):
+    return a - b
+EOF
+cat > test_calc.py <<'EOF'
+from calc import add
+assert add(2, 3) == 5, f"add(2, 3) returned {add(2, 3)}, expected 5"
+print("test_calc: 1 passed")
+EOF
 
-echo "### Claim G001 done without evidence: refused"
-refused checkpoint --id G001 --status complete
+typed "cat test_calc.py"
+cat test_calc.py
 
-echo "### Complete G001 with evidence"
-goals checkpoint --id G001 --status complete \
-  --evidence "argparse accepts --version; python3 cli.py --version exits 0"
+expect 0 goals.py create --brief "Fix add() in calc.py" \
+  --goal "Fix add::add(2, 3) returns 5" --goal "Verify::the tests pass" \
+  --check "G001=python3 test_calc.py" --verify "python3 test_calc.py"
 
-echo "### Next story"
-goals next
+typed "goals.py next | head -n 2"
+goals next | head -n 2
 
-echo "### Claim G002 done before the work exists: the engine runs the frozen check — refused"
-refused checkpoint --id G002 --status complete --evidence "version printing done"
+# The agent says "fixed" without fixing: the engine runs the frozen check itself.
+expect 1 goals.py checkpoint --id G001 --status complete --evidence "fixed add()"
+expect 0 goals.py checkpoint --id G001 --status failed \
+  --evidence "add() still subtracts: the test says add(2, 3) returned -1"
 
-echo "### Do the work, then complete G002: the frozen check passes"
-echo "1.0.0" > version.txt
-goals checkpoint --id G002 --status complete --evidence "version.txt holds 1.0.0"
+typed "goals.py next | grep -A 4 'What was missing'"
+goals next | grep -A 4 'What was missing'
 
-echo "### Final story"
-goals next
+typed "sed -i.orig 's/a - b/a + b/' calc.py"
+sed -i.orig 's/a - b/a + b/' calc.py && rm -f calc.py.orig
 
-echo "### Claim the final story done without verification: refused"
-refused checkpoint --id G003 --status complete --evidence "all done"
+expect 0 goals.py checkpoint --id G001 --status complete --evidence "add() adds; test_calc passes"
+typed "goals.py next | head -n 1"
+goals next | head -n 1
+expect 0 goals.py checkpoint --id G002 --status complete --evidence "the suite is green"
+expect 0 goals.py status
 
-echo "### Complete the final story: the engine runs the verification itself (--run)"
-goals checkpoint --id G003 --status complete --evidence "the test suite passes" \
-  --run --verify-cmd "python3 -c 'print(\"3 passed\")'"
+# Someone rewrites history to hide the failed round: the hash chain gives it away.
+typed "sed -i.orig 's/still subtracts/was fine/' .fablize/ledger.jsonl"
+sed -i.orig 's/still subtracts/was fine/' .fablize/ledger.jsonl && rm -f .fablize/ledger.jsonl.orig
+expect 3 goals.py audit
 
-echo "### Status"
-goals status
-
-echo "### Audit the ledger and the snapshot"
-goals audit
-
-echo "### The history, from the ledger"
-goals log
-
-echo "### The ledger itself: one event a line, each chained to the previous by hash (first 2)"
-head -n 2 "$STATE/ledger.jsonl"
-
-echo "### Demo finished: every gate behaved"
+printf '\nDemo finished — every gate behaved: the claim was refused until the test passed,\n'
+printf 'the failed round came back with what was missing, and the edited ledger was caught.\n'

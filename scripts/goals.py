@@ -23,7 +23,8 @@ Files (the state directory, normally .fablize/ at the repository root):
   runs/         full output of verification runs the engine executed itself
   archive/      plans replaced by `create --force`, kept whole
 
-Exit codes: 0 done, 1 refused, 2 usage, 3 damaged. Stdlib only, Python 3.9+.
+Exit codes: 0 done, 1 refused, 2 usage, 3 damaged; 128 + N when signal N stopped a run.
+Stdlib only, Python 3.9+.
 """
 
 import collections
@@ -99,7 +100,8 @@ through fablize instead of declaring "done" yourself:
 5. Repeat from 2 until it prints `all stories complete ✓` (or `all stories done ✓` after a
    human accepted a story). A refusal is not an error to work around: produce the evidence
    it asks for.
-6. Resuming after a crash or compaction: `{cli} status`, then `{cli} next`.
+6. Resuming after a crash or compaction: `{cli} status` (it shows what was missing and what
+   already failed), then `{cli} next`. Every failed or blocked checkpoint needs its reason.
 
 Never edit `.fablize/` by hand; `{cli} audit` detects it.
 <!-- fablize:end -->
@@ -225,7 +227,8 @@ def one_line(text):
 
 
 _MARKERS = (
-    (re.compile(r"=+\s*fablize\s+handoff\b[^\n]*", re.I), "[quoted fablize-handoff]"),
+    (re.compile(r"=+\s*fablize\s+handoff\b(\s*[—-]+\s*[Gg][0-9]+\b)?", re.I),
+     "[quoted fablize-handoff]"),
     (re.compile(r"all\s+stories\s+(complete|done)", re.I), r"all-stories-\1"),
     (re.compile(r"\bcheckpoint\s+--id\b(\s+\S+)?", re.I), "checkpoint-(quoted)"),
     (re.compile(r"^(\s*)fablize:", re.I | re.M), r"\1fablize-quoted:"),
@@ -277,7 +280,7 @@ def split_assignment(option, value):
     sid, sep, rest = value.partition("=")
     if not sep or not sid.strip():
         raise usage(f"{option} format is 'ID=VALUE' — invalid: {one_line(value)}")
-    return sid.strip().upper(), rest
+    return normalize_id(sid), rest
 
 
 def story_id(number):
@@ -394,19 +397,22 @@ def _misfit(value, c):
 # story's current round, which is all the gates read; every other run lives only in the ledger.
 RUN_SPEC = {"seq": int, "check": (int, _N), "cmd": str, "exit_code": (int, _N), "signal": _TEXT,
             "timed_out": bool, "error": _TEXT, "duration_s": (int, float, _N), "bytes": (int, _N),
-            "sha256": _TEXT, "tail": _TEXT, "log": _TEXT, "ok": bool}
-RUN_FIELDS = tuple(k for k in RUN_SPEC if k != "ok")
+            "sha256": _TEXT, "tail": _TEXT, "log": _TEXT, "ok": bool, "interrupted?": _TEXT}
+# a run's own fields, as its verify_run event carries them (`interrupted` only when it was)
+RUN_FIELDS = tuple(k for k in RUN_SPEC if k not in ("ok", "interrupted?"))
 NOTE_SPEC = {"note": str, "seq": int, "ts": str}
 FEEDBACK_SPEC = {"source": str, "round": int, "text": _TEXT,
                  "runs": [{"cmd": str, "exit": str, "tail": _TEXT}]}
 
 # A story's fields, (spec, initial value) each: new stories, the snapshot's shape and the
-# --json story all come from this one table.
+# --json story all come from this one table. A key ending in "?" was added after snapshots
+# were first written: an older snapshot may lack it.
 STORY_FIELDS = {
     "id": (str, None), "title": (str, None), "objective": (str, None),
     "status": (str, "pending"), "evidence": (_TEXT, None),
     "after": ([str], []), "checks": ([str], []), "accept": ([str], []), "judge": (bool, False),
-    "round": (int, 0), "round_base": (int, 0), "agent": (_TEXT, None), "executor": (_TEXT, None),
+    "round": (int, 0), "round_base": (int, 0), "grade?": (_TEXT, None),
+    "agent": (_TEXT, None), "executor": (_TEXT, None),
     "started_seq": ((int, _N), None), "started_ts": (_TEXT, None),
     "verify_cmd": (_TEXT, None), "verify_evidence": (_TEXT, None),
     "runs": ([RUN_SPEC], []), "last_run": ((RUN_SPEC, _N), None),
@@ -431,7 +437,7 @@ ORIGINAL_SPEC = {"brief": str, "created?": _TEXT, "goals": [{"id": str, "title":
 
 
 def new_story(spec):
-    story = {key: list(value) if type(value) is list else value
+    story = {key.rstrip("?"): list(value) if type(value) is list else value
              for key, (_, value) in STORY_FIELDS.items()}
     for key, value in spec.items():
         story[key] = list(value) if type(value) is list else value
@@ -671,7 +677,8 @@ def checkpoint_gate(plan, story, ev):
     if agent is not None and story["agent"] is not None and agent != story["agent"]:
         raise refused(f"{story['id']} is held by agent {one_line(story['agent'])}, "
                       f"not {one_line(agent)}.", "held_by_other")
-    # failed/blocked without evidence stays legal, as in the original; the handoff says so
+    # failed/blocked without evidence stays legal in a replay (the original allowed it);
+    # `checkpoint` asks for a reason now (reason_required)
     if ev["status"] == "complete" and blank(ev.get("evidence")):
         raise refused("a complete checkpoint requires non-empty --evidence.", "no_evidence")
 
@@ -716,13 +723,15 @@ def _ev_checkpoint(plan, ev):
     story["executor"] = ev.get("agent") or story["agent"]
     if ev["status"] == "complete":
         story.update(verify_cmd=ev["verify_cmd"], verify_evidence=ev["verify_evidence"],
-                     agent=None, feedback=None, blocked_reason=None)
+                     agent=None, feedback=None, blocked_reason=None,
+                     grade="witnessed" if story["checks"] or ev.get("run") else "claimed")
         story["status"] = "review" if story["judge"] else "complete"
     elif ev["status"] == "failed":
+        story["grade"] = None
         _fail_round(plan, story, {"source": "checkpoint", "round": story["round"],
                                   "text": ev["evidence"], "runs": _failed_run_tails(story)})
     else:
-        story.update(status="blocked", agent=None, blocked_reason=ev["evidence"])
+        story.update(status="blocked", agent=None, blocked_reason=ev["evidence"], grade=None)
     return plan
 
 
@@ -742,6 +751,8 @@ def _ev_verify_run(plan, ev):
             not 0 <= ev["after_seq"] < ev["seq"] or len(ev["tail"]) > TAIL_CHARS:
         raise forged("a run's digest, size, duration, tail or position is out of range")
     record = {key: ev.get(key) for key in RUN_FIELDS}
+    if ev.get("interrupted"):  # only then: replayed old runs stay as their snapshots hold them
+        record["interrupted"] = ev["interrupted"]
     record["ok"] = run_passed(record)
     story["last_run"] = record
     # fresh evidence only: a run counts for the round in which it started; per check, the
@@ -769,9 +780,9 @@ def _ev_decision(plan, ev):
         raise refused(f"{story['id']} is {story['status']} — `decide` applies to a blocked, failed "
                       "or in-review story.", "not_decidable")
     story["decision"] = {"decision": decision, "note": note, "seq": ev["seq"], "ts": ev["ts"]}
-    story.update(agent=None, blocked_reason=None)
+    story.update(agent=None, blocked_reason=None, grade=None)
     if decision == "accept":
-        story["status"] = "accepted"
+        story.update(status="accepted", grade="accepted")  # a human's word: no evidence gate
         return plan
     if decision == "amend":
         story["amendments"].append({"note": note, "seq": ev["seq"], "ts": ev["ts"]})
@@ -819,12 +830,13 @@ def _ev_verdict(plan, ev):
                       "judge_not_independent")
     story["judged_by"] = {"agent": agent, "verdict": verdict, "seq": ev["seq"]}
     if verdict == "achieved":
-        story["status"] = "complete"
+        story["status"] = "complete"  # the grade stays that of the checkpoint the judge checked
     elif verdict == "not-achieved":
+        story["grade"] = None
         _fail_round(plan, story, {"source": "judge", "round": story["round"],
                                   "text": ev["evidence"], "runs": []})
     else:
-        story.update(status="blocked", blocked_reason=ev["evidence"])
+        story.update(status="blocked", blocked_reason=ev["evidence"], grade=None)
     return plan
 
 
@@ -851,7 +863,7 @@ EVENTS = {
         "id": str, "check": (int, _N), "cmd": str, "cwd": str, "exit_code": (int, _N),
         "signal": _TEXT, "timed_out": bool, "error": _TEXT, "duration_s": (int, float),
         "bytes": int, "sha256": str, "tail": str, "log": str, "after_seq": int, "started": str,
-        "git_head": _TEXT, "git_dirty": (bool, _N)}),
+        "git_head": _TEXT, "git_dirty": (bool, _N), "interrupted?": str}),
     "decision": (_ev_decision, {"id": str, "decision": str, "note": str}),
     "story_added": (_ev_story_added, {"story": STORY_EVENT_SPEC, "unverifiable": UNVERIFIABLE_SPEC}),
     "verdict": (_ev_verdict, {"id": str, "verdict": str, "evidence": str, "agent": str}),
@@ -890,10 +902,13 @@ def apply_event(plan, ev):
 
 
 def run_passed(run):
-    return run.get("exit_code") == 0 and not run.get("timed_out") and not run.get("error")
+    return run.get("exit_code") == 0 and not run.get("timed_out") and not run.get("error") \
+        and not run.get("interrupted")
 
 
 def describe_exit(run):
+    if run.get("interrupted"):
+        return f"interrupted by {run['interrupted']}"
     if run.get("error"):
         return "did not start: " + one_line(run["error"])
     if run.get("timed_out"):
@@ -1970,7 +1985,13 @@ def git_state(root):
 def kill_group(proc):
     import signal
     try:
-        if os.name == "nt":
+        if os.name == "nt":  # no process groups: taskkill ends the whole tree under the shell
+            import subprocess
+            try:
+                subprocess.run(["taskkill", "/F", "/T", "/PID", str(proc.pid)],
+                               capture_output=True, stdin=subprocess.DEVNULL, timeout=30)
+            except subprocess.SubprocessError:
+                pass
             proc.kill()
         else:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -2025,34 +2046,43 @@ def run_check(cmd, cwd, timeout, stream, log_path):
     started = time.monotonic()
     record = {"cmd": cmd, "cwd": cwd, "exit_code": None, "signal": None, "timed_out": False,
               "error": None}
-    try:
-        kwargs = {"start_new_session": True} if os.name != "nt" else \
-            {"creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)}
-        proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)
-    except OSError as e:
-        record["error"] = str(e)
-        proc = None
-    if proc is not None:
-        reader = threading.Thread(target=pump, args=(os.dup(proc.stdout.fileno()),), daemon=True)
-        proc.stdout.close()
-        reader.start()
+    # Ctrl-C, an agent's tool timeout (SIGTERM) or a closed terminal must not leave the command
+    # running on its own in its new session: a stop signal kills its group like a timeout does
+    with StopSignals() as stop:
         try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            record["timed_out"] = True
-            kill_group(proc)
-            code = proc.wait()
-        # what it left behind is part of the check: stop it, then drain what was written
-        kill_group(proc)
-        reader.join(5)
-        if code < 0:
-            import signal
+            kwargs = {"start_new_session": True} if os.name != "nt" else \
+                {"creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)}
+            proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)
+        except OSError as e:
+            record["error"] = str(e)
+            proc = None
+        if proc is not None:
+            reader = threading.Thread(target=pump, args=(os.dup(proc.stdout.fileno()),),
+                                      daemon=True)
+            proc.stdout.close()
+            reader.start()
             try:
-                record["signal"] = signal.Signals(-code).name
-            except ValueError:
-                record["signal"] = f"signal {-code}"
-        record["exit_code"] = code
+                code = stop.wait(proc, timeout)
+            except subprocess.TimeoutExpired:
+                record["timed_out"] = True
+                kill_group(proc)
+                code = proc.wait()
+            except RunInterrupted:
+                kill_group(proc)
+                code = proc.wait()
+            # what it left behind is part of the check: stop it, then drain what was written
+            kill_group(proc)
+            reader.join(5)
+            if code < 0:
+                import signal
+                try:
+                    record["signal"] = signal.Signals(-code).name
+                except ValueError:
+                    record["signal"] = f"signal {-code}"
+            record["exit_code"] = code
+    if stop.got:
+        record["interrupted"] = stop.got
     with guard:
         finished[0] = True
     os.fsync(log_fd)
@@ -2087,7 +2117,7 @@ def execute_runs(ctx, store, story_id_, commands, after_seq):
     records = []
     for check, cmd in commands:
         label = f"frozen check {check + 1}" if check is not None else "verification"
-        ctx.out.progress(f"fablize: running {label} for {story_id_}: {one_line(cmd)}")
+        ctx.out.progress(f"fablize: running {label} for {story_id_} in {store.root}: {one_line(cmd)}")
         tmp_log = os.path.join(runs_dir, f".run-{os.getpid()}-{os.urandom(4).hex()}.log")
         started = now_iso()
         record = run_check(cmd, store.root, ctx.timeout, stream, tmp_log)
@@ -2096,6 +2126,8 @@ def execute_runs(ctx, store, story_id_, commands, after_seq):
         ctx.out.progress(f"fablize: {label} {'passed' if run_passed(record) else 'FAILED'} — "
                 f"{run_result(record)}")
         records.append(record)
+        if record.get("interrupted"):
+            break  # a stop signal stops the whole command, not just this run
     return records
 
 
@@ -2136,10 +2168,8 @@ def completion_command(prog, plan, story):
         cmd += f" --agent {quote_arg(story['agent'])}"
     if story["checks"]:
         return cmd
-    if is_final(plan, story):
-        if plan["options"]["require_run"]:
-            return cmd + " --run --verify-cmd \"<command>\""
-        return cmd + " --verify-cmd \"<command>\" --verify-evidence \"<result>\""
+    if is_final(plan, story):  # witnessed first: the engine runs it (SKILL.md: prefer --run)
+        return cmd + " --run --verify-cmd \"<command>\""
     return cmd
 
 
@@ -2213,6 +2243,8 @@ def render_handoff(ctx, plan, story, reshown):
         lines.append(f"⚠ Reopened: round {story['round']} (round {story['round'] - story['round_base']} "
                      f"of {rounds} since the last decision) — the earlier attempt did not achieve the "
                      "objective; what was missing is below. Continue the work; do not restart it.")
+    if reshown:
+        lines += render_round_failures(story, "Resumed: ")
     if reshown or story["round"] > 1:
         lines.append("  Files from the earlier attempt exist only if that work was kept (committed or "
                      "still in this working tree): check before relying on them.")
@@ -2221,9 +2253,14 @@ def render_handoff(ctx, plan, story, reshown):
         if story["checks"]:
             lines.append("★ Final story — its frozen checks must pass: the engine runs them at the "
                          "complete checkpoint (verification gate).")
+        elif plan["options"]["require_run"]:
+            lines.append("★ Final story — this plan requires a witnessed run: the complete "
+                         "checkpoint needs --run --verify-cmd (the engine runs it; verification "
+                         "gate).")
         else:
-            lines.append("★ Final story — the complete checkpoint requires --verify-cmd and "
-                         "--verify-evidence (verification gate).")
+            lines.append("★ Final story — the complete checkpoint requires verification: prefer "
+                         "--run --verify-cmd (witnessed: the engine runs it); --verify-cmd with "
+                         "--verify-evidence is recorded as claimed (verification gate).")
     lines += render_map(plan, story)
     lines += render_carried(plan, story)
     lines += render_feedback(story)
@@ -2243,12 +2280,18 @@ def render_handoff(ctx, plan, story, reshown):
                  "--evidence \"<what is missing>\"; impossible as specified: --status blocked "
                  "--evidence \"<why>\", then stop and ask a human.")
     lines.append("On completion: " + completion_command(ctx.prog, plan, story))
+    if is_final(plan, story) and not story["checks"] and not plan["options"]["require_run"]:
+        lines.append("  (only if the engine cannot run it, a claimed completion: --verify-cmd "
+                     "\"<command>\" --verify-evidence \"<result>\" without --run)")
     return lines
 
 
 def status_details(plan, story):
     details = []
-    if story["round"] > 1 or story["status"] in ("failed", "in_progress"):
+    if story["status"] in DONE:
+        if story["round"] > 1:
+            details.append(f"done in round {story['round']}")
+    elif story["round"] > 1 or story["status"] in ("failed", "in_progress"):
         details.append(f"round {story['round']}, {max(rounds_left(plan, story), 0)} left")
     if story["status"] == "in_progress" and story["agent"]:
         details.append(f"held by agent {one_line(story['agent'])}")
@@ -2260,8 +2303,8 @@ def status_details(plan, story):
         details.append("blocked: " + one_line(last_chars(story["blocked_reason"] or "no reason given", 200)))
     if story["status"] == "review":
         details.append("awaiting an independent judge")
-    if story["status"] == "accepted" and story["decision"]:
-        details.append("accepted by a human: " + one_line(last_chars(story["decision"]["note"], 200)))
+    if story["status"] in ("accepted", "complete", "review") and grade_detail(story):
+        details.append(grade_detail(story))
     for a in story["amendments"]:
         details.append("amended: " + one_line(last_chars(a["note"], 200)))
     return details
@@ -2344,8 +2387,8 @@ def story_json(plan, story):
     data = {k: story[k] for k in ("id", "title", "objective", "status", "evidence", "after",
                                   "checks", "accept", "judge", "round", "agent", "feedback",
                                   "amendments", "decision", "blocked_reason", "judged_by")}
-    data.update(final=is_final(plan, story), rounds_left=rounds_left(plan, story),
-                waits_for=waits_for(plan, story), last_run=story["last_run"])
+    data.update(grade=story_grade(story), final=is_final(plan, story),
+                rounds_left=rounds_left(plan, story), waits_for=waits_for(plan, story), last_run=story["last_run"])
     return data
 
 
@@ -2353,6 +2396,7 @@ def plan_json(plan):
     done = sum(1 for s in plan["goals"] if s["status"] in DONE)
     return {"plan_id": plan["plan_id"], "brief": plan["brief"], "created": plan["created"],
             "done": done, "total": len(plan["goals"]), "complete": plan_done(plan),
+            "accepted": [s["id"] for s in plan["goals"] if s["status"] == "accepted"],
             "options": plan["options"], "unverifiable": plan["unverifiable"],
             "ledger": plan["ledger"], "stories": [story_json(plan, s) for s in plan["goals"]]}
 
@@ -2360,9 +2404,11 @@ def plan_json(plan):
 def format_event(ev):
     """One event of the ledger as a line of history."""
     kind, sid = ev.get("event"), ev.get("id", "")
-    when = str(ev.get("ts", ""))[:19].replace("T", " ")
+    when = time_label(ev.get("ts"))
     if kind == "plan_created":
-        text = f"plan created — {ev.get('count')} stories: {defused_line(ev.get('brief'))}"
+        count = ev.get("count")
+        text = f"plan created — {count_stories(count) if type(count) is int else count}: " \
+               f"{defused_line(ev.get('brief'))}"
         if ev.get("replaces"):
             text += f" (replaces {ev['replaces'].get('plan_id')}, archived)"
         if ev.get("imported_from"):
@@ -2376,8 +2422,11 @@ def format_event(ev):
             text += f" · verify-cmd: {one_line(ev['verify_cmd'])}"
         if ev.get("verify_evidence"):
             text += f" · verify-evidence: {one_line(last_chars(ev['verify_evidence'], 120))}"
+        if ev.get("status") == "complete":
+            text += " · grade: " + ("witnessed" if ev.get("run") or ev.get("runs") else "claimed")
     elif kind == "verify_run":
-        text = f"{sid} run {run_summary(ev)} · log {ev.get('log')}"
+        text = f"{sid} run {run_summary(ev)} · log {ev.get('log')}" + \
+            (f" · in {one_line(ev['cwd'])}" if isinstance(ev.get("cwd"), str) else "")
     elif kind == "decision":
         text = f"{sid} decision: {ev.get('decision')} — {one_line(ev.get('note'))}"
     elif kind == "story_added":
@@ -2492,7 +2541,8 @@ def audit_ledger(source, snapshot_raw, since=None, require_independent=False, ru
             report["snapshot"] = "in the format of fablize 1 (the next writing command " \
                                  "rewrites it)"
             return report
-        mismatch = first_difference(snap_view, {k: v for k, v in snap.items() if k != "digest"})
+        mismatch = first_difference(forgive_new_keys(snap_view, snap),
+                                    {k: v for k, v in snap.items() if k != "digest"})
         if mismatch:
             raise damaged(f"{SNAPSHOT} disagrees with the replay of {LEDGER} up to line {snap_seq}: "
                           f"{mismatch}.", "snapshot_mismatch")
@@ -2530,6 +2580,229 @@ def first_difference(expected, actual, path=""):
     return None
 
 
+# What the user sees: ids, grades, resume, cancellation ######################
+
+_ID_FORM = re.compile(r"[Gg]0*([0-9]+)")
+EXIT_SIGNAL_BASE = 128      # interrupted by signal N: exit 128 + N, as a shell reports it
+
+
+def normalize_id(text):
+    """`g1`, `G01`, ` g001 ` -> G001, the one spelling the plan uses; other text comes back
+    stripped and upper-cased, for the caller to refuse."""
+    text = text.strip()
+    found = _ID_FORM.fullmatch(text)
+    return story_id(int(found.group(1))) if found else text.upper()
+
+
+def id_arg(text):
+    """argparse `type=` of every option that names one story."""
+    sid = normalize_id(fix_argv_text(text))
+    if not _ID_FORM.fullmatch(sid):
+        raise usage(f"{one_line(text)} is not a story id — ids look like G001, G002, … "
+                    "(`status` lists them).", "bad_id")
+    return sid
+
+
+def count_stories(n):
+    return f"{n} story" if n == 1 else f"{n} stories"
+
+
+def story_grade(story):
+    """What a done story's completion rested on: witnessed (runs the engine made), claimed (the
+    agent's text) or accepted (a human's decision); None while it is not done. A snapshot
+    written before stories kept a grade gets one derived from what it holds."""
+    if "grade" in story:
+        return story["grade"]
+    if story["status"] == "accepted":
+        return "accepted"
+    if story["status"] not in ("complete", "review"):
+        return None
+    witnessed = story["checks"] or any(r["ok"] and r["check"] is None and
+                                       r["cmd"] == story["verify_cmd"] for r in story["runs"])
+    return "witnessed" if witnessed else "claimed"
+
+
+GRADE_WORDS = {"witnessed": "witnessed (the engine ran the checks)",
+               "claimed": "claimed (on the agent's word)", "accepted": "accepted by a human"}
+
+
+def grade_detail(story):
+    grade = story_grade(story)
+    if grade is None:
+        return None
+    if grade == "accepted" and story["decision"]:
+        return "accepted by a human: " + one_line(last_chars(story["decision"]["note"], 200))
+    return GRADE_WORDS.get(grade, one_line(grade))
+
+
+def project_state_dir(path, out):
+    """--dir or $FABLIZE_DIR naming a project (it holds .git or .fablize/, but no state files)
+    means that project's .fablize/: state files written into the project would put the
+    checks' working directory one level too high."""
+    if os.path.basename(path) == STATE_DIRNAME or any(
+            os.path.lexists(os.path.join(path, name)) for name in (SNAPSHOT, LEDGER)):
+        return path
+    if not any(os.path.lexists(os.path.join(path, name)) for name in (".git", STATE_DIRNAME)):
+        return path
+    state = os.path.join(path, STATE_DIRNAME)
+    out.warn(f"{path} is a project root, not a state directory — using {state}.")
+    return state
+
+
+def time_label(ts):
+    """A ledger time for people: `2026-12-01 08:12:50 UTC` (the ledger writes UTC)."""
+    ts = str(ts or "")
+    zone = ts[26:] if len(ts) > 26 else ""
+    zone = "UTC" if zone in ("+00:00", "Z", "") and ts else zone
+    return f"{ts[:19].replace('T', ' ')} {zone}".strip()
+
+
+def round_failures(story):
+    """This round's failed runs, newest last, one per check or command (the latest run of each)."""
+    latest = {}
+    for run in story["runs"] if story["status"] == "in_progress" else []:
+        latest[(run["check"], run["cmd"] if run["check"] is None else None)] = run
+    return [r for r in latest.values() if not r["ok"]]
+
+
+def render_round_failures(story, prefix):
+    failed = round_failures(story)
+    if not failed:
+        return []
+    lines = [f"⚠ {prefix}{len(failed)} run(s) already failed in this round — fix what they "
+             "show before the complete checkpoint:"]
+    for run in failed:
+        label = f"frozen check {run['check'] + 1}" if run["check"] is not None else "run"
+        lines.append(f"  {label} `{defuse(one_line(run['cmd']))}` ({describe_exit(run)}, event "
+                     f"{run['seq']}) — output tail:")
+        lines.append(indent(defuse(last_chars(run["tail"]).rstrip("\n")) or "(no output)",
+                            "      "))
+    return lines
+
+
+def handoff_command(ctx, story):
+    """The command that prints `story`'s whole handoff again without changing anything."""
+    if story["agent"]:
+        return f"{ctx.prog} next --agent {quote_path(one_line(story['agent']))}"
+    return f"{ctx.prog} next"
+
+
+def render_resume(ctx, plan, story):
+    """What `status` shows of a story in progress: enough to pick it up after a crash."""
+    lines = [f"## Resume {story['id']} — {defused_line(story['title'])} (round {story['round']}, "
+             f"started {time_label(story['started_ts'])})",
+             f"Objective: {defused_line(story['objective'])}"]
+    lines += [f"Amended: {defused_line(a['note'])}" for a in story["amendments"]]
+    fb = story["feedback"]
+    if fb:
+        lines.append(f"What was missing last round (round {fb['round']}):")
+        lines.append(indent(defuse(last_chars(fb["text"], 300))) if not blank(fb["text"])
+                     else "    (no reason was recorded)")
+    lines += render_round_failures(story, "")
+    lines.append("Full handoff (plan map, dependencies' evidence, checks): "
+                 + handoff_command(ctx, story))
+    lines.append(f"  or, for every story in progress: {ctx.prog} status --resume")
+    lines.append("Then: " + completion_command(ctx.prog, plan, story))
+    return lines
+
+
+def reason_required(status):
+    """failed and blocked carry a reason: the next round reads it, or the human who decides."""
+    if status == "failed":
+        return refused("a failed checkpoint requires --evidence: what is missing (the next round "
+                       "is handed it).", "no_evidence")
+    return refused("a blocked checkpoint requires --evidence: why it cannot be done as specified "
+                   "(the human who decides is handed it).", "no_evidence")
+
+
+def forgive_new_keys(view, snap):
+    """The replayed plan without the keys that a snapshot written before they existed lacks."""
+    for mine, theirs in zip(view.get("goals", []), snap.get("goals", [])):
+        if isinstance(theirs, dict) and "grade" not in theirs:
+            mine.pop("grade", None)
+    return view
+
+
+class RunInterrupted(BaseException):
+    """A stop signal during a run (not an Exception: no handler may swallow it)."""
+
+
+class StopSignals:
+    """SIGINT, SIGTERM and SIGHUP while a user's command runs: the first one stops the run (its
+    whole process group is killed) and is kept to be reported; nothing else is started."""
+
+    NAMES = ("SIGINT", "SIGTERM", "SIGHUP")
+
+    def __init__(self):
+        self.got = None
+        self.waiting = False
+        self.saved = {}
+
+    def __enter__(self):
+        import signal
+        import threading
+        if threading.current_thread() is not threading.main_thread():
+            return self  # only the main thread may set handlers; the caller's stay in force
+        for name in self.NAMES:
+            num = getattr(signal, name, None)
+            if num is not None:
+                try:
+                    self.saved[num] = signal.signal(num, self._handle)
+                except (ValueError, OSError):
+                    pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.got is None:
+            import signal
+            self.got = signal.Signals(signum).name
+            if self.waiting:
+                raise RunInterrupted()
+
+    def wait(self, proc, timeout):
+        """proc.wait(timeout), cut short (RunInterrupted) by a stop signal, even an earlier one."""
+        self.waiting = True
+        try:
+            if self.got is not None:
+                raise RunInterrupted()
+            return proc.wait(timeout=timeout)
+        finally:
+            self.waiting = False
+
+    def __exit__(self, *exc):
+        import signal
+        for num, old in self.saved.items():
+            signal.signal(num, old if old is not None else signal.SIG_DFL)
+        return False
+
+
+def stop_if_interrupted(ctx, records):
+    """After a run a signal cut short: record the runs (the interrupted one says so) when the
+    state can still be written, else remove their temp logs; then stop with exit 128 + N."""
+    hit = next((r for r in records if r.get("interrupted")), None)
+    if hit is None:
+        return
+    import signal
+    name, sid = hit["interrupted"], hit["id"]
+    try:
+        with open_plan(ctx) as s:
+            s.require_plan()
+            runs = commit_runs(s, records)
+        ctx.data["runs"] = runs
+        fate = f"recorded as interrupted (event {runs[-1]['seq']}, log {runs[-1]['log']})"
+    except (FablizeError, OSError) as e:
+        for record in records:
+            if record.get("tmp_log") and os.path.lexists(record["tmp_log"]):
+                os.unlink(record["tmp_log"])
+        fate = f"not recorded ({e.message if isinstance(e, FablizeError) else e}; its temp log " \
+               "was removed)"
+    error = FablizeError(f"interrupted by {name}: `{one_line(hit['cmd'])}` was stopped (its "
+                         f"whole process group killed) and {fate}; {sid} is unchanged.",
+                         exit_code=EXIT_SIGNAL_BASE + getattr(signal, name, 0))
+    error.code = "interrupted"
+    raise error
+
+
 # Commands ###################################################################
 #
 # Each command is a thin wrapper: it reads the plan under the lock, builds events,
@@ -2560,7 +2833,7 @@ def parse_goal(value, number):
 
 
 def parse_ids(text, option):
-    ids = [part.strip().upper() for part in text.split(",") if part.strip()]
+    ids = [normalize_id(part) for part in text.split(",") if part.strip()]
     for sid in ids:
         if not re.fullmatch(r"G[0-9]{3,}", sid):
             raise usage(f"{option}: {one_line(sid)} is not a story id (G001, G002, …).", "bad_id")
@@ -2622,6 +2895,9 @@ def cmd_create(ctx, a):
     if not a.force and store.exists() and has_plan_files(store):
         raise refused(PLAN_EXISTS, "plan_exists")
     check_text("--brief", a.brief)
+    if blank(a.brief):
+        raise usage("--brief must not be empty: it is the task every handoff starts from.",
+                    "blank_brief")
     specs = build_stories(a)
     unverifiable = unverifiable_checks(specs, store.root)
     fields = {"brief": a.brief, "count": len(specs), "plan_id": new_plan_id(), "stories": specs,
@@ -2640,7 +2916,7 @@ def cmd_create(ctx, a):
         else:
             s.commit("plan_created", **fields, replaces=None)
         plan = s.plan
-    ctx.say(f"fablize: plan created — {len(specs)} stories")
+    ctx.say(f"fablize: plan created — {count_stories(len(specs))}")
     for story in plan["goals"]:
         ctx.say(f"  {story['id']} {defused_line(story['title'])}: {defused_line(story['objective'])}")
     if replaces:
@@ -2719,6 +2995,9 @@ def cmd_checkpoint(ctx, a):
         plan = s.require_plan()
         story = find_story(plan, a.id)
         checkpoint_gate(plan, story, ev)
+        # here, not in the transition: ledgers written before this rule must still replay
+        if a.status != "complete" and blank(a.evidence):
+            raise reason_required(a.status)
         if a.status == "complete":
             if story["checks"]:
                 commands = list(enumerate(story["checks"]))
@@ -2734,6 +3013,7 @@ def cmd_checkpoint(ctx, a):
     runs = []
     if commands:
         records = execute_runs(ctx, ctx.store, a.id, commands, plan["ledger"]["seq"])
+        stop_if_interrupted(ctx, records)
         with open_plan(ctx) as s:
             s.require_plan()
             runs = commit_runs(s, records)
@@ -2767,7 +3047,11 @@ def cmd_status(ctx, a):
         if a.resume:
             return
         raise refused("no plan — run `create` first.", "no_plan")
-    ctx.say(f"fablize: {done_count(plan)}/{len(plan['goals'])} complete — {defused_line(plan['brief'])}")
+    accepted = [x["id"] for x in plan["goals"] if x["status"] == "accepted"]
+    # a human's accept is not a completion: with one, the count says `done`, never `complete`
+    counted = f"done ({', '.join(accepted)} accepted by a human)" if accepted else "complete"
+    ctx.say(f"fablize: {done_count(plan)}/{len(plan['goals'])} {counted} — "
+            f"{defused_line(plan['brief'])}")
     for story in plan["goals"]:
         ctx.say(f"  {MARKS[story['status']]} {story['id']} [{story['status']}] {defused_line(story['title'])}")
         for detail in status_details(plan, story):
@@ -2776,11 +3060,11 @@ def cmd_status(ctx, a):
         ctx.say(f"  ⚠ {u['id']} check {u['check'] + 1} cannot run here: `{one_line(u['cmd'])}` — "
                 f"{one_line(u['reason'])}")
     ctx.say(next_line(ctx.prog, plan))
-    if a.resume:
-        for story in active_stories(plan):
-            ctx.say("")
-            for line in render_handoff(ctx, plan, story, True):
-                ctx.say(line)
+    for story in active_stories(plan):
+        ctx.say("")
+        for line in (render_handoff(ctx, plan, story, True) if a.resume
+                     else render_resume(ctx, plan, story)):
+            ctx.say(line)
     if ctx.json:
         ctx.data.update(plan_json(plan), next=next_action(ctx.prog, plan))
 
@@ -2791,6 +3075,9 @@ def cmd_verify(ctx, a):
         story = find_story(plan, a.id)
         if story["checks"]:
             commands = list(enumerate(story["checks"]))
+            if not blank(a.verify_cmd) and a.verify_cmd not in story["checks"]:
+                ctx.out.warn(f"{a.id} has frozen checks: they run instead of --verify-cmd, which "
+                             "is ignored.")
         elif not blank(a.verify_cmd):
             commands = [(None, a.verify_cmd)]
         else:
@@ -2798,6 +3085,7 @@ def cmd_verify(ctx, a):
                           "no_checks")
         after_seq = plan["ledger"]["seq"]
     records = execute_runs(ctx, ctx.store, a.id, commands, after_seq)
+    stop_if_interrupted(ctx, records)
     with open_plan(ctx) as s:
         s.require_plan()
         runs = commit_runs(s, records)
@@ -2816,7 +3104,7 @@ def cmd_decide(ctx, a):
         s.commit("decision", id=a.id, decision=a.decision, note=check_text("--note", a.note))
         plan = s.plan
     story = find_story(plan, a.id)
-    what = {"accept": "accepted — counts as done", "retry": "back to work, rounds reset",
+    what = {"accept": "counts as done", "retry": "back to work, rounds reset",
             "amend": "objective amended, back to work"}[a.decision]
     ctx.say(f"fablize: {a.id} → {story['status']} ({what}; decision recorded in the ledger).")
     ctx.say(next_line(ctx.prog, plan))
@@ -2866,21 +3154,23 @@ def cmd_audit(ctx, a):
     if bad_logs:
         raise bad_logs[0]
     missing_logs = report["missing_logs"]
-    report.update(plan_summary(plan), brief=plan["brief"])
+    accepted = [x["id"] for x in plan["goals"] if x["status"] == "accepted"]
+    report.update(plan_summary(plan), accepted=accepted, brief=plan["brief"])
     ctx.data.update(report)
+    if report["independence"]:  # a trust failure: no "audit ok" line before it
+        raise refused("audit: a verdict was not given by an independent judge — "
+                      + "; ".join(report["independence"]), "judge_not_independent")
     ctx.say(f"fablize: audit ok — {report['events']} events, hash chain intact, every event what "
             f"fablize writes and legal when replayed; snapshot {report['snapshot']}.")
     ctx.say(f"  head: {report['head']}   (keep it; `audit --since` proves later history only grew)")
-    ctx.say(f"  plan: {report['done']}/{report['total']} done — {defused_line(plan['brief'])}")
+    ctx.say(f"  plan: {report['done']}/{report['total']} done — {defused_line(plan['brief'])}"
+            + (f" ({', '.join(accepted)} accepted by a human)" if accepted else ""))
     if report["torn_tail_bytes"]:
         ctx.say(f"  torn tail: {report['torn_tail_bytes']} bytes after the last event — a write that "
                 "never completed; the next writing command moves it aside.")
     if missing_logs:
         ctx.say(f"  {missing_logs} run log(s) not present here (not committed?); their digests are "
                 "in the ledger.")
-    if report["independence"]:
-        raise refused("audit: a verdict was not given by an independent judge — "
-                      + "; ".join(report["independence"]), "judge_not_independent")
     if a.require_logs and missing_logs:
         raise refused(f"audit: {missing_logs} verification run log(s) are missing, so those runs "
                       "cannot be shown to have happened — commit .fablize/runs/.", "missing_logs")
@@ -3026,11 +3316,16 @@ def render_report(plan, runs, total=None):
     filled = round(20 * done / len(goals))
     lines = [f"# fablize report — {md_cell(plan['brief'], 200)}", "",
              f"`{'█' * filled}{'░' * (20 - filled)}` **{done}/{len(goals)} done** "
-             f"({100 * done // len(goals)}%)" + (" — all stories complete ✓" if plan_done(plan) else ""),
-             "", "| Story | Title | Status | Rounds | Evidence |", "|---|---|---|---|---|"]
+             f"({100 * done // len(goals)}%)" +
+             (" — " + done_line(plan)[len("fablize: "):] if plan_done(plan) else ""),
+             "", "| Story | Title | Status | Rounds | Evidence | Grade |",
+             "|---|---|---|---|---|---|"]
     for s in goals:
+        evidence = md_cell(s["evidence"])
+        if s["status"] == "accepted" and s["decision"]:
+            evidence = "accepted by a human: " + md_cell(s["decision"]["note"], 100)
         lines.append(f"| {s['id']} | {md_cell(s['title'], 80)} | {MARKS[s['status']]} {s['status']} "
-                     f"| {s['round']} | {md_cell(s['evidence'])} |")
+                     f"| {s['round']} | {evidence} | {story_grade(s) or ''} |")
     if runs:
         lines += ["", "## Verification runs", "",
                   "| Event | Story | Command | Result | Duration | Output sha256 |", "|---|---|---|---|---|---|"]
@@ -3123,6 +3418,10 @@ def cmd_judge_packet(ctx, a):
         f"{ctx.prog} verdict --id {sid} unachievable --evidence \"<why more rounds cannot help>\" "
         "--agent <you>",
     ]
+    if story["status"] != "review":  # a verdict on it would be refused: offer none
+        verdicts = []
+        instructions = [f"{sid} is {story['status']}, not in review: there is nothing to judge "
+                        "now, and a verdict would be refused. This packet is for reading only."]
     lines += ["How to judge:"] + [f"  - {x}" for x in instructions] + [f"    {x}" for x in verdicts]
     for line in lines:
         ctx.say(line)
@@ -3197,17 +3496,38 @@ def cmd_install_block(ctx, a):
         ctx.data.update(path=target, changed=False)
         return
     directory = os.path.dirname(target)
+    created = a.remove and not new and block_created(target + ".fablize-backup")
     backup = None
     if st is not None:
         backup = target + ".fablize-backup"
         if os.path.islink(backup):
             raise refused(f"{backup} is a symlink — refusing to write through it.", "symlink")
         write_atomic(backup, raw)
+    if created:  # install-block made this file: removing the block removes it, no 0-byte file
+        os.unlink(target)
+        fsync_dir(directory)
+        ctx.say(f"fablize: removed {target}: the fablize block was all it held"
+                + (f" (previous file kept as {backup})" if backup else ""))
+        ctx.data.update(path=target, changed=True, backup=backup, deleted=True)
+        return
     write_atomic(target, new.encode("utf-8"), st.st_mode & 0o7777 if st else 0o644)
     fsync_dir(directory)
     verb = "removed the fablize block from" if a.remove else "installed the fablize block in"
     ctx.say(f"fablize: {verb} {target}" + (f" (previous file kept as {backup})" if backup else ""))
     ctx.data.update(path=target, changed=True, backup=backup)
+
+
+def block_created(backup):
+    """Whether install-block created the file whose backup is `backup`: it never backed up an
+    earlier file, or the only one it kept held nothing but a fablize block."""
+    try:
+        prior = read_state_file(backup)
+        if prior is None:
+            return True
+        text = prior.decode("utf-8")
+    except (FablizeError, OSError, UnicodeDecodeError):
+        return False
+    return bool(text.strip()) and BLOCK_BEGIN in text and not install_block(text, "", True).strip()
 
 
 # Command line ###############################################################
@@ -3283,7 +3603,10 @@ class Context:
     @property
     def store(self):
         if self._store is None:
-            self._store = Store(*find_state_dir(self.args.dir, os.getcwd()), self.out.warnings)
+            path, discovered = find_state_dir(self.args.dir, os.getcwd())
+            if not discovered:
+                path = project_state_dir(path, self.out)
+            self._store = Store(path, discovered, self.out.warnings)
         return self._store
 
     @store.setter
@@ -3345,11 +3668,13 @@ def add_checkpoint(command):
     c = command("checkpoint", cmd_checkpoint, "record a story's result, with evidence",
             "complete needs evidence, and the final story needs verification; frozen checks run "
             "by themselves")
-    c.add_argument("--id", required=True, help="the story, e.g. G001")
+    c.add_argument("--id", required=True, type=id_arg, help="the story, e.g. G001 (g1 works too)")
     c.add_argument("--status", required=True, choices=["complete", "failed", "blocked"],
                    help="complete (achieved), failed (not achieved: another round), blocked "
                         "(cannot be achieved: a human decides)")
-    c.add_argument("--evidence", default="", help="what was done and what shows it")
+    c.add_argument("--evidence", default="",
+                   help="what was done and what shows it; for failed what is missing, for blocked "
+                        "why (required for every status)")
     c.add_argument("--verify-cmd", dest="verify_cmd", default="",
                    help="the verification command that was run (final story)")
     c.add_argument("--verify-evidence", dest="verify_evidence", default="",
@@ -3372,7 +3697,7 @@ def add_status(command):
 def add_verify(command):
     c = command("verify", cmd_verify, "run a story's frozen checks now",
             "the runs are recorded; the story's status does not change")
-    c.add_argument("--id", required=True, help="the story")
+    c.add_argument("--id", required=True, type=id_arg, help="the story, e.g. G001")
     c.add_argument("--verify-cmd", dest="verify_cmd", default="",
                    help="a command to run when the story has no frozen checks")
     add_timeout(c)
@@ -3380,8 +3705,8 @@ def add_verify(command):
 
 def add_decide(command):
     c = command("decide", cmd_decide, "a human's call on a blocked, failed or in-review story",
-            'accept it, retry it, or amend its objective')
-    c.add_argument("--id", required=True, help="the story")
+            "accept it, retry it, or amend its objective")
+    c.add_argument("--id", required=True, type=id_arg, help="the story, e.g. G001")
     c.add_argument("decision", choices=DECISIONS,
                    help="accept (counts as done), retry (back to work, rounds reset), amend "
                         "(extend the objective, back to work)")
@@ -3423,8 +3748,8 @@ def add_rebuild(command):
 
 def add_log(command):
     c = command("log", cmd_log, "the plan's history, readable",
-            'every event of the ledger, checked as audit checks it')
-    c.add_argument("--id", help="only this story's events")
+            "every event of the ledger, checked as audit checks it")
+    c.add_argument("--id", type=id_arg, help="only this story's events, e.g. G001")
 
 
 def add_guard(command):
@@ -3443,13 +3768,13 @@ def add_report(command):
 def add_judge_packet(command):
     c = command("judge-packet", cmd_judge_packet, "what a judge needs to judge a story",
             "the objective, the checklist and this round's evidence and runs")
-    c.add_argument("--id", required=True, help="the story")
+    c.add_argument("--id", required=True, type=id_arg, help="the story, e.g. G001")
 
 
 def add_verdict(command):
     c = command("verdict", cmd_verdict, "a judge's verdict on a story in review",
             "the judge must not be the story's executor")
-    c.add_argument("--id", required=True, help="the story")
+    c.add_argument("--id", required=True, type=id_arg, help="the story, e.g. G001")
     c.add_argument("verdict", choices=VERDICTS,
                    help="achieved (complete), not-achieved (another round with what is missing), "
                         "unachievable (blocked: a human decides)")
@@ -3470,7 +3795,7 @@ COMMANDS = {"create": add_create, "next": add_next, "checkpoint": add_checkpoint
             "report": add_report, "judge-packet": add_judge_packet, "verdict": add_verdict,
             "install-block": add_install_block}
 DIR_HELP = ("state directory (default: $FABLIZE_DIR, else .fablize/ found walking up to the "
-            "repository root)")
+            "repository root); a project root means its .fablize/")
 JSON_HELP = "print exactly one JSON object to stdout"
 
 
@@ -3509,7 +3834,9 @@ def build_parser(only=None):
     p = Parser(prog="goals.py", formatter_class=Formatter,
                description="fablize goal engine: split a task into stories; "
                "\"done\" is refused until evidence shows it.",
-               epilog="Exit codes: 0 done, 1 refused, 2 usage, 3 damaged state. "
+               epilog="Exit codes: 0 done, 1 refused, 2 usage, 3 damaged state; 128+N "
+                      "interrupted by signal N during a run (130 SIGINT, 143 SIGTERM, 129 "
+                      "SIGHUP), the run recorded as interrupted. "
                       "`goals.py COMMAND --help` shows a command's options.")
     p.add_argument("--version", action="version", version=f"fablize {__version__}",
                    help="print the version and exit")
@@ -3559,8 +3886,11 @@ def main(argv=None):
         return EXIT_OK
     except OSError as e:  # a failing disk, a full one, a permission: state stays old or new
         code, error = EXIT_DAMAGED, FablizeError(f"I/O error: {e}", "io_error", EXIT_DAMAGED)
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt:  # Ctrl-C outside a run: every write is whole or absent
+        error = FablizeError("interrupted by SIGINT; the state is as the last completed write "
+                             "left it.", exit_code=EXIT_SIGNAL_BASE + 2)
+        error.code = "interrupted"
+        code = error.exit_code
     except SystemExit as e:  # --help and --version
         return e.code if isinstance(e.code, int) else EXIT_OK
     try:

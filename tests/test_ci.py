@@ -580,7 +580,7 @@ def test_log_shows_the_history_in_readable_lines(full_history):
     lines = r.out.splitlines()
     assert len(lines) == 15
     for i, line in enumerate(lines, 1):
-        assert re.match(rf"#{i}  \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d  ", line), line
+        assert re.match(rf"#{i}  \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d UTC  ", line), line
     expected = {
         1: "plan created — 4 stories: a plan",
         2: "G001 started, round 1",
@@ -804,7 +804,7 @@ def table_rows(text, header):
     return rows
 
 
-STORY_HEADER = "| Story | Title | Status | Rounds | Evidence |"
+STORY_HEADER = "| Story | Title | Status | Rounds | Evidence | Grade |"
 RUN_HEADER = "| Event | Story | Command | Result | Duration | Output sha256 |"
 
 
@@ -830,10 +830,10 @@ def test_report_has_progress_stories_runs_head_and_dependency_graph(reported):
     assert md.startswith("# fablize report — ship it\n")
     assert f"`{'█' * 5}{'░' * 15}` **1/4 done** (25%)" in md
     rows = table_rows(md, STORY_HEADER)
-    assert rows == [["G001", "Parser", "✓ complete", "2", "parser works"],
-                    ["G002", "Client", "· pending", "0", ""],
-                    ["G003", "Glue", "· pending", "0", ""],
-                    ["G004", "Gate", "· pending", "0", ""]]
+    assert rows == [["G001", "Parser", "✓ complete", "2", "parser works", "witnessed"],
+                    ["G002", "Client", "· pending", "0", "", ""],
+                    ["G003", "Glue", "· pending", "0", "", ""],
+                    ["G004", "Gate", "· pending", "0", "", ""]]
     runs = [ev for ev in ledger(fab.dir) if ev["event"] == "verify_run"]
     assert table_rows(md, RUN_HEADER) == [
         [str(ev["seq"]), ev["id"], f"`{ev['cmd']}`", result, f"{ev['duration_s']} s",
@@ -895,7 +895,7 @@ def test_report_user_text_cannot_break_its_tables(fab):
         assert not line.startswith("| G999"), line
     stories = table_rows(md, STORY_HEADER)
     assert [row[0] for row in stories] == ["G001", "G002"]
-    assert all(len(row) == 5 for row in stories)
+    assert all(len(row) == 6 for row in stories)
     assert stories[0][2] == "✓ complete" and stories[0][3] == "1"
     runs = table_rows(md, RUN_HEADER)
     assert len(runs) == 1 and len(runs[0]) == 6 and runs[0][3] == "pass: exit 0"

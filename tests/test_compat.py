@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from conftest import complete, ledger, make_plan, run_cli, state_files
+from conftest import assert_refused, complete, ledger, make_plan, run_cli, state_files
 
 STORY_ROW = re.compile(r"^  (\S) (G\d{3}) \[(\w+)\] (.*)$")
 
@@ -152,13 +152,20 @@ def test_status_shows_every_mark_of_the_original(fab):
                     "failed": {"✗"}, "blocked": {"■"}}
 
 
-def test_blocked_and_failed_checkpoints_need_no_evidence_as_in_the_original(fab):
+def test_blocked_and_failed_checkpoints_need_a_reason_a_deliberate_deviation(fab):
+    """DESIGN §2: the original took failed/blocked without evidence; the next round and the
+    deciding human need the reason, so it is refused (exit 1) and nothing is written."""
     make_plan(fab, 3)
     fab("next")
-    r = fab("checkpoint", "--id", "G001", "--status", "failed")
+    for status in ("failed", "blocked"):
+        assert_refused(fab, ["checkpoint", "--id", "G001", "--status", status], 1,
+                       f"a {status} checkpoint requires --evidence")
+        assert_refused(fab, ["checkpoint", "--id", "G001", "--status", status, "--evidence", " "],
+                       1, f"a {status} checkpoint requires --evidence")
+    r = fab("checkpoint", "--id", "G001", "--status", "failed", "--evidence", "no tests yet")
     assert r.code == 0 and r.out.startswith("fablize: G001 → failed"), r
     fab("next")
-    r = fab("checkpoint", "--id", "G001", "--status", "blocked")
+    r = fab("checkpoint", "--id", "G001", "--status", "blocked", "--evidence", "needs a key")
     assert r.code == 0 and r.out.startswith("fablize: G001 → blocked"), r
 
 

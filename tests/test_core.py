@@ -75,8 +75,8 @@ def test_checkpoint_refuses_an_unknown_story(fab):
     start(fab, "G001")
     refused(fab, ["checkpoint", "--id", "G009", "--status", "complete", "--evidence", "e"],
             "not_found", "G009 not found.")
-    refused(fab, ["checkpoint", "--id", "g001", "--status", "complete", "--evidence", "e"],
-            "not_found", "g001 not found.")
+    refused(fab, ["checkpoint", "--id", "X1", "--status", "complete", "--evidence", "e"],
+            "bad_id", "X1 is not a story id — ids look like G001", exit_code=2)
 
 
 @pytest.mark.parametrize("evidence", [None, "", " ", "\t\n  \r\n"])

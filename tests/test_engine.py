@@ -246,14 +246,14 @@ def test_the_guard_names_the_completion_the_final_gate_accepts(fab):
     make_plan(fab, 1)
     assert fab("next").code == 0
     reason = guard_reason(fab)
-    assert reason is not None and "--verify-cmd" in reason and "--verify-evidence" in reason
+    assert reason is not None and "--run --verify-cmd" in reason  # witnessed first
     status_next = next_of_status(fab)
-    assert "--verify-cmd" in status_next and "--verify-evidence" in status_next
+    assert "--run --verify-cmd" in status_next
     command = reason.split("then run: ", 1)[1].split(" (or --status", 1)[0]
     argv = command.split(" checkpoint ", 1)[1]
     import shlex
     args = ["checkpoint"] + shlex.split(argv.replace("<evidence>", "done")
-                                        .replace("<command>", "pytest -q")
+                                        .replace("<command>", "true")
                                         .replace("<result>", "3 passed"))
     r = fab(*args)
     assert r.code == 0 and "all stories complete ✓" in r.out, r

@@ -822,13 +822,13 @@ NOT_DECIMAL = "\u00b2"  # ², a digit to str.isdigit, not to int()
     ["verdict", "--id", "G" + NOT_DECIMAL, "achieved", "--evidence", "saw it", "--agent", "j"],
     ["judge-packet", "--id", "G" + NOT_DECIMAL],
 ])
-def test_story_id_with_a_non_decimal_digit_is_refused_as_not_found(argv):
+def test_story_id_with_a_non_decimal_digit_is_refused_as_not_an_id(argv):
     with project_copy() as root:
         before = state_files(root / ".fablize")
         r = call(argv, root)
         assert state_files(root / ".fablize") == before
     check_contract(r, False)
-    assert r.code == 1 and r.err == f"fablize: G{NOT_DECIMAL} not found.\n", r
+    assert r.code == 2 and r.err.startswith(f"fablize: G{NOT_DECIMAL} is not a story id"), r
 
 
 @pytest.mark.parametrize("since", [NOT_DECIMAL + ":abc", "1" + NOT_DECIMAL + ":abc"])

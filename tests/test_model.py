@@ -149,6 +149,8 @@ class Model:
     # queries
 
     def find(self, sid):
+        if re.fullmatch(r"[Gg]0*[0-9]+", sid):  # every --id is normalised: g1, g001 -> G001
+            sid = "G%03d" % int(sid[1:])
         for s in self.stories:
             if s.id == sid:
                 return s
@@ -237,7 +239,7 @@ class Model:
             refuse("not_active")
         if agent is not None and s.agent is not None and agent != s.agent:
             refuse("held_by_other")
-        if status == "complete" and blank(evidence):
+        if blank(evidence):  # complete needs evidence; failed and blocked a reason
             refuse("no_evidence")
         before = self.events
         if status == "complete":

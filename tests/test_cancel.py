@@ -1,0 +1,216 @@
+"""Cancelling a run: SIGINT, SIGTERM and SIGHUP stop the command the engine runs — its whole
+process group — remove the temp log, record the run as interrupted when the state can still be
+written, and exit 128 + N. Real processes and real signals throughout."""
+
+import _thread
+import contextlib
+import fcntl
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import goals
+from conftest import SCRIPT, ledger
+
+pytestmark = pytest.mark.skipif(os.name == "nt", reason="POSIX signals and process groups")
+
+# The run writes its shell's pid (its process group: the engine starts it in a new session),
+# then sleeps; if the group survived, `after.txt` would appear once the sleep ends.
+SLOW = "echo $$ > run.pid; sleep 30; echo done > after.txt"
+
+
+def env():
+    e = {k: v for k, v in os.environ.items() if not k.startswith("FABLIZE_")}
+    e["FABLIZE_LOCK_TIMEOUT"] = "0.5"
+    return e
+
+
+def spawn(root, *args, **kw):
+    return subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=str(root), env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+def run_goals(root, *args):
+    """The engine in-process (setting up and reading back need no real signals)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = goals.main(["--dir", str(root / ".fablize"), *args])
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def active(tmp_path):
+    """A repository with a 2-story plan whose G001 is in progress."""
+    (tmp_path / ".git").mkdir()
+    assert run_goals(tmp_path, "create", "--brief", "b", "--goal", "A::a", "--goal", "B::b")[0] == 0
+    assert run_goals(tmp_path, "next")[0] == 0
+    return tmp_path
+
+
+def wait_for_run(root, proc):
+    deadline = time.monotonic() + 20
+    pid_file = root / "run.pid"
+    while not (pid_file.exists() and pid_file.read_text().strip()):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run never started"
+        time.sleep(0.02)
+    return int(pid_file.read_text())
+
+
+def group_alive(pgid):
+    """Whether a process of the group still runs (a zombie waiting for init to reap it does not)."""
+    if not os.path.isdir("/proc/self"):
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def assert_group_gone(pgid):
+    deadline = time.monotonic() + 5
+    while group_alive(pgid):
+        assert time.monotonic() < deadline, f"process group {pgid} survived the signal"
+        time.sleep(0.02)
+
+
+def temp_logs(root):
+    return sorted(p.name for p in (root / ".fablize" / "runs").glob(".run-*"))
+
+
+CHECKPOINT = ["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "x", "--run",
+              "--verify-cmd", SLOW]
+
+
+@pytest.mark.parametrize("sig, how", [(signal.SIGTERM, "pid"), (signal.SIGINT, "group"),
+                                      (signal.SIGHUP, "pid")])
+def test_a_stop_signal_kills_the_runs_group_records_it_and_exits_128_plus_n(active, sig, how):
+    before = len(ledger(active / ".fablize"))
+    # Ctrl-C reaches the terminal's whole foreground group; a tool timeout signals the pid
+    proc = spawn(active, *CHECKPOINT, start_new_session=(how == "group"))
+    pgid = wait_for_run(active, proc)
+    if how == "group":
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
+    out, err = proc.communicate(timeout=20)
+    err = err.decode()
+    assert proc.returncode == 128 + sig, (proc.returncode, out, err)
+    assert_group_gone(pgid)
+    name = signal.Signals(sig).name
+    assert f"fablize: interrupted by {name}: `{SLOW}` was stopped (its whole process group " \
+           "killed) and recorded as interrupted" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    events = ledger(active / ".fablize")
+    assert len(events) == before + 1  # the run, and no checkpoint
+    run = events[-1]
+    assert run["event"] == "verify_run" and run["interrupted"] == name, run
+    assert temp_logs(active) == []
+    assert (active / ".fablize" / run["log"]).exists()
+    assert not (active / "after.txt").exists()
+    if sig != signal.SIGTERM:
+        return  # what the record shows afterwards is the same for every signal
+    code, status, _ = run_goals(active, "--json", "status")
+    story = json.loads(status)["stories"][0]
+    assert story["status"] == "in_progress" and story["last_run"]["interrupted"] == name
+    assert not story["last_run"]["ok"]
+    assert run_goals(active, "audit")[0] == 0
+    _, log, _ = run_goals(active, "log", "--id", "G001")
+    assert f"interrupted by {name}" in log, log
+
+
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
+def test_timeout_sends_term_and_the_run_does_not_finish_later(active):
+    """The issue's own report: `timeout -s TERM 2 goals.py checkpoint … --run`."""
+    proc = subprocess.Popen(["timeout", "--preserve-status", "-s", "TERM", "1.5", sys.executable,
+                             str(SCRIPT), *CHECKPOINT], cwd=str(active), env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    pgid = wait_for_run(active, proc)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 143, (out, err)
+    assert_group_gone(pgid)
+    assert temp_logs(active) == []
+    assert ledger(active / ".fablize")[-1]["interrupted"] == "SIGTERM"
+
+
+def test_verify_is_interrupted_too_and_runs_nothing_after(active):
+    assert run_goals(active, "create", "--force", "--brief", "b", "--goal", "A::a",
+                     "--goal", "B::b", "--check", f"G001={SLOW}",
+                     "--check", "G001=echo second > second.txt")[0] == 0
+    proc = spawn(active, "--json", "verify", "--id", "G001")
+    wait_for_run(active, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 143, (out, err)
+    obj = json.loads(out)
+    assert obj["ok"] is False and obj["error"]["code"] == "interrupted", obj
+    assert obj["error"]["exit"] == 143
+    assert not (active / "second.txt").exists()  # the second frozen check never started
+    runs = [e for e in ledger(active / ".fablize") if e["event"] == "verify_run"]
+    assert len(runs) == 1 and runs[0]["interrupted"] == "SIGTERM"
+
+
+def test_when_the_state_cannot_be_written_the_temp_log_is_removed_all_the_same(active):
+    before = (active / ".fablize" / "ledger.jsonl").read_bytes()
+    proc = spawn(active, *CHECKPOINT)
+    pgid = wait_for_run(active, proc)
+    fd = os.open(active / ".fablize" / "lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another writer holds the lock past the 0.5 s limit
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        os.close(fd)
+    err = err.decode()
+    assert proc.returncode == 143, (out, err)
+    assert_group_gone(pgid)
+    assert "and not recorded (another fablize command holds" in err, err
+    assert "its temp log was removed" in err, err
+    assert temp_logs(active) == []
+    assert (active / ".fablize" / "ledger.jsonl").read_bytes() == before
+
+
+def test_help_and_readme_document_the_signal_exit_codes():
+    p = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True)
+    assert "128+N" in " ".join(p.stdout.split()) and "143 SIGTERM" in " ".join(p.stdout.split())
+    readme = (SCRIPT.parent.parent / "README.md").read_text(encoding="utf-8")
+    table = readme.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    for code in ("130", "143", "129"):
+        assert code in table, code
+
+
+
+def test_ctrl_c_outside_a_run_exits_130_with_one_json_error(fab, monkeypatch):
+    """Ctrl-C while the engine itself works (here: waiting for a lock another command holds)."""
+    assert fab("create", "--brief", "b", "--goal", "A::a").code == 0
+    monkeypatch.setenv("FABLIZE_LOCK_TIMEOUT", "5")
+    fd = os.open(fab.dir / "lock", os.O_RDWR)
+    timer = threading.Timer(0.2, _thread.interrupt_main)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        timer.start()
+        r = fab("--json", "next")
+    finally:
+        timer.cancel()
+        os.close(fd)
+    assert r.code == 130, r
+    assert r.json["error"] == {"code": "interrupted", "exit": 130, "message": "interrupted by "
+                               "SIGINT; the state is as the last completed write left it."}
+    assert len(ledger(fab.dir)) == 1
