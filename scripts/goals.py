@@ -175,7 +175,38 @@ def load_json(raw, surrogates=None):
 
 
 def blank(text):
-    return not (text and text.strip())
+    if not (text and text.strip()):
+        return True
+    if text.isascii():  # the common case: no per-character work
+        return False
+    return not text.translate(_INVISIBLE).strip()
+
+
+# Characters that show nothing: blank-looking symbols (braille blank, Hangul fillers, variation
+# selectors, …); format characters (Unicode Cf) are added on first use. Evidence made only of
+# them is blank, and a marker with them between its words is still a marker.
+_BLANKISH = [0x034F, 0x115F, 0x1160, 0x17B4, 0x17B5, 0x2800, 0x3164, 0xFFA0, 0x1D159] + \
+    list(range(0x180B, 0x1810)) + list(range(0xFE00, 0xFE10)) + list(range(0xE0100, 0xE01F0))
+
+
+class _InvisibleTable(dict):
+    """str.translate table deleting invisible characters, filled lazily (unicodedata is only
+    imported for non-ASCII text)."""
+
+    def __missing__(self, c):
+        import unicodedata
+        value = None if c in _BLANKISH_SET or unicodedata.category(chr(c)) == "Cf" else c
+        self[c] = value
+        return value
+
+
+_BLANKISH_SET = frozenset(_BLANKISH)
+_INVISIBLE = _InvisibleTable()
+
+
+def visible(text):
+    """`text` without its invisible characters (format characters, blank-looking symbols)."""
+    return text if text.isascii() else text.translate(_INVISIBLE)
 
 
 def last_chars(text, n=TAIL_CHARS):
@@ -228,11 +259,18 @@ def defused_line(text):
     return defuse(one_line(text))
 
 
+# the same markers when invisible characters (or their escaped forms) stand between the words
+_GAP = r"(?:[\s\u00ad\u034f\u115f\u1160\u180b-\u180f\u200b-\u200f\u202a-\u202e\u2060-\u206f" \
+       r"\u2800\u3164\ufe00-\ufe0f\ufeff\uffa0]|\\u[0-9a-fA-F]{4})"
+_MARKERS_WIDE = tuple((re.compile(p.pattern.replace(r"\s*", _GAP + "*").replace(r"\s+", _GAP + "+"),
+                                  p.flags), r) for p, r in _MARKERS)
+
+
 def defuse(text):
     """Carried text cannot pass for engine output: markers are rewritten into hyphenated
     forms that a scanner (even one reading a whitespace-stripped view) does not accept."""
     text = clean(text)
-    for pattern, replacement in _MARKERS:
+    for pattern, replacement in (_MARKERS if text.isascii() else _MARKERS_WIDE):
         text = pattern.sub(replacement, text)
     return text
 
@@ -587,9 +625,10 @@ def checkpoint_gate(plan, story, ev):
         raise refused(f"{story['id']} is not active ({story['status']}) — activate it with `next` "
                       "first.", "not_active")
     agent = ev.get("agent")
-    if agent is not None and story["agent"] is not None and agent != story["agent"]:
+    if story["agent"] is not None and agent != story["agent"]:
+        caller = "an unnamed caller (give --agent)" if agent is None else one_line(agent)
         raise refused(f"{story['id']} is held by agent {one_line(story['agent'])}, "
-                      f"not {one_line(agent)}.", "held_by_other")
+                      f"not {caller}.", "held_by_other")
     # failed/blocked without evidence stays legal, as in the original; the handoff says so
     if ev["status"] == "complete" and blank(ev.get("evidence")):
         raise refused("a complete checkpoint requires non-empty --evidence.", "no_evidence")
@@ -622,7 +661,7 @@ def _ev_checkpoint(plan, ev):
         if gap is not None:
             raise gap
     story["evidence"] = ev.get("evidence")
-    story["executor"] = ev.get("agent") or story["agent"]
+    story["executor"] = ev.get("agent")  # whoever checkpointed, never the holder by default
     if ev["status"] == "complete":
         story.update(verify_cmd=ev.get("verify_cmd"), verify_evidence=ev.get("verify_evidence"),
                      agent=None, feedback=None, blocked_reason=None)
@@ -724,6 +763,7 @@ def _ev_guard_block(plan, ev):
     return plan
 
 
+PROVENANCE_SPEC = {"dir": _TEXT, "program": _TEXT, "program_sha256": _TEXT, "env": dict}
 _SPEC_STORY = {"id": str, "title": str, "objective": str, "after": ([str], _N),
                "checks": ([str], _N), "accept": ([str], _N), "judge": (bool, _N),
                "status": _TEXT, "evidence": _TEXT}
@@ -735,8 +775,9 @@ EVENT_SPECS = {
     "checkpoint": {"id": str, "status": str, "evidence": _TEXT, "verify_cmd": _TEXT,
                    "verify_evidence": _TEXT, "agent": _TEXT, "run": (bool, _N)},
     "verify_run": dict({k: v for k, v in RUN_SPEC.items() if k not in ("seq", "ok")},
-                       id=str, after_seq=int),
-    "decision": {"id": str, "decision": str, "note": _TEXT},
+                       id=str, after_seq=int, provenance=(PROVENANCE_SPEC, _N)),
+    "decision": {"id": str, "decision": str, "note": _TEXT,
+                 "signature": ({"signer": str, "sig": str}, _N)},
     "story_added": {"story": _SPEC_STORY, "unverifiable": (UNVERIFIABLE_SPEC, _N)},
     "verdict": {"id": str, "verdict": str, "evidence": _TEXT, "agent": _TEXT},
     "guard_block": {"reason": _TEXT, "fresh": (bool, _N)},
@@ -788,10 +829,10 @@ def describe_exit(run):
     if run.get("error"):
         return "did not start: " + one_line(run["error"])
     if run.get("timed_out"):
-        return f"timed out after {run.get('duration_s')} s"
+        return f"timed out after {one_line(run.get('duration_s'))} s"
     if run.get("signal"):
-        return f"killed by {run['signal']}"
-    return f"exit {run.get('exit_code')}"
+        return f"killed by {one_line(run['signal'])}"
+    return f"exit {one_line(run.get('exit_code'))}"
 
 
 def is_original_snapshot(snap):
@@ -1734,7 +1775,8 @@ def execute_runs(ctx, store, story_id_, commands, after_seq):
         started = now_iso()
         record = run_check(cmd, store.root, ctx.timeout, stream, tmp_log)
         record.update(id=story_id_, check=check, after_seq=after_seq, started=started,
-                      git_head=head, git_dirty=dirty, tmp_log=tmp_log)
+                      git_head=head, git_dirty=dirty, tmp_log=tmp_log,
+                      provenance=run_provenance(store.root, cmd))
         ctx.say(f"fablize: {label} {'passed' if run_passed(record) else 'FAILED'} — "
                 f"{run_result(record)}")
         records.append(record)
@@ -1763,12 +1805,12 @@ def indent(text, prefix="    "):
 
 def run_summary(run):
     return (f"`{one_line(run.get('cmd'))}` → {run_result(run)}, "
-            f"sha256 {str(run.get('sha256'))[:16]}…")
+            f"sha256 {one_line(str(run.get('sha256'))[:16])}…")
 
 
 def run_result(run):
-    took = "" if run.get("timed_out") else f", {run.get('duration_s')} s"
-    return f"{describe_exit(run)}{took}, {run.get('bytes')} bytes"
+    took = "" if run.get("timed_out") else f", {one_line(run.get('duration_s'))} s"
+    return f"{describe_exit(run)}{took}, {one_line(run.get('bytes'))} bytes"
 
 
 def completion_command(ctx, plan, story):
@@ -1954,16 +1996,16 @@ def plan_json(plan):
 
 def format_event(ev):
     """One event of the ledger as a line of history."""
-    kind, sid = ev.get("event"), ev.get("id", "")
+    kind, sid = ev.get("event"), one_line(ev.get("id", ""))
     when = str(ev.get("ts", ""))[:19].replace("T", " ")
     if kind == "plan_created":
-        text = f"plan created — {ev.get('count')} stories: {defused_line(ev.get('brief'))}"
+        text = f"plan created — {one_line(ev.get('count'))} stories: {defused_line(ev.get('brief'))}"
         if ev.get("replaces"):
-            text += f" (replaces {ev['replaces'].get('plan_id')}, archived)"
+            text += f" (replaces {one_line(ev['replaces'].get('plan_id'))}, archived)"
         if ev.get("imported_from"):
             text += " (imported from the original goals.py)"
     elif kind == "story_started":
-        text = f"{sid} started, round {ev.get('round')}" + (f", agent {one_line(ev['agent'])}"
+        text = f"{sid} started, round {one_line(ev.get('round'))}" + (f", agent {one_line(ev['agent'])}"
                                                            if ev.get("agent") else "")
     elif kind == "checkpoint":
         text = f"{sid} checkpoint {ev.get('status')} — evidence: {one_line(last_chars(ev.get('evidence'), 200))}"
@@ -1972,7 +2014,7 @@ def format_event(ev):
         if ev.get("verify_evidence"):
             text += f" · verify-evidence: {one_line(last_chars(ev['verify_evidence'], 120))}"
     elif kind == "verify_run":
-        text = f"{sid} run {run_summary(ev)} · log {ev.get('log')}"
+        text = f"{sid} run {run_summary(ev)} · log {one_line(ev.get('log'))}"
     elif kind == "decision":
         text = f"{sid} decision: {ev.get('decision')} — {one_line(ev.get('note'))}"
     elif kind == "story_added":
@@ -1985,7 +2027,7 @@ def format_event(ev):
         text = f"stop blocked by the guard: {one_line(ev.get('reason', ''))}"
     else:
         text = one_line(kind)
-    return f"#{ev.get('seq')}  {when}  {text}"
+    return f"#{one_line(ev.get('seq'))}  {one_line(when)}  {text}"
 
 
 # Audit: replaying the whole ledger ##########################################
@@ -2135,6 +2177,517 @@ def first_difference(expected, actual, path=""):
     return None
 
 
+# Trust: pins, base, rerun, signatures #######################################
+#
+# The ledger is the agent's own diary: the hash chain proves only that history after a pin grew.
+# Trust comes from what the agent cannot write — the base branch's committed ledger (the pin,
+# `audit --base`), CI's own re-run of the frozen checks (`audit --rerun`), a human's key
+# (`decide --sign`, checked against allowed signers read from the base branch) and the checks
+# CI requires (`--require-check`). Three grades name what a completion rests on: claimed (text
+# the agent typed), witnessed (the engine ran it, in the agent's environment), re-witnessed
+# (CI re-ran it).
+
+TRUST_MODEL = """\
+Trust model — three grades of evidence:
+  claimed       text the agent typed (--evidence, --verify-cmd + --verify-evidence).
+  witnessed     the engine ran the command (--run, frozen checks) and recorded its exit
+                code, digest and log. It proves the command ran and what it printed, in
+                the agent's environment; not that the environment was honest.
+  re-witnessed  CI, with its own copy of the engine (python3 -I) and its own environment,
+                re-ran the plan's frozen checks on the committed tree (--rerun).
+The hash chain proves only that history after a pin grew, not who wrote it. Trust comes
+from what the agent cannot write: the base branch's committed ledger and archives (--base),
+CI's own re-run (--rerun), checks CI requires (--require-check) and a human's key
+(decide --sign, verified with --allowed-signers read from the base branch)."""
+
+# variables that change what a witnessed command does, recorded with each run (a hint)
+WITNESS_ENV = ("PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEPATH",
+               "PYTHONNOUSERSITE", "PYTHONUSERBASE", "LD_PRELOAD", "LD_LIBRARY_PATH",
+               "DYLD_INSERT_LIBRARIES", "DYLD_LIBRARY_PATH", "MAKEFLAGS", "MAKEFILES",
+               "BASH_ENV", "ENV", "NODE_OPTIONS", "NODE_PATH", "PERL5OPT", "RUBYOPT")
+SIGN_NAMESPACE = "fablize"
+MAX_ENV_VALUE = 1000
+
+
+def run_tool(args, cwd=None, stdin=None, what=None):
+    """(exit code, stdout bytes, stderr text) of git or ssh-keygen; a missing tool is a one-line
+    refusal, not a traceback."""
+    import subprocess
+    try:
+        p = subprocess.run(args, cwd=cwd, input=stdin, capture_output=True, timeout=120,
+                           stdin=None if stdin is not None else subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise refused(f"{args[0]} is not installed (or not on PATH): {what or args[0]} needs it.",
+                      "tool_missing")
+    except (OSError, subprocess.SubprocessError) as e:
+        raise damaged(f"{args[0]} failed to run: {e}", "io_error")
+    return p.returncode, p.stdout, p.stderr.decode("utf-8", "replace").strip()
+
+
+_TOPLEVELS = {}
+
+
+def git_toplevel(root):
+    """The repository's top directory holding `root`, or None outside a git work tree."""
+    if root not in _TOPLEVELS:
+        try:
+            code, out, _ = run_tool(["git", "-C", root, "rev-parse", "--show-toplevel"])
+        except FablizeError:
+            code, out = 1, b""
+        _TOPLEVELS[root] = os.path.realpath(out.decode("utf-8", "replace").strip()) \
+            if code == 0 else None
+    return _TOPLEVELS[root]
+
+
+def repo_relative(root):
+    """`root` relative to its repository's top ("." at the top), or None outside one."""
+    top = git_toplevel(root)
+    if top is None:
+        return None
+    rel = os.path.relpath(os.path.realpath(root), top).replace(os.sep, "/")
+    return None if rel.startswith("..") else rel
+
+
+def command_program(cmd, root):
+    """The program a shell command line starts first, resolved as the shell would (PATH, or a
+    path relative to `root`), or None for a builtin, a variable or an unparsable line."""
+    import shlex
+    import shutil
+    try:
+        lexer = shlex.shlex(cmd, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        tokens = list(lexer)
+    except ValueError:
+        return None
+    for token in tokens:
+        if not token or all(c in "();<>|&" for c in token) or token in _PREFIX_WORDS or \
+                re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", token, re.S):
+            continue
+        if token in _SHELL_BUILTINS or "$" in token or "`" in token:
+            return None
+        if "/" in token:
+            path = token if os.path.isabs(token) else os.path.join(root, token)
+            return os.path.abspath(path) if os.path.isfile(path) else None
+        found = shutil.which(token)
+        return os.path.abspath(found) if found else None
+    return None
+
+
+def file_sha256(path):
+    digest = _sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+def witness_env():
+    """The listed variables that are set, each as its value (or the digest of a long one)."""
+    env = {}
+    for name in WITNESS_ENV:
+        value = os.environ.get(name)
+        if value is not None:
+            value = fix_argv_text(value)
+            env[name] = value if len(value) <= MAX_ENV_VALUE else \
+                "sha256:" + sha256_hex(value.encode("utf-8"))
+    return env
+
+
+def run_provenance(root, cmd):
+    """Where and with what a witnessed run ran: a hint for the reviewer (an agent with a shell
+    can still lie about its environment; only a re-witnessed run is proof)."""
+    program = command_program(cmd, root)
+    return {"dir": repo_relative(root), "program": program,
+            "program_sha256": file_sha256(program) if program else None, "env": witness_env()}
+
+
+def parse_pin(text):
+    """--since [SEQ:]HASH -> (seq or None, hash)."""
+    seq_text, _, pin_hash = text.rpartition(":")
+    pin_hash = pin_hash.strip().lower()
+    if seq_text and not (seq_text.isascii() and seq_text.isdigit()):
+        raise usage("--since takes HASH or SEQ:HASH (as `audit` prints its head).")
+    return (int(seq_text) if seq_text else None), pin_hash
+
+
+def line_hashes(data):
+    from hashlib import sha256
+    lines = data.split(b"\n")[:-1]
+    return [sha256(line).hexdigest() for line in lines]
+
+
+def pin_position(hashes, seq, pin_hash):
+    """'found', 'rewritten' (line SEQ exists with another hash) or 'absent'."""
+    if seq is not None:
+        if 1 <= seq <= len(hashes):
+            return "found" if hashes[seq - 1] == pin_hash else "rewritten"
+        return "absent"
+    return "found" if pin_hash in hashes else "absent"
+
+
+def read_archived_ledger(store, replaced):
+    """The bytes of the archived ledger a plan's `replaces` names, refusing anything outside
+    archive/ or reached through a symlink."""
+    rel = replaced.get("path")
+    if not (isinstance(rel, str) and re.fullmatch(ARCHIVE + r"/[\w.-]+", rel)):
+        raise damaged(f"the plan's replaces names no archive ({one_line(repr(rel))}) — it cannot be "
+                      "verified.", "archive_unverified")
+    for part in (ARCHIVE, rel):
+        if os.path.islink(store.path(part)):
+            raise symlink_refusal(store.path(part))
+    data = read_state_file(store.path(os.path.join(rel, LEDGER)))
+    if data is None:
+        raise damaged(f"{rel}/{LEDGER}, the plan the current one replaces, is missing — the "
+                      "replaced history cannot be verified.", "archive_unverified")
+    return rel, data
+
+
+def verify_pin(store, data, first, pin):
+    """Where the pinned line is: this ledger, or an archived one (plans replaced by
+    `create --force`) whose bytes and chain verify, whose final head the next plan's
+    `replaces` names, and that holds the pinned line. Raises exit 3 otherwise."""
+    seq, pin_hash = parse_pin(pin)
+    where = pin_position(line_hashes(data), seq, pin_hash)
+    if where == "found":
+        return {"pin": pin, "in": LEDGER, "new_plan": False}
+    replaced, chain = first.get("replaces") if first else None, []
+    while isinstance(replaced, dict) and replaced.get("head") and len(chain) < 1000:
+        rel, archived = read_archived_ledger(store, replaced)
+        report = audit_ledger(archived, None)
+        if report["head"] != f"{replaced.get('seq')}:{replaced.get('head')}":
+            raise damaged(f"{rel}/{LEDGER} ends at {report['head'][:24]}…, not at the head the "
+                          f"plan after it names as the one it replaces — the archive was edited.",
+                          "archive_unverified")
+        chain.append(rel)
+        if pin_position(line_hashes(archived), seq, pin_hash) == "found":
+            return {"pin": pin, "in": f"{rel}/{LEDGER}", "new_plan": True, "archives": chain}
+        replaced = report["plan"]["replaces"]
+    if where == "rewritten":
+        raise damaged(f"{LEDGER} line {seq} no longer hashes to {pin_hash[:16]}… (the pin): history "
+                      "before it was rewritten.", "history_rewritten")
+    what = f"line {seq} does not exist" if seq else "no line hashes to it"
+    raise damaged(f"--since {pin_hash[:16]}…: {what} — the ledger was truncated or re-written "
+                  "from scratch" + (", and no verified archive holds it." if chain else "."),
+                  "history_rewritten")
+
+
+def git_show(root, ref, path, what):
+    """The bytes of `path` (relative to the repository top) at `ref`, or None when the ref has
+    no such file. An unknown ref is a usage error."""
+    top = git_toplevel(root)
+    if top is None:
+        raise refused(f"{what}: {root} is not inside a git repository.", "not_a_repository")
+    code, _, err = run_tool(["git", "-C", top, "rev-parse", "--verify", "--quiet",
+                             ref + "^{commit}"], what=what)
+    if code != 0:
+        raise usage(f"{what}: {one_line(ref)} is not a commit here (fetch it first?).", "bad_ref")
+    code, out, err = run_tool(["git", "-C", top, "cat-file", "blob", f"{ref}:{path}"], what=what)
+    return out if code == 0 else None
+
+
+def base_pin(store, ref):
+    """(pin "SEQ:HASH" or None, what was read) from the ledger committed at `ref`."""
+    top = git_toplevel(store.root)
+    rel = os.path.relpath(os.path.realpath(store.dir), top or "/").replace(os.sep, "/")
+    data = git_show(store.root, ref, f"{rel}/{LEDGER}", "--base")
+    if not data:
+        return None, {"ref": ref, "path": f"{rel}/{LEDGER}", "plan": False}
+    hashes = line_hashes(data)
+    if not hashes:
+        return None, {"ref": ref, "path": f"{rel}/{LEDGER}", "plan": False}
+    return f"{len(hashes)}:{hashes[-1]}", {"ref": ref, "path": f"{rel}/{LEDGER}", "plan": True}
+
+
+def allowed_signers_file(store, a):
+    """Path of the allowed-signers file to verify with: read from --base's ref when given, so a
+    pull request cannot add its own key. Returns (path, temporary directory or None)."""
+    if a.base is None:
+        if not os.path.isfile(a.allowed_signers):
+            raise usage(f"--allowed-signers: {one_line(a.allowed_signers)} does not exist.",
+                        "no_signers")
+        return a.allowed_signers, None
+    top = git_toplevel(store.root) or store.root
+    rel = os.path.relpath(os.path.abspath(a.allowed_signers), top).replace(os.sep, "/")
+    if rel.startswith(".."):
+        raise usage("--allowed-signers with --base names a file inside the repository.",
+                    "no_signers")
+    data = git_show(store.root, a.base, rel, "--allowed-signers")
+    if data is None:
+        raise refused(f"--allowed-signers: {one_line(rel)} is not committed at {one_line(a.base)} "
+                      "— only signers the base branch lists count.", "no_signers")
+    import tempfile
+    tmp = tempfile.mkdtemp(prefix="fablize-signers-")
+    path = os.path.join(tmp, "allowed_signers")
+    with open(path, "wb") as f:
+        f.write(data)
+    return path, tmp
+
+
+def decision_payload(plan_id, sid, decision, note, prev):
+    """The canonical content a decision's signature covers (documented in README)."""
+    return json.dumps({"plan": plan_id, "story": sid, "decision": decision, "note": note,
+                       "prev": prev}, ensure_ascii=False, sort_keys=True,
+                      separators=(",", ":")).encode("utf-8")
+
+
+def sign_decision(ctx, a):
+    """(signature, the ledger head it was made over), signed outside the lock."""
+    if bool(a.sign) != bool(a.signer) or (a.signer is not None and blank(a.signer)):
+        raise usage("--sign KEYFILE and --signer PRINCIPAL go together.", "usage")
+    if not os.path.isfile(a.sign):
+        raise usage(f"--sign: {one_line(a.sign)} is not a key file.", "usage")
+    with open_plan(ctx, exclusive=False) as s:
+        plan = s.require_plan()
+    prev = plan["ledger"]["head"]
+    payload = decision_payload(plan["plan_id"], a.id, a.decision, a.note, prev)
+    code, out, err = run_tool(["ssh-keygen", "-q", "-Y", "sign", "-f", a.sign, "-n",
+                               SIGN_NAMESPACE], stdin=payload, what="decide --sign")
+    if code != 0 or b"BEGIN SSH SIGNATURE" not in out:
+        raise refused(f"ssh-keygen could not sign the decision: {one_line(err)[:300]}",
+                      "sign_failed")
+    return {"signer": a.signer, "sig": out.decode("ascii", "replace")}, prev
+
+
+def signed_fields(plan, signature, prev):
+    """The decision's signature field, if the plan did not move while it was being signed."""
+    if signature is None:
+        return {}
+    if plan["ledger"]["head"] != prev:
+        raise refused("the plan changed while the decision was being signed — run `decide` "
+                      "again.", "plan_changed")
+    return {"signature": signature}
+
+
+def verify_signature(signers_path, plan_id, ev):
+    """None when the decision's signature verifies for its signer, else why not."""
+    sig = ev.get("signature")
+    if not isinstance(sig, dict) or not isinstance(sig.get("sig"), str) or \
+            not isinstance(sig.get("signer"), str) or blank(sig.get("signer")):
+        return "unsigned"
+    import tempfile
+    payload = decision_payload(plan_id, ev.get("id"), ev.get("decision"), ev.get("note"),
+                               ev.get("prev"))
+    with tempfile.TemporaryDirectory(prefix="fablize-verify-") as tmp:
+        path = os.path.join(tmp, "decision.sig")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(sig["sig"])
+        code, _, err = run_tool(["ssh-keygen", "-Y", "verify", "-f", signers_path, "-I",
+                                 sig["signer"], "-n", SIGN_NAMESPACE, "-s", path],
+                                stdin=payload, what="audit --allowed-signers")
+    return None if code == 0 else f"signature by {one_line(sig['signer'])} does not verify"
+
+
+def scan_events(data, kinds):
+    """(line number, event) for the ledger events of these kinds; only lines that can hold one
+    are parsed (audit has already replayed and checked every line)."""
+    needles = [b'"event":"%s"' % k.encode() for k in kinds]
+    for lineno, line in enumerate(data.split(b"\n")[:-1], 1):
+        if any(n in line for n in needles):
+            ev = parse_event(line)
+            if ev is not None and ev.get("event") in kinds:
+                yield lineno, ev
+
+
+def run_flags(root, runs):
+    """Why each witnessed run is not clean: outside the repository root, on a dirty tree, or
+    under an environment different from the plan's first run."""
+    here = repo_relative(root)
+    first_env, flagged, recorded = None, [], 0
+    for lineno, ev in runs:
+        prov = ev.get("provenance")
+        why = []
+        if not isinstance(prov, dict):
+            why.append("no provenance recorded")
+        else:
+            recorded += 1
+            if prov.get("dir") is None or (here is not None and prov.get("dir") != here):
+                why.append(f"made outside the repository root ({one_line(prov.get('dir'))})")
+            env = prov.get("env")
+            if first_env is None:
+                first_env = env
+            elif env != first_env:
+                names = sorted(k for k in set(env or {}) | set(first_env or {})
+                               if (env or {}).get(k) != (first_env or {}).get(k))
+                why.append("environment differs from the plan's first run (" +
+                           ", ".join(one_line(n) for n in names) + ")")
+        if ev.get("git_dirty"):
+            why.append("the working tree was dirty")
+        if why:
+            flagged.append({"line": lineno, "id": ev.get("id"), "cmd": ev.get("cmd"),
+                            "why": why})
+    return flagged
+
+
+def witnessed_gaps(plan):
+    """The completed stories that do not rest on their own frozen checks run by the engine."""
+    gaps = []
+    for s in plan["goals"]:
+        if s["status"] != "complete":
+            continue
+        if not s["checks"]:
+            how = "its pass was run ad hoc (--run)" if s["last_run"] and \
+                s["last_run"]["check"] is None else "it has no frozen checks: its pass is claimed"
+            gaps.append(f"{s['id']} ({how})")
+            continue
+        for i in range(len(s["checks"])):
+            run = _fresh_ok_run(s, check=i)
+            if run is None or not run["ok"]:
+                gaps.append(f"{s['id']} (frozen check {i + 1} has no passing run of the engine's)")
+                break
+    return gaps
+
+
+def rerun_checks(ctx, plan, which, root):
+    """Run the frozen checks again, here, recording nothing: the re-witnessed grade."""
+    import shutil
+    import tempfile
+    stories = plan["goals"] if which == "all" else plan["goals"][-1:]
+    results = []
+    tmp = tempfile.mkdtemp(prefix="fablize-rerun-")
+    try:
+        for story in stories:
+            for i, cmd in enumerate(story["checks"]):
+                record = run_check(cmd, root, ctx.timeout, None,
+                                   os.path.join(tmp, f"{story['id']}-{i}.log"))
+                results.append({"id": story["id"], "check": i + 1, "cmd": cmd,
+                                "ok": run_passed(record), "result": run_result(record),
+                                "tail": record["tail"]})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return results
+
+
+def engine_inside(root):
+    here = os.path.realpath(os.path.abspath(__file__))
+    top = os.path.realpath(git_toplevel(root) or root)
+    return os.path.commonpath([here, top]) == top
+
+
+def audit_trust(ctx, a, data, plan):
+    """The trust part of `audit`: the pin, run provenance, decisions and their signatures.
+    Raises exit 3 for a pin that does not hold; gates that say no come later (trust_gates)."""
+    store = ctx.store
+    lines = data.split(b"\n", 1)
+    first = parse_event(lines[0]) if lines[0] else None
+    pin, base = a.since, None
+    if a.base is not None:
+        if a.since is not None:
+            raise usage("give --base or --since, not both.")
+        pin, base = base_pin(store, a.base)
+    trust = {"base": base, "pin": None, "new_plan": False,
+             "imported": bool(first and first.get("imported_from"))}
+    if pin is not None:
+        trust["pin"] = verify_pin(store, data, first, pin)
+        trust["new_plan"] = trust["pin"]["new_plan"]
+    elif base is not None:
+        trust["new_plan"] = True  # nothing committed at the base: all of this plan is new
+    runs = list(scan_events(data, ("verify_run",)))
+    trust["logless_runs"] = sum(1 for _, ev in runs if type(ev.get("log")) is not str)
+    trust["unclean_runs"] = run_flags(store.root, runs)
+    decisions = {}
+    for lineno, ev in scan_events(data, ("decision",)):
+        decisions[ev["id"]] = (lineno, ev)
+    trust["decisions"] = [ev for _, ev in decisions.values()]
+    trust["accepted"] = []
+    for s in plan["goals"]:
+        if s["status"] == "accepted":
+            ev = decisions.get(s["id"], (0, {}))[1]
+            sig = ev.get("signature")
+            trust["accepted"].append({"id": s["id"], "note": s["decision"]["note"],
+                                      "signer": sig.get("signer") if isinstance(sig, dict) else None})
+    trust["frozen_checks"] = [{"id": s["id"], "checks": s["checks"]} for s in plan["goals"]
+                              if s["checks"]]
+    trust["engine_inside_tree"] = engine_inside(store.root)
+    if trust["engine_inside_tree"]:
+        ctx.out.warn("the engine running this audit lies inside the tree it audits: a pull "
+                     "request can change it — run a copy kept outside the tree, with python3 -I.")
+    return trust
+
+
+def say_trust(ctx, trust):
+    pin = trust["pin"]
+    if pin is not None:
+        where = "this ledger" if not pin["new_plan"] else f"{pin['in']} (a replaced plan)"
+        ctx.say(f"  pin: {one_line(pin['pin'][:80])} found in {where}"
+                + (f" — from {one_line(trust['base']['ref'])}" if trust["base"] else ""))
+    elif trust["base"] is not None:
+        ctx.say(f"  pin: none — {one_line(trust['base']['ref'])} has no plan "
+                f"({one_line(trust['base']['path'])}); this plan is new")
+    if trust["new_plan"]:
+        ctx.say("  new plan since the pin — its frozen checks (review what changed):")
+        for item in trust["frozen_checks"]:
+            for i, cmd in enumerate(item["checks"], 1):
+                ctx.say(f"    {item['id']} check {i}: {one_line(cmd)}")
+        if not trust["frozen_checks"]:
+            ctx.say("    (none: every completion in it is claimed)")
+    if trust["imported"]:
+        ctx.say("  imported from the original goals.py: its first event is not the engine's own")
+    for item in trust["accepted"]:
+        by = f"signed by {one_line(item['signer'])}" if item["signer"] else "unsigned"
+        ctx.say(f"  accepted: {item['id']} ({by}) — {defused_line(last_chars(item['note'], 200))}")
+    for run in trust["unclean_runs"]:
+        ctx.say(f"  run at line {run['line']} ({one_line(run['id'])} `{one_line(run['cmd'])}`): "
+                + "; ".join(run["why"]))
+
+
+def trust_gates(ctx, a, plan, trust):
+    """The trust options of `audit` that can say no, cheapest first; --rerun last."""
+    if trust["imported"] and trust["new_plan"] and not a.allow_imported:
+        raise refused("audit: the plan was imported from the original goals.py format — nothing "
+                      "shows it was made by the engine (--allow-imported to accept it).",
+                      "imported_plan")
+    if trust["new_plan"] and not a.allow_new_plan:
+        raise refused("audit: the plan was created after the pin (create --force or a new plan) — "
+                      "review its frozen checks above; --allow-new-plan accepts it.", "new_plan")
+    final = plan["goals"][-1]
+    missing = [c for c in a.require_check if c not in final["checks"]]
+    if missing:
+        raise refused(f"audit: the final story {final['id']} does not carry the required frozen "
+                      f"check `{one_line(missing[0])}`.", "required_check_missing")
+    if a.require_witnessed:
+        gaps = witnessed_gaps(plan)
+        if gaps:
+            raise refused("audit: not witnessed — " + "; ".join(gaps), "not_witnessed")
+    if a.require_clean_runs and trust["unclean_runs"]:
+        run = trust["unclean_runs"][0]
+        raise refused(f"audit: {len(trust['unclean_runs'])} run(s) not clean — line {run['line']}: "
+                      + "; ".join(run["why"]), "unclean_runs")
+    if a.forbid_accepted and trust["accepted"]:
+        raise refused("audit: accepted by a decision, not completed — "
+                      + ", ".join(x["id"] for x in trust["accepted"]), "accepted_forbidden")
+    if a.allowed_signers is not None:
+        path, tmp = allowed_signers_file(ctx.store, a)
+        try:
+            bad = [(ev["id"], verify_signature(path, plan["plan_id"], ev))
+                   for ev in trust["decisions"]]
+        finally:
+            if tmp:
+                import shutil
+                shutil.rmtree(tmp, ignore_errors=True)
+        bad = [(sid, why) for sid, why in bad if why]
+        if bad:
+            raise refused("audit: decisions not signed by an allowed signer — "
+                          + "; ".join(f"{sid}: {why}" for sid, why in bad), "bad_signature")
+    if a.rerun:
+        results = rerun_checks(ctx, plan, a.rerun, ctx.store.root)
+        ctx.data["rerun"] = results
+        ctx.say(f"  re-run ({a.rerun}): {len(results)} frozen check(s), here, recorded nowhere:")
+        for r in results:
+            ctx.say(f"    {'✓' if r['ok'] else '✗'} {r['id']} check {r['check']} "
+                    f"`{one_line(r['cmd'])}` → {r['result']}")
+            if not r["ok"] and r["tail"]:
+                for line in last_chars(r["tail"], 300).rstrip("\n").split("\n")[-8:]:
+                    ctx.say("    " + OUTPUT_BAR + one_line(line))
+        failed = [r for r in results if not r["ok"]]
+        if failed:
+            r = failed[0]
+            raise refused(f"audit: re-run failed — {r['id']} check {r['check']} "
+                          f"`{one_line(r['cmd'])}`: {r['result']}", "rerun_failed")
+
+
 # Commands ###################################################################
 #
 # Each command is a thin wrapper: it reads the plan under the lock, builds events,
@@ -2224,7 +2777,7 @@ def say_unverifiable(ctx, found):
     ctx.say(f"fablize: ⚠ {len(found)} frozen check(s) cannot run here — fix now; found at the gate "
             "it costs the whole run:")
     for u in found:
-        ctx.say(f"  {u['id']} check {u['check'] + 1}: `{one_line(u['cmd'])}` — {one_line(u['reason'])}")
+        ctx.say(f"  {one_line(u['id'])} check {u['check'] + 1}: `{one_line(u['cmd'])}` — {one_line(u['reason'])}")
 
 
 def cmd_create(ctx, a):
@@ -2410,7 +2963,7 @@ def cmd_status(ctx, a):
         for detail in status_details(plan, story):
             ctx.say(f"      {detail}")
     for u in plan["unverifiable"]:
-        ctx.say(f"  ⚠ {u['id']} check {u['check'] + 1} cannot run here: `{one_line(u['cmd'])}` — "
+        ctx.say(f"  ⚠ {one_line(u['id'])} check {u['check'] + 1} cannot run here: `{one_line(u['cmd'])}` — "
                 f"{one_line(u['reason'])}")
     step = next_step(ctx, plan)
     ctx.say(done_line(plan) if step is None else f"fablize: next — {step}")
@@ -2449,9 +3002,11 @@ def cmd_verify(ctx, a):
 
 
 def cmd_decide(ctx, a):
+    signature, prev = sign_decision(ctx, a) if a.sign or a.signer else (None, None)
     with open_plan(ctx) as s:
         s.require_plan()
-        s.commit("decision", id=a.id, decision=a.decision, note=check_text("--note", a.note))
+        s.commit("decision", id=a.id, decision=a.decision, note=check_text("--note", a.note),
+                 **signed_fields(s.plan, signature, prev))
         plan = s.plan
     story = find_story(plan, a.id)
     what = {"accept": "accepted — counts as done", "retry": "back to work, rounds reset",
@@ -2497,11 +3052,15 @@ def cmd_audit(ctx, a):
         s.refuse_original()
         data = s.store.ledger_bytes()
         snapshot = read_state_file(s.store.path(SNAPSHOT))
-    report = audit_ledger(data, snapshot, a.since, a.require_independent_judge)
+    report = audit_ledger(data, snapshot, None, a.require_independent_judge)
     plan = report.pop("plan")
     missing_logs, bad_logs = check_run_logs(ctx.store, report.pop("run_logs"))
     if bad_logs:
         raise damaged(bad_logs[0], "run_log_mismatch")
+    trust = audit_trust(ctx, a, data, plan)
+    missing_logs += trust.pop("logless_runs")  # a run without a log shows nothing happened
+    report.update(trust={k: v for k, v in trust.items() if k != "decisions"})
+    report.update(accepted=trust["accepted"])
     report.update(missing_logs=missing_logs, complete=plan_done(plan),
                   done=sum(1 for x in plan["goals"] if x["status"] in DONE),
                   total=len(plan["goals"]), brief=plan["brief"])
@@ -2516,6 +3075,7 @@ def cmd_audit(ctx, a):
     if missing_logs:
         ctx.say(f"  {missing_logs} run log(s) not present here (not committed?); their digests are "
                 "in the ledger.")
+    say_trust(ctx, trust)
     if report["independence"]:
         raise refused("audit: a verdict was not given by an independent judge — "
                       + "; ".join(report["independence"]), "judge_not_independent")
@@ -2525,6 +3085,7 @@ def cmd_audit(ctx, a):
     if a.require_complete and not report["complete"]:
         left = [f"{x['id']} [{x['status']}]" for x in plan["goals"] if x["status"] not in DONE]
         raise refused("audit: trusted but incomplete — " + ", ".join(left), "incomplete")
+    trust_gates(ctx, a, plan, trust)
 
 
 def check_run_logs(store, run_logs):
@@ -2532,6 +3093,9 @@ def check_run_logs(store, run_logs):
     is audit's list of (line, log path, sha256)."""
     missing, bad = 0, []
     for lineno, log, digest in run_logs:
+        if "\x00" in log:
+            bad.append(f"{LEDGER} line {lineno}: run log path {one_line(log)} holds a NUL byte.")
+            continue
         path = os.path.join(store.dir, log)
         if os.path.commonpath([os.path.abspath(path), store.dir]) != store.dir:
             bad.append(f"{LEDGER} line {lineno}: run log path {one_line(log)} leaves the state "
@@ -2681,14 +3245,14 @@ def render_report(plan, runs):
              "", "| Story | Title | Status | Rounds | Evidence |", "|---|---|---|---|---|"]
     for s in goals:
         lines.append(f"| {s['id']} | {md_cell(s['title'], 80)} | {MARKS[s['status']]} {s['status']} "
-                     f"| {s['round']} | {md_cell(s['evidence'])} |")
+                     f"| {md_cell(str(s['round']))} | {md_cell(s['evidence'])} |")
     if runs:
         lines += ["", "## Verification runs", "",
                   "| Event | Story | Command | Result | Duration | Output sha256 |", "|---|---|---|---|---|---|"]
         for r in runs:
-            lines.append(f"| {r['seq']} | {r['id']} | `{md_cell(r['cmd'], 80)}` | "
+            lines.append(f"| {md_cell(str(r['seq']))} | {md_cell(r['id'])} | `{md_cell(r['cmd'], 80)}` | "
                          f"{'pass' if run_passed(r) else 'FAIL'}: {md_cell(describe_exit(r))} | "
-                         f"{r.get('duration_s')} s | `{str(r.get('sha256'))[:16]}` |")
+                         f"{md_cell(str(r.get('duration_s')))} s | `{md_cell(str(r.get('sha256'))[:16])}` |")
     lines += ["", "## Stories and dependencies", "", "```mermaid", "graph TD"]
     for s in goals:
         label = md_cell(s["title"], 40).replace('"', "#quot;")
@@ -2699,8 +3263,8 @@ def render_report(plan, runs):
     colours = {"complete": "#c8e6c9", "accepted": "#dcedc8", "in_progress": "#fff59d",
                "pending": "#eeeeee", "failed": "#ffcdd2", "blocked": "#ef9a9a", "review": "#bbdefb"}
     lines += [f"  classDef {k} fill:{v}" for k, v in colours.items()]
-    lines += ["```", "", f"Ledger head: `{plan['ledger']['seq']}:{plan['ledger']['head']}` "
-              f"(plan `{plan['plan_id']}`)", ""]
+    lines += ["```", "", f"Ledger head: `{plan['ledger']['seq']}:{md_cell(plan['ledger']['head'])}` "
+              f"(plan `{md_cell(plan['plan_id'])}`)", ""]
     return "\n".join(lines)
 
 
@@ -3017,6 +3581,10 @@ def add_decide(command):
                    help="accept (counts as done), retry (back to work, rounds reset), amend "
                         "(extend the objective, back to work)")
     c.add_argument("--note", required=True, help="the reason, or the feedback or amendment")
+    c.add_argument("--sign", metavar="KEYFILE",
+                   help="sign the decision with this ssh key (ssh-keygen -Y sign -n fablize)")
+    c.add_argument("--signer", metavar="PRINCIPAL",
+                   help="the signer's principal, as listed in the allowed-signers file")
 
 
 def add_add(command):
@@ -3041,7 +3609,39 @@ def add_audit(command):
     c.add_argument("--require-independent-judge", action="store_true",
                    help="exit 1 unless every verdict came from an agent other than the executor")
     c.add_argument("--require-logs", action="store_true",
-                   help="exit 1 unless every verification run's log is present (and matches)")
+                   help="exit 1 unless every verification run has its log present (and matching)")
+    add_audit_trust(c)
+
+
+def add_audit_trust(c):
+    import argparse
+    c.formatter_class = argparse.RawDescriptionHelpFormatter
+    c.epilog = TRUST_MODEL
+    c.add_argument("--base", metavar="REF",
+                   help="take the pin from the ledger committed at this git ref (e.g. origin/main); "
+                        "files named by --allowed-signers are read from it too")
+    c.add_argument("--allow-new-plan", action="store_true",
+                   help="accept a plan created after the pin (its frozen checks are printed)")
+    c.add_argument("--allow-imported", action="store_true",
+                   help="accept a plan imported from the original goals.py format after the pin")
+    c.add_argument("--rerun", nargs="?", const="final", choices=["final", "all"],
+                   help="re-run the frozen checks (of the final story, or of all stories) here, "
+                        "recording nothing; exit 1 if any fails")
+    c.add_argument("--require-check", action="append", default=[], metavar="CMD",
+                   help="exit 1 unless the final story carries exactly this frozen check "
+                        "(repeatable; with --rerun it must pass)")
+    c.add_argument("--require-witnessed", action="store_true",
+                   help="exit 1 unless every completed story rests on its frozen checks run by "
+                        "the engine (not a claim, not an ad-hoc --run)")
+    c.add_argument("--require-clean-runs", action="store_true",
+                   help="exit 1 if a run was made outside the repository root, on a dirty tree, "
+                        "or under an environment different from the plan's first run")
+    c.add_argument("--allowed-signers", metavar="PATH",
+                   help="exit 1 unless every decision is signed (decide --sign) by a key in this "
+                        "ssh allowed-signers file")
+    c.add_argument("--forbid-accepted", action="store_true",
+                   help="exit 1 if any story was accepted by a decision instead of completed")
+    add_timeout(c)
 
 
 def add_rebuild(command):
