@@ -779,8 +779,10 @@ EVENT_SPECS = {
     "decision": {"id": str, "decision": str, "note": _TEXT,
                  "signature": ({"signer": str, "sig": str}, _N)},
     "story_added": {"story": _SPEC_STORY, "unverifiable": (UNVERIFIABLE_SPEC, _N)},
-    "verdict": {"id": str, "verdict": str, "evidence": _TEXT, "agent": _TEXT},
+    "verdict": {"id": str, "verdict": str, "evidence": _TEXT, "agent": _TEXT, "tree": _TEXT,
+                "packet_seq": (int, _N)},
     "guard_block": {"reason": _TEXT, "fresh": (bool, _N)},
+    "judge_packet": {"id": str, "tree": str, "files": (int, _N)},
 }
 _EVENT_CHECKS = {kind: compile_spec(dict(spec, ts=str), required=False)
                  for kind, spec in EVENT_SPECS.items()}
@@ -794,6 +796,7 @@ TRANSITIONS = {
     "story_added": _ev_story_added,
     "verdict": _ev_verdict,
     "guard_block": _ev_guard_block,
+    "judge_packet": lambda plan, ev: _ev_judge_packet(plan, ev),  # defined with the trust code
 }
 
 
@@ -2025,6 +2028,9 @@ def format_event(ev):
                 f"{one_line(last_chars(ev.get('evidence'), 200))}")
     elif kind == "guard_block":
         text = f"stop blocked by the guard: {one_line(ev.get('reason', ''))}"
+    elif kind == "judge_packet":
+        text = f"{sid} judge packet: working tree recorded ({one_line(ev.get('files'))} files, " \
+               f"sha256 {one_line(str(ev.get('tree'))[:16])}…)"
     else:
         text = one_line(kind)
     return f"#{one_line(ev.get('seq'))}  {one_line(when)}  {text}"
@@ -2558,6 +2564,91 @@ def rerun_checks(ctx, plan, which, root):
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return results
+
+
+def tree_state(root, state_dir):
+    """(sha256, file count) of the working tree at `root`: every tracked and untracked file
+    (git's ignore rules apply), by name, mode and content; the state directory is left out.
+    Outside git, every file under `root` but .git/ and the state directory."""
+    top = git_toplevel(root)
+    names = None
+    if top is not None:
+        code, out, _ = run_tool(["git", "-C", root, "ls-files", "-z", "--cached", "--others",
+                                 "--exclude-standard", "--full-name"], what="judge-packet")
+        if code == 0:
+            names = sorted(set(os.path.join(top, n.decode("utf-8", "surrogateescape"))
+                               for n in out.split(b"\0") if n))
+    if names is None:
+        names = []
+        for d, subdirs, files in os.walk(root):
+            subdirs[:] = [x for x in subdirs if x != ".git"
+                          and os.path.join(d, x) != state_dir]
+            names += [os.path.join(d, f) for f in files]
+        names.sort()
+    state = os.path.realpath(state_dir) + os.sep
+    digest, count = _sha256(), 0
+    for path in names:
+        if os.path.realpath(path).startswith(state) or path.startswith(state_dir + os.sep):
+            continue
+        try:
+            st = os.lstat(path)
+        except OSError:
+            entry = "missing"
+        else:
+            if stat.S_ISLNK(st.st_mode):
+                entry = "link:" + os.readlink(path)
+            elif stat.S_ISREG(st.st_mode):
+                entry = f"{st.st_mode & 0o111:o}:{file_sha256(path)}"
+            else:
+                entry = "other"
+        rel = os.path.relpath(path, root)
+        digest.update(f"{rel}\0{entry}\n".encode("utf-8", "surrogateescape"))
+        count += 1
+    return digest.hexdigest(), count
+
+
+def current_packet(story):
+    """The judge packet recorded for the story's present review round, or None."""
+    packet = story.get("packet")
+    return packet if isinstance(packet, dict) and packet.get("round") == story["round"] else None
+
+
+def _ev_judge_packet(plan, ev):
+    story = find_story(plan, ev["id"])
+    if story["status"] != "review":
+        raise refused(f"{story['id']} is {story['status']}, not in review — there is nothing to "
+                      "judge.", "not_in_review")
+    story["packet"] = {"tree": ev["tree"], "files": ev.get("files"), "round": story["round"],
+                       "seq": ev["seq"]}
+    return plan
+
+
+def record_judge_packet(ctx, sid):
+    """Record the working tree as the judge sees it first; a verdict compares against it."""
+    digest, count = tree_state(ctx.store.root, ctx.store.dir)
+    with open_plan(ctx) as s:
+        plan = s.require_plan()
+        if find_story(plan, sid)["status"] != "review":
+            return plan, None
+        s.commit("judge_packet", id=sid, tree=digest, files=count)
+        return s.plan, {"tree": digest, "files": count, "seq": s.last["seq"]}
+
+
+def tree_changed_verdict(ctx, a):
+    """The verdict event's fields when the tree changed since the judge packet: the judge's
+    finding goes back as not-achieved (a judge that fixed the work judged nothing); else None."""
+    with open_plan(ctx, exclusive=False) as s:
+        plan = s.require_plan()
+    packet = current_packet(find_story(plan, a.id))
+    if packet is None:
+        return None
+    digest, _ = tree_state(ctx.store.root, ctx.store.dir)
+    if digest == packet["tree"]:
+        return None
+    return {"verdict": "not-achieved", "tree": digest, "packet_seq": packet["seq"],
+            "evidence": f"the working tree changed after the judge packet (event {packet['seq']}) "
+                        f"— a judge must not change what it judges; its verdict ({a.verdict}) "
+                        f"is void. The judge's finding: {a.evidence}"}
 
 
 def engine_inside(root):
@@ -3296,6 +3387,9 @@ def cmd_report(ctx, a):
 def cmd_judge_packet(ctx, a):
     with open_plan(ctx, exclusive=False) as s:
         plan = s.require_plan()
+    packet = None
+    if find_story(plan, a.id)["status"] == "review":
+        plan, packet = record_judge_packet(ctx, a.id)
     story = find_story(plan, a.id)
     items = [{"kind": "check", "text": cmd, "run": _fresh_ok_run(story, check=i) or next(
         (r for r in reversed(story["runs"]) if r["check"] == i), None)}
@@ -3337,8 +3431,13 @@ def cmd_judge_packet(ctx, a):
         "--agent <you>",
     ]
     lines += ["How to judge:"] + [f"  - {x}" for x in instructions] + [f"    {x}" for x in verdicts]
+    if packet:
+        lines.append(f"Working tree recorded (event {packet['seq']}: {packet['files']} files, sha256 "
+                     f"{packet['tree'][:16]}…): a verdict given after any change to it is void and "
+                     "goes back as not-achieved.")
     for line in lines:
         ctx.say(line)
+    ctx.data["packet"] = packet
     ctx.data.update(id=sid, status=story["status"], round=story["round"],
                     objective=story["objective"], amendments=story["amendments"],
                     checklist=items, evidence=story["evidence"], runs=story["runs"],
@@ -3346,14 +3445,20 @@ def cmd_judge_packet(ctx, a):
 
 
 def cmd_verdict(ctx, a):
+    void = tree_changed_verdict(ctx, a)
     with open_plan(ctx) as s:
         s.require_plan()
-        s.commit("verdict", id=a.id, verdict=a.verdict, evidence=check_text("--evidence", a.evidence),
-                 agent=a.agent)
+        fields = {"verdict": a.verdict, "evidence": check_text("--evidence", a.evidence)}
+        s.commit("verdict", id=a.id, agent=a.agent, **dict(fields, **(void or {})))
         plan = s.plan
     story = find_story(plan, a.id)
-    say_after_checkpoint(ctx, plan, story)
     ctx.data.update(story=story_json(plan, story))
+    if void:
+        raise refused(f"the working tree changed since the judge packet (event "
+                      f"{void['packet_seq']}): the verdict is refused and recorded as not-achieved "
+                      f"— {a.id} is {story['status']}; a judge must not change what it judges.",
+                      "tree_changed")
+    say_after_checkpoint(ctx, plan, story)
 
 
 def render_block(cli):

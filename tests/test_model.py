@@ -230,7 +230,7 @@ class Model:
         s = self.find(sid)
         if s.status != "in_progress":
             refuse("not_active")
-        if agent is not None and s.agent is not None and agent != s.agent:
+        if s.agent is not None and agent != s.agent:
             refuse("held_by_other")
         if status == "complete" and blank(evidence):
             refuse("no_evidence")
@@ -249,7 +249,7 @@ class Model:
                     refuse("run_required")
                 if blank(verify_cmd) or blank(verify_evidence):
                     refuse("verification_gate")
-        s.executor = agent or s.agent
+        s.executor = agent
         if status == "complete":
             s.agent = None
             s.status = "review" if s.judge else "complete"
