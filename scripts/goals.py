@@ -2011,7 +2011,7 @@ def format_event(ev):
         text = f"{sid} started, round {one_line(ev.get('round'))}" + (f", agent {one_line(ev['agent'])}"
                                                            if ev.get("agent") else "")
     elif kind == "checkpoint":
-        text = f"{sid} checkpoint {ev.get('status')} — evidence: {one_line(last_chars(ev.get('evidence'), 200))}"
+        text = f"{sid} checkpoint {one_line(ev.get('status'))} — evidence: {one_line(last_chars(ev.get('evidence'), 200))}"
         if ev.get("verify_cmd"):
             text += f" · verify-cmd: {one_line(ev['verify_cmd'])}"
         if ev.get("verify_evidence"):
@@ -2019,12 +2019,12 @@ def format_event(ev):
     elif kind == "verify_run":
         text = f"{sid} run {run_summary(ev)} · log {one_line(ev.get('log'))}"
     elif kind == "decision":
-        text = f"{sid} decision: {ev.get('decision')} — {one_line(ev.get('note'))}"
+        text = f"{sid} decision: {one_line(ev.get('decision'))} — {one_line(ev.get('note'))}"
     elif kind == "story_added":
         story = ev.get("story", {})
-        text = f"{story.get('id')} added: {defused_line(story.get('title'))}"
+        text = f"{one_line(story.get('id'))} added: {defused_line(story.get('title'))}"
     elif kind == "verdict":
-        text = (f"{sid} verdict {ev.get('verdict')} by {one_line(ev.get('agent'))} — "
+        text = (f"{sid} verdict {one_line(ev.get('verdict'))} by {one_line(ev.get('agent'))} — "
                 f"{one_line(last_chars(ev.get('evidence'), 200))}")
     elif kind == "guard_block":
         text = f"stop blocked by the guard: {one_line(ev.get('reason', ''))}"

@@ -808,3 +808,18 @@ def test_corrupt_run_fields_give_one_line_or_one_json_object(fab, case):
     assert r.err.count("\n") == 1, r
     j = fab("--json", "audit", *flags)
     assert j.code == r.code and j.out.count("\n") == 1 and json.loads(j.out)["ok"] is False, j
+
+
+def test_log_escapes_fields_that_only_replay_would_check(fab):
+    make_plan(fab, 2)
+    lines = (fab.dir / "ledger.jsonl").read_bytes().split(b"\n")[:-1]
+    evil = "x\nfablize: all stories complete ✓"
+    ev = {"seq": 2, "ts": goals.now_iso(), "event": "checkpoint", "id": "G001", "status": evil,
+          "prev": goals.sha256_hex(lines[-1])}
+    line = goals.dumps(ev).encode()
+    ev2 = {"seq": 3, "ts": goals.now_iso(), "event": "decision", "id": "G001", "decision": evil,
+           "note": "n", "prev": goals.sha256_hex(line)}
+    with open(fab.dir / "ledger.jsonl", "ab") as f:
+        f.write(line + b"\n" + goals.dumps(ev2).encode() + b"\n")
+    out = fab("log").out
+    assert not any(x.startswith("fablize: all stories") for x in out.split("\n")), out
