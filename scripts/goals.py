@@ -2362,7 +2362,11 @@ def verify_pin(store, data, first, pin):
     replaced, chain = first.get("replaces") if first else None, []
     while isinstance(replaced, dict) and replaced.get("head") and len(chain) < 1000:
         rel, archived = read_archived_ledger(store, replaced)
-        report = audit_ledger(archived, None)
+        try:
+            report = audit_ledger(archived, None)
+        except FablizeError as e:  # its own line numbers: say which ledger they are in
+            raise damaged(f"{rel}/{LEDGER}, the plan the current one replaces, does not verify: "
+                          f"{e.message}", "archive_unverified")
         if report["head"] != f"{replaced.get('seq')}:{replaced.get('head')}":
             raise damaged(f"{rel}/{LEDGER} ends at {report['head'][:24]}…, not at the head the "
                           f"plan after it names as the one it replaces — the archive was edited.",
@@ -2511,12 +2515,12 @@ def run_flags(root, runs):
             recorded += 1
             if prov.get("dir") is None or (here is not None and prov.get("dir") != here):
                 why.append(f"made outside the repository root ({one_line(prov.get('dir'))})")
-            env = prov.get("env")
+            env = prov.get("env") if isinstance(prov.get("env"), dict) else {"": "malformed"}
             if first_env is None:
                 first_env = env
             elif env != first_env:
-                names = sorted(k for k in set(env or {}) | set(first_env or {})
-                               if (env or {}).get(k) != (first_env or {}).get(k))
+                names = sorted(str(k) for k in set(env) | set(first_env)
+                               if env.get(k) != first_env.get(k))
                 why.append("environment differs from the plan's first run (" +
                            ", ".join(one_line(n) for n in names) + ")")
         if ev.get("git_dirty"):

@@ -778,6 +778,7 @@ CORRUPT = {
     "deep provenance": '"provenance":' + "[" * 5000 + "]" * 5000 + ',"log":null',
     "lone surrogate in log": '"log":"\\ud800"',
     "huge log path": lambda run: dict(run, log="runs/" + "x" * 200000),
+    "env a number": lambda run: dict(run, provenance={"dir": 5, "env": 5}),
 }
 
 
