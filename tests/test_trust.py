@@ -824,3 +824,51 @@ def test_log_escapes_fields_that_only_replay_would_check(fab):
         f.write(line + b"\n" + goals.dumps(ev2).encode() + b"\n")
     out = fab("log").out
     assert not any(x.startswith("fablize: all stories") for x in out.split("\n")), out
+
+
+# More variants, each against the CI audit ####################################
+
+
+def test_attack_edit_a_file_and_restore_it_fails_the_ci_rerun(work):
+    work.honest(commit=False)
+    (work.repo / "impl.txt").write_text("todo\n")  # what is committed is what CI re-runs
+    commit_all(work.repo)
+    r = work.ci(*BAR)
+    assert r.code == 1 and "re-run failed — G002" in r.err, r
+
+
+def test_attack_plan_run_in_a_doctored_copy_fails_the_ci_rerun_and_is_reported(work, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(work.repo, copy, ignore=shutil.ignore_patterns(".git"))
+    (copy / "impl.txt").write_text("done\n")
+    work.monkeypatch.chdir(copy)
+    for sid in ("G001", "G002"):
+        assert work.agent("next").code == 0
+        assert work.agent("checkpoint", "--id", sid, "--status", "complete", "--evidence",
+                          "ran").code == 0
+    work.monkeypatch.chdir(work.repo)
+    shutil.rmtree(work.dir)
+    shutil.copytree(copy / ".fablize", work.dir)
+    commit_all(work.repo)
+    r = work.ci("audit", "--require-complete", "--require-witnessed")
+    assert r.code == 0 and "made outside the repository root" in r.out, r
+    r = work.ci(*BAR)
+    assert r.code == 1 and "re-run failed — G002" in r.err, r
+
+
+def test_attack_forged_checkpoint_on_a_held_story_fails_the_ci_audit(work):
+    assert work.agent("next", "--agent", "alice").code == 0
+    work.forge(event="checkpoint", id="G001", status="complete", evidence="x")
+    commit_all(work.repo)
+    r = work.ci(*BAR)
+    assert r.code == 3 and "held by agent alice" in r.err, r
+
+
+def test_attack_nul_in_a_log_path_fails_the_ci_audit_as_damage(work):
+    assert work.agent("next").code == 0
+    work.forge(event="verify_run", id="G001", check=0, cmd="test -s impl.txt", exit_code=0,
+               signal=None, timed_out=False, error=None, duration_s=0.1, bytes=0,
+               sha256=goals.sha256_hex(b""), tail="", log="runs/\x00", after_seq=2)
+    commit_all(work.repo)
+    r = work.ci_json(*BAR)
+    assert r.code == 3 and r.json["error"]["code"] == "run_log_mismatch", r
