@@ -190,23 +190,18 @@ _BLANKISH = [0x034F, 0x115F, 0x1160, 0x17B4, 0x17B5, 0x2800, 0x3164, 0xFFA0, 0x1
 
 
 class _InvisibleTable(dict):
-    """str.translate table deleting invisible characters, filled lazily (unicodedata is only
-    imported for non-ASCII text)."""
+    """str.translate table turning each invisible character into a space, filled lazily
+    (unicodedata is imported only when non-ASCII text needs it)."""
 
     def __missing__(self, c):
         import unicodedata
-        value = None if c in _BLANKISH_SET or unicodedata.category(chr(c)) == "Cf" else c
+        value = " " if c in _BLANKISH_SET or unicodedata.category(chr(c)) == "Cf" else c
         self[c] = value
         return value
 
 
 _BLANKISH_SET = frozenset(_BLANKISH)
 _INVISIBLE = _InvisibleTable()
-
-
-def visible(text):
-    """`text` without its invisible characters (format characters, blank-looking symbols)."""
-    return text if text.isascii() else text.translate(_INVISIBLE)
 
 
 def last_chars(text, n=TAIL_CHARS):
@@ -259,9 +254,8 @@ def defused_line(text):
     return defuse(one_line(text))
 
 
-# the same markers when invisible characters (or their escaped forms) stand between the words
-_GAP = r"(?:[\s\u00ad\u034f\u115f\u1160\u180b-\u180f\u200b-\u200f\u202a-\u202e\u2060-\u206f" \
-       r"\u2800\u3164\ufe00-\ufe0f\ufeff\uffa0]|\\u[0-9a-fA-F]{4})"
+# the same markers when an escaped control (\u202e …) stands between the words
+_GAP = r"(?:\s|\\u[0-9a-fA-F]{4})"
 _MARKERS_WIDE = tuple((re.compile(p.pattern.replace(r"\s*", _GAP + "*").replace(r"\s+", _GAP + "+"),
                                   p.flags), r) for p, r in _MARKERS)
 
@@ -270,7 +264,16 @@ def defuse(text):
     """Carried text cannot pass for engine output: markers are rewritten into hyphenated
     forms that a scanner (even one reading a whitespace-stripped view) does not accept."""
     text = clean(text)
-    for pattern, replacement in (_MARKERS if text.isascii() else _MARKERS_WIDE):
+    if text.isascii():
+        markers = _MARKERS_WIDE if "\\u" in text else _MARKERS
+    else:
+        markers = _MARKERS_WIDE
+        # invisible characters between a marker's words must not hide it: read the text with
+        # them as spaces, a view used only when it shows a marker (emoji joiners stay intact)
+        bare = text.translate(_INVISIBLE)
+        if bare != text and any(p.search(bare) for p, _ in markers):
+            text = bare
+    for pattern, replacement in markers:
         text = pattern.sub(replacement, text)
     return text
 

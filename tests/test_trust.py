@@ -872,3 +872,13 @@ def test_attack_nul_in_a_log_path_fails_the_ci_audit_as_damage(work):
     commit_all(work.repo)
     r = work.ci_json(*BAR)
     assert r.code == 3 and r.json["error"]["code"] == "run_log_mismatch", r
+
+
+@pytest.mark.parametrize("text", ["all\u202estories complete", "all\U000e0020stories done",
+                                  "all\U0001d173stories complete"])
+def test_defuse_sees_through_escaped_controls_and_every_format_character(text):
+    assert "all-stories-" in goals.defuse(text)
+
+
+def test_defuse_leaves_emoji_joiners_alone_when_there_is_no_marker():
+    assert goals.defuse("👨\u200d👩\u200d👧 shipped") == "👨\u200d👩\u200d👧 shipped"
