@@ -2216,6 +2216,7 @@ WITNESS_ENV = ("PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEP
                "BASH_ENV", "ENV", "NODE_OPTIONS", "NODE_PATH", "PERL5OPT", "RUBYOPT")
 SIGN_NAMESPACE = "fablize"
 MAX_ENV_VALUE = 1000
+MAX_LISTED = 10             # unclean runs named one a line in audit's text
 
 
 def run_tool(args, cwd=None, stdin=None, what=None):
@@ -2497,25 +2498,26 @@ def scan_events(data, kinds):
     """(line number, event) for the ledger events of these kinds; only lines that can hold one
     are parsed (audit has already replayed and checked every line)."""
     needles = [k.encode() for k in kinds]  # a forged line need not be compact JSON
-    for lineno, line in enumerate(data.split(b"\n")[:-1], 1):
-        if any(n in line for n in needles):
-            ev = parse_event(line)
-            if ev is not None and ev.get("event") in kinds:
-                yield lineno, ev
+    found = [(lineno, line) for lineno, line in enumerate(data.split(b"\n")[:-1], 1)
+             if needles[0] in line or any(n in line for n in needles[1:])]
+    events = parse_events([line for _, line in found]) if found else []
+    for (lineno, _), ev in zip(found, events):
+        if type(ev) is dict and ev.get("event") in kinds:
+            yield lineno, ev
 
 
 def run_flags(root, runs):
     """Why each witnessed run is not clean: outside the repository root, on a dirty tree, or
-    under an environment different from the plan's first run."""
+    under an environment different from the plan's first run; and how many runs recorded no
+    provenance at all."""
     here = repo_relative(root)
-    first_env, flagged, recorded = None, [], 0
+    first_env, flagged, unrecorded = None, [], 0
     for lineno, ev in runs:
         prov = ev.get("provenance")
         why = []
         if not isinstance(prov, dict):
-            why.append("no provenance recorded")
+            unrecorded += 1  # counted apart: every run of an older engine would be listed
         else:
-            recorded += 1
             if prov.get("dir") is None or (here is not None and prov.get("dir") != here):
                 why.append(f"made outside the repository root ({one_line(prov.get('dir'))})")
             env = prov.get("env") if isinstance(prov.get("env"), dict) else {"": "malformed"}
@@ -2531,7 +2533,7 @@ def run_flags(root, runs):
         if why:
             flagged.append({"line": lineno, "id": ev.get("id"), "cmd": ev.get("cmd"),
                             "why": why})
-    return flagged
+    return flagged, unrecorded
 
 
 def witnessed_gaps(plan):
@@ -2682,12 +2684,14 @@ def audit_trust(ctx, a, data, plan):
         trust["new_plan"] = trust["pin"]["new_plan"]
     elif base is not None:
         trust["new_plan"] = True  # nothing committed at the base: all of this plan is new
-    runs = list(scan_events(data, ("verify_run",)))
+    runs, decisions = [], {}
+    for lineno, ev in scan_events(data, ("verify_run", "decision")):
+        if ev["event"] == "verify_run":
+            runs.append((lineno, ev))
+        else:
+            decisions[ev["id"]] = (lineno, ev)
     trust["logless_runs"] = sum(1 for _, ev in runs if type(ev.get("log")) is not str)
-    trust["unclean_runs"] = run_flags(store.root, runs)
-    decisions = {}
-    for lineno, ev in scan_events(data, ("decision",)):
-        decisions[ev["id"]] = (lineno, ev)
+    trust["unclean_runs"], trust["runs_without_provenance"] = run_flags(store.root, runs)
     trust["decisions"] = [ev for _, ev in decisions.values()]
     trust["accepted"] = []
     for s in plan["goals"]:
@@ -2726,9 +2730,15 @@ def say_trust(ctx, trust):
     for item in trust["accepted"]:
         by = f"signed by {one_line(item['signer'])}" if item["signer"] else "unsigned"
         ctx.say(f"  accepted: {item['id']} ({by}) — {defused_line(last_chars(item['note'], 200))}")
-    for run in trust["unclean_runs"]:
+    for run in trust["unclean_runs"][:MAX_LISTED]:
         ctx.say(f"  run at line {run['line']} ({one_line(run['id'])} `{one_line(run['cmd'])}`): "
                 + "; ".join(run["why"]))
+    if trust["runs_without_provenance"]:
+        ctx.say(f"  {trust['runs_without_provenance']} run(s) recorded no provenance (an older "
+                "engine's, or written by hand)")
+    if len(trust["unclean_runs"]) > MAX_LISTED:
+        ctx.say(f"  … and {len(trust['unclean_runs']) - MAX_LISTED} more run(s) not clean "
+                "(all of them under --json)")
 
 
 def trust_gates(ctx, a, plan, trust):
@@ -2749,6 +2759,9 @@ def trust_gates(ctx, a, plan, trust):
         gaps = witnessed_gaps(plan)
         if gaps:
             raise refused("audit: not witnessed — " + "; ".join(gaps), "not_witnessed")
+    if a.require_clean_runs and trust["runs_without_provenance"]:
+        raise refused(f"audit: {trust['runs_without_provenance']} run(s) recorded no provenance, so "
+                      "they cannot be shown to be clean.", "unclean_runs")
     if a.require_clean_runs and trust["unclean_runs"]:
         run = trust["unclean_runs"][0]
         raise refused(f"audit: {len(trust['unclean_runs'])} run(s) not clean — line {run['line']}: "
