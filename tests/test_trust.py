@@ -882,3 +882,13 @@ def test_defuse_sees_through_escaped_controls_and_every_format_character(text):
 
 def test_defuse_leaves_emoji_joiners_alone_when_there_is_no_marker():
     assert goals.defuse("👨\u200d👩\u200d👧 shipped") == "👨\u200d👩\u200d👧 shipped"
+
+
+def test_a_run_without_provenance_is_counted_and_fails_require_clean_runs(fab):
+    make_plan(fab, 2)
+    fab("next")
+    forged_run(fab, log=None)
+    r = fab("audit")
+    assert r.code == 0 and "1 run(s) recorded no provenance" in r.out, r
+    r = fab("audit", "--require-clean-runs")
+    assert r.code == 1 and "cannot be shown to be clean" in r.err, r
