@@ -892,3 +892,10 @@ def test_a_run_without_provenance_is_counted_and_fails_require_clean_runs(fab):
     assert r.code == 0 and "1 run(s) recorded no provenance" in r.out, r
     r = fab("audit", "--require-clean-runs")
     assert r.code == 1 and "cannot be shown to be clean" in r.err, r
+
+
+def test_audit_help_states_the_trust_model_in_three_grades(fab):
+    out = fab("audit", "--help").out
+    for grade in ("claimed", "witnessed", "re-witnessed"):
+        assert f"  {grade} " in out
+    assert "what the agent cannot write" in out
