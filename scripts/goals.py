@@ -2789,8 +2789,9 @@ def trust_gates(ctx, a, plan, trust):
         for r in results:
             ctx.say(f"    {'✓' if r['ok'] else '✗'} {r['id']} check {r['check']} "
                     f"`{one_line(r['cmd'])}` → {r['result']}")
-            if not r["ok"] and r["tail"]:
-                for line in last_chars(r["tail"], 300).rstrip("\n").split("\n")[-8:]:
+            if r["tail"]:  # a failure shows more of what it printed
+                for line in last_chars(r["tail"], 300).rstrip("\n").split("\n")[-8 if not r["ok"]
+                                                                              else -2:]:
                     ctx.say("    " + OUTPUT_BAR + one_line(line))
         failed = [r for r in results if not r["ok"]]
         if failed:

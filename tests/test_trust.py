@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SCRIPT, assert_refused, goals, ledger, make_plan
+from conftest import ROOT, SCRIPT, assert_refused, goals, ledger, make_plan, state_files
 
 BAR = ["audit", "--base", "main", "--require-complete", "--require-witnessed", "--rerun", "all"]
 CHECK_PY = "import sys\nsys.exit(0 if open('impl.txt').read().strip() == 'done' else 1)\n"
@@ -899,3 +899,14 @@ def test_audit_help_states_the_trust_model_in_three_grades(fab):
     for grade in ("claimed", "witnessed", "re-witnessed"):
         assert f"  {grade} " in out
     assert "what the agent cannot write" in out
+
+
+def test_rerun_prints_each_checks_result_and_output_tail_and_records_nothing(work):
+    work.honest()
+    (work.repo / "check.py").write_text("print('checked: fine')\n" + CHECK_PY)
+    commit_all(work.repo)
+    before = state_files(work.dir)
+    r = work.ci("audit", "--rerun")
+    assert r.code == 0 and "re-run (final): 1 frozen check(s)" in r.out, r
+    assert "│ checked: fine" in r.out
+    assert state_files(work.dir) == before
