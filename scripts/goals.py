@@ -2391,6 +2391,8 @@ def verify_pin(store, data, first, pin):
 def git_show(root, ref, path, what):
     """The bytes of `path` (relative to the repository top) at `ref`, or None when the ref has
     no such file. An unknown ref is a usage error."""
+    if not ref or ref.startswith("-") or "\x00" in ref:  # never an option to git
+        raise usage(f"{what}: {one_line(ref)!r} is not a git ref.", "bad_ref")
     top = git_toplevel(root)
     if top is None:
         raise refused(f"{what}: {root} is not inside a git repository.", "not_a_repository")
@@ -2418,6 +2420,8 @@ def base_pin(store, ref):
 def allowed_signers_file(store, a):
     """Path of the allowed-signers file to verify with: read from --base's ref when given, so a
     pull request cannot add its own key. Returns (path, temporary directory or None)."""
+    if "\x00" in a.allowed_signers:
+        raise usage("--allowed-signers: a path cannot hold a NUL byte.", "no_signers")
     if a.base is None:
         if not os.path.isfile(a.allowed_signers):
             raise usage(f"--allowed-signers: {one_line(a.allowed_signers)} does not exist.",
@@ -2451,7 +2455,7 @@ def sign_decision(ctx, a):
     """(signature, the ledger head it was made over), signed outside the lock."""
     if bool(a.sign) != bool(a.signer) or (a.signer is not None and blank(a.signer)):
         raise usage("--sign KEYFILE and --signer PRINCIPAL go together.", "usage")
-    if not os.path.isfile(a.sign):
+    if "\x00" in a.sign or not os.path.isfile(a.sign):
         raise usage(f"--sign: {one_line(a.sign)} is not a key file.", "usage")
     with open_plan(ctx, exclusive=False) as s:
         plan = s.require_plan()

@@ -910,3 +910,14 @@ def test_rerun_prints_each_checks_result_and_output_tail_and_records_nothing(wor
     assert r.code == 0 and "re-run (final): 1 frozen check(s)" in r.out, r
     assert "│ checked: fine" in r.out
     assert state_files(work.dir) == before
+
+
+@pytest.mark.parametrize("args", [["audit", "--base", "--upload-pack=touch x"],
+                                  ["audit", "--base", "main\x00"],
+                                  ["audit", "--allowed-signers", "a\x00b"],
+                                  ["decide", "--id", "G001", "accept", "--note", "n",
+                                   "--sign", "k\x00", "--signer", "s"]])
+def test_hostile_trust_arguments_are_usage_errors(fab, args):
+    make_plan(fab, 2)
+    r = fab(*args)
+    assert r.code == 2 and r.err.startswith("fablize: ") and "Traceback" not in r.err, r
