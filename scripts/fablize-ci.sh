@@ -17,6 +17,11 @@ engine=(python3 -I "$work/goals.py")
 state="${FABLIZE_STATE:-.fablize}"
 
 if [ ! -s "$state/ledger.jsonl" ] && [ "${FABLIZE_SKIP_IF_NO_PLAN:-false}" = "true" ]; then
+  # skipping is for trees that never had a plan: deleting the base's plan is not finishing it
+  if [ -n "${FABLIZE_BASE:-}" ] && git cat-file -e "$FABLIZE_BASE:./$state/ledger.jsonl" 2>/dev/null; then
+    echo "fablize: $FABLIZE_BASE has a plan in $state but this tree has none — it was removed, not finished." >&2
+    exit 1
+  fi
   echo "fablize: no plan in $state — nothing to audit (skip-if-no-plan)."
   exit 0
 fi

@@ -746,12 +746,23 @@ def test_action_fails_a_swapped_plan_unless_new_plans_are_allowed(work):
     assert r.code == 1 and "not witnessed" in r.err, r
 
 
-def test_action_skips_a_tree_without_a_plan_only_when_told(work):
+def test_action_skips_a_tree_without_a_plan_only_when_told_and_the_base_had_none(work):
+    git(work.repo, "checkout", "-q", "--orphan", "empty")
+    git(work.repo, "rm", "-rq", "--cached", ".")
+    git(work.repo, "commit", "-q", "--allow-empty", "-m", "empty")
+    git(work.repo, "checkout", "-q", "-f", "pr")
     shutil.rmtree(work.dir)
     commit_all(work.repo)
-    assert ci_script(work, base="main").code == 1
-    r = ci_script(work, base="main", skip_if_no_plan="true")
+    assert ci_script(work, base="empty").code == 1
+    r = ci_script(work, base="empty", skip_if_no_plan="true")
     assert r.code == 0 and "nothing to audit" in r.out, r
+
+
+def test_attack_deleting_the_plan_does_not_skip_the_action(work):
+    shutil.rmtree(work.dir)
+    commit_all(work.repo)
+    r = ci_script(work, base="main", skip_if_no_plan="true")
+    assert r.code == 1 and "it was removed, not finished" in r.err, r
 
 
 def test_no_plan_at_the_base_reports_the_plan_as_new(work):
