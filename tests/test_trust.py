@@ -932,3 +932,10 @@ def test_hostile_trust_arguments_are_usage_errors(fab, args):
     make_plan(fab, 2)
     r = fab(*args)
     assert r.code == 2 and r.err.startswith("fablize: ") and "Traceback" not in r.err, r
+
+
+def test_every_test_the_readme_trust_table_names_exists():
+    text = (ROOT / "README.md").read_text()
+    table = text.split("### Attacks on the CI audit", 1)[1].split("### Limits", 1)[0]
+    named = set(__import__("re").findall(r"`(test_[a-z0-9_]+)`", table))
+    assert named and named <= set(globals()), sorted(named - set(globals()))
