@@ -10,6 +10,7 @@ Each attack fails it (exit 1 or 3); the honest plan passes the same command. The
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -937,5 +938,5 @@ def test_hostile_trust_arguments_are_usage_errors(fab, args):
 def test_every_test_the_readme_trust_table_names_exists():
     text = (ROOT / "README.md").read_text()
     table = text.split("### Attacks on the CI audit", 1)[1].split("### Limits", 1)[0]
-    named = set(__import__("re").findall(r"`(test_[a-z0-9_]+)`", table))
+    named = set(re.findall(r"`(test_[a-z0-9_]+)`", table))
     assert named and named <= set(globals()), sorted(named - set(globals()))
