@@ -187,7 +187,33 @@ def load_json(raw, surrogates=None):
 
 
 def blank(text):
-    return not (text and text.strip())
+    if not (text and text.strip()):
+        return True
+    if text.isascii():  # the common case: no per-character work
+        return False
+    return not text.translate(_INVISIBLE).strip()
+
+
+# Characters that show nothing: blank-looking symbols (braille blank, Hangul fillers, variation
+# selectors, …); format characters (Unicode Cf) are added on first use. Evidence made only of
+# them is blank, and a marker with them between its words is still a marker.
+_BLANKISH = [0x034F, 0x115F, 0x1160, 0x17B4, 0x17B5, 0x2800, 0x3164, 0xFFA0, 0x1D159] + \
+    list(range(0x180B, 0x1810)) + list(range(0xFE00, 0xFE10)) + list(range(0xE0100, 0xE01F0))
+
+
+class _InvisibleTable(dict):
+    """str.translate table turning each invisible character into a space, filled lazily
+    (unicodedata is imported only when non-ASCII text needs it)."""
+
+    def __missing__(self, c):
+        import unicodedata
+        value = " " if c in _BLANKISH_SET or unicodedata.category(chr(c)) == "Cf" else c
+        self[c] = value
+        return value
+
+
+_BLANKISH_SET = frozenset(_BLANKISH)
+_INVISIBLE = _InvisibleTable()
 
 
 def last_chars(text, n=TAIL_CHARS):
@@ -241,16 +267,33 @@ def defused_line(text):
     return defuse(one_line(text))
 
 
-_MARKER_WORDS = ("fablize", "stories", "checkpoint")
+# the same markers when an escaped control (\u202e …) stands between the words
+_GAP = r"(?:\s|\\u[0-9a-fA-F]{4})"
+_MARKERS_WIDE = tuple((re.compile(p.pattern.replace(r"\s*", _GAP + "*").replace(r"\s+", _GAP + "+"),
+                                  p.flags), r) for p, r in _MARKERS)
+_MARKER_WORDS = ("fablize", "stories", "checkpoint")  # every marker holds one of them
+
+
+def has_marker_word(text):
+    lowered = text.lower()
+    return any(word in lowered for word in _MARKER_WORDS)
 
 
 def defuse(text):
     """Carried text cannot pass for engine output: markers are rewritten into hyphenated
     forms that a scanner (even one reading a whitespace-stripped view) does not accept."""
     text = clean(text)
-    lowered = text.lower()
-    if any(word in lowered for word in _MARKER_WORDS):  # every marker holds one of them
-        for pattern, replacement in _MARKERS:
+    if text.isascii():
+        markers = _MARKERS_WIDE if "\\u" in text else _MARKERS
+    else:
+        markers = _MARKERS_WIDE
+        # invisible characters between a marker's words must not hide it: read the text with
+        # them as spaces, a view used only when it shows a marker (emoji joiners stay intact)
+        bare = text.translate(_INVISIBLE)
+        if bare != text and has_marker_word(bare) and any(p.search(bare) for p, _ in markers):
+            text = bare
+    if has_marker_word(text):  # the cheap test first: most text names no marker word
+        for pattern, replacement in markers:
             text = pattern.sub(replacement, text)
     return text
 
@@ -420,6 +463,8 @@ STORY_FIELDS = {
     "decision": (({"decision": str, "note": str, "seq": int, "ts": str}, _N), None),
     "blocked_reason": (_TEXT, None),
     "judged_by": (({"agent": str, "verdict": str, "seq": int}, _N), None),
+    # the working tree the judge was shown (judge-packet): a verdict after it changed is void
+    "packet?": (({"tree": str, "files": (int, _N), "round": int, "seq": int}, _N), None),
 }
 STORY_SPEC = {key: spec for key, (spec, _) in STORY_FIELDS.items()}
 # a story as create, add and an import write it into their event
@@ -674,9 +719,10 @@ def checkpoint_gate(plan, story, ev):
                       "first.", "not_active")
     agent = ev.get("agent")
     _check_agent(agent)
-    if agent is not None and story["agent"] is not None and agent != story["agent"]:
+    if story["agent"] is not None and agent != story["agent"]:
+        caller = "an unnamed caller (give --agent)" if agent is None else one_line(agent)
         raise refused(f"{story['id']} is held by agent {one_line(story['agent'])}, "
-                      f"not {one_line(agent)}.", "held_by_other")
+                      f"not {caller}.", "held_by_other")
     # failed/blocked without evidence stays legal in a replay (the original allowed it);
     # `checkpoint` asks for a reason now (reason_required)
     if ev["status"] == "complete" and blank(ev.get("evidence")):
@@ -720,7 +766,7 @@ def _ev_checkpoint(plan, ev):
         if gap is not None:
             raise gap
     story["evidence"] = ev["evidence"]
-    story["executor"] = ev.get("agent") or story["agent"]
+    story["executor"] = ev.get("agent")  # whoever checkpointed, never the holder by default
     if ev["status"] == "complete":
         story.update(verify_cmd=ev["verify_cmd"], verify_evidence=ev["verify_evidence"],
                      agent=None, feedback=None, blocked_reason=None,
@@ -746,7 +792,7 @@ def _ev_verify_run(plan, ev):
         raise forged(f"run of check {check} of {story['id']} with a command that is not that "
                      "frozen check")
     if ev["log"] != f"{RUNS}/{ev['seq']}-{story['id']}.log":
-        raise forged(f"run log {one_line(ev['log'])[:80]!r} is not where fablize writes it")
+        raise forged(f"run log `{one_line(ev['log'])[:80]}` is not runs/<seq>-<story>.log")
     if not _HEX64.match(ev["sha256"]) or ev["bytes"] < 0 or ev["duration_s"] < 0 or \
             not 0 <= ev["after_seq"] < ev["seq"] or len(ev["tail"]) > TAIL_CHARS:
         raise forged("a run's digest, size, duration, tail or position is out of range")
@@ -850,6 +896,8 @@ def _ev_guard_block(plan, ev):
 # prev on every line). Replay checks each line against this table, so a re-chained line carrying
 # anything the engine would not have written is damage, named by its line.
 _EVENT_BASE = {"seq": int, "ts": str, "event": str, "prev": str}
+# where and with what a witnessed run ran (run_provenance): a hint for the reviewer
+PROVENANCE_SPEC = {"dir": _TEXT, "program": _TEXT, "program_sha256": _TEXT, "env": dict}
 EVENTS = {
     "plan_created": (_ev_plan_created, {
         "brief": str, "count": int, "plan_id": str, "stories": [STORY_EVENT_SPEC],
@@ -863,11 +911,16 @@ EVENTS = {
         "id": str, "check": (int, _N), "cmd": str, "cwd": str, "exit_code": (int, _N),
         "signal": _TEXT, "timed_out": bool, "error": _TEXT, "duration_s": (int, float),
         "bytes": int, "sha256": str, "tail": str, "log": str, "after_seq": int, "started": str,
-        "git_head": _TEXT, "git_dirty": (bool, _N), "interrupted?": str}),
-    "decision": (_ev_decision, {"id": str, "decision": str, "note": str}),
+        "git_head": _TEXT, "git_dirty": (bool, _N), "interrupted?": str,
+        "provenance?": (PROVENANCE_SPEC, _N)}),
+    "decision": (_ev_decision, {"id": str, "decision": str, "note": str,
+                                "signature?": ({"signer": str, "sig": str}, _N)}),
     "story_added": (_ev_story_added, {"story": STORY_EVENT_SPEC, "unverifiable": UNVERIFIABLE_SPEC}),
-    "verdict": (_ev_verdict, {"id": str, "verdict": str, "evidence": str, "agent": str}),
+    "verdict": (_ev_verdict, {"id": str, "verdict": str, "evidence": str, "agent": str,
+                              "tree?": _TEXT, "packet_seq?": (int, _N)}),
     "guard_block": (_ev_guard_block, {"reason": str, "fresh": bool}),
+    "judge_packet": (lambda plan, ev: _ev_judge_packet(plan, ev),  # with the trust code
+                     {"id": str, "tree": str, "files": (int, _N)}),
 }
 EVENT_SPECS = {kind: dict(_EVENT_BASE, **fields) for kind, (_, fields) in EVENTS.items()}
 _TS = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}\+00:00\Z", re.A)
@@ -912,10 +965,10 @@ def describe_exit(run):
     if run.get("error"):
         return "did not start: " + one_line(run["error"])
     if run.get("timed_out"):
-        return f"timed out after {run.get('duration_s')} s"
+        return f"timed out after {one_line(run.get('duration_s'))} s"
     if run.get("signal"):
         return f"killed by {one_line(run['signal'])}"
-    return f"exit {run.get('exit_code')}"
+    return f"exit {one_line(run.get('exit_code'))}"
 
 
 def is_original_snapshot(snap):
@@ -2122,7 +2175,8 @@ def execute_runs(ctx, store, story_id_, commands, after_seq):
         started = now_iso()
         record = run_check(cmd, store.root, ctx.timeout, stream, tmp_log)
         record.update(id=story_id_, check=check, after_seq=after_seq, started=started,
-                      git_head=head, git_dirty=dirty, tmp_log=tmp_log)
+                      git_head=head, git_dirty=dirty, tmp_log=tmp_log,
+                      provenance=run_provenance(store.root, cmd))
         ctx.out.progress(f"fablize: {label} {'passed' if run_passed(record) else 'FAILED'} — "
                 f"{run_result(record)}")
         records.append(record)
@@ -2153,12 +2207,12 @@ def indent(text, prefix="    "):
 
 def run_summary(run):
     return (f"`{one_line(run.get('cmd'))}` → {run_result(run)}, "
-            f"sha256 {str(run.get('sha256'))[:16]}…")
+            f"sha256 {one_line(str(run.get('sha256'))[:16])}…")
 
 
 def run_result(run):
-    took = "" if run.get("timed_out") else f", {run.get('duration_s')} s"
-    return f"{describe_exit(run)}{took}, {run.get('bytes')} bytes"
+    took = "" if run.get("timed_out") else f", {one_line(run.get('duration_s'))} s"
+    return f"{describe_exit(run)}{took}, {one_line(run.get('bytes'))} bytes"
 
 
 def completion_command(prog, plan, story):
@@ -2403,21 +2457,21 @@ def plan_json(plan):
 
 def format_event(ev):
     """One event of the ledger as a line of history."""
-    kind, sid = ev.get("event"), ev.get("id", "")
+    kind, sid = ev.get("event"), one_line(ev.get("id", ""))
     when = time_label(ev.get("ts"))
     if kind == "plan_created":
         count = ev.get("count")
-        text = f"plan created — {count_stories(count) if type(count) is int else count}: " \
+        text = f"plan created — {count_stories(count) if type(count) is int else one_line(count)}: " \
                f"{defused_line(ev.get('brief'))}"
         if ev.get("replaces"):
-            text += f" (replaces {ev['replaces'].get('plan_id')}, archived)"
+            text += f" (replaces {one_line(ev['replaces'].get('plan_id'))}, archived)"
         if ev.get("imported_from"):
             text += " (imported from the original goals.py)"
     elif kind == "story_started":
-        text = f"{sid} started, round {ev.get('round')}" + (f", agent {one_line(ev['agent'])}"
+        text = f"{sid} started, round {one_line(ev.get('round'))}" + (f", agent {one_line(ev['agent'])}"
                                                            if ev.get("agent") else "")
     elif kind == "checkpoint":
-        text = f"{sid} checkpoint {ev.get('status')} — evidence: {one_line(last_chars(ev.get('evidence'), 200))}"
+        text = f"{sid} checkpoint {one_line(ev.get('status'))} — evidence: {one_line(last_chars(ev.get('evidence'), 200))}"
         if ev.get("verify_cmd"):
             text += f" · verify-cmd: {one_line(ev['verify_cmd'])}"
         if ev.get("verify_evidence"):
@@ -2425,69 +2479,58 @@ def format_event(ev):
         if ev.get("status") == "complete":
             text += " · grade: " + ("witnessed" if ev.get("run") or ev.get("runs") else "claimed")
     elif kind == "verify_run":
-        text = f"{sid} run {run_summary(ev)} · log {ev.get('log')}" + \
+        text = f"{sid} run {run_summary(ev)} · log {one_line(ev.get('log'))}" + \
             (f" · in {one_line(ev['cwd'])}" if isinstance(ev.get("cwd"), str) else "")
     elif kind == "decision":
-        text = f"{sid} decision: {ev.get('decision')} — {one_line(ev.get('note'))}"
+        text = f"{sid} decision: {one_line(ev.get('decision'))} — {one_line(ev.get('note'))}"
     elif kind == "story_added":
         story = ev.get("story", {})
-        text = f"{story.get('id')} added: {defused_line(story.get('title'))}"
+        text = f"{one_line(story.get('id'))} added: {defused_line(story.get('title'))}"
     elif kind == "verdict":
-        text = (f"{sid} verdict {ev.get('verdict')} by {one_line(ev.get('agent'))} — "
+        text = (f"{sid} verdict {one_line(ev.get('verdict'))} by {one_line(ev.get('agent'))} — "
                 f"{one_line(last_chars(ev.get('evidence'), 200))}")
     elif kind == "guard_block":
         text = f"stop blocked by the guard: {one_line(ev.get('reason', ''))}"
+    elif kind == "judge_packet":
+        text = f"{sid} judge packet: working tree recorded ({one_line(ev.get('files'))} files, " \
+               f"sha256 {one_line(str(ev.get('tree'))[:16])}…)"
     else:
         text = one_line(kind)
-    return f"#{ev.get('seq')}  {when}  {text}"
+    return f"#{one_line(ev.get('seq'))}  {one_line(when)}  {text}"
 
 
 # Audit: replaying the whole ledger ##########################################
 
 
-def parse_since(since):
-    """--since [SEQ:]HASH as (seq or None, hash); a malformed pin is a usage error."""
-    seq_text, _, pin = since.rpartition(":")
-    pin = pin.strip().lower()
-    if not re.fullmatch(r"[0-9a-f]{64}", pin, re.A) or \
-            (seq_text and not (seq_text.isascii() and seq_text.isdigit())):
-        raise usage("--since takes HASH or SEQ:HASH (as `audit` prints its head: 64 hex digits, "
-                    f"optionally after the event number) — not {one_line(since)[:80]!r}.",
-                    "bad_since")
-    return (int(seq_text) if seq_text else None), pin
-
-
-def audit_ledger(source, snapshot_raw, since=None, require_independent=False, runs_dir=None):
+def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None, scan=None):
     """Replay every line of `source` (a Ledger, or a ledger's bytes), streaming; returns a report
     dict. Raises FablizeError(exit 3) at the first line that cannot be trusted, naming it and
-    why. With `runs_dir`, each run's log found there is checked against its recorded digest."""
+    why. With `runs_dir`, each run's log found there is checked against its recorded digest;
+    `scan(lineno, head, ev)` sees every line after it replayed (the trust checks' pass)."""
     ledger = MemoryLedger(source) if isinstance(source, bytes) else source
     end, torn = ledger.end() if ledger.fd is not None else (0, b"")
     if not torn and end:
         last = ledger.last(end)
         if parse_event(last) is None:  # an unparsable last line is a torn write too
             end, torn = end - len(last) - 1, last
-    since_seq, since_hash = parse_since(since) if since is not None else (None, None)
-    since_found = since is None
     snap = parse_snapshot(snapshot_raw) if snapshot_raw is not None else None
     if snap is not None and is_original_snapshot(snap):
         raise stripped_snapshot_error()  # beside a chained ledger (else refuse_original said so)
     snap_seq = snap["ledger"]["seq"] if snap is not None else None
     snap_view = None
     present = set(os.listdir(runs_dir)) if runs_dir and os.path.isdir(runs_dir) else set()
-    independence, bad_logs, run_logs = [], [], []
+    independence, bad_logs = [], []
     counts = {"runs": 0, "missing_logs": 0}
     digest = fast_sha256()
 
     def on_event(replay, line, ev):
-        nonlocal since_found, snap_view
+        nonlocal snap_view
         lineno, kind = replay.seq, ev["event"]
         if kind == "verify_run":
             counts["runs"] += 1
             name = ev["log"].partition("/")[2]
             if name in present:
                 content = read_state_file(os.path.join(runs_dir, name))
-                run_logs.append((lineno, ev["log"], ev["sha256"]))
                 if content is None or digest(content) != ev["sha256"]:
                     bad_logs.append(line_error(lineno, f"{one_line(ev['log'])} does not match the "
                                                "sha256 recorded for that run — the log was edited "
@@ -2500,12 +2543,8 @@ def audit_ledger(source, snapshot_raw, since=None, require_independent=False, ru
                 independence.append(f"line {lineno}: {story['id']} judged by "
                                     f"{one_line(ev['agent'])}, executor "
                                     f"{one_line(story['executor'] or 'unnamed')}")
-        if not since_found and (since_seq == lineno or (since_seq is None
-                                                         and replay.head == since_hash)):
-            if replay.head != since_hash:
-                raise damaged(f"{LEDGER} line {lineno} no longer hashes to {since_hash[:16]}… "
-                              "(--since): history before it was rewritten.", "history_rewritten")
-            since_found = True
+        if scan is not None:
+            scan(lineno, replay.head, ev)
         if lineno == snap_seq:
             replay.plan["ledger"] = replay.position()
             snap_view = json.loads(dumps(replay.plan))
@@ -2516,21 +2555,11 @@ def audit_ledger(source, snapshot_raw, since=None, require_independent=False, ru
         if snap is not None:
             raise position_error(snap_seq, 0)
         raise refused("no plan — run `create` first.", "no_plan")
-    first = parse_event(next(ledger.batches(end))[0])
-    replaced = first.get("replaces")
-    if not since_found and isinstance(replaced, dict) and replaced.get("head") == since_hash \
-            and since_seq in (None, replaced.get("seq")):
-        since_found = True  # the head was the last event of the plan `create --force` archived
-    if not since_found:
-        where = f"line {since_seq} does not exist" if since_seq else "no line hashes to it"
-        raise damaged(f"--since {since_hash[:16]}…: {where} — the ledger was truncated or "
-                      "re-written from scratch.", "history_rewritten")
     plan["ledger"] = replay.position()
     report = {"events": replay.seq, "head": f"{replay.seq}:{replay.head}",
               "torn_tail_bytes": len(torn), "snapshot": "missing", "plan": plan,
               "independence": independence, "runs": counts["runs"],
-              "missing_logs": counts["missing_logs"], "bad_logs": bad_logs,
-              "run_logs": run_logs}
+              "missing_logs": counts["missing_logs"], "bad_logs": bad_logs}
     if snap is not None:
         if replay.seq < snap_seq:
             raise position_error(snap_seq, replay.seq)
@@ -2801,6 +2830,644 @@ def stop_if_interrupted(ctx, records):
                          exit_code=EXIT_SIGNAL_BASE + getattr(signal, name, 0))
     error.code = "interrupted"
     raise error
+# Trust: pins, base, rerun, signatures #######################################
+#
+# The ledger is the agent's own diary: the hash chain proves only that history after a pin grew.
+# Trust comes from what the agent cannot write — the base branch's committed ledger (the pin,
+# `audit --base`), CI's own re-run of the frozen checks (`audit --rerun`), a human's key
+# (`decide --sign`, checked against allowed signers read from the base branch) and the checks
+# CI requires (`--require-check`). Three grades name what a completion rests on: claimed (text
+# the agent typed), witnessed (the engine ran it, in the agent's environment), re-witnessed
+# (CI re-ran it).
+
+TRUST_MODEL = """\
+Trust model — three grades of evidence:
+  claimed       text the agent typed (--evidence, --verify-cmd + --verify-evidence).
+  witnessed     the engine ran the command (--run, frozen checks) and recorded its exit
+                code, digest and log. It proves the command ran and what it printed, in
+                the agent's environment; not that the environment was honest.
+  re-witnessed  CI, with its own copy of the engine (python3 -I) and its own environment,
+                re-ran the plan's frozen checks on the committed tree (--rerun).
+The hash chain proves only that history after a pin grew, not who wrote it. Trust comes
+from what the agent cannot write: the base branch's committed ledger and archives (--base),
+CI's own re-run (--rerun), checks CI requires (--require-check) and a human's key
+(decide --sign, verified with --allowed-signers read from the base branch)."""
+
+# variables that change what a witnessed command does, recorded with each run (a hint)
+WITNESS_ENV = ("PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEPATH",
+               "PYTHONNOUSERSITE", "PYTHONUSERBASE", "LD_PRELOAD", "LD_LIBRARY_PATH",
+               "DYLD_INSERT_LIBRARIES", "DYLD_LIBRARY_PATH", "MAKEFLAGS", "MAKEFILES",
+               "BASH_ENV", "ENV", "NODE_OPTIONS", "NODE_PATH", "PERL5OPT", "RUBYOPT")
+SIGN_NAMESPACE = "fablize"
+MAX_ENV_VALUE = 1000
+MAX_LISTED = 10             # unclean runs named one a line in audit's text
+
+
+def run_tool(args, cwd=None, stdin=None, what=None):
+    """(exit code, stdout bytes, stderr text) of git or ssh-keygen; a missing tool is a one-line
+    refusal, not a traceback."""
+    import subprocess
+    try:
+        p = subprocess.run(args, cwd=cwd, input=stdin, capture_output=True, timeout=120,
+                           stdin=None if stdin is not None else subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise refused(f"{args[0]} is not installed (or not on PATH): {what or args[0]} needs it.",
+                      "tool_missing")
+    except (OSError, subprocess.SubprocessError) as e:
+        raise damaged(f"{args[0]} failed to run: {e}", "io_error")
+    return p.returncode, p.stdout, p.stderr.decode("utf-8", "replace").strip()
+
+
+_TOPLEVELS = {}
+
+
+def git_toplevel(root):
+    """The repository's top directory holding `root`, or None outside a git work tree."""
+    if root not in _TOPLEVELS:
+        try:
+            code, out, _ = run_tool(["git", "-C", root, "rev-parse", "--show-toplevel"])
+        except FablizeError:
+            code, out = 1, b""
+        _TOPLEVELS[root] = os.path.realpath(out.decode("utf-8", "replace").strip()) \
+            if code == 0 else None
+    return _TOPLEVELS[root]
+
+
+def repo_relative(root):
+    """`root` relative to its repository's top ("." at the top), or None outside one."""
+    top = git_toplevel(root)
+    if top is None:
+        return None
+    rel = os.path.relpath(os.path.realpath(root), top).replace(os.sep, "/")
+    return None if rel.startswith("..") else rel
+
+
+def command_program(cmd, root):
+    """The program a shell command line starts first, resolved as the shell would (PATH, or a
+    path relative to `root`), or None for a builtin, a variable or an unparsable line."""
+    import shlex
+    import shutil
+    try:
+        lexer = shlex.shlex(cmd, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        tokens = list(lexer)
+    except ValueError:
+        return None
+    for token in tokens:
+        if not token or all(c in "();<>|&" for c in token) or token in _PREFIX_WORDS or \
+                re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", token, re.S):
+            continue
+        if token in _SHELL_BUILTINS or "$" in token or "`" in token:
+            return None
+        if "/" in token:
+            path = token if os.path.isabs(token) else os.path.join(root, token)
+            return os.path.abspath(path) if os.path.isfile(path) else None
+        found = shutil.which(token)
+        return os.path.abspath(found) if found else None
+    return None
+
+
+def file_sha256(path):
+    digest = _sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+def witness_env():
+    """The listed variables that are set, each as its value (or the digest of a long one)."""
+    env = {}
+    for name in WITNESS_ENV:
+        value = os.environ.get(name)
+        if value is not None:
+            value = fix_argv_text(value)
+            env[name] = value if len(value) <= MAX_ENV_VALUE else \
+                "sha256:" + sha256_hex(value.encode("utf-8"))
+    return env
+
+
+def run_provenance(root, cmd):
+    """Where and with what a witnessed run ran: a hint for the reviewer (an agent with a shell
+    can still lie about its environment; only a re-witnessed run is proof)."""
+    program = command_program(cmd, root)
+    return {"dir": repo_relative(root), "program": program,
+            "program_sha256": file_sha256(program) if program else None, "env": witness_env()}
+
+
+def parse_pin(text):
+    """--since [SEQ:]HASH as (seq or None, hash); a malformed pin is a usage error."""
+    seq_text, _, pin_hash = text.rpartition(":")
+    pin_hash = pin_hash.strip().lower()
+    if not re.fullmatch(r"[0-9a-f]{64}", pin_hash, re.A) or \
+            (seq_text and not (seq_text.isascii() and seq_text.isdigit())):
+        raise usage("--since takes HASH or SEQ:HASH (as `audit` prints its head: 64 hex digits, "
+                    f"optionally after the event number) — not {one_line(text)[:80]!r}.",
+                    "bad_since")
+    return (int(seq_text) if seq_text else None), pin_hash
+
+
+class PinScan:
+    """Where a pin is in one ledger, seen line by line during audit's replay: `where` is
+    'found', 'rewritten' (line SEQ exists with another hash) or 'absent'."""
+
+    def __init__(self, pin):
+        self.seq, self.hash = parse_pin(pin)
+        self.where = "absent"
+        self.first = None
+
+    def __call__(self, lineno, head, ev):
+        if lineno == 1:
+            self.first = ev
+        if self.seq is None:
+            if head == self.hash:
+                self.where = "found"
+        elif lineno == self.seq:
+            self.where = "found" if head == self.hash else "rewritten"
+
+
+def read_archived_ledger(store, replaced):
+    """The bytes of the archived ledger a plan's `replaces` names, refusing anything outside
+    archive/ or reached through a symlink."""
+    rel = replaced.get("path")
+    if not (isinstance(rel, str) and re.fullmatch(ARCHIVE + r"/[\w.-]+", rel)):
+        raise damaged(f"the plan's replaces names no archive ({one_line(repr(rel))}) — it cannot be "
+                      "verified.", "archive_unverified")
+    for part in (ARCHIVE, rel):
+        if os.path.islink(store.path(part)):
+            raise symlink_refusal(store.path(part))
+    data = read_state_file(store.path(os.path.join(rel, LEDGER)))
+    if data is None:
+        raise damaged(f"{rel}/{LEDGER}, the plan the current one replaces, is missing — the "
+                      "replaced history cannot be verified.", "archive_unverified")
+    return rel, data
+
+
+def verify_pin(store, scan, pin):
+    """Where the pinned line is: this ledger (`scan` saw it during the replay), or an archived
+    one (plans replaced by `create --force`) whose bytes and chain verify, whose final head the
+    next plan's `replaces` names, and that holds the pinned line. Raises exit 3 otherwise."""
+    if scan.pin.where == "found":
+        return {"pin": pin, "in": LEDGER, "new_plan": False}
+    replaced, chain = scan.first.get("replaces") if scan.first else None, []
+    while isinstance(replaced, dict) and replaced.get("head") and len(chain) < 1000:
+        rel, archived = read_archived_ledger(store, replaced)
+        found = PinScan(pin)
+        try:
+            report = audit_ledger(archived, None, scan=found)
+        except FablizeError as e:  # its own line numbers: say which ledger they are in
+            raise damaged(f"{rel}/{LEDGER}, the plan the current one replaces, does not verify: "
+                          f"{e.message}", "archive_unverified")
+        if report["head"] != f"{replaced.get('seq')}:{replaced.get('head')}":
+            raise damaged(f"{rel}/{LEDGER} ends at {report['head'][:24]}…, not at the head the "
+                          f"plan after it names as the one it replaces — the archive was edited.",
+                          "archive_unverified")
+        chain.append(rel)
+        if found.where == "found":
+            return {"pin": pin, "in": f"{rel}/{LEDGER}", "new_plan": True, "archives": chain}
+        replaced = report["plan"]["replaces"]
+    seq, pin_hash = scan.pin.seq, scan.pin.hash
+    if scan.pin.where == "rewritten":
+        raise damaged(f"{LEDGER} line {seq} no longer hashes to {pin_hash[:16]}… (the pin): history "
+                      "before it was rewritten.", "history_rewritten")
+    what = f"line {seq} does not exist" if seq else "no line hashes to it"
+    raise damaged(f"--since {pin_hash[:16]}…: {what} — the ledger was truncated or re-written "
+                  "from scratch" + (", and no verified archive holds it." if chain else "."),
+                  "history_rewritten")
+
+
+def git_show(root, ref, path, what):
+    """The bytes of `path` (relative to the repository top) at `ref`, or None when the ref has
+    no such file. An unknown ref is a usage error."""
+    if not ref or ref.startswith("-") or "\x00" in ref:  # never an option to git
+        raise usage(f"{what}: {one_line(ref)!r} is not a git ref.", "bad_ref")
+    top = git_toplevel(root)
+    if top is None:
+        raise refused(f"{what}: {root} is not inside a git repository.", "not_a_repository")
+    code, _, err = run_tool(["git", "-C", top, "rev-parse", "--verify", "--quiet",
+                             ref + "^{commit}"], what=what)
+    if code != 0:
+        raise usage(f"{what}: {one_line(ref)} is not a commit here (fetch it first?).", "bad_ref")
+    code, out, err = run_tool(["git", "-C", top, "cat-file", "blob", f"{ref}:{path}"], what=what)
+    return out if code == 0 else None
+
+
+def base_pin(store, ref):
+    """(pin "SEQ:HASH" or None, what was read) from the ledger committed at `ref`."""
+    top = git_toplevel(store.root)
+    rel = os.path.relpath(os.path.realpath(store.dir), top or "/").replace(os.sep, "/")
+    data = git_show(store.root, ref, f"{rel}/{LEDGER}", "--base")
+    if not data:
+        return None, {"ref": ref, "path": f"{rel}/{LEDGER}", "plan": False}
+    committed = MemoryLedger(data)
+    end = committed.end()[0]
+    last = committed.last(end) if end else None
+    if not last:
+        return None, {"ref": ref, "path": f"{rel}/{LEDGER}", "plan": False}
+    # the pin is the committed head: its seq is its line number, counted without a parse
+    seq = data.count(b"\n", 0, end)
+    return f"{seq}:{sha256_hex(last)}", {"ref": ref, "path": f"{rel}/{LEDGER}", "plan": True}
+
+
+def allowed_signers_file(store, a):
+    """Path of the allowed-signers file to verify with: read from --base's ref when given, so a
+    pull request cannot add its own key. Returns (path, temporary directory or None)."""
+    if "\x00" in a.allowed_signers:
+        raise usage("--allowed-signers: a path cannot hold a NUL byte.", "no_signers")
+    if a.base is None:
+        if not os.path.isfile(a.allowed_signers):
+            raise usage(f"--allowed-signers: {one_line(a.allowed_signers)} does not exist.",
+                        "no_signers")
+        return a.allowed_signers, None
+    top = git_toplevel(store.root) or store.root
+    rel = os.path.relpath(os.path.abspath(a.allowed_signers), top).replace(os.sep, "/")
+    if rel.startswith(".."):
+        raise usage("--allowed-signers with --base names a file inside the repository.",
+                    "no_signers")
+    data = git_show(store.root, a.base, rel, "--allowed-signers")
+    if data is None:
+        raise refused(f"--allowed-signers: {one_line(rel)} is not committed at {one_line(a.base)} "
+                      "— only signers the base branch lists count.", "no_signers")
+    import tempfile
+    tmp = tempfile.mkdtemp(prefix="fablize-signers-")
+    path = os.path.join(tmp, "allowed_signers")
+    with open(path, "wb") as f:
+        f.write(data)
+    return path, tmp
+
+
+def decision_payload(plan_id, sid, decision, note, prev):
+    """The canonical content a decision's signature covers (documented in README)."""
+    return json.dumps({"plan": plan_id, "story": sid, "decision": decision, "note": note,
+                       "prev": prev}, ensure_ascii=False, sort_keys=True,
+                      separators=(",", ":")).encode("utf-8")
+
+
+def sign_decision(ctx, a):
+    """(signature, the ledger head it was made over), signed outside the lock."""
+    if bool(a.sign) != bool(a.signer) or (a.signer is not None and blank(a.signer)):
+        raise usage("--sign KEYFILE and --signer PRINCIPAL go together.", "usage")
+    if "\x00" in a.sign or not os.path.isfile(a.sign):
+        raise usage(f"--sign: {one_line(a.sign)} is not a key file.", "usage")
+    with open_plan(ctx, exclusive=False) as s:
+        plan = s.require_plan()
+    prev = plan["ledger"]["head"]
+    payload = decision_payload(plan["plan_id"], a.id, a.decision, a.note, prev)
+    code, out, err = run_tool(["ssh-keygen", "-q", "-Y", "sign", "-f", a.sign, "-n",
+                               SIGN_NAMESPACE], stdin=payload, what="decide --sign")
+    if code != 0 or b"BEGIN SSH SIGNATURE" not in out:
+        raise refused(f"ssh-keygen could not sign the decision: {one_line(err)[:300]}",
+                      "sign_failed")
+    return {"signer": a.signer, "sig": out.decode("ascii", "replace")}, prev
+
+
+def signed_fields(plan, signature, prev):
+    """The decision's signature field, if the plan did not move while it was being signed."""
+    if signature is None:
+        return {}
+    if plan["ledger"]["head"] != prev:
+        raise refused("the plan changed while the decision was being signed — run `decide` "
+                      "again.", "plan_changed")
+    return {"signature": signature}
+
+
+def verify_signature(signers_path, plan_id, ev):
+    """None when the decision's signature verifies for its signer, else why not."""
+    sig = ev.get("signature")
+    if not isinstance(sig, dict) or not isinstance(sig.get("sig"), str) or \
+            not isinstance(sig.get("signer"), str) or blank(sig.get("signer")):
+        return "unsigned"
+    import tempfile
+    payload = decision_payload(plan_id, ev.get("id"), ev.get("decision"), ev.get("note"),
+                               ev.get("prev"))
+    with tempfile.TemporaryDirectory(prefix="fablize-verify-") as tmp:
+        path = os.path.join(tmp, "decision.sig")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(sig["sig"])
+        code, _, err = run_tool(["ssh-keygen", "-Y", "verify", "-f", signers_path, "-I",
+                                 sig["signer"], "-n", SIGN_NAMESPACE, "-s", path],
+                                stdin=payload, what="audit --allowed-signers")
+    return None if code == 0 else f"signature by {one_line(sig['signer'])} does not verify"
+
+
+class TrustScan:
+    """What audit's trust options need from each line, gathered during its one replay: where the
+    pin is, the first event, each story's latest decision, and why runs are not clean. Memory
+    grows with what it reports (at most MAX_FLAGGED runs are kept), never with the ledger."""
+
+    MAX_FLAGGED = 1000
+
+    def __init__(self, root, pin):
+        self.pin = PinScan(pin) if pin is not None else None
+        self.here = repo_relative(root)
+        self.first = None
+        self.decisions = {}
+        self.first_env = None
+        self.unclean, self.flagged, self.unrecorded = 0, [], 0
+
+    def __call__(self, lineno, head, ev):
+        if self.pin is not None:
+            self.pin(lineno, head, ev)
+        if lineno == 1:
+            self.first = ev
+        kind = ev["event"]
+        if kind == "decision":
+            self.decisions[ev["id"]] = ev
+        elif kind == "verify_run":
+            self.run(lineno, ev)
+
+    def run(self, lineno, ev):
+        """Why a witnessed run is not clean: outside the repository root, on a dirty tree, or
+        under an environment different from the plan's first run."""
+        prov = ev.get("provenance")
+        why = []
+        if not isinstance(prov, dict):
+            self.unrecorded += 1  # counted apart: every run of an older engine would be listed
+        else:
+            if prov.get("dir") is None or (self.here is not None and prov.get("dir") != self.here):
+                why.append(f"made outside the repository root ({one_line(prov.get('dir'))})")
+            env = prov.get("env")
+            if self.first_env is None:
+                self.first_env = env
+            elif env != self.first_env:
+                names = sorted(str(k) for k in set(env) | set(self.first_env)
+                               if env.get(k) != self.first_env.get(k))
+                why.append("environment differs from the plan's first run (" +
+                           ", ".join(one_line(n) for n in names) + ")")
+        if ev.get("git_dirty"):
+            why.append("the working tree was dirty")
+        if why:
+            self.unclean += 1
+            if len(self.flagged) < self.MAX_FLAGGED:
+                self.flagged.append({"line": lineno, "id": ev["id"], "cmd": ev["cmd"],
+                                     "why": why})
+
+
+def witnessed_gaps(plan):
+    """The completed stories that do not rest on their own frozen checks run by the engine."""
+    gaps = []
+    for s in plan["goals"]:
+        if s["status"] != "complete":
+            continue
+        if not s["checks"]:
+            how = "its pass was run ad hoc (--run)" if s["last_run"] and \
+                s["last_run"]["check"] is None else "it has no frozen checks: its pass is claimed"
+            gaps.append(f"{s['id']} ({how})")
+            continue
+        for i in range(len(s["checks"])):
+            run = _fresh_ok_run(s, check=i)
+            if run is None or not run["ok"]:
+                gaps.append(f"{s['id']} (frozen check {i + 1} has no passing run of the engine's)")
+                break
+    return gaps
+
+
+def rerun_checks(ctx, plan, which, root):
+    """Run the frozen checks again, here, recording nothing: the re-witnessed grade."""
+    import shutil
+    import tempfile
+    stories = plan["goals"] if which == "all" else plan["goals"][-1:]
+    results = []
+    tmp = tempfile.mkdtemp(prefix="fablize-rerun-")
+    try:
+        for story in stories:
+            for i, cmd in enumerate(story["checks"]):
+                record = run_check(cmd, root, ctx.timeout, None,
+                                   os.path.join(tmp, f"{story['id']}-{i}.log"))
+                results.append({"id": story["id"], "check": i + 1, "cmd": cmd,
+                                "ok": run_passed(record), "result": run_result(record),
+                                "tail": record["tail"]})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return results
+
+
+def tree_state(root, state_dir):
+    """(sha256, file count) of the working tree at `root`: every tracked and untracked file
+    (git's ignore rules apply), by name, mode and content; the state directory is left out.
+    Outside git, every file under `root` but .git/ and the state directory."""
+    top = git_toplevel(root)
+    names = None
+    if top is not None:
+        code, out, _ = run_tool(["git", "-C", root, "ls-files", "-z", "--cached", "--others",
+                                 "--exclude-standard", "--full-name"], what="judge-packet")
+        if code == 0:
+            names = sorted(set(os.path.join(top, n.decode("utf-8", "surrogateescape"))
+                               for n in out.split(b"\0") if n))
+    if names is None:
+        names = []
+        for d, subdirs, files in os.walk(root):
+            subdirs[:] = [x for x in subdirs if x != ".git"
+                          and os.path.join(d, x) != state_dir]
+            names += [os.path.join(d, f) for f in files]
+        names.sort()
+    state = os.path.realpath(state_dir) + os.sep
+    digest, count = _sha256(), 0
+    for path in names:
+        if os.path.realpath(path).startswith(state) or path.startswith(state_dir + os.sep):
+            continue
+        try:
+            st = os.lstat(path)
+        except OSError:
+            entry = "missing"
+        else:
+            if stat.S_ISLNK(st.st_mode):
+                entry = "link:" + os.readlink(path)
+            elif stat.S_ISREG(st.st_mode):
+                entry = f"{st.st_mode & 0o111:o}:{file_sha256(path)}"
+            else:
+                entry = "other"
+        rel = os.path.relpath(path, root)
+        digest.update(f"{rel}\0{entry}\n".encode("utf-8", "surrogateescape"))
+        count += 1
+    return digest.hexdigest(), count
+
+
+def current_packet(story):
+    """The judge packet recorded for the story's present review round, or None."""
+    packet = story.get("packet")
+    return packet if isinstance(packet, dict) and packet.get("round") == story["round"] else None
+
+
+def _ev_judge_packet(plan, ev):
+    story = find_story(plan, ev["id"])
+    if story["status"] != "review":
+        raise refused(f"{story['id']} is {story['status']}, not in review — there is nothing to "
+                      "judge.", "not_in_review")
+    story["packet"] = {"tree": ev["tree"], "files": ev.get("files"), "round": story["round"],
+                       "seq": ev["seq"]}
+    return plan
+
+
+def record_judge_packet(ctx, sid):
+    """Record the working tree as the judge sees it first; a verdict compares against it."""
+    digest, count = tree_state(ctx.store.root, ctx.store.dir)
+    with open_plan(ctx) as s:
+        plan = s.require_plan()
+        if find_story(plan, sid)["status"] != "review":
+            return plan, None
+        s.commit("judge_packet", id=sid, tree=digest, files=count)
+        return s.plan, {"tree": digest, "files": count, "seq": s.last["seq"]}
+
+
+def tree_changed_verdict(ctx, a):
+    """The verdict event's fields when the tree changed since the judge packet: the judge's
+    finding goes back as not-achieved (a judge that fixed the work judged nothing); else None."""
+    with open_plan(ctx, exclusive=False) as s:
+        plan = s.require_plan()
+    packet = current_packet(find_story(plan, a.id))
+    if packet is None:
+        return None
+    digest, _ = tree_state(ctx.store.root, ctx.store.dir)
+    if digest == packet["tree"]:
+        return None
+    return {"verdict": "not-achieved", "tree": digest, "packet_seq": packet["seq"],
+            "evidence": f"the working tree changed after the judge packet (event {packet['seq']}) "
+                        f"— a judge must not change what it judges; its verdict ({a.verdict}) "
+                        f"is void. The judge's finding: {a.evidence}"}
+
+
+def engine_inside(root):
+    here = os.path.realpath(os.path.abspath(__file__))
+    top = os.path.realpath(git_toplevel(root) or root)
+    return os.path.commonpath([here, top]) == top
+
+
+def audit_pin(ctx, a):
+    """(pin or None, what --base read or None): the pin comes from --since, or from the ledger
+    committed at --base (so a pull request cannot move its own pin)."""
+    if a.base is None:
+        if a.since is not None:
+            parse_pin(a.since)  # a malformed pin is a usage error before anything is read
+        return a.since, None
+    if a.since is not None:
+        raise usage("give --base or --since, not both.")
+    return base_pin(ctx.store, a.base)
+
+
+def audit_trust(ctx, plan, scan, pin, base):
+    """The trust part of `audit`, from what `scan` saw during the replay: the pin, run
+    provenance, decisions and their signatures. Raises exit 3 for a pin that does not hold;
+    gates that say no come later (trust_gates)."""
+    store = ctx.store
+    first = scan.first
+    trust = {"base": base, "pin": None, "new_plan": False,
+             "imported": bool(first and first.get("imported_from"))}
+    if pin is not None:
+        trust["pin"] = verify_pin(store, scan, pin)
+        trust["new_plan"] = trust["pin"]["new_plan"]
+    elif base is not None:
+        trust["new_plan"] = True  # nothing committed at the base: all of this plan is new
+    trust["unclean_runs"], trust["runs_without_provenance"] = scan.flagged, scan.unrecorded
+    trust["unclean_count"] = scan.unclean
+    trust["decisions"] = list(scan.decisions.values())
+    trust["accepted"] = []
+    for s in plan["goals"]:
+        if s["status"] == "accepted":
+            sig = scan.decisions.get(s["id"], {}).get("signature")
+            trust["accepted"].append({"id": s["id"], "note": s["decision"]["note"],
+                                      "signer": sig.get("signer") if isinstance(sig, dict) else None})
+    trust["frozen_checks"] = [{"id": s["id"], "checks": s["checks"]} for s in plan["goals"]
+                              if s["checks"]]
+    trust["engine_inside_tree"] = engine_inside(store.root)
+    if trust["engine_inside_tree"]:
+        ctx.out.warn("the engine running this audit lies inside the tree it audits: a pull "
+                     "request can change it — run a copy kept outside the tree, with python3 -I.")
+    return trust
+
+
+def say_trust(ctx, trust):
+    pin = trust["pin"]
+    if pin is not None:
+        where = "this ledger" if not pin["new_plan"] else f"{pin['in']} (a replaced plan)"
+        ctx.say(f"  pin: {one_line(pin['pin'][:80])} found in {where}"
+                + (f" — from {one_line(trust['base']['ref'])}" if trust["base"] else ""))
+    elif trust["base"] is not None:
+        ctx.say(f"  pin: none — {one_line(trust['base']['ref'])} has no plan "
+                f"({one_line(trust['base']['path'])}); this plan is new")
+    if trust["new_plan"]:
+        ctx.say("  new plan since the pin — its frozen checks (review what changed):")
+        for item in trust["frozen_checks"]:
+            for i, cmd in enumerate(item["checks"], 1):
+                ctx.say(f"    {item['id']} check {i}: {one_line(cmd)}")
+        if not trust["frozen_checks"]:
+            ctx.say("    (none: every completion in it is claimed)")
+    if trust["imported"]:
+        ctx.say("  imported from the original goals.py: its first event is not the engine's own")
+    for item in trust["accepted"]:
+        by = f"signed by {one_line(item['signer'])}" if item["signer"] else "unsigned"
+        ctx.say(f"  accepted: {item['id']} ({by}) — {defused_line(last_chars(item['note'], 200))}")
+    for run in trust["unclean_runs"][:MAX_LISTED]:
+        ctx.say(f"  run at line {run['line']} ({one_line(run['id'])} `{one_line(run['cmd'])}`): "
+                + "; ".join(run["why"]))
+    if trust["runs_without_provenance"]:
+        ctx.say(f"  {trust['runs_without_provenance']} run(s) recorded no provenance (an older "
+                "engine's, or written by hand)")
+    if trust["unclean_count"] > MAX_LISTED:
+        ctx.say(f"  … and {trust['unclean_count'] - MAX_LISTED} more run(s) not clean "
+                "(all of them under --json)")
+
+
+def trust_gates(ctx, a, plan, trust):
+    """The trust options of `audit` that can say no, cheapest first; --rerun last."""
+    if trust["imported"] and trust["new_plan"] and not a.allow_imported:
+        raise refused("audit: the plan was imported from the original goals.py format — nothing "
+                      "shows it was made by the engine (--allow-imported to accept it).",
+                      "imported_plan")
+    if trust["new_plan"] and not a.allow_new_plan:
+        raise refused("audit: the plan was created after the pin (create --force or a new plan) — "
+                      "review its frozen checks above; --allow-new-plan accepts it.", "new_plan")
+    final = plan["goals"][-1]
+    missing = [c for c in a.require_check if c not in final["checks"]]
+    if missing:
+        raise refused(f"audit: the final story {final['id']} does not carry the required frozen "
+                      f"check `{one_line(missing[0])}`.", "required_check_missing")
+    if a.require_witnessed:
+        gaps = witnessed_gaps(plan)
+        if gaps:
+            raise refused("audit: not witnessed — " + "; ".join(gaps), "not_witnessed")
+    if a.require_clean_runs and trust["runs_without_provenance"]:
+        raise refused(f"audit: {trust['runs_without_provenance']} run(s) recorded no provenance, so "
+                      "they cannot be shown to be clean.", "unclean_runs")
+    if a.require_clean_runs and trust["unclean_runs"]:
+        run = trust["unclean_runs"][0]
+        raise refused(f"audit: {trust['unclean_count']} run(s) not clean — line {run['line']}: "
+                      + "; ".join(run["why"]), "unclean_runs")
+    if a.forbid_accepted and trust["accepted"]:
+        raise refused("audit: accepted by a decision, not completed — "
+                      + ", ".join(x["id"] for x in trust["accepted"]), "accepted_forbidden")
+    if a.allowed_signers is not None:
+        path, tmp = allowed_signers_file(ctx.store, a)
+        try:
+            bad = [(ev["id"], verify_signature(path, plan["plan_id"], ev))
+                   for ev in trust["decisions"]]
+        finally:
+            if tmp:
+                import shutil
+                shutil.rmtree(tmp, ignore_errors=True)
+        bad = [(sid, why) for sid, why in bad if why]
+        if bad:
+            raise refused("audit: decisions not signed by an allowed signer — "
+                          + "; ".join(f"{sid}: {why}" for sid, why in bad), "bad_signature")
+    if a.rerun:
+        results = rerun_checks(ctx, plan, a.rerun, ctx.store.root)
+        ctx.data["rerun"] = results
+        ctx.say(f"  re-run ({a.rerun}): {len(results)} frozen check(s), here, recorded nowhere:")
+        for r in results:
+            ctx.say(f"    {'✓' if r['ok'] else '✗'} {r['id']} check {r['check']} "
+                    f"`{one_line(r['cmd'])}` → {r['result']}")
+            if r["tail"]:  # a failure shows more of what it printed
+                for line in last_chars(r["tail"], 300).rstrip("\n").split("\n")[-8 if not r["ok"]
+                                                                              else -2:]:
+                    ctx.say("    " + OUTPUT_BAR + one_line(line))
+        failed = [r for r in results if not r["ok"]]
+        if failed:
+            r = failed[0]
+            raise refused(f"audit: re-run failed — {r['id']} check {r['check']} "
+                          f"`{one_line(r['cmd'])}`: {r['result']}", "rerun_failed")
 
 
 # Commands ###################################################################
@@ -2887,7 +3554,7 @@ def say_unverifiable(ctx, found):
     ctx.say(f"fablize: ⚠ {len(found)} frozen check(s) cannot run here — fix now; found at the gate "
             "it costs the whole run:")
     for u in found:
-        ctx.say(f"  {u['id']} check {u['check'] + 1}: `{one_line(u['cmd'])}` — {one_line(u['reason'])}")
+        ctx.say(f"  {one_line(u['id'])} check {u['check'] + 1}: `{one_line(u['cmd'])}` — {one_line(u['reason'])}")
 
 
 def cmd_create(ctx, a):
@@ -3057,7 +3724,7 @@ def cmd_status(ctx, a):
         for detail in status_details(plan, story):
             ctx.say(f"      {detail}")
     for u in plan["unverifiable"]:
-        ctx.say(f"  ⚠ {u['id']} check {u['check'] + 1} cannot run here: `{one_line(u['cmd'])}` — "
+        ctx.say(f"  ⚠ {one_line(u['id'])} check {u['check'] + 1} cannot run here: `{one_line(u['cmd'])}` — "
                 f"{one_line(u['reason'])}")
     ctx.say(next_line(ctx.prog, plan))
     for story in active_stories(plan):
@@ -3099,9 +3766,11 @@ def cmd_verify(ctx, a):
 
 
 def cmd_decide(ctx, a):
+    signature, prev = sign_decision(ctx, a) if a.sign or a.signer else (None, None)
     with open_plan(ctx) as s:
         s.require_plan()
-        s.commit("decision", id=a.id, decision=a.decision, note=check_text("--note", a.note))
+        s.commit("decision", id=a.id, decision=a.decision, note=check_text("--note", a.note),
+                 **signed_fields(s.plan, signature, prev))
         plan = s.plan
     story = find_story(plan, a.id)
     what = {"accept": "counts as done", "retry": "back to work, rounds reset",
@@ -3142,20 +3811,22 @@ def cmd_add(ctx, a):
 
 
 def cmd_audit(ctx, a):
+    pin, base = audit_pin(ctx, a)
+    scan = TrustScan(ctx.store.root, pin)
     with open_plan(ctx, exclusive=False) as s:
         s.refuse_original()
         snapshot = read_state_file(s.store.path(SNAPSHOT))  # before the ledger, as every reader
         s.ledger.open()
-        report = audit_ledger(s.ledger, snapshot, a.since, a.require_independent_judge,
-                              runs_dir=s.store.path(RUNS))
+        report = audit_ledger(s.ledger, snapshot, a.require_independent_judge,
+                              runs_dir=s.store.path(RUNS), scan=scan)
     plan = report.pop("plan")
     bad_logs = report.pop("bad_logs")
-    report.pop("run_logs")
     if bad_logs:
         raise bad_logs[0]
+    trust = audit_trust(ctx, plan, scan, pin, base)
     missing_logs = report["missing_logs"]
-    accepted = [x["id"] for x in plan["goals"] if x["status"] == "accepted"]
-    report.update(plan_summary(plan), accepted=accepted, brief=plan["brief"])
+    report.update(plan_summary(plan), brief=plan["brief"], accepted=trust["accepted"],
+                  trust={k: v for k, v in trust.items() if k != "decisions"})
     ctx.data.update(report)
     if report["independence"]:  # a trust failure: no "audit ok" line before it
         raise refused("audit: a verdict was not given by an independent judge — "
@@ -3163,6 +3834,7 @@ def cmd_audit(ctx, a):
     ctx.say(f"fablize: audit ok — {report['events']} events, hash chain intact, every event what "
             f"fablize writes and legal when replayed; snapshot {report['snapshot']}.")
     ctx.say(f"  head: {report['head']}   (keep it; `audit --since` proves later history only grew)")
+    accepted = [x["id"] for x in trust["accepted"]]
     ctx.say(f"  plan: {report['done']}/{report['total']} done — {defused_line(plan['brief'])}"
             + (f" ({', '.join(accepted)} accepted by a human)" if accepted else ""))
     if report["torn_tail_bytes"]:
@@ -3171,12 +3843,14 @@ def cmd_audit(ctx, a):
     if missing_logs:
         ctx.say(f"  {missing_logs} run log(s) not present here (not committed?); their digests are "
                 "in the ledger.")
+    say_trust(ctx, trust)
     if a.require_logs and missing_logs:
         raise refused(f"audit: {missing_logs} verification run log(s) are missing, so those runs "
                       "cannot be shown to have happened — commit .fablize/runs/.", "missing_logs")
     if a.require_complete and not report["complete"]:
         left = [f"{x['id']} [{x['status']}]" for x in plan["goals"] if x["status"] not in DONE]
         raise refused("audit: trusted but incomplete — " + ", ".join(left), "incomplete")
+    trust_gates(ctx, a, plan, trust)
 
 
 def cmd_rebuild(ctx, a):
@@ -3325,16 +3999,16 @@ def render_report(plan, runs, total=None):
         if s["status"] == "accepted" and s["decision"]:
             evidence = "accepted by a human: " + md_cell(s["decision"]["note"], 100)
         lines.append(f"| {s['id']} | {md_cell(s['title'], 80)} | {MARKS[s['status']]} {s['status']} "
-                     f"| {s['round']} | {evidence} | {story_grade(s) or ''} |")
+                     f"| {md_cell(str(s['round']))} | {evidence} | {story_grade(s) or ''} |")
     if runs:
         lines += ["", "## Verification runs", "",
                   "| Event | Story | Command | Result | Duration | Output sha256 |", "|---|---|---|---|---|---|"]
         if total and total > len(runs):
             lines[-3] += f" — the latest {len(runs)} of {total} (`log` lists them all)"
         for r in runs:
-            lines.append(f"| {r['seq']} | {r['id']} | `{md_cell(r['cmd'], 80)}` | "
+            lines.append(f"| {md_cell(str(r['seq']))} | {md_cell(r['id'])} | `{md_cell(r['cmd'], 80)}` | "
                          f"{'pass' if run_passed(r) else 'FAIL'}: {md_cell(describe_exit(r))} | "
-                         f"{r.get('duration_s')} s | `{str(r.get('sha256'))[:16]}` |")
+                         f"{md_cell(str(r.get('duration_s')))} s | `{md_cell(str(r.get('sha256'))[:16])}` |")
     lines += ["", "## Stories and dependencies", "", "```mermaid", "graph TD"]
     for s in goals:
         label = md_cell(s["title"], 40).replace('"', "#quot;")
@@ -3343,8 +4017,8 @@ def render_report(plan, runs, total=None):
         for dep in s["after"]:
             lines.append(f"  {dep} --> {s['id']}")
     lines += [f"  classDef {k} fill:{row[2]}" for k, row in STATUS_TABLE.items()]
-    lines += ["```", "", f"Ledger head: `{plan['ledger']['seq']}:{plan['ledger']['head']}` "
-              f"(plan `{plan['plan_id']}`)", ""]
+    lines += ["```", "", f"Ledger head: `{plan['ledger']['seq']}:{md_cell(plan['ledger']['head'])}` "
+              f"(plan `{md_cell(plan['plan_id'])}`)", ""]
     return "\n".join(lines)
 
 
@@ -3378,6 +4052,9 @@ def cmd_report(ctx, a):
 def cmd_judge_packet(ctx, a):
     with open_plan(ctx, exclusive=False) as s:
         plan = s.require_plan()
+    packet = None
+    if find_story(plan, a.id)["status"] == "review":
+        plan, packet = record_judge_packet(ctx, a.id)
     story = find_story(plan, a.id)
     items = [{"kind": "check", "text": cmd, "run": _fresh_ok_run(story, check=i) or next(
         (r for r in reversed(story["runs"]) if r["check"] == i), None)}
@@ -3423,8 +4100,13 @@ def cmd_judge_packet(ctx, a):
         instructions = [f"{sid} is {story['status']}, not in review: there is nothing to judge "
                         "now, and a verdict would be refused. This packet is for reading only."]
     lines += ["How to judge:"] + [f"  - {x}" for x in instructions] + [f"    {x}" for x in verdicts]
+    if packet:
+        lines.append(f"Working tree recorded (event {packet['seq']}: {packet['files']} files, sha256 "
+                     f"{packet['tree'][:16]}…): a verdict given after any change to it is void and "
+                     "goes back as not-achieved.")
     for line in lines:
         ctx.say(line)
+    ctx.data["packet"] = packet
     ctx.data.update(id=sid, status=story["status"], round=story["round"],
                     objective=story["objective"], amendments=story["amendments"],
                     checklist=items, evidence=story["evidence"], runs=story["runs"],
@@ -3432,14 +4114,20 @@ def cmd_judge_packet(ctx, a):
 
 
 def cmd_verdict(ctx, a):
+    void = tree_changed_verdict(ctx, a)
     with open_plan(ctx) as s:
         s.require_plan()
-        s.commit("verdict", id=a.id, verdict=a.verdict, evidence=check_text("--evidence", a.evidence),
-                 agent=a.agent)
+        fields = {"verdict": a.verdict, "evidence": check_text("--evidence", a.evidence)}
+        s.commit("verdict", id=a.id, agent=a.agent, **dict(fields, **(void or {})))
         plan = s.plan
     story = find_story(plan, a.id)
-    say_after_checkpoint(ctx, plan, story)
     ctx.data.update(story=story_json(plan, story))
+    if void:
+        raise refused(f"the working tree changed since the judge packet (event "
+                      f"{void['packet_seq']}): the verdict is refused and recorded as not-achieved "
+                      f"— {a.id} is {story['status']}; a judge must not change what it judges.",
+                      "tree_changed")
+    say_after_checkpoint(ctx, plan, story)
 
 
 def render_block(cli):
@@ -3711,6 +4399,10 @@ def add_decide(command):
                    help="accept (counts as done), retry (back to work, rounds reset), amend "
                         "(extend the objective, back to work)")
     c.add_argument("--note", required=True, help="the reason, or the feedback or amendment")
+    c.add_argument("--sign", metavar="KEYFILE",
+                   help="sign the decision with this ssh key (ssh-keygen -Y sign -n fablize)")
+    c.add_argument("--signer", metavar="PRINCIPAL",
+                   help="the signer's principal, as listed in the allowed-signers file")
 
 
 def add_add(command):
@@ -3738,7 +4430,39 @@ def add_audit(command):
     c.add_argument("--require-independent-judge", action="store_true",
                    help="exit 1 unless every verdict came from an agent other than the executor")
     c.add_argument("--require-logs", action="store_true",
-                   help="exit 1 unless every verification run's log is present (and matches)")
+                   help="exit 1 unless every verification run has its log present (and matching)")
+    add_audit_trust(c)
+
+
+def add_audit_trust(c):
+    import argparse
+    c.formatter_class = argparse.RawDescriptionHelpFormatter
+    c.epilog = TRUST_MODEL
+    c.add_argument("--base", metavar="REF",
+                   help="take the pin from the ledger committed at this git ref (e.g. origin/main); "
+                        "files named by --allowed-signers are read from it too")
+    c.add_argument("--allow-new-plan", action="store_true",
+                   help="accept a plan created after the pin (its frozen checks are printed)")
+    c.add_argument("--allow-imported", action="store_true",
+                   help="accept a plan imported from the original goals.py format after the pin")
+    c.add_argument("--rerun", nargs="?", const="final", choices=["final", "all"],
+                   help="re-run the frozen checks (of the final story, or of all stories) here, "
+                        "recording nothing; exit 1 if any fails")
+    c.add_argument("--require-check", action="append", default=[], metavar="CMD",
+                   help="exit 1 unless the final story carries exactly this frozen check "
+                        "(repeatable; with --rerun it must pass)")
+    c.add_argument("--require-witnessed", action="store_true",
+                   help="exit 1 unless every completed story rests on its frozen checks run by "
+                        "the engine (not a claim, not an ad-hoc --run)")
+    c.add_argument("--require-clean-runs", action="store_true",
+                   help="exit 1 if a run was made outside the repository root, on a dirty tree, "
+                        "or under an environment different from the plan's first run")
+    c.add_argument("--allowed-signers", metavar="PATH",
+                   help="exit 1 unless every decision is signed (decide --sign) by a key in this "
+                        "ssh allowed-signers file")
+    c.add_argument("--forbid-accepted", action="store_true",
+                   help="exit 1 if any story was accepted by a decision instead of completed")
+    add_timeout(c)
 
 
 def add_rebuild(command):

@@ -435,14 +435,17 @@ def test_readme_hooks_snippet_blocks_a_stop_with_ready_work_and_allows_one_witho
         assert (r.returncode, r.stdout, r.stderr) == (0, "", ""), r
 
 
-def test_readme_ci_recipe_audits_since_the_last_green_head_and_reports():
+def test_readme_ci_recipe_uses_the_action_and_shows_its_steps_as_plain_commands():
     text = read(README)
     yaml_blocks = fenced_blocks(section(text, "## CI"), "yaml")
     assert yaml_blocks, "README's CI section has no GitHub Actions job"
     job = yaml_blocks[0]
-    assert 'goals.py audit --require-complete --since "$LAST_GREEN_HEAD"' in job
-    assert "goals.py report" in job
-    assert "GITHUB_STEP_SUMMARY" in section(text, "## CI")
+    assert "/fablize@" in job and "required-checks:" in job and "allowed-signers:" in job
+    plain = fenced_blocks(section(text, "## CI"), "sh")[0]
+    assert 'python3 -I "$TMPDIR/fablize/scripts/goals.py" --dir .fablize audit --base origin/main' \
+        in plain
+    assert "--rerun all" in plain and "goals.py\" --dir .fablize report" in plain
+    assert "job summary" in section(text, "## CI")
     assert "`.fablize/goals.json`" in text and "`.fablize/ledger.jsonl`" in text
 
 

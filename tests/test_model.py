@@ -237,7 +237,7 @@ class Model:
         s = self.find(sid)
         if s.status != "in_progress":
             refuse("not_active")
-        if agent is not None and s.agent is not None and agent != s.agent:
+        if s.agent is not None and agent != s.agent:
             refuse("held_by_other")
         if blank(evidence):  # complete needs evidence; failed and blocked a reason
             refuse("no_evidence")
@@ -256,7 +256,7 @@ class Model:
                     refuse("run_required")
                 if blank(verify_cmd) or blank(verify_evidence):
                     refuse("verification_gate")
-        s.executor = agent or s.agent
+        s.executor = agent
         if status == "complete":
             s.agent = None
             s.status = "review" if s.judge else "complete"
