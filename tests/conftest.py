@@ -45,6 +45,10 @@ def project(tmp_path, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     (tmp_path / ".git").mkdir()
     monkeypatch.chdir(tmp_path)
+    # in-process, the engine names itself `goals.py` in what it prints; how it names itself when
+    # really started (installed, plugin, script) is tested through subprocesses
+    monkeypatch.setattr(goals, "invocation", lambda cwd=None: "goals.py")
+    monkeypatch.setenv("PATH", os.environ.get("PATH", ""))  # whatever a test puts on it goes again
     return tmp_path
 
 

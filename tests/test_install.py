@@ -29,9 +29,10 @@ def clean_env(**extra):
 
 
 def expected_block():
-    """fablize-block.md, with the command pointing at the script that installs it."""
+    """fablize-block.md, with the command a clone of the project can run: the script installing
+    it lives outside the project, so that is the `fablize` command, never an absolute path."""
     text = (ROOT / "fablize-block.md").read_text(encoding="utf-8")
-    return text.replace("python3 scripts/goals.py", CLI)
+    return text.replace("python3 scripts/goals.py", "fablize")
 
 
 def test_install_block_creates_claude_md_at_the_repository_root(fab, monkeypatch):
@@ -44,7 +45,7 @@ def test_install_block_creates_claude_md_at_the_repository_root(fab, monkeypatch
     text = target.read_text(encoding="utf-8")
     assert text == expected_block()
     assert text.startswith(BEGIN + "\n") and text.endswith(END + "\n")
-    assert f"`{CLI} next`" in text and os.path.isabs(str(SCRIPT))
+    assert "`fablize next`" in text and str(SCRIPT) not in text
     assert not (fab.root / "CLAUDE.md.fablize-backup").exists()  # nothing to back up
     assert not (sub / "CLAUDE.md").exists()
 
