@@ -3644,6 +3644,8 @@ def cmd_doctor(ctx, a):
     if cli:
         bad = interpreter_problem(cli)
         ok, said = (False, bad) if bad else command_runs(cli, root)
+        if bad and cli == "fablize" and agent == "claude" and plugin_enabled(root):
+            ok, said = True, f"not on this PATH, but Claude Code puts the {PLUGIN_NAME} plugin's bin/ on its own"
         check("command", None if ok else f"the block's command `{cli}` does not run here ({said})",
               "install fablize (README: Install) or keep the script in the repository, then "
               f"`setup {agent}`", f"`{cli} --version` → {said}")

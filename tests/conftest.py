@@ -10,6 +10,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "goals.py"
+# the interpreter that runs the engine in subprocess tests: `make test` also runs them on the
+# oldest supported Python (3.9) where one is installed
+ENGINE_PYTHON = os.environ.get("FABLIZE_TEST_PYTHON") or sys.executable
 sys.path.insert(0, str(SCRIPT.parent))
 
 import goals  # noqa: E402
@@ -69,7 +72,7 @@ def run_cli(*args, cwd, env=None, input=None, timeout=120):
     full_env = {k: v for k, v in os.environ.items()
                 if not k.startswith("FABLIZE_") and k != "GITHUB_STEP_SUMMARY"}
     full_env.update(env or {})
-    p = subprocess.run([sys.executable, str(SCRIPT), *[str(a) for a in args]], cwd=str(cwd),
+    p = subprocess.run([ENGINE_PYTHON, str(SCRIPT), *[str(a) for a in args]], cwd=str(cwd),
                        env=full_env, input=input, capture_output=True, timeout=timeout)
     return Result(p.returncode, p.stdout.decode("utf-8", "replace"),
                   p.stderr.decode("utf-8", "replace"))

@@ -250,9 +250,9 @@ def test_pip_install_gives_a_fablize_command_that_drives_a_plan_from_another_dir
     assert run_cli("audit", "--require-complete", cwd=project).code == 0
 
     # what was installed is scripts/goals.py itself, and nothing it depends on
-    probe = ("import goals, json; from importlib.metadata import files, requires; "
-             "print(json.dumps([goals.__file__, requires('fablize'), "
-             "[str(f) for f in files('fablize')]]))")
+    probe = ("import fablize_gate, json; from importlib.metadata import files, requires; "
+             "print(json.dumps([fablize_gate.__file__, requires('fablize-gate'), "
+             "[str(f) for f in files('fablize-gate')]]))")
     p = subprocess.run([str(venv / "python"), "-c", probe], cwd=str(tmp_path), env=clean_env(),
                        capture_output=True, timeout=60)
     assert p.returncode == 0, p.stderr
@@ -260,7 +260,7 @@ def test_pip_install_gives_a_fablize_command_that_drives_a_plan_from_another_dir
     assert Path(module).read_bytes() == SCRIPT.read_bytes()
     assert not requires
     payload = sorted(f for f in files if ".dist-info/" not in f and "__pycache__" not in f)
-    assert payload == ["../../../bin/fablize", "goals.py"]
+    assert payload == ["../../../bin/fablize", "fablize_gate.py"]  # a module name of its own
 
 
 def test_the_script_runs_without_installing_anything(tmp_path):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SCRIPT, assert_refused, complete, ledger, make_plan, state_files
+from conftest import ENGINE_PYTHON, ROOT, SCRIPT, assert_refused, complete, ledger, make_plan, state_files
 
 import goals
 
@@ -66,7 +66,7 @@ def sh(command, cwd, home, stdin=None, **extra):
 
 
 def script(repo, home, *args, cwd=None, stdin=None):
-    p = subprocess.run([sys.executable, str(repo / "scripts" / "goals.py"), *args],
+    p = subprocess.run([ENGINE_PYTHON, str(repo / "scripts" / "goals.py"), *args],
                        cwd=str(cwd or repo), env=env_for(home), input=stdin,
                        capture_output=True, text=True, timeout=120)
     return p.returncode, p.stdout, p.stderr
@@ -236,7 +236,7 @@ def test_doctor_names_the_fix_when_the_blocks_command_does_not_run(repo, home):
     assert script(repo, home, "setup")[0] == 0
     engine = repo / "elsewhere.py"
     shutil.move(repo / "scripts" / "goals.py", engine)  # the block's path no longer exists
-    p = subprocess.run([sys.executable, str(engine), "doctor"], cwd=str(repo), env=env_for(home),
+    p = subprocess.run([ENGINE_PYTHON, str(engine), "doctor"], cwd=str(repo), env=env_for(home),
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 1
     assert f"✗ command: the block's command `{PORTABLE}` does not run here" in p.stdout
@@ -322,7 +322,7 @@ def stop_payload(root, **extra):
 
 
 def guard(fab, payload, *args):
-    p = subprocess.run([sys.executable, str(SCRIPT), "guard", *args], cwd=str(fab.root),
+    p = subprocess.run([ENGINE_PYTHON, str(SCRIPT), "guard", *args], cwd=str(fab.root),
                        input=payload, capture_output=True, text=True, timeout=60,
                        env={k: v for k, v in os.environ.items() if not k.startswith("FABLIZE_")})
     assert p.returncode == 0, p
@@ -417,7 +417,7 @@ def test_guard_answers_in_each_agents_protocol(fab, agent, key, value):
 
 
 def session_start(fab, *args):
-    p = subprocess.run([sys.executable, str(SCRIPT), "status", "--resume", *args],
+    p = subprocess.run([ENGINE_PYTHON, str(SCRIPT), "status", "--resume", *args],
                        cwd=str(fab.root), capture_output=True, text=True, timeout=60,
                        env={k: v for k, v in os.environ.items() if not k.startswith("FABLIZE_")})
     return p.returncode, p.stdout, p.stderr
@@ -457,7 +457,7 @@ def test_session_start_speaks_json_where_the_protocol_needs_it(fab, agent):
 
 
 def observe(fab, payload, *args):
-    p = subprocess.run([sys.executable, str(SCRIPT), "observe", *args], cwd=str(fab.root),
+    p = subprocess.run([ENGINE_PYTHON, str(SCRIPT), "observe", *args], cwd=str(fab.root),
                        input=json.dumps(payload) if not isinstance(payload, str) else payload,
                        capture_output=True, text=True, timeout=60,
                        env={k: v for k, v in os.environ.items() if not k.startswith("FABLIZE_")})
