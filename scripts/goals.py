@@ -2193,13 +2193,14 @@ lock.owner
 *.broken
 *.fablize-backup
 """
+# Patterns kept as text, compiled (and cached by `re`) on first use: not at every start.
 # the original fablize's block: migrated to ours, so that a file ends with exactly one block
-ORIGINAL_BLOCK = re.compile(r"<!--\s*FABLIZE:BEGIN\b.*?FABLIZE:END\b[^>]*-->\n?", re.S)
+ORIGINAL_BLOCK = r"(?s)<!--\s*FABLIZE:BEGIN\b.*?FABLIZE:END\b[^>]*-->\n?"
 # a hook command of ours (or of the original), whatever path or interpreter runs it
-OUR_HOOK = re.compile(r"(?:goals\.py|fablize)[\"']?((?:\s+--\S+)*)\s+(guard|status\s+--resume|observe)\b")
+OUR_HOOK = r"(?:goals\.py|fablize)[\"']?((?:\s+--\S+)*)\s+(guard|status\s+--resume|observe)\b"
 OBSERVED_KEEP = 20          # observed runs kept per story (the snapshot stays O(stories))
 DUPLICATE_WINDOW = 60.0     # seconds: two guards fed the very same stop are one registration too many
-VERIFY_LIKE = re.compile(r"""(?x)(?:^|[\s;&|(/])(?:
+VERIFY_LIKE = r"""(?x)(?:^|[\s;&|(/])(?:
     py\.?test|tox|nox|unittest|ctest|jest|vitest|mocha|rspec|phpunit|ruff|flake8|pylint|mypy|
     pyright|eslint|tsc|shellcheck|vermin|[\w.-]*tests?[\w.-]*\.sh|
     make(?:\s+-\S+)*\s+(?:test|check|lint|verify|ci|demo)[\w-]*|
@@ -2207,7 +2208,7 @@ VERIFY_LIKE = re.compile(r"""(?x)(?:^|[\s;&|(/])(?:
     cargo\s+(?:test|check|clippy|build|nextest)|go\s+(?:test|vet|build)|
     (?:\./)?(?:gradlew?|mvnw?)\s+(?:\S+\s+)*?(?:test|check|verify|build)|dotnet\s+test|
     bazel\s+test|swift\s+test|mix\s+test|deno\s+test|
-    (?:goals\.py|fablize)\s+(?:audit|verify))\b""")
+    (?:goals\.py|fablize)\s+(?:audit|verify))\b"""
 
 
 def repo_root(start):
@@ -2266,7 +2267,7 @@ def write_state_gitignore(state_dir):
 
 def cut_original_block(text):
     """`text` without the original fablize's block, and where it stood (None: it had none)."""
-    m = ORIGINAL_BLOCK.search(text)
+    m = re.search(ORIGINAL_BLOCK, text)
     if m is None:
         return text, None
     return text[:m.start()] + text[m.end():], m.start()
@@ -2424,7 +2425,7 @@ def shell_command_of(payload):
 
 def is_verification(cmd, story):
     return any(c.strip() and c.strip() in cmd for c in story["checks"]) or \
-        bool(VERIFY_LIKE.search(cmd))
+        bool(re.search(VERIFY_LIKE, cmd))
 
 
 # Agents' hook configuration #
@@ -2469,7 +2470,7 @@ AGENT_FILES = {  # agent: (instructions file, hook configuration file), relative
 
 def hook_role(hook):
     cmd = hook.get("command") if isinstance(hook, dict) else None
-    m = OUR_HOOK.search(cmd) if isinstance(cmd, str) else None
+    m = re.search(OUR_HOOK, cmd) if isinstance(cmd, str) else None
     return m.group(2).split()[0] if m else None
 
 
@@ -2617,7 +2618,7 @@ def setup_plan(ctx, agent, remove):
         data = None if remove and not new.strip() else new.encode("utf-8")
         changes.append((block_rel, path, st, data, "the fablize block " +
                         ("removed" if remove else "updated" if BLOCK_BEGIN in text else
-                         "migrated from the original fablize's" if ORIGINAL_BLOCK.search(text)
+                         "migrated from the original fablize's" if re.search(ORIGINAL_BLOCK, text)
                          else "added")))
     notes = []
     if hooks_rel:
@@ -2648,7 +2649,7 @@ def check_block(root, agent):
     except (OSError, UnicodeDecodeError) as e:
         return f"{block_rel} cannot be read ({e})", "fix it by hand", None
     begin = text.find(BLOCK_BEGIN)
-    if ORIGINAL_BLOCK.search(text):
+    if re.search(ORIGINAL_BLOCK, text):
         return (f"{block_rel} holds the original fablize's block", f"`setup {agent}` migrates it",
                 None)
     if begin < 0:
