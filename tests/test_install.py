@@ -31,8 +31,7 @@ def clean_env(**extra):
 def expected_block():
     """fablize-block.md, with the command a clone of the project can run: the script installing
     it lives outside the project, so that is the `fablize` command, never an absolute path."""
-    text = (ROOT / "fablize-block.md").read_text(encoding="utf-8")
-    return text.replace("python3 scripts/goals.py", "fablize")
+    return goals.render_block("fablize")
 
 
 def test_install_block_creates_claude_md_at_the_repository_root(fab, monkeypatch):
