@@ -2191,6 +2191,7 @@ lock
 lock.owner
 *.tmp-*
 *.broken
+*.bak
 *.fablize-backup
 """
 # Patterns kept as text, compiled (and cached by `re`) on first use: not at every start.

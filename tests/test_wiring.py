@@ -557,3 +557,28 @@ def test_a_gitignore_of_the_users_own_is_left_alone(fab):
     (fab.dir / ".gitignore").write_text("mine\n")
     make_plan(fab, 2)
     assert (fab.dir / ".gitignore").read_text() == "mine\n"
+
+
+# README's opening runs as shown ###########################################
+
+
+def readme_blocks(heading):
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    body = text.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
+    return [b.split("\n```", 1)[0] for b in body.split("```sh\n")[1:]]
+
+
+def test_readme_copy_the_one_file_lines_run_as_shown(repo, home):
+    lines = [x.split("#")[0].strip() for x in readme_blocks("## Add it to your project")[0].splitlines()]
+    for line in filter(None, lines):
+        code, out, err = sh(line, repo, home)
+        assert code == 0, (line, out, err)
+
+
+def test_readme_three_commands_run_as_shown_through_the_plugin_command(repo, home):
+    path = f"{ROOT / 'bin'}{os.pathsep}{os.environ['PATH']}"
+    block, = readme_blocks("## The three commands an agent runs")
+    for line in block.splitlines():
+        code, out, err = sh(line, repo / "src" / "deep", home, PATH=path)
+        assert code == 0, (line, out, err)
+    assert "G001 → complete" in out
