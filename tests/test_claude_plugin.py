@@ -124,3 +124,21 @@ def test_the_plugin_archive_validates_installs_and_its_hooks_run(claude, tmp_pat
     p = subprocess.run([fablize, "doctor"], cwd=str(project), env=env, capture_output=True,
                        text=True)
     assert "✓ Stop hook: registered once (the fablize-gate plugin)" in p.stdout, p
+
+
+def test_the_skill_folder_holds_only_what_the_skill_needs_and_its_script_runs(tmp_path):
+    """What `npx skills add ./dist/skill/fablize` copies: SKILL.md on top, the one script."""
+    folder = Path(dist.build_skill(str(tmp_path)))
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) == \
+        sorted(dist.SKILL_FILES)
+    assert (folder / "SKILL.md").read_bytes() == (ROOT / "SKILL.md").read_bytes()
+    p = subprocess.run([sys.executable, str(folder / "scripts" / "goals.py"), "--version"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.startswith("fablize ")
+
+
+def test_the_plugin_archive_keeps_bin_fablize_executable(tmp_path):
+    with zipfile.ZipFile(dist.build_plugin(str(tmp_path))) as z:
+        modes = {i.filename: i.external_attr >> 16 & 0o777 for i in z.infolist()}
+    assert modes["fablize-gate/bin/fablize"] == 0o755
+    assert modes["fablize-gate/hooks/hooks.json"] == 0o644
