@@ -2434,26 +2434,27 @@ def is_verification(cmd, story):
 
 def hook_entries(agent, cli):
     """[(event, matcher, role, hook object)] that wire `agent` to the engine run as `cli`."""
-    def command(role, args, timeout):
+    def command(args, timeout=30):
         return {"type": "command", "command": f"{cli} {args}", "timeout": timeout}
     if agent == "claude":
         return [("SessionStart", "startup|resume|clear|compact", "status",
-                 command("status", "status --resume", 30)),
-                ("Stop", None, "guard", command("guard", "guard", 30)),
-                ("PostToolUse", "Bash", "observe", command("observe", "observe", 30)),
-                ("PostToolUseFailure", "Bash", "observe", command("observe", "observe", 30))]
+                 command("status --resume")),
+                ("Stop", None, "guard", command("guard")),
+                ("PostToolUse", "Bash", "observe", command("observe")),
+                # Claude Code reports a command that failed as PostToolUseFailure
+                ("PostToolUseFailure", "Bash", "observe", command("observe"))]
     if agent == "codex":
         return [("SessionStart", "startup|resume", "status",
-                 command("status", "status --resume --for codex", 30)),
-                ("Stop", None, "guard", command("guard", "guard --for codex", 30)),
-                ("PostToolUse", "Bash", "observe", command("observe", "observe --for codex", 30))]
-    if agent == "gemini":  # timeouts in milliseconds; hooks need names
-        return [("SessionStart", None, "status", dict(command("status", "status --resume --for gemini",
-                                                              30000), name="fablize-status")),
-                ("AfterAgent", None, "guard", dict(command("guard", "guard --for gemini", 30000),
-                                                   name="fablize-guard")),
+                 command("status --resume --for codex")),
+                ("Stop", None, "guard", command("guard --for codex")),
+                ("PostToolUse", "Bash", "observe", command("observe --for codex"))]
+    if agent == "gemini":  # timeouts in milliseconds; hooks are named in its /hooks panel
+        return [("SessionStart", None, "status",
+                 dict(command("status --resume --for gemini", 30000), name="fablize-status")),
+                ("AfterAgent", None, "guard",
+                 dict(command("guard --for gemini", 30000), name="fablize-guard")),
                 ("AfterTool", "run_shell_command", "observe",
-                 dict(command("observe", "observe --for gemini", 30000), name="fablize-observe"))]
+                 dict(command("observe --for gemini", 30000), name="fablize-observe"))]
     if agent == "cursor":
         return [("stop", None, "guard", {"command": f"{cli} guard --for cursor",
                                           "loop_limit": DEFAULT_GUARD_MAX})]
