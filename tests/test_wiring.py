@@ -582,3 +582,17 @@ def test_readme_three_commands_run_as_shown_through_the_plugin_command(repo, hom
         code, out, err = sh(line, repo / "src" / "deep", home, PATH=path)
         assert code == 0, (line, out, err)
     assert "G001 → complete" in out
+
+
+def test_the_engines_own_commands_are_not_observed(fab):
+    """`checkpoint --run --verify-cmd pytest` is in the ledger already, witnessed."""
+    make_plan(fab, 2)
+    fab("next")
+    before = state_files(fab.dir)
+    for cmd in ('python3 scripts/goals.py checkpoint --id G001 --status complete --evidence x '
+                '--run --verify-cmd "pytest -q"', 'fablize checkpoint --id G001 --run --verify-cmd "make test"'):
+        observe(fab, bash_failure(fab.root, cmd))
+    assert state_files(fab.dir) == before
+    observe(fab, bash_failure(fab.root, "fablize verify --id G001"))
+    assert [e["cmd"] for e in ledger(fab.dir) if e["event"] == "observed_run"] == \
+        ["fablize verify --id G001"]
