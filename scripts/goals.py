@@ -2023,6 +2023,8 @@ def format_event(ev):
                 f"{one_line(last_chars(ev.get('evidence'), 200))}")
     elif kind == "guard_block":
         text = f"stop blocked by the guard: {one_line(ev.get('reason', ''))}"
+    elif kind in WIRING_EVENTS:
+        text = WIRING_EVENTS[kind](ev)
     else:
         text = one_line(kind)
     return f"#{ev.get('seq')}  {when}  {text}"
@@ -2380,9 +2382,17 @@ def observed_failure_note(story):
     bad = unaddressed_failure(story)
     if bad is None:
         return ""
-    return (f" The harness saw `{one_line(last_chars(bad['cmd'], 200))}` fail "
-            f"({observed_result(bad)}, event {bad.get('seq')}) and it has not been seen to pass "
-            "since: address it first.")
+    code = f"exit {bad['exit_code']}, " if isinstance(bad.get("exit_code"), int) else ""
+    return (f" The harness saw `{one_line(last_chars(bad['cmd'], 200))}` fail ({code}event "
+            f"{bad.get('seq')}) and it has not been seen to pass since: address it first.")
+
+
+WIRING_EVENTS = {  # how `log` shows them
+    "paused": lambda ev: "guard paused" + (f": {one_line(ev['note'])}" if ev.get("note") else ""),
+    "unpaused": lambda ev: "guard on again",
+    "observed_run": lambda ev: (f"{ev.get('id')} observed `{one_line(last_chars(ev.get('cmd'), 200))}` → "
+                                f"{observed_result(ev)} (reported by {one_line(ev.get('tool'))})"),
+}
 
 
 def observed_outcome(payload):

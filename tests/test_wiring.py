@@ -357,7 +357,8 @@ def test_a_paused_plan_is_not_blocked_and_the_pause_is_in_the_ledger(fab):
     kinds = [e["event"] for e in ledger(fab.dir)]
     assert kinds[-3:] == ["paused", "unpaused", "guard_block"]
     assert fab("audit").code == 0
-    assert "paused" in fab("log").out
+    assert "guard paused: pairing with the human" in fab("log").out
+    assert "guard on again" in fab("log").out
 
 
 def test_pause_needs_a_plan(fab):
@@ -489,7 +490,9 @@ def test_observed_failure_is_recorded_shown_and_named_by_the_guard_until_it_pass
     assert "## Observed runs — what your harness reported" in handoff
     assert "`python -m pytest -q tests` → failed (exit 1)" in handoff
     reason = guard(fab, stop_payload(fab.root))["reason"]
-    assert "The harness saw `python -m pytest -q tests` fail (failed (exit 1)" in reason
+    assert "The harness saw `python -m pytest -q tests` fail (exit 1, event 3)" in reason
+    assert "G001 observed `python -m pytest -q tests` → failed (exit 1) (reported by Bash)" in \
+        fab("log").out
     observe(fab, bash_success(fab.root, "python -m pytest -q tests"))
     reason = guard(fab, json.dumps(json.loads(stop_payload(fab.root))))["reason"]
     assert "The harness saw" not in reason
