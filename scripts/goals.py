@@ -3285,7 +3285,7 @@ def cmd_guard(ctx, a):
     elif message and a.hook_for != "cursor":
         ctx.emit_raw({"systemMessage": message})
     else:
-        ctx.emit_raw(None)
+        ctx.emit_raw({} if a.hook_for == "gemini" else None)  # Gemini CLI reads stdout as JSON
 
 
 def md_cell(text, limit=120):
@@ -3545,7 +3545,7 @@ def session_start(ctx, a):
         if a.hook_for in ("codex", "gemini"):
             ctx.emit_raw({"hookSpecificOutput": {"hookEventName": "SessionStart",
                                                  "additionalContext": "\n".join(lines)}}
-                         if lines else None)
+                         if lines else {})
 
 
 def guard_answer(agent, reason):
@@ -3588,7 +3588,7 @@ def hook_store(ctx, payload):
 
 def cmd_observe(ctx, a):
     raw, payload = read_hook_stdin()
-    ctx.emit_raw(None)  # a PostToolUse hook says nothing: it only records
+    ctx.emit_raw({} if a.hook_for == "gemini" else None)  # it only records; Gemini wants JSON
     cmd = shell_command_of(payload) if payload else None
     if cmd is None:
         return
