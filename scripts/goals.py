@@ -32,7 +32,7 @@ import re
 import sys
 import time
 
-__version__ = "1.0.0"
+__version__ = "3.0.0"
 
 # Constants ##################################################################
 
