@@ -34,7 +34,7 @@ import re
 import sys
 import time
 
-__version__ = "1.0.0"
+__version__ = "3.0.0"
 
 # Constants ##################################################################
 
@@ -463,6 +463,9 @@ STORY_FIELDS = {
     "decision": (({"decision": str, "note": str, "seq": int, "ts": str}, _N), None),
     "blocked_reason": (_TEXT, None),
     "judged_by": (({"agent": str, "verdict": str, "seq": int}, _N), None),
+    # what the harness reported of the agent's own verification commands (observe), latest last
+    "observed?": ([{"seq": int, "ts": str, "round": int, "cmd": str, "exit_code": (int, _N),
+                    "ok": (bool, _N), "tool": _TEXT, "detail": _TEXT}], []),
     # the working tree the judge was shown (judge-packet): a verdict after it changed is void
     "packet?": (({"tree": str, "files": (int, _N), "round": int, "seq": int}, _N), None),
 }
@@ -471,11 +474,14 @@ STORY_SPEC = {key: spec for key, (spec, _) in STORY_FIELDS.items()}
 STORY_EVENT_SPEC = {"id": str, "title": str, "objective": str, "after": [str], "checks?": [str],
                     "accept?": [str], "judge?": bool, "status?": str, "evidence?": _TEXT}
 UNVERIFIABLE_SPEC = [{"id": str, "check": int, "cmd": str, "reason": str}]
+# the Stop guard's count, which registration of it counted the last stop, and a human's pause
+GUARD_SPEC = {"blocks": int, "hook?": _TEXT, "hook_ts?": _TEXT,
+              "paused?": ({"seq": int, "ts": str, "note": _TEXT}, _N)}
 REPLACES_SPEC = {"plan_id": str, "head": _TEXT, "seq": (int, _N), "path": str}
 PLAN_SPEC = {"schema_version": int, "digest?": str, "plan_id": str, "brief": str, "created": str,
              "goals": [STORY_SPEC], "options": {"rounds": int, "require_run": bool},
              "unverifiable": UNVERIFIABLE_SPEC, "replaces": (REPLACES_SPEC, _N),
-             "guard": {"blocks": int}, "ledger": {"seq": int, "head": str}}
+             "guard": GUARD_SPEC, "ledger": {"seq": int, "head": str}}
 ORIGINAL_SPEC = {"brief": str, "created?": _TEXT, "goals": [{"id": str, "title": str,
                                                               "objective": str, "status": str,
                                                               "evidence?": _TEXT}]}
@@ -889,7 +895,39 @@ def _ev_verdict(plan, ev):
 def _ev_guard_block(plan, ev):
     # a fresh stop (not one caused by the previous block) starts the count again
     plan["guard"]["blocks"] = 1 if ev["fresh"] else plan["guard"]["blocks"] + 1
+    if ev.get("hook") or "hook" in plan["guard"]:  # which stop it was: a second guard skips it
+        plan["guard"].update(hook=ev.get("hook"), hook_ts=ev["ts"])
     return plan
+
+
+def _ev_paused(plan, ev):
+    paused = plan["guard"].get("paused")
+    if paused:
+        raise refused(f"the guard is already paused (since event {paused['seq']}) — `unpause` "
+                      "turns it back on.", "already_paused")
+    plan["guard"]["paused"] = {"seq": ev["seq"], "ts": ev["ts"], "note": ev["note"]}
+    return plan
+
+
+def _ev_unpaused(plan, ev):
+    if not plan["guard"].get("paused"):
+        raise refused("the guard is not paused.", "not_paused")
+    plan["guard"]["paused"] = None
+    return plan
+
+
+def _ev_observed_run(plan, ev):
+    story = find_story(plan, ev["id"])
+    if story["status"] != "in_progress":
+        raise refused(f"{story['id']} is not active ({story['status']}) — an observed run belongs "
+                      "to the story being worked.", "not_active")
+    seen = [o for o in story.get("observed") or [] if isinstance(o, dict)]
+    seen.append({"seq": ev["seq"], "ts": ev["ts"], "round": story["round"], "cmd": ev["cmd"],
+                 "exit_code": ev["exit_code"], "ok": ev["ok"], "tool": ev["tool"],
+                 "detail": ev["detail"]})
+    story["observed"] = seen[-OBSERVED_KEEP:]
+    return plan
+
 
 
 # Every event: its transition and exactly the fields fablize writes for it (seq, ts, event and
@@ -918,9 +956,13 @@ EVENTS = {
     "story_added": (_ev_story_added, {"story": STORY_EVENT_SPEC, "unverifiable": UNVERIFIABLE_SPEC}),
     "verdict": (_ev_verdict, {"id": str, "verdict": str, "evidence": str, "agent": str,
                               "tree?": _TEXT, "packet_seq?": (int, _N)}),
-    "guard_block": (_ev_guard_block, {"reason": str, "fresh": bool}),
+    "guard_block": (_ev_guard_block, {"reason": str, "fresh": bool, "hook?": _TEXT}),
     "judge_packet": (lambda plan, ev: _ev_judge_packet(plan, ev),  # with the trust code
                      {"id": str, "tree": str, "files": (int, _N)}),
+    "paused": (_ev_paused, {"note": _TEXT}),
+    "unpaused": (_ev_unpaused, {}),
+    "observed_run": (_ev_observed_run, {"id": str, "cmd": str, "exit_code": (int, _N),
+                                        "ok": (bool, _N), "tool": _TEXT, "detail": _TEXT}),
 }
 EVENT_SPECS = {kind: dict(_EVENT_BASE, **fields) for kind, (_, fields) in EVENTS.items()}
 _TS = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}\+00:00\Z", re.A)
@@ -1588,6 +1630,7 @@ class Store:
     def create_dir(self):
         if not self.exists():
             os.makedirs(self.dir, exist_ok=True)
+            write_state_gitignore(self.dir)
 
     def has_plan_files(self):
         if os.path.lexists(self.path(SNAPSHOT)):
@@ -2330,6 +2373,7 @@ def render_handoff(ctx, plan, story, reshown):
         lines += [f"  - {one_line(item)}" for item in story["accept"]]
     if story["judge"]:
         lines.append("Judged story: `complete` moves it to review; an independent judge decides.")
+    lines += render_observed(story)
     lines.append(f"Not achieved yet: {ctx.prog} checkpoint --id {story['id']} --status failed "
                  "--evidence \"<what is missing>\"; impossible as specified: --status blocked "
                  "--evidence \"<why>\", then stop and ask a human.")
@@ -2494,6 +2538,8 @@ def format_event(ev):
     elif kind == "judge_packet":
         text = f"{sid} judge packet: working tree recorded ({one_line(ev.get('files'))} files, " \
                f"sha256 {one_line(str(ev.get('tree'))[:16])}…)"
+    elif kind in WIRING_EVENTS:
+        text = WIRING_EVENTS[kind](ev)
     else:
         text = one_line(kind)
     return f"#{one_line(ev.get('seq'))}  {one_line(when)}  {text}"
@@ -3468,6 +3514,559 @@ def trust_gates(ctx, a, plan, trust):
             r = failed[0]
             raise refused(f"audit: re-run failed — {r['id']} check {r['check']} "
                           f"`{one_line(r['cmd'])}`: {r['result']}", "rerun_failed")
+# Wiring: how the engine is run, agents' hooks, setup, doctor, observed runs #
+#
+# The engine prints commands that an agent then runs: they must run as printed, from any
+# directory of the repository, whichever way the engine was started. What gets committed (the
+# block in CLAUDE.md / AGENTS.md, hook settings) never holds an absolute path.
+
+PLUGIN_NAME = "fablize-gate"  # not `fablize`: the original's plugin and marketplace are named so
+PYTHON = "python" if os.name == "nt" else "python3"  # `python3` on Windows is the Store alias
+AGENTS = ("claude", "codex", "gemini", "cursor", "agents-md")
+HOOK_ROLES = ("guard", "status", "observe")
+STATE_GITIGNORE = """\
+# written by fablize: the lock, temporary and torn-line files are never committed
+lock
+lock.owner
+*.tmp-*
+*.broken
+*.bak
+*.fablize-backup
+"""
+# Patterns kept as text, compiled (and cached by `re`) on first use: not at every start.
+# the original fablize's block: migrated to ours, so that a file ends with exactly one block
+ORIGINAL_BLOCK = r"(?s)<!--\s*FABLIZE:BEGIN\b.*?FABLIZE:END\b[^>]*-->\n?"
+# a hook command of ours (or of the original), whatever path or interpreter runs it
+OUR_HOOK = r"(?:goals\.py|fablize)[\"']?((?:\s+--\S+)*)\s+(guard|status\s+--resume|observe)\b"
+OBSERVED_KEEP = 20          # observed runs kept per story (the snapshot stays O(stories))
+DUPLICATE_WINDOW = 60.0     # seconds: two guards fed the very same stop are one registration too many
+VERIFY_LIKE = r"""(?x)(?:^|[\s;&|(/])(?:
+    py\.?test|tox|nox|unittest|ctest|jest|vitest|mocha|rspec|phpunit|ruff|flake8|pylint|mypy|
+    pyright|eslint|tsc|shellcheck|vermin|[\w.-]*tests?[\w.-]*\.sh|
+    make(?:\s+-\S+)*\s+(?:test|check|lint|verify|ci|demo)[\w-]*|
+    (?:npm|pnpm|yarn|bun)\s+(?:run\s+)?(?:test|lint|check|build|typecheck|verify)[\w:-]*|
+    cargo\s+(?:test|check|clippy|build|nextest)|go\s+(?:test|vet|build)|
+    (?:\./)?(?:gradlew?|mvnw?)\s+(?:\S+\s+)*?(?:test|check|verify|build)|dotnet\s+test|
+    bazel\s+test|swift\s+test|mix\s+test|deno\s+test|
+    (?:goals\.py|fablize)\s+(?:audit|verify))\b"""
+
+
+def repo_root(start):
+    """The nearest directory at or above `start` holding `.git` (file or folder), or None."""
+    d = start
+    while True:
+        if os.path.lexists(os.path.join(d, ".git")):
+            return d
+        parent = os.path.dirname(d)
+        if parent == d:
+            return None
+        d = parent
+
+
+def invocation(cwd=None):
+    """The command that runs this engine, as every handoff, hook reason and block prints it:
+    `fablize` when started as the installed command or through the plugin's bin/fablize; else
+    this script by its place in the repository, found from wherever the shell stands (`git
+    rev-parse`); else, for a copy outside the repository, by its absolute path."""
+    if os.path.splitext(os.path.basename(sys.argv[0] or ""))[0] == "fablize":
+        return "fablize"
+    script = os.path.realpath(__file__)
+    root = repo_root(os.path.realpath(cwd or os.getcwd()))
+    if root is not None:
+        try:
+            rel = os.path.relpath(script, root).replace(os.sep, "/")
+        except ValueError:  # another drive on Windows
+            rel = ".."
+        if not rel.startswith("..") and re.fullmatch(r"[\w./@+-]+", rel):
+            return f'{PYTHON} "$(git rev-parse --show-toplevel)/{rel}"'
+    return f"{PYTHON} {quote_path(script)}"
+
+
+def portable_command(root):
+    """The command written into files that get committed: the script's repository form when
+    this script lives in that repository, else `fablize` (installed, or the plugin's)."""
+    cmd = invocation(root)
+    return cmd if cmd == "fablize" or "$(git rev-parse" in cmd else "fablize"
+
+
+def write_state_gitignore(state_dir):
+    """`.fablize/.gitignore`, unless one is there already (it may be the user's own)."""
+    path = os.path.join(state_dir, ".gitignore")
+    if os.path.lexists(path):
+        return False
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_BINARY, 0o644)
+    except FileExistsError:
+        return False
+    try:
+        write_all(fd, STATE_GITIGNORE.encode())
+    finally:
+        os.close(fd)
+    return True
+
+
+def cut_original_block(text):
+    """`text` without the original fablize's block, and where it stood (None: it had none)."""
+    m = re.search(ORIGINAL_BLOCK, text)
+    if m is None:
+        return text, None
+    return text[:m.start()] + text[m.end():], m.start()
+
+
+# The guard's conditions #
+
+
+def guard_paused(plan):
+    return plan["guard"].get("paused") if isinstance(plan["guard"].get("paused"), dict) else None
+
+
+def asks_human(payload):
+    """Whether the agent ended its turn by asking the human something: then stopping is right.
+    Claude Code and Codex send `last_assistant_message`, Gemini CLI `prompt_response`."""
+    text = payload.get("last_assistant_message")
+    if not isinstance(text, str):
+        text = payload.get("prompt_response")
+    if not isinstance(text, str):
+        return False
+    lines = [x.strip() for x in text.strip().splitlines() if x.strip() and x.strip() != "```"]
+    return bool(lines) and lines[-1].rstrip("*_`)\"' ").endswith(("?", "？"))
+
+
+def hook_fingerprint(raw, payload):
+    """What makes two guard runs the same stop: the same payload over the same transcript. Two
+    registrations of the guard are fed the same stop at once; two real stops have a turn of the
+    agent (transcript lines) between them. Without a transcript there is nothing to tell them
+    apart by, so every run counts."""
+    path = payload.get("transcript_path")
+    if not isinstance(path, str) or not path:
+        return None
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return sha256_hex(raw + f"\0{st.st_size}\0{st.st_mtime_ns}".encode())[:32]
+
+
+def duplicate_stop(plan, fingerprint):
+    guard = plan["guard"]
+    if fingerprint is None or guard.get("hook") != fingerprint or not isinstance(guard.get("hook_ts"), str):
+        return False
+    try:
+        import datetime
+        then = datetime.datetime.fromisoformat(guard["hook_ts"]).timestamp()
+    except ValueError:
+        return False
+    return abs(time.time() - then) < DUPLICATE_WINDOW
+
+
+def hand_to_judge(ctx, story):
+    sid = story["id"]
+    return (f"fablize: {sid} \"{defused_line(story['title'])}\" is in review — hand {sid} to the "
+            f"judge: start the fablize-judge agent (or another independent reviewer) on {sid}; it "
+            f"runs {ctx.prog} judge-packet --id {sid} and answers with a verdict. Do not judge "
+            "your own work.")
+
+
+# Observed runs: what the agent's harness reported about commands the agent ran #
+
+
+def observed_of(story):
+    """This round's observed runs of a story (entries of other shapes are not ours: skipped)."""
+    return [o for o in story.get("observed") or []
+            if isinstance(o, dict) and o.get("round") == story["round"] and isinstance(o.get("cmd"), str)]
+
+
+def unaddressed_failure(story):
+    """The latest observed failure of a command that has not been seen to pass since, or None."""
+    latest = {}
+    for o in observed_of(story):
+        latest[o["cmd"]] = o
+    failed = [o for o in latest.values() if o.get("ok") is False]
+    return max(failed, key=lambda o: o.get("seq", 0)) if failed else None
+
+
+def observed_result(o):
+    if o.get("ok") is None:
+        return "outcome not reported"
+    code = f"exit {o['exit_code']}" if isinstance(o.get("exit_code"), int) else None
+    return ("passed" if o["ok"] else "failed") + (f" ({code})" if code else "")
+
+
+def render_observed(story):
+    seen = observed_of(story)
+    if not seen:
+        return []
+    lines = ["## Observed runs — what your harness reported about commands you ran (observed: "
+             "more than claimed, less than witnessed):"]
+    lines += [f"  event {o.get('seq')}: `{one_line(o['cmd'])}` → {observed_result(o)}"
+              for o in seen[-5:]]
+    return lines
+
+
+def say_observed(ctx, story):
+    """After a checkpoint: the observed runs of the round, and a failure left standing."""
+    seen = observed_of(story)
+    ctx.data["observed"] = seen
+    for line in render_observed(story):
+        ctx.say(line)
+    bad = unaddressed_failure(story)
+    if bad is not None and story["status"] in DONE + ("review",):
+        ctx.out.warn(f"{story['id']} was checkpointed while the harness last saw `{one_line(bad['cmd'])}` "
+                     f"fail (event {bad.get('seq')}): the reviewer will see it.")
+
+
+def observed_failure_note(story):
+    bad = unaddressed_failure(story)
+    if bad is None:
+        return ""
+    code = f"exit {bad['exit_code']}, " if isinstance(bad.get("exit_code"), int) else ""
+    return (f" The harness saw `{one_line(last_chars(bad['cmd'], 200))}` fail ({code}event "
+            f"{bad.get('seq')}) and it has not been seen to pass since: address it first.")
+
+
+WIRING_EVENTS = {  # how `log` shows them
+    "paused": lambda ev: "guard paused" + (f": {one_line(ev['note'])}" if ev.get("note") else ""),
+    "unpaused": lambda ev: "guard on again",
+    "observed_run": lambda ev: (f"{ev.get('id')} observed `{one_line(last_chars(ev.get('cmd'), 200))}` → "
+                                f"{observed_result(ev)} (reported by {one_line(ev.get('tool'))})"),
+}
+
+
+def observed_outcome(payload):
+    """(exit code or None, passed: True/False/None, detail) from a PostToolUse-style payload —
+    the harness's report of the run, never the agent's own words."""
+    def exit_in(text):
+        m = re.search(r"(?i)exit(?:ed)?(?: with)?(?: code|\s+status)?\s*[:=]?\s*(-?\d+)", text or "")
+        return int(m.group(1)) if m else None
+    if payload.get("hook_event_name") == "PostToolUseFailure":
+        error = payload.get("error")
+        text = error if isinstance(error, str) else json_text(error)
+        code = exit_in(text)
+        return code, False, text
+    resp = payload.get("tool_response")
+    if isinstance(resp, str):
+        code = exit_in(resp)
+        return code, None if code is None else code == 0, resp
+    if not isinstance(resp, dict):
+        return None, None, ""
+    detail = json_text(resp)
+    for key in ("exit_code", "exitCode", "returncode", "returnCode", "exit_status"):
+        if type(resp.get(key)) is int:
+            return resp[key], resp[key] == 0, detail
+    if resp.get("error"):  # Gemini CLI: a tool error
+        return exit_in(str(resp.get("llmContent") or resp["error"])), False, detail
+    if resp.get("interrupted") is True:
+        return None, False, detail
+    code = exit_in(resp.get("llmContent") if isinstance(resp.get("llmContent"), str) else "")
+    if code is not None:
+        return code, code == 0, detail
+    return None, True, detail  # Claude Code reports a failing command as PostToolUseFailure
+
+
+def shell_command_of(payload):
+    tool_input = payload.get("tool_input")
+    cmd = tool_input.get("command") if isinstance(tool_input, dict) else None
+    if isinstance(cmd, list) and all(isinstance(x, str) for x in cmd):
+        cmd = " ".join(cmd)
+    return cmd if isinstance(cmd, str) and cmd.strip() else None
+
+
+def is_verification(cmd, story):
+    # the engine's own commands are in the ledger already (`checkpoint --run` names pytest too)
+    if re.search(r"""(?:goals\.py|(?:^|[\s/;&|(])fablize)["']?(?:\s+--\S+)*\s+(?!verify|audit)[a-z]""", cmd):
+        return False
+    return any(c.strip() and c.strip() in cmd for c in story["checks"]) or \
+        bool(re.search(VERIFY_LIKE, cmd))
+
+
+# Agents' hook configuration #
+
+
+def hook_entries(agent, cli):
+    """[(event, matcher, role, hook object)] that wire `agent` to the engine run as `cli`."""
+    def command(args, timeout=30):
+        return {"type": "command", "command": f"{cli} {args}", "timeout": timeout}
+    if agent == "claude":
+        return [("SessionStart", "startup|resume|clear|compact", "status",
+                 command("status --resume")),
+                ("Stop", None, "guard", command("guard")),
+                ("PostToolUse", "Bash", "observe", command("observe")),
+                # Claude Code reports a command that failed as PostToolUseFailure
+                ("PostToolUseFailure", "Bash", "observe", command("observe"))]
+    if agent == "codex":
+        return [("SessionStart", "startup|resume", "status",
+                 command("status --resume --for codex")),
+                ("Stop", None, "guard", command("guard --for codex")),
+                ("PostToolUse", "Bash", "observe", command("observe --for codex"))]
+    if agent == "gemini":  # timeouts in milliseconds; hooks are named in its /hooks panel
+        return [("SessionStart", None, "status",
+                 dict(command("status --resume --for gemini", 30000), name="fablize-status")),
+                ("AfterAgent", None, "guard",
+                 dict(command("guard --for gemini", 30000), name="fablize-guard")),
+                ("AfterTool", "run_shell_command", "observe",
+                 dict(command("observe --for gemini", 30000), name="fablize-observe"))]
+    if agent == "cursor":
+        return [("stop", None, "guard", {"command": f"{cli} guard --for cursor",
+                                          "loop_limit": DEFAULT_GUARD_MAX})]
+    return []
+
+
+AGENT_FILES = {  # agent: (instructions file, hook configuration file), relative to the root
+    "claude": ("CLAUDE.md", ".claude/settings.json"),
+    "codex": ("AGENTS.md", ".codex/hooks.json"),
+    "gemini": ("GEMINI.md", ".gemini/settings.json"),
+    "cursor": ("AGENTS.md", ".cursor/hooks.json"),
+    "agents-md": ("AGENTS.md", None),
+}
+
+
+def hook_role(hook):
+    cmd = hook.get("command") if isinstance(hook, dict) else None
+    m = re.search(OUR_HOOK, cmd) if isinstance(cmd, str) else None
+    return m.group(2).split()[0] if m else None
+
+
+def our_hooks(config, event):
+    """[(group list, group, hook list, hook)] for the hooks of ours registered for `event`,
+    in Claude Code's nesting ({event: [{matcher, hooks: [...]}]}) or Cursor's ({event: [...]})."""
+    found = []
+    hooks = config.get("hooks") if isinstance(config, dict) else None
+    groups = hooks.get(event) if isinstance(hooks, dict) else None
+    for group in groups if isinstance(groups, list) else []:
+        inner = group.get("hooks") if isinstance(group, dict) else None
+        if isinstance(inner, list):
+            found += [(groups, group, inner, h) for h in inner if hook_role(h)]
+        elif hook_role(group):
+            found.append((groups, None, groups, group))
+    return found
+
+
+def merge_hooks(config, agent, cli, remove=False):
+    """`config` (a parsed settings file) with exactly one hook of ours per event, or none."""
+    config = json.loads(json.dumps(config))  # a copy: the caller compares old and new
+    if agent == "cursor":
+        config.setdefault("version", 1)
+    for event, matcher, role, hook in hook_entries(agent, cli):
+        found = [f for f in our_hooks(config, event) if hook_role(f[3]) == role]
+        if not remove and len(found) == 1 and found[0][3] == hook:
+            continue
+        for groups, group, inner, h in found:
+            inner.remove(h)
+            if group is not None and not inner:
+                groups.remove(group)
+        if not remove:
+            hooks = config.setdefault("hooks", {})
+            if not isinstance(hooks, dict):
+                raise refused(f"its \"hooks\" is not an object — fix it by hand.", "bad_config")
+            groups = hooks.setdefault(event, [])
+            if agent == "cursor":
+                groups.append(hook)
+            else:
+                groups.append(dict({"matcher": matcher} if matcher else {}, hooks=[hook]))
+        hooks = config.get("hooks")
+        if isinstance(hooks, dict) and hooks.get(event) == []:
+            del hooks[event]
+    if config.get("hooks") == {}:
+        del config["hooks"]
+    if agent == "cursor" and set(config) == {"version"}:
+        config = {}
+    return config
+
+
+def plugin_enabled(root):
+    """Where the fablize-gate plugin is switched on for Claude Code ([] when nowhere): it brings
+    its own hooks, so settings must not register them again."""
+    found = []
+    home = os.path.expanduser("~")
+    for path in (os.path.join(home, ".claude", "settings.json"),
+                 os.path.join(root, ".claude", "settings.json"),
+                 os.path.join(root, ".claude", "settings.local.json")):
+        data = read_json_config(path, quiet=True)
+        enabled = data.get("enabledPlugins") if isinstance(data, dict) else None
+        if isinstance(enabled, dict) and any(
+                k.split("@")[0] == PLUGIN_NAME and v is True for k, v in enabled.items()):
+            found.append(path)
+    env = os.environ.get("CLAUDE_PLUGIN_ROOT")
+    if env and read_json_config(os.path.join(env, ".claude-plugin", "plugin.json"),
+                                quiet=True).get("name") == PLUGIN_NAME:
+        found.append("$CLAUDE_PLUGIN_ROOT")
+    return found
+
+
+def read_json_config(path, quiet=False):
+    """A JSON settings file as a dict ({} when absent); refuses one that is not an object."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return {}
+    except OSError:
+        if quiet:
+            return {}
+        raise
+    try:
+        data = load_json(raw) if raw.strip() else {}
+    except ValueError as e:
+        if quiet:
+            return {}
+        raise refused(f"{path} is not valid JSON ({e}) — fix it by hand, then run setup again.",
+                      "bad_config")
+    if not isinstance(data, dict):
+        if quiet:
+            return {}
+        raise refused(f"{path} does not hold a JSON object — fix it by hand.", "bad_config")
+    return data
+
+
+def json_config_bytes(config):
+    return (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def project_file(root, rel):
+    """A file of the project to write: refuses a symlink or a non-file in its place."""
+    path = os.path.join(root, *rel.split("/"))
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return path, None
+    if stat.S_ISLNK(st.st_mode):
+        raise refused(f"{path} is a symlink — refusing to write through it.", "symlink")
+    if not stat.S_ISREG(st.st_mode):
+        raise refused(f"{path} is not a regular file.", "not_a_file")
+    return path, st
+
+
+def put_project_file(path, st, data):
+    """Write (or, with data None, delete) a project file; parent folders made as needed, and
+    a folder this left empty taken away again."""
+    if data is None:
+        os.unlink(path)
+        parent = os.path.dirname(path)
+        try:
+            os.rmdir(parent)  # only when empty: `.claude/` that setup made
+        except OSError:
+            pass
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_atomic(path, data, st.st_mode & 0o7777 if st else 0o644)
+    fsync_dir(os.path.dirname(path))
+
+
+def setup_plan(ctx, agent, remove):
+    """[(relative path, absolute path, stat, new bytes or None to delete, what)] that `setup`
+    would write, leaving out what is already as it should be."""
+    root = ctx.store.root
+    cli = portable_command(root)
+    changes = []
+    block_rel, hooks_rel = AGENT_FILES[agent]
+    path, st = project_file(root, block_rel)
+    raw = read_state_file(path) if st is not None else b""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise refused(f"{path} is not UTF-8 text — refusing to edit it.", "not_text")
+    new = install_block(text, render_block(cli), remove)
+    if new != text:
+        data = None if remove and not new.strip() else new.encode("utf-8")
+        changes.append((block_rel, path, st, data, "the fablize block " +
+                        ("removed" if remove else "updated" if BLOCK_BEGIN in text else
+                         "migrated from the original fablize's" if re.search(ORIGINAL_BLOCK, text)
+                         else "added")))
+    notes = []
+    if hooks_rel:
+        plugin = plugin_enabled(root) if agent == "claude" else []
+        path, st = project_file(root, hooks_rel)
+        config = read_json_config(path)
+        if plugin and not remove:
+            notes.append(f"hooks: the {PLUGIN_NAME} plugin provides them (enabled in "
+                         f"{', '.join(plugin)}); none added to {hooks_rel}")
+        else:
+            new = merge_hooks(config, agent, cli, remove)
+            if new != config:
+                data = None if remove and not new and st is not None else json_config_bytes(new)
+                changes.append((hooks_rel, path, st, data,
+                                "hooks " + ("removed" if remove else "registered") + ": " +
+                                ", ".join(e for e, _, _, _ in hook_entries(agent, cli))))
+    return changes, notes
+
+
+def check_block(root, agent):
+    """(problem or None, fix, the command the block uses or None) for the agent's instructions."""
+    block_rel = AGENT_FILES[agent][0]
+    path = os.path.join(root, block_rel)
+    try:
+        text = open(path, encoding="utf-8").read()
+    except FileNotFoundError:
+        text = ""
+    except (OSError, UnicodeDecodeError) as e:
+        return f"{block_rel} cannot be read ({e})", "fix it by hand", None
+    begin = text.find(BLOCK_BEGIN)
+    if re.search(ORIGINAL_BLOCK, text):
+        return (f"{block_rel} holds the original fablize's block", f"`setup {agent}` migrates it",
+                None)
+    if begin < 0:
+        return f"{block_rel} has no fablize block", f"`setup {agent}` adds it", None
+    end = text.find(BLOCK_END, begin)
+    block = text[begin:end + len(BLOCK_END)] + "\n"
+    m = re.search(r"`(.+?) create --brief", block)
+    cli = m.group(1) if m else None
+    if cli is None or block != render_block(cli):
+        return f"{block_rel} holds an outdated fablize block", f"`setup {agent}` updates it", cli
+    if cli != portable_command(root):
+        return (f"{block_rel}'s block runs `{cli}`, not `{portable_command(root)}`",
+                f"`setup {agent}` updates it", cli)
+    return None, None, cli
+
+
+def command_runs(cli, root):
+    """(ok, what it said) for `CLI --version`, run by a shell in the repository."""
+    import subprocess
+    try:
+        p = subprocess.run(f"{cli} --version", shell=True, cwd=root, capture_output=True,
+                           timeout=30, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError) as e:
+        return False, str(e)
+    out = p.stdout.decode("utf-8", "replace").strip()
+    if p.returncode == 0 and out.startswith("fablize "):
+        return True, out
+    return False, f"exit {p.returncode}: " + one_line(last_chars(
+        p.stderr.decode("utf-8", "replace").strip() or out, 200))
+
+
+def interpreter_problem(cli):
+    """Why the program at the front of `cli` does not resolve here, or None."""
+    import shutil
+    first = cli.split()[0].strip("\"'")
+    if first.startswith("$") or "/" in first:
+        return None
+    found = shutil.which(first)
+    if found is None:
+        return f"`{first}` is not on PATH"
+    if "WindowsApps" in found:
+        return f"`{first}` is the Windows Store alias ({found}), not a Python"
+    return None
+
+
+def hook_registrations(root, agent):
+    """{event: [where]} for every registration of our hooks that `agent` will run."""
+    events = [e for e, _, _, _ in hook_entries(agent, "fablize")]
+    where = {event: [] for event in events}
+    hooks_rel = AGENT_FILES[agent][1]
+    if hooks_rel is None:
+        return where
+    paths = [hooks_rel, {"claude": "~/.claude/settings.json", "gemini": "~/.gemini/settings.json"}
+             .get(agent, "~/" + hooks_rel)]
+    if agent == "claude":
+        paths.insert(1, ".claude/settings.local.json")
+    for rel in paths:
+        path = os.path.expanduser(rel) if rel.startswith("~") else os.path.join(root, rel)
+        config = read_json_config(path, quiet=True)
+        for event in events:
+            where[event] += [rel] * len(our_hooks(config, event))
+    if agent == "claude" and plugin_enabled(root):
+        for event in events:
+            where[event].append(f"the {PLUGIN_NAME} plugin")
+    return where
 
 
 # Commands ###################################################################
@@ -3699,11 +4298,14 @@ def cmd_checkpoint(ctx, a):
             plan = s.plan
     story = find_story(plan, a.id)
     say_after_checkpoint(ctx, plan, story)
+    say_observed(ctx, story)
     ctx.data.update(plan_summary(plan), story=story_json(plan, story), runs=runs,
                     next=next_action(ctx.prog, plan))
 
 
 def cmd_status(ctx, a):
+    if a.resume and not getattr(a, "resuming", False):
+        return session_start(ctx, a)
     if not ctx.store.exists():
         if a.resume:
             return
@@ -3726,6 +4328,11 @@ def cmd_status(ctx, a):
     for u in plan["unverifiable"]:
         ctx.say(f"  ⚠ {one_line(u['id'])} check {u['check'] + 1} cannot run here: `{one_line(u['cmd'])}` — "
                 f"{one_line(u['reason'])}")
+    paused = guard_paused(plan)
+    if paused:
+        ctx.say(f"  ⏸ guard paused since event {paused['seq']}"
+                f"{': ' + one_line(paused['note']) if paused['note'] else ''}"
+                f" — `{ctx.prog} unpause` turns it back on")
     ctx.say(next_line(ctx.prog, plan))
     for story in active_stories(plan):
         ctx.say("")
@@ -3733,7 +4340,7 @@ def cmd_status(ctx, a):
                      else render_resume(ctx, plan, story)):
             ctx.say(line)
     if ctx.json:
-        ctx.data.update(plan_json(plan), next=next_action(ctx.prog, plan))
+        ctx.data.update(plan_json(plan), next=next_action(ctx.prog, plan), paused=paused)
 
 
 def cmd_verify(ctx, a):
@@ -3911,39 +4518,48 @@ def guard_verdict(ctx, payload):
     if not ctx.store.exists():
         return None, None
     with ctx.store.session(exclusive=False) as s:
-        if guard_reason(ctx, s.load(), payload) is None:
+        if guard_reason(ctx, s.load(), payload)[0] is None:
             return None, None  # most stops: decided without the lock, nothing written
     with ctx.store.session() as s:
         plan = s.load()
-        reason = guard_reason(ctx, plan, payload)
+        reason, dup = guard_reason(ctx, plan, payload)
         if reason is None or reason.startswith("fablize guard:"):
             return None, reason
-        s.commit("guard_block", reason=reason, fresh=payload.get("stop_hook_active") is not True)
+        fingerprint = getattr(ctx, "hook_fingerprint", None)
+        if not dup:  # a second registration of the guard answers the same, writes nothing
+            s.commit("guard_block", reason=reason,
+                     fresh=payload.get("stop_hook_active") is not True,
+                     **({"hook": fingerprint} if fingerprint else {}))
         return reason, None
 
 
 def guard_reason(ctx, plan, payload):
-    """Why the agent may not stop now (its next action), a note that the guard lets go after
-    too many blocks in a row, or None."""
-    if plan is None:
-        return None
+    """(why the agent may not stop now — its next action — or a note that the guard lets go
+    after too many blocks in a row, or None; whether another registration counted this stop)."""
+    if plan is None or guard_paused(plan) or asks_human(payload):
+        return None, False  # paused by a human, or the turn ended on a question for one
     action = next_action(ctx.cli, plan)
-    if action["kind"] not in ("finish", "next"):
-        return None  # done, or halted on a human's or a judge's turn
+    if action["kind"] not in ("finish", "next", "judge"):
+        return None, False  # done, or halted on a human's decision
     limit = guard_limit()
+    dup = duplicate_stop(plan, getattr(ctx, "hook_fingerprint", None))
     blocks = plan["guard"]["blocks"] if payload.get("stop_hook_active") is True else 0
+    if dup:
+        blocks = max(blocks - 1, 0)  # the other registration of the guard counted this stop
     if blocks >= limit:
         return (f"fablize guard: let the agent stop after {blocks} blocks in a row; the plan is "
-                "not finished — run `status`.")
+                "not finished — run `status`."), dup
     story = find_story(plan, action["story"])
     if action["kind"] == "finish":
         reason = (f"fablize: {story['id']} \"{defused_line(story['title'])}\" is still in "
                   f"progress. Finish it, then run: {action['command']} (or --status failed / "
-                  "blocked with the reason).")
+                  "blocked with the reason).") + observed_failure_note(story)
+    elif action["kind"] == "judge":
+        reason = hand_to_judge(ctx, story)
     else:
         reason = (f"fablize: the plan is not finished — {story['id']} "
                   f"\"{defused_line(story['title'])}\" is ready. Run: {action['command']}")
-    return reason + f" [guard block {blocks + 1} of at most {limit} in a row]"
+    return reason + f" [guard block {blocks + 1} of at most {limit} in a row]", dup
 
 
 def guard_limit():
@@ -3964,16 +4580,21 @@ def cmd_guard(ctx, a):
         payload = None
     if not isinstance(payload, dict):
         return  # empty or malformed input never blocks
+    if a.hook_for == "cursor":  # Cursor counts its own follow-ups and says how the turn ended
+        if payload.get("status", "completed") != "completed":
+            return ctx.emit_raw(None)
+        payload["stop_hook_active"] = isinstance(payload.get("loop_count"), int) and payload["loop_count"] > 0
+    ctx.hook_fingerprint = hook_fingerprint(raw, payload)
     try:
         reason, message = guard_verdict(ctx, payload)
     except FablizeError as e:  # damaged state or a busy lock: say so, never trap the agent
         reason, message = None, f"fablize guard: {e.message}"
     if reason:
-        ctx.emit_raw({"decision": "block", "reason": reason})
-    elif message:
+        ctx.emit_raw(guard_answer(a.hook_for, reason))
+    elif message and a.hook_for != "cursor":
         ctx.emit_raw({"systemMessage": message})
     else:
-        ctx.emit_raw(None)
+        ctx.emit_raw({} if a.hook_for == "gemini" else None)  # Gemini CLI reads stdout as JSON
 
 
 def md_cell(text, limit=120):
@@ -4138,6 +4759,9 @@ def install_block(text, block, remove=False):
     """`text` with exactly one fablize block (replaced in place, or appended), or without it.
     Appending adds one newline before the block when the file does not end a line with a blank
     one; removal takes that newline back, so remove(install(x)) == x."""
+    text, at = cut_original_block(text)
+    if at is not None and BLOCK_BEGIN not in text and not remove:
+        return text[:at] + block + text[at:]
     begin = text.find(BLOCK_BEGIN)
     if begin >= 0:
         end = text.find(BLOCK_END, begin)
@@ -4177,7 +4801,7 @@ def cmd_install_block(ctx, a):
         raise refused(f"{target} is not UTF-8 text — refusing to edit it.", "not_text")
     if "\x00" in text:
         raise refused(f"{target} is not text (it holds NUL bytes) — refusing to edit it.", "not_text")
-    new = install_block(text, render_block(ctx.cli), a.remove)
+    new = install_block(text, render_block(portable_command(ctx.store.root)), a.remove)
     if new == text:
         ctx.say(f"fablize: {target} already {'has no' if a.remove else 'has this'} fablize block; "
                 "nothing changed.")
@@ -4216,6 +4840,215 @@ def block_created(backup):
     except (FablizeError, OSError, UnicodeDecodeError):
         return False
     return bool(text.strip()) and BLOCK_BEGIN in text and not install_block(text, "", True).strip()
+
+
+def read_hook_stdin():
+    """The hook's JSON payload from stdin, or None for anything else (never an error: a hook
+    that fails on odd input would trap or blind the agent)."""
+    raw = b""
+    if not sys.stdin.isatty():
+        try:
+            raw = sys.stdin.buffer.read(1 << 20)
+        except (OSError, ValueError, AttributeError):
+            raw = b""
+    try:
+        payload = load_json(raw) if raw.strip() else None
+    except ValueError:
+        payload = None
+    return raw, payload if isinstance(payload, dict) else None
+
+
+def session_start(ctx, a):
+    """`status --resume` for a SessionStart hook: the plan and its active handoffs; one line for
+    a finished plan; one warning line, still exit 0, for a damaged one (an exit 3 there is a
+    message the agent never sees). Codex and Gemini CLI take it as JSON context."""
+    lines = []
+    say = ctx.say
+    if a.hook_for in ("codex", "gemini"):
+        ctx.say = lambda text="": lines.append(clean(text))
+    try:
+        if not ctx.store.exists():
+            return
+        with ctx.store.session(exclusive=False) as s:
+            plan = s.load()
+        if plan is None:
+            return
+        if plan_done(plan):
+            done = sum(1 for x in plan["goals"] if x["status"] in DONE)
+            ctx.say(f"fablize: plan finished ({done}/{len(plan['goals'])} done) — "
+                    f"{defused_line(last_chars(plan['brief'], 200))}; nothing to resume.")
+        else:
+            a.resuming = True
+            cmd_status(ctx, a)
+    except FablizeError as e:
+        ctx.say(f"fablize: warning: the plan in {ctx.store.dir} cannot be read — "
+                f"{one_line(e.message)} (`{ctx.prog} audit` says more).")
+    finally:
+        ctx.say = say
+        if a.hook_for in ("codex", "gemini"):
+            ctx.emit_raw({"hookSpecificOutput": {"hookEventName": "SessionStart",
+                                                 "additionalContext": "\n".join(lines)}}
+                         if lines else {})
+
+
+def guard_answer(agent, reason):
+    """A block, in the words of the agent's Stop-hook protocol."""
+    if agent == "gemini":
+        return {"decision": "deny", "reason": reason}
+    if agent == "cursor":
+        return {"followup_message": reason}
+    return {"decision": "block", "reason": reason}
+
+
+def cmd_pause(ctx, a):
+    with open_plan(ctx) as s:
+        s.require_plan()
+        s.commit("paused", note=check_text("--note", a.note))
+        plan = s.plan
+    ctx.say(f"fablize: guard paused (event {plan['ledger']['seq']}) — the Stop hook lets the agent "
+            f"stop until `{ctx.prog} unpause`.")
+    ctx.data.update(paused=guard_paused(plan))
+
+
+def cmd_unpause(ctx, a):
+    with open_plan(ctx) as s:
+        s.require_plan()
+        s.commit("unpaused")
+        plan = s.plan
+    ctx.say(f"fablize: guard on again (event {plan['ledger']['seq']}) — the Stop hook keeps the "
+            "agent at work while the plan has some.")
+    ctx.data.update(paused=None)
+
+
+def hook_store(ctx, payload):
+    """A hook runs wherever the agent's harness started it: the plan is the one of the
+    directory the payload names."""
+    cwd = payload.get("cwd") if isinstance(payload.get("cwd"), str) else os.getcwd()
+    if ctx.args.dir is None and not os.environ.get("FABLIZE_DIR"):
+        ctx.store = Store(*find_state_dir(None, cwd), ctx.out.warnings)
+    return ctx.store
+
+
+def cmd_observe(ctx, a):
+    raw, payload = read_hook_stdin()
+    ctx.emit_raw({} if a.hook_for == "gemini" else None)  # it only records; Gemini wants JSON
+    cmd = shell_command_of(payload) if payload else None
+    if cmd is None:
+        return
+    try:
+        store = hook_store(ctx, payload)
+        if not store.exists():
+            return
+        with store.session() as s:
+            plan = s.load()
+            active = active_stories(plan) if plan else []
+            if len(active) != 1 or not is_verification(cmd, active[0]):
+                return  # nothing to attribute it to, or not a verification
+            code, ok, detail = observed_outcome(payload)
+            tool = payload.get("tool_name")
+            s.commit("observed_run", id=active[0]["id"], cmd=last_chars(cmd, 2000), exit_code=code,
+                     ok=ok, tool=tool if isinstance(tool, str) else a.hook_for,
+                     detail=last_chars(detail or "", TAIL_CHARS))
+    except FablizeError as e:  # never fail the agent's tool call over our bookkeeping
+        sys.stderr.write("fablize observe: " + one_line(e.message) + "\n")
+
+
+def cmd_setup(ctx, a):
+    root = ctx.store.root
+    changes, notes = setup_plan(ctx, a.agent, a.remove)
+    done = []
+    for rel, path, st, data, what in changes:
+        put_project_file(path, st, data)
+        ctx.say(f"fablize: {rel}: {what}")
+        done.append(rel)
+    ignore = os.path.join(ctx.store.dir, ".gitignore")
+    if not a.remove:
+        if not ctx.store.exists():
+            os.makedirs(ctx.store.dir, exist_ok=True)
+        if write_state_gitignore(ctx.store.dir):
+            ctx.say(f"fablize: {os.path.relpath(ignore, root)}: written — the lock, temporary and "
+                    "torn-line files stay out of git")
+            done.append(os.path.relpath(ignore, root))
+    elif read_state_file(ignore) == STATE_GITIGNORE.encode() and not has_plan_files(ctx.store):
+        os.unlink(ignore)
+        done.append(os.path.relpath(ignore, root))
+        ctx.say(f"fablize: {os.path.relpath(ignore, root)}: removed")
+        try:
+            os.rmdir(ctx.store.dir)
+        except OSError:
+            pass
+    for note in notes:
+        ctx.say(f"fablize: {note}")
+    if not done:
+        ctx.say(f"fablize: {a.agent} is already {'unwired' if a.remove else 'set up'} here; "
+                "nothing changed.")
+    elif not a.remove:
+        ctx.say(f"fablize: next — `{ctx.prog} doctor {a.agent}` checks the wiring; the agent's "
+                f"commands are `{portable_command(root)} …`")
+    ctx.data.update(agent=a.agent, changed=done, notes=notes, cli=portable_command(root))
+
+
+def cmd_doctor(ctx, a):
+    root = ctx.store.root
+    agent = a.agent
+    checks = []
+
+    def check(name, problem, fix, fine):
+        checks.append({"check": name, "ok": problem is None, "problem": problem, "fix": fix,
+                       "detail": fine if problem is None else None})
+
+    check("engine", None, None, f"fablize {__version__} on Python {sys.version.split()[0]}")
+    problem, fix, cli = check_block(root, agent)
+    check("block", problem, fix, f"{AGENT_FILES[agent][0]} holds the current block")
+    if cli:
+        bad = interpreter_problem(cli)
+        ok, said = (False, bad) if bad else command_runs(cli, root)
+        if bad and cli == "fablize" and agent == "claude" and plugin_enabled(root):
+            ok, said = True, f"not on this PATH, but Claude Code puts the {PLUGIN_NAME} plugin's bin/ on its own"
+        check("command", None if ok else f"the block's command `{cli}` does not run here ({said})",
+              "install fablize (README: Install) or keep the script in the repository, then "
+              f"`setup {agent}`", f"`{cli} --version` → {said}")
+    for event, where in hook_registrations(root, agent).items():
+        if not where:
+            check(f"{event} hook", f"no fablize {event} hook is registered", f"`setup {agent}`", None)
+        elif len(where) > 1:
+            check(f"{event} hook", f"the {event} hook is registered {len(where)} times "
+                  f"({', '.join(where)}): every event would be counted twice",
+                  f"keep one: remove fablize's {event} entry from {where[0]}", None)
+        else:
+            check(f"{event} hook", None, None, f"registered once ({where[0]})")
+    hooks_rel = AGENT_FILES[agent][1]
+    if hooks_rel:
+        config = read_json_config(os.path.join(root, hooks_rel), quiet=True)
+        for event, _, _, _ in hook_entries(agent, "fablize"):
+            for f in our_hooks(config, event):
+                bad = interpreter_problem(f[3]["command"])
+                if bad:
+                    check(f"{event} hook command", f"{bad} (in {hooks_rel})", f"`setup {agent}`", None)
+    if ctx.store.exists():
+        try:
+            with ctx.store.session(exclusive=False) as s:
+                plan = s.load()
+            done = sum(1 for x in plan["goals"] if x["status"] in DONE) if plan else 0
+            check("state", None, None, "no plan yet" if plan is None else
+                  f"plan readable, {done}/{len(plan['goals'])} done")
+        except FablizeError as e:
+            check("state", f"the plan cannot be read: {one_line(e.message)}",
+                  f"`{ctx.prog} audit` says what is wrong; `{ctx.prog} rebuild` regenerates "
+                  "goals.json from the ledger", None)
+        present = read_state_file(os.path.join(ctx.store.dir, ".gitignore")) is not None
+        check(".gitignore", None if present else f"{STATE_DIRNAME}/.gitignore is missing: the lock "
+              "and temporary files would be committed", f"`setup {agent}`",
+              f"{STATE_DIRNAME}/.gitignore keeps local files out of git")
+    for c in checks:
+        ctx.say(f"  ✓ {c['check']}: {c['detail']}" if c["ok"] else
+                f"  ✗ {c['check']}: {c['problem']} — fix: {c['fix']}")
+    ctx.data.update(agent=agent, checks=checks)
+    problems = [c for c in checks if not c["ok"]]
+    if problems:
+        raise refused(f"doctor: {len(problems)} problem{'s' if len(problems) > 1 else ''} — "
+                      f"{problems[0]['problem']}; fix: {problems[0]['fix']}", "doctor_problems")
+    ctx.say(f"fablize: doctor — {agent} is wired and the state is healthy.")
 
 
 # Command line ###############################################################
@@ -4281,11 +5114,8 @@ class Context:
             self.timeout = DEFAULT_RUN_TIMEOUT
         elif not self.timeout > 0:
             raise usage("--timeout must be a number of seconds > 0.")
-        console = os.path.basename(sys.argv[0] or "") == "fablize"
-        self.prog = "fablize" if console else "goals.py"
-        # the exact command a hook or CLAUDE.md can run from anywhere
-        self.cli = "fablize" if console else \
-            "python3 " + quote_path(os.path.abspath(__file__))
+        # every printed command runs as printed, from any directory of the project
+        self.prog = self.cli = invocation()
         self._store = None
 
     @property
@@ -4380,6 +5210,7 @@ def add_status(command):
     c.add_argument("--resume", action="store_true",
                    help="also print the handoff of each story in progress; print nothing when "
                         "there is no plan (for SessionStart hooks)")
+    add_hook_for(c, "with --resume: answer")
 
 
 def add_verify(command):
@@ -4477,9 +5308,10 @@ def add_log(command):
 
 
 def add_guard(command):
-    command("guard", cmd_guard, "Stop hook: no stopping while work is left",
-            "reads the Claude Code hook JSON on stdin; never blocks on bad input, a busy lock or "
-            "damaged state")
+    c = command("guard", cmd_guard, "Stop hook: no stopping while work is left",
+                "reads the hook JSON on stdin; never blocks on bad input, a busy lock or damaged "
+                "state")
+    add_hook_for(c, "answer")
 
 
 def add_report(command):
@@ -4513,11 +5345,53 @@ def add_install_block(command):
     c.add_argument("--remove", action="store_true", help="take the block out again")
 
 
+def add_hook_for(c, what):
+    c.add_argument("--for", dest="hook_for", choices=AGENTS[:4], default="claude",
+                   help=f"{what} in this agent's hook protocol (default: claude)")
+
+
+def add_pause(command):
+    c = command("pause", cmd_pause, "let the Stop guard rest (recorded)",
+                "the agent may stop although the plan has work; recorded in the ledger")
+    c.add_argument("--note", help="why (shown in status and the history)")
+
+
+def add_unpause(command):
+    command("unpause", cmd_unpause, "turn the Stop guard back on", "recorded in the ledger")
+
+
+def add_observe(command):
+    c = command("observe", cmd_observe, "PostToolUse hook: note verification runs",
+                "records a verification command the agent ran and what its harness reported "
+                "(reads the hook JSON on stdin)")
+    add_hook_for(c, "read the payload")
+
+
+def add_setup(command):
+    c = command("setup", cmd_setup, "wire this project for an agent",
+                "the block in its instructions file, its hooks, .fablize/.gitignore (running it "
+                "again changes nothing)")
+    c.add_argument("agent", nargs="?", choices=AGENTS, default="claude",
+                   help="claude (CLAUDE.md, .claude/settings.json), codex (AGENTS.md, "
+                        ".codex/hooks.json), gemini (GEMINI.md, .gemini/settings.json), cursor "
+                        "(AGENTS.md, .cursor/hooks.json) or agents-md (AGENTS.md only)")
+    c.add_argument("--remove", action="store_true", help="undo it: take out what setup added")
+
+
+def add_doctor(command):
+    c = command("doctor", cmd_doctor, "check the wiring and the state",
+                "the interpreter resolves, each hook is registered once, the block is current and "
+                "its command runs, the state is healthy")
+    c.add_argument("agent", nargs="?", choices=AGENTS, default="claude",
+                   help="the agent whose wiring to check (default: claude)")
+
+
 COMMANDS = {"create": add_create, "next": add_next, "checkpoint": add_checkpoint,
             "status": add_status, "verify": add_verify, "decide": add_decide, "add": add_add,
             "audit": add_audit, "rebuild": add_rebuild, "log": add_log, "guard": add_guard,
             "report": add_report, "judge-packet": add_judge_packet, "verdict": add_verdict,
-            "install-block": add_install_block}
+            "install-block": add_install_block, "setup": add_setup, "doctor": add_doctor,
+            "pause": add_pause, "unpause": add_unpause, "observe": add_observe}
 DIR_HELP = ("state directory (default: $FABLIZE_DIR, else .fablize/ found walking up to the "
             "repository root); a project root means its .fablize/")
 JSON_HELP = "print exactly one JSON object to stdout"

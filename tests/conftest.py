@@ -10,6 +10,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "goals.py"
+# the interpreter that runs the engine in subprocess tests: `make test` also runs them on the
+# oldest supported Python (3.9) where one is installed
+ENGINE_PYTHON = os.environ.get("FABLIZE_TEST_PYTHON") or sys.executable
 sys.path.insert(0, str(SCRIPT.parent))
 
 import goals  # noqa: E402
@@ -45,6 +48,10 @@ def project(tmp_path, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     (tmp_path / ".git").mkdir()
     monkeypatch.chdir(tmp_path)
+    # in-process, the engine names itself `goals.py` in what it prints; how it names itself when
+    # really started (installed, plugin, script) is tested through subprocesses
+    monkeypatch.setattr(goals, "invocation", lambda cwd=None: "goals.py")
+    monkeypatch.setenv("PATH", os.environ.get("PATH", ""))  # whatever a test puts on it goes again
     return tmp_path
 
 
@@ -65,7 +72,7 @@ def run_cli(*args, cwd, env=None, input=None, timeout=120):
     full_env = {k: v for k, v in os.environ.items()
                 if not k.startswith("FABLIZE_") and k != "GITHUB_STEP_SUMMARY"}
     full_env.update(env or {})
-    p = subprocess.run([sys.executable, str(SCRIPT), *[str(a) for a in args]], cwd=str(cwd),
+    p = subprocess.run([ENGINE_PYTHON, str(SCRIPT), *[str(a) for a in args]], cwd=str(cwd),
                        env=full_env, input=input, capture_output=True, timeout=timeout)
     return Result(p.returncode, p.stdout.decode("utf-8", "replace"),
                   p.stderr.decode("utf-8", "replace"))

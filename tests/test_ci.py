@@ -694,7 +694,7 @@ def test_guard_blocks_while_work_is_ready_naming_next(fab, guard):
     assert "G002 \"S2\" is ready" in reason and f"Run: {CLI} next" in reason
 
 
-@pytest.mark.parametrize("situation", ["complete", "blocked", "review", "no_plan", "no_state_dir"])
+@pytest.mark.parametrize("situation", ["complete", "blocked", "no_plan", "no_state_dir"])
 def test_guard_lets_the_agent_stop(fab, guard, situation):
     if situation == "complete":
         make_plan(fab, 2)

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from conftest import assert_refused, complete, ledger, make_plan, run_cli, state_files
+from conftest import SCRIPT, assert_refused, complete, ledger, make_plan, run_cli, state_files
 
 STORY_ROW = re.compile(r"^  (\S) (G\d{3}) \[(\w+)\] (.*)$")
 
@@ -78,8 +78,8 @@ def test_script_written_for_the_original_cli_runs_unchanged(project):
     assert lines[1] == "Objective: draw the login form"
     assert RULE in lines
     assert not any(line.startswith("★ Final story") for line in lines)
-    assert 'On completion: goals.py checkpoint --id G001 --status complete --evidence "<evidence>"' \
-        in lines
+    assert f'On completion: python3 {SCRIPT} checkpoint --id G001 --status complete --evidence ' \
+        '"<evidence>"' in lines  # the script, by a path that runs from anywhere
     refused_with(run("checkpoint", "--id", "G001", "--status", "complete"), 1, NO_EVIDENCE)
     r = run("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "form renders")
     assert r.code == 0, r
@@ -104,7 +104,7 @@ def test_script_written_for_the_original_cli_runs_unchanged(project):
     lines = r.out.splitlines()
     assert lines[0] == "=== fablize handoff — G003 Verify"
     assert any(line.startswith("★ Final story — ") for line in lines), r
-    assert any(line.startswith('On completion: goals.py checkpoint --id G003 --status complete '
+    assert any(line.startswith(f'On completion: python3 {SCRIPT} checkpoint --id G003 --status complete '
                                '--evidence "<evidence>"') for line in lines), r
     refused_with(run("checkpoint", "--id", "G003", "--status", "complete", "--evidence", "ran"),
                  1, GATE)

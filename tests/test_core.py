@@ -535,11 +535,30 @@ JSON_CASES = {
     "install-block": (nothing, ["install-block", "AGENTS.md"],
                       lambda fab: (fab.root / "AGENTS.md").symlink_to(fab.root / "target.md"),
                       ["install-block", "AGENTS.md"], "symlink", 1),
+    "setup": (nothing, ["setup"],
+              lambda fab: (fab.root / "CLAUDE.md").symlink_to(fab.root / "target.md"),
+              ["setup"], "symlink", 1),
+    "doctor": (lambda fab: wired(fab), ["doctor"], nothing, ["doctor"], "doctor_problems", 1),
+    "pause": (plan2, ["pause", "--note", "n"], lambda fab: (plan2(fab), fab("pause")), ["pause"],
+              "already_paused", 1),
+    "unpause": (lambda fab: (plan2(fab), fab("pause")), ["unpause"], plan2, ["unpause"],
+                "not_paused", 1),
 }
 
 
+def wired(fab):
+    """`setup` done, with a `fablize` on PATH (the in-process engine names itself so)."""
+    bin_dir = fab.root / "bin"
+    bin_dir.mkdir()
+    shim = bin_dir / "fablize"
+    shim.write_text(f"#!/bin/sh\nexec {sys.executable} {SCRIPT} \"$@\"\n")
+    shim.chmod(0o755)
+    os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"  # restored by `project`
+    assert fab("setup").code == 0
+
+
 def test_json_cases_cover_every_command_but_the_hook():
-    assert set(JSON_CASES) == set(goals.COMMANDS) - {"guard"}
+    assert set(JSON_CASES) == set(goals.COMMANDS) - {"guard", "observe"}
 
 
 @pytest.mark.parametrize("position", ["after", "before"])

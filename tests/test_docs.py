@@ -275,9 +275,12 @@ def test_readme_quick_start_prints_what_the_engine_prints(fab):
 
 
 def test_block_file_is_exactly_the_block_the_engine_installs():
-    expected = goals.render_block("python3 scripts/goals.py")
+    # the command `setup` writes for a project holding the script: it runs on every clone,
+    # from any directory
+    cli = 'python3 "$(git rev-parse --show-toplevel)/scripts/goals.py"'
+    expected = goals.render_block(cli)
     assert read(BLOCK) == expected, \
-        "fablize-block.md drifted: regenerate it with goals.render_block(\"python3 scripts/goals.py\")"
+        f"fablize-block.md drifted: regenerate it with goals.render_block({cli!r})"
     assert expected.startswith(goals.BLOCK_BEGIN) and expected.rstrip("\n").endswith(goals.BLOCK_END)
 
 
@@ -300,7 +303,8 @@ def test_skill_front_matter_names_fablize_and_says_when_to_use_it():
 def test_skill_gives_both_invocations_and_teaches_the_whole_loop():
     text = read(SKILL)
     assert "python3 scripts/goals.py" in text
-    assert 'python3 "${CLAUDE_PLUGIN_ROOT}/scripts/goals.py"' in text
+    assert 'python3 "$(git rev-parse --show-toplevel)/scripts/goals.py"' in text
+    assert "`fablize`" in text and '"${CLAUDE_PLUGIN_ROOT}/bin/fablize"' in text
     used = check_invocations(text, "SKILL.md")
     assert {"create", "next", "checkpoint", "status", "decide", "add", "judge-packet",
             "verdict"} <= used
@@ -393,10 +397,13 @@ def hook_commands(hooks, event):
 def test_readme_hooks_snippet_matches_the_plugin_hooks():
     readme = readme_settings()
     plugin = json.loads(read(ROOT / "hooks" / "hooks.json"))["hooks"]
-    assert set(readme) == set(plugin) == {"Stop", "SessionStart"}
+    assert set(readme) == set(plugin) == {"Stop", "SessionStart", "PostToolUse",
+                                          "PostToolUseFailure"}
     for event in plugin:
         assert [g.get("matcher") for g in readme[event]] == [g.get("matcher") for g in plugin[event]]
-        args = [[c.split('goals.py"', 1)[1].strip() for c in hook_commands(h, event)]
+        # the program differs (the script in the project, the plugin's bin/fablize); the
+        # arguments must not
+        args = [[re.split(r'goals\.py"|bin/fablize"', c, 1)[1].strip() for c in hook_commands(h, event)]
                 for h in (readme, plugin)]
         assert args[0] == args[1], f"{event}: README runs {args[0]}, the plugin {args[1]}"
 

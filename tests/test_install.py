@@ -29,9 +29,9 @@ def clean_env(**extra):
 
 
 def expected_block():
-    """fablize-block.md, with the command pointing at the script that installs it."""
-    text = (ROOT / "fablize-block.md").read_text(encoding="utf-8")
-    return text.replace("python3 scripts/goals.py", CLI)
+    """fablize-block.md, with the command a clone of the project can run: the script installing
+    it lives outside the project, so that is the `fablize` command, never an absolute path."""
+    return goals.render_block("fablize")
 
 
 def test_install_block_creates_claude_md_at_the_repository_root(fab, monkeypatch):
@@ -44,7 +44,7 @@ def test_install_block_creates_claude_md_at_the_repository_root(fab, monkeypatch
     text = target.read_text(encoding="utf-8")
     assert text == expected_block()
     assert text.startswith(BEGIN + "\n") and text.endswith(END + "\n")
-    assert f"`{CLI} next`" in text and os.path.isabs(str(SCRIPT))
+    assert "`fablize next`" in text and str(SCRIPT) not in text
     assert not (fab.root / "CLAUDE.md.fablize-backup").exists()  # nothing to back up
     assert not (sub / "CLAUDE.md").exists()
 
@@ -249,9 +249,9 @@ def test_pip_install_gives_a_fablize_command_that_drives_a_plan_from_another_dir
     assert run_cli("audit", "--require-complete", cwd=project).code == 0
 
     # what was installed is scripts/goals.py itself, and nothing it depends on
-    probe = ("import goals, json; from importlib.metadata import files, requires; "
-             "print(json.dumps([goals.__file__, requires('fablize'), "
-             "[str(f) for f in files('fablize')]]))")
+    probe = ("import fablize_gate, json; from importlib.metadata import files, requires; "
+             "print(json.dumps([fablize_gate.__file__, requires('fablize-gate'), "
+             "[str(f) for f in files('fablize-gate')]]))")
     p = subprocess.run([str(venv / "python"), "-c", probe], cwd=str(tmp_path), env=clean_env(),
                        capture_output=True, timeout=60)
     assert p.returncode == 0, p.stderr
@@ -259,7 +259,7 @@ def test_pip_install_gives_a_fablize_command_that_drives_a_plan_from_another_dir
     assert Path(module).read_bytes() == SCRIPT.read_bytes()
     assert not requires
     payload = sorted(f for f in files if ".dist-info/" not in f and "__pycache__" not in f)
-    assert payload == ["../../../bin/fablize", "goals.py"]
+    assert payload == ["../../../bin/fablize", "fablize_gate.py"]  # a module name of its own
 
 
 def test_the_script_runs_without_installing_anything(tmp_path):
@@ -480,10 +480,9 @@ def hook_commands(event):
 
 def test_hooks_file_registers_the_guard_and_the_session_start_status():
     groups, commands = hook_commands("Stop")
-    assert len(commands) == 1 and re.search(r"goals\.py\"? guard$", commands[0])
-    assert "${CLAUDE_PLUGIN_ROOT}" in commands[0]
+    assert commands == ['"${CLAUDE_PLUGIN_ROOT}/bin/fablize" guard']  # the plugin's own command
     groups, commands = hook_commands("SessionStart")
-    assert len(commands) == 1 and re.search(r"goals\.py\"? status --resume$", commands[0])
+    assert commands == ['"${CLAUDE_PLUGIN_ROOT}/bin/fablize" status --resume']
     for group in groups:  # SessionStart matchers are the documented sources
         assert set(group.get("matcher", "startup").split("|")) <= {
             "startup", "resume", "clear", "compact"}
@@ -544,10 +543,10 @@ def test_stop_hook_blocks_while_work_is_left_and_allows_otherwise(fab):
     code, out, _ = stop(fab.root)
     block = json.loads(out)
     assert code == 0 and block["decision"] == "block"
-    assert f"{CLI} checkpoint --id G001 --status complete" in block["reason"]
+    assert "fablize checkpoint --id G001 --status complete" in block["reason"]
     fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "x")
     code, out, _ = stop(fab.root, active=True)
-    assert json.loads(out)["decision"] == "block" and f"{CLI} next" in out
+    assert json.loads(out)["decision"] == "block" and "fablize next" in out
     complete(fab, "G002", final=True)
     code, out, _ = stop(fab.root)
     assert (code, out) == (0, "")  # complete

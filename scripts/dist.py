@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""`make dist`: everything a release ships, built from the checkout into dist/.
+
+  fablize_gate-V-py3-none-any.whl   pip / pipx / uv tool install it (`fablize` command)
+  fablize_gate-V.tar.gz             the sdist (the same files the wheel is built from)
+  fablize-gate-V-plugin.zip         the Claude Code plugin and its marketplace: unzip it and
+                                    `claude plugin marketplace add` the folder
+  skill/fablize/                    what a skill installer should copy: SKILL.md on top and the
+                                    one script it runs, nothing else
+
+Every artifact holds scripts/goals.py itself (the single source), byte for byte.
+"""
+
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import goals  # noqa: E402
+
+VERSION = goals.__version__
+# the plugin as Claude Code installs it: manifests, hooks, the judge agent, the skill, the engine
+PLUGIN_FILES = [".claude-plugin/plugin.json", ".claude-plugin/marketplace.json",
+                "hooks/hooks.json", "agents/fablize-judge.md", "bin/fablize", "bin/fablize.cmd",
+                "scripts/goals.py", "SKILL.md", "fablize-block.md", "README.md", "LICENSE",
+                "CHANGELOG.md"]
+SKILL_FILES = ["SKILL.md", "scripts/goals.py", "LICENSE"]
+SDIST_FILES = ["pyproject.toml", "setup.py", "MANIFEST.in", "scripts/goals.py", "README.md",
+               "LICENSE", "CHANGELOG.md"]
+
+
+def build_wheel(out):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
+                    "--disable-pip-version-check", "-w", out, ROOT], check=True)
+    for d in ("build", "fablize_gate.egg-info", os.path.join("scripts", "fablize_gate.egg-info")):
+        shutil.rmtree(os.path.join(ROOT, d), ignore_errors=True)
+    return os.path.join(out, f"fablize_gate-{VERSION}-py3-none-any.whl")
+
+
+def build_sdist(out, wheel):
+    """The sdist: the source files and PKG-INFO, the core metadata the wheel build wrote."""
+    with zipfile.ZipFile(wheel) as z:
+        metadata = z.read(f"fablize_gate-{VERSION}.dist-info/METADATA")
+    base = f"fablize_gate-{VERSION}"
+    path = os.path.join(out, base + ".tar.gz")
+    with tarfile.open(path, "w:gz", format=tarfile.PAX_FORMAT) as tar:
+        def add(name, data, mode=0o644):
+            info = tarfile.TarInfo(f"{base}/{name}")
+            info.size, info.mode, info.mtime = len(data), mode, 0
+            tar.addfile(info, io.BytesIO(data))
+        add("PKG-INFO", metadata)
+        for rel in SDIST_FILES:
+            with open(os.path.join(ROOT, rel), "rb") as f:
+                add(rel, f.read())
+    return path
+
+
+def build_plugin(out):
+    path = os.path.join(out, f"fablize-gate-{VERSION}-plugin.zip")
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for rel in PLUGIN_FILES:
+            src = os.path.join(ROOT, rel)
+            info = zipfile.ZipInfo(f"fablize-gate/{rel}", date_time=(2026, 1, 1, 0, 0, 0))
+            info.external_attr = (0o100755 if os.access(src, os.X_OK) else 0o100644) << 16
+            info.compress_type = zipfile.ZIP_DEFLATED
+            with open(src, "rb") as f:
+                z.writestr(info, f.read())
+    return path
+
+
+def build_skill(out):
+    target = os.path.join(out, "skill", "fablize")
+    shutil.rmtree(target, ignore_errors=True)
+    for rel in SKILL_FILES:
+        os.makedirs(os.path.dirname(os.path.join(target, rel)), exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, rel), os.path.join(target, rel))
+    return target
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    out = os.path.abspath(argv[0] if argv else os.path.join(ROOT, "dist"))
+    os.makedirs(out, exist_ok=True)
+    wheel = build_wheel(out)
+    for built in (wheel, build_sdist(out, wheel), build_plugin(out), build_skill(out)):
+        print(f"dist: {os.path.relpath(built, os.getcwd())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
