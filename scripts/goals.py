@@ -2176,7 +2176,8 @@ def first_difference(expected, actual, path=""):
 SHARE = "share.json"
 REJECTED = "rejected.jsonl"
 SHARED_REFS = "refs/fablize/plans/"
-PUSH_ATTEMPTS = 25
+PUSH_ATTEMPTS = 12
+CLAIM_ATTEMPTS = 5
 GIT_TIMEOUT = 60.0
 SHARE_SPEC = compile_spec({"remote": str, "plan_id": str, "seq": int, "head": str,
                            "commit": _TEXT})
@@ -2560,8 +2561,32 @@ def publish(session, claim=False, fetch_first=False):
             who = f" — agent {one_line(held['agent'])} holds it" if held and held["agent"] else ""
             raise refused(f"{one_line(ev.get('id') or ev['event'])} was taken on {cfg['remote']} "
                           f"meanwhile{who}; this {ev['event']} was not published "
-                          f"({one_line(r['reason'])}).", "held_by_other")
+                          f"({one_line(r['reason'])}).", "claim_lost")
     return session.plan
+
+
+def claim_story(session, story, agent):
+    """`next`'s story_started; in a shared plan it counts only once it is on the remote, and a
+    claim lost to another machine (said, set aside) moves on to the next ready story, a bounded
+    number of times. Returns the story now held."""
+    import random
+    for attempt in range(CLAIM_ATTEMPTS):
+        session.commit("story_started", id=story["id"], title=story["title"],
+                       round=story["round"] + 1, agent=agent)
+        try:
+            publish(session, claim=True)
+            return find_story(session.plan, story["id"])
+        except FablizeError as e:
+            if e.code != "claim_lost" or attempt == CLAIM_ATTEMPTS - 1:
+                raise
+            lost = e
+        ready = [x for x in session.plan["goals"] if is_ready(session.plan, x)]
+        if not ready:
+            raise lost
+        # the other writers just won the first ready story: a random one avoids a convoy
+        story = random.choice(ready)
+        session.out.warn(f"{lost.message} Claiming {story['id']} instead.")
+    raise lost
 
 
 def share_status(store, plan):
@@ -2936,11 +2961,8 @@ def cmd_next(ctx, a):
                     ctx.data.update(done=True, story=None, plan=plan_json(plan))
                     return
                 raise stuck_error(ctx, plan, agent)
-            s.commit("story_started", id=story["id"], title=story["title"],
-                     round=story["round"] + 1, agent=agent)
-            publish(s, claim=True)  # Sharing: hand it out only once the claim is on the remote
+            story = claim_story(s, story, agent)  # Sharing: on the remote before it is handed out
             plan = s.plan
-            story = find_story(plan, story["id"])
     lines = render_handoff(ctx, plan, story, reshown)
     for line in lines:
         ctx.say(line)
