@@ -739,6 +739,26 @@ def _ev_story_released(plan, ev):
     return plan
 
 
+def _ev_plan_merged(plan, ev):
+    """`git merge` of a branch whose plan is another one: that plan's whole ledger rides along
+    in this event, replayed here through the same rules, so it audits as it did on its branch."""
+    other, head = None, ZERO_HASH
+    for i, text in enumerate(ev["lines"], 1):
+        raw = text.encode("utf-8")
+        inner = parse_event(raw)
+        if inner is None or inner["seq"] != i or inner.get("prev") != head:
+            raise damaged(f"merged plan {one_line(ev['plan_id'])}: its line {i} is not the next "
+                          "event of its hash chain.", "broken_chain")
+        check_event(inner, i)
+        other = apply_event(other, inner)
+        head = sha256_hex(raw)
+    if other is None or other["plan_id"] != ev["plan_id"] or head != ev["head"] \
+            or len(ev["lines"]) != ev["events"] or other["plan_id"] == plan["plan_id"]:
+        raise damaged(f"merged plan {one_line(ev['plan_id'])}: its lines do not give the plan, "
+                      "head and event count the event names.", "bad_event")
+    return plan
+
+
 _SPEC_STORY = {"id": str, "title": str, "objective": str, "after": ([str], _N),
                "checks": ([str], _N), "accept": ([str], _N), "judge": (bool, _N),
                "status": _TEXT, "evidence": _TEXT}
@@ -756,6 +776,7 @@ EVENT_SPECS = {
     "verdict": {"id": str, "verdict": str, "evidence": _TEXT, "agent": _TEXT},
     "guard_block": {"reason": _TEXT, "fresh": (bool, _N)},
     "story_released": {"id": str, "note": _TEXT, "agent": _TEXT},
+    "plan_merged": {"plan_id": str, "events": int, "head": str, "lines": [str]},
 }
 _EVENT_CHECKS = {kind: compile_spec(dict(spec, ts=str), required=False)
                  for kind, spec in EVENT_SPECS.items()}
@@ -770,6 +791,7 @@ TRANSITIONS = {
     "verdict": _ev_verdict,
     "guard_block": _ev_guard_block,
     "story_released": _ev_story_released,
+    "plan_merged": _ev_plan_merged,
 }
 
 
@@ -2041,6 +2063,8 @@ def audit_ledger(data, snapshot_raw, since=None, require_independent=False):
             raise damaged(f"{SNAPSHOT} was changed outside fablize: its digest does not match its "
                           "content.", "snapshot_edited")
     snap_seq = snap.get("ledger", {}).get("seq") if isinstance(snap, dict) else None
+    if since is not None and b'"event":"plan_merged"' in data:  # a pin of a plan merged in
+        since_found = merged_pin(lines, since_seq, since_hash)
     snap_view = None
     independence, run_logs = [], []
     for lineno, (line, ev) in enumerate(zip(lines, parse_in_chunks(lines, data)), 1):
@@ -2789,6 +2813,115 @@ def cmd_release(ctx, a):
     ctx.say(f"fablize: {a.id} released from agent {one_line(holder or 'unnamed')} → pending (its "
             "round is given back; the release is recorded in the ledger).")
     ctx.data.update(story=story_json(plan, find_story(plan, a.id)), released_from=holder)
+
+
+# Branches that merge: a merge driver for committed plans ####################
+#
+# Two branches that each replace or advance the committed plan change the same two files. Git
+# asks the driver (installed by `install-merge`: one .gitattributes line, one git config entry)
+# for the merged content of each. The same plan advanced further on one side: that side. Two
+# different plans: the one created later stays current and the other's whole ledger is carried
+# in one appended `plan_merged` event, replayed by audit, so both audit with their pins. The
+# snapshot of the current plan is then one event behind: the next command rolls it forward.
+
+MERGE_ATTRIBUTE = "merge=fablize"
+
+
+def merged_pin(lines, since_seq, since_hash):
+    """Whether a `--since` pin names a line of a plan carried in by a plan_merged event."""
+    for line in lines:
+        if b'"plan_merged"' not in line:
+            continue
+        ev = parse_event(line)
+        if ev is None or ev.get("event") != "plan_merged" or not isinstance(ev.get("lines"), list):
+            continue
+        inner = [x.encode("utf-8") for x in ev["lines"] if isinstance(x, str)]
+        for i, raw in enumerate(inner, 1):
+            if (since_seq is None or since_seq == i) and sha256_hex(raw) == since_hash:
+                return True
+        if merged_pin(inner, since_seq, since_hash):
+            return True
+    return False
+
+
+def merge_ledgers(ours, theirs):
+    """The merged ledger.jsonl, or a refusal (git then leaves the conflict to a human)."""
+    lo, lt = ours.splitlines(), theirs.splitlines()
+    if not lo or not lt:
+        return ours or theirs
+    if lo[0] == lt[0]:
+        if lt[:len(lo)] == lo:
+            return theirs
+        if lo[:len(lt)] == lt:
+            return ours
+        at = next(i for i, (x, y) in enumerate(zip(lo, lt), 1) if x != y)
+        raise refused(f"both branches advanced the same plan differently (from event {at}); "
+                      "keep one side: `git checkout --ours .fablize/` or `--theirs`.", "diverged")
+    mine, other = audit_ledger(ours, None)["plan"], audit_ledger(theirs, None)["plan"]
+    if (other["created"], other["plan_id"]) > (mine["created"], mine["plan_id"]):
+        (mine, lo, ours), (other, lt, theirs) = (other, lt, theirs), (mine, lo, ours)
+    ev = {"seq": mine["ledger"]["seq"] + 1, "ts": now_iso(), "event": "plan_merged",
+          "plan_id": other["plan_id"], "events": len(lt), "head": other["ledger"]["head"],
+          "lines": [x.decode("utf-8") for x in lt], "prev": mine["ledger"]["head"]}
+    apply_event(mine, ev)
+    return ours + dumps(ev).encode("utf-8") + b"\n"
+
+
+def merge_snapshots(ours, theirs):
+    """goals.json of the plan merge_ledgers keeps current (same rule, read from the snapshot)."""
+    try:
+        so, st = load_json(ours), load_json(theirs)
+        ko = (so["plan_id"], so["ledger"]["seq"], so["created"])
+        kt = (st["plan_id"], st["ledger"]["seq"], st["created"])
+    except (ValueError, KeyError, TypeError):
+        raise damaged(f"{SNAPSHOT}: one side is not a fablize snapshot.", "bad_snapshot")
+    if ko[0] == kt[0]:
+        if ko[1] == kt[1]:
+            raise refused("both branches changed the same plan's snapshot at the same event.",
+                          "diverged")
+        return ours if ko[1] > kt[1] else theirs
+    return ours if (ko[2], ko[0]) > (kt[2], kt[0]) else theirs
+
+
+def cmd_merge_driver(ctx, a):
+    ours, theirs = (read_state_file(p) or b"" for p in (a.ours, a.theirs))
+    name = os.path.basename(a.path or "")
+    if ours == theirs:
+        return
+    if name == LEDGER:
+        merged = merge_ledgers(ours, theirs)
+    elif name == SNAPSHOT:
+        merged = merge_snapshots(ours, theirs)
+    else:
+        raise refused(f"{one_line(a.path)}: both branches changed it and only {LEDGER} and "
+                      f"{SNAPSHOT} merge by replay.", "conflict")
+    write_file_atomic(a.ours, merged)
+    ctx.out.warn(f"merged {one_line(a.path)} by replay.")
+
+
+def cmd_install_merge(ctx, a):
+    store = ctx.store
+    root = store.root
+    if git(root, "rev-parse", "--git-dir").returncode != 0:
+        raise refused(f"{root} is not a git repository.", "no_git_repo")
+    rel = os.path.relpath(store.dir, root).replace(os.sep, "/")
+    if rel.startswith(".."):
+        raise refused("the state directory is outside the repository: nothing to merge.",
+                      "outside_repository")
+    line = f"/{rel}/*.json* {MERGE_ATTRIBUTE}"
+    path = os.path.join(root, ".gitattributes")
+    if os.path.islink(path):
+        raise symlink_refusal(path)
+    old = read_state_file(path) or b""
+    if line.encode() not in old.splitlines():
+        write_file_atomic(path, old + (b"" if not old or old.endswith(b"\n") else b"\n")
+                          + line.encode() + b"\n")
+    driver = f"{ctx.cli} merge-driver %O %A %B %P"
+    git_out(root, "config", "merge.fablize.name", "fablize: plans merge by replay")
+    git_out(root, "config", "merge.fablize.driver", driver)
+    ctx.say(f"fablize: .gitattributes has `{line}` (commit it); this clone's git config runs "
+            f"`{driver}` for those files.")
+    ctx.data.update(attribute=line, driver=driver)
 
 
 # Commands ###################################################################
@@ -3779,12 +3912,27 @@ def add_release(command):
     c.add_argument("--note", required=True, help="why the claim ends (who decided, what was seen)")
 
 
+def add_merge_driver(command):
+    c = command("merge-driver", cmd_merge_driver, "git's merge driver for committed plan files "
+                "(git runs it; see `install-merge`)")
+    c.add_argument("base", help="the common ancestor's version (%%O)")
+    c.add_argument("ours", help="our version, replaced by the merged one (%%A)")
+    c.add_argument("theirs", help="their version (%%B)")
+    c.add_argument("path", nargs="?", help="the file's path in the repository (%%P)")
+
+
+def add_install_merge(command):
+    command("install-merge", cmd_install_merge, "let `git merge` merge committed plans: one "
+            ".gitattributes line (commit it) and the driver in this clone's git config")
+
+
 COMMANDS = {"create": add_create, "next": add_next, "checkpoint": add_checkpoint,
             "status": add_status, "verify": add_verify, "decide": add_decide, "add": add_add,
             "audit": add_audit, "rebuild": add_rebuild, "log": add_log, "guard": add_guard,
             "report": add_report, "judge-packet": add_judge_packet, "verdict": add_verdict,
             "install-block": add_install_block, "share": add_share, "sync": add_sync,
-            "release": add_release}
+            "release": add_release, "merge-driver": add_merge_driver,
+            "install-merge": add_install_merge}
 # one line each in `goals.py --help`; each command's own --help says more
 SUMMARIES = {
     "create": "create a plan of sequential stories",
@@ -3805,6 +3953,8 @@ SUMMARIES = {
     "share": "share the plan through a git remote",
     "sync": "pull and publish a shared plan",
     "release": "end a silent agent's claim on a story",
+    "merge-driver": "git's merge driver for plan files",
+    "install-merge": "let `git merge` merge committed plans",
 }
 DIR_HELP = ("state directory (default: $FABLIZE_DIR, else .fablize/ found walking up to the "
             "repository root)")
