@@ -180,6 +180,37 @@ class Bench:
         return ops, elapsed, audit.returncode
 
 
+def shared_plan_cost(python, work, repeat):
+    """What sharing adds: `next` + `checkpoint` in a plan shared through a local bare remote,
+    next to the same commands in a local plan. Self-contained (its own repositories); the
+    figures are medians in ms, printed and returned."""
+    env = dict(os.environ, GIT_AUTHOR_NAME="bench", GIT_AUTHOR_EMAIL="bench@localhost",
+               GIT_COMMITTER_NAME="bench", GIT_COMMITTER_EMAIL="bench@localhost",
+               GIT_CONFIG_NOSYSTEM="1", HOME=work)
+    env.pop("FABLIZE_DIR", None)
+    remote, results = os.path.join(work, "shared.git"), {}
+    subprocess.run(["git", "init", "-q", "--bare", remote], check=True, env=env)
+    for kind in ("local", "shared"):
+        clone = os.path.join(work, f"clone-{kind}")
+        subprocess.run(["git", "clone", "-q", remote, clone], check=True, env=env,
+                       stderr=subprocess.DEVNULL)
+        share = ["--remote", "origin"] if kind == "shared" else []
+        subprocess.run([python, SCRIPT, "create", "--brief", "bench", "--parallel", *share,
+                        *[f"--goal=s{i}::o{i}" for i in range(repeat + 1)]],
+                       cwd=clone, env=env, check=True, stdout=subprocess.DEVNULL)
+        nexts, checkpoints = [], []
+        for i in range(repeat):
+            nexts.append(timed([python, SCRIPT, "next", "--agent", "a"], clone, env))
+            checkpoints.append(timed([python, SCRIPT, "checkpoint", "--id", goals.story_id(i + 1),
+                                      "--status", "complete", "--evidence", "bench",
+                                      "--agent", "a"], clone, env))
+        results[kind] = (median_ms(nexts), median_ms(checkpoints))
+    (ln, lc), (sn, sc) = results["local"], results["shared"]
+    print(f"  shared plan (local bare remote): next {sn:.1f} ms (local {ln:.1f}, +{sn - ln:.1f}), "
+          f"checkpoint {sc:.1f} ms (local {lc:.1f}, +{sc - lc:.1f})", flush=True)
+    return results
+
+
 def markdown(bench, audits, concurrency):
     out = ["| command | stories | ledger events | median | over `python3 -c pass` | ratio |",
            "|---|---:|---:|---:|---:|---:|"]
@@ -216,6 +247,7 @@ def main(argv=None):
             bench.measure_state(work, stories, events)
         audits = [bench.audit_throughput(work, 100_000 if a.quick else 1_000_000)]
         concurrency = bench.concurrent(work, 16, 2 if a.quick else 3)
+        shared_plan_cost(sys.executable, work, repeat)
         if a.markdown:
             print()
             print(markdown(bench, audits, concurrency))

@@ -2246,6 +2246,13 @@ def check_remote(store, remote):
     return remote
 
 
+def check_plan_id(plan_id):
+    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*", plan_id or "") or ".." in plan_id:
+        raise usage(f"--plan takes a plan id (as `sync` lists them), not {one_line(plan_id)!r}.",
+                    "bad_plan_id")
+    return plan_id
+
+
 def share_config(store):
     """The shared plan's record, or None for a local plan (one lstat, no git)."""
     path = store.path(SHARE)
@@ -2389,6 +2396,9 @@ def integrate(session, cfg, tip):
         for line, log in incoming:
             seq += 1
             plan, ev = apply_shared_line(plan, line, seq, head, cfg["remote"])
+            if seq == 1 and plan["plan_id"] != cfg["plan_id"]:
+                raise damaged(f"the shared plan {cfg['plan_id']} on {cfg['remote']} holds plan "
+                              f"{one_line(plan['plan_id'])}.", "bad_remote_event")
             head = plan["ledger"]["head"]
             write_run_log(store, ev, log, cfg["remote"])
             lines.append(line)
@@ -2703,7 +2713,7 @@ def cmd_sync(ctx, a):
         remote = check_remote(store, a.remote or default_remote(store))
         plans = shared_plan_refs(store, remote)
         if a.plan:
-            if a.plan not in plans:
+            if check_plan_id(a.plan) not in plans:
                 raise refused(f"{remote} shares no plan {one_line(a.plan)}.", "not_found")
             plan_id = a.plan
         elif len(plans) == 1:
@@ -2773,7 +2783,7 @@ def audit_remote_source(ctx, a):
     """audit --remote: (ledger bytes, no snapshot, run logs) of the plan on the remote."""
     store = ctx.store
     remote = check_remote(store, a.remote)
-    plan_id = a.plan
+    plan_id = a.plan and check_plan_id(a.plan)
     if plan_id is None:
         cfg = share_config(store) if store.exists() else None
         if cfg is not None and cfg["remote"] == remote:

@@ -178,6 +178,7 @@ def test_sync_asks_which_plan_when_the_remote_shares_several(net):
     b = net.clone("b")
     r = assert_refused(b, ["sync"], 1, "--plan ID")
     assert first in r.err and second in r.err
+    assert_refused(b, ["sync", "--plan", "x:refs/heads/main"], 2, "--plan takes a plan id")
     assert b("sync", "--plan", second).code == 0
     assert b("status", "--json").json["plan_id"] == second
 
@@ -481,3 +482,10 @@ def test_bar_four_clones_four_agents_each_complete_a_40_story_parallel_plan(net)
     assert fresh("sync").code == 0
     audit_ok(fresh, "--require-complete")
     assert time.monotonic() - started < 60
+
+
+def test_bench_measures_a_shared_plan_command_against_a_local_bare_remote(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import bench
+    results = bench.shared_plan_cost(sys.executable, str(tmp_path), 1)
+    assert set(results) == {"local", "shared"} and all(x > 0 for r in results.values() for x in r)
