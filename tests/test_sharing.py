@@ -111,7 +111,19 @@ def test_create_remote_publishes_one_commit_per_event_holding_its_exact_line(net
     ref = "refs/fablize/plans/" + plan_id
     run_commit = git(net.remote, "rev-list", "-1", "--grep", "verify_run", ref).strip()
     assert git(net.remote, "cat-file", "blob", f"{run_commit}:log") == "hello-log\n"
-    assert (a.dir / ".gitignore").read_text().strip().endswith("*")
+    # a shared plan lives in refs, not in the branch: branch merges never touch it
+    assert ".fablize" not in git(a.root, "status", "--porcelain", "--untracked-files=all")
+
+
+def test_create_force_in_a_shared_plan_publishes_the_new_plan_under_its_own_ref(net):
+    a, b = net.clone("a"), net.clone("b")
+    old = create(a, 2)
+    r = a("create", "--force", "--brief", "second", "--goal", "x::y")
+    assert r.code == 0, r
+    new = a("status", "--json").json["plan_id"]
+    assert new != old and len(net.remote_lines(new)) == 1 and len(net.remote_lines(old)) == 1
+    assert b("sync", "--plan", new).code == 0
+    assert b("status", "--json").json["brief"] == "second"
 
 
 def test_share_publishes_an_existing_plan_and_refuses_an_unknown_remote(net):
