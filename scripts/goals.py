@@ -2893,6 +2893,27 @@ def merge_snapshots(ours, theirs):
     return ours if (ko[2], ko[0]) > (kt[2], kt[0]) else theirs
 
 
+def merge_run_log(path, ours, theirs):
+    """Two different logs at one runs/ path: the current plan's (the side merge_ledgers keeps).
+    Their branch is named only by the GITHEAD_<commit> variable `git merge` sets."""
+    heads = [k[len("GITHEAD_"):] for k in os.environ if re.fullmatch(r"GITHEAD_[0-9a-f]{40,64}", k)]
+    ledger = path.rsplit("/" + RUNS + "/", 1)[0] + "/" + LEDGER
+    if len(heads) != 1:
+        raise refused(f"{one_line(path)}: both branches wrote a different run log here, and this "
+                      "is not a `git merge` of one branch.", "conflict")
+    sides = []
+    for rev in ("HEAD", heads[0]):
+        p = git(".", "show", f"{rev}:{ledger}")
+        sides.append(p.stdout if p.returncode == 0 else b"")
+    if not all(sides):
+        raise refused(f"{one_line(path)}: a side has no {LEDGER} to tell whose run it is.",
+                      "conflict")
+    merged = merge_ledgers(*sides)
+    if merged == sides[1] or (merged != sides[0] and not merged.startswith(sides[0])):
+        return theirs
+    return ours
+
+
 def cmd_merge_driver(ctx, a):
     ours, theirs = (read_state_file(p) or b"" for p in (a.ours, a.theirs))
     name = os.path.basename(a.path or "")
@@ -2902,6 +2923,8 @@ def cmd_merge_driver(ctx, a):
         merged = merge_ledgers(ours, theirs)
     elif name == SNAPSHOT:
         merged = merge_snapshots(ours, theirs)
+    elif f"/{RUNS}/" in "/" + (a.path or "") and name.endswith(".log"):
+        merged = merge_run_log(a.path, ours, theirs)
     else:
         raise refused(f"{one_line(a.path)}: both branches changed it and only {LEDGER} and "
                       f"{SNAPSHOT} merge by replay.", "conflict")
@@ -2918,7 +2941,7 @@ def cmd_install_merge(ctx, a):
     if rel.startswith(".."):
         raise refused("the state directory is outside the repository: nothing to merge.",
                       "outside_repository")
-    line = f"/{rel}/*.json* {MERGE_ATTRIBUTE}"
+    line = f"/{rel}/** {MERGE_ATTRIBUTE}"
     path = os.path.join(root, ".gitattributes")
     if os.path.islink(path):
         raise symlink_refusal(path)

@@ -58,23 +58,26 @@ def based(repo):
 def test_two_branches_completing_different_plans_merge_and_both_audit_with_their_pins(repo):
     based(repo)
     git(repo, "checkout", "-qb", "a")
-    pin_a = complete_plan(repo, "plan-a", runs=False)
+    pin_a = complete_plan(repo, "plan-a")
     git(repo, "add", "-A")
     git(repo, "commit", "-qm", "a")
     git(repo, "checkout", "-q", "main")
     git(repo, "checkout", "-qb", "b")
-    pin_b = complete_plan(repo, "plan-b", runs=False)
+    pin_b = complete_plan(repo, "plan-b")
     git(repo, "add", "-A")
     git(repo, "commit", "-qm", "b")
     r = git(repo, "merge", "a", "-m", "merge a")
     assert "CONFLICT" not in r.stdout
     assert git(repo, "status", "--porcelain").stdout == ""
     for pin in (pin_a, pin_b, None):
-        r = fab(repo, "audit", "--require-complete", *(["--since", pin] if pin else []))
+        r = fab(repo, "audit", "--require-complete", "--require-logs",
+                *(["--since", pin] if pin else []))
         assert r.code == 0, (pin, r)
     events = [json.loads(x) for x in (repo / ".fablize" / "ledger.jsonl").read_text().splitlines()]
     assert events[-1]["event"] == "plan_merged"
     assert {events[0]["brief"], json.loads(events[-1]["lines"][0])["brief"]} == {"plan-a", "plan-b"}
+    # both plans ran G002's check at event 5: the one log name keeps the current plan's output
+    assert (repo / ".fablize" / "runs" / "5-G002.log").read_text() == events[0]["brief"] + "\n"
     # the carried plan is replayed: an edit inside it is caught
     path = repo / ".fablize" / "ledger.jsonl"
     carried = json.loads(events[-1]["lines"][0])["brief"]
@@ -125,5 +128,5 @@ def test_the_same_plan_advanced_differently_on_both_sides_stays_a_conflict(repo)
 def test_install_merge_writes_its_one_line_once(repo):
     assert fab(repo, "install-merge").code == 0
     assert fab(repo, "install-merge").code == 0
-    assert (repo / ".gitattributes").read_text() == "/.fablize/*.json* merge=fablize\n"
+    assert (repo / ".gitattributes").read_text() == "/.fablize/** merge=fablize\n"
     assert "merge-driver %O %A %B %P" in git(repo, "config", "merge.fablize.driver").stdout
