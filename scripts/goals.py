@@ -2262,7 +2262,9 @@ def share_config(store):
         cfg = load_json(read_state_file(path) or b"")
     except ValueError:
         cfg = None
-    if not fits(cfg, SHARE_SPEC):
+    names = re.compile(r"[A-Za-z0-9][\w.-]*")
+    if not fits(cfg, SHARE_SPEC) or not names.fullmatch(cfg["remote"]) or \
+            not names.fullmatch(cfg["plan_id"]) or ".." in cfg["plan_id"]:
         raise damaged(f"{SHARE} is not a fablize share record — run `goals.py sync` after "
                       "removing it.", "bad_share")
     return cfg

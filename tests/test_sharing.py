@@ -504,3 +504,14 @@ def test_bench_measures_a_shared_plan_command_against_a_local_bare_remote(tmp_pa
     import bench
     results = bench.shared_plan_cost(sys.executable, str(tmp_path), 1)
     assert set(results) == {"local", "shared"} and all(x > 0 for r in results.values() for x in r)
+
+
+def test_a_damaged_share_record_is_exit_3_not_a_guess(net):
+    a = net.clone("a")
+    create(a, 2)
+    share = a.dir / "share.json"
+    record = json.loads(share.read_text())
+    for bad in ("{", json.dumps(dict(record, plan_id="x:refs/heads/main"))):
+        share.write_text(bad)
+        r = assert_refused(a, ["next"], 3, "share.json is not a fablize share record")
+        assert "Traceback" not in r.err
