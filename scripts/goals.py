@@ -2281,7 +2281,7 @@ def tracking_ref(cfg):
 def fetch_shared(store, cfg):
     """The commit at the remote's ref (fetched into a tracking ref), or None if it has none."""
     ref = SHARED_REFS + cfg["plan_id"]
-    p = git(store.root, "fetch", "--quiet", "--no-tags", "--no-write-fetch-head", cfg["remote"],
+    p = git(store.root, "fetch", "--quiet", "--no-tags", cfg["remote"],
             f"+{ref}:{tracking_ref(cfg)}", remote=cfg["remote"])
     if p.returncode != 0:
         err = p.stderr.decode("utf-8", "replace")
