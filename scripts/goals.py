@@ -2736,21 +2736,23 @@ def cmd_sync(ctx, a):
     elif a.remote and a.remote != cfg["remote"]:
         raise refused(f"this plan is shared through {cfg['remote']}, not {one_line(a.remote)}.",
                       "other_remote")
-    before = None
     with store.session() as s:
         s.load()
+        cfg = share_config(store)  # again under the lock: another command may have published
         before = s.plan["ledger"]["seq"] if s.plan else 0
-        published = cfg["seq"]
+        ahead = before - cfg["seq"]
         rejected = sync_shared(s, cfg)
         say_rejected(store, rejected)
         plan = s.plan
     if plan is None:
         raise refused(f"{cfg['remote']} holds nothing for plan {cfg['plan_id']} yet.", "no_plan")
+    pulled = plan["ledger"]["seq"] - before + len(rejected)
+    sent = ahead - len(rejected)
     ctx.say(f"fablize: in sync with {cfg['remote']} — {plan['ledger']['seq']} events "
-            f"({SHARED_REFS}{cfg['plan_id']})"
-            + (f"; {len(rejected)} local event(s) set aside in {REJECTED}" if rejected else "") + ".")
+            f"({SHARED_REFS}{cfg['plan_id']}): {pulled} pulled, {sent} published"
+            + (f", {len(rejected)} set aside in {REJECTED}" if rejected else "") + ".")
     ctx.data.update(share={"remote": cfg["remote"], "ref": SHARED_REFS + cfg["plan_id"],
-                           "events": plan["ledger"]["seq"], "published": cfg["seq"],
+                           "events": plan["ledger"]["seq"], "pulled": pulled, "published": sent,
                            "rejected": [r["event"] for r in rejected]}, plan=plan_json(plan))
 
 

@@ -376,8 +376,9 @@ def test_a_clone_offline_for_many_events_rebases_its_work_on_return(net):
         assert b("checkpoint", "--id", sid, "--status", "complete", "--evidence", "e",
                  "--run", "--verify-cmd", f"echo {sid}").code == 0
     git(a.root, "remote", "set-url", "origin", str(net.remote))
-    r = a("sync")
+    r = a("sync", "--json")
     assert r.code == 0 and "set aside" not in r.err, r
+    assert (r.json["share"]["pulled"], r.json["share"]["published"]) == (30, 2)  # 10 × start, run, checkpoint; its run and checkpoint
     assert b("sync").code == 0
     assert ledger_lines(a) == ledger_lines(b) and net.remote_lines(plan_id) == \
         [x + b"\n" for x in ledger_lines(a)]
