@@ -447,7 +447,7 @@ for _ in range(400):
         code = r["error"]["code"]
         log.write(json.dumps(r) + "\n"); log.flush()
         if code in ("nothing_ready", "claim_lost", "awaiting_review", "push_contended", "busy"):
-            time.sleep(0.05 if code == "claim_lost" else 0.3)
+            time.sleep(0.05 if code == "claim_lost" else 0.5)
             continue
         print(json.dumps(r)); sys.exit(1)
     log.write(json.dumps(r) + "\n")
