@@ -36,6 +36,11 @@ import goals  # noqa: E402  (the engine's own functions build the states)
 
 PY = sys.executable
 TS = "2026-01-01T00:00:00.000000+00:00"
+# the plugin's launcher (bin/fablize) finds python3 on PATH: this interpreter's comes first, so
+# the figure is the launcher's and the engine's, not a version manager's shim
+PLUGIN = os.path.join(os.path.dirname(HERE), "bin", "fablize")
+PLUGIN_ENV = dict(os.environ, PATH=os.path.dirname(PY) + os.pathsep + os.environ.get("PATH", ""))
+PLUGIN_ENV.pop("FABLIZE_DIR", None)
 
 FLOOR = r'''
 import fcntl, json, os, sys
@@ -125,11 +130,11 @@ def plan_state(root, name, stories, active=False, runs=0):
 # Measuring ##################################################################
 
 
-def run_once(argv, cwd, ok=(0,)):
+def run_once(argv, cwd, ok=(0,), env=None):
     """(seconds, max RSS in MiB) of one process."""
     start = time.perf_counter()
     p = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE)
+                         stderr=subprocess.PIPE, env=env)
     _, status, usage = os.wait4(p.pid, 0)
     elapsed = time.perf_counter() - start
     err = p.stderr.read()
@@ -142,7 +147,7 @@ def run_once(argv, cwd, ok=(0,)):
     return elapsed, usage.ru_maxrss / 1024
 
 
-def interleaved(variants, n, cwd, reset=None, ok=(0,)):
+def interleaved(variants, n, cwd, reset=None, ok=(0,), env=None):
     """{name: (median ms, median max RSS MiB)} for each (name, argv) in `variants`, run in turn
     n times, `reset()` before each run of a command that changes its state."""
     times = {name: [] for name, _ in variants}
@@ -151,7 +156,7 @@ def interleaved(variants, n, cwd, reset=None, ok=(0,)):
         for name, argv in variants:
             if reset is not None:
                 reset()
-            t, m = run_once(argv, cwd, ok)
+            t, m = run_once(argv, cwd, ok, env)
             times[name].append(t)
             rss[name].append(m)
     return {name: (statistics.median(times[name]) * 1000, statistics.median(rss[name]))
@@ -197,7 +202,8 @@ def bench_commands(root, sizes, n):
                 ("floor", [PY, floor, work]),
                 ("script", [PY, SCRIPT, "--dir", work] + args),
                 ("cached", [PY, launcher, "--dir", work] + args),
-            ], n, cwd, reset)
+                ("plugin", [PLUGIN, "--dir", work] + args),
+            ], n, cwd, reset, env=PLUGIN_ENV)
             rows.append((stories, name, res))
     return rows
 
@@ -237,29 +243,58 @@ def bench_long_line(root, n):
     return out
 
 
+def shared_plan_cost(root, n):
+    """What sharing adds: `next` + `checkpoint` in a plan shared through a local bare remote,
+    next to the same commands in a local plan (medians, ms)."""
+    env = dict(os.environ, GIT_AUTHOR_NAME="bench", GIT_AUTHOR_EMAIL="bench@localhost",
+               GIT_COMMITTER_NAME="bench", GIT_COMMITTER_EMAIL="bench@localhost",
+               GIT_CONFIG_NOSYSTEM="1", HOME=root)
+    env.pop("FABLIZE_DIR", None)
+    remote, results = os.path.join(root, "shared.git"), {}
+    subprocess.run(["git", "init", "-q", "--bare", remote], check=True, env=env)
+    for kind in ("local", "shared"):
+        clone = os.path.join(root, f"clone-{kind}")
+        subprocess.run(["git", "clone", "-q", remote, clone], check=True, env=env,
+                       stderr=subprocess.DEVNULL)
+        share = ["--remote", "origin"] if kind == "shared" else []
+        subprocess.run([PY, SCRIPT, "create", "--brief", "bench", "--parallel", *share,
+                        *[f"--goal=s{i}::o{i}" for i in range(n + 1)]],
+                       cwd=clone, env=env, check=True, stdout=subprocess.DEVNULL)
+        nexts, checkpoints = [], []
+        for i in range(n):
+            nexts.append(run_once([PY, SCRIPT, "next", "--agent", "a"], clone, env=env)[0])
+            checkpoints.append(run_once([PY, SCRIPT, "checkpoint", "--id", goals.story_id(i + 1),
+                                         "--status", "complete", "--evidence", "bench",
+                                         "--agent", "a"], clone, env=env)[0])
+        results[kind] = (statistics.median(nexts) * 1000, statistics.median(checkpoints) * 1000)
+    return results
+
+
 def fmt(ms):
     return f"{ms:.1f}"
 
 
-def report(rows, audit, lines, markdown):
+def report(rows, audit, lines, shared, markdown):
     out = []
     if markdown:
-        out += ["| stories | command | bare | floor | script | cached | script − bare | cached − "
-                "bare | script / floor | cached / floor | max RSS (script) |",
-                "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        out += ["| stories | command | bare | floor | script | cached | plugin | script − bare | "
+                "cached − bare | plugin − bare | script / floor | cached / floor | max RSS |",
+                "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     else:
         out.append(f"{'stories':>8} {'command':<11} {'bare':>7} {'floor':>7} {'script':>7} "
-                   f"{'cached':>7} {'scr−bare':>9} {'cch−bare':>9} {'scr/fl':>7} {'cch/fl':>7} "
-                   f"{'RSS MiB':>8}")
+                   f"{'cached':>7} {'plugin':>7} {'scr−bare':>9} {'cch−bare':>9} {'plg−bare':>9} "
+                   f"{'scr/fl':>7} {'cch/fl':>7} {'RSS MiB':>8}")
     for stories, name, res in rows:
-        bare, floor, script, cached = (res[k][0] for k in ("bare", "floor", "script", "cached"))
+        bare, floor, script, cached, plugin = (res[k][0] for k in ("bare", "floor", "script",
+                                                                    "cached", "plugin"))
         cells = [f"{stories:,}", name, fmt(bare), fmt(floor), fmt(script), fmt(cached),
-                 f"+{script - bare:.1f}", f"+{cached - bare:.1f}", f"×{script / floor:.2f}",
-                 f"×{cached / floor:.2f}", f"{res['script'][1]:.0f}"]
+                 fmt(plugin), f"{script - bare:+.1f}", f"{cached - bare:+.1f}",
+                 f"{plugin - bare:+.1f}", f"×{script / floor:.2f}", f"×{cached / floor:.2f}",
+                 f"{res['script'][1]:.0f}"]
         out.append("| " + " | ".join(cells) + " |" if markdown else
                    f"{cells[0]:>8} {cells[1]:<11} {cells[2]:>7} {cells[3]:>7} {cells[4]:>7} "
-                   f"{cells[5]:>7} {cells[6]:>9} {cells[7]:>9} {cells[8]:>7} {cells[9]:>7} "
-                   f"{cells[10]:>8}")
+                   f"{cells[5]:>7} {cells[6]:>7} {cells[7]:>9} {cells[8]:>9} {cells[9]:>9} "
+                   f"{cells[10]:>7} {cells[11]:>7} {cells[12]:>8}")
     events, size, res, status = audit
     loop_ms, audit_ms = res["bare loop"][0], res["audit"][0]
     out += ["", f"audit of {events:,} events ({size / 1e6:.0f} MB): {audit_ms / 1000:.2f} s "
@@ -272,6 +307,9 @@ def report(rows, audit, lines, markdown):
     t8, t32 = lines[8]["8 MB"][0], lines[32]["32 MB"][0]
     out.append(f"a ledger whose last line is 8 MB: {t8:.0f} ms; 32 MB: {t32:.0f} ms "
                f"(×{t32 / t8:.2f})")
+    (ln, lc), (sn, sc) = shared["local"], shared["shared"]
+    out.append(f"shared plan (a local bare remote): next {sn:.1f} ms (local plan {ln:.1f}, "
+               f"{sn - ln:+.1f}), checkpoint {sc:.1f} ms (local plan {lc:.1f}, {sc - lc:+.1f})")
     return "\n".join(out)
 
 
@@ -290,11 +328,12 @@ def main(argv=None):
         rows = bench_commands(root, (100, 10_000), n)
         audit = bench_audit(root, events, max(3, n // 5))
         lines = bench_long_line(root, max(3, n // 3))
+        shared = shared_plan_cost(root, max(3, n // 3))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} cores; medians of {n} runs "
           "(interleaved); times in ms")
-    print(report(rows, audit, lines, a.markdown))
+    print(report(rows, audit, lines, shared, a.markdown))
     return 0
 
 

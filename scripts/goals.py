@@ -930,6 +930,42 @@ def _ev_observed_run(plan, ev):
 
 
 
+def _ev_story_released(plan, ev):
+    story = find_story(plan, ev["id"])
+    if story["status"] != "in_progress":
+        raise refused(f"{story['id']} is {story['status']}, not in progress — there is no claim to "
+                      "release.", "not_active")
+    _check_agent(ev["agent"])
+    if blank(ev["note"]):
+        raise refused("a release requires a non-empty --note (why the agent's claim ends).",
+                      "no_note")
+    # the silent agent's round is given back: it was not a failed attempt
+    story.update(status="pending", agent=None, round_base=story["round_base"] + 1,
+                 feedback={"source": "release", "round": story["round"], "text": ev["note"],
+                           "runs": []})
+    return plan
+
+
+def _ev_plan_merged(plan, ev):
+    """`git merge` of a branch whose plan is another one: that plan's whole ledger rides along
+    in this event, replayed here through the same rules, so it audits as it did on its branch."""
+    inner = Replay()
+    for text in ev["lines"]:
+        raw = text.encode("utf-8")
+        try:
+            inner.feed(raw, parse_event(raw))
+        except FablizeError as e:
+            raise FablizeError(f"merged plan {one_line(ev['plan_id'])}: {e.message}", e.code,
+                               EXIT_DAMAGED)
+    other, head = inner.plan, inner.head
+    if other is None or other["plan_id"] != ev["plan_id"] or head != ev["head"] \
+            or len(ev["lines"]) != ev["events"] or other["plan_id"] == plan["plan_id"]:
+        raise damaged(f"merged plan {one_line(ev['plan_id'])}: its lines do not give the plan, "
+                      "head and event count the event names.", "bad_event")
+    return plan
+
+
+
 # Every event: its transition and exactly the fields fablize writes for it (seq, ts, event and
 # prev on every line). Replay checks each line against this table, so a re-chained line carrying
 # anything the engine would not have written is damage, named by its line.
@@ -963,6 +999,9 @@ EVENTS = {
     "unpaused": (_ev_unpaused, {}),
     "observed_run": (_ev_observed_run, {"id": str, "cmd": str, "exit_code": (int, _N),
                                         "ok": (bool, _N), "tool": _TEXT, "detail": _TEXT}),
+    "story_released": (_ev_story_released, {"id": str, "note": str, "agent": _TEXT}),
+    "plan_merged": (_ev_plan_merged, {"plan_id": str, "events": int, "head": str,
+                                      "lines": [str]}),
 }
 EVENT_SPECS = {kind: dict(_EVENT_BASE, **fields) for kind, (_, fields) in EVENTS.items()}
 _TS = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}\+00:00\Z", re.A)
@@ -1570,7 +1609,7 @@ def write_atomic(path, data, mode=0o644, sweep=False):
     """Replace `path` with `data` whole: a temp file in the same directory, fsync, rename, fsync
     the directory. With `sweep`, temp files a killed writer left are removed first (the caller
     holds the lock)."""
-    directory = os.path.dirname(path)
+    directory = os.path.dirname(path) or "."
     if sweep:
         prefix = os.path.basename(path) + ".tmp-"
         for name in os.listdir(directory):
@@ -1858,8 +1897,13 @@ class Transaction(Reading):
         return self
 
     def __exit__(self, *exc):
-        self.ledger.close()
-        return self.lock.__exit__(*exc)
+        try:
+            if exc[0] is None and self.last is not None:
+                publish(self)  # a shared plan: this command's events go to the remote
+        finally:
+            self.ledger.close()
+            self.lock.__exit__(*exc)
+        return False
 
     def good_end(self, snap):
         end, torn = self.torn_tail(snap)
@@ -2548,10 +2592,12 @@ def format_event(ev):
 # Audit: replaying the whole ledger ##########################################
 
 
-def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None, scan=None):
+def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None, scan=None,
+                 logs=None):
     """Replay every line of `source` (a Ledger, or a ledger's bytes), streaming; returns a report
     dict. Raises FablizeError(exit 3) at the first line that cannot be trusted, naming it and
-    why. With `runs_dir`, each run's log found there is checked against its recorded digest;
+    why. With `runs_dir` (or `logs`, {log path: bytes} as a shared plan's commits carry them),
+    each run's log found there is checked against its recorded digest;
     `scan(lineno, head, ev)` sees every line after it replayed (the trust checks' pass)."""
     ledger = MemoryLedger(source) if isinstance(source, bytes) else source
     end, torn = ledger.end() if ledger.fd is not None else (0, b"")
@@ -2575,8 +2621,9 @@ def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None,
         if kind == "verify_run":
             counts["runs"] += 1
             name = ev["log"].partition("/")[2]
-            if name in present:
-                content = read_state_file(os.path.join(runs_dir, name))
+            if logs is not None or name in present:
+                content = logs.get(ev["log"]) if logs is not None else \
+                    read_state_file(os.path.join(runs_dir, name))
                 if content is None or digest(content) != ev["sha256"]:
                     bad_logs.append(line_error(lineno, f"{one_line(ev['log'])} does not match the "
                                                "sha256 recorded for that run — the log was edited "
@@ -3031,8 +3078,21 @@ class PinScan:
         if self.seq is None:
             if head == self.hash:
                 self.where = "found"
-        elif lineno == self.seq:
+        elif lineno == self.seq and self.where != "found":
             self.where = "found" if head == self.hash else "rewritten"
+        if ev["event"] == "plan_merged" and self.in_merged(ev["lines"]):
+            self.where = "found"  # a line of a plan `git merge` carried in, checked on replay
+
+    def in_merged(self, lines):
+        for i, text in enumerate(lines, 1):
+            raw = text.encode("utf-8")
+            if (self.seq is None or self.seq == i) and sha256_hex(raw) == self.hash:
+                return True
+            if b'"plan_merged"' in raw:
+                inner = parse_event(raw)
+                if inner and inner.get("event") == "plan_merged" and self.in_merged(inner["lines"]):
+                    return True
+        return False
 
 
 def read_archived_ledger(store, replaced):
@@ -4067,6 +4127,781 @@ def hook_registrations(root, agent):
         for event in events:
             where[event].append(f"the {PLUGIN_NAME} plugin")
     return where
+# Sharing: plans through a git remote #########################################
+#
+# A shared plan's ledger is also a chain of commits under refs/fablize/plans/<plan id> on a git
+# remote, one commit per event: its tree holds `event.jsonl` (the ledger line, exact bytes) and,
+# for a run, `log` (the run's output). Writers order themselves by pushing without force: the
+# remote's fast-forward-only ref update is the compare-and-swap. A push that loses fetches the
+# winner's events, replays them through apply_event, re-validates and re-chains the local events
+# not yet published (an event no longer legal is set aside in rejected.jsonl and said, never
+# dropped silently) and tries again. share.json in the state directory marks a shared plan and
+# records how much of the local ledger the remote is known to hold; a local plan has no
+# share.json and never starts git.
+#
+# Interface for the storage layer: publish(session) after a session's commits (Transaction.__exit__
+# calls it), publish(session, claim=True) where the command must not go on unless its events
+# are on the remote, and share_status(store, plan) for `status`.
+
+SHARE = "share.json"
+REJECTED = "rejected.jsonl"
+SHARED_REFS = "refs/fablize/plans/"
+PUSH_ATTEMPTS = 12
+CLAIM_ATTEMPTS = 5
+GIT_TIMEOUT = 60.0
+SHARE_SPEC = {"remote": str, "plan_id": str, "seq": int, "head": str, "commit": _TEXT}
+SAFE_LOG = re.compile(r"runs/[\w.-]+\.log")
+
+
+def unreachable(remote, detail):
+    return FablizeError(f"the remote {one_line(remote)} cannot be reached ({one_line(detail)[:300]}).",
+                        "remote_unreachable", EXIT_DAMAGED)
+
+
+def git(root, *args, data=None, remote=None):
+    """git in the repository at `root`; never prompts. Returns the CompletedProcess."""
+    import subprocess
+    env = dict(os.environ, GIT_TERMINAL_PROMPT="0", GIT_ASKPASS="", SSH_ASKPASS="")
+    try:
+        return subprocess.run(["git", "-C", root, *args], input=data, capture_output=True,
+                              timeout=GIT_TIMEOUT, env=env,
+                              stdin=subprocess.DEVNULL if data is None else None)
+    except FileNotFoundError:
+        raise damaged("git is not installed (or not on PATH): a shared plan needs it.", "no_git")
+    except subprocess.TimeoutExpired:
+        raise unreachable(remote or "?", f"git {args[0]} took more than {GIT_TIMEOUT:g} s")
+
+
+def git_out(root, *args, data=None):
+    p = git(root, *args, data=data)
+    if p.returncode != 0:
+        raise damaged(f"git {args[0]} failed: {one_line(p.stderr.decode('utf-8', 'replace'))[:300]}",
+                      "git_failed")
+    return p.stdout
+
+
+def check_remote(store, remote):
+    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*", remote or ""):
+        raise usage(f"--remote takes the name of a git remote (as `git remote` lists them), not "
+                    f"{one_line(remote)!r}.", "bad_remote")
+    p = git(store.root, "remote", "get-url", remote)
+    if p.returncode != 0:
+        raise refused(f"{one_line(remote)} is not a git remote of {store.root} — add it with "
+                      f"`git remote add {one_line(remote)} URL`.", "no_remote")
+    return remote
+
+
+def check_plan_id(plan_id):
+    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*", plan_id or "") or ".." in plan_id:
+        raise usage(f"--plan takes a plan id (as `sync` lists them), not {one_line(plan_id)!r}.",
+                    "bad_plan_id")
+    return plan_id
+
+
+def share_config(store):
+    """The shared plan's record, or None for a local plan (one lstat, no git)."""
+    path = store.path(SHARE)
+    if not os.path.lexists(path):
+        return None
+    try:
+        cfg = load_json(read_state_file(path) or b"")
+    except ValueError:
+        cfg = None
+    names = re.compile(r"[A-Za-z0-9][\w.-]*")
+    if misfit(cfg, SHARE_SPEC) is not None or not names.fullmatch(cfg["remote"]) or \
+            not names.fullmatch(cfg["plan_id"]) or ".." in cfg["plan_id"]:
+        raise damaged(f"{SHARE} is not a fablize share record — run `goals.py sync` after "
+                      "removing it.", "bad_share")
+    return cfg
+
+
+def save_share_config(store, cfg):
+    write_atomic(store.path(SHARE), dumps(cfg).encode("utf-8") + b"\n")
+
+
+def tracking_ref(cfg):
+    return f"refs/fablize/remotes/{cfg['remote']}/{cfg['plan_id']}"
+
+
+def fetch_shared(store, cfg):
+    """The commit at the remote's ref (fetched into a tracking ref), or None if it has none."""
+    ref = SHARED_REFS + cfg["plan_id"]
+    p = git(store.root, "fetch", "--quiet", "--no-tags", cfg["remote"],
+            f"+{ref}:{tracking_ref(cfg)}", remote=cfg["remote"])
+    if p.returncode != 0:
+        err = p.stderr.decode("utf-8", "replace")
+        if "couldn't find remote ref" in err:
+            return None
+        raise unreachable(cfg["remote"], err.strip().splitlines()[-1] if err.strip() else
+                          f"git fetch exit {p.returncode}")
+    return git_out(store.root, "rev-parse", "--verify", tracking_ref(cfg)).decode().strip()
+
+
+def cat_objects(root, names):
+    """The bytes of each `rev:path` (None where it is missing), through one git cat-file."""
+    if not names:
+        return []
+    out = git_out(root, "cat-file", "--batch", data="".join(n + "\n" for n in names).encode())
+    found, pos = [], 0
+    for _ in names:
+        end = out.index(b"\n", pos)
+        header = out[pos:end].split()
+        pos = end + 1
+        if header[-1] == b"missing":
+            found.append(None)
+            continue
+        size = int(header[2])
+        found.append(out[pos:pos + size])
+        pos += size + 1
+    return found
+
+
+def remote_events(store, cfg, base, tip):
+    """[(line, log bytes or None)] of the commits after `base` up to `tip`, oldest first."""
+    spec = [tip, "^" + base] if base else [tip]
+    revs = git_out(store.root, "rev-list", "--reverse", "--topo-order", *spec).decode().split()
+    lines = cat_objects(store.root, [f"{r}:event.jsonl" for r in revs])
+    events = []
+    for rev, raw in zip(revs, lines):
+        if raw is None or not raw.endswith(b"\n") or b"\n" in raw[:-1]:
+            raise damaged(f"the shared plan on {cfg['remote']} has a commit {rev[:12]} that holds "
+                          "no ledger line — the ref was written by something else.", "bad_remote_event")
+        events.append([rev, raw[:-1], None])
+    runs = [e for e in events if b'"event":"verify_run"' in e[1]]
+    for e, log in zip(runs, cat_objects(store.root, [f"{e[0]}:log" for e in runs])):
+        e[2] = log
+    return [(line, log) for _, line, log in events]
+
+
+def apply_shared_line(plan, line, seq, head, remote):
+    """A line from the remote, checked like a line read back from the ledger."""
+    ev = parse_event(line)
+    if ev is None or ev["seq"] != seq or ev.get("prev") != head:
+        got = ev["seq"] if ev else "?"
+        raise damaged(f"the shared plan on {remote} does not continue this ledger at event {seq} "
+                      f"(found event {got}, or a broken hash chain) — its history was rewritten; "
+                      "run `goals.py audit --remote` to see it.", "remote_history_rewritten")
+    try:
+        plan = apply_event(plan, ev)
+    except FablizeError as e:
+        raise damaged(f"the shared plan on {remote}: event {seq} is not legal when replayed "
+                      f"({e.message}).", "bad_remote_event")
+    plan["ledger"] = {"seq": seq, "head": sha256_hex(line)}
+    return plan, ev
+
+
+def unpublished_lines(session, after_seq):
+    """The local ledger's lines after event `after_seq`, oldest first."""
+    if session.ledger.open() is None:
+        return []
+    end = session.cut_torn_tail(session.plan and {"ledger": session.plan["ledger"]})
+    found = []
+    for _, line in session.ledger.backward(end):
+        ev = parse_event(line)
+        if ev is None or ev["seq"] <= after_seq:
+            break
+        found.append(line)
+    return found[::-1]
+
+
+def write_run_log(store, ev, log, remote):
+    name = ev.get("log")
+    if type(name) is not str or log is None:
+        return
+    if not SAFE_LOG.fullmatch(name):
+        raise damaged(f"the shared plan on {remote}: run log path {one_line(name)} is not under "
+                      f"{RUNS}/.", "bad_remote_event")
+    if ev.get("sha256") is not None and sha256_hex(log) != ev["sha256"]:
+        raise damaged(f"the shared plan on {remote}: {name} does not match the sha256 its run "
+                      "recorded.", "run_log_mismatch")
+    path = store.path(name)
+    ensure_subdir(store.path(RUNS))
+    if os.path.lexists(path):
+        os.replace(path, free_name(path + ".local"))  # a stale local log of the same name
+    write_atomic(path, log)
+
+
+def integrate(session, cfg, tip):
+    """Bring the remote's events after cfg's position into the local ledger; the local events
+    not published yet are replayed after them. Returns the local events set aside."""
+    store = session.store
+    if tip is None or tip == cfg["commit"]:
+        return []
+    incoming = remote_events(store, cfg, cfg["commit"], tip)
+    local = unpublished_lines(session, cfg["seq"])
+    same = 0  # a push that landed before its process died: those events are already there
+    while same < min(len(local), len(incoming)) and local[same] == incoming[same][0]:
+        same += 1
+    base_seq = cfg["seq"] + same
+    local, incoming = local[same:], incoming[same:]
+    if not local:
+        plan = session.plan
+        seq, head = (plan["ledger"]["seq"], plan["ledger"]["head"]) if plan else (0, ZERO_HASH)
+        lines = []
+        for line, log in incoming:
+            seq += 1
+            plan, ev = apply_shared_line(plan, line, seq, head, cfg["remote"])
+            if seq == 1 and plan["plan_id"] != cfg["plan_id"]:
+                raise damaged(f"the shared plan {cfg['plan_id']} on {cfg['remote']} holds plan "
+                              f"{one_line(plan['plan_id'])}.", "bad_remote_event")
+            head = plan["ledger"]["head"]
+            write_run_log(store, ev, log, cfg["remote"])
+            lines.append(line)
+        if lines:
+            session.ledger.append(b"\n".join(lines), session.ledger.open(create=True))
+            session.save_snapshot(plan)
+            session.plan = plan
+        cfg.update(seq=seq, head=head, commit=tip)
+        save_share_config(store, cfg)
+        return []
+    return rebase(session, cfg, tip, base_seq, incoming, local)
+
+
+def rebase(session, cfg, tip, base_seq, incoming, local):
+    store = session.store
+    data = read_state_file(store.path(LEDGER)) or b""
+    kept = data.split(b"\n")[:base_seq]
+    plan = audit_ledger(b"".join(x + b"\n" for x in kept), None)["plan"] if kept else None
+    seq, head = (base_seq, plan["ledger"]["head"]) if plan else (0, ZERO_HASH)
+    ensure_subdir(store.path(RUNS))
+    moved = {}
+    for line in local:  # our unpublished logs step aside: the remote's may carry their names
+        ev = parse_event(line)
+        if ev["event"] == "verify_run" and type(ev.get("log")) is str and \
+                os.path.lexists(store.path(ev["log"])):
+            tmp = store.path(f"{RUNS}/.rebase-{ev['seq']}-{os.urandom(4).hex()}")
+            os.replace(store.path(ev["log"]), tmp)
+            moved[ev["seq"]] = tmp
+    for line, log in incoming:
+        seq += 1
+        plan, ev = apply_shared_line(plan, line, seq, head, cfg["remote"])
+        head = plan["ledger"]["head"]
+        write_run_log(store, ev, log, cfg["remote"])
+        kept.append(line)
+    cfg.update(seq=seq, head=head, commit=tip)
+    renumber, rejected = {}, []
+    for line in local:
+        ev = parse_event(line)
+        old = ev["seq"]
+        ev.update(seq=seq + 1, prev=head)
+        if type(ev.get("after_seq")) is int:
+            ev["after_seq"] = renumber.get(ev["after_seq"], min(ev["after_seq"], base_seq))
+        if isinstance(ev.get("runs"), list):
+            ev["runs"] = [renumber.get(r, r) for r in ev["runs"]]
+        if ev["event"] == "verify_run" and type(ev.get("log")) is str:
+            ev["log"] = f"{RUNS}/{seq + 1}-{ev['id']}.log"
+        trial = json.loads(json.dumps(plan)) if plan is not None else None
+        try:
+            trial = apply_event(trial, ev)
+        except FablizeError as e:
+            rejected.append({"event": parse_event(line), "reason": e.message, "code": e.code})
+            if old in moved:
+                os.replace(moved.pop(old), free_name(store.path(f"{RUNS}/rejected-{old}.log")))
+            continue
+        if old in moved:
+            os.replace(moved.pop(old), store.path(ev["log"]))
+        new_line = dumps(ev).encode("utf-8")
+        seq, head = seq + 1, sha256_hex(new_line)
+        trial["ledger"] = {"seq": seq, "head": head}
+        plan = trial
+        renumber[old] = seq
+        kept.append(new_line)
+    staged = store.path(LEDGER + ".new")
+    if os.path.lexists(staged):
+        os.unlink(staged)
+    fd = open_state_file(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        write_all(fd, b"".join(x + b"\n" for x in kept))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    session.ledger.close()
+    if os.path.lexists(store.path(SNAPSHOT)):
+        os.unlink(store.path(SNAPSHOT))  # from here a crash replays the new ledger from scratch
+    os.replace(staged, store.path(LEDGER))
+    fsync_dir(store.dir)
+    session.save_snapshot(plan)
+    session.plan = plan
+    save_share_config(store, cfg)
+    if rejected:
+        rfd = open_state_file(store.path(REJECTED), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        try:
+            write_all(rfd, b"".join(dumps(dict(r, rejected=now_iso())).encode("utf-8") + b"\n"
+                                    for r in rejected))
+            os.fsync(rfd)
+        finally:
+            os.close(rfd)
+    return rejected
+
+
+def event_commits(store, cfg, lines):
+    """Commits for `lines` on top of cfg's commit (one git fast-import); returns the new tip."""
+    ref = f"refs/fablize/local/{cfg['plan_id']}"
+    chunks = [f"reset {ref}\n".encode()]
+    if cfg["commit"]:
+        chunks.append(f"from {cfg['commit']}\n".encode())
+    when = int(time.time())
+    for i, line in enumerate(lines, 1):
+        ev = parse_event(line)
+        message = f"fablize {cfg['plan_id']} #{ev['seq']} {ev['event']} {ev.get('id') or ''}".strip()
+        message = message.encode("utf-8")
+        chunks.append(f"commit {ref}\nmark :{i}\ncommitter fablize <fablize@localhost> {when} +0000\n"
+                      f"data {len(message)}\n".encode() + message + b"\ndeleteall\n")
+        chunks.append(f"M 100644 inline event.jsonl\ndata {len(line) + 1}\n".encode() + line + b"\n\n")
+        log = ev.get("log") if ev["event"] == "verify_run" else None
+        body = read_state_file(store.path(log)) if type(log) is str and SAFE_LOG.fullmatch(log) \
+            else None
+        if body is not None:
+            chunks.append(f"M 100644 inline log\ndata {len(body)}\n".encode() + body + b"\n")
+    chunks.append(f"get-mark :{len(lines)}\n".encode())
+    out = git_out(store.root, "fast-import", "--quiet", "--force", "--done", data=b"".join(chunks)
+                  + b"done\n")
+    return out.decode().split()[-1]
+
+
+def push_shared(store, cfg, new_tip):
+    """True when the remote took the new tip; False when another writer got there first."""
+    p = git(store.root, "push", "--porcelain", "--no-verify", cfg["remote"],
+            f"{new_tip}:{SHARED_REFS}{cfg['plan_id']}", remote=cfg["remote"])
+    if p.returncode == 0:
+        return True
+    out = (p.stdout + p.stderr).decode("utf-8", "replace")
+    if "[rejected]" in out or "[remote rejected]" in out:
+        return False
+    raise unreachable(cfg["remote"], out.strip().splitlines()[-1] if out.strip() else
+                      f"git push exit {p.returncode}")
+
+
+def say_rejected(store, rejected):
+    for r in rejected:
+        ev = r["event"]
+        store.warn(f"{ev['event']} {one_line(ev.get('id') or '')} (event {ev['seq']}, made here "
+                       f"before the remote's newer events) is no longer legal: {one_line(r['reason'])}"
+                       f" — set aside in {REJECTED}, not published.")
+
+
+def sync_shared(session, cfg, fetch_first=True):
+    """Fetch, integrate, push what is unpublished; retry a lost push a bounded number of times.
+    Returns the local events set aside."""
+    import random
+    store = session.store
+    rejected = []
+    fetch = fetch_first
+    for attempt in range(PUSH_ATTEMPTS):
+        if fetch:
+            rejected += integrate(session, cfg, fetch_shared(store, cfg))
+        plan = session.plan
+        if plan is None or plan["ledger"]["seq"] <= cfg["seq"]:
+            return rejected
+        lines = unpublished_lines(session, cfg["seq"])
+        tip = event_commits(store, cfg, lines)
+        if push_shared(store, cfg, tip):
+            crash_point("after-push")  # tests: published, but share.json does not know yet
+            cfg.update(seq=plan["ledger"]["seq"], head=plan["ledger"]["head"], commit=tip)
+            save_share_config(store, cfg)
+            return rejected
+        fetch = True
+        time.sleep(random.uniform(0.005, 0.02) * min(attempt + 1, 8))
+    raise FablizeError(f"gave up publishing to {cfg['remote']} after {PUSH_ATTEMPTS} pushes lost to "
+                       "other writers; the events are kept here — run `sync` again.",
+                       "push_contended", EXIT_DAMAGED)
+
+
+def publish(session, claim=False, fetch_first=False):
+    """After a session's commits: put the unpublished events on the remote. A local plan
+    returns at once. With `claim`, the command may go on only if its last event is on the
+    remote: an event set aside or an unreachable remote is refused; otherwise the events stay
+    local with a warning and the next command or `sync` publishes them. Returns the plan."""
+    store = session.store
+    cfg = share_config(store)
+    if cfg is None or session.plan is None:
+        return session.plan
+    own = getattr(session, "last", None)
+    if session.plan["plan_id"] != cfg["plan_id"]:  # create --force: the new plan, its own ref
+        cfg = {"remote": cfg["remote"], "plan_id": session.plan["plan_id"], "seq": 0,
+               "head": ZERO_HASH, "commit": None}
+        save_share_config(store, cfg)
+    if not fetch_first and session.plan["ledger"]["seq"] <= cfg["seq"]:
+        return session.plan
+    try:
+        rejected = sync_shared(session, cfg, fetch_first)
+    except FablizeError as e:
+        if claim or e.code not in ("remote_unreachable", "push_contended"):
+            raise
+        store.warn(f"not published: {e.message} The events are kept here; the next command "
+                       "or `sync` publishes them.")
+        return session.plan
+    say_rejected(store, rejected)
+    for r in rejected:
+        ev = r["event"]
+        if own is not None and ev["seq"] >= own["seq"] and ev.get("id") == own.get("id"):
+            held = find_story(session.plan, ev["id"]) if ev.get("id") else None
+            who = f" — agent {one_line(held['agent'])} holds it" if held and held["agent"] else ""
+            raise refused(f"{one_line(ev.get('id') or ev['event'])} was taken on {cfg['remote']} "
+                          f"meanwhile{who}; this {ev['event']} was not published "
+                          f"({one_line(r['reason'])}).", "claim_lost")
+    return session.plan
+
+
+def claim_story(session, story, agent):
+    """`next`'s story_started; in a shared plan it counts only once it is on the remote, and a
+    claim lost to another machine (said, set aside) moves on to the next ready story, a bounded
+    number of times. Returns the story now held."""
+    import random
+    for attempt in range(CLAIM_ATTEMPTS):
+        session.commit("story_started", id=story["id"], title=story["title"],
+                       round=story["round"] + 1, agent=agent)
+        try:
+            publish(session, claim=True)
+            return find_story(session.plan, story["id"])
+        except FablizeError as e:
+            if e.code != "claim_lost" or attempt == CLAIM_ATTEMPTS - 1:
+                raise
+            lost = e
+        ready = [x for x in session.plan["goals"] if is_ready(session.plan, x)]
+        if not ready:
+            raise lost
+        # the other writers just won the first ready story: a random one avoids a convoy
+        story = random.choice(ready)
+        session.store.warn(f"{lost.message} Claiming {story['id']} instead.")
+    raise lost
+
+
+def share_status(store, plan):
+    """How far the local copy is ahead of and behind the remote, or None for a local plan."""
+    cfg = share_config(store)
+    if cfg is None or plan is None:
+        return None
+    info = {"remote": cfg["remote"], "ref": SHARED_REFS + cfg["plan_id"],
+            "published": cfg["seq"], "ahead": plan["ledger"]["seq"] - cfg["seq"], "behind": None}
+    try:
+        tip = fetch_shared(store, cfg)
+    except FablizeError as e:
+        info["error"] = e.message
+        return info
+    behind = 0
+    if tip is not None and tip != cfg["commit"]:
+        subject = git_out(store.root, "log", "-1", "--format=%s", tip).decode()
+        found = re.search(r" #(\d+) ", subject + " ")
+        behind = int(found.group(1)) - cfg["seq"] if found else None
+    info["behind"] = behind
+    return info
+
+
+def shared_plan_refs(store, remote):
+    """{plan id: commit} of the plans shared on `remote`."""
+    p = git(store.root, "ls-remote", remote, SHARED_REFS + "*", remote=remote)
+    if p.returncode != 0:
+        raise unreachable(remote, p.stderr.decode("utf-8", "replace").strip()[-300:])
+    found = {}
+    for row in p.stdout.decode().splitlines():
+        sha, _, ref = row.partition("\t")
+        found[ref[len(SHARED_REFS):]] = sha
+    return found
+
+
+def default_remote(store):
+    names = git_out(store.root, "remote").decode().split()
+    if "origin" in names:
+        return "origin"
+    if len(names) == 1:
+        return names[0]
+    if not names:
+        raise refused(f"{store.root} has no git remote — add one with `git remote add NAME URL`.",
+                      "no_remote")
+    raise usage(f"several git remotes ({', '.join(names)}): say which with --remote NAME.")
+
+
+def ignore_shared_dir(store):
+    """A shared plan lives in refs, not in the branch: nothing in its state directory is
+    committed, so a branch merge never touches it."""
+    path = store.path(".gitignore")
+    # the engine's own .gitignore (written with the directory) gives way; a user's stays
+    if not os.path.lexists(path) or read_state_file(path) == STATE_GITIGNORE.encode():
+        write_atomic(path, b"# a shared plan: its history is in refs/fablize/, not the branch\n*\n")
+
+
+def start_sharing(ctx, remote):
+    """share / create --remote: record the remote, then publish the whole ledger."""
+    store = ctx.store
+    with open_plan(ctx) as s:
+        plan = s.require_plan()
+        cfg = share_config(store)
+        if cfg is not None and cfg["plan_id"] == plan["plan_id"] and cfg["remote"] != remote:
+            raise refused(f"this plan is already shared through {cfg['remote']}.", "already_shared")
+        if cfg is None or cfg["plan_id"] != plan["plan_id"]:
+            cfg = {"remote": remote, "plan_id": plan["plan_id"], "seq": 0, "head": ZERO_HASH,
+                   "commit": None}
+            save_share_config(store, cfg)
+        ignore_shared_dir(store)
+        rejected = sync_shared(s, cfg)
+        say_rejected(store, rejected)
+        plan = s.plan
+    ctx.say(f"fablize: plan {plan['plan_id']} shared through {remote} "
+            f"({SHARED_REFS}{plan['plan_id']}, {cfg['seq']} events).")
+    ctx.data.update(share={"remote": remote, "ref": SHARED_REFS + plan["plan_id"],
+                           "published": cfg["seq"]})
+
+
+def cmd_share(ctx, a):
+    if not ctx.store.exists():
+        raise refused("no plan — run `create` first.", "no_plan")
+    start_sharing(ctx, check_remote(ctx.store, a.remote))
+
+
+def cmd_sync(ctx, a):
+    store = ctx.store
+    cfg = share_config(store) if store.exists() else None
+    if cfg is None:
+        if store.exists() and has_plan_files(store):
+            raise refused("this plan is local — share it first: `share --remote NAME`.", "not_shared")
+        remote = check_remote(store, a.remote or default_remote(store))
+        plans = shared_plan_refs(store, remote)
+        if a.plan:
+            if check_plan_id(a.plan) not in plans:
+                raise refused(f"{remote} shares no plan {one_line(a.plan)}.", "not_found")
+            plan_id = a.plan
+        elif len(plans) == 1:
+            plan_id = next(iter(plans))
+        else:
+            raise refused(f"{remote} shares {len(plans) or 'no'} plans" +
+                          (f" ({', '.join(sorted(plans))}): say which with --plan ID." if plans
+                           else " — share one with `share --remote NAME`."), "which_plan")
+        store.create_dir()
+        with store.session() as s:
+            s.load()
+            if has_plan_files(store):
+                raise refused(PLAN_EXISTS, "plan_exists")
+            cfg = {"remote": remote, "plan_id": plan_id, "seq": 0, "head": ZERO_HASH,
+                   "commit": None}
+            save_share_config(store, cfg)
+            ignore_shared_dir(store)
+    elif a.remote and a.remote != cfg["remote"]:
+        raise refused(f"this plan is shared through {cfg['remote']}, not {one_line(a.remote)}.",
+                      "other_remote")
+    with store.session() as s:
+        s.load()
+        cfg = share_config(store)  # again under the lock: another command may have published
+        before = s.plan["ledger"]["seq"] if s.plan else 0
+        ahead = before - cfg["seq"]
+        rejected = sync_shared(s, cfg)
+        say_rejected(store, rejected)
+        plan = s.plan
+    if plan is None:
+        raise refused(f"{cfg['remote']} holds nothing for plan {cfg['plan_id']} yet.", "no_plan")
+    pulled = plan["ledger"]["seq"] - before + len(rejected)
+    sent = ahead - len(rejected)
+    ctx.say(f"fablize: in sync with {cfg['remote']} — {plan['ledger']['seq']} events "
+            f"({SHARED_REFS}{cfg['plan_id']}): {pulled} pulled, {sent} published"
+            + (f", {len(rejected)} set aside in {REJECTED}" if rejected else "") + ".")
+    ctx.data.update(share={"remote": cfg["remote"], "ref": SHARED_REFS + cfg["plan_id"],
+                           "events": plan["ledger"]["seq"], "pulled": pulled, "published": sent,
+                           "rejected": [r["event"] for r in rejected]}, plan=plan_json(plan))
+
+
+def remote_ledger(store, remote, plan_id):
+    """The ledger bytes and run logs of a plan as the remote holds it (for audit)."""
+    cfg = {"remote": remote, "plan_id": plan_id, "seq": 0, "head": ZERO_HASH, "commit": None}
+    tip = fetch_shared(store, cfg)
+    if tip is None:
+        raise refused(f"{remote} shares no plan {one_line(plan_id)}.", "not_found")
+    events = remote_events(store, cfg, None, tip)
+    return b"".join(line + b"\n" for line, _ in events), \
+        {parse_event(line).get("log"): log for line, log in events if log is not None}
+
+
+
+def say_share_status(ctx, info):
+    if info is None:
+        return
+    where = f"shared through {info['remote']} ({info['ref']})"
+    if info.get("error"):
+        ctx.say(f"fablize: {where}: {info['ahead']} event(s) not published yet; the remote cannot be "
+                f"reached now — {one_line(info['error'])}")
+    elif info["ahead"] or info["behind"]:
+        ctx.say(f"fablize: {where}: {info['ahead']} event(s) ahead (not published), "
+                f"{info['behind'] if info['behind'] is not None else 'some'} behind — run `sync`.")
+    else:
+        ctx.say(f"fablize: {where}: in sync.")
+    ctx.data["share"] = info
+
+
+def audit_remote_source(ctx, a):
+    """audit --remote: (ledger bytes, no snapshot, run logs) of the plan on the remote."""
+    store = ctx.store
+    remote = check_remote(store, a.remote)
+    plan_id = a.plan and check_plan_id(a.plan)
+    if plan_id is None:
+        cfg = share_config(store) if store.exists() else None
+        if cfg is not None and cfg["remote"] == remote:
+            plan_id = cfg["plan_id"]
+        else:
+            plans = shared_plan_refs(store, remote)
+            if len(plans) != 1:
+                raise refused(f"{remote} shares {len(plans) or 'no'} plans — say which with "
+                              "--plan ID.", "which_plan")
+            plan_id = next(iter(plans))
+    data, logs = remote_ledger(store, remote, plan_id)
+    return data, None, logs
+
+
+def check_remote_logs(run_logs, logs):
+    """check_run_logs for logs carried in the remote's commits."""
+    missing, bad = 0, []
+    for lineno, log, digest in run_logs:
+        content = logs.get(log)
+        if content is None:
+            missing += 1
+        elif sha256_hex(content) != digest:
+            bad.append(f"event {lineno}: the log its commit carries does not match the sha256 "
+                       "recorded for that run.")
+    return missing, bad
+
+
+def cmd_release(ctx, a):
+    with open_plan(ctx) as s:
+        plan = s.require_plan()
+        plan = publish(s, claim=True, fetch_first=True)  # release what the remote says is held
+        story = find_story(plan, a.id)
+        holder = story["agent"]
+        s.commit("story_released", id=a.id, note=check_text("--note", a.note), agent=holder)
+        publish(s, claim=True)
+        plan = s.plan
+    ctx.say(f"fablize: {a.id} released from agent {one_line(holder or 'unnamed')} → pending (its "
+            "round is given back; the release is recorded in the ledger).")
+    ctx.data.update(story=story_json(plan, find_story(plan, a.id)), released_from=holder)
+
+
+# Branches that merge: a merge driver for committed plans ####################
+#
+# Two branches that each replace or advance the committed plan change the same two files. Git
+# asks the driver (installed by `install-merge`: one .gitattributes line, one git config entry)
+# for the merged content of each. The same plan advanced further on one side: that side. Two
+# different plans: the one created later stays current and the other's whole ledger is carried
+# in one appended `plan_merged` event, replayed by audit, so both audit with their pins. The
+# snapshot of the current plan is then one event behind: the next command rolls it forward.
+
+MERGE_ATTRIBUTE = "merge=fablize"
+
+
+def merged_pin(lines, since_seq, since_hash):
+    """Whether a `--since` pin names a line of a plan carried in by a plan_merged event."""
+    for line in lines:
+        if b'"plan_merged"' not in line:
+            continue
+        ev = parse_event(line)
+        if ev is None or ev.get("event") != "plan_merged" or not isinstance(ev.get("lines"), list):
+            continue
+        inner = [x.encode("utf-8") for x in ev["lines"] if isinstance(x, str)]
+        for i, raw in enumerate(inner, 1):
+            if (since_seq is None or since_seq == i) and sha256_hex(raw) == since_hash:
+                return True
+        if merged_pin(inner, since_seq, since_hash):
+            return True
+    return False
+
+
+def merge_ledgers(ours, theirs):
+    """The merged ledger.jsonl, or a refusal (git then leaves the conflict to a human)."""
+    lo, lt = ours.splitlines(), theirs.splitlines()
+    if not lo or not lt:
+        return ours or theirs
+    if lo[0] == lt[0]:
+        if lt[:len(lo)] == lo:
+            return theirs
+        if lo[:len(lt)] == lt:
+            return ours
+        at = next(i for i, (x, y) in enumerate(zip(lo, lt), 1) if x != y)
+        raise refused(f"both branches advanced the same plan differently (from event {at}); "
+                      "keep one side: `git checkout --ours .fablize/` or `--theirs`.", "diverged")
+    mine, other = audit_ledger(ours, None)["plan"], audit_ledger(theirs, None)["plan"]
+    if (other["created"], other["plan_id"]) > (mine["created"], mine["plan_id"]):
+        (mine, lo, ours), (other, lt, theirs) = (other, lt, theirs), (mine, lo, ours)
+    ev = {"seq": mine["ledger"]["seq"] + 1, "ts": now_iso(), "event": "plan_merged",
+          "plan_id": other["plan_id"], "events": len(lt), "head": other["ledger"]["head"],
+          "lines": [x.decode("utf-8") for x in lt], "prev": mine["ledger"]["head"]}
+    apply_event(mine, ev)
+    return ours + dumps(ev).encode("utf-8") + b"\n"
+
+
+def merge_snapshots(ours, theirs):
+    """goals.json of the plan merge_ledgers keeps current (same rule, read from the snapshot)."""
+    try:
+        so, st = load_json(ours), load_json(theirs)
+        ko = (so["plan_id"], so["ledger"]["seq"], so["created"])
+        kt = (st["plan_id"], st["ledger"]["seq"], st["created"])
+    except (ValueError, KeyError, TypeError):
+        raise damaged(f"{SNAPSHOT}: one side is not a fablize snapshot.", "bad_snapshot")
+    if ko[0] == kt[0]:
+        if ko[1] == kt[1]:
+            raise refused("both branches changed the same plan's snapshot at the same event.",
+                          "diverged")
+        return ours if ko[1] > kt[1] else theirs
+    return ours if (ko[2], ko[0]) > (kt[2], kt[0]) else theirs
+
+
+def merge_run_log(path, ours, theirs):
+    """Two different logs at one runs/ path: the current plan's (the side merge_ledgers keeps).
+    Their branch is named only by the GITHEAD_<commit> variable `git merge` sets."""
+    heads = [k[len("GITHEAD_"):] for k in os.environ if re.fullmatch(r"GITHEAD_[0-9a-f]{40,64}", k)]
+    ledger = path.rsplit("/" + RUNS + "/", 1)[0] + "/" + LEDGER
+    if len(heads) != 1:
+        raise refused(f"{one_line(path)}: both branches wrote a different run log here, and this "
+                      "is not a `git merge` of one branch.", "conflict")
+    sides = []
+    for rev in ("HEAD", heads[0]):
+        p = git(".", "show", f"{rev}:{ledger}")
+        sides.append(p.stdout if p.returncode == 0 else b"")
+    if not all(sides):
+        raise refused(f"{one_line(path)}: a side has no {LEDGER} to tell whose run it is.",
+                      "conflict")
+    merged = merge_ledgers(*sides)
+    if merged == sides[1] or (merged != sides[0] and not merged.startswith(sides[0])):
+        return theirs
+    return ours
+
+
+def cmd_merge_driver(ctx, a):
+    ours, theirs = (read_state_file(p) or b"" for p in (a.ours, a.theirs))
+    name = os.path.basename(a.path or "")
+    if ours == theirs:
+        return
+    if name == LEDGER:
+        merged = merge_ledgers(ours, theirs)
+    elif name == SNAPSHOT:
+        merged = merge_snapshots(ours, theirs)
+    elif f"/{RUNS}/" in "/" + (a.path or "") and name.endswith(".log"):
+        merged = merge_run_log(a.path, ours, theirs)
+    else:
+        raise refused(f"{one_line(a.path)}: both branches changed it and only {LEDGER} and "
+                      f"{SNAPSHOT} merge by replay.", "conflict")
+    write_atomic(a.ours, merged)
+    ctx.out.warn(f"merged {one_line(a.path)} by replay.")
+
+
+def cmd_install_merge(ctx, a):
+    store = ctx.store
+    root = store.root
+    if git(root, "rev-parse", "--git-dir").returncode != 0:
+        raise refused(f"{root} is not a git repository.", "no_git_repo")
+    rel = os.path.relpath(store.dir, root).replace(os.sep, "/")
+    if rel.startswith(".."):
+        raise refused("the state directory is outside the repository: nothing to merge.",
+                      "outside_repository")
+    line = f"/{rel}/** {MERGE_ATTRIBUTE}"
+    path = os.path.join(root, ".gitattributes")
+    if os.path.islink(path):
+        raise symlink_refusal(path)
+    old = read_state_file(path) or b""
+    if line.encode() not in old.splitlines():
+        write_atomic(path, old + (b"" if not old or old.endswith(b"\n") else b"\n")
+                          + line.encode() + b"\n")
+    driver = f"{ctx.cli} merge-driver %O %A %B %P"
+    git_out(root, "config", "merge.fablize.name", "fablize: plans merge by replay")
+    git_out(root, "config", "merge.fablize.driver", driver)
+    ctx.say(f"fablize: .gitattributes has `{line}` (commit it); this clone's git config runs "
+            f"`{driver}` for those files.")
+    ctx.data.update(attribute=line, driver=driver)
 
 
 # Commands ###################################################################
@@ -4164,6 +4999,7 @@ def cmd_create(ctx, a):
     if blank(a.brief):
         raise usage("--brief must not be empty: it is the task every handoff starts from.",
                     "blank_brief")
+    remote = check_remote(store, a.remote) if a.remote else None  # Sharing
     specs = build_stories(a)
     unverifiable = unverifiable_checks(specs, store.root)
     fields = {"brief": a.brief, "count": len(specs), "plan_id": new_plan_id(), "stories": specs,
@@ -4190,6 +5026,8 @@ def cmd_create(ctx, a):
                 f"{replaces['path']}/ (head {replaces['head']}).")
     say_unverifiable(ctx, unverifiable)
     ctx.data.update(plan=plan_json(plan), replaces=replaces)
+    if remote:
+        start_sharing(ctx, remote)  # Sharing: publish the new plan's ledger
 
 
 def stuck_error(ctx, plan, agent):
@@ -4207,7 +5045,8 @@ def cmd_next(ctx, a):
     if agent is not None and blank(agent):
         raise usage("--agent needs a name.")
     with open_plan(ctx) as s:
-        plan = s.require_plan()
+        s.require_plan()
+        plan = publish(s, claim=True, fetch_first=True)  # Sharing: see other machines' claims
         active = active_stories(plan)
         held = [x for x in active if x["agent"] == agent] if agent is not None else active
         reshown = bool(held)
@@ -4221,10 +5060,8 @@ def cmd_next(ctx, a):
                     ctx.data.update(plan_summary(plan), story=None, plan=plan_json(plan))
                     return
                 raise stuck_error(ctx, plan, agent)
-            s.commit("story_started", id=story["id"], title=story["title"],
-                     round=story["round"] + 1, agent=agent)
+            story = claim_story(s, story, agent)  # Sharing: on the remote before it is handed out
             plan = s.plan
-            story = find_story(plan, story["id"])
     lines = render_handoff(ctx, plan, story, reshown)
     for line in lines:
         ctx.say(line)
@@ -4312,6 +5149,7 @@ def cmd_status(ctx, a):
         raise refused("no plan — run `create` first.", "no_plan")
     with ctx.store.session(exclusive=False, imports=True) as s:
         plan = s.load()
+        share = share_status(s.store, plan)  # Sharing: None for a local plan
     if plan is None:
         if a.resume:
             return
@@ -4334,6 +5172,7 @@ def cmd_status(ctx, a):
                 f"{': ' + one_line(paused['note']) if paused['note'] else ''}"
                 f" — `{ctx.prog} unpause` turns it back on")
     ctx.say(next_line(ctx.prog, plan))
+    say_share_status(ctx, share)
     for story in active_stories(plan):
         ctx.say("")
         for line in (render_handoff(ctx, plan, story, True) if a.resume
@@ -4420,12 +5259,16 @@ def cmd_add(ctx, a):
 def cmd_audit(ctx, a):
     pin, base = audit_pin(ctx, a)
     scan = TrustScan(ctx.store.root, pin)
-    with open_plan(ctx, exclusive=False) as s:
-        s.refuse_original()
-        snapshot = read_state_file(s.store.path(SNAPSHOT))  # before the ledger, as every reader
-        s.ledger.open()
-        report = audit_ledger(s.ledger, snapshot, a.require_independent_judge,
-                              runs_dir=s.store.path(RUNS), scan=scan)
+    if a.remote:  # a shared plan as the remote holds it: no local state needed
+        data, _, logs = audit_remote_source(ctx, a)
+        report = audit_ledger(data, None, a.require_independent_judge, logs=logs, scan=scan)
+    else:
+        with open_plan(ctx, exclusive=False) as s:
+            s.refuse_original()
+            snapshot = read_state_file(s.store.path(SNAPSHOT))  # before the ledger, as readers do
+            s.ledger.open()
+            report = audit_ledger(s.ledger, snapshot, a.require_independent_judge,
+                                  runs_dir=s.store.path(RUNS), scan=scan)
     plan = report.pop("plan")
     bad_logs = report.pop("bad_logs")
     if bad_logs:
@@ -5167,6 +6010,8 @@ def add_create(command):
                    help="require an independent judge's verdict: for every story, or for ID")
     c.add_argument("--accept", action="append", default=[], metavar="ID=TEXT",
                    help="an acceptance item for a judge to check on a story (repeatable)")
+    c.add_argument("--remote", metavar="NAME",
+                   help="share the new plan through this git remote (see `share`)")
 
 
 def add_next(command):
@@ -5294,6 +6139,11 @@ def add_audit_trust(c):
     c.add_argument("--forbid-accepted", action="store_true",
                    help="exit 1 if any story was accepted by a decision instead of completed")
     add_timeout(c)
+    c.add_argument("--remote", metavar="NAME",
+                   help="audit the shared plan as this git remote holds it (fetched; no local "
+                        "state needed)")
+    c.add_argument("--plan", metavar="ID",
+                   help="with --remote: which shared plan (default: the only one)")
 
 
 def add_rebuild(command):
@@ -5384,6 +6234,41 @@ def add_doctor(command):
                 "its command runs, the state is healthy")
     c.add_argument("agent", nargs="?", choices=AGENTS, default="claude",
                    help="the agent whose wiring to check (default: claude)")
+def add_share(command):
+    c = command("share", cmd_share, "share the plan through a git remote",
+                "its ledger goes to refs/fablize/plans/<plan id>, and every write publishes there")
+    c.add_argument("--remote", required=True, metavar="NAME", help="the git remote, e.g. origin")
+
+
+def add_sync(command):
+    c = command("sync", cmd_sync, "pull and publish a shared plan",
+                "pull the shared plan's new events and publish local ones; on a fresh clone, "
+                "bring the shared plan in")
+    c.add_argument("--remote", metavar="NAME",
+                   help="the git remote (default: the plan's, else origin or the only remote)")
+    c.add_argument("--plan", metavar="ID",
+                   help="on a fresh clone: which shared plan, when the remote has several")
+
+
+def add_release(command):
+    c = command("release", cmd_release, "end a silent agent's claim on a story",
+                "recorded in the ledger; the story becomes ready again, its round given back")
+    c.add_argument("--id", required=True, type=id_arg, help="the story, e.g. G001")
+    c.add_argument("--note", required=True, help="why the claim ends (who decided, what was seen)")
+
+
+def add_merge_driver(command):
+    c = command("merge-driver", cmd_merge_driver, "git's merge driver for plan files",
+                "git runs it; see `install-merge`")
+    c.add_argument("base", help="the common ancestor's version (%%O)")
+    c.add_argument("ours", help="our version, replaced by the merged one (%%A)")
+    c.add_argument("theirs", help="their version (%%B)")
+    c.add_argument("path", nargs="?", help="the file's path in the repository (%%P)")
+
+
+def add_install_merge(command):
+    command("install-merge", cmd_install_merge, "let `git merge` merge committed plans",
+            "one .gitattributes line (commit it) and the driver in this clone's git config")
 
 
 COMMANDS = {"create": add_create, "next": add_next, "checkpoint": add_checkpoint,
@@ -5391,7 +6276,9 @@ COMMANDS = {"create": add_create, "next": add_next, "checkpoint": add_checkpoint
             "audit": add_audit, "rebuild": add_rebuild, "log": add_log, "guard": add_guard,
             "report": add_report, "judge-packet": add_judge_packet, "verdict": add_verdict,
             "install-block": add_install_block, "setup": add_setup, "doctor": add_doctor,
-            "pause": add_pause, "unpause": add_unpause, "observe": add_observe}
+            "pause": add_pause, "unpause": add_unpause, "observe": add_observe,
+            "share": add_share, "sync": add_sync, "release": add_release,
+            "merge-driver": add_merge_driver, "install-merge": add_install_merge}
 DIR_HELP = ("state directory (default: $FABLIZE_DIR, else .fablize/ found walking up to the "
             "repository root); a project root means its .fablize/")
 JSON_HELP = "print exactly one JSON object to stdout"

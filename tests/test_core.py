@@ -506,6 +506,29 @@ def edited_ledger(fab):
     path.write_bytes(path.read_bytes().replace(b'"brief":"test plan"', b'"brief":"test plaN"', 1))
 
 
+def git_repo(fab):
+    """The project as a real git repository with a bare remote `origin`."""
+    import shutil
+    import subprocess
+    shutil.rmtree(fab.root / ".git")
+    for args in (["init", "-q", str(fab.root)], ["init", "-q", "--bare", str(fab.root / "r.git")],
+                 ["-C", str(fab.root), "remote", "add", "origin", str(fab.root / "r.git")]):
+        subprocess.run(["git", *args], check=True, capture_output=True)
+
+
+def shared_plan(fab):
+    git_repo(fab)
+    make_plan(fab, 2)
+    assert fab("share", "--remote", "origin").code == 0
+
+
+def driver_files(same):
+    def setup(fab):
+        (fab.root / "a").write_text("x\n")
+        (fab.root / "b").write_text("x\n" if same else "y\n")
+    return setup
+
+
 # command -> (setup, success args, setup for the failure, failure args, error code, exit)
 JSON_CASES = {
     "create": (nothing, ["create", "--brief", "b", "--goal", "a::b"],
@@ -543,6 +566,14 @@ JSON_CASES = {
               "already_paused", 1),
     "unpause": (lambda fab: (plan2(fab), fab("pause")), ["unpause"], plan2, ["unpause"],
                 "not_paused", 1),
+    "share": (lambda fab: (git_repo(fab), make_plan(fab, 2)), ["share", "--remote", "origin"],
+              plan2, ["share", "--remote", "origin"], "no_remote", 1),
+    "sync": (shared_plan, ["sync"], plan2, ["sync"], "not_shared", 1),
+    "release": (active_plan, ["release", "--id", "G001", "--note", "silent"],
+                plan2, ["release", "--id", "G001", "--note", "n"], "not_active", 1),
+    "install-merge": (git_repo, ["install-merge"], nothing, ["install-merge"], "no_git_repo", 1),
+    "merge-driver": (driver_files(True), ["merge-driver", "o", "a", "b", ".fablize/ledger.jsonl"],
+                     driver_files(False), ["merge-driver", "o", "a", "b", "x.txt"], "conflict", 1),
 }
 
 

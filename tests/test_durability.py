@@ -121,7 +121,7 @@ for i in range(nops):
             rec["events"] = 1
             held = data["story"]["id"]
             rec["story"] = held
-        elif code == 0 and not data.get("done"):
+        elif code == 0 and not data.get("complete"):
             rec["reshown"] = data["story"]["id"]
     elif op == "checkpoint":
         rec["story"] = held

@@ -1,0 +1,132 @@
+"""Branches that merge: committed plans and `git merge`, through the driver `install-merge`
+sets up (one .gitattributes line, one git config entry). Real git repositories."""
+
+import json
+import subprocess
+
+import pytest
+
+from conftest import run_cli
+
+GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid",
+           "GIT_CONFIG_NOSYSTEM": "1"}
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for k, v in GIT_ENV.items():
+        monkeypatch.setenv(k, v)
+    root = tmp_path / "r"
+    git(tmp_path, "init", "-q", "-b", "main", str(root))
+    return root
+
+
+def git(cwd, *args, ok=True):
+    p = subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True)
+    if ok:
+        assert p.returncode == 0, p.stderr + p.stdout
+    return p
+
+
+def fab(root, *args):
+    return run_cli(*args, cwd=root, env=dict(GIT_ENV, HOME=str(root.parent)))
+
+
+def complete_plan(root, brief, runs=True):
+    r = fab(root, "create", "--force", "--brief", brief, "--goal", "x::y", "--goal", "z::w")
+    assert r.code == 0, r
+    assert fab(root, "next").code == 0
+    assert fab(root, "checkpoint", "--id", "G001", "--status", "complete",
+               "--evidence", f"{brief} G001").code == 0
+    assert fab(root, "next").code == 0
+    extra = ["--run", "--verify-cmd", f"echo {brief}"] if runs else \
+        ["--verify-cmd", "t", "--verify-evidence", "ok"]
+    assert fab(root, "checkpoint", "--id", "G002", "--status", "complete",
+               "--evidence", "e", *extra).code == 0
+    return json.loads(fab(root, "audit", "--json").out)["head"]
+
+
+def based(repo):
+    assert fab(repo, "install-merge").code == 0
+    assert fab(repo, "create", "--brief", "base", "--goal", "a::b").code == 0
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "base plan")
+
+
+def test_two_branches_completing_different_plans_merge_and_both_audit_with_their_pins(repo):
+    based(repo)
+    git(repo, "checkout", "-qb", "a")
+    pin_a = complete_plan(repo, "plan-a")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "a")
+    git(repo, "checkout", "-q", "main")
+    git(repo, "checkout", "-qb", "b")
+    pin_b = complete_plan(repo, "plan-b")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "b")
+    r = git(repo, "merge", "a", "-m", "merge a")
+    assert "CONFLICT" not in r.stdout
+    assert git(repo, "status", "--porcelain").stdout == ""
+    for pin in (pin_a, pin_b, None):
+        r = fab(repo, "audit", "--require-complete", "--require-logs",
+                *(["--since", pin] if pin else []))
+        assert r.code == 0, (pin, r)
+    events = [json.loads(x) for x in (repo / ".fablize" / "ledger.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "plan_merged"
+    assert {events[0]["brief"], json.loads(events[-1]["lines"][0])["brief"]} == {"plan-a", "plan-b"}
+    # both plans ran G002's check at event 5: the one log name keeps the current plan's output
+    assert (repo / ".fablize" / "runs" / "5-G002.log").read_text() == events[0]["brief"] + "\n"
+    # the carried plan is replayed: an edit inside it is caught
+    path = repo / ".fablize" / "ledger.jsonl"
+    carried = json.loads(events[-1]["lines"][0])["brief"]
+    text = path.read_text()
+    assert text.count(f"{carried} G001") == 1  # only inside the plan_merged event
+    path.write_text(text.replace(f"{carried} G001", f"{carried} G00I"))
+    r = fab(repo, "audit")
+    assert r.code == 3 and "merged plan" in r.err, r
+
+
+def test_the_same_plan_advanced_on_one_side_merges_to_the_further_one(repo):
+    based(repo)
+    assert fab(repo, "next").code == 0
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "started")
+    git(repo, "checkout", "-qb", "a")
+    assert fab(repo, "checkpoint", "--id", "G001", "--status", "complete", "--verify-cmd", "t",
+               "--verify-evidence", "ok", "--evidence", "done on a").code == 0
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "a")
+    git(repo, "checkout", "-q", "main")
+    (repo / "other.txt").write_text("x")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "unrelated")
+    git(repo, "merge", "a", "-m", "m")
+    r = fab(repo, "audit", "--require-complete")
+    assert r.code == 0, r
+
+
+def test_the_same_plan_advanced_differently_on_both_sides_stays_a_conflict(repo):
+    based(repo)
+    assert fab(repo, "next").code == 0
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "started")
+    git(repo, "checkout", "-qb", "a")
+    assert fab(repo, "checkpoint", "--id", "G001", "--status", "failed",
+               "--evidence", "on a").code == 0
+    git(repo, "commit", "-qam", "a")
+    git(repo, "checkout", "-q", "main")
+    assert fab(repo, "checkpoint", "--id", "G001", "--status", "blocked",
+               "--evidence", "on main").code == 0
+    git(repo, "commit", "-qam", "main")
+    r = git(repo, "merge", "a", "-m", "m", ok=False)
+    assert r.returncode != 0 and "CONFLICT" in r.stdout
+    assert "advanced the same plan differently" in r.stderr + r.stdout
+
+
+def test_install_merge_writes_its_one_line_once(repo):
+    assert fab(repo, "install-merge").code == 0
+    assert fab(repo, "install-merge").code == 0
+    assert (repo / ".gitattributes").read_text() == "/.fablize/** merge=fablize\n"
+    assert "merge-driver %O %A %B %P" in git(repo, "config", "merge.fablize.driver").stdout

@@ -1,0 +1,518 @@
+"""Shared plans: one plan carried by a git remote (refs/fablize/plans/<id>), many clones,
+concurrent writers ordered by the remote's fast-forward-only ref update. Real git throughout:
+a bare repository is the remote, clones are real clones."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import SCRIPT, assert_refused, goals, run_cli, state_files
+
+GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid",
+           "GIT_CONFIG_NOSYSTEM": "1"}
+
+
+def git(cwd, *args, check=True):
+    p = subprocess.run(["git", "-C", str(cwd), *args], capture_output=True)
+    if check:
+        assert p.returncode == 0, p.stderr.decode()
+    return p.stdout.decode()
+
+
+class Net:
+    """A bare remote and its clones; clone(name)(*args) runs the engine in-process there."""
+
+    def __init__(self, tmp_path, capsys):
+        self.tmp = tmp_path
+        self.capsys = capsys
+        self.remote = tmp_path / "remote.git"
+        git(tmp_path, "init", "-q", "--bare", str(self.remote))
+
+    def clone(self, name):
+        path = self.tmp / name
+        git(self.tmp, "clone", "-q", str(self.remote), str(path))
+        return self.at(path)
+
+    def at(self, path):
+        capsys = self.capsys
+
+        def run(*args):
+            old = os.getcwd()
+            os.chdir(path)
+            try:
+                code = goals.main([str(a) for a in args])
+            finally:
+                os.chdir(old)
+            out = capsys.readouterr()
+            from conftest import Result
+            return Result(code, out.out, out.err)
+        run.root = path
+        run.dir = path / ".fablize"
+        return run
+
+    def remote_lines(self, plan_id):
+        ref = "refs/fablize/plans/" + plan_id
+        revs = git(self.remote, "rev-list", "--reverse", ref).split()
+        return [git(self.remote, "cat-file", "blob", f"{r}:event.jsonl").encode() for r in revs]
+
+
+@pytest.fixture
+def net(tmp_path, monkeypatch, capsys):
+    for var in ("FABLIZE_DIR", "FABLIZE_CRASH_AT", "FABLIZE_LOCK_TIMEOUT", "GITHUB_STEP_SUMMARY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for k, v in GIT_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.chdir(tmp_path)
+    return Net(tmp_path, capsys)
+
+
+def cli_env(net):
+    return dict(GIT_ENV, HOME=str(net.tmp))
+
+
+def create(fab, n=3, *extra):
+    args = ["create", "--brief", "shared plan", "--remote", "origin", *extra]
+    for i in range(1, n + 1):
+        args += ["--goal", f"S{i}::objective {i}"]
+    r = fab(*args)
+    assert r.code == 0, r
+    return fab("status", "--json").json["plan_id"]
+
+
+def ledger_lines(fab):
+    return (fab.dir / "ledger.jsonl").read_bytes().splitlines()
+
+
+def audit_ok(fab, *extra):
+    r = fab("audit", "--json", *extra)
+    assert r.code == 0, r
+    return r.json
+
+
+# Publishing ##################################################################
+
+
+def test_create_remote_publishes_one_commit_per_event_holding_its_exact_line(net):
+    a = net.clone("a")
+    plan_id = create(a, 2)
+    assert a("next").code == 0
+    r = a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "ran it",
+          "--run", "--verify-cmd", "echo hello-log")
+    assert r.code == 0, r
+    assert net.remote_lines(plan_id) == [x + b"\n" for x in ledger_lines(a)]
+    # a run's output travels with its event, as the log blob of that commit
+    ref = "refs/fablize/plans/" + plan_id
+    run_commit = git(net.remote, "rev-list", "-1", "--grep", "verify_run", ref).strip()
+    assert git(net.remote, "cat-file", "blob", f"{run_commit}:log") == "hello-log\n"
+    # a shared plan lives in refs, not in the branch: branch merges never touch it
+    assert ".fablize" not in git(a.root, "status", "--porcelain", "--untracked-files=all")
+
+
+def test_create_force_in_a_shared_plan_publishes_the_new_plan_under_its_own_ref(net):
+    a, b = net.clone("a"), net.clone("b")
+    old = create(a, 2)
+    r = a("create", "--force", "--brief", "second", "--goal", "x::y")
+    assert r.code == 0, r
+    new = a("status", "--json").json["plan_id"]
+    assert new != old and len(net.remote_lines(new)) == 1 and len(net.remote_lines(old)) == 1
+    assert b("sync", "--plan", new).code == 0
+    assert b("status", "--json").json["brief"] == "second"
+
+
+def test_share_publishes_an_existing_plan_and_refuses_an_unknown_remote(net):
+    a = net.clone("a")
+    r = a("create", "--brief", "b", "--goal", "x::y", "--goal", "z::w")
+    assert r.code == 0
+    assert a("next").code == 0
+    assert_refused(a, ["share", "--remote", "nowhere"], 1, "not a git remote")
+    assert_refused(a, ["share", "--remote=a b"], 2, "--remote takes")
+    r = a("share", "--remote", "origin", "--json")
+    assert r.code == 0, r
+    plan_id = r.json["share"]["ref"].rsplit("/", 1)[1]
+    assert net.remote_lines(plan_id) == [x + b"\n" for x in ledger_lines(a)]
+
+
+def test_a_local_plan_never_starts_git(fab, monkeypatch, tmp_path):
+    empty = tmp_path / "nobin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))  # no git to be found: any attempt would fail
+    assert fab("create", "--brief", "b", "--goal", "a::b", "--goal", "c::d").code == 0
+    for args in (["next"], ["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e"],
+                 ["status"], ["next"], ["release", "--id", "G002", "--note", "silent"], ["audit"]):
+        r = fab(*args)
+        assert r.code == 0, (args, r)
+    assert not (fab.dir / "share.json").exists()
+
+
+# Fresh clones ################################################################
+
+
+def test_a_plan_continues_on_a_fresh_clone_with_git_clone_and_sync(net):
+    a = net.clone("a")
+    create(a, 3)
+    assert a("next").code == 0
+    r = a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "built the parser",
+          "--run", "--verify-cmd", "echo parser-ok")
+    assert r.code == 0, r
+    b = net.clone("b")
+    assert_refused(b, ["next"], 1, "no plan")
+    r = b("sync")
+    assert r.code == 0 and "in sync with origin" in r.out, r
+    assert ledger_lines(b) == ledger_lines(a)
+    r = b("next")
+    assert r.code == 0 and "handoff — G002" in r.out, r
+    assert "built the parser" in r.out  # the first clone's evidence is carried
+    assert audit_ok(b, "--require-logs")["missing_logs"] == 0
+    # and the first clone sees the second's claim
+    assert a("sync").code == 0
+    assert a("status", "--json").json["stories"][1]["status"] == "in_progress"
+
+
+def test_sync_on_a_clone_refuses_a_local_plan_and_a_remote_without_plans(net):
+    a = net.clone("a")
+    assert_refused(a, ["sync"], 1, "shares no plans")
+    assert a("create", "--brief", "b", "--goal", "x::y").code == 0
+    assert_refused(a, ["sync"], 1, "this plan is local")
+
+
+def test_sync_asks_which_plan_when_the_remote_shares_several(net):
+    a = net.clone("a")
+    first = create(a, 2)
+    second_dir = net.clone("a2")
+    second = create(second_dir, 2)
+    b = net.clone("b")
+    r = assert_refused(b, ["sync"], 1, "--plan ID")
+    assert first in r.err and second in r.err
+    assert_refused(b, ["sync", "--plan", "x:refs/heads/main"], 2, "--plan takes a plan id")
+    assert b("sync", "--plan", second).code == 0
+    assert b("status", "--json").json["plan_id"] == second
+
+
+# Claims across machines ######################################################
+
+
+def test_an_agent_in_another_clone_gets_a_different_story(net):
+    a, b = net.clone("a"), net.clone("b")
+    create(a, 4, "--parallel")
+    assert b("sync").code == 0
+    ra = a("next", "--agent", "x", "--json").json
+    rb = b("next", "--agent", "y", "--json").json  # b has not synced since: next pulls first
+    assert ra["story"]["id"] != rb["story"]["id"]
+
+
+@pytest.mark.parametrize("stories", [2, 3])
+def test_a_claim_lost_between_fetch_and_push_is_never_double_held_and_names_the_holder(
+        net, monkeypatch, stories):
+    a, b = net.clone("a"), net.clone("b")
+    plan_id = create(a, stories, "--parallel")
+    assert b("sync").code == 0
+    real = goals.event_commits
+    raced = []
+
+    def b_claims_first(store, cfg, lines):
+        if not raced:  # another machine claims G001 right after a fetched
+            raced.append(1)
+            r = run_cli("next", "--agent", "y", cwd=b.root, env=cli_env(net))
+            assert r.code == 0 and "G001" in r.out, r
+        return real(store, cfg, lines)
+    monkeypatch.setattr(goals, "event_commits", b_claims_first)
+    r = a("next", "--agent", "x")
+    if stories == 2:  # nothing else is ready: refused, naming who holds it
+        assert r.code == 1 and "G001" in r.err and "agent y holds it" in r.err, r
+    else:  # said, set aside, and the next ready story is claimed instead
+        assert r.code == 0 and "handoff — G002" in r.out, r
+        assert "agent y holds it" in r.err and "Claiming G002 instead" in r.err, r
+    rejected = [json.loads(x) for x in (a.dir / "rejected.jsonl").read_text().splitlines()]
+    assert [(x["event"]["id"], x["event"]["agent"]) for x in rejected] == [("G001", "x")]
+    starts = [json.loads(x) for x in net.remote_lines(plan_id) if b'"story_started"' in x]
+    assert [(e["id"], e["agent"]) for e in starts] == \
+        [("G001", "y")] + ([("G002", "x")] if stories == 3 else [])
+    audit_ok(a)
+
+
+def test_release_ends_a_silent_agents_claim_by_a_recorded_act(net):
+    a, b = net.clone("a"), net.clone("b")
+    create(a, 2)
+    assert a("next", "--agent", "silent").code == 0
+    assert b("sync").code == 0
+    assert_refused(b, ["release", "--id", "G002", "--note", "n"], 1, "not in progress")
+    assert_refused(b, ["release", "--id", "G001", "--note", " "], 1, "non-empty --note")
+    r = b("release", "--id", "G001", "--note", "no heartbeat for 2 h", "--json")
+    assert r.code == 0 and r.json["released_from"] == "silent", r
+    r = b("next", "--agent", "fresh")
+    assert r.code == 0 and "handoff — G001" in r.out and "no heartbeat" in r.out, r
+    # the silent agent's late checkpoint is refused, naming who holds the story now
+    r = a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "late",
+          "--agent", "silent")
+    assert r.code == 1 and "fresh" in r.err, r
+    assert b("sync").code == 0
+    assert [e for e in map(json.loads, ledger_lines(b)) if e["event"] == "story_released"]
+    audit_ok(b)
+
+
+# Status ######################################################################
+
+
+def test_status_says_how_far_ahead_and_behind_the_remote_the_copy_is(net):
+    a, b = net.clone("a"), net.clone("b")
+    create(a, 3, "--parallel")
+    assert b("sync").code == 0
+    assert a("next", "--agent", "x").code == 0
+    assert a("next", "--agent", "z").code == 0
+    share = b("status", "--json").json["share"]
+    assert (share["ahead"], share["behind"]) == (0, 2)
+    git(b.root, "remote", "set-url", "origin", str(net.tmp / "gone.git"))
+    r = b("release", "--id", "G001", "--note", "offline call")  # needs the remote: refused
+    assert r.code == 3 and "cannot be reached" in r.err, r
+    r = b("status")
+    assert r.code == 0 and "cannot be reached" in r.out, r
+
+
+# Durability ##################################################################
+
+
+def reject_pushes(remote, times):
+    """A pre-receive hook on the remote that refuses the next `times` pushes (-1: all)."""
+    hook = Path(remote) / "hooks" / "pre-receive"
+    counter = Path(remote) / "rejects-left"
+    counter.write_text(str(times))
+    hook.write_text("#!/bin/sh\nn=$(cat '%s')\n[ \"$n\" = 0 ] && exit 0\n"
+                    "[ \"$n\" -gt 0 ] && echo $((n - 1)) > '%s'\necho busy >&2\nexit 1\n"
+                    % (counter, counter))
+    hook.chmod(0o755)
+    return hook
+
+
+def test_pushes_rejected_several_times_in_a_row_still_publish_every_event(net):
+    a = net.clone("a")
+    plan_id = create(a, 2)
+    reject_pushes(net.remote, 3)
+    assert a("next").code == 0
+    assert net.remote_lines(plan_id) == [x + b"\n" for x in ledger_lines(a)]
+
+
+def test_pushes_rejected_every_time_keep_the_work_and_refuse_a_claim(net, monkeypatch):
+    monkeypatch.setattr(goals, "PUSH_ATTEMPTS", 3)
+    a = net.clone("a")
+    plan_id = create(a, 2)
+    assert a("next").code == 0
+    hook = reject_pushes(net.remote, -1)
+    r = a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "done offline")
+    assert r.code == 0 and "not published" in r.err, r
+    assert a("status", "--json").json["share"]["ahead"] == 1
+    r = a("next", "--json")
+    assert r.code == 3 and r.json["error"]["code"] == "push_contended", r
+    hook.unlink()
+    assert a("sync").code == 0
+    assert net.remote_lines(plan_id) == [x + b"\n" for x in ledger_lines(a)]
+
+
+def test_remote_dying_mid_push_keeps_the_event_and_sync_publishes_it(net):
+    a = net.clone("a")
+    plan_id = create(a, 2)
+    assert a("next").code == 0
+    hook = Path(net.remote) / "hooks" / "pre-receive"
+    hook.write_text("#!/bin/sh\nkill -9 $PPID\n")  # receive-pack dies after the fetch worked
+    hook.chmod(0o755)
+    r = a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e")
+    assert r.code == 0 and "not published" in r.err, r
+    before = state_files(a.dir)
+    r = a("next")
+    assert r.code == 3 and "cannot be reached" in r.err, r
+    assert state_files(a.dir) == before
+    hook.unlink()
+    assert a("sync").code == 0
+    assert net.remote_lines(plan_id) == [x + b"\n" for x in ledger_lines(a)]
+
+
+def test_kill_between_local_append_and_push_is_published_by_the_next_sync(net):
+    a, b = net.clone("a"), net.clone("b")
+    plan_id = create(a, 3, "--parallel")
+    assert b("sync").code == 0
+    r = run_cli("next", "--agent", "x", cwd=a.root,
+                env=dict(cli_env(net), FABLIZE_CRASH_AT="after-snapshot-replace"))
+    assert r.code == -9, r
+    assert len(net.remote_lines(plan_id)) == 1
+    assert b("next", "--agent", "y").code == 0  # b takes G001 meanwhile
+    r = a("sync")  # a's unpublished claim on G001 is no longer legal: set aside, said
+    assert r.code == 0 and "no longer legal" in r.err and "rejected.jsonl" in r.err, r
+    assert [x + b"\n" for x in ledger_lines(a)] == net.remote_lines(plan_id)
+    assert json.loads((a.dir / "rejected.jsonl").read_text())["event"]["agent"] == "x"
+    r = a("next", "--agent", "x")
+    assert r.code == 0 and "handoff — G002" in r.out, r
+    assert b("sync").code == 0 and ledger_lines(a) == ledger_lines(b)
+
+
+def test_kill_after_the_push_before_the_record_does_not_publish_twice(net):
+    a, b = net.clone("a"), net.clone("b")
+    plan_id = create(a, 2)
+    r = run_cli("next", cwd=a.root, env=dict(cli_env(net), FABLIZE_CRASH_AT="after-push"))
+    assert r.code == -9, r
+    assert len(net.remote_lines(plan_id)) == 2  # it landed; share.json does not know yet
+    r = a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e")
+    assert r.code == 0, r
+    assert net.remote_lines(plan_id) == [x + b"\n" for x in ledger_lines(a)]
+    assert b("sync").code == 0 and ledger_lines(b) == ledger_lines(a)
+
+
+def test_a_clone_offline_for_many_events_rebases_its_work_on_return(net):
+    a, b = net.clone("a"), net.clone("b")
+    plan_id = create(a, 12, "--parallel")
+    assert a("next", "--agent", "x").code == 0
+    assert b("sync").code == 0
+    git(a.root, "remote", "set-url", "origin", str(net.tmp / "gone.git"))
+    r = a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "offline work",
+          "--agent", "x", "--run", "--verify-cmd", "echo offline-run")
+    assert r.code == 0 and "not published" in r.err, r
+    for sid in ("G%03d" % i for i in range(2, 12)):
+        assert b("next", "--agent", "y").code == 0
+        assert b("checkpoint", "--id", sid, "--status", "complete", "--evidence", "e",
+                 "--agent", "y", "--run", "--verify-cmd", f"echo {sid}").code == 0
+    git(a.root, "remote", "set-url", "origin", str(net.remote))
+    r = a("sync", "--json")
+    assert r.code == 0 and "set aside" not in r.err, r
+    assert (r.json["share"]["pulled"], r.json["share"]["published"]) == (30, 2)  # 10 × start, run, checkpoint; its run and checkpoint
+    assert b("sync").code == 0
+    assert ledger_lines(a) == ledger_lines(b) and net.remote_lines(plan_id) == \
+        [x + b"\n" for x in ledger_lines(a)]
+    for clone in (a, b):
+        report = audit_ok(clone, "--require-logs")
+        assert report["missing_logs"] == 0 and report["done"] == 11
+    story = b("status", "--json").json["stories"][0]
+    assert story["status"] == "complete" and story["evidence"] == "offline work"
+
+
+def test_a_rewritten_remote_history_is_damage_not_something_to_merge(net):
+    a, b = net.clone("a"), net.clone("b")
+    plan_id = create(a, 2)
+    assert b("sync").code == 0
+    assert a("next").code == 0
+    ref = "refs/fablize/plans/" + plan_id
+    first = git(net.remote, "rev-list", "--max-parents=0", ref).strip()
+    assert b("sync").code == 0
+    forged = ledger_lines(b)[1].replace(b'"event":"story_started"', b'"event":"story_started" ')
+    blob = subprocess.run(["git", "-C", str(net.remote), "hash-object", "-w", "--stdin"],
+                          input=forged + b"\n", capture_output=True).stdout.decode().strip()
+    tree = subprocess.run(["git", "-C", str(net.remote), "mktree"],
+                          input=f"100644 blob {blob}\tevent.jsonl\n".encode(),
+                          capture_output=True).stdout.decode().strip()
+    commit = git(net.remote, "commit-tree", tree, "-p", first, "-m", "forged").strip()
+    git(net.remote, "update-ref", ref, commit)  # history rewritten on the remote by force
+    r = b("sync")
+    assert r.code == 3 and "rewritten" in r.err, r
+
+
+# Audit on a shared plan ######################################################
+
+
+def test_audit_remote_checks_the_plan_as_the_remote_holds_it_with_a_pin(net):
+    a = net.clone("a")
+    plan_id = create(a, 2)
+    assert a("next").code == 0
+    pin = audit_ok(a)["head"]
+    assert a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
+             "--run", "--verify-cmd", "echo x").code == 0
+    ci = net.clone("ci")  # a fresh checkout: no .fablize at all
+    report = audit_ok(ci, "--remote", "origin", "--since", pin, "--require-logs")
+    assert report["events"] == len(ledger_lines(a)) and report["missing_logs"] == 0
+    r = ci("audit", "--remote", "origin", "--since", "1:" + "0" * 64)
+    assert r.code == 3 and "history_rewritten" in ci("audit", "--remote", "origin", "--since",
+                                                      "1:" + "0" * 64, "--json").out
+    assert not (ci.root / ".fablize").exists()
+    assert plan_id
+
+
+# The bar: 4 clones x 4 agents, one 40-story parallel plan ####################
+
+AGENT = r"""
+import json, subprocess, sys, time
+script, name = sys.argv[1], sys.argv[2]
+def run(*args):
+    p = subprocess.run([sys.executable, script, "--json", *args], capture_output=True, text=True)
+    return json.loads(p.stdout)
+done = []
+log = open(name + ".log", "w")
+for _ in range(400):
+    r = run("next", "--agent", name)
+    if r["ok"] and r.get("complete"):
+        break
+    if not r["ok"]:
+        code = r["error"]["code"]
+        log.write(json.dumps(r) + "\n"); log.flush()
+        if code in ("nothing_ready", "claim_lost", "awaiting_review", "push_contended", "busy"):
+            time.sleep(0.05 if code == "claim_lost" else 0.5)
+            continue
+        print(json.dumps(r)); sys.exit(1)
+    log.write(json.dumps(r) + "\n")
+    sid = r["story"]["id"]
+    args = ["checkpoint", "--id", sid, "--status", "complete", "--evidence", f"{name} did {sid}",
+            "--agent", name]
+    if r["story"].get("final") or sid == "G040":
+        args += ["--verify-cmd", "true", "--verify-evidence", "ok"]
+    c = run(*args)
+    if not c["ok"]:
+        print(json.dumps(c)); sys.exit(1)
+    done.append(sid)
+print(json.dumps(done))
+"""
+
+
+@pytest.mark.slow
+def test_bar_four_clones_four_agents_each_complete_a_40_story_parallel_plan(net):
+    a = net.clone("c0")
+    plan_id = create(a, 40, "--parallel")
+    clones = [a] + [net.clone(f"c{i}") for i in range(1, 4)]
+    for c in clones[1:]:
+        assert c("sync").code == 0
+    agent = net.tmp / "agent.py"
+    agent.write_text(AGENT)
+    env = dict(os.environ, **cli_env(net), FABLIZE_LOCK_TIMEOUT="60")
+    procs = [(c, subprocess.Popen([sys.executable, str(agent), str(SCRIPT), f"c{i}-a{j}"],
+                                  cwd=str(c.root), env=env, stdout=subprocess.PIPE))
+             for i, c in enumerate(clones) for j in range(4)]
+    started = time.monotonic()
+    results = []
+    for _, p in procs:
+        out, _ = p.communicate(timeout=40)
+        assert p.returncode == 0, out
+        results.append(json.loads(out))
+    done = [sid for r in results for sid in r]
+    assert sorted(done) == [f"G{i:03d}" for i in range(1, 41)]  # each story completed once
+    events = [json.loads(x) for x in net.remote_lines(plan_id)]
+    starts = [e["id"] for e in events if e["event"] == "story_started"]
+    assert sorted(starts) == sorted(set(starts)) == sorted(done)  # no story claimed twice
+    completions = [e["id"] for e in events if e["event"] == "checkpoint"]
+    assert sorted(completions) == sorted(done)  # no event lost
+    for c in clones:
+        assert c("sync").code == 0
+        report = audit_ok(c, "--require-complete")
+        assert report["events"] == len(events)
+    fresh = net.clone("fresh")
+    assert fresh("sync").code == 0
+    audit_ok(fresh, "--require-complete")
+    assert time.monotonic() - started < 60
+
+
+def test_bench_measures_a_shared_plan_command_against_a_local_bare_remote(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import bench
+    results = bench.shared_plan_cost(str(tmp_path), 1)
+    assert set(results) == {"local", "shared"} and all(x > 0 for r in results.values() for x in r)
+
+
+def test_a_damaged_share_record_is_exit_3_not_a_guess(net):
+    a = net.clone("a")
+    create(a, 2)
+    share = a.dir / "share.json"
+    record = json.loads(share.read_text())
+    for bad in ("{", json.dumps(dict(record, plan_id="x:refs/heads/main"))):
+        share.write_text(bad)
+        r = assert_refused(a, ["next"], 3, "share.json is not a fablize share record")
+        assert "Traceback" not in r.err
