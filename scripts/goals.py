@@ -2805,7 +2805,7 @@ def render_round_failures(story, prefix):
 def handoff_command(ctx, story):
     """The command that prints `story`'s whole handoff again without changing anything."""
     if story["agent"]:
-        return f"{ctx.prog} next --agent {quote_path(one_line(story['agent']))}"
+        return f"{ctx.prog} next --agent {quote_arg(story['agent'])}"
     return f"{ctx.prog} next"
 
 
@@ -3639,7 +3639,7 @@ def invocation(cwd=None):
             rel = ".."
         if not rel.startswith("..") and re.fullmatch(r"[\w./@+-]+", rel):
             return f'{PYTHON} "$(git rev-parse --show-toplevel)/{rel}"'
-    return f"{PYTHON} {quote_path(script)}"
+    return f"{PYTHON} {quote_arg(script)}"
 
 
 def portable_command(root):
@@ -5355,10 +5355,7 @@ def cmd_log(ctx, a):
 
 def guard_verdict(ctx, payload):
     """(reason to block or None, message for the user or None) for a Stop hook."""
-    cwd = payload.get("cwd") if isinstance(payload.get("cwd"), str) else os.getcwd()
-    if ctx.args.dir is None and not os.environ.get("FABLIZE_DIR"):
-        ctx.store = Store(*find_state_dir(None, cwd), ctx.out.warnings)
-    if not ctx.store.exists():
+    if not hook_store(ctx, payload).exists():
         return None, None
     with ctx.store.session(exclusive=False) as s:
         if guard_reason(ctx, s.load(), payload)[0] is None:
@@ -5411,17 +5408,8 @@ def guard_limit():
 
 
 def cmd_guard(ctx, a):
-    raw = b""
-    if not sys.stdin.isatty():
-        try:
-            raw = sys.stdin.buffer.read(1 << 20)
-        except (OSError, ValueError, AttributeError):
-            raw = b""
-    try:
-        payload = load_json(raw) if raw.strip() else None
-    except ValueError:
-        payload = None
-    if not isinstance(payload, dict):
+    raw, payload = read_hook_stdin()
+    if payload is None:
         return  # empty or malformed input never blocks
     if a.hook_for == "cursor":  # Cursor counts its own follow-ups and says how the turn ended
         if payload.get("status", "completed") != "completed":
@@ -5978,9 +5966,6 @@ class Context:
         """Hook output: exactly this object (or nothing), whatever --json says."""
         self.out.raw = [obj] if obj is not None else []
 
-
-def quote_path(path):
-    return path if re.fullmatch(r"[\w./:@+-]+", path) else "'" + path.replace("'", "'\\''") + "'"
 
 
 def add_create(command):
