@@ -298,7 +298,7 @@ def defuse(text):
     return text
 
 
-def check_text(name, text):
+def limit_text(name, text):
     if text is not None and len(text) > MAX_TEXT // 4 and len(text.encode("utf-8")) > MAX_TEXT:
         raise usage(f"{name} is {len(text.encode('utf-8')):,} bytes; the limit is {MAX_TEXT:,} — "
                     "cite a file or a digest instead of pasting it.", "too_large")
@@ -577,13 +577,13 @@ def forged(what):
                    "bad_event")
 
 
-def _check_story_text(spec):
+def _require_story_text(spec):
     if blank(spec.get("title")) or blank(spec.get("objective")):
         raise usage(f"{one_line(spec.get('id'))}: title and objective must not be empty — "
                     "--goal format is 'title::objective'.", "blank_goal")
 
 
-def _check_unverifiable(stories, found):
+def _refuse_unknown_unverifiable(stories, found):
     by_id = {s["id"]: s for s in stories}
     for u in found:
         story = by_id.get(u["id"])
@@ -593,7 +593,7 @@ def _check_unverifiable(stories, found):
                          "check of the plan")
 
 
-def _check_agent(agent):
+def _refuse_blank_agent(agent):
     if agent is not None and blank(agent):
         raise forged("an agent name is blank")
 
@@ -614,7 +614,7 @@ def _ev_plan_created(plan, ev):
     for i, spec in enumerate(specs, 1):
         if spec["id"] != story_id(i):
             raise damaged(f"story {i} has id {one_line(spec['id'])}, expected {story_id(i)}")
-        _check_story_text(spec)
+        _require_story_text(spec)
         if "status" in spec or "evidence" in spec:
             if not imported:
                 raise damaged(f"{spec['id']} is created with status {one_line(spec.get('status'))}")
@@ -630,7 +630,7 @@ def _ev_plan_created(plan, ev):
     if rounds < 1:
         raise usage("--rounds must be a whole number ≥ 1.", "bad_rounds")
     unverifiable = ev.get("unverifiable") or []
-    _check_unverifiable(stories, unverifiable)
+    _refuse_unknown_unverifiable(stories, unverifiable)
     for s in stories:
         if s["status"] == "in_progress":
             s.update(round=1, started_seq=ev["seq"], started_ts=ev["ts"])
@@ -650,7 +650,7 @@ def _ev_plan_created(plan, ev):
 def _ev_story_started(plan, ev):
     story = find_story(plan, ev["id"])
     agent = ev["agent"]
-    _check_agent(agent)
+    _refuse_blank_agent(agent)
     if story["status"] not in ("pending", "failed"):
         raise refused(f"{story['id']} cannot start: it is {story['status']}.", "not_startable")
     pending = waits_for(plan, story)
@@ -724,7 +724,7 @@ def checkpoint_gate(plan, story, ev):
         raise refused(f"{story['id']} is not active ({story['status']}) — activate it with `next` "
                       "first.", "not_active")
     agent = ev.get("agent")
-    _check_agent(agent)
+    _refuse_blank_agent(agent)
     if story["agent"] is not None and agent != story["agent"]:
         caller = "an unnamed caller (give --agent)" if agent is None else one_line(agent)
         raise refused(f"{story['id']} is held by agent {one_line(story['agent'])}, "
@@ -854,10 +854,10 @@ def _ev_story_added(plan, ev):
         raise damaged(f"added story has id {one_line(spec['id'])}, expected {expected}")
     if "status" in spec or "evidence" in spec:
         raise forged(f"{spec['id']} is added with a status")
-    _check_story_text(spec)
+    _require_story_text(spec)
     story = new_story(spec)
     validate_graph(plan["goals"] + [story])
-    _check_unverifiable([story], ev["unverifiable"])
+    _refuse_unknown_unverifiable([story], ev["unverifiable"])
     plan["goals"].insert(len(plan["goals"]) - 1, story)
     final["after"].append(story["id"])
     plan["unverifiable"].extend(ev["unverifiable"])
@@ -935,7 +935,7 @@ def _ev_story_released(plan, ev):
     if story["status"] != "in_progress":
         raise refused(f"{story['id']} is {story['status']}, not in progress — there is no claim to "
                       "release.", "not_active")
-    _check_agent(ev["agent"])
+    _refuse_blank_agent(ev["agent"])
     if blank(ev["note"]):
         raise refused("a release requires a non-empty --note (why the agent's claim ends).",
                       "no_note")
@@ -2139,7 +2139,7 @@ def kill_group(proc):
         pass
 
 
-def run_check(cmd, cwd, timeout, stream, log_path):
+def run_command(cmd, cwd, timeout, stream, log_path):
     """Run `cmd` through the shell in `cwd`, stdin closed, output streamed (escaped) to
     `stream` and captured whole to `log_path`. Returns the run's record."""
     import codecs
@@ -2260,7 +2260,7 @@ def execute_runs(ctx, store, story_id_, commands, after_seq):
         ctx.out.progress(f"fablize: running {label} for {story_id_} in {store.root}: {one_line(cmd)}")
         tmp_log = os.path.join(runs_dir, f".run-{os.getpid()}-{os.urandom(4).hex()}.log")
         started = now_iso()
-        record = run_check(cmd, store.root, ctx.timeout, stream, tmp_log)
+        record = run_command(cmd, store.root, ctx.timeout, stream, tmp_log)
         record.update(id=story_id_, check=check, after_seq=after_seq, started=started,
                       git_head=head, git_dirty=dirty, tmp_log=tmp_log,
                       provenance=run_provenance(store.root, cmd))
@@ -3341,7 +3341,7 @@ def rerun_checks(ctx, plan, which, root):
     try:
         for story in stories:
             for i, cmd in enumerate(story["checks"]):
-                record = run_check(cmd, root, ctx.timeout, None,
+                record = run_command(cmd, root, ctx.timeout, None,
                                    os.path.join(tmp, f"{story['id']}-{i}.log"))
                 results.append({"id": story["id"], "check": i + 1, "cmd": cmd,
                                 "ok": run_passed(record), "result": run_result(record),
@@ -4050,7 +4050,7 @@ def setup_plan(ctx, agent, remove):
     return changes, notes
 
 
-def check_block(root, agent):
+def block_problem(root, agent):
     """(problem or None, fix, the command the block uses or None) for the agent's instructions."""
     block_rel = AGENT_FILES[agent][0]
     path = os.path.join(root, block_rel)
@@ -4180,7 +4180,7 @@ def git_out(root, *args, data=None):
     return p.stdout
 
 
-def check_remote(store, remote):
+def remote_arg(store, remote):
     if not re.fullmatch(r"[A-Za-z0-9][\w.-]*", remote or ""):
         raise usage(f"--remote takes the name of a git remote (as `git remote` lists them), not "
                     f"{one_line(remote)!r}.", "bad_remote")
@@ -4191,7 +4191,7 @@ def check_remote(store, remote):
     return remote
 
 
-def check_plan_id(plan_id):
+def plan_id_arg(plan_id):
     if not re.fullmatch(r"[A-Za-z0-9][\w.-]*", plan_id or "") or ".." in plan_id:
         raise usage(f"--plan takes a plan id (as `sync` lists them), not {one_line(plan_id)!r}.",
                     "bad_plan_id")
@@ -4646,7 +4646,7 @@ def start_sharing(ctx, remote):
 def cmd_share(ctx, a):
     if not ctx.store.exists():
         raise refused("no plan — run `create` first.", "no_plan")
-    start_sharing(ctx, check_remote(ctx.store, a.remote))
+    start_sharing(ctx, remote_arg(ctx.store, a.remote))
 
 
 def cmd_sync(ctx, a):
@@ -4655,10 +4655,10 @@ def cmd_sync(ctx, a):
     if cfg is None:
         if store.exists() and has_plan_files(store):
             raise refused("this plan is local — share it first: `share --remote NAME`.", "not_shared")
-        remote = check_remote(store, a.remote or default_remote(store))
+        remote = remote_arg(store, a.remote or default_remote(store))
         plans = shared_plan_refs(store, remote)
         if a.plan:
-            if check_plan_id(a.plan) not in plans:
+            if plan_id_arg(a.plan) not in plans:
                 raise refused(f"{remote} shares no plan {one_line(a.plan)}.", "not_found")
             plan_id = a.plan
         elif len(plans) == 1:
@@ -4729,8 +4729,8 @@ def say_share_status(ctx, info):
 def audit_remote_source(ctx, a):
     """audit --remote: (ledger bytes, no snapshot, run logs) of the plan on the remote."""
     store = ctx.store
-    remote = check_remote(store, a.remote)
-    plan_id = a.plan and check_plan_id(a.plan)
+    remote = remote_arg(store, a.remote)
+    plan_id = a.plan and plan_id_arg(a.plan)
     if plan_id is None:
         cfg = share_config(store) if store.exists() else None
         if cfg is not None and cfg["remote"] == remote:
@@ -4745,26 +4745,13 @@ def audit_remote_source(ctx, a):
     return data, None, logs
 
 
-def check_remote_logs(run_logs, logs):
-    """check_run_logs for logs carried in the remote's commits."""
-    missing, bad = 0, []
-    for lineno, log, digest in run_logs:
-        content = logs.get(log)
-        if content is None:
-            missing += 1
-        elif sha256_hex(content) != digest:
-            bad.append(f"event {lineno}: the log its commit carries does not match the sha256 "
-                       "recorded for that run.")
-    return missing, bad
-
-
 def cmd_release(ctx, a):
     with open_plan(ctx) as s:
         plan = s.require_plan()
         plan = publish(s, claim=True, fetch_first=True)  # release what the remote says is held
         story = find_story(plan, a.id)
         holder = story["agent"]
-        s.commit("story_released", id=a.id, note=check_text("--note", a.note), agent=holder)
+        s.commit("story_released", id=a.id, note=limit_text("--note", a.note), agent=holder)
         publish(s, claim=True)
         plan = s.plan
     ctx.say(f"fablize: {a.id} released from agent {one_line(holder or 'unnamed')} → pending (its "
@@ -4928,8 +4915,8 @@ def parse_goal(value, number):
     if "::" not in value:
         raise usage(f"--goal format is 'title::objective' — invalid: {one_line(value)}", "bad_goal")
     title, objective = value.split("::", 1)
-    return {"id": story_id(number), "title": check_text("a title", title.strip()),
-            "objective": check_text("an objective", objective.strip()),
+    return {"id": story_id(number), "title": limit_text("a title", title.strip()),
+            "objective": limit_text("an objective", objective.strip()),
             "after": [], "checks": [], "accept": [], "judge": False}
 
 
@@ -4965,16 +4952,16 @@ def build_stories(a):
         sid, cmd = split_assignment("--check", value)
         if blank(cmd):
             raise usage(f"--check {sid}= needs a command.", "blank_check")
-        target("--check", sid)["checks"].append(check_text("a check", cmd))
+        target("--check", sid)["checks"].append(limit_text("a check", cmd))
     for cmd in a.verify:
         if blank(cmd):
             raise usage("--verify needs a command.", "blank_check")
-        specs[-1]["checks"].append(check_text("a check", cmd))
+        specs[-1]["checks"].append(limit_text("a check", cmd))
     for value in a.accept:
         sid, text = split_assignment("--accept", value)
         if blank(text):
             raise usage(f"--accept {sid}= needs the item's text.", "blank_item")
-        target("--accept", sid)["accept"].append(check_text("an acceptance item", text))
+        target("--accept", sid)["accept"].append(limit_text("an acceptance item", text))
     for value in a.judge or []:
         for sid in ([s["id"] for s in specs] if value == "ALL" else parse_ids(value, "--judge")):
             target("--judge", sid)["judge"] = True
@@ -4995,11 +4982,11 @@ def cmd_create(ctx, a):
     store = ctx.store
     if not a.force and store.exists() and has_plan_files(store):
         raise refused(PLAN_EXISTS, "plan_exists")
-    check_text("--brief", a.brief)
+    limit_text("--brief", a.brief)
     if blank(a.brief):
         raise usage("--brief must not be empty: it is the task every handoff starts from.",
                     "blank_brief")
-    remote = check_remote(store, a.remote) if a.remote else None  # Sharing
+    remote = remote_arg(store, a.remote) if a.remote else None  # Sharing
     specs = build_stories(a)
     unverifiable = unverifiable_checks(specs, store.root)
     fields = {"brief": a.brief, "count": len(specs), "plan_id": new_plan_id(), "stories": specs,
@@ -5084,9 +5071,9 @@ def say_after_checkpoint(ctx, plan, story):
 
 
 def cmd_checkpoint(ctx, a):
-    ev = {"id": a.id, "status": a.status, "evidence": check_text("--evidence", a.evidence),
-          "verify_cmd": check_text("--verify-cmd", a.verify_cmd),
-          "verify_evidence": check_text("--verify-evidence", a.verify_evidence)}
+    ev = {"id": a.id, "status": a.status, "evidence": limit_text("--evidence", a.evidence),
+          "verify_cmd": limit_text("--verify-cmd", a.verify_cmd),
+          "verify_evidence": limit_text("--verify-evidence", a.verify_evidence)}
     if a.agent is not None:
         ev["agent"] = a.agent
     if a.run:
@@ -5215,7 +5202,7 @@ def cmd_decide(ctx, a):
     signature, prev = sign_decision(ctx, a) if a.sign or a.signer else (None, None)
     with open_plan(ctx) as s:
         s.require_plan()
-        s.commit("decision", id=a.id, decision=a.decision, note=check_text("--note", a.note),
+        s.commit("decision", id=a.id, decision=a.decision, note=limit_text("--note", a.note),
                  **signed_fields(s.plan, signature, prev))
         plan = s.plan
     story = find_story(plan, a.id)
@@ -5242,8 +5229,8 @@ def cmd_add(ctx, a):
         for cmd in a.check:
             if blank(cmd):
                 raise usage("--check needs a command.", "blank_check")
-            spec["checks"].append(check_text("a check", cmd))
-        spec["accept"] = [check_text("an acceptance item", t) for t in a.accept if not blank(t)]
+            spec["checks"].append(limit_text("a check", cmd))
+        spec["accept"] = [limit_text("an acceptance item", t) for t in a.accept if not blank(t)]
         spec["judge"] = a.judge
         unverifiable = unverifiable_checks([spec], ctx.store.root)
         s.commit("story_added", story=spec, unverifiable=unverifiable)
@@ -5569,7 +5556,7 @@ def cmd_verdict(ctx, a):
     void = tree_changed_verdict(ctx, a)
     with open_plan(ctx) as s:
         s.require_plan()
-        fields = {"verdict": a.verdict, "evidence": check_text("--evidence", a.evidence)}
+        fields = {"verdict": a.verdict, "evidence": limit_text("--evidence", a.evidence)}
         s.commit("verdict", id=a.id, agent=a.agent, **dict(fields, **(void or {})))
         plan = s.plan
     story = find_story(plan, a.id)
@@ -5734,7 +5721,7 @@ def guard_answer(agent, reason):
 def cmd_pause(ctx, a):
     with open_plan(ctx) as s:
         s.require_plan()
-        s.commit("paused", note=check_text("--note", a.note))
+        s.commit("paused", note=limit_text("--note", a.note))
         plan = s.plan
     ctx.say(f"fablize: guard paused (event {plan['ledger']['seq']}) — the Stop hook lets the agent "
             f"stop until `{ctx.prog} unpause`.")
@@ -5822,32 +5809,32 @@ def cmd_setup(ctx, a):
 def cmd_doctor(ctx, a):
     root = ctx.store.root
     agent = a.agent
-    checks = []
+    findings = []
 
-    def check(name, problem, fix, fine):
-        checks.append({"check": name, "ok": problem is None, "problem": problem, "fix": fix,
+    def finding(name, problem, fix, fine):
+        findings.append({"item": name, "ok": problem is None, "problem": problem, "fix": fix,
                        "detail": fine if problem is None else None})
 
-    check("engine", None, None, f"fablize {__version__} on Python {sys.version.split()[0]}")
-    problem, fix, cli = check_block(root, agent)
-    check("block", problem, fix, f"{AGENT_FILES[agent][0]} holds the current block")
+    finding("engine", None, None, f"fablize {__version__} on Python {sys.version.split()[0]}")
+    problem, fix, cli = block_problem(root, agent)
+    finding("block", problem, fix, f"{AGENT_FILES[agent][0]} holds the current block")
     if cli:
         bad = interpreter_problem(cli)
         ok, said = (False, bad) if bad else command_runs(cli, root)
         if bad and cli == "fablize" and agent == "claude" and plugin_enabled(root):
             ok, said = True, f"not on this PATH, but Claude Code puts the {PLUGIN_NAME} plugin's bin/ on its own"
-        check("command", None if ok else f"the block's command `{cli}` does not run here ({said})",
+        finding("command", None if ok else f"the block's command `{cli}` does not run here ({said})",
               "install fablize (README: Install) or keep the script in the repository, then "
               f"`setup {agent}`", f"`{cli} --version` → {said}")
     for event, where in hook_registrations(root, agent).items():
         if not where:
-            check(f"{event} hook", f"no fablize {event} hook is registered", f"`setup {agent}`", None)
+            finding(f"{event} hook", f"no fablize {event} hook is registered", f"`setup {agent}`", None)
         elif len(where) > 1:
-            check(f"{event} hook", f"the {event} hook is registered {len(where)} times "
+            finding(f"{event} hook", f"the {event} hook is registered {len(where)} times "
                   f"({', '.join(where)}): every event would be counted twice",
                   f"keep one: remove fablize's {event} entry from {where[0]}", None)
         else:
-            check(f"{event} hook", None, None, f"registered once ({where[0]})")
+            finding(f"{event} hook", None, None, f"registered once ({where[0]})")
     hooks_rel = AGENT_FILES[agent][1]
     if hooks_rel:
         config = read_json_config(os.path.join(root, hooks_rel), quiet=True)
@@ -5855,27 +5842,27 @@ def cmd_doctor(ctx, a):
             for f in our_hooks(config, event):
                 bad = interpreter_problem(f[3]["command"])
                 if bad:
-                    check(f"{event} hook command", f"{bad} (in {hooks_rel})", f"`setup {agent}`", None)
+                    finding(f"{event} hook command", f"{bad} (in {hooks_rel})", f"`setup {agent}`", None)
     if ctx.store.exists():
         try:
             with ctx.store.session(exclusive=False) as s:
                 plan = s.load()
             done = sum(1 for x in plan["goals"] if x["status"] in DONE) if plan else 0
-            check("state", None, None, "no plan yet" if plan is None else
+            finding("state", None, None, "no plan yet" if plan is None else
                   f"plan readable, {done}/{len(plan['goals'])} done")
         except FablizeError as e:
-            check("state", f"the plan cannot be read: {one_line(e.message)}",
+            finding("state", f"the plan cannot be read: {one_line(e.message)}",
                   f"`{ctx.prog} audit` says what is wrong; `{ctx.prog} rebuild` regenerates "
                   "goals.json from the ledger", None)
         present = read_state_file(os.path.join(ctx.store.dir, ".gitignore")) is not None
-        check(".gitignore", None if present else f"{STATE_DIRNAME}/.gitignore is missing: the lock "
+        finding(".gitignore", None if present else f"{STATE_DIRNAME}/.gitignore is missing: the lock "
               "and temporary files would be committed", f"`setup {agent}`",
               f"{STATE_DIRNAME}/.gitignore keeps local files out of git")
-    for c in checks:
-        ctx.say(f"  ✓ {c['check']}: {c['detail']}" if c["ok"] else
-                f"  ✗ {c['check']}: {c['problem']} — fix: {c['fix']}")
-    ctx.data.update(agent=agent, checks=checks)
-    problems = [c for c in checks if not c["ok"]]
+    for c in findings:
+        ctx.say(f"  ✓ {c['item']}: {c['detail']}" if c["ok"] else
+                f"  ✗ {c['item']}: {c['problem']} — fix: {c['fix']}")
+    ctx.data.update(agent=agent, findings=findings)
+    problems = [c for c in findings if not c["ok"]]
     if problems:
         raise refused(f"doctor: {len(problems)} problem{'s' if len(problems) > 1 else ''} — "
                       f"{problems[0]['problem']}; fix: {problems[0]['fix']}", "doctor_problems")

@@ -12,7 +12,7 @@ Commands run in-process. stdout/stderr are replaced by UTF-8 text streams over b
 (stdout strict, stderr backslashreplace — what a real process has), not io.StringIO, so text
 that a real terminal or pipe cannot encode fails here as it would for a user.
 
-Verification commands are never executed: `goals.run_check` is replaced by a stub that
+Verification commands are never executed: `goals.run_command` is replaced by a stub that
 records a run without starting a process (a generated string must never reach a shell).
 
 Nothing is steered away from: deep nesting, lone surrogates (as JSON escapes in state files,
@@ -58,7 +58,7 @@ def fuzz_settings(examples):
 # Sandbox ####################################################################
 
 
-def _stub_run_check(cmd, cwd, timeout, stream, log_path):
+def _stub_run_command(cmd, cwd, timeout, stream, log_path):
     """Record a run without executing anything: `true` passes, everything else fails."""
     body = b"stub run of a generated command\n"
     fd = goals.open_state_file(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
@@ -78,7 +78,7 @@ def sandbox():
         for var in ("FABLIZE_DIR", "FABLIZE_CRASH_AT", "FABLIZE_LOCK_TIMEOUT",
                     "GITHUB_STEP_SUMMARY", "FABLIZE_GUARD_MAX"):
             mp.delenv(var, raising=False)
-        mp.setattr(goals, "run_check", _stub_run_check)
+        mp.setattr(goals, "run_command", _stub_run_command)
         mp.setattr(goals, "git_state", lambda root: (None, None))
         yield
 
