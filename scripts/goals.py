@@ -2455,39 +2455,39 @@ def status_details(plan, story):
 def next_action(prog, plan, agent=None):
     """What to do now — the one answer `next`, `status`, `checkpoint`, `decide`, `verdict`, the
     guard and every refusal give, so no two commands disagree and no suggested command is one a
-    gate then refuses. A dict: kind (done, finish, next, decide, judge, wait), story, command
-    (runnable as printed) and text (one line)."""
+    gate then refuses. A dict: kind (done, finish, next, decide, judge, wait), id (the story),
+    cmd (the command line, runnable as printed) and text (one line)."""
     if plan_done(plan):
-        return {"kind": "done", "story": None, "command": None, "text": done_line(plan)}
+        return {"kind": "done", "id": None, "cmd": None, "text": done_line(plan)}
     active = active_stories(plan)
     mine = [s for s in active if agent is None or s["agent"] == agent]
     if mine:
         s = mine[0]
         command = completion_command(prog, plan, s)
-        return {"kind": "finish", "story": s["id"], "command": command,
+        return {"kind": "finish", "id": s["id"], "cmd": command,
                 "text": f"finish {s['id']}, then `{command}`"}
     ready = pick_ready(plan)
     if ready is not None:
         command = f"{prog} next" + (f" --agent {quote_arg(agent)}" if agent is not None else "")
-        return {"kind": "next", "story": ready["id"], "command": command,
+        return {"kind": "next", "id": ready["id"], "cmd": command,
                 "text": f"`{command}` (activates {ready['id']})"}
     blocked = [s for s in plan["goals"] if s["status"] == "blocked"]
     if blocked:
         s = blocked[0]
         command = f"{prog} decide --id {s['id']} accept|retry|amend --note \"<why>\""
         reason = one_line(last_chars(s["blocked_reason"] or "no reason given", 200))
-        return {"kind": "decide", "story": s["id"], "command": command,
+        return {"kind": "decide", "id": s["id"], "cmd": command,
                 "text": f"{s['id']} is blocked ({reason}) — the plan halts here: nothing that "
                         f"depends on it can start. A human must decide: {command}"}
     review = [s for s in plan["goals"] if s["status"] == "review"]
     if review:
         s = review[0]
         command = f"{prog} judge-packet --id {s['id']}"
-        return {"kind": "judge", "story": s["id"], "command": command,
+        return {"kind": "judge", "id": s["id"], "cmd": command,
                 "text": f"{s['id']} awaits an independent judge: hand {s['id']} to the judge, who "
                         f"runs `{command}`"}
     held = ", ".join(f"{s['id']} ({one_line(s['agent'] or 'no agent')})" for s in active)
-    return {"kind": "wait", "story": None, "command": None,
+    return {"kind": "wait", "id": None, "cmd": None,
             "text": f"nothing is ready{' for agent ' + one_line(agent) if agent else ''}: in "
                     f"progress {held}; the rest waits for them"}
 
@@ -2649,9 +2649,9 @@ def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None,
             raise position_error(snap_seq, 0)
         raise refused("no plan — run `create` first.", "no_plan")
     plan["ledger"] = replay.position()
-    report = {"events": replay.seq, "head": f"{replay.seq}:{replay.head}",
+    report = {"event_count": replay.seq, "head": f"{replay.seq}:{replay.head}",
               "torn_tail_bytes": len(torn), "snapshot": "missing", "plan": plan,
-              "independence": independence, "runs": counts["runs"],
+              "independence": independence, "run_count": counts["runs"],
               "missing_logs": counts["missing_logs"], "bad_logs": bad_logs}
     if snap is not None:
         if replay.seq < snap_seq:
@@ -5262,13 +5262,14 @@ def cmd_audit(ctx, a):
         raise bad_logs[0]
     trust = audit_trust(ctx, plan, scan, pin, base)
     missing_logs = report["missing_logs"]
-    report.update(plan_summary(plan), brief=plan["brief"], accepted=trust["accepted"],
+    report.update(plan_summary(plan), brief=plan["brief"],
+                  accepted=[x["id"] for x in trust["accepted"]],
                   trust={k: v for k, v in trust.items() if k != "decisions"})
     ctx.data.update(report)
     if report["independence"]:  # a trust failure: no "audit ok" line before it
         raise refused("audit: a verdict was not given by an independent judge — "
                       + "; ".join(report["independence"]), "judge_not_independent")
-    ctx.say(f"fablize: audit ok — {report['events']} events, hash chain intact, every event what "
+    ctx.say(f"fablize: audit ok — {report['event_count']} events, hash chain intact, every event what "
             f"fablize writes and legal when replayed; snapshot {report['snapshot']}.")
     ctx.say(f"  head: {report['head']}   (keep it; `audit --since` proves later history only grew)")
     accepted = [x["id"] for x in trust["accepted"]]
@@ -5315,7 +5316,7 @@ def cmd_rebuild(ctx, a):
         s.save_snapshot(plan)
     ctx.say(f"fablize: rebuilt {SNAPSHOT} from {replay.seq} ledger events"
             + (f"; the old one is kept as {kept}." if kept else "."))
-    ctx.data.update(events=replay.seq, kept=kept, plan=plan_json(plan))
+    ctx.data.update(event_count=replay.seq, kept=kept, plan=plan_json(plan))
 
 
 def cmd_log(ctx, a):
@@ -5376,16 +5377,16 @@ def guard_reason(ctx, plan, payload):
     if blocks >= limit:
         return (f"fablize guard: let the agent stop after {blocks} blocks in a row; the plan is "
                 "not finished — run `status`."), dup
-    story = find_story(plan, action["story"])
+    story = find_story(plan, action["id"])
     if action["kind"] == "finish":
         reason = (f"fablize: {story['id']} \"{defused_line(story['title'])}\" is still in "
-                  f"progress. Finish it, then run: {action['command']} (or --status failed / "
+                  f"progress. Finish it, then run: {action['cmd']} (or --status failed / "
                   "blocked with the reason).") + observed_failure_note(story)
     elif action["kind"] == "judge":
         reason = hand_to_judge(ctx, story)
     else:
         reason = (f"fablize: the plan is not finished — {story['id']} "
-                  f"\"{defused_line(story['title'])}\" is ready. Run: {action['command']}")
+                  f"\"{defused_line(story['title'])}\" is ready. Run: {action['cmd']}")
     return reason + f" [guard block {blocks + 1} of at most {limit} in a row]", dup
 
 
@@ -5803,7 +5804,7 @@ def cmd_setup(ctx, a):
     elif not a.remove:
         ctx.say(f"fablize: next — `{ctx.prog} doctor {a.agent}` checks the wiring; the agent's "
                 f"commands are `{portable_command(root)} …`")
-    ctx.data.update(agent=a.agent, changed=done, notes=notes, cli=portable_command(root))
+    ctx.data.update(agent=a.agent, files=done, notes=notes, cli=portable_command(root))
 
 
 def cmd_doctor(ctx, a):

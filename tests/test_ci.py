@@ -108,7 +108,7 @@ def test_audit_trusts_an_untouched_ledger_and_prints_its_head(history):
     assert f"head: {head_of(fab.dir)}" in r.out
     j = fab("audit", "--json").json
     assert j["ok"] is True and j["command"] == "audit" and j["schema_version"] == goals.SCHEMA_VERSION
-    assert j["events"] == 8 and j["head"] == head_of(fab.dir)
+    assert j["event_count"] == 8 and j["head"] == head_of(fab.dir)
     assert j["torn_tail_bytes"] == 0 and j["complete"] is False and j["done"] == 1
     assert j["total"] == 3
 
@@ -121,7 +121,7 @@ def test_audit_forged_events_that_are_legal_pass(fab):
     append_forged(fab.dir, run_ev("G001", 0, after_seq=2), checkpoint_ev("G001"))
     r = fab("audit", "--json")
     assert r.code == 0, r
-    assert r.json["events"] == 4 and r.json["snapshot"].startswith("2 events behind")
+    assert r.json["event_count"] == 4 and r.json["snapshot"].startswith("2 events behind")
     assert r.json["done"] == 1
 
 
@@ -352,7 +352,7 @@ def test_audit_require_complete_fails_a_trusted_incomplete_plan(history):
     j = fab("audit", "--require-complete", "--json").json
     assert j["ok"] is False and j["error"] == {
         "code": "incomplete", "exit": 1, "message": j["error"]["message"]}
-    assert j["events"] == 8  # the report still comes with the refusal
+    assert j["event_count"] == 8  # the report still comes with the refusal
 
 
 def test_audit_require_complete_passes_a_complete_plan(fab):

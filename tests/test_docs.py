@@ -460,3 +460,43 @@ def test_readme_keeps_the_adversarial_and_benchmark_sections():
     lines = read(README).split("\n")
     assert "## What it refuses, what it detects" in lines
     assert "## Performance" in lines
+
+
+def test_readme_documents_every_json_field_the_commands_print(tmp_path, monkeypatch, capsys):
+    """Walk a plan through every command with --json and collect the top-level fields: each is
+    a row of README's JSON table (one meaning, one type — the table says which)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".git").mkdir()
+    for var in ("FABLIZE_DIR", "GITHUB_STEP_SUMMARY"):
+        monkeypatch.delenv(var, raising=False)
+    seen = {}
+
+    def run(*args):
+        goals.main(["--json", *args])
+        obj = json.loads(capsys.readouterr().out)
+        for key, value in obj.items():
+            seen.setdefault(key, set()).add(type(value).__name__)
+        return obj
+
+    run("create", "--brief", "b", "--goal", "a::b", "--goal", "v::w", "--check", "G001=true",
+        "--judge", "G001")
+    run("next")
+    run("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e")
+    run("judge-packet", "--id", "G001")
+    run("verdict", "--id", "G001", "achieved", "--evidence", "seen", "--agent", "j")
+    run("verify", "--id", "G001")
+    run("add", "--goal", "x::y")
+    run("next")
+    run("checkpoint", "--id", "G003", "--status", "blocked", "--evidence", "no")
+    run("decide", "--id", "G003", "accept", "--note", "fine")
+    for args in (["status"], ["audit"], ["log"], ["report"], ["rebuild"], ["pause"], ["unpause"],
+                 ["install-block", "X.md"], ["setup", "agents-md"], ["doctor", "agents-md"],
+                 ["checkpoint", "--id", "G404", "--status", "complete", "--evidence", "x"]):
+        run(*args)
+    table = section(read(README), "## JSON mode")
+    documented = set(re.findall(r"^\| ((?:`[\w_]+`(?:, )?)+) \|", table, re.M))
+    names = {n for row in documented for n in re.findall(r"`([\w_]+)`", row)}
+    missing = sorted(set(seen) - names)
+    assert not missing, f"JSON fields README's table does not document: {missing}"
+    mixed = {k: v for k, v in seen.items() if len(v - {"NoneType"}) > 1}
+    assert not mixed, f"fields with more than one type across commands: {mixed}"

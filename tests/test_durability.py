@@ -198,7 +198,7 @@ def test_concurrent_agents_lose_no_event_and_claim_no_story_twice(fab):
     assert len({sid for sid, _ in starts}) == len(starts), "a story was started twice"
     assert dict(starts) == claimed
     report = audit_ok(fab)
-    assert report["events"] == len(events) and report["snapshot"] == "in sync"
+    assert report["event_count"] == len(events) and report["snapshot"] == "in sync"
     assert len(set(claimed.values())) >= 2, "the workers did not contend"
     print(f"concurrency: {n_workers} workers x {n_ops} ops, {len(events)} events, "
           f"{elapsed:.1f} s")

@@ -884,7 +884,7 @@ class GoalEngineMachine(RuleBasedStateMachine):
         run = self.engine(["audit"], True)
         self.log.pop()
         self.check(run.code == 0, run)
-        self.check(run.obj["events"] == self.model.events, run.obj)
+        self.check(run.obj["event_count"] == self.model.events, run.obj)
         self.check(run.obj["complete"] is self.model.plan_done(), run.obj)
         self.check(run.obj["snapshot"] == "in sync", run.obj)
 

@@ -421,7 +421,7 @@ def test_audit_remote_checks_the_plan_as_the_remote_holds_it_with_a_pin(net):
              "--run", "--verify-cmd", "echo x").code == 0
     ci = net.clone("ci")  # a fresh checkout: no .fablize at all
     report = audit_ok(ci, "--remote", "origin", "--since", pin, "--require-logs")
-    assert report["events"] == len(ledger_lines(a)) and report["missing_logs"] == 0
+    assert report["event_count"] == len(ledger_lines(a)) and report["missing_logs"] == 0
     r = ci("audit", "--remote", "origin", "--since", "1:" + "0" * 64)
     assert r.code == 3 and "history_rewritten" in ci("audit", "--remote", "origin", "--since",
                                                       "1:" + "0" * 64, "--json").out
@@ -493,7 +493,7 @@ def test_bar_four_clones_four_agents_each_complete_a_40_story_parallel_plan(net)
     for c in clones:
         assert c("sync").code == 0
         report = audit_ok(c, "--require-complete")
-        assert report["events"] == len(events)
+        assert report["event_count"] == len(events)
     fresh = net.clone("fresh")
     assert fresh("sync").code == 0
     audit_ok(fresh, "--require-complete")

@@ -360,7 +360,7 @@ def test_attack_accepting_its_own_blocked_gate_fails_the_ci_audit_and_is_listed(
     assert r.code == 1 and "re-run failed — G002" in r.err, r
     assert "accepted: G002 (unsigned) — fine by me" in r.out
     j = work.ci_json("audit").json
-    assert j["ok"] and j["accepted"] == [{"id": "G002", "note": "fine by me", "signer": None}]
+    assert j["ok"] and j["accepted"] == ["G002"] and j["trust"]["accepted"] == [{"id": "G002", "note": "fine by me", "signer": None}]
     r = work.ci("audit", "--forbid-accepted")
     assert r.code == 1 and "accepted by a decision, not completed — G002" in r.err, r
 
@@ -371,7 +371,8 @@ def test_accepting_a_story_in_review_skips_no_judge_unseen(fab):
     assert fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e").code == 0
     assert fab("decide", "--id", "G001", "accept", "--note", "looks fine").code == 0
     j = fab("--json", "audit").json
-    assert j["accepted"] == [{"id": "G001", "note": "looks fine", "signer": None}]
+    assert j["accepted"] == ["G001"]
+    assert j["trust"]["accepted"] == [{"id": "G001", "note": "looks fine", "signer": None}]
     r = fab("audit", "--forbid-accepted")
     assert r.code == 1 and "G001" in r.err, r
 
