@@ -8,8 +8,10 @@ Each figure is the median wall time of N runs of a real process, measured interl
           + fsync + rename + fsync the directory;
   script  `python3 scripts/goals.py …`: compiled at every start (Python caches no bytecode
           for a script);
-  cached  the engine imported as a module with its bytecode cached (the installed command,
-          the plugin's bin/fablize and the hooks take this path).
+  cached  the engine imported as a module with its bytecode cached (the installed command
+          and the hooks take this path);
+  plugin  the plugin's bin/fablize, which imports it the same way under `python3 -I -S`
+          (so it is compared with `python3 -I -S -c pass`, which skips site-packages too).
 Peak memory (max RSS) is the child's own. Large states are built in-process with the engine's
 own transitions (`goals.make_event`), never with thousands of process launches.
 
@@ -169,8 +171,11 @@ def cached_launcher(root):
     with open(path, "w") as f:
         f.write(f"import sys\nsys.path.insert(0, {HERE!r})\nimport goals\n"
                 "sys.exit(goals.main())\n")
-    subprocess.run([PY, "-c", f"import sys; sys.path.insert(0, {HERE!r}); import goals"],
-                   check=True)  # writes scripts/__pycache__/goals.*.pyc
+    import importlib.util
+    import py_compile
+    # the bytecode cache, written even where PYTHONDONTWRITEBYTECODE is set (a stale .pyc would
+    # make every "cached" run compile the engine again)
+    py_compile.compile(SCRIPT, cfile=importlib.util.cache_from_source(SCRIPT), doraise=True)
     return path
 
 
@@ -199,6 +204,7 @@ def bench_commands(root, sizes, n):
             cwd = os.path.dirname(work)
             res = interleaved([
                 ("bare", [PY, "-c", "pass"]),
+                ("bare -I -S", [PY, "-I", "-S", "-c", "pass"]),
                 ("floor", [PY, floor, work]),
                 ("script", [PY, SCRIPT, "--dir", work] + args),
                 ("cached", [PY, launcher, "--dir", work] + args),
@@ -278,18 +284,18 @@ def report(rows, audit, lines, shared, markdown):
     out = []
     if markdown:
         out += ["| stories | command | bare | floor | script | cached | plugin | script − bare | "
-                "cached − bare | plugin − bare | script / floor | cached / floor | max RSS |",
+                "cached − bare | plugin − bare -I -S | script / floor | cached / floor | max RSS |",
                 "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     else:
         out.append(f"{'stories':>8} {'command':<11} {'bare':>7} {'floor':>7} {'script':>7} "
-                   f"{'cached':>7} {'plugin':>7} {'scr−bare':>9} {'cch−bare':>9} {'plg−bare':>9} "
+                   f"{'cached':>7} {'plugin':>7} {'scr−bare':>9} {'cch−bare':>9} {'plg−bIS':>9} "
                    f"{'scr/fl':>7} {'cch/fl':>7} {'RSS MiB':>8}")
     for stories, name, res in rows:
-        bare, floor, script, cached, plugin = (res[k][0] for k in ("bare", "floor", "script",
-                                                                    "cached", "plugin"))
+        bare, bare_is, floor, script, cached, plugin = (
+            res[k][0] for k in ("bare", "bare -I -S", "floor", "script", "cached", "plugin"))
         cells = [f"{stories:,}", name, fmt(bare), fmt(floor), fmt(script), fmt(cached),
                  fmt(plugin), f"{script - bare:+.1f}", f"{cached - bare:+.1f}",
-                 f"{plugin - bare:+.1f}", f"×{script / floor:.2f}", f"×{cached / floor:.2f}",
+                 f"{plugin - bare_is:+.1f}", f"×{script / floor:.2f}", f"×{cached / floor:.2f}",
                  f"{res['script'][1]:.0f}"]
         out.append("| " + " | ".join(cells) + " |" if markdown else
                    f"{cells[0]:>8} {cells[1]:<11} {cells[2]:>7} {cells[3]:>7} {cells[4]:>7} "

@@ -252,26 +252,34 @@ def one_line(text):
     return str(text).translate(_ESCAPE_LINE)
 
 
+# The engine's own markers, as (pattern, flags, replacement): compiled on first use, since most
+# text names no marker word and most commands never need them.
 _MARKERS = (
-    (re.compile(r"=+\s*fablize\s+handoff\b(\s*[—-]+\s*[Gg][0-9]+\b)?", re.I),
-     "[quoted fablize-handoff]"),
-    (re.compile(r"all\s+stories\s+(complete|done)", re.I), r"all-stories-\1"),
-    (re.compile(r"\bcheckpoint\s+--id\b(\s+\S+)?", re.I), "checkpoint-(quoted)"),
-    (re.compile(r"^(\s*)fablize:", re.I | re.M), r"\1fablize-quoted:"),
+    (r"=+\s*fablize\s+handoff\b(\s*[—-]+\s*[Gg][0-9]+\b)?", re.I, "[quoted fablize-handoff]"),
+    (r"all\s+stories\s+(complete|done)", re.I, r"all-stories-\1"),
+    (r"\bcheckpoint\s+--id\b(\s+\S+)?", re.I, "checkpoint-(quoted)"),
+    (r"^(\s*)fablize:", re.I | re.M, r"\1fablize-quoted:"),
 )
+# the same markers when an escaped control (\u202e …) stands between the words
+_GAP = r"(?:\s|\\u[0-9a-fA-F]{4})"
+_MARKER_WORDS = ("fablize", "stories", "checkpoint")  # every marker holds one of them
+_COMPILED_MARKERS = {}
+
+
+def markers(wide):
+    """[(compiled pattern, replacement)] of the markers, `wide` to see through escaped gaps."""
+    found = _COMPILED_MARKERS.get(wide)
+    if found is None:
+        found = _COMPILED_MARKERS[wide] = [
+            (re.compile(p.replace(r"\s*", _GAP + "*").replace(r"\s+", _GAP + "+") if wide else p,
+                        flags), r) for p, flags, r in _MARKERS]
+    return found
 
 
 def defused_line(text):
     """A title, objective or brief on one line of output: escaped, and unable to pass for an
     engine marker."""
     return defuse(one_line(text))
-
-
-# the same markers when an escaped control (\u202e …) stands between the words
-_GAP = r"(?:\s|\\u[0-9a-fA-F]{4})"
-_MARKERS_WIDE = tuple((re.compile(p.pattern.replace(r"\s*", _GAP + "*").replace(r"\s+", _GAP + "+"),
-                                  p.flags), r) for p, r in _MARKERS)
-_MARKER_WORDS = ("fablize", "stories", "checkpoint")  # every marker holds one of them
 
 
 def has_marker_word(text):
@@ -283,17 +291,16 @@ def defuse(text):
     """Carried text cannot pass for engine output: markers are rewritten into hyphenated
     forms that a scanner (even one reading a whitespace-stripped view) does not accept."""
     text = clean(text)
-    if text.isascii():
-        markers = _MARKERS_WIDE if "\\u" in text else _MARKERS
-    else:
-        markers = _MARKERS_WIDE
+    wide = not text.isascii() or "\\u" in text
+    if not text.isascii():
         # invisible characters between a marker's words must not hide it: read the text with
         # them as spaces, a view used only when it shows a marker (emoji joiners stay intact)
         bare = text.translate(_INVISIBLE)
-        if bare != text and has_marker_word(bare) and any(p.search(bare) for p, _ in markers):
+        if bare != text and has_marker_word(bare) and \
+                any(p.search(bare) for p, _ in markers(True)):
             text = bare
     if has_marker_word(text):  # the cheap test first: most text names no marker word
-        for pattern, replacement in markers:
+        for pattern, replacement in markers(wide):
             text = pattern.sub(replacement, text)
     return text
 
