@@ -158,8 +158,9 @@ def now_iso():
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + ".%06d+00:00" % int(t % 1 * 1e6)
 
 
-def dumps(obj):
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+# one encoder, made once: json.dumps with options builds a new one at every call, and the
+# snapshot encodes one story per line
+dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 def has_surrogate_escape(raw):
@@ -385,7 +386,10 @@ def _compile(spec):
                     rest = tuple(x for x in sub_c[1] if x != ("t", frozenset((_N,))))
                     sub_c = rest[0] if len(rest) == 1 else ("a", rest)
                 nested.append((key, sub_c, none_ok))
-        c = ("d", frozenset(required), frozenset(allowed), tuple(plain), tuple(nested))
+        # the type signatures of the plain fields already seen to fit: a long list of dicts of
+        # one shape (a plan's stories) checks each signature once
+        c = ("d", frozenset(required), frozenset(allowed), tuple(plain), tuple(nested),
+             tuple(k for k, _ in plain), set())
     _COMPILED[id(spec)] = (c, spec)  # the spec is kept alive so its id is never reused
     return c
 
@@ -411,9 +415,13 @@ def _misfit(value, c):
             odd = sorted(c[1] - keys) or sorted(k for k in keys if k not in c[2])
             return "." + one_line(str(odd[0]))[:60]
         get = value.get
-        for key, types in c[3]:
-            if type(get(key)) not in types:
-                return "." + key
+        signature = tuple(map(type, map(get, c[5])))
+        if signature not in c[6]:
+            for key, types in c[3]:
+                if type(get(key)) not in types:
+                    return "." + key
+            if len(c[6]) < 64:
+                c[6].add(signature)
         for key, sub, none_ok in c[4]:
             item = get(key)
             if (item is None and none_ok) or (item == [] and sub[0] == "l"):
@@ -428,10 +436,11 @@ def _misfit(value, c):
         sub = c[1]
         if sub[0] == "t":
             types = sub[1]
+            if set(map(type, value)) <= types:  # one pass in C for a long list of strings
+                return None
             for i, item in enumerate(value):
                 if type(item) not in types:
                     return f"[{i}]"
-            return None
         for i, item in enumerate(value):
             found = _misfit(item, sub)
             if found is not None:
@@ -1743,8 +1752,10 @@ class Reading:
             return self.upgrade(snap, end)
         snap_seq = snap["ledger"]["seq"] if snap else 0
         newer, found = [], None
+        last = getattr(self, "last_event", None)
         for offset, line in ledger.backward(end):
-            ev = parse_event(line)
+            ev = last[1] if last and last[0] == offset else parse_event(line)
+            last = None
             if ev is None:
                 raise not_an_event(newer[-1][0]["seq"] - 1 if newer else "at the end")
             if ev["seq"] <= snap_seq:
@@ -1778,7 +1789,8 @@ class Reading:
         end, torn = ledger.end()
         if not torn and end:
             offset, line = next(ledger.backward(end))
-            if parse_event(line) is None:
+            self.last_event = (offset, parse_event(line))  # the load that follows reuses it
+            if self.last_event[1] is None:
                 end, torn = offset, line + b"\n"
         if not torn:
             return end, torn
