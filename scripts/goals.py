@@ -1742,6 +1742,7 @@ class Reading:
                 time.sleep(0.02)
 
     def _load(self):
+        self.last_event = None  # a retry reads the ledger afresh
         raw = read_state_file(self.store.path(SNAPSHOT))
         snap = parse_snapshot(raw) if raw is not None else None
         ledger = self.ledger
@@ -3662,10 +3663,25 @@ def invocation(cwd=None):
 
 
 def portable_command(root):
-    """The command written into files that get committed: the script's repository form when
-    this script lives in that repository, else `fablize` (installed, or the plugin's)."""
+    """The command written into files that get committed, so that it runs on every clone: the
+    repository's own copy of the engine when it has one (scripts/goals.py — then teammates
+    without the plugin or the installed command run the same thing), else this script's
+    repository form when it lives there, else `fablize` (installed, or the plugin's)."""
+    if os.path.isfile(os.path.join(root, "scripts", "goals.py")):
+        return f'{PYTHON} "$(git rev-parse --show-toplevel)/scripts/goals.py"'
     cmd = invocation(root)
     return cmd if cmd == "fablize" or "$(git rev-parse" in cmd else "fablize"
+
+
+def command_missing(cli):
+    """Why the command written into the project does not run here, or None: `fablize` names a
+    command that must be installed (or come with the plugin)."""
+    import shutil
+    if cli == "fablize" and shutil.which("fablize") is None:
+        return ("`fablize` is not on PATH here: install it (README: Add it to your project — "
+                "pipx, uv tool or the plugin), or copy scripts/goals.py into this repository and "
+                "run setup again with that copy")
+    return None
 
 
 def write_state_gitignore(state_dir):
@@ -4069,7 +4085,7 @@ def setup_plan(ctx, agent, remove):
     return changes, notes
 
 
-def block_problem(root, agent):
+def block_problem(root, agent, prog):
     """(problem or None, fix, the command the block uses or None) for the agent's instructions."""
     block_rel = AGENT_FILES[agent][0]
     path = os.path.join(root, block_rel)
@@ -4081,19 +4097,19 @@ def block_problem(root, agent):
         return f"{block_rel} cannot be read ({e})", "fix it by hand", None
     begin = text.find(BLOCK_BEGIN)
     if re.search(ORIGINAL_BLOCK, text):
-        return (f"{block_rel} holds the original fablize's block", f"`setup {agent}` migrates it",
+        return (f"{block_rel} holds the original fablize's block", f"`{prog} setup {agent}` migrates it",
                 None)
     if begin < 0:
-        return f"{block_rel} has no fablize block", f"`setup {agent}` adds it", None
+        return f"{block_rel} has no fablize block", f"`{prog} setup {agent}` adds it", None
     end = text.find(BLOCK_END, begin)
     block = text[begin:end + len(BLOCK_END)] + "\n"
     m = re.search(r"`(.+?) create --brief", block)
     cli = m.group(1) if m else None
     if cli is None or block != render_block(cli):
-        return f"{block_rel} holds an outdated fablize block", f"`setup {agent}` updates it", cli
+        return f"{block_rel} holds an outdated fablize block", f"`{prog} setup {agent}` updates it", cli
     if cli != portable_command(root):
         return (f"{block_rel}'s block runs `{cli}`, not `{portable_command(root)}`",
-                f"`setup {agent}` updates it", cli)
+                f"`{prog} setup {agent}` updates it", cli)
     return None, None, cli
 
 
@@ -5817,6 +5833,9 @@ def cmd_setup(ctx, a):
             pass
     for note in notes:
         ctx.say(f"fablize: {note}")
+    missing = None if a.remove else command_missing(portable_command(root))
+    if missing:
+        ctx.out.warn(f"the wiring names {missing}.")
     if not done:
         ctx.say(f"fablize: {a.agent} is already {'unwired' if a.remove else 'set up'} here; "
                 "nothing changed.")
@@ -5836,7 +5855,7 @@ def cmd_doctor(ctx, a):
                        "detail": fine if problem is None else None})
 
     finding("engine", None, None, f"fablize {__version__} on Python {sys.version.split()[0]}")
-    problem, fix, cli = block_problem(root, agent)
+    problem, fix, cli = block_problem(root, agent, ctx.prog)
     finding("block", problem, fix, f"{AGENT_FILES[agent][0]} holds the current block")
     if cli:
         bad = interpreter_problem(cli)
@@ -5844,11 +5863,12 @@ def cmd_doctor(ctx, a):
         if bad and cli == "fablize" and agent == "claude" and plugin_enabled(root):
             ok, said = True, f"not on this PATH, but Claude Code puts the {PLUGIN_NAME} plugin's bin/ on its own"
         finding("command", None if ok else f"the block's command `{cli}` does not run here ({said})",
-              "install fablize (README: Install) or keep the script in the repository, then "
-              f"`setup {agent}`", f"`{cli} --version` → {said}")
+              command_missing(cli) or "install fablize (README: Add it to your project) or keep "
+              f"the script in the repository, then `{ctx.prog} setup {agent}`",
+              f"`{cli} --version` → {said}")
     for event, where in hook_registrations(root, agent).items():
         if not where:
-            finding(f"{event} hook", f"no fablize {event} hook is registered", f"`setup {agent}`", None)
+            finding(f"{event} hook", f"no fablize {event} hook is registered", f"`{ctx.prog} setup {agent}`", None)
         elif len(where) > 1:
             finding(f"{event} hook", f"the {event} hook is registered {len(where)} times "
                   f"({', '.join(where)}): every event would be counted twice",
@@ -5862,7 +5882,7 @@ def cmd_doctor(ctx, a):
             for f in our_hooks(config, event):
                 bad = interpreter_problem(f[3]["command"])
                 if bad:
-                    finding(f"{event} hook command", f"{bad} (in {hooks_rel})", f"`setup {agent}`", None)
+                    finding(f"{event} hook command", f"{bad} (in {hooks_rel})", f"`{ctx.prog} setup {agent}`", None)
     if ctx.store.exists():
         try:
             with ctx.store.session(exclusive=False) as s:
@@ -5876,7 +5896,7 @@ def cmd_doctor(ctx, a):
                   "goals.json from the ledger", None)
         present = read_state_file(os.path.join(ctx.store.dir, ".gitignore")) is not None
         finding(".gitignore", None if present else f"{STATE_DIRNAME}/.gitignore is missing: the lock "
-              "and temporary files would be committed", f"`setup {agent}`",
+              "and temporary files would be committed", f"`{ctx.prog} setup {agent}`",
               f"{STATE_DIRNAME}/.gitignore keeps local files out of git")
     for c in findings:
         ctx.say(f"  ✓ {c['item']}: {c['detail']}" if c["ok"] else
@@ -6292,7 +6312,7 @@ def command_in(argv):
     return None
 
 
-def build_parser(only=None):
+def build_parser(only=None, prog="goals.py"):
     """The command-line parser: every command, or just `only`."""
     import argparse
 
@@ -6308,13 +6328,13 @@ def build_parser(only=None):
             super().__init__(prog, max_help_position=30)
             self._action_max_length = 20  # room for `install-block` and its line on one row
 
-    p = Parser(prog="goals.py", formatter_class=Formatter,
+    p = Parser(prog=prog, formatter_class=Formatter,
                description="fablize goal engine: split a task into stories; "
                "\"done\" is refused until evidence shows it.",
                epilog="Exit codes: 0 done, 1 refused, 2 usage, 3 damaged state; 128+N "
                       "interrupted by signal N during a run (130 SIGINT, 143 SIGTERM, 129 "
                       "SIGHUP), the run recorded as interrupted. "
-                      "`goals.py COMMAND --help` shows a command's options.")
+                      f"`{prog} COMMAND --help` shows a command's options.")
     p.add_argument("--version", action="version", version=f"fablize {__version__}",
                    help="print the version and exit")
     p.add_argument("--dir", default=None, metavar="PATH", help=DIR_HELP)
@@ -6351,7 +6371,8 @@ def main(argv=None):
     out = Output("--json" in argv)
     command = None
     try:
-        args = build_parser(command_in(argv)).parse_args(argv)
+        # usage errors and --help name the engine as it was started, runnable as printed
+        args = build_parser(command_in(argv), invocation()).parse_args(argv)
         command = args.command
         out.json = args.json and command != "guard"
         args.func(Context(args, out), args)
