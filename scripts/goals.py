@@ -597,6 +597,8 @@ def _require_story_text(spec):
     if blank(spec.get("title")) or blank(spec.get("objective")):
         raise usage(f"{one_line(spec.get('id'))}: title and objective must not be empty — "
                     "--goal format is 'title::objective'.", "blank_goal")
+    if any("\x00" in cmd for cmd in spec.get("checks") or ()):  # argv cannot carry one
+        raise forged(f"{one_line(spec.get('id'))} has a frozen check holding a NUL byte")
 
 
 def _refuse_unknown_unverifiable(stories, found):
@@ -1352,17 +1354,35 @@ def parse_event(line):
     return None
 
 
+_SCAN = json.JSONDecoder().scan_once  # json's C scanner: one value at a position, and its end
+
+
 def parse_events(lines):
-    """parse_event for a batch of lines, in one json call when they are all well formed (JSON
-    strings never hold a raw newline, so the lines join into one array)."""
+    """parse_event for a batch of lines, in one pass of json's scanner over the joined batch
+    (JSON strings never hold a raw newline). Each value must end exactly where its own line
+    does: a value spread over several lines — a forged line hidden inside another event, so
+    that its hash sits in the chain without its prev ever being checked — is no event, and
+    the lines are then parsed one by one, where it fails."""
+    joined = b",".join(lines)
     try:
-        joined = b",".join(lines)
-        events = load_json(b"[" + joined + b"]", has_surrogate_escape(joined))
-    except ValueError:
-        events = None
-    if events is not None and len(events) == len(lines):
-        return events  # Replay.feed checks each is an event (cheaper there than a second pass)
-    return [parse_event(line) for line in lines]
+        text = joined.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is None or has_surrogate_escape(text):
+        return [parse_event(line) for line in lines]
+    ascii_ = text.isascii()
+    events, pos = [], 0
+    try:
+        for line in lines:
+            ev, end = _SCAN(text, pos)
+            pos += len(line) if ascii_ else len(line.decode("utf-8"))
+            if end != pos:
+                return [parse_event(line) for line in lines]
+            events.append(ev)
+            pos += 1
+    except (StopIteration, ValueError, RecursionError):
+        return [parse_event(line) for line in lines]
+    return events  # Replay.feed checks each is an event (cheaper there than a second pass)
 
 
 class Ledger:
@@ -2214,8 +2234,8 @@ def run_command(cmd, cwd, timeout, stream, log_path):
                 {"creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)}
             proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)
-        except OSError as e:
-            record["error"] = str(e)
+        except (OSError, ValueError) as e:  # ValueError: a NUL in the command
+            record["error"] = one_line(str(e))
             proc = None
         if proc is not None:
             reader = threading.Thread(target=pump, args=(os.dup(proc.stdout.fileno()),),
@@ -3091,6 +3111,7 @@ class PinScan:
         self.seq, self.hash = parse_pin(pin)
         self.where = "absent"
         self.first = None
+        self.merged = False  # found only inside a plan `git merge` carried in
 
     def __call__(self, lineno, head, ev):
         if lineno == 1:
@@ -3100,8 +3121,10 @@ class PinScan:
                 self.where = "found"
         elif lineno == self.seq and self.where != "found":
             self.where = "found" if head == self.hash else "rewritten"
-        if ev["event"] == "plan_merged" and self.in_merged(ev["lines"]):
-            self.where = "found"  # a line of a plan `git merge` carried in, checked on replay
+        if ev["event"] == "plan_merged" and self.where != "found" and self.in_merged(ev["lines"]):
+            # a line of a plan `git merge` carried in: its history holds, but the plan that is
+            # current now was made after the pin — the reviewer must see it as new
+            self.where, self.merged = "found", True
 
     def in_merged(self, lines):
         for i, text in enumerate(lines, 1):
@@ -3137,6 +3160,9 @@ def verify_pin(store, scan, pin):
     one (plans replaced by `create --force`) whose bytes and chain verify, whose final head the
     next plan's `replaces` names, and that holds the pinned line. Raises exit 3 otherwise."""
     if scan.pin.where == "found":
+        if scan.pin.merged:
+            return {"pin": pin, "in": f"a plan merged into {LEDGER} (plan_merged)",
+                    "new_plan": True}
         return {"pin": pin, "in": LEDGER, "new_plan": False}
     replaced, chain = scan.first.get("replaces") if scan.first else None, []
     while isinstance(replaced, dict) and replaced.get("head") and len(chain) < 1000:
@@ -3177,7 +3203,17 @@ def git_show(root, ref, path, what):
                              ref + "^{commit}"], what=what)
     if code != 0:
         raise usage(f"{what}: {one_line(ref)} is not a commit here (fetch it first?).", "bad_ref")
-    code, out, err = run_tool(["git", "-C", top, "cat-file", "blob", f"{ref}:{path}"], what=what)
+    # the ref as git resolves it: a tag the pull request pushed must not stand in for the base
+    # branch (git prefers refs/tags/X to refs/heads/X and refs/remotes/X)
+    code, out, err = run_tool(["git", "-C", top, "rev-parse", "--symbolic-full-name", ref],
+                              what=what)
+    full = out.decode("utf-8", "replace").strip()
+    if code != 0 or "ambiguous" in err or not (full.startswith("refs/heads/")
+                                               or full.startswith("refs/remotes/")):
+        raise usage(f"{what}: {one_line(ref)} must name one branch (refs/heads/… or "
+                    f"refs/remotes/…), not {one_line(full) or 'a tag or a commit'}"
+                    + (" — it is ambiguous" if "ambiguous" in err else "") + ".", "bad_ref")
+    code, out, err = run_tool(["git", "-C", top, "cat-file", "blob", f"{full}:{path}"], what=what)
     return out if code == 0 else None
 
 
@@ -3290,7 +3326,7 @@ class TrustScan:
         self.pin = PinScan(pin) if pin is not None else None
         self.here = repo_relative(root)
         self.first = None
-        self.decisions = {}
+        self.decisions = []  # every one: an unsigned decision before a signed one counts too
         self.first_env = None
         self.unclean, self.flagged, self.unrecorded = 0, [], 0
 
@@ -3301,7 +3337,7 @@ class TrustScan:
             self.first = ev
         kind = ev["event"]
         if kind == "decision":
-            self.decisions[ev["id"]] = ev
+            self.decisions.append(ev)
         elif kind == "verify_run":
             self.run(lineno, ev)
 
@@ -3379,7 +3415,8 @@ def tree_state(root, state_dir):
     names = None
     if top is not None:
         code, out, _ = run_tool(["git", "-C", root, "ls-files", "-z", "--cached", "--others",
-                                 "--exclude-standard", "--full-name"], what="judge-packet")
+                                 "--exclude-per-directory=.gitignore", "--full-name"],
+                                what="judge-packet")
         if code == 0:
             names = sorted(set(os.path.join(top, n.decode("utf-8", "surrogateescape"))
                                for n in out.split(b"\0") if n))
@@ -3423,8 +3460,9 @@ def _ev_judge_packet(plan, ev):
     if story["status"] != "review":
         raise refused(f"{story['id']} is {story['status']}, not in review — there is nothing to "
                       "judge.", "not_in_review")
-    story["packet"] = {"tree": ev["tree"], "files": ev.get("files"), "round": story["round"],
-                       "seq": ev["seq"]}
+    if current_packet(story) is None:  # the round's first packet: a later one cannot launder
+        story["packet"] = {"tree": ev["tree"], "files": ev["files"], "round": story["round"],
+                           "seq": ev["seq"]}
     return plan
 
 
@@ -3489,11 +3527,12 @@ def audit_trust(ctx, plan, scan, pin, base):
         trust["new_plan"] = True  # nothing committed at the base: all of this plan is new
     trust["unclean_runs"], trust["runs_without_provenance"] = scan.flagged, scan.unrecorded
     trust["unclean_count"] = scan.unclean
-    trust["decisions"] = list(scan.decisions.values())
+    trust["decisions"] = scan.decisions
+    last_decision = {ev["id"]: ev for ev in scan.decisions}
     trust["accepted"] = []
     for s in plan["goals"]:
         if s["status"] == "accepted":
-            sig = scan.decisions.get(s["id"], {}).get("signature")
+            sig = last_decision.get(s["id"], {}).get("signature")
             trust["accepted"].append({"id": s["id"], "note": s["decision"]["note"],
                                       "signer": sig.get("signer") if isinstance(sig, dict) else None})
     trust["frozen_checks"] = [{"id": s["id"], "checks": s["checks"]} for s in plan["goals"]
@@ -4741,8 +4780,12 @@ def remote_ledger(store, remote, plan_id):
     if tip is None:
         raise refused(f"{remote} shares no plan {one_line(plan_id)}.", "not_found")
     events = remote_events(store, cfg, None, tip)
-    return b"".join(line + b"\n" for line, _ in events), \
-        {parse_event(line).get("log"): log for line, log in events if log is not None}
+    logs = {}
+    for line, log in events:
+        ev = parse_event(line) if log is not None else None
+        if ev is not None and type(ev.get("log")) is str:  # a line that is no event: audit says
+            logs[ev["log"]] = log
+    return b"".join(line + b"\n" for line, _ in events), logs
 
 
 
@@ -4825,6 +4868,10 @@ def merged_pin(lines, since_seq, since_hash):
 
 def merge_ledgers(ours, theirs):
     """The merged ledger.jsonl, or a refusal (git then leaves the conflict to a human)."""
+    try:
+        ours.decode("utf-8"), theirs.decode("utf-8")
+    except UnicodeDecodeError:
+        raise refused(f"{LEDGER}: a side is not UTF-8 text — merge it by hand.", "conflict")
     lo, lt = ours.splitlines(), theirs.splitlines()
     if not lo or not lt:
         return ours or theirs
