@@ -120,13 +120,22 @@ class Builder:
 
 
 def plan_state(root, name, stories, active=False, runs=0):
-    """A plan of `stories` stories (G001 active when `active`, with `runs` runs of its check)."""
+    """A plan of `stories` stories (G001 active when `active`, with `runs` runs of its check),
+    built in a child process: a process's peak memory counts what it inherited before exec, so
+    the bench itself stays small and every figure of max RSS is the measured command's own."""
+    state = os.path.join(root, name, ".fablize")
+    subprocess.run([PY, os.path.abspath(__file__), "--build", state, str(stories),
+                    "1" if active else "0", str(runs)], check=True)
+    return state
+
+
+def build_state(state, stories, active, runs):
     b = Builder().create(stories, checks=1 if runs else 0)
     if active or runs:
         b.add("story_started", id="G001", title="story 1", round=1, agent=None)
     for _ in range(runs):
         b.run("G001")
-    return b.write(os.path.join(root, name, ".fablize"))
+    return b.write(state)
 
 
 # Measuring ##################################################################
@@ -326,7 +335,13 @@ def main(argv=None):
     p.add_argument("--runs", type=int, help="repeats of each figure (default 15, quick 5)")
     p.add_argument("--events", type=int,
                    help="events in the long ledger (default 1,000,000, quick 100,000)")
+    p.add_argument("--build", nargs=4, metavar=("STATE", "STORIES", "ACTIVE", "RUNS"),
+                   help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.build:
+        state, stories, active, runs = a.build
+        build_state(state, int(stories), active == "1", int(runs))
+        return 0
     n = a.runs or (5 if a.quick else 15)
     events = a.events or (100_000 if a.quick else 1_000_000)
     root = tempfile.mkdtemp(prefix="fablize-bench-")

@@ -2419,10 +2419,11 @@ def render_handoff(ctx, plan, story, reshown):
     rounds = plan["options"]["rounds"]
     if reshown:
         lines.append(f"⚠ Resumed: this story was already in progress (round {story['round']}, started "
-                     f"{story['started_ts']}). Continue it; do not restart it.")
+                     f"{time_label(story['started_ts'])}). Continue it; do not restart it.")
     elif story["round"] > 1:
+        since = " since the last decision" if story["round_base"] else ""
         lines.append(f"⚠ Reopened: round {story['round']} (round {story['round'] - story['round_base']} "
-                     f"of {rounds} since the last decision) — the earlier attempt did not achieve the "
+                     f"of {rounds}{since}) — the earlier attempt did not achieve the "
                      "objective; what was missing is below. Continue the work; do not restart it.")
     if reshown:
         lines += render_round_failures(story, "Resumed: ")
@@ -2794,7 +2795,10 @@ def grade_detail(story):
         return None
     if grade == "accepted" and story["decision"]:
         return "accepted by a human: " + one_line(last_chars(story["decision"]["note"], 200))
-    return GRADE_WORDS.get(grade, one_line(grade))
+    judged = story["judged_by"]
+    return GRADE_WORDS.get(grade, one_line(grade)) + (
+        f"; judged {one_line(judged['verdict'])} by {one_line(judged['agent'])}"
+        if judged and story["status"] == "complete" else "")
 
 
 def project_state_dir(path, out):
@@ -3194,6 +3198,14 @@ def verify_pin(store, scan, pin):
 def git_show(root, ref, path, what):
     """The bytes of `path` (relative to the repository top) at `ref`, or None when the ref has
     no such file. An unknown ref is a usage error."""
+    top, full = branch_ref(root, ref, what)
+    code, out, err = run_tool(["git", "-C", top, "cat-file", "blob", f"{full}:{path}"], what=what)
+    return out if code == 0 else None
+
+
+def branch_ref(root, ref, what):
+    """(repository top, the full name of the one branch `ref` names); anything else — an
+    unknown ref, a tag, a bare commit, an ambiguous name — is a usage error."""
     if not ref or ref.startswith("-") or "\x00" in ref:  # never an option to git
         raise usage(f"{what}: {one_line(ref)!r} is not a git ref.", "bad_ref")
     top = git_toplevel(root)
@@ -3213,8 +3225,38 @@ def git_show(root, ref, path, what):
         raise usage(f"{what}: {one_line(ref)} must name one branch (refs/heads/… or "
                     f"refs/remotes/…), not {one_line(full) or 'a tag or a commit'}"
                     + (" — it is ambiguous" if "ambiguous" in err else "") + ".", "bad_ref")
-    code, out, err = run_tool(["git", "-C", top, "cat-file", "blob", f"{full}:{path}"], what=what)
-    return out if code == 0 else None
+    return top, full
+
+
+def changed_check_files(root, ref, plan):
+    """The files and folders the plan's frozen checks name (words of their commands that are
+    paths in the tree) which differ between the base branch and the working tree: a frozen
+    `python3 check.py` proves nothing if the branch rewrote check.py."""
+    import shlex
+    top, full = branch_ref(root, ref, "--base")
+    named = set()
+    for story in plan["goals"]:
+        for cmd in story["checks"]:
+            try:
+                words = shlex.split(cmd)
+            except ValueError:
+                continue
+            for word in words:
+                if not word.startswith("-") and "\x00" not in word and \
+                        os.path.lexists(os.path.join(root, word)):
+                    rel = os.path.relpath(os.path.realpath(os.path.join(root, word)), top)
+                    if not rel.startswith(".."):
+                        named.add(rel.replace(os.sep, "/"))
+    if not named:
+        return []
+    code, out, _ = run_tool(["git", "-C", top, "diff", "--name-only", "-z", full, "--",
+                             *sorted(named)], what="--base")
+    changed = {x.decode("utf-8", "replace") for x in out.split(b"\0") if x} if code == 0 else set()
+    code, out, _ = run_tool(["git", "-C", top, "ls-files", "-z", "--others", "--exclude-standard",
+                             "--", *sorted(named)], what="--base")
+    if code == 0:
+        changed |= {x.decode("utf-8", "replace") for x in out.split(b"\0") if x}
+    return sorted(changed)
 
 
 def base_pin(store, ref):
@@ -3537,6 +3579,8 @@ def audit_trust(ctx, plan, scan, pin, base):
                                       "signer": sig.get("signer") if isinstance(sig, dict) else None})
     trust["frozen_checks"] = [{"id": s["id"], "checks": s["checks"]} for s in plan["goals"]
                               if s["checks"]]
+    trust["check_files_changed"] = changed_check_files(store.root, base["ref"], plan) \
+        if base is not None else []
     trust["engine_inside_tree"] = engine_inside(store.root)
     if trust["engine_inside_tree"]:
         ctx.out.warn("the engine running this audit lies inside the tree it audits: a pull "
@@ -3545,6 +3589,9 @@ def audit_trust(ctx, plan, scan, pin, base):
 
 
 def say_trust(ctx, trust):
+    if trust["check_files_changed"]:
+        ctx.say("  frozen checks run files this branch changed since the base (review them): "
+                + ", ".join(one_line(x) for x in trust["check_files_changed"][:MAX_LISTED]))
     pin = trust["pin"]
     if pin is not None:
         where = "this ledger" if not pin["new_plan"] else f"{pin['in']} (a replaced plan)"
@@ -3582,6 +3629,12 @@ def trust_gates(ctx, a, plan, trust):
         raise refused("audit: the plan was imported from the original goals.py format — nothing "
                       "shows it was made by the engine (--allow-imported to accept it).",
                       "imported_plan")
+    if a.require_unchanged_checks and a.base is None:
+        raise usage("--require-unchanged-checks compares with --base: give it too.")
+    if a.require_unchanged_checks and trust["check_files_changed"]:
+        raise refused("audit: frozen checks run files this branch changed since the base — "
+                      + ", ".join(one_line(x) for x in trust["check_files_changed"][:MAX_LISTED]),
+                      "check_files_changed")
     if trust["new_plan"] and not a.allow_new_plan:
         raise refused("audit: the plan was created after the pin (create --force or a new plan) — "
                       "review its frozen checks above; --allow-new-plan accepts it.", "new_plan")
@@ -4104,7 +4157,7 @@ def setup_plan(ctx, agent, remove):
         data = None if remove and not new.strip() else new.encode("utf-8")
         changes.append((block_rel, path, st, data, "the fablize block " +
                         ("removed" if remove else "updated" if BLOCK_BEGIN in text else
-                         "migrated from the original fablize's" if re.search(ORIGINAL_BLOCK, text)
+                         "migrated from the original fablize's block" if re.search(ORIGINAL_BLOCK, text)
                          else "added")))
     notes = []
     if hooks_rel:
@@ -5225,7 +5278,8 @@ def cmd_status(ctx, a):
         raise refused("no plan — run `create` first.", "no_plan")
     accepted = [x["id"] for x in plan["goals"] if x["status"] == "accepted"]
     # a human's accept is not a completion: with one, the count says `done`, never `complete`
-    counted = f"done ({', '.join(accepted)} accepted by a human)" if accepted else "complete"
+    counted = f"done ({', '.join(accepted)} accepted by a human decision)" if accepted \
+        else "complete"
     ctx.say(f"fablize: {done_count(plan)}/{len(plan['goals'])} {counted} — "
             f"{defused_line(plan['brief'])}")
     for story in plan["goals"]:
@@ -5351,12 +5405,12 @@ def cmd_audit(ctx, a):
     if report["independence"]:  # a trust failure: no "audit ok" line before it
         raise refused("audit: a verdict was not given by an independent judge — "
                       + "; ".join(report["independence"]), "judge_not_independent")
-    ctx.say(f"fablize: audit ok — {report['event_count']} events, hash chain intact, every event what "
-            f"fablize writes and legal when replayed; snapshot {report['snapshot']}.")
+    ctx.say(f"fablize: audit ok — {report['event_count']} events, hash chain intact, every event "
+            f"one fablize writes and legal when replayed; snapshot {report['snapshot']}.")
     ctx.say(f"  head: {report['head']}   (keep it; `audit --since` proves later history only grew)")
     accepted = [x["id"] for x in trust["accepted"]]
     ctx.say(f"  plan: {report['done']}/{report['total']} done — {defused_line(plan['brief'])}"
-            + (f" ({', '.join(accepted)} accepted by a human)" if accepted else ""))
+            + (f" ({', '.join(accepted)} accepted by a human decision)" if accepted else ""))
     if report["torn_tail_bytes"]:
         ctx.say(f"  torn tail: {report['torn_tail_bytes']} bytes after the last event — a write that "
                 "never completed; the next writing command moves it aside.")
@@ -6197,6 +6251,10 @@ def add_audit_trust(c):
                         "ssh allowed-signers file")
     c.add_argument("--forbid-accepted", action="store_true",
                    help="exit 1 if any story was accepted by a decision instead of completed")
+    c.add_argument("--require-unchanged-checks", action="store_true",
+                   help="with --base: exit 1 if a file or folder a frozen check names differs "
+                        "from the base branch (a frozen `python3 check.py` is only as good as "
+                        "check.py)")
     add_timeout(c)
     c.add_argument("--remote", metavar="NAME",
                    help="audit the shared plan as this git remote holds it (fetched; no local "
@@ -6249,7 +6307,8 @@ def add_verdict(command):
 
 def add_install_block(command):
     c = command("install-block", cmd_install_block, "put the fablize block into CLAUDE.md",
-            'or AGENTS.md; again: replace it in place; --remove takes it out')
+            "or into the file named (AGENTS.md, …); run again, it replaces the block in place; "
+            "--remove takes it out")
     c.add_argument("file", nargs="?", help="the file (default: CLAUDE.md at the repository root)")
     c.add_argument("--remove", action="store_true", help="take the block out again")
 

@@ -291,3 +291,35 @@ def test_audit_remote_with_an_unparsable_run_line_is_one_line(tmp_path):
     r = run(clone, "audit", "--remote", "origin", "--json")
     assert "Traceback" not in r.stderr  # FAILS today: AttributeError in remote_ledger
     json.loads(r.stdout)
+
+
+def test_a_frozen_check_whose_file_the_branch_rewrote_is_named_and_can_fail_ci(tmp_path):
+    """The frozen command stays frozen, but the file it runs does not: the branch rewrites
+    check.py to exit 0. audit --base names the file; --require-unchanged-checks fails it."""
+    home = tmp_path / "home"
+    home.mkdir()
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, home, "init", "-q", "-b", "main")
+    (repo / "check.py").write_text("import sys\nsys.exit(open('impl.txt').read() != 'done\\n')\n")
+    (repo / "impl.txt").write_text("todo\n")
+    assert run(repo, "create", "--brief", "b", "--goal", "x::make impl.txt say done",
+               "--check", f"G001={sys.executable} check.py").returncode == 0
+    assert run(repo, "next").returncode == 0
+    git(repo, home, "add", "-A")
+    git(repo, home, "commit", "-qm", "base")
+    git(repo, home, "checkout", "-qb", "pr")
+    (repo / "check.py").write_text("raise SystemExit(0)\n")  # impl.txt still says todo
+    assert run(repo, "checkpoint", "--id", "G001", "--status", "complete",
+               "--evidence", "done").returncode == 0
+    git(repo, home, "add", "-A")
+    git(repo, home, "commit", "-qm", "pr")
+    r = run(repo, "audit", "--base", "main", "--require-complete", "--rerun", "all")
+    assert r.returncode == 0 and "frozen checks run files this branch changed since the base " \
+        "(review them): check.py" in r.stdout, r  # the rerun passes: only a reviewer sees it
+    r = run(repo, "audit", "--base", "main", "--require-complete", "--rerun", "all",
+            "--require-unchanged-checks", "--json")
+    assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "check_files_changed", r
+    assert json.loads(r.stdout)["trust"]["check_files_changed"] == ["check.py"]
+    r = run(repo, "audit", "--require-unchanged-checks")
+    assert r.returncode == 2 and "give it too" in r.stderr, r

@@ -75,11 +75,11 @@ def test_a_plan_finished_by_a_human_accept_never_reads_as_plainly_complete(fab):
     assert "| G001 | S1 | ✓ accepted | 1 | accepted by a human: the key is not needed after all " \
            "| accepted |" in report, report
     status = fab("status").out
-    assert status.startswith("fablize: 2/2 done (G001 accepted by a human) — test plan\n"), status
+    assert status.startswith("fablize: 2/2 done (G001 accepted by a human decision) — test plan\n"), status
     data = fab("--json", "status").json
     assert data["accepted"] == ["G001"]
     audit = fab("audit")
-    assert "  plan: 2/2 done — test plan (G001 accepted by a human)\n" in audit.out, audit
+    assert "  plan: 2/2 done — test plan (G001 accepted by a human decision)\n" in audit.out, audit
     assert fab("--json", "audit").json["accepted"] == ["G001"]
 
 
