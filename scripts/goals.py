@@ -3304,7 +3304,7 @@ def allowed_signers_file(store, a):
 
 
 def decision_payload(plan_id, sid, decision, note, prev):
-    """The canonical content a decision's signature covers (documented in README)."""
+    """The canonical content a decision's signature covers (documented in docs/reference.md, `decide`)."""
     return json.dumps({"plan": plan_id, "story": sid, "decision": decision, "note": note,
                        "prev": prev}, ensure_ascii=False, sort_keys=True,
                       separators=(",", ":")).encode("utf-8")

@@ -190,7 +190,7 @@ def test_when_the_state_cannot_be_written_the_temp_log_is_removed_all_the_same(a
 def test_help_and_readme_document_the_signal_exit_codes():
     p = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True)
     assert "128+N" in " ".join(p.stdout.split()) and "143 SIGTERM" in " ".join(p.stdout.split())
-    readme = (SCRIPT.parent.parent / "README.md").read_text(encoding="utf-8")
+    readme = (SCRIPT.parent.parent / "docs" / "reference.md").read_text(encoding="utf-8")
     table = readme.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
     for code in ("130", "143", "129"):
         assert code in table, code

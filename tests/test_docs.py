@@ -21,6 +21,7 @@ import pytest
 from conftest import ROOT, SCRIPT, goals
 
 README = ROOT / "README.md"
+REFERENCE = ROOT / "docs" / "reference.md"
 SKILL = ROOT / "SKILL.md"
 BLOCK = ROOT / "fablize-block.md"
 
@@ -39,6 +40,11 @@ def subparsers():
 
 def options_of(parser):
     return {s for action in parser._actions for s in action.option_strings}
+
+
+def docs():
+    """README and the reference it points to: the documentation the command line is held to."""
+    return read(README) + "\n" + read(REFERENCE)
 
 
 def section(text, heading):
@@ -176,7 +182,7 @@ def engine_error_codes():
 
 def readme_error_codes():
     """{code: {exit codes}} from the README's error-code table."""
-    table = section(read(README), "### Error codes")
+    table = section(docs(), "### Error codes")
     rows = re.findall(r"^\| `([a-z_]+)` \| ([\d, ]+) \|", table, re.M)
     assert rows, "README's error-code table has no rows"
     return {code: {int(x) for x in exits.split(",")} for code, exits in rows}
@@ -216,15 +222,15 @@ def test_every_command_and_option_has_help_text():
 
 
 def test_every_command_has_a_readme_section_and_an_example():
-    text = read(README)
-    used = check_invocations(text, "README.md")
+    text = docs()
+    used = check_invocations(text, "README.md and docs/reference.md")
     for name in subparsers():
         assert f"### `{name}`" in text.split("\n"), f"README has no section for `{name}`"
         assert name in used, f"README has no example calling `goals.py {name}`"
 
 
 def test_every_option_of_every_command_is_in_the_readme():
-    text = read(README)
+    text = docs()
     parsers = {"goals.py": goals.build_parser(), **subparsers()}
     missing = []
     for name, parser in parsers.items():
@@ -328,7 +334,7 @@ def test_every_error_code_the_engine_raises_is_in_the_readme_with_its_exit_code(
 
 
 def test_readme_exit_code_table_has_every_exit_code():
-    table = section(read(README), "## Exit codes")
+    table = section(docs(), "## Exit codes")
     for code, word in ((goals.EXIT_OK, "done"), (goals.EXIT_REFUSED, "refused"),
                        (goals.EXIT_USAGE, "usage"), (goals.EXIT_DAMAGED, "damaged")):
         assert re.search(r"^\| %d \| %s\b" % (code, word), table, re.M), \
@@ -340,13 +346,13 @@ def test_every_environment_variable_the_engine_reads_is_documented():
     names = set(re.findall(r"""os\.(?:environ(?:\.get)?|getenv)\s*[(\[]\s*["']([A-Z_][A-Z0-9_]*)""",
                            source))
     assert {"FABLIZE_DIR", "FABLIZE_LOCK_TIMEOUT", "GITHUB_STEP_SUMMARY"} <= names
-    table = section(read(README), "## Environment variables")
+    table = section(docs(), "## Environment variables")
     missing = sorted(n for n in names if f"`{n}`" not in table)
     assert not missing, f"environment variables missing from README: {missing}"
 
 
 def test_readme_names_every_ledger_event_status_and_state_file():
-    text = read(README)
+    text = docs()
     files = section(text, "## Files")
     for event in goals.EVENTS:
         assert f"`{event}`" in files, f"ledger event {event!r} missing from README"
@@ -361,7 +367,7 @@ def test_readme_names_every_ledger_event_status_and_state_file():
 
 
 def test_readme_documents_the_make_targets_and_the_version():
-    text = read(README)
+    text = docs()
     makefile = read(ROOT / "Makefile")
     for target in ("demo", "test"):
         assert f"`make {target}`" in text
@@ -493,7 +499,7 @@ def test_readme_documents_every_json_field_the_commands_print(tmp_path, monkeypa
                  ["install-block", "X.md"], ["setup", "agents-md"], ["doctor", "agents-md"],
                  ["checkpoint", "--id", "G404", "--status", "complete", "--evidence", "x"]):
         run(*args)
-    table = section(read(README), "## JSON mode")
+    table = section(docs(), "## JSON mode")
     documented = set(re.findall(r"^\| ((?:`[\w_]+`(?:, )?)+) \|", table, re.M))
     names = {n for row in documented for n in re.findall(r"`([\w_]+)`", row)}
     missing = sorted(set(seen) - names)

@@ -710,7 +710,7 @@ def test_decision_payload_is_the_documented_canonical_content():
     raw = goals.decision_payload("P", "G001", "accept", "ünïcode", "ab" * 32)
     assert raw == ('{"decision":"accept","note":"ünïcode","plan":"P","prev":"' + "ab" * 32 +
                    '","story":"G001"}').encode("utf-8")
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text() + (ROOT / "docs" / "reference.md").read_text()
     assert '{"decision":…,"note":…,"plan":…,"prev":…,"story":…}' in readme
 
 
