@@ -369,6 +369,8 @@ def _compile(spec):
         c = ("a", tuple(_compile(x) for x in spec))
     elif type(spec) is list:
         c = ("l", _compile(spec[0]))
+    elif list(spec) == ["*"]:
+        c = ("m", _compile(spec["*"]))
     else:
         required, allowed, plain, nested = set(), set(), [], []
         for key, sub in spec.items():
@@ -445,6 +447,16 @@ def _misfit(value, c):
             found = _misfit(item, sub)
             if found is not None:
                 return f"[{i}]{found}"
+        return None
+    if kind == "m":
+        if type(value) is not dict:
+            return ""
+        for key, item in value.items():
+            if type(key) is not str:
+                return "." + one_line(str(key))[:60]
+            found = _misfit(item, c[1])
+            if found is not None:
+                return f".{one_line(key)[:60]}{found}"
         return None
     for alt in c[1]:
         if _misfit(value, alt) is None:
@@ -820,7 +832,7 @@ def _ev_verify_run(plan, ev):
     if not _HEX64.match(ev["sha256"]) or ev["bytes"] < 0 or ev["duration_s"] < 0 or \
             not 0 <= ev["after_seq"] < ev["seq"] or len(ev["tail"]) > TAIL_CHARS:
         raise forged("a run's digest, size, duration, tail or position is out of range")
-    record = {key: ev.get(key) for key in RUN_FIELDS}
+    record = dict(zip(RUN_FIELDS, map(ev.get, RUN_FIELDS)))
     if ev.get("interrupted"):  # only then: replayed old runs stay as their snapshots hold them
         record["interrupted"] = ev["interrupted"]
     record["ok"] = run_passed(record)
@@ -989,7 +1001,7 @@ def _ev_plan_merged(plan, ev):
 # anything the engine would not have written is damage, named by its line.
 _EVENT_BASE = {"seq": int, "ts": str, "event": str, "prev": str}
 # where and with what a witnessed run ran (run_provenance): a hint for the reviewer
-PROVENANCE_SPEC = {"dir": _TEXT, "program": _TEXT, "program_sha256": _TEXT, "env": dict}
+PROVENANCE_SPEC = {"dir": _TEXT, "program": _TEXT, "program_sha256": _TEXT, "env": {"*": _TEXT}}
 EVENTS = {
     "plan_created": (_ev_plan_created, {
         "brief": str, "count": int, "plan_id": str, "stories": [STORY_EVENT_SPEC],
@@ -1035,13 +1047,15 @@ def apply_event(plan, ev):
         raise damaged(f"unknown event {one_line(repr(kind))[:60]}", "unknown_event")
     # events of one kind mostly share their keys and the types of their values: a shape that
     # fitted once and holds no list or dict fits again, so a long replay checks it once
-    shape = (kind, tuple(ev), tuple(map(type, ev.values())))
-    if shape not in _FITTED:
+    types = tuple(map(type, ev.values()))
+    shape = None if list in types else (kind, tuple(ev), types) if dict not in types else \
+        (kind, tuple(ev), types, tuple(_dict_shape(v) for v in ev.values() if type(v) is dict))
+    if shape is None or shape not in _FITTED:
         where = misfit(ev, EVENT_SPECS[kind])
         if where:
             raise damaged(f"malformed {kind} event ({where.lstrip('.')} is missing, unexpected "
                           "or of the wrong type)", "bad_event")
-        if list not in shape[2] and dict not in shape[2] and len(_FITTED) < 256:
+        if shape is not None and None not in shape[-1] and len(_FITTED) < 256:
             _FITTED.add(shape)
     if not _TS.match(ev["ts"]):
         raise forged(f"ts {one_line(ev['ts'])[:40]!r} is not a UTC timestamp")
@@ -1051,6 +1065,16 @@ def apply_event(plan, ev):
     if kind != "guard_block":
         plan["guard"]["blocks"] = 0
     return plan
+
+
+def _dict_shape(value):
+    """A nested dict's keys and value types (a run's provenance, its environment), or None when
+    it holds a list: what the event shape memo compares."""
+    types = tuple(map(type, value.values()))
+    if list in types:
+        return None
+    inner = tuple(_dict_shape(v) for v in value.values() if type(v) is dict)
+    return None if None in inner else (tuple(value), types, inner)
 
 
 def run_passed(run):
