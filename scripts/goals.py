@@ -3794,9 +3794,9 @@ def command_missing(cli):
     command that must be installed (or come with the plugin)."""
     import shutil
     if cli == "fablize" and shutil.which("fablize") is None:
-        return ("`fablize` is not on PATH here: install it (README: Add it to your project — "
-                "pipx, uv tool or the plugin), or copy scripts/goals.py into this repository and "
-                "run setup again with that copy")
+        return ("the wiring runs `fablize`, which is not on PATH here: install it (README: Add it "
+                "to your project — pipx, uv tool or the plugin), or copy scripts/goals.py into "
+                "this repository and run setup again with that copy")
     return None
 
 
@@ -5960,7 +5960,7 @@ def cmd_setup(ctx, a):
         ctx.say(f"fablize: {note}")
     missing = None if a.remove else command_missing(portable_command(root))
     if missing:
-        ctx.out.warn(f"the wiring names {missing}.")
+        ctx.out.warn(missing + ".")
     if not done:
         ctx.say(f"fablize: {a.agent} is already {'unwired' if a.remove else 'set up'} here; "
                 "nothing changed.")
@@ -6007,7 +6007,9 @@ def cmd_doctor(ctx, a):
             for f in our_hooks(config, event):
                 bad = interpreter_problem(f[3]["command"])
                 if bad:
-                    finding(f"{event} hook command", f"{bad} (in {hooks_rel})", f"`{ctx.prog} setup {agent}`", None)
+                    cli = f[3]["command"].split()[0]
+                    finding(f"{event} hook command", f"{bad} (in {hooks_rel})",
+                            command_missing(cli) or f"`{ctx.prog} setup {agent}`", None)
     if ctx.store.exists():
         try:
             with ctx.store.session(exclusive=False) as s:
