@@ -93,7 +93,8 @@ through fablize instead of declaring "done" yourself:
    Frozen checks run by themselves; otherwise prefer `--run --verify-cmd "<cmd>"`: the
    engine runs the command and records the result.
    Not achieved yet: `--status failed --evidence "<what is missing>"` (another round).
-   Impossible as specified: `--status blocked --evidence "<why>"`, then stop and ask the human.
+   Impossible as specified: `--status blocked --evidence "<why>"`, then ask the human: end
+   your turn with the question (the Stop guard lets a question through).
 4. A judged story (`create --judge`) goes to review: never judge your own work. A separate
    judge runs `{cli} judge-packet --id G00N`, checks the artifact itself and answers with
    `{cli} verdict --id G00N achieved|not-achieved|unachievable --evidence "<what it saw>" --agent <judge>`.
