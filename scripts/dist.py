@@ -27,11 +27,11 @@ VERSION = goals.__version__
 # the plugin as Claude Code installs it: manifests, hooks, the judge agent, the skill, the engine
 PLUGIN_FILES = [".claude-plugin/plugin.json", ".claude-plugin/marketplace.json",
                 "hooks/hooks.json", "agents/fablize-judge.md", "bin/fablize", "bin/fablize.cmd",
-                "scripts/goals.py", "SKILL.md", "fablize-block.md", "README.md", "LICENSE",
-                "CHANGELOG.md"]
+                "scripts/goals.py", "SKILL.md", "fablize-block.md", "README.md", "docs/reference.md",
+                "LICENSE", "CHANGELOG.md"]
 SKILL_FILES = ["SKILL.md", "scripts/goals.py", "LICENSE"]
 SDIST_FILES = ["pyproject.toml", "setup.py", "MANIFEST.in", "scripts/goals.py", "README.md",
-               "LICENSE", "CHANGELOG.md"]
+               "docs/reference.md", "LICENSE", "CHANGELOG.md"]
 
 
 def build_wheel(out):
