@@ -4192,6 +4192,11 @@ def setup_plan(ctx, agent, remove):
         if plugin and not remove:
             notes.append(f"hooks: the {PLUGIN_NAME} plugin provides them (enabled in "
                          f"{', '.join(plugin)}); none added to {hooks_rel}")
+            new = merge_hooks(config, agent, cli, remove=True)  # a copy left by an earlier setup
+            if new != config:
+                data = None if not new and st is not None else json_config_bytes(new)
+                changes.append((hooks_rel, path, st, data, "hooks removed: the plugin runs "
+                                "them, and a second copy would count every stop twice"))
         else:
             new = merge_hooks(config, agent, cli, remove)
             if new != config:

@@ -604,3 +604,16 @@ def test_the_engines_own_commands_are_not_observed(fab):
     observe(fab, bash_failure(fab.root, "fablize verify --id G001"))
     assert [e["cmd"] for e in ledger(fab.dir) if e["event"] == "observed_run"] == \
         ["fablize verify --id G001"]
+
+
+def test_setup_with_the_plugin_enabled_takes_out_hooks_an_earlier_setup_registered(repo, home):
+    assert script(repo, home, "setup")[0] == 0
+    settings = repo / ".claude" / "settings.json"
+    assert "guard" in settings.read_text()
+    config = json.loads(settings.read_text())
+    config["enabledPlugins"] = {"fablize-gate@fablize-gate": True}
+    settings.write_text(json.dumps(config))
+    code, out, err = script(repo, home, "setup")
+    assert code == 0 and "hooks removed: the plugin runs them" in out, (out, err)
+    assert "guard" not in settings.read_text()
+    assert script(repo, home, "setup")[1].count("nothing changed") == 1  # idempotent again
