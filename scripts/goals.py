@@ -830,7 +830,8 @@ def _ev_verify_run(plan, ev):
                      "frozen check")
     if ev["log"] != f"{RUNS}/{ev['seq']}-{story['id']}.log":
         raise forged(f"run log `{one_line(ev['log'])[:80]}` is not runs/<seq>-<story>.log")
-    if not _HEX64.match(ev["sha256"]) or ev["bytes"] < 0 or ev["duration_s"] < 0 or \
+    if not _HEX64.match(ev["sha256"]) or ev["bytes"] < 0 or \
+            not 0 <= ev["duration_s"] < float("inf") or \
             not 0 <= ev["after_seq"] < ev["seq"] or len(ev["tail"]) > TAIL_CHARS:
         raise forged("a run's digest, size, duration, tail or position is out of range")
     record = dict(zip(RUN_FIELDS, map(ev.get, RUN_FIELDS)))
@@ -3269,7 +3270,9 @@ def changed_check_files(root, ref, plan):
             for word in words:
                 if not word.startswith("-") and "\x00" not in word and \
                         os.path.lexists(os.path.join(root, word)):
-                    rel = os.path.relpath(os.path.realpath(os.path.join(root, word)), top)
+                    # the path as written (a symlink put in its place is a change git sees)
+                    rel = os.path.relpath(os.path.normpath(os.path.join(os.path.abspath(root),
+                                                                        word)), top)
                     if not rel.startswith(".."):
                         named.add(rel.replace(os.sep, "/"))
     if not named:
@@ -3394,10 +3397,12 @@ class TrustScan:
         self.here = repo_relative(root)
         self.first = None
         self.decisions = []  # every one: an unsigned decision before a signed one counts too
+        self.added = []
         self.first_env = None
         self.unclean, self.flagged, self.unrecorded = 0, [], 0
 
     def __call__(self, lineno, head, ev):
+        after_pin = self.pin is not None and self.pin.where == "found"
         if self.pin is not None:
             self.pin(lineno, head, ev)
         if lineno == 1:
@@ -3405,6 +3410,8 @@ class TrustScan:
         kind = ev["event"]
         if kind == "decision":
             self.decisions.append(ev)
+        elif kind == "story_added" and after_pin:
+            self.added.append(ev["story"])  # after the pin: its checks are the agent's own
         elif kind == "verify_run":
             self.run(lineno, ev)
 
@@ -3458,7 +3465,9 @@ def rerun_checks(ctx, plan, which, root):
     """Run the frozen checks again, here, recording nothing: the re-witnessed grade."""
     import shutil
     import tempfile
-    stories = plan["goals"] if which == "all" else plan["goals"][-1:]
+    # the final story first: a check another story added could otherwise write, before it
+    # runs, what the gate tests (the tree CI checked out is the one they all run in)
+    stories = plan["goals"][-1:] + (plan["goals"][:-1] if which == "all" else [])
     results = []
     tmp = tempfile.mkdtemp(prefix="fablize-rerun-")
     try:
@@ -3479,7 +3488,7 @@ def tree_state(root, state_dir):
     (git's ignore rules apply), by name, mode and content; the state directory is left out.
     Outside git, every file under `root` but .git/ and the state directory."""
     top = git_toplevel(root)
-    names = None
+    names, ignored = None, []
     if top is not None:
         code, out, _ = run_tool(["git", "-C", root, "ls-files", "-z", "--cached", "--others",
                                  "--exclude-per-directory=.gitignore", "--full-name"],
@@ -3487,6 +3496,13 @@ def tree_state(root, state_dir):
         if code == 0:
             names = sorted(set(os.path.join(top, n.decode("utf-8", "surrogateescape"))
                                for n in out.split(b"\0") if n))
+            # what .gitignore files hide counts by name (a new ignored file, or a .gitignore
+            # that hides itself, changes the tree too); folders once, not file by file
+            code, out, _ = run_tool(["git", "-C", root, "ls-files", "-z", "--others",
+                                     "--ignored", "--exclude-per-directory=.gitignore",
+                                     "--directory", "--full-name"], what="judge-packet")
+            ignored = sorted(n.decode("utf-8", "surrogateescape") for n in out.split(b"\0")
+                             if n) if code == 0 else []
     if names is None:
         names = []
         for d, subdirs, files in os.walk(root):
@@ -3494,10 +3510,13 @@ def tree_state(root, state_dir):
                           and os.path.join(d, x) != state_dir]
             names += [os.path.join(d, f) for f in files]
         names.sort()
-    state = os.path.realpath(state_dir) + os.sep
     digest, count = _sha256(), 0
+    state = os.path.join(os.path.abspath(state_dir), "")
+    for name in ignored if top is not None and names is not None else []:
+        if not os.path.join(top, name).startswith(state) and name != ".git/":
+            digest.update(f"ignored:{name}\n".encode("utf-8", "surrogateescape"))
     for path in names:
-        if os.path.realpath(path).startswith(state) or path.startswith(state_dir + os.sep):
+        if path.startswith(state):  # by its own path: a symlink into it is a file of the tree
             continue
         try:
             st = os.lstat(path)
@@ -3606,6 +3625,8 @@ def audit_trust(ctx, plan, scan, pin, base):
                               if s["checks"]]
     trust["check_files_changed"] = changed_check_files(store.root, base["ref"], plan) \
         if base is not None else []
+    trust["added_after_pin"] = [{"id": x["id"], "title": x["title"], "checks": x.get("checks", [])}
+                                for x in scan.added] if trust["pin"] and not trust["new_plan"] else []
     trust["engine_inside_tree"] = engine_inside(store.root)
     if trust["engine_inside_tree"]:
         ctx.out.warn("the engine running this audit lies inside the tree it audits: a pull "
@@ -3614,6 +3635,10 @@ def audit_trust(ctx, plan, scan, pin, base):
 
 
 def say_trust(ctx, trust):
+    for story in trust["added_after_pin"]:
+        checks = "; ".join(one_line(c) for c in story["checks"]) or "no frozen check"
+        ctx.say(f"  added after the pin: {story['id']} {defused_line(story['title'])} — {checks} "
+                "(the re-run runs the final story's checks first)")
     if trust["check_files_changed"]:
         ctx.say("  frozen checks run files this branch changed since the base (review them): "
                 + ", ".join(one_line(x) for x in trust["check_files_changed"][:MAX_LISTED]))
@@ -4108,11 +4133,10 @@ def plugin_enabled(root):
 def read_json_config(path, quiet=False):
     """A JSON settings file as a dict ({} when absent); refuses one that is not an object."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = read_project_file(path)
     except FileNotFoundError:
         return {}
-    except OSError:
+    except (OSError, FablizeError):
         if quiet:
             return {}
         raise
@@ -4134,9 +4158,36 @@ def json_config_bytes(config):
     return (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
 
 
+MAX_PROJECT_FILE = 1 << 20  # a settings or instructions file larger than this is not one
+
+
+def read_project_file(path):
+    """The bytes of a project's settings or instructions file: never blocks on a FIFO, never
+    reads an endless device, refuses what is not a regular file (it may follow a symlink the
+    user made; setup refuses to write through one)."""
+    fd = os.open(path, os.O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_BINARY)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise refused(f"{path} is not a regular file.", "not_a_file")
+        data = os.read(fd, MAX_PROJECT_FILE + 1)
+        if len(data) > MAX_PROJECT_FILE:
+            raise refused(f"{path} is larger than {MAX_PROJECT_FILE:,} bytes — not a settings "
+                          "or instructions file fablize edits.", "not_text")
+        return data
+    finally:
+        os.close(fd)
+
+
 def project_file(root, rel):
-    """A file of the project to write: refuses a symlink or a non-file in its place."""
+    """A file of the project to write: refuses a symlink or a non-file in its place, and a
+    symlinked folder on the way to it (a cloned repository's `.claude -> ~/.claude` must not
+    put hooks into the user's own settings)."""
     path = os.path.join(root, *rel.split("/"))
+    folder = root
+    for part in rel.split("/")[:-1]:
+        folder = os.path.join(folder, part)
+        if os.path.islink(folder):
+            raise refused(f"{folder} is a symlink — refusing to write through it.", "symlink")
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -4212,11 +4263,13 @@ def block_problem(root, agent, prog):
     block_rel = AGENT_FILES[agent][0]
     path = os.path.join(root, block_rel)
     try:
-        text = open(path, encoding="utf-8").read()
+        text = read_project_file(path).decode("utf-8")
     except FileNotFoundError:
         text = ""
     except (OSError, UnicodeDecodeError) as e:
-        return f"{block_rel} cannot be read ({e})", "fix it by hand", None
+        return f"{block_rel} cannot be read ({one_line(e)})", "fix it by hand", None
+    except FablizeError as e:
+        return f"{block_rel} cannot be read ({e.message})", "fix it by hand", None
     begin = text.find(BLOCK_BEGIN)
     if re.search(ORIGINAL_BLOCK, text):
         return (f"{block_rel} holds the original fablize's block", f"`{prog} setup {agent}` migrates it",
@@ -4751,9 +4804,11 @@ def shared_plan_refs(store, remote):
     if p.returncode != 0:
         raise unreachable(remote, p.stderr.decode("utf-8", "replace").strip()[-300:])
     found = {}
-    for row in p.stdout.decode().splitlines():
+    for row in p.stdout.decode("utf-8", "replace").splitlines():
         sha, _, ref = row.partition("\t")
-        found[ref[len(SHARED_REFS):]] = sha
+        plan_id = ref[len(SHARED_REFS):]
+        if re.fullmatch(r"[A-Za-z0-9][\w.-]*", plan_id, re.A) and ".." not in plan_id:
+            found[plan_id] = sha  # a ref no plan id names is someone else's, never a plan
     return found
 
 
@@ -4980,10 +5035,13 @@ def merge_snapshots(ours, theirs):
     """goals.json of the plan merge_ledgers keeps current (same rule, read from the snapshot)."""
     try:
         so, st = load_json(ours), load_json(theirs)
-        ko = (so["plan_id"], so["ledger"]["seq"], so["created"])
-        kt = (st["plan_id"], st["ledger"]["seq"], st["created"])
-    except (ValueError, KeyError, TypeError):
+    except ValueError:
+        so = st = None
+    if any(type(x) is not dict or is_original_snapshot(x) or misfit(x, PLAN_SPEC) is not None
+           for x in (so, st)):
         raise damaged(f"{SNAPSHOT}: one side is not a fablize snapshot.", "bad_snapshot")
+    ko = (so["plan_id"], so["ledger"]["seq"], so["created"])
+    kt = (st["plan_id"], st["ledger"]["seq"], st["created"])
     if ko[0] == kt[0]:
         if ko[1] == kt[1]:
             raise refused("both branches changed the same plan's snapshot at the same event.",
@@ -5642,6 +5700,9 @@ def cmd_report(ctx, a):
         replay_all(s.ledger, s.good_end(None), keep)  # the whole history, checked as audit does
     text = render_report(plan, list(runs), total[0])
     target = a.out or os.environ.get("GITHUB_STEP_SUMMARY")
+    if target and os.path.commonpath([os.path.abspath(target), ctx.store.dir]) == ctx.store.dir:
+        raise usage(f"report --out {one_line(target)}: that is inside the state directory, whose "
+                    "files only fablize writes.", "usage")
     if target:
         with open(target, "wb" if a.out else "ab+") as f:
             if f.seek(0, os.SEEK_END) > 0:
@@ -5908,7 +5969,9 @@ def cmd_unpause(ctx, a):
 def hook_store(ctx, payload):
     """A hook runs wherever the agent's harness started it: the plan is the one of the
     directory the payload names."""
-    cwd = payload.get("cwd") if isinstance(payload.get("cwd"), str) else os.getcwd()
+    cwd = payload.get("cwd")
+    if not isinstance(cwd, str) or "\x00" in cwd or not os.path.isdir(cwd):
+        cwd = os.getcwd()  # the payload's own, when it names a directory at all
     if ctx.args.dir is None and not os.environ.get("FABLIZE_DIR"):
         ctx.store = Store(*find_state_dir(None, cwd), ctx.out.warnings)
     return ctx.store
