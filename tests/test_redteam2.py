@@ -36,7 +36,7 @@ def test_a_story_added_after_the_pin_cannot_make_the_final_check_pass_in_the_rer
                    "--evidence", "done").returncode == 0, sid
     (repo / "DONE2").unlink()  # the final story's check fails on what is committed
     r = audit("--require-check", "test -f DONE2", *ALL_GATES)
-    assert not (repo / "DONE2").exists() or r.returncode != 0, r.stdout
+    assert not (repo / "DONE2").exists() or r.returncode != 0, r.stdout  # failed before its fix
 
 
 def test_a_frozen_check_file_swapped_for_a_symlink_out_of_the_tree_is_named(tmp_path):
@@ -69,7 +69,7 @@ def test_a_frozen_check_file_swapped_for_a_symlink_out_of_the_tree_is_named(tmp_
             "--rerun", "all", "--require-unchanged-checks", "--json", engine=engine,
             env={"PATH": "/usr/bin:/bin"}, isolated=True)
     assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "check_files_changed", \
-        r.stdout, check_files_changed == []
+        r.stdout  # failed before its fix
 
 
 def _judged_story(tmp_path):
@@ -93,7 +93,7 @@ def test_a_self_ignoring_gitignore_the_judge_adds_changes_the_tree(tmp_path):
     _judged_story(tmp_path)
     (tmp_path / ".gitignore").write_text("conftest.py\n.gitignore\n")
     (tmp_path / "conftest.py").write_text("# makes the judge's own test run pass\n")
-    assert _status_after_verdict(tmp_path) != "complete"  # FAILS today: complete
+    assert _status_after_verdict(tmp_path) != "complete"  # failed before its fix
 
 
 def test_a_symlink_into_the_state_directory_the_judge_adds_changes_the_tree(tmp_path):
@@ -102,7 +102,7 @@ def test_a_symlink_into_the_state_directory_the_judge_adds_changes_the_tree(tmp_
     _judged_story(tmp_path)
     (tmp_path / ".fablize" / "x.py").write_text("# makes the judge's own test run pass\n")
     os.symlink(".fablize/x.py", tmp_path / "conftest.py")
-    assert _status_after_verdict(tmp_path) != "complete"  # FAILS today: complete
+    assert _status_after_verdict(tmp_path) != "complete"  # failed before its fix
 
 
 @pytest.mark.parametrize("cmd", [["guard"], ["observe"], ["guard", "--json"]])
@@ -111,7 +111,7 @@ def test_a_hook_payload_cwd_with_a_nul_is_no_traceback(tmp_path, cmd):
     payload = json.dumps({"cwd": str(tmp_path) + "\x00x", "tool_name": "Bash",
                           "tool_input": {"command": "pytest -q"}}).encode()
     r = _signal_free(cmd, tmp_path, payload)
-    assert r is not None and b"Traceback" not in r.stderr, r  # FAILS today: ValueError in lstat
+    assert r is not None and b"Traceback" not in r.stderr, r  # failed before its fix
 
 
 @pytest.mark.parametrize("cmd,rel", [(["setup", "claude"], ".claude/settings.json"),
@@ -123,7 +123,7 @@ def test_setup_and_doctor_do_not_hang_on_a_fifo(tmp_path, cmd, rel):
     (tmp_path / ".claude").mkdir()
     os.mkfifo(tmp_path / rel)
     r = _signal_free(cmd + ["--json"], tmp_path)
-    assert r is not None, "hangs"  # FAILS today: open() of a FIFO blocks for ever
+    assert r is not None, "hangs"  # failed before its fix
     json.loads(r.stdout)
 
 
@@ -140,7 +140,7 @@ def test_setup_and_doctor_do_not_read_an_endless_file(tmp_path, cmd, rel):
                            timeout=30)
     except subprocess.TimeoutExpired:
         r = None
-    assert r is not None and b"Traceback" not in r.stderr, r  # FAILS today: MemoryError
+    assert r is not None and b"Traceback" not in r.stderr, r  # failed before its fix
     json.loads(r.stdout)
 
 
@@ -155,7 +155,7 @@ def test_merge_driver_with_wrongly_typed_snapshot_keys_is_one_line(tmp_path, our
     (tmp_path / "t.json").write_text(json.dumps(theirs))
     r = run(tmp_path, "merge-driver", os.devnull, "o.json", "t.json", ".fablize/goals.json",
             "--json")
-    assert "Traceback" not in r.stderr, r.stderr  # FAILS today: TypeError in merge_snapshots
+    assert "Traceback" not in r.stderr, r.stderr  # failed before its fix
     json.loads(r.stdout)
 
 
@@ -176,7 +176,7 @@ def test_a_non_utf8_plan_ref_on_the_remote_is_one_line(tmp_path):
                    capture_output=True)
     for cmd in (["audit", "--remote", "origin", "--json"], ["sync", "--json"]):
         r = run(clone, *cmd, env=env)
-        assert "Traceback" not in r.stderr, (cmd, r.stderr)  # FAILS today: UnicodeDecodeError
+        assert "Traceback" not in r.stderr, (cmd, r.stderr)  # failed before its fix
         json.loads(r.stdout)
 
 
@@ -200,7 +200,7 @@ def test_a_non_finite_run_duration_is_damage_not_invalid_json(tmp_path):
     led.write_bytes(b"\n".join(out) + b"\n")
     (tmp_path / ".fablize" / "goals.json").unlink()
     r = run(tmp_path, "rebuild")
-    assert r.returncode == 3, r  # FAILS today: rebuilt, exit 0
+    assert r.returncode == 3, r  # failed before its fix
 
     def strict(text):
         return json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
@@ -219,5 +219,5 @@ def test_setup_does_not_write_through_a_symlinked_settings_folder(tmp_path, agen
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     os.symlink(outside, repo / folder)
     r = run(repo, "setup", agent, "--json")
-    assert not (outside / "settings.json").exists(), r.stdout  # FAILS today: written there
+    assert not (outside / "settings.json").exists(), r.stdout  # failed before its fix
     assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "symlink"
