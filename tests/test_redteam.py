@@ -113,7 +113,7 @@ def test_plan_merged_swallows_the_pinned_plan(ci, tmp_path):
         p.unlink()
     shutil.rmtree(repo / ".fablize" / "archive", ignore_errors=True)
     r = audit(*ALL_GATES)
-    assert r.returncode != 0, r.stdout  # FAILS today: exit 0, "pin ... found in this ledger"
+    assert r.returncode != 0, r.stdout  # failed before its fix
 
 
 def splice(pin_line, pin_seq, honest_lines):
@@ -191,7 +191,7 @@ def test_merge_driver_with_a_torn_non_utf8_line_is_one_line(ci, tmp_path):
     ours.write_bytes((trivial_plan(tmp_path) / "ledger.jsonl").read_bytes())
     r = run(repo, "merge-driver", os.devnull, str(ours), str(theirs), ".fablize/ledger.jsonl",
             "--json")
-    assert "Traceback" not in r.stderr  # FAILS today: UnicodeDecodeError in merge_ledgers
+    assert "Traceback" not in r.stderr  # failed before its fix
     json.loads(r.stdout)
 
 
@@ -221,7 +221,7 @@ def test_every_decision_is_verified_not_only_each_storys_last(ci, tmp_path):
     assert run(repo, "decide", "--id", "G001", "accept", "--note", "human", "--sign",
                str(keys / "h"), "--signer", "h@x").returncode == 0
     r = run(repo, "audit", "--allowed-signers", ".github/allowed_signers")
-    assert r.returncode != 0, r.stdout  # FAILS today: exit 0, the unsigned retry is unseen
+    assert r.returncode != 0, r.stdout  # failed before its fix
 
 
 def test_base_ref_shadowed_by_a_tag_of_the_same_name(ci, tmp_path):
@@ -238,26 +238,11 @@ def test_base_ref_shadowed_by_a_tag_of_the_same_name(ci, tmp_path):
     git(repo, audit.home, "commit", "-qm", "attack")
     git(repo, audit.home, "tag", "main")
     r = audit()
-    assert r.returncode != 0, r.stdout  # FAILS today: exit 0, pin taken from the tag
+    assert r.returncode != 0, r.stdout  # failed before its fix
 
 
-def test_a_second_judge_packet_after_fixing_the_tree_does_not_launder_it(tmp_path):
-    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
-    (tmp_path / "impl.txt").write_text("broken\n")
-    assert run(tmp_path, "create", "--brief", "b", "--goal", "x::y", "--check", "G001=true",
-               "--judge").returncode == 0
-    assert run(tmp_path, "next", "--agent", "alice").returncode == 0
-    assert run(tmp_path, "checkpoint", "--id", "G001", "--status", "complete", "--evidence", "ok",
-               "--agent", "alice").returncode == 0
-    assert run(tmp_path, "judge-packet", "--id", "G001").returncode == 0
-    (tmp_path / "impl.txt").write_text("fixed by the judge\n")
-    run(tmp_path, "judge-packet", "--id", "G001")  # re-records the tree the judge changed
-    run(tmp_path, "verdict", "--id", "G001", "achieved", "--evidence", "fine", "--agent", "bob")
-    status = json.loads(run(tmp_path, "status", "--json").stdout)
-    assert status["stories"][0]["status"] != "complete"  # it was complete before the fix
-
-
-def test_an_ignored_file_the_judge_adds_changes_the_tree(tmp_path):
+def judged_story(tmp_path):
+    """A story in review: alice did it, its judge packet is recorded; the judge is bob."""
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
     (tmp_path / "impl.txt").write_text("x\n")
     assert run(tmp_path, "create", "--brief", "b", "--goal", "x::y", "--check", "G001=true",
@@ -266,12 +251,26 @@ def test_an_ignored_file_the_judge_adds_changes_the_tree(tmp_path):
     assert run(tmp_path, "checkpoint", "--id", "G001", "--status", "complete", "--evidence", "ok",
                "--agent", "alice").returncode == 0
     assert run(tmp_path, "judge-packet", "--id", "G001").returncode == 0
+
+
+def status_after_verdict(tmp_path):
+    run(tmp_path, "verdict", "--id", "G001", "achieved", "--evidence", "fine", "--agent", "bob")
+    return json.loads(run(tmp_path, "status", "--json").stdout)["stories"][0]["status"]
+
+
+def test_a_second_judge_packet_after_fixing_the_tree_does_not_launder_it(tmp_path):
+    judged_story(tmp_path)
+    (tmp_path / "impl.txt").write_text("fixed by the judge\n")
+    run(tmp_path, "judge-packet", "--id", "G001")  # re-records the tree the judge changed
+    assert status_after_verdict(tmp_path) != "complete"
+
+
+def test_an_ignored_file_the_judge_adds_changes_the_tree(tmp_path):
+    judged_story(tmp_path)
     with open(tmp_path / ".git" / "info" / "exclude", "a") as f:
         f.write("conftest.py\n")
     (tmp_path / "conftest.py").write_text("# makes the judge's own test run pass\n")
-    run(tmp_path, "verdict", "--id", "G001", "achieved", "--evidence", "fine", "--agent", "bob")
-    status = json.loads(run(tmp_path, "status", "--json").stdout)
-    assert status["stories"][0]["status"] != "complete"  # it was complete before the fix
+    assert status_after_verdict(tmp_path) != "complete"
 
 
 def test_audit_remote_with_an_unparsable_run_line_is_one_line(tmp_path):
@@ -289,13 +288,13 @@ def test_audit_remote_with_an_unparsable_run_line_is_one_line(tmp_path):
     subprocess.run(["git", "clone", "-q", str(bare), str(clone)], check=True, env=env,
                    capture_output=True)
     r = run(clone, "audit", "--remote", "origin", "--json")
-    assert "Traceback" not in r.stderr  # FAILS today: AttributeError in remote_ledger
+    assert "Traceback" not in r.stderr  # failed before its fix
     json.loads(r.stdout)
 
 
-def test_a_frozen_check_whose_file_the_branch_rewrote_is_named_and_can_fail_ci(tmp_path):
-    """The frozen command stays frozen, but the file it runs does not: the branch rewrites
-    check.py to exit 0. audit --base names the file; --require-unchanged-checks fails it."""
+def check_py_branch(tmp_path, python):
+    """(repo, home): main holds a started plan whose frozen check `PYTHON check.py` fails
+    (impl.txt says todo); the PR branch `pr` is checked out."""
     home = tmp_path / "home"
     home.mkdir()
     repo = tmp_path / "repo"
@@ -304,11 +303,18 @@ def test_a_frozen_check_whose_file_the_branch_rewrote_is_named_and_can_fail_ci(t
     (repo / "check.py").write_text("import sys\nsys.exit(open('impl.txt').read() != 'done\\n')\n")
     (repo / "impl.txt").write_text("todo\n")
     assert run(repo, "create", "--brief", "b", "--goal", "x::make impl.txt say done",
-               "--check", f"G001={sys.executable} check.py").returncode == 0
+               "--check", f"G001={python} check.py").returncode == 0
     assert run(repo, "next").returncode == 0
     git(repo, home, "add", "-A")
     git(repo, home, "commit", "-qm", "base")
     git(repo, home, "checkout", "-qb", "pr")
+    return repo, home
+
+
+def test_a_frozen_check_whose_file_the_branch_rewrote_is_named_and_can_fail_ci(tmp_path):
+    """The frozen command stays frozen, but the file it runs does not: the branch rewrites
+    check.py to exit 0. audit --base names the file; --require-unchanged-checks fails it."""
+    repo, home = check_py_branch(tmp_path, sys.executable)
     (repo / "check.py").write_text("raise SystemExit(0)\n")  # impl.txt still says todo
     assert run(repo, "checkpoint", "--id", "G001", "--status", "complete",
                "--evidence", "done").returncode == 0

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from test_redteam import ALL_GATES, ENGINE, ci, git, run  # noqa: F401 (ci: a fixture)
+from test_redteam import (ALL_GATES, ENGINE, check_py_branch, ci, git,  # noqa: F401
+                          judged_story, run, status_after_verdict)  # (ci: a fixture)
 
 
 def _signal_free(cmd, cwd, stdin=b"", timeout=15):
@@ -40,22 +41,10 @@ def test_a_story_added_after_the_pin_cannot_make_the_final_check_pass_in_the_rer
 
 
 def test_a_frozen_check_file_swapped_for_a_symlink_out_of_the_tree_is_named(tmp_path):
-    """changed_check_files diffs realpath(word) only: `check.py -> /dev/null` resolves outside
-    the tree, is never named, and `python3 /dev/null` exits 0 — the check that fails on the tree
-    passes the CI re-run even under --require-unchanged-checks."""
-    home = tmp_path / "home"
-    home.mkdir()
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    git(repo, home, "init", "-q", "-b", "main")
-    (repo / "check.py").write_text("import sys\nsys.exit(open('impl.txt').read() != 'done\\n')\n")
-    (repo / "impl.txt").write_text("todo\n")
-    assert run(repo, "create", "--brief", "b", "--goal", "x::make impl.txt say done",
-               "--check", "G001=python3 check.py").returncode == 0
-    assert run(repo, "next").returncode == 0
-    git(repo, home, "add", "-A")
-    git(repo, home, "commit", "-qm", "base")
-    git(repo, home, "checkout", "-qb", "pr")
+    """`check.py -> /dev/null` resolves outside the tree: compared by its real path it was never
+    named, and `python3 /dev/null` exits 0 — the check that fails on the tree passed the CI
+    re-run even under --require-unchanged-checks. The path as written is what counts."""
+    repo, home = check_py_branch(tmp_path, "python3")
     (repo / "check.py").unlink()
     os.symlink("/dev/null", repo / "check.py")  # impl.txt still says todo
     assert run(repo, "checkpoint", "--id", "G001", "--status", "complete",
@@ -72,37 +61,21 @@ def test_a_frozen_check_file_swapped_for_a_symlink_out_of_the_tree_is_named(tmp_
         r.stdout  # failed before its fix
 
 
-def _judged_story(tmp_path):
-    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
-    (tmp_path / "impl.txt").write_text("x\n")
-    assert run(tmp_path, "create", "--brief", "b", "--goal", "x::y", "--check", "G001=true",
-               "--judge").returncode == 0
-    assert run(tmp_path, "next", "--agent", "alice").returncode == 0
-    assert run(tmp_path, "checkpoint", "--id", "G001", "--status", "complete", "--evidence", "ok",
-               "--agent", "alice").returncode == 0
-    assert run(tmp_path, "judge-packet", "--id", "G001").returncode == 0
-
-
-def _status_after_verdict(tmp_path):
-    run(tmp_path, "verdict", "--id", "G001", "achieved", "--evidence", "fine", "--agent", "bob")
-    return json.loads(run(tmp_path, "status", "--json").stdout)["stories"][0]["status"]
-
-
 def test_a_self_ignoring_gitignore_the_judge_adds_changes_the_tree(tmp_path):
     """tree_state honours every .gitignore, including a new one that ignores itself."""
-    _judged_story(tmp_path)
+    judged_story(tmp_path)
     (tmp_path / ".gitignore").write_text("conftest.py\n.gitignore\n")
     (tmp_path / "conftest.py").write_text("# makes the judge's own test run pass\n")
-    assert _status_after_verdict(tmp_path) != "complete"  # failed before its fix
+    assert status_after_verdict(tmp_path) != "complete"  # failed before its fix
 
 
 def test_a_symlink_into_the_state_directory_the_judge_adds_changes_the_tree(tmp_path):
     """tree_state skips any path whose realpath is in .fablize/: conftest.py -> .fablize/x.py
     is left out of the digest."""
-    _judged_story(tmp_path)
+    judged_story(tmp_path)
     (tmp_path / ".fablize" / "x.py").write_text("# makes the judge's own test run pass\n")
     os.symlink(".fablize/x.py", tmp_path / "conftest.py")
-    assert _status_after_verdict(tmp_path) != "complete"  # failed before its fix
+    assert status_after_verdict(tmp_path) != "complete"  # failed before its fix
 
 
 @pytest.mark.parametrize("cmd", [["guard"], ["observe"], ["guard", "--json"]])

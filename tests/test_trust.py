@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SCRIPT, assert_refused, goals, ledger, make_plan, state_files
+from conftest import ROOT, SCRIPT, Result, assert_refused, goals, ledger, make_plan, state_files
 
 BAR = ["audit", "--base", "main", "--require-complete", "--require-witnessed", "--rerun", "all"]
 CHECK_PY = "import sys\nsys.exit(0 if open('impl.txt').read().strip() == 'done' else 1)\n"
@@ -50,18 +50,6 @@ def clean_env(home):
     return {"PATH": os.path.dirname(sys.executable) + os.pathsep + "/usr/bin" + os.pathsep + "/bin",
             "HOME": str(home), "LANG": "C.UTF-8", "GIT_CONFIG_NOSYSTEM": "1",
             "GIT_CONFIG_GLOBAL": os.devnull}
-
-
-class Result:
-    def __init__(self, code, out, err):
-        self.code, self.out, self.err = code, out, err
-
-    @property
-    def json(self):
-        return json.loads(self.out)
-
-    def __repr__(self):
-        return f"Result(code={self.code}, out={self.out[-3000:]!r}, err={self.err[-3000:]!r})"
 
 
 @pytest.fixture(scope="module")
