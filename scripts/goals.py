@@ -3745,7 +3745,6 @@ def trust_gates(ctx, a, plan, trust):
 PLUGIN_NAME = "fablize-gate"  # not `fablize`: the original's plugin and marketplace are named so
 PYTHON = "python" if os.name == "nt" else "python3"  # `python3` on Windows is the Store alias
 AGENTS = ("claude", "codex", "gemini", "cursor", "agents-md")
-HOOK_ROLES = ("guard", "status", "observe")
 STATE_GITIGNORE = """\
 # written by fablize: the lock, temporary and torn-line files are never committed
 lock
@@ -4865,7 +4864,7 @@ def cmd_sync(ctx, a):
     store = ctx.store
     cfg = share_config(store) if store.exists() else None
     if cfg is None:
-        if store.exists() and has_plan_files(store):
+        if store.exists() and store.has_plan_files():
             raise refused("this plan is local — share it first: `share --remote NAME`.", "not_shared")
         remote = remote_arg(store, a.remote or default_remote(store))
         plans = shared_plan_refs(store, remote)
@@ -4882,7 +4881,7 @@ def cmd_sync(ctx, a):
         store.create_dir()
         with store.session() as s:
             s.load()
-            if has_plan_files(store):
+            if store.has_plan_files():
                 raise refused(PLAN_EXISTS, "plan_exists")
             cfg = {"remote": remote, "plan_id": plan_id, "seq": 0, "head": ZERO_HASH,
                    "commit": None}
@@ -5123,10 +5122,6 @@ def cmd_install_merge(ctx, a):
 PLAN_EXISTS = "a plan already exists. Check it with `status`, or replace it with --force."
 
 
-def has_plan_files(store):
-    return store.has_plan_files()
-
-
 def open_plan(ctx, exclusive=True):
     """A session on an existing plan; refuses with the original message when there is none."""
     if not ctx.store.exists():
@@ -5203,7 +5198,7 @@ def say_unverifiable(ctx, found):
 
 def cmd_create(ctx, a):
     store = ctx.store
-    if not a.force and store.exists() and has_plan_files(store):
+    if not a.force and store.exists() and store.has_plan_files():
         raise refused(PLAN_EXISTS, "plan_exists")
     limit_text("--brief", a.brief)
     if blank(a.brief):
@@ -5221,7 +5216,7 @@ def cmd_create(ctx, a):
     store.create_dir()
     with store.session() as s:
         replaces = None
-        if has_plan_files(store):
+        if store.has_plan_files():
             if not a.force:
                 raise refused(PLAN_EXISTS, "plan_exists")
             replaces = s.replace_plan(fields)
@@ -6017,7 +6012,7 @@ def cmd_setup(ctx, a):
             ctx.say(f"fablize: {os.path.relpath(ignore, root)}: written — the lock, temporary and "
                     "torn-line files stay out of git")
             done.append(os.path.relpath(ignore, root))
-    elif read_state_file(ignore) == STATE_GITIGNORE.encode() and not has_plan_files(ctx.store):
+    elif read_state_file(ignore) == STATE_GITIGNORE.encode() and not ctx.store.has_plan_files():
         os.unlink(ignore)
         done.append(os.path.relpath(ignore, root))
         ctx.say(f"fablize: {os.path.relpath(ignore, root)}: removed")
@@ -6157,7 +6152,7 @@ class Output:
 
 
 class Context:
-    def __init__(self, args, out):
+    def __init__(self, args, out, prog=None):
         self.args = args
         self.out = out
         self.say = out.say
@@ -6169,7 +6164,7 @@ class Context:
         elif not self.timeout > 0:
             raise usage("--timeout must be a number of seconds > 0.")
         # every printed command runs as printed, from any directory of the project
-        self.prog = self.cli = invocation()
+        self.prog = self.cli = prog or invocation()
         self._store = None
 
     @property
@@ -6573,10 +6568,11 @@ def main(argv=None):
     command = None
     try:
         # usage errors and --help name the engine as it was started, runnable as printed
-        args = build_parser(command_in(argv), invocation()).parse_args(argv)
+        prog = invocation()  # once a start: the usage line and every printed command use it
+        args = build_parser(command_in(argv), prog).parse_args(argv)
         command = args.command
         out.json = args.json and command != "guard"
-        args.func(Context(args, out), args)
+        args.func(Context(args, out, prog), args)
         code, error = EXIT_OK, None
     except FablizeError as e:
         code, error = e.exit_code, e
