@@ -2,7 +2,7 @@
 rem fablize for cmd.exe and PowerShell: the same engine as bin/fablize, imported as a module.
 setlocal
 set "FABLIZE_SCRIPTS=%~dp0..\scripts"
-set "FABLIZE_CODE=import sys; sys.path.insert(0, sys.argv.pop(1)); sys.argv[0] = 'fablize'; from goals import main; sys.exit(main())"
+set "FABLIZE_CODE=import sys; sys.path.insert(0, sys.argv.pop(1)); sys.argv[0] = 'fablize'; from goals import run; run()"
 if defined FABLIZE_PYTHON (
   "%FABLIZE_PYTHON%" -I -S -c "%FABLIZE_CODE%" "%FABLIZE_SCRIPTS%" %*
   exit /b

@@ -179,7 +179,7 @@ def cached_launcher(root):
     path = os.path.join(root, "fablize_cached.py")
     with open(path, "w") as f:
         f.write(f"import sys\nsys.path.insert(0, {HERE!r})\nimport goals\n"
-                "sys.exit(goals.main())\n")
+                "goals.run()\n")
     import importlib.util
     import py_compile
     # the bytecode cache, written even where PYTHONDONTWRITEBYTECODE is set (a stale .pyc would
