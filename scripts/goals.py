@@ -6330,9 +6330,7 @@ def add_audit(command):
 
 
 def add_audit_trust(c):
-    import argparse
-    c.formatter_class = argparse.RawDescriptionHelpFormatter
-    c.epilog = TRUST_MODEL
+    c.epilog, c.raw_epilog = TRUST_MODEL, True
     c.add_argument("--base", metavar="REF",
                    help="take the pin from the ledger committed at this git ref (e.g. origin/main); "
                         "files named by --allowed-signers are read from it too")
@@ -6524,6 +6522,91 @@ def command_in(argv):
     return None
 
 
+class Command:
+    """One command as its builder declares it: its --help lines and the add_argument calls
+    argparse is given, kept, so that a plain command line is read without argparse
+    (quick_args) and argparse, built from the same calls, answers --help and every mistake."""
+
+    def __init__(self, name, func, summary, details):
+        self.name, self.summary, self.description = name, summary, f"{summary}: {details}"
+        self.defaults = {"func": func}
+        self.arguments = []  # (option strings, add_argument's keywords)
+        self.epilog, self.raw_epilog = None, False
+
+    def add_argument(self, *names, **options):
+        self.arguments.append((names, options))
+
+    def set_defaults(self, **values):
+        self.defaults.update(values)
+
+
+def command_spec(name):
+    made = []
+    COMMANDS[name](lambda *fields: made.append(Command(*fields)) or made[-1])
+    return made[0]
+
+
+# the options every command takes, as quick_args reads them: option -> (dest, kind, keywords)
+COMMON_OPTIONS = {"--dir": ("dir", "value", {}), "--json": ("json", "flag", {})}
+
+
+def quick_args(argv, name):
+    """What argparse would make of a plain command line, without importing it (a command starts
+    ~2 ms sooner): every option spelt out whole, each value apart from any leading "-", the
+    required ones given. None for anything else — --help, an abbreviation, a positional, a
+    value argparse might read otherwise, a mistake — and argparse reads it, from the same
+    declarations. A test holds the two to the same answer on generated command lines."""
+    if name is None:
+        return None
+    spec = command_spec(name)
+    table, values, required = dict(COMMON_OPTIONS), {"dir": None, "json": False}, set()
+    for names, options in spec.arguments:
+        if not names[0].startswith("--") or (type(options.get("default")) is str
+                                             and "type" in options):
+            return None  # argparse's own reading: a positional, a default it converts
+        action = options.get("action")
+        kind = None if "nargs" in options else \
+            {None: "value", "store_true": "flag", "append": "append"}.get(action)
+        dest = options.get("dest") or names[0][2:].replace("-", "_")
+        values[dest] = options.get("default", False if action == "store_true" else None)
+        if options.get("required"):
+            required.add(dest)
+        if kind is not None:  # an option read otherwise (`--judge [ID]`) is left to argparse
+            table.update((option, (dest, kind, options)) for option in names)
+    values.update(spec.defaults, command=name)
+    tokens, seen, given = iter(argv), False, set()
+    for token in tokens:
+        if token == name and not seen:
+            seen = True
+            continue
+        option, eq, inline = token.partition("=")
+        entry = table.get(option) if token.startswith("--") else None
+        if entry is None or not (seen or option in COMMON_OPTIONS):
+            return None
+        dest, kind, options = entry
+        if kind == "flag":
+            if eq:
+                return None
+            values[dest] = True
+            continue
+        value = inline if eq else next(tokens, None)
+        if not value or (not eq and value.startswith("-")):
+            return None  # argparse reads "" and "-x" its own way
+        if "type" in options:
+            try:
+                value = options["type"](value)
+            except (TypeError, ValueError):
+                return None
+        if "choices" in options and value not in options["choices"]:
+            return None
+        values[dest] = (values[dest] or []) + [value] if kind == "append" else value
+        given.add(dest)
+    if not seen or required - given:
+        return None
+    import types
+    return types.SimpleNamespace(**values)
+
+
 def build_parser(only=None, prog="goals.py"):
     """The command-line parser: every command, or just `only`."""
     import argparse
@@ -6552,17 +6635,16 @@ def build_parser(only=None, prog="goals.py"):
     p.add_argument("--dir", default=None, metavar="PATH", help=DIR_HELP)
     p.add_argument("--json", action="store_true", default=False, help=JSON_HELP)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=Parser)
-
-    def command(name, func, summary, details):
-        """One command: its summary is its line in `--help`, and its own --help starts with it."""
-        c = sub.add_parser(name, parents=[common], help=summary,
-                           description=f"{summary}: {details}")
-        c.set_defaults(func=func)
-        return c
-
-    for name, add in COMMANDS.items():
-        if only is None or name == only:
-            add(command)
+    for name in COMMANDS if only is None else [only]:
+        # a command's summary is its line in `--help`, and its own --help starts with it
+        spec = command_spec(name)
+        c = sub.add_parser(name, parents=[common], help=spec.summary,
+                           description=spec.description, epilog=spec.epilog,
+                           formatter_class=argparse.RawDescriptionHelpFormatter
+                           if spec.raw_epilog else argparse.HelpFormatter)
+        for names, options in spec.arguments:
+            c.add_argument(*names, **options)
+        c.set_defaults(**spec.defaults)
     return p
 
 
@@ -6585,7 +6667,8 @@ def main(argv=None):
     try:
         # usage errors and --help name the engine as it was started, runnable as printed
         prog = invocation()  # once a start: the usage line and every printed command use it
-        args = build_parser(command_in(argv), prog).parse_args(argv)
+        name = command_in(argv)
+        args = quick_args(argv, name) or build_parser(name, prog).parse_args(argv)
         command = args.command
         out.json = args.json and command != "guard"
         args.func(Context(args, out, prog), args)
