@@ -393,10 +393,10 @@ def _compile(spec):
                     rest = tuple(x for x in sub_c[1] if x != ("t", frozenset((_N,))))
                     sub_c = rest[0] if len(rest) == 1 else ("a", rest)
                 nested.append((key, sub_c, none_ok))
-        # the type signatures of the plain fields already seen to fit: a long list of dicts of
-        # one shape (a plan's stories) checks each signature once
-        c = ("d", frozenset(required), frozenset(allowed), tuple(plain), tuple(nested),
-             tuple(k for k, _ in plain), set())
+        # the shapes seen to fit (keys and plain fields), and those seen to fit whole with
+        # every nested field empty
+        c = ("d", frozenset(required), frozenset(allowed), tuple(plain), tuple(nested), set(),
+             tuple(k for k, _, _ in nested), set())
     _COMPILED[id(spec)] = (c, spec)  # the spec is kept alive so its id is never reused
     return c
 
@@ -417,18 +417,25 @@ def _misfit(value, c):
     if kind == "d":
         if type(value) is not dict:
             return ""
-        keys = value.keys()
-        if not (keys >= c[1] and keys <= c[2]):
-            odd = sorted(c[1] - keys) or sorted(k for k in keys if k not in c[2])
-            return "." + one_line(str(odd[0]))[:60]
+        # the keys in their order and the types of their values: a long list of dicts of one
+        # shape (a plan's stories) checks the keys and the plain fields once per shape
+        shape = (tuple(value), tuple(map(type, value.values())))
         get = value.get
-        signature = tuple(map(type, map(get, c[5])))
-        if signature not in c[6]:
+        if shape not in c[5]:
+            keys = value.keys()
+            if not (keys >= c[1] and keys <= c[2]):
+                odd = sorted(c[1] - keys) or sorted(k for k in keys if k not in c[2])
+                return "." + one_line(str(odd[0]))[:60]
             for key, types in c[3]:
                 if type(get(key)) not in types:
                     return "." + key
-            if len(c[6]) < 64:
-                c[6].add(signature)
+            if len(c[5]) < 64:
+                c[5].add(shape)
+        # nested fields all empty ([], None, {}, 0, ""): they fit as the last ones of that shape
+        # did, since a falsy value of a type is one value as far as a spec can tell
+        empty = None if any(map(get, c[6])) else shape
+        if empty in c[7]:
+            return None
         for key, sub, none_ok in c[4]:
             item = get(key)
             if (item is None and none_ok) or (item == [] and sub[0] == "l"):
@@ -436,6 +443,8 @@ def _misfit(value, c):
             found = _misfit(item, sub)
             if found is not None:
                 return f".{key}{found}"
+        if empty is not None and len(c[7]) < 64:
+            c[7].add(empty)
         return None
     if kind == "l":
         if type(value) is not list:
@@ -551,13 +560,16 @@ def waits_for(plan, story):
     return [d for d in story["after"] if find_story(plan, d)["status"] not in DONE]
 
 
-def is_ready(plan, story):
-    return story["status"] in ("pending", "failed") and not waits_for(plan, story)
+def ready_stories(plan):
+    """The stories `next` may activate: pending or failed, every dependency done."""
+    done = {s["id"] for s in plan["goals"] if s["status"] in DONE}
+    return [s for s in plan["goals"]
+            if s["status"] in ("pending", "failed") and done.issuperset(s["after"])]
 
 
 def pick_ready(plan):
     """The story `next` would activate: reopened stories first, then plan order."""
-    ready = [s for s in plan["goals"] if is_ready(plan, s)]
+    ready = ready_stories(plan)
     reopened = [s for s in ready if s["status"] == "failed" or s["round"] > 0]
     return (reopened or ready or [None])[0]
 
@@ -2587,17 +2599,15 @@ def plan_summary(plan):
     return {"done": done_count(plan), "total": len(plan["goals"]), "complete": plan_done(plan)}
 
 
-def left_line(plan, prog):
-    """After a transition: what is left and what to do next, in one line."""
-    action = next_action(prog, plan)
+def left_line(plan, action):
+    """After a transition: what is left and what to do next (`action`), in one line."""
     if action["kind"] == "done":
         return action["text"]
     left = len(plan["goals"]) - done_count(plan)
     return f"fablize: {left} {'story' if left == 1 else 'stories'} left — next: {action['text']}"
 
 
-def next_line(prog, plan):
-    action = next_action(prog, plan)
+def next_line(action):
     return action["text"] if action["kind"] == "done" else f"fablize: next — {action['text']}"
 
 
@@ -4783,7 +4793,7 @@ def claim_story(session, story, agent):
             if e.code != "claim_lost" or attempt == CLAIM_ATTEMPTS - 1:
                 raise
             lost = e
-        ready = [x for x in session.plan["goals"] if is_ready(session.plan, x)]
+        ready = ready_stories(session.plan)
         if not ready:
             raise lost
         # the other writers just won the first ready story: a random one avoids a convoy
@@ -5291,6 +5301,7 @@ def cmd_next(ctx, a):
 
 
 def say_after_checkpoint(ctx, plan, story):
+    """What a checkpoint or a verdict left; returns the next action it named."""
     sid, status = story["id"], story["status"]
     if status == "failed":
         ctx.say(f"fablize: {sid} → failed (round {story['round']}; {rounds_left(plan, story)} left) — "
@@ -5301,7 +5312,9 @@ def say_after_checkpoint(ctx, plan, story):
         ctx.say(f"fablize: {sid} → review — an independent judge decides.")
     else:
         ctx.say(f"fablize: {sid} → {status}")
-    ctx.say(left_line(plan, ctx.prog))
+    action = next_action(ctx.prog, plan)
+    ctx.say(left_line(plan, action))
+    return action
 
 
 def cmd_checkpoint(ctx, a):
@@ -5355,10 +5368,9 @@ def cmd_checkpoint(ctx, a):
                 raise
             plan = s.plan
     story = find_story(plan, a.id)
-    say_after_checkpoint(ctx, plan, story)
+    action = say_after_checkpoint(ctx, plan, story)
     say_observed(ctx, story)
-    ctx.data.update(plan_summary(plan), story=story_json(plan, story), runs=runs,
-                    next=next_action(ctx.prog, plan))
+    ctx.data.update(plan_summary(plan), story=story_json(plan, story), runs=runs, next=action)
 
 
 def cmd_status(ctx, a):
@@ -5393,7 +5405,8 @@ def cmd_status(ctx, a):
         ctx.say(f"  ⏸ guard paused since event {paused['seq']}"
                 f"{': ' + one_line(paused['note']) if paused['note'] else ''}"
                 f" — `{ctx.prog} unpause` turns it back on")
-    ctx.say(next_line(ctx.prog, plan))
+    action = next_action(ctx.prog, plan)
+    ctx.say(next_line(action))
     say_share_status(ctx, share)
     for story in active_stories(plan):
         ctx.say("")
@@ -5401,7 +5414,7 @@ def cmd_status(ctx, a):
                      else render_resume(ctx, plan, story)):
             ctx.say(line)
     if ctx.json:
-        ctx.data.update(plan_json(plan), next=next_action(ctx.prog, plan), paused=paused)
+        ctx.data.update(plan_json(plan), next=action, paused=paused)
 
 
 def cmd_verify(ctx, a):
@@ -5444,7 +5457,7 @@ def cmd_decide(ctx, a):
     what = {"accept": "counts as done", "retry": "back to work, rounds reset",
             "amend": "objective amended, back to work"}[a.decision]
     ctx.say(f"fablize: {a.id} → {story['status']} ({what}; decision recorded in the ledger).")
-    ctx.say(next_line(ctx.prog, plan))
+    ctx.say(next_line(next_action(ctx.prog, plan)))
     ctx.data.update(story=story_json(plan, story))
 
 
