@@ -2249,10 +2249,22 @@ def run_command(cmd, cwd, timeout, stream, log_path):
     guard = threading.Lock()
     finished = [False]
     at_start = [True]
+    # once the group is gone, what it wrote is in the pipe: the reader empties it and stops, so
+    # a child that escaped the group and keeps the pipe open costs no wait (POSIX; Windows pipes
+    # cannot be polled, so there the reader waits for the end of the pipe, at most 5 s)
+    draining = [False]
+    poll = None
+    if os.name != "nt":
+        import select
+        poll = select.select
 
     def pump(pipe):
         try:
             while True:
+                if poll is not None and not poll([pipe], [], [], 0 if draining[0] else 0.05)[0]:
+                    if draining[0]:
+                        return
+                    continue
                 chunk = os.read(pipe, READ_CHUNK)
                 if not chunk:
                     return
@@ -2307,6 +2319,7 @@ def run_command(cmd, cwd, timeout, stream, log_path):
                 code = proc.wait()
             # what it left behind is part of the check: stop it, then drain what was written
             kill_group(proc)
+            draining[0] = True
             reader.join(5)
             if code < 0:
                 import signal

@@ -84,7 +84,7 @@ def command_lines(draw):
     return before + [name] + [token for part in parts for token in part]
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(command_lines())
 def test_quick_args_and_argparse_never_disagree(argv):
     quick = read(argv, quick=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPT, complete, goals, ledger, make_plan, run_cli, state_files
+from conftest import ENGINE, SCRIPT, complete, goals, ledger, make_plan, run_cli, state_files
 
 DEPTH = max(1, int(os.environ.get("FABLIZE_TEST_DEPTH", "1") or "1"))
 NO_PLAN = "no plan"
@@ -388,7 +388,7 @@ def test_random_time_sigkill_never_leaves_mixed_state_or_stale_lock(fab, monkeyp
         args, stdin = choose_writer(rng, fab)
         before = state_files(fab.dir)
         old = view(fab)
-        p = subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=str(fab.root), env=env,
+        p = subprocess.Popen([*ENGINE, *args], cwd=str(fab.root), env=env,
                              stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
         try:

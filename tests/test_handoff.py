@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import goals
-from conftest import SCRIPT, assert_refused, complete, ledger, make_plan, run_cli, state_files
+from conftest import ENGINE, SCRIPT, assert_refused, complete, ledger, make_plan, run_cli, state_files
 
 HERE_MARK = "← you are here"
 FILES_WARNING = "exist only if that work was kept"
@@ -569,7 +569,7 @@ def test_eight_agents_racing_next_claim_eight_distinct_stories(fab):
     for attempt in range(rounds):
         if attempt:
             make_plan(fab, 9, "--parallel", "--force")
-        procs = [subprocess.Popen([sys.executable, str(SCRIPT), "--json", "next", "--agent",
+        procs = [subprocess.Popen([*ENGINE, "--json", "next", "--agent",
                                    f"agent{i}"], cwd=str(fab.root), env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
                  for i in range(8)]

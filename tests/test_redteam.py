@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ENGINE as CACHED
+
 ENGINE = Path(__file__).resolve().parent.parent / "scripts" / "goals.py"
 CI = ["audit", "--base", "main", "--require-complete", "--require-witnessed", "--rerun", "all"]
 ALL_GATES = ["--require-logs", "--require-independent-judge", "--forbid-accepted",
@@ -40,7 +42,10 @@ def git_env(home):
 
 
 def run(cwd, *args, engine=ENGINE, env=None, isolated=False):
-    cmd = [sys.executable] + (["-I"] if isolated else []) + [str(engine), *args]
+    # the repository's engine starts as an import with its bytecode cached (conftest.ENGINE);
+    # a copy, as the CI action runs it, as a script
+    start = CACHED[1:] if engine == ENGINE else [str(engine)]
+    cmd = [sys.executable] + (["-I"] if isolated else []) + start + [*args]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
 
 

@@ -8,13 +8,14 @@ import sys
 
 import pytest
 
+from conftest import ENGINE as CACHED
 from test_redteam import (ALL_GATES, ENGINE, check_py_branch, ci, git,  # noqa: F401
                           judged_story, run, status_after_verdict)  # (ci: a fixture)
 
 
 def _signal_free(cmd, cwd, stdin=b"", timeout=15):
     try:
-        return subprocess.run([sys.executable, str(ENGINE), *cmd], cwd=cwd, input=stdin,
+        return subprocess.run([*CACHED, *cmd], cwd=cwd, input=stdin,
                               capture_output=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return None

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPT, assert_refused, goals, run_cli, state_files
+from conftest import ENGINE, SCRIPT, assert_refused, goals, run_cli, state_files
 
 GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
            "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid",
@@ -433,9 +433,9 @@ def test_audit_remote_checks_the_plan_as_the_remote_holds_it_with_a_pin(net):
 
 AGENT = r"""
 import json, subprocess, sys, time
-script, name = sys.argv[1], sys.argv[2]
+engine, name = json.loads(sys.argv[1]), sys.argv[2]
 def run(*args):
-    p = subprocess.run([sys.executable, script, "--json", *args], capture_output=True, text=True)
+    p = subprocess.run([*engine, "--json", *args], capture_output=True, text=True)
     return json.loads(p.stdout)
 done = []
 log = open(name + ".log", "w")
@@ -474,7 +474,7 @@ def test_bar_four_clones_four_agents_each_complete_a_40_story_parallel_plan(net)
     agent = net.tmp / "agent.py"
     agent.write_text(AGENT)
     env = dict(os.environ, **cli_env(net), FABLIZE_LOCK_TIMEOUT="60")
-    procs = [(c, subprocess.Popen([sys.executable, str(agent), str(SCRIPT), f"c{i}-a{j}"],
+    procs = [(c, subprocess.Popen([sys.executable, str(agent), json.dumps(ENGINE), f"c{i}-a{j}"],
                                   cwd=str(c.root), env=env, stdout=subprocess.PIPE))
              for i, c in enumerate(clones) for j in range(4)]
     started = time.monotonic()
