@@ -835,6 +835,7 @@ def _ev_checkpoint(plan, ev):
 
 
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+_INF = float("inf")
 
 
 def _ev_verify_run(plan, ev):
@@ -846,11 +847,10 @@ def _ev_verify_run(plan, ev):
                      "frozen check")
     if ev["log"] != f"{RUNS}/{ev['seq']}-{story['id']}.log":
         raise forged(f"run log `{one_line(ev['log'])[:80]}` is not runs/<seq>-<story>.log")
-    if not _HEX64.match(ev["sha256"]) or ev["bytes"] < 0 or \
-            not 0 <= ev["duration_s"] < float("inf") or \
-            not 0 <= ev["after_seq"] < ev["seq"] or len(ev["tail"]) > TAIL_CHARS:
+    if not _HEX64.match(ev["sha256"]) or ev["bytes"] < 0 or not 0 <= ev["duration_s"] < _INF \
+            or not 0 <= ev["after_seq"] < ev["seq"] or len(ev["tail"]) > TAIL_CHARS:
         raise forged("a run's digest, size, duration, tail or position is out of range")
-    record = dict(zip(RUN_FIELDS, map(ev.get, RUN_FIELDS)))
+    record = {key: ev[key] for key in RUN_FIELDS}
     if ev.get("interrupted"):  # only then: replayed old runs stay as their snapshots hold them
         record["interrupted"] = ev["interrupted"]
     record["ok"] = run_passed(record)
@@ -1066,8 +1066,13 @@ def apply_event(plan, ev):
     # events of one kind mostly share their keys and the types of their values: a shape that
     # fitted once and holds no list or dict fits again, so a long replay checks it once
     types = tuple(map(type, ev.values()))
-    shape = None if list in types else (kind, tuple(ev), types) if dict not in types else \
-        (kind, tuple(ev), types, tuple(_dict_shape(v) for v in ev.values() if type(v) is dict))
+    shape = (kind, tuple(ev), types)  # only shapes with no list or dict are kept as they are
+    if shape in _FITTED:
+        pass
+    elif dict in types and list not in types:
+        shape += (tuple(_dict_shape(v) for v in ev.values() if type(v) is dict),)
+    elif list in types:
+        shape = None
     if shape is None or shape not in _FITTED:
         where = misfit(ev, EVENT_SPECS[kind])
         if where:
