@@ -281,7 +281,7 @@ def test_the_script_runs_without_installing_anything(tmp_path):
 
 @pytest.fixture
 def no_fcntl(monkeypatch):
-    monkeypatch.setattr(goals, "fcntl", None)
+    monkeypatch.setattr(goals, "flock_module", lambda: None)
 
 
 def dead_pid():
