@@ -1150,6 +1150,15 @@ def validate_snapshot(plan):
     for i, story in enumerate(plan["goals"]):
         if story["status"] not in STATUSES:
             raise bad(f"goals[{i}].status is {one_line(story['status'])!r}")
+    if is_original_snapshot(plan):
+        return plan
+    # the graph `next` walks: one story per id, and every dependency one of them
+    ids = {story["id"] for story in plan["goals"]}
+    if len(ids) != len(plan["goals"]):
+        raise bad("two stories have the same id")
+    for i, story in enumerate(plan["goals"]):
+        if not ids.issuperset(story["after"]):
+            raise bad(f"goals[{i}].after names a story that is not in the plan")
     return plan
 
 
@@ -1881,14 +1890,13 @@ class Reading:
         end, torn = ledger.end()
         if not torn and end:
             offset, line = next(ledger.backward(end))
-            # the load that follows reuses it: the line the snapshot reflects (its hash and its
-            # seq, which every line starts with) is an event without being parsed again
+            # the load that follows reuses it, and knows whether it is the line the snapshot
+            # reflects (its seq, and its hash: one hash of it a start)
+            ev = parse_event(line)
             pos = snap.get("ledger") if snap else None
-            seq = pos["seq"] if type(pos) is dict else None
-            if seq and line.startswith(b'{"seq":%d,' % seq) and sha256_hex(line) == pos["head"]:
-                self.last_event = (offset, {"seq": seq}, True)
-            else:
-                self.last_event = (offset, parse_event(line), False)
+            reflected = ev is not None and type(pos) is dict and ev["seq"] == pos["seq"] and \
+                sha256_hex(line) == pos["head"]
+            self.last_event = (offset, ev, reflected)
             if self.last_event[1] is None:
                 end, torn = offset, line + b"\n"
         if not torn:
@@ -2274,18 +2282,18 @@ def run_command(cmd, cwd, timeout, stream, log_path):
     finished = [False]
     at_start = [True]
     # once the group is gone, what it wrote is in the pipe: the reader empties it and stops, so
-    # a child that escaped the group and keeps the pipe open costs no wait (POSIX; Windows pipes
-    # cannot be polled, so there the reader waits for the end of the pipe, at most 5 s)
+    # a child that escaped the group and keeps the pipe open costs no wait (where pipes can be
+    # polled; on Windows the reader waits for the end of the pipe, at most 5 s)
     draining = [False]
-    poll = None
-    if os.name != "nt":
-        import select
-        poll = select.select
 
     def pump(pipe):
+        import select
+        poller = select.poll() if hasattr(select, "poll") else None  # poll: no descriptor limit
+        if poller is not None:
+            poller.register(pipe, select.POLLIN)
         try:
             while True:
-                if poll is not None and not poll([pipe], [], [], 0 if draining[0] else 0.05)[0]:
+                if poller is not None and not poller.poll(0 if draining[0] else 50):
                     if draining[0]:
                         return
                     continue
@@ -6645,8 +6653,8 @@ def quick_args(argv, name):
         if "type" in options:
             try:
                 value = options["type"](value)
-            except (TypeError, ValueError):
-                return None
+            except (TypeError, ValueError, FablizeError):
+                return None  # argparse says so, after the mistakes it finds first
         if "choices" in options and value not in options["choices"]:
             return None
         values[dest] = (values[dest] or []) + [value] if kind == "append" else value
@@ -6699,7 +6707,13 @@ def build_parser(only=None, prog="goals.py"):
 
 
 def utf8_streams():
-    """Marks like ✓ ▶ ■ must not crash a cp949 or cp1252 console: write UTF-8 regardless."""
+    """Marks like ✓ ▶ ■ must not crash a cp949 or cp1252 console: write UTF-8 regardless. A
+    stream started closed (None) writes to the null device: what it would say is lost, not the
+    exit code."""
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w", encoding="utf-8")
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w", encoding="utf-8")
     for stream in (sys.stdout, sys.stderr):
         encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "").replace("_", "")
         if encoding != "utf8" and hasattr(stream, "reconfigure"):
@@ -6755,7 +6769,8 @@ def run():
     code = main()
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.flush()
+            if stream is not None:  # None: started with that descriptor closed
+                stream.flush()
         except (OSError, ValueError):  # a reader that left, a stream already closed
             pass
     os._exit(code)

@@ -2,10 +2,14 @@
 and argparse, built from the same declarations, reads everything else. They must never differ:
 on any command line quick_args answers, argparse gives the same namespace or the same error."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import goals
+from conftest import SCRIPT, goals
 
 # the command lines the hooks, the handoffs and the printed next steps run: the quick path must
 # take them (else every start pays for argparse again)
@@ -49,7 +53,7 @@ def option_tokens(name):
     tokens = ["--dir", "--json", "--di", "-h", "--help", "--", name, "other"]
     for names, options in spec.arguments:
         for option in names:
-            tokens += [option, option[:-1], option + "=", option + "=x"]
+            tokens += [option, option[:-1], option[:5], option[:-4], option + "=", option + "=x"]
         tokens += [str(c) for c in options.get("choices") or ()]
     return tokens
 
@@ -98,3 +102,22 @@ def test_a_mistake_is_left_to_argparse_and_named_as_it_names_it():
     err = read(argv, quick=False)
     assert err[0] == "error" and "invalid choice: 'done'" in err[2], err
     assert read(["checkpoint", "--id", "G001"], quick=True) is None  # required ones missing
+
+
+def test_a_bad_value_next_to_an_ambiguous_option_is_named_as_argparse_names_it():
+    # argparse reports the ambiguous --verify before it converts --id's value: so must we
+    for argv in (["checkpoint", "--id", "BAD", "--verify"],
+                 ["checkpoint", "--id", "BAD", "--verify=x"]):
+        assert read(argv, quick=True) is None
+        err = read(argv, quick=False)
+        assert err[0] == "error" and "ambiguous option: --verify" in err[2], err
+
+
+@pytest.mark.parametrize("closed", [">&-", "2>&-"])
+def test_a_closed_output_stream_changes_no_exit_code(tmp_path, closed):
+    for args, code in (("--version", 0), ("status", 1)):
+        p = subprocess.run(["sh", "-c", f'"$0" "$1" {args} {closed}', sys.executable,
+                            str(SCRIPT)], cwd=str(tmp_path), capture_output=True,
+                           env={"PATH": os.environ["PATH"]})
+        assert p.returncode == code, (args, closed, p)
+        assert b"Traceback" not in p.stderr, p

@@ -277,3 +277,46 @@ def test_status_checkpoint_next_and_the_guard_give_the_same_next_action(fab):
     assert nxt.code == 1 and "G001 is blocked (no API key)" in nxt.err, nxt
     assert "A human must decide: goals.py decide --id G001" in nxt.err
     assert guard_reason(fab) is None  # a human's turn: the guard lets the agent stop
+
+
+# Found in review of the speed work: each held before it and must hold after ##################
+
+
+def resign(fab, plan):
+    """goals.json rewritten as the engine writes it (its digest recomputed): a hand-made
+    snapshot that passes the digest, as an agent could make one."""
+    (fab.dir / "goals.json").write_bytes(goals.snapshot_bytes(plan))
+
+
+def test_a_last_line_that_is_no_event_is_damage_even_when_the_snapshot_names_its_hash(fab):
+    make_plan(fab, 2)
+    assert fab("next").code == 0
+    lines = (fab.dir / "ledger.jsonl").read_bytes().splitlines()
+    forged = b'{"seq":%d,this is not json at all' % len(lines)
+    (fab.dir / "ledger.jsonl").write_bytes(b"\n".join(lines[:-1] + [forged]) + b"\n")
+    plan = json.loads((fab.dir / "goals.json").read_bytes())
+    plan["ledger"]["head"] = hashlib.sha256(forged).hexdigest()
+    resign(fab, plan)
+    before = state_files(fab.dir)
+    r = fab("status")
+    assert r.code == 3 and "damaged" in r.err, r
+    r = fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e")
+    assert r.code == 3, r
+    assert state_files(fab.dir) == before  # nothing was built on the bad line
+
+
+@pytest.mark.parametrize("edit, what", [
+    (lambda goals_: goals_[1].update(after=["G009"]), "goals[1].after names a story"),
+    (lambda goals_: goals_[1].update(id="G001"), "two stories have the same id"),
+])
+def test_a_snapshot_whose_stories_do_not_form_a_plan_is_damage(fab, edit, what):
+    make_plan(fab, 3)
+    plan = json.loads((fab.dir / "goals.json").read_bytes())
+    edit(plan["goals"])
+    resign(fab, plan)
+    before = state_files(fab.dir)
+    for args in (["status"], ["next"]):
+        r = fab(*args, "--json")
+        assert r.code == 3 and r.json["error"]["code"] == "bad_snapshot", r
+        assert what in r.json["error"]["message"], r
+    assert state_files(fab.dir) == before

@@ -1063,3 +1063,33 @@ def test_round_trip_fail_reopen_fail_fail_blocked_retry_complete(fab):
         ("story_started", 1), ("verify_run", 0), ("checkpoint", "complete"),
     ]
     ok(fab("audit"))
+
+
+WRAPPER = r"""
+import os, resource, sys
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+if hard != resource.RLIM_INFINITY and hard < 1200:
+    sys.exit(77)
+resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+for _ in range(1100):  # the engine starts with 1,100 descriptors open: its pipes come after
+    os.set_inheritable(os.open(os.devnull, os.O_RDONLY), True)
+os.execv(sys.executable, [sys.executable] + sys.argv[1:])
+"""
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX descriptors")
+def test_a_run_whose_pipe_is_past_descriptor_1024_is_read_whole(fab, tmp_path):
+    make_plan(fab, 1, "--verify", "printf hello-from-check")
+    start(fab, "G001")
+    wrapper = tmp_path / "many_fds.py"
+    wrapper.write_text(WRAPPER)
+    p = subprocess.run([sys.executable, str(wrapper), str(SCRIPT), "checkpoint", "--id", "G001",
+                        "--status", "complete", "--evidence", "e"], cwd=str(fab.root),
+                       capture_output=True, text=True, timeout=60)
+    if p.returncode == 77:
+        pytest.skip("cannot open 1,100 descriptors here")
+    assert p.returncode == 0, p
+    run = runs_of(fab)[-1]
+    assert run["bytes"] == len("hello-from-check") and run["exit_code"] == 0, run
+    assert (fab.dir / run["log"]).read_text() == "hello-from-check"
+    assert "Traceback" not in p.stderr, p
