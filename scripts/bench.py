@@ -9,7 +9,7 @@ Each figure is the median wall time of N runs of a real process, measured interl
   script  `python3 scripts/goals.py …`: compiled at every start (Python caches no bytecode
           for a script);
   cached  the engine imported as a module with its bytecode cached (the installed command
-          and the hooks take this path);
+          and the plugin's hooks take this path);
   plugin  the plugin's bin/fablize, which imports it the same way under `python3 -I -S`
           (so it is compared with `python3 -I -S -c pass`, which skips site-packages too).
 Peak memory (max RSS) is the child's own. Large states are built in-process with the engine's

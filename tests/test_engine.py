@@ -320,3 +320,28 @@ def test_a_snapshot_whose_stories_do_not_form_a_plan_is_damage(fab, edit, what):
         assert r.code == 3 and r.json["error"]["code"] == "bad_snapshot", r
         assert what in r.json["error"]["message"], r
     assert state_files(fab.dir) == before
+
+
+def test_the_shape_memo_never_lets_a_misfit_through_after_a_fit():
+    story = goals.new_story({"id": "G001", "title": "t", "objective": "o"})
+    spec = goals.STORY_SPEC
+    assert goals.misfit(dict(story), spec) is None  # fits, every nested field empty: memoised
+    assert goals.misfit(dict(story), spec) is None
+    run = {"seq": 1}  # a run missing most of its fields
+    assert goals.misfit(dict(story, runs=[run]), spec).startswith(".runs[0].")
+    assert goals.misfit(dict(story, last_run={}), spec).startswith(".last_run.")  # a falsy dict
+    assert goals.misfit(dict(story, round=0.0), spec) == ".round"  # same falsiness, other type
+    assert goals.misfit(dict(story, after=[1]), spec) == ".after[0]"
+    reordered = dict(reversed(list(story.items())))  # another key order is another shape
+    assert goals.misfit(reordered, spec) is None
+    assert goals.misfit(dict(reordered, judge=1), spec) == ".judge"
+
+
+def test_the_snapshot_has_one_story_per_line_whatever_the_order_of_a_storys_keys(fab):
+    make_plan(fab, 3)
+    plan = json.loads((fab.dir / "goals.json").read_bytes())
+    for keep in (plan, dict(plan, goals=[dict(reversed(list(s.items()))) for s in plan["goals"]])):
+        raw = goals.snapshot_bytes(keep)
+        lines = raw.split(b"\n")
+        assert [json.loads(line.rstrip(b",")) for line in lines[1:4]] == keep["goals"], raw
+        assert goals.parse_snapshot(raw) == dict(keep, digest=raw[11:75].decode())

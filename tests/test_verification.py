@@ -954,7 +954,9 @@ def test_run_whose_child_escapes_into_its_own_session_does_not_hang(fab):
     try:
         r = run_cli("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e", "--run",
                     "--verify-cmd", cmd, "--timeout", "120", cwd=fab.root, timeout=HANG_BOUND + 30)
-        assert time.monotonic() - t0 < HANG_BOUND
+        # nor does it cost a wait: once the group is gone the reader empties the pipe and stops
+        # (it used to wait 5 s for an end of the pipe that the escaped child never gives)
+        assert time.monotonic() - t0 < (HANG_BOUND if os.name == "nt" else 4), r
         assert r.code == 0, r  # the command itself exited 0; the child holding the pipe does not hang it
         run = runs_of(fab)[-1]
         assert run["exit_code"] == 0
