@@ -325,6 +325,8 @@ def report(rows, audit, lines, shared, markdown):
     (ln, lc), (sn, sc) = shared["local"], shared["shared"]
     out.append(f"shared plan (a local bare remote): next {sn:.1f} ms (local plan {ln:.1f}, "
                f"{sn - ln:+.1f}), checkpoint {sc:.1f} ms (local plan {lc:.1f}, {sc - lc:+.1f})")
+    if markdown:  # the figures under the table as a list, as README quotes them
+        out[-4:] = ["- " + line for line in out[-4:]]
     return "\n".join(out)
 
 

@@ -453,6 +453,25 @@ def test_audit_accepts_a_run_log_that_is_absent_and_counts_it(history):
     assert r.code == 0 and r.json["missing_logs"] == 1, r
 
 
+def test_audit_checks_each_runs_own_log_and_ignores_other_files(history):
+    """audit reads the log each run names (runs/<seq>-<story>.log): files named after another
+    event, a huge number or no number are not logs, and an edited log is still caught beside
+    them; a log that is absent is counted, not read."""
+    fab = history
+    runs = fab.dir / "runs"
+    for name in ("3-G001.log", "9" * 200 + "-G002.log", "\u0667-G002.log", "notes.txt",
+                 "07-G002.log", "-G002.log"):
+        (runs / name).write_bytes(b"x")
+    r = fab("audit", "--json")
+    assert r.code == 0 and r.json["run_count"] == 1 and r.json["missing_logs"] == 0, r
+    (runs / "7-G002.log").rename(runs / "7-G002.log.bak")
+    r = fab("audit", "--json")
+    assert r.code == 0 and r.json["missing_logs"] == 1, r
+    (runs / "7-G002.log.bak").rename(runs / "7-G002.log")
+    (runs / "7-G002.log").write_bytes(b"hellO\n")
+    assert_damaged(fab("audit"), "ledger.jsonl line 7: runs/7-G002.log does not match")
+
+
 # rebuild ####################################################################
 
 
