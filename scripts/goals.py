@@ -887,13 +887,13 @@ def _ev_verify_run(plan, ev):
     # latest run replaces the one before, so the snapshot never holds history
     if story["status"] == "in_progress" and ev["after_seq"] >= story["started_seq"]:
         runs = story["runs"]
-        key = ev["cmd"] if check is None else check
+        key = ev["cmd"] if check is None else check  # run_key(record), inline: the hot path
         last = runs[-1] if runs else None
         if last is not None and (last["cmd"] if last["check"] is None else last["check"]) == key:
             runs[-1] = record  # the common case: the same check run again
         else:
             for i, run in enumerate(runs):
-                if (run["cmd"] if run["check"] is None else run["check"]) == key:
+                if run_key(run) == key:
                     del runs[i]
                     break
             runs.append(record)

@@ -337,31 +337,52 @@ def test_the_shape_memo_never_lets_a_misfit_through_after_a_fit():
     assert goals.misfit(dict(reordered, judge=1), spec) == ".judge"
 
 
-@pytest.mark.parametrize("change", [{}, {"exit_code": 1}, {"exit_code": None}, {"timed_out": True},
-                                    {"error": "spawn failed"}, {"interrupted": "SIGINT"}])
-def test_a_replayed_run_is_recorded_with_the_run_fields_and_the_verdict_of_run_passed(change):
-    """The verify_run transition writes its record as a dict display: its keys are RUN_SPEC's,
-    in order, and its `ok` is run_passed's."""
+def started_plan(checks=()):
+    """A two-story plan built by the engine's own transitions, G001 started."""
     specs = [{"id": goals.story_id(i), "title": "t", "objective": "o", "after": [], "checks": [],
               "accept": [], "judge": False} for i in (1, 2)]
-    specs[1]["after"] = ["G001"]
+    specs[0]["checks"], specs[1]["after"] = list(checks), ["G001"]
     plan, _, _ = goals.make_event(None, "plan_created", {
         "brief": "b", "count": 2, "plan_id": "p", "stories": specs, "unverifiable": [],
         "options": {"rounds": 3, "require_run": False}, "replaces": None})
     plan, _, _ = goals.make_event(plan, "story_started", {"id": "G001", "title": "t", "round": 1,
                                                           "agent": None})
-    run = dict({"id": "G001", "check": None, "cmd": "true", "cwd": "/", "exit_code": 0,
+    return plan
+
+
+def replay_run(plan, check=None, cmd="true", **change):
+    seq = plan["ledger"]["seq"] + 1
+    run = dict({"id": "G001", "check": check, "cmd": cmd, "cwd": "/", "exit_code": 0,
                 "signal": None, "timed_out": False, "error": None, "duration_s": 0.5, "bytes": 0,
-                "sha256": "0" * 64, "tail": "", "log": "runs/3-G001.log", "after_seq": 2,
-                "started": "2026-01-01T00:00:00.000000+00:00", "git_head": None,
-                "git_dirty": None}, **change)
-    plan, _, _ = goals.make_event(plan, "verify_run", run)
+                "sha256": "0" * 64, "tail": "", "log": f"runs/{seq}-G001.log",
+                "after_seq": seq - 1, "started": "2026-01-01T00:00:00.000000+00:00",
+                "git_head": None, "git_dirty": None}, **change)
+    return goals.make_event(plan, "verify_run", run)[0]
+
+
+@pytest.mark.parametrize("change", [{}, {"exit_code": 1}, {"exit_code": None}, {"timed_out": True},
+                                    {"error": "spawn failed"}, {"interrupted": "SIGINT"}])
+def test_a_replayed_run_is_recorded_with_the_run_fields_and_the_verdict_of_run_passed(change):
+    """The verify_run transition writes its record as a dict display: its keys are RUN_SPEC's,
+    in order, and its `ok` is run_passed's."""
+    plan = replay_run(started_plan(), **change)
     record = plan["goals"][0]["last_run"]
     assert tuple(record)[:len(goals.RUN_FIELDS)] == goals.RUN_FIELDS
     assert set(record) - set(goals.RUN_FIELDS) == {"ok"} | set(change) & {"interrupted"}
     assert record["ok"] is goals.run_passed(record) and record["ok"] is (not change)
     assert plan["goals"][0]["runs"] == [record]
     assert goals.misfit(plan["goals"][0], goals.STORY_SPEC) is None
+
+
+def test_a_run_again_moves_its_check_to_the_end_of_the_rounds_runs():
+    """The latest run of a check replaces the one before and goes last, as snapshots written
+    before the in-place shortcut hold them: runs of checks 0, 1, 0 leave [1, 0]."""
+    plan = started_plan(["true", "test -d ."])
+    for check, cmd in ((0, "true"), (1, "test -d ."), (0, "true"), (None, "make"), (None, "make")):
+        plan = replay_run(plan, check, cmd)
+    runs = plan["goals"][0]["runs"]
+    assert [(r["check"], r["cmd"], r["seq"]) for r in runs] == [
+        (1, "test -d .", 4), (0, "true", 5), (None, "make", 7)]
 
 
 def test_the_snapshot_has_one_story_per_line_whatever_the_order_of_a_storys_keys(fab):
