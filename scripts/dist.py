@@ -6,9 +6,10 @@
   fablize-gate-V-plugin.zip         the Claude Code plugin and its marketplace: unzip it and
                                     `claude plugin marketplace add` the folder
   skill/fablize/                    what a skill installer should copy: SKILL.md on top and the
-                                    one script it runs, nothing else
+                                    engine's files, nothing else
 
-Every artifact holds scripts/goals.py itself (the single source), byte for byte.
+Every artifact holds the engine's files (ENGINE_FILES: scripts/goals.py, the launcher and the
+rooms beside it) byte for byte.
 """
 
 import io
@@ -24,13 +25,16 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import goals  # noqa: E402
 
 VERSION = goals.__version__
+# the engine: the core, the launcher that starts it with its bytecode cached, and its rooms
+ENGINE_FILES = ["scripts/goals.py", "scripts/fablize.py"] + [
+    "scripts/" + name for name in goals.ROOMS.values()]
 # the plugin as Claude Code installs it: manifests, hooks, the judge agent, the skill, the engine
 PLUGIN_FILES = [".claude-plugin/plugin.json", ".claude-plugin/marketplace.json",
                 "hooks/hooks.json", "agents/fablize-judge.md", "bin/fablize", "bin/fablize.cmd",
-                "scripts/goals.py", "SKILL.md", "fablize-block.md", "README.md", "docs/reference.md",
+                *ENGINE_FILES, "SKILL.md", "fablize-block.md", "README.md", "docs/reference.md",
                 "LICENSE", "CHANGELOG.md"]
-SKILL_FILES = ["SKILL.md", "scripts/goals.py", "LICENSE"]
-SDIST_FILES = ["pyproject.toml", "setup.py", "MANIFEST.in", "scripts/goals.py", "README.md",
+SKILL_FILES = ["SKILL.md", *ENGINE_FILES, "LICENSE"]
+SDIST_FILES = ["pyproject.toml", "setup.py", "MANIFEST.in", *ENGINE_FILES, "README.md",
                "docs/reference.md", "LICENSE", "CHANGELOG.md"]
 
 

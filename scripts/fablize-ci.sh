@@ -12,7 +12,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 work="$(mktemp -d "${RUNNER_TEMP:-${TMPDIR:-/tmp}}/fablize-engine.XXXXXX")"
-cp "$here/goals.py" "$work/goals.py"
+cp "$here/goals.py" "$here"/fablize_*.py "$work/"
 engine=(python3 -I "$work/goals.py")
 state="${FABLIZE_STATE:-.fablize}"
 

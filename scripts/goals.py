@@ -1,19 +1,19 @@
 #!/usr/bin/env python3
 """fablize goal engine: "done" is refused until it is shown.
 
-A task is split into stories (`create`). `next` activates one and prints the
-handoff a fresh session needs; `checkpoint` completes it only with evidence; the
-final story is a verification gate that needs the command that was run and its
-result, and the engine can run that command itself (`--run`, frozen checks), so a
-claimed pass cannot be faked. Stories that fail come back as a new round with what
-was missing; stories that cannot be done halt the plan until a human decides.
+A task is split into stories (`create`). `next` activates one and prints the handoff a fresh
+session needs; `checkpoint` completes it only with evidence; the final story is a verification
+gate that needs the command that was run and its result, and the engine can run that command
+itself (`--run`, frozen checks), so a claimed pass cannot be faked. Stories that fail come back
+as a new round with what was missing; stories that cannot be done halt the plan until a human
+decides.
 
 Invariants, enforced in code and re-checked by `audit` on every event:
   1. a story is checkpointed only after `next` activated it;
   2. `complete` needs non-blank evidence;
-  3. the final story completes only with verification: --verify-cmd and
-     --verify-evidence, a witnessed run (--run), or all its frozen checks passing
-     in a run made after its latest activation;
+  3. the final story completes only with verification: --verify-cmd and --verify-evidence, a
+     witnessed run (--run), or all its frozen checks passing in a run made after its latest
+     activation;
   4. the state persists under .fablize/, so `status` resumes a dead session.
 
 Files (the state directory, normally .fablize/ at the repository root):
@@ -23,21 +23,33 @@ Files (the state directory, normally .fablize/ at the repository root):
   runs/         full output of verification runs the engine executed itself
   archive/      plans replaced by `create --force`, kept whole
 
+This file is the core, read top to bottom: constants, helpers, the state model (pure
+transitions, each with how `log` shows it), storage, the tools it runs (git), running checks,
+rendering, audit, hooks, commands, the command line and `main`. A lone copy of it runs every
+command the original had and every gate. What the original never had lives in rooms beside it
+(`room()`): fablize_setup.py (setup, doctor, install-block), fablize_sharing.py (share, sync,
+release, create --remote, audit --remote), fablize_merge.py (merge-driver, install-merge) and
+fablize_trust.py (audit's --base/--since/--rerun and --require-* trust gates, decide --sign).
+fablize.py starts this file with its bytecode cached.
+
 Exit codes: 0 done, 1 refused, 2 usage, 3 damaged; 128 + N when signal N stopped a run.
 Stdlib only, Python 3.9+.
 """
 
 import collections
+import errno
 import json
 import os
 import re
+import stat
 import sys
 import time
 from operator import itemgetter
 
 __version__ = "3.0.0"
 
-# Constants ##################################################################
+
+# Constants ####################################################################################
 
 SCHEMA_VERSION = 2          # of the --json envelope (2: `done` is a count everywhere)
 ZERO_HASH = "0" * 64
@@ -47,8 +59,10 @@ LEDGER = "ledger.jsonl"
 LOCK = "lock"
 RUNS = "runs"
 ARCHIVE = "archive"
-
+SHARE = "share.json"        # marks a shared plan (the sharing room's record)
+LAUNCHER = "fablize.py"     # beside this file: starts it with its bytecode cached
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_DAMAGED = 0, 1, 2, 3
+EXIT_SIGNAL_BASE = 128      # interrupted by signal N: exit 128 + N, as a shell reports it
 
 # Every status: its mark in `status`, its label in the plan map, its colour in `report`.
 STATUS_TABLE = {
@@ -66,7 +80,8 @@ MAP_LABELS = {status: row[1] for status, row in STATUS_TABLE.items()}
 DONE = ("complete", "accepted")
 DECISIONS = ("accept", "retry", "amend")
 VERDICTS = ("achieved", "not-achieved", "unachievable")
-
+CHECKPOINT_STATUSES = ("complete", "failed", "blocked")
+ORIGINAL_STATUSES = ("pending", "in_progress", "complete", "failed", "blocked")
 TAIL_CHARS = 500            # carried evidence and run tails (seed 004)
 MAP_WINDOW = 30             # plan-map lines around the current story (seed 004)
 MAP_LOOKBACK = 10           # of which at most this many come before it
@@ -76,40 +91,26 @@ DEFAULT_RUN_TIMEOUT = 600.0
 DEFAULT_LOCK_TIMEOUT = 10.0
 DEFAULT_GUARD_MAX = 3       # Stop-hook blocks in a row before the guard lets go
 READ_CHUNK = 1 << 16
-
-BLOCK_BEGIN = "<!-- fablize:begin -->"
-BLOCK_END = "<!-- fablize:end -->"
-BLOCK_TEMPLATE = """\
-<!-- fablize:begin -->
-## fablize — evidence gate for multi-story work
-
-[2+ sequential stories] When a task needs two or more sequential steps, run it
-through fablize instead of declaring "done" yourself:
-
-1. `{cli} create --brief "<task>" --goal "title::objective" ... --verify "<test command>"`
-   The last story is the verification gate. Freeze the checks that prove a story with
-   `--check G00N="<cmd>"`; if it says a check cannot run here, fix that now.
-2. `{cli} next` — activates ONE story and prints its handoff. Work that story only.
-3. `{cli} checkpoint --id G00N --status complete --evidence "<what you did, what you saw>"`
-   Frozen checks run by themselves; otherwise prefer `--run --verify-cmd "<cmd>"`: the
-   engine runs the command and records the result.
-   Not achieved yet: `--status failed --evidence "<what is missing>"` (another round).
-   Impossible as specified: `--status blocked --evidence "<why>"`, then ask the human: end
-   your turn with the question (the Stop guard lets a question through).
-4. A judged story (`create --judge`) goes to review: never judge your own work. A separate
-   judge runs `{cli} judge-packet --id G00N`, checks the artifact itself and answers with
-   `{cli} verdict --id G00N achieved|not-achieved|unachievable --evidence "<what it saw>" --agent <judge>`.
-5. Repeat from 2 until it prints `all stories complete ✓` (or `all stories done ✓` after a
-   human accepted a story). A refusal is not an error to work around: produce the evidence
-   it asks for.
-6. Resuming after a crash or compaction: `{cli} status` (it shows what was missing and what
-   already failed), then `{cli} next`. Every failed or blocked checkpoint needs its reason.
-
-Never edit `.fablize/` by hand; `{cli} audit` detects it.
-<!-- fablize:end -->
+HOOK_AGENTS = ("claude", "codex", "gemini", "cursor")  # the hook protocols the engine speaks
+OBSERVED_KEEP = 20          # observed runs kept per story (the snapshot stays O(stories))
+DUPLICATE_WINDOW = 60.0     # seconds: two guards fed the very same stop are one registration too many
+REPORT_RUNS = 100           # the latest runs a report lists; the ledger holds the rest
+PYTHON = "python" if os.name == "nt" else "python3"  # `python3` on Windows is the Store alias
+STATE_GITIGNORE = """\
+# written by fablize: the lock, temporary and torn-line files are never committed
+lock
+lock.owner
+*.tmp-*
+*.new
+*.broken
+*.bak
+*.fablize-backup
+runs/.*
 """
+PLAN_EXISTS = "a plan already exists. Check it with `status`, or replace it with --force."
 
-# Errors #####################################################################
+
+# Errors #######################################################################################
 
 
 class FablizeError(Exception):
@@ -134,7 +135,18 @@ def damaged(message, code="damaged"):
     return FablizeError(message, code, EXIT_DAMAGED)
 
 
-# Small helpers ##############################################################
+def no_plan():
+    """The original's refusal when there is no plan to work on: one wording, every command."""
+    return refused("no plan — run `create` first.", "no_plan")
+
+
+def forged(what):
+    """A field no command of this engine would have written: the ledger was written by hand."""
+    return damaged(what + " — not what fablize writes: the line was written or edited by hand.",
+                   "bad_event")
+
+
+# Small helpers ################################################################################
 
 
 def sha256_hex(data):
@@ -154,9 +166,14 @@ def _load_sha256():
             pass
     from hashlib import sha256
     return sha256
-
-
 _sha256 = _load_sha256()
+
+
+def fast_sha256():
+    """OpenSSL's SHA-256 (several times faster on long inputs; hashlib costs ~4 ms to import,
+    so only what reads a whole ledger or a large file uses it)."""
+    from hashlib import sha256
+    return lambda data: sha256(data).hexdigest()
 
 
 def now_iso():
@@ -194,6 +211,44 @@ def load_json(raw, surrogates=None):
     return value
 
 
+class Lazy(dict):
+    """The one lazy idiom of this file: a table whose value for a key is made on first use and
+    kept (bottle's lazy_attribute, as a dict). What most starts never need — a compiled pattern
+    or spec, unicodedata's view of a character — then costs them nothing."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, key):
+        value = self[key] = self.make(key)
+        return value
+
+
+# Characters that show nothing: blank-looking symbols (braille blank, Hangul fillers, variation
+# selectors, …) and the format characters (Unicode Cf). Evidence made only of them is blank,
+# and a marker with them between its words is still a marker.
+_BLANKISH = frozenset([0x034F, 0x115F, 0x1160, 0x17B4, 0x17B5, 0x2800, 0x3164, 0xFFA0, 0x1D159,
+                       *range(0x180B, 0x1810), *range(0xFE00, 0xFE10), *range(0xE0100, 0xE01F0)])
+
+
+def _invisible_as_space(c):
+    import unicodedata  # only once non-ASCII text needs it
+    return " " if c in _BLANKISH or unicodedata.category(chr(c)) == "Cf" else c
+
+
+# str.translate table turning each invisible character into a space
+_INVISIBLE = Lazy(_invisible_as_space)
+
+# compiled regular expressions, by (pattern, flags): compiling one costs ~0.2 ms, and most starts
+# need none of them
+_REGEX = Lazy(lambda key: re.compile(*key))
+
+
+def regex(pattern, flags=0):
+    return _REGEX[pattern, flags]
+
+
 def blank(text):
     if not (text and text.strip()):
         return True
@@ -202,36 +257,13 @@ def blank(text):
     return not text.translate(_INVISIBLE).strip()
 
 
-# Characters that show nothing: blank-looking symbols (braille blank, Hangul fillers, variation
-# selectors, …); format characters (Unicode Cf) are added on first use. Evidence made only of
-# them is blank, and a marker with them between its words is still a marker.
-_BLANKISH = [0x034F, 0x115F, 0x1160, 0x17B4, 0x17B5, 0x2800, 0x3164, 0xFFA0, 0x1D159] + \
-    list(range(0x180B, 0x1810)) + list(range(0xFE00, 0xFE10)) + list(range(0xE0100, 0xE01F0))
-
-
-class _InvisibleTable(dict):
-    """str.translate table turning each invisible character into a space, filled lazily
-    (unicodedata is imported only when non-ASCII text needs it)."""
-
-    def __missing__(self, c):
-        import unicodedata
-        value = " " if c in _BLANKISH_SET or unicodedata.category(chr(c)) == "Cf" else c
-        self[c] = value
-        return value
-
-
-_BLANKISH_SET = frozenset(_BLANKISH)
-_INVISIBLE = _InvisibleTable()
-
-
 def last_chars(text, n=TAIL_CHARS):
     text = text or ""
     return text if len(text) <= n else "…" + text[-n:]
 
 
 def _escape_table(keep):
-    table = {c: "\\x%02x" % c for c in list(range(0x20)) + [0x7F] + list(range(0x80, 0xA0))
-             if chr(c) not in keep}
+    table = {c: "\\x%02x" % c for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)] if chr(c) not in keep}
     # bidi overrides and line separators can reorder or break what a terminal shows
     for c in (0x200E, 0x200F, 0x2028, 0x2029, 0x202A, 0x202B, 0x202C, 0x202D, 0x202E,
               0x2066, 0x2067, 0x2068, 0x2069, 0xFEFF):
@@ -260,41 +292,32 @@ def one_line(text):
     return str(text).translate(_ESCAPE_LINE)
 
 
-# The engine's own markers, as (pattern, flags, replacement): compiled on first use, since most
-# text names no marker word and most commands never need them.
+def indent(text, prefix="    "):
+    return "\n".join(prefix + line for line in text.split("\n"))
+
+
+def quote_arg(text):
+    """A word for a printed command line, quoted for a POSIX shell when it needs to be."""
+    text = one_line(text)
+    if re.fullmatch(r"[\w./:@%+=,-]+", text, re.A):
+        return text
+    return "'" + text.replace("'", "'\\''") + "'"
+
+
+# The engine's own markers, as (pattern, flags, replacement): text carried into a handoff must
+# not pass for one. Compiled on first use, since most text names no marker word.
 _MARKERS = (
     (r"=+\s*fablize\s+handoff\b(\s*[—-]+\s*[Gg][0-9]+\b)?", re.I, "[quoted fablize-handoff]"),
     (r"all\s+stories\s+(complete|done)", re.I, r"all-stories-\1"),
     (r"\bcheckpoint\s+--id\b(\s+\S+)?", re.I, "checkpoint-(quoted)"),
     (r"^(\s*)fablize:", re.I | re.M, r"\1fablize-quoted:"),
 )
-# the same markers when an escaped control (\u202e …) stands between the words
-_GAP = r"(?:\s|\\u[0-9a-fA-F]{4})"
 _MARKER_WORDS = ("fablize", "stories", "checkpoint")  # every marker holds one of them
-class Pattern:
-    """A regular expression compiled on first use: compiling one costs ~0.2 ms, and most starts
-    need none of them."""
-
-    def __init__(self, pattern, flags=0):
-        self.pattern, self.flags = pattern, flags
-
-    def __getattr__(self, name):  # the first match or fullmatch: then plain attributes
-        compiled = re.compile(self.pattern, self.flags)
-        self.match, self.fullmatch = compiled.match, compiled.fullmatch
-        return getattr(compiled, name)
-
-
-_COMPILED_MARKERS = {}
-
-
-def markers(wide):
-    """[(compiled pattern, replacement)] of the markers, `wide` to see through escaped gaps."""
-    found = _COMPILED_MARKERS.get(wide)
-    if found is None:
-        found = _COMPILED_MARKERS[wide] = [
-            (re.compile(p.replace(r"\s*", _GAP + "*").replace(r"\s+", _GAP + "+") if wide else p,
-                        flags), r) for p, flags, r in _MARKERS]
-    return found
+# the same markers when an escaped control (\u202e …) stands between the words (wide)
+_GAP = r"(?:\s|\\u[0-9a-fA-F]{4})"
+_COMPILED_MARKERS = Lazy(lambda wide: [
+    (regex(p.replace(r"\s*", _GAP + "*").replace(r"\s+", _GAP + "+") if wide else p, flags), r)
+    for p, flags, r in _MARKERS])
 
 
 def defused_line(text):
@@ -318,10 +341,10 @@ def defuse(text):
         # them as spaces, a view used only when it shows a marker (emoji joiners stay intact)
         bare = text.translate(_INVISIBLE)
         if bare != text and has_marker_word(bare) and \
-                any(p.search(bare) for p, _ in markers(True)):
+                any(p.search(bare) for p, _ in _COMPILED_MARKERS[True]):
             text = bare
     if has_marker_word(text):  # the cheap test first: most text names no marker word
-        for pattern, replacement in markers(wide):
+        for pattern, replacement in _COMPILED_MARKERS[wide]:
             text = pattern.sub(replacement, text)
     return text
 
@@ -354,24 +377,67 @@ def split_assignment(option, value):
     return normalize_id(sid), rest
 
 
+# A story's id, G001, G002, … in order; a plan's id names its archive folder and its shared ref.
+STORY_ID = r"G[0-9]{3,}"
+PLAN_ID = r"[A-Za-z0-9][\w.-]*"
+
+
 def story_id(number):
     return f"G{number:03d}"
 
 
-# State model: pure transitions, no I/O #####################################
-#
-# The plan is a dict (the snapshot); every change is an event; apply_event(plan,
-# event) checks that the event is legal and applies it. Commands build events and
-# call it; `audit` and roll-forward replay the ledger through the same function, so
-# a rule enforced at the call is the same rule checked after the fact.
+def normalize_id(text):
+    """`g1`, `G01`, ` g001 ` -> G001, the one spelling the plan uses; other text comes back
+    stripped and upper-cased, for the caller to refuse."""
+    text = text.strip()
+    found = re.fullmatch(r"[Gg]0*([0-9]+)", text, re.A)
+    return story_id(int(found.group(1))) if found else text.upper()
 
 
+def id_arg(text):
+    """argparse `type=` of every option that names one story."""
+    sid = normalize_id(fix_argv_text(text))
+    if not re.fullmatch(STORY_ID, sid, re.A):
+        raise usage(f"{one_line(text)} is not a story id — ids look like G001, G002, … "
+                    "(`status` lists them).", "bad_id")
+    return sid
+
+
+def parse_ids(text, option):
+    ids = [normalize_id(part) for part in text.split(",") if part.strip()]
+    for sid in ids:
+        if not re.fullmatch(STORY_ID, sid, re.A):
+            raise usage(f"{option}: {one_line(sid)} is not a story id (G001, G002, …).", "bad_id")
+    return ids
+
+
+def is_plan_id(text):
+    return type(text) is str and bool(re.fullmatch(PLAN_ID, text, re.A)) and ".." not in text
+
+
+def new_plan_id():
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + os.urandom(3).hex()
+
+
+def count_stories(n):
+    return f"{n} story" if n == 1 else f"{n} stories"
+
+
+def time_label(ts):
+    """A ledger time for people: `2026-12-01 08:12:50 UTC` (the ledger writes UTC)."""
+    ts = str(ts or "")
+    zone = ts[26:] if len(ts) > 26 else ""
+    zone = "UTC" if zone in ("+00:00", "Z", "") and ts else zone
+    return f"{ts[:19].replace('T', ' ')} {zone}".strip()
+
+
+# State model: pure transitions, no I/O ########################################################
 # The shapes of state read back from disk: a hand-crafted goals.json (even with a recomputed
 # digest) or a chained but forged ledger line must be exit 3, never a traceback three commands
 # later. A spec is a type, a tuple of alternatives, [item spec] or {key: spec}; in a dict spec
 # a key ending in "?" may be absent, and a key the spec does not name is never allowed.
 _N = type(None)
-_TEXT = (str, _N)
+TEXT = (str, _N)
 _COMPILED = {}
 
 
@@ -495,53 +561,64 @@ def _misfit(value, c):
 
 # A run as the snapshot keeps it: the latest run of each frozen check (or --run command) in the
 # story's current round, which is all the gates read; every other run lives only in the ledger.
-RUN_SPEC = {"seq": int, "check": (int, _N), "cmd": str, "exit_code": (int, _N), "signal": _TEXT,
-            "timed_out": bool, "error": _TEXT, "duration_s": (int, float, _N), "bytes": (int, _N),
-            "sha256": _TEXT, "tail": _TEXT, "log": _TEXT, "ok": bool, "interrupted?": _TEXT}
+RUN_SPEC = {"seq": int, "check": (int, _N), "cmd": str, "exit_code": (int, _N), "signal": TEXT,
+            "timed_out": bool, "error": TEXT, "duration_s": (int, float, _N), "bytes": (int, _N),
+            "sha256": TEXT, "tail": TEXT, "log": TEXT, "ok": bool, "interrupted?": TEXT}
+
+
 # a run's own fields, as its verify_run event carries them (`interrupted` only when it was)
 RUN_FIELDS = tuple(k for k in RUN_SPEC if k not in ("ok", "interrupted?"))
 NOTE_SPEC = {"note": str, "seq": int, "ts": str}
-FEEDBACK_SPEC = {"source": str, "round": int, "text": _TEXT,
-                 "runs": [{"cmd": str, "exit": str, "tail": _TEXT}]}
+FEEDBACK_SPEC = {"source": str, "round": int, "text": TEXT,
+                 "runs": [{"cmd": str, "exit": str, "tail": TEXT}]}
+
 
 # A story's fields, (spec, initial value) each: new stories, the snapshot's shape and the
 # --json story all come from this one table. A key ending in "?" was added after snapshots
 # were first written: an older snapshot may lack it.
 STORY_FIELDS = {
     "id": (str, None), "title": (str, None), "objective": (str, None),
-    "status": (str, "pending"), "evidence": (_TEXT, None),
+    "status": (str, "pending"), "evidence": (TEXT, None),
     "after": ([str], []), "checks": ([str], []), "accept": ([str], []), "judge": (bool, False),
-    "round": (int, 0), "round_base": (int, 0), "grade?": (_TEXT, None),
-    "agent": (_TEXT, None), "executor": (_TEXT, None),
-    "started_seq": ((int, _N), None), "started_ts": (_TEXT, None),
-    "verify_cmd": (_TEXT, None), "verify_evidence": (_TEXT, None),
+    "round": (int, 0), "round_base": (int, 0), "grade?": (TEXT, None),
+    "agent": (TEXT, None), "executor": (TEXT, None),
+    "started_seq": ((int, _N), None), "started_ts": (TEXT, None),
+    "verify_cmd": (TEXT, None), "verify_evidence": (TEXT, None),
     "runs": ([RUN_SPEC], []), "last_run": ((RUN_SPEC, _N), None),
     "feedback": ((FEEDBACK_SPEC, _N), None), "amendments": ([NOTE_SPEC], []),
     "decision": (({"decision": str, "note": str, "seq": int, "ts": str}, _N), None),
-    "blocked_reason": (_TEXT, None),
+    "blocked_reason": (TEXT, None),
     "judged_by": (({"agent": str, "verdict": str, "seq": int}, _N), None),
     # what the harness reported of the agent's own verification commands (observe), latest last
     "observed?": ([{"seq": int, "ts": str, "round": int, "cmd": str, "exit_code": (int, _N),
-                    "ok": (bool, _N), "tool": _TEXT, "detail": _TEXT}], []),
+                    "ok": (bool, _N), "tool": TEXT, "detail": TEXT}], []),
     # the working tree the judge was shown (judge-packet): a verdict after it changed is void
     "packet?": (({"tree": str, "files": (int, _N), "round": int, "seq": int}, _N), None),
 }
 STORY_SPEC = {key: spec for key, (spec, _) in STORY_FIELDS.items()}
+
+
 # a story as create, add and an import write it into their event
 STORY_EVENT_SPEC = {"id": str, "title": str, "objective": str, "after": [str], "checks?": [str],
-                    "accept?": [str], "judge?": bool, "status?": str, "evidence?": _TEXT}
+                    "accept?": [str], "judge?": bool, "status?": str, "evidence?": TEXT}
 UNVERIFIABLE_SPEC = [{"id": str, "check": int, "cmd": str, "reason": str}]
+
+
 # the Stop guard's count, which registration of it counted the last stop, and a human's pause
-GUARD_SPEC = {"blocks": int, "hook?": _TEXT, "hook_ts?": _TEXT,
-              "paused?": ({"seq": int, "ts": str, "note": _TEXT}, _N)}
-REPLACES_SPEC = {"plan_id": str, "head": _TEXT, "seq": (int, _N), "path": str}
+GUARD_SPEC = {"blocks": int, "hook?": TEXT, "hook_ts?": TEXT,
+              "paused?": ({"seq": int, "ts": str, "note": TEXT}, _N)}
+REPLACES_SPEC = {"plan_id": str, "head": TEXT, "seq": (int, _N), "path": str}
 PLAN_SPEC = {"schema_version": int, "digest?": str, "plan_id": str, "brief": str, "created": str,
              "goals": [STORY_SPEC], "options": {"rounds": int, "require_run": bool},
              "unverifiable": UNVERIFIABLE_SPEC, "replaces": (REPLACES_SPEC, _N),
              "guard": GUARD_SPEC, "ledger": {"seq": int, "head": str}}
-ORIGINAL_SPEC = {"brief": str, "created?": _TEXT, "goals": [{"id": str, "title": str,
+ORIGINAL_SPEC = {"brief": str, "created?": TEXT, "goals": [{"id": str, "title": str,
                                                               "objective": str, "status": str,
-                                                              "evidence?": _TEXT}]}
+                                                              "evidence?": TEXT}]}
+
+
+# where and with what a witnessed run ran (run_provenance): a hint for the reviewer
+PROVENANCE_SPEC = {"dir": TEXT, "program": TEXT, "program_sha256": TEXT, "env": {"*": TEXT}}
 
 
 def new_story(spec):
@@ -550,8 +627,6 @@ def new_story(spec):
     for key, value in spec.items():
         story[key] = list(value) if type(value) is list else value
     return story
-
-
 _STORY_INDEX = {}  # "G007" -> 6, kept for the ids of stories found where their number says
 
 
@@ -609,6 +684,11 @@ def done_count(plan):
     return sum(1 for s in plan["goals"] if s["status"] in DONE)
 
 
+def accepted_ids(plan):
+    """The stories a human accepted instead of their completion (a decision, not evidence)."""
+    return [s["id"] for s in plan["goals"] if s["status"] == "accepted"]
+
+
 def rounds_left(plan, story):
     return plan["options"]["rounds"] - (story["round"] - story["round_base"])
 
@@ -639,10 +719,103 @@ def validate_graph(stories):
             visit(s["id"], [s["id"]])
 
 
-def forged(what):
-    """A field no command of this engine would have written: the ledger was written by hand."""
-    return damaged(what + " — not what fablize writes: the line was written or edited by hand.",
-                   "bad_event")
+def run_key(run):
+    return run["cmd"] if run["check"] is None else run["check"]
+
+
+def latest_run(story, check=None, cmd=None):
+    """This round's latest run of a frozen check (by index) or of a --run command."""
+    key = cmd if check is None else check
+    for run in story["runs"]:
+        if run_key(run) == key:
+            return run
+    return None
+
+
+def run_passed(run):
+    return run.get("exit_code") == 0 and not run.get("timed_out") and not run.get("error") \
+        and not run.get("interrupted")
+
+
+def describe_exit(run):
+    if run.get("interrupted"):
+        return f"interrupted by {run['interrupted']}"
+    if run.get("error"):
+        return "did not start: " + one_line(run["error"])
+    if run.get("timed_out"):
+        return f"timed out after {one_line(run.get('duration_s'))} s"
+    if run.get("signal"):
+        return f"killed by {one_line(run['signal'])}"
+    return f"exit {one_line(run.get('exit_code'))}"
+
+
+def story_grade(story):
+    """What a done story's completion rested on: witnessed (runs the engine made), claimed (the
+    agent's text) or accepted (a human's decision); None while it is not done. A snapshot
+    written before stories kept a grade gets one derived from what it holds."""
+    if "grade" in story:
+        return story["grade"]
+    if story["status"] == "accepted":
+        return "accepted"
+    if story["status"] not in ("complete", "review"):
+        return None
+    witnessed = story["checks"] or any(r["ok"] and r["check"] is None and
+                                       r["cmd"] == story["verify_cmd"] for r in story["runs"])
+    return "witnessed" if witnessed else "claimed"
+GRADE_WORDS = {"witnessed": "witnessed (the engine ran the checks)",
+               "claimed": "claimed (on the agent's word)", "accepted": "accepted by a human"}
+
+
+def grade_detail(story):
+    grade = story_grade(story)
+    if grade is None:
+        return None
+    if grade == "accepted" and story["decision"]:
+        return "accepted by a human: " + one_line(last_chars(story["decision"]["note"], 200))
+    judged = story["judged_by"]
+    return GRADE_WORDS.get(grade, one_line(grade)) + (
+        f"; judged {one_line(judged['verdict'])} by {one_line(judged['agent'])}"
+        if judged and story["status"] == "complete" else "")
+
+
+def round_failures(story):
+    """This round's failed runs, newest last, one per check or command (the latest run of each)."""
+    latest = {}
+    for run in story["runs"] if story["status"] == "in_progress" else []:
+        latest[(run["check"], run["cmd"] if run["check"] is None else None)] = run
+    return [r for r in latest.values() if not r["ok"]]
+
+
+def guard_paused(plan):
+    return plan["guard"].get("paused") if isinstance(plan["guard"].get("paused"), dict) else None
+
+
+def current_packet(story):
+    """The judge packet recorded for the story's present review round, or None."""
+    packet = story.get("packet")
+    return packet if isinstance(packet, dict) and packet.get("round") == story["round"] else None
+
+
+def observed_of(story):
+    """This round's observed runs of a story (entries of other shapes are not ours: skipped)."""
+    return [o for o in story.get("observed") or []
+            if isinstance(o, dict) and o.get("round") == story["round"] and isinstance(o.get("cmd"), str)]
+
+
+def unaddressed_failure(story):
+    """The latest observed failure of a command that has not been seen to pass since, or None."""
+    latest = {}
+    for o in observed_of(story):
+        latest[o["cmd"]] = o
+    failed = [o for o in latest.values() if o.get("ok") is False]
+    return max(failed, key=lambda o: o.get("seq", 0)) if failed else None
+
+
+def observed_result(o):
+    if o.get("ok") is None:
+        return "outcome not reported"
+    code = f"exit {o['exit_code']}" if isinstance(o.get("exit_code"), int) else None
+    return ("passed" if o["ok"] else "failed") + (f" ({code})" if code else "")
 
 
 def _require_story_text(spec):
@@ -668,17 +841,13 @@ def _refuse_blank_agent(agent):
         raise forged("an agent name is blank")
 
 
-_PLAN_ID = Pattern(r"[\w.-]+\Z", re.A)
-ORIGINAL_STATUSES = ("pending", "in_progress", "complete", "failed", "blocked")
-
-
 def _ev_plan_created(plan, ev):
     specs = ev["stories"]
     if not specs:
         raise usage("at least one --goal is required.", "no_goals")
     if ev["count"] != len(specs):
         raise forged(f"count is {ev['count']} but the event lists {len(specs)} stories")
-    if not _PLAN_ID.match(ev["plan_id"]):
+    if not is_plan_id(ev["plan_id"]):
         raise forged(f"plan_id {one_line(ev['plan_id'])!r} is not a plan id")
     imported = ev.get("imported_from") is not None
     for i, spec in enumerate(specs, 1):
@@ -742,25 +911,12 @@ def _ev_story_started(plan, ev):
     return plan
 
 
-def run_key(run):
-    return run["cmd"] if run["check"] is None else run["check"]
-
-
-def _fresh_ok_run(story, check=None, cmd=None):
-    """This round's latest run of a frozen check (by index) or of a --run command."""
-    key = cmd if check is None else check
-    for run in story["runs"]:
-        if run_key(run) == key:
-            return run
-    return None
-
-
 def verification_gap(plan, story, ev):
     """Why a `complete` checkpoint of `story` is not verified, or None if it is."""
     checks = story["checks"]
     if checks:
         for i, cmd in enumerate(checks):
-            run = _fresh_ok_run(story, check=i)
+            run = latest_run(story, check=i)
             if run is None:
                 return refused(f"{story['id']}: frozen check {i + 1} (`{one_line(cmd)}`) has no run "
                                "since the story was activated.", "verification_missing")
@@ -769,7 +925,7 @@ def verification_gap(plan, story, ev):
                                f"({describe_exit(run)}).", "verification_failed")
         return None
     if ev.get("run"):
-        run = _fresh_ok_run(story, cmd=ev.get("verify_cmd"))
+        run = latest_run(story, cmd=ev.get("verify_cmd"))
         if run is None:
             return refused(f"{story['id']}: no run of `{one_line(ev.get('verify_cmd'))}` since the "
                            "story was activated.", "verification_missing")
@@ -822,9 +978,6 @@ def _failed_run_tails(story):
             for r in story["runs"] if not r["ok"]]
 
 
-CHECKPOINT_STATUSES = ("complete", "failed", "blocked")
-
-
 def _ev_checkpoint(plan, ev):
     story = find_story(plan, ev["id"])
     if ev["status"] not in CHECKPOINT_STATUSES:
@@ -855,9 +1008,6 @@ def _ev_checkpoint(plan, ev):
     else:
         story.update(status="blocked", agent=None, blocked_reason=ev["evidence"], grade=None)
     return plan
-
-
-_HEX64 = Pattern(r"[0-9a-f]{64}\Z")
 _INF = float("inf")
 
 
@@ -870,7 +1020,7 @@ def _ev_verify_run(plan, ev):
                      "frozen check")
     if ev["log"] != f"{RUNS}/{ev['seq']}-{story['id']}.log":
         raise forged(f"run log `{one_line(ev['log'])[:80]}` is not runs/<seq>-<story>.log")
-    if not _HEX64.match(ev["sha256"]) or ev["bytes"] < 0 or not 0 <= ev["duration_s"] < _INF \
+    if not regex(r"[0-9a-f]{64}\Z").match(ev["sha256"]) or ev["bytes"] < 0 or not 0 <= ev["duration_s"] < _INF \
             or not 0 <= ev["after_seq"] < ev["seq"] or len(ev["tail"]) > TAIL_CHARS:
         raise forged("a run's digest, size, duration, tail or position is out of range")
     record = {"seq": ev["seq"], "check": check, "cmd": ev["cmd"], "exit_code": ev["exit_code"],
@@ -972,6 +1122,17 @@ def _ev_verdict(plan, ev):
     return plan
 
 
+def _ev_judge_packet(plan, ev):
+    story = find_story(plan, ev["id"])
+    if story["status"] != "review":
+        raise refused(f"{story['id']} is {story['status']}, not in review — there is nothing to "
+                      "judge.", "not_in_review")
+    if current_packet(story) is None:  # the round's first packet: a later one cannot launder
+        story["packet"] = {"tree": ev["tree"], "files": ev["files"], "round": story["round"],
+                           "seq": ev["seq"]}
+    return plan
+
+
 def _ev_guard_block(plan, ev):
     # a fresh stop (not one caused by the previous block) starts the count again
     plan["guard"]["blocks"] = 1 if ev["fresh"] else plan["guard"]["blocks"] + 1
@@ -1009,7 +1170,6 @@ def _ev_observed_run(plan, ev):
     return plan
 
 
-
 def _ev_story_released(plan, ev):
     story = find_story(plan, ev["id"])
     if story["status"] != "in_progress":
@@ -1045,46 +1205,43 @@ def _ev_plan_merged(plan, ev):
     return plan
 
 
-
 # Every event: its transition and exactly the fields fablize writes for it (seq, ts, event and
 # prev on every line). Replay checks each line against this table, so a re-chained line carrying
 # anything the engine would not have written is damage, named by its line.
+TIMESTAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}\+00:00\Z"  # what now_iso writes
 _EVENT_BASE = {"seq": int, "ts": str, "event": str, "prev": str}
-# where and with what a witnessed run ran (run_provenance): a hint for the reviewer
-PROVENANCE_SPEC = {"dir": _TEXT, "program": _TEXT, "program_sha256": _TEXT, "env": {"*": _TEXT}}
 EVENTS = {
     "plan_created": (_ev_plan_created, {
         "brief": str, "count": int, "plan_id": str, "stories": [STORY_EVENT_SPEC],
         "options": {"rounds": int, "require_run": bool}, "unverifiable?": UNVERIFIABLE_SPEC,
         "replaces": (REPLACES_SPEC, _N), "imported_from?": {"tool": str}}),
-    "story_started": (_ev_story_started, {"id": str, "title": str, "round": int, "agent": _TEXT}),
+    "story_started": (_ev_story_started, {"id": str, "title": str, "round": int, "agent": TEXT}),
     "checkpoint": (_ev_checkpoint, {
-        "id": str, "status": str, "evidence": _TEXT, "verify_cmd": _TEXT,
-        "verify_evidence": _TEXT, "agent?": _TEXT, "run?": bool, "runs?": [int]}),
+        "id": str, "status": str, "evidence": TEXT, "verify_cmd": TEXT,
+        "verify_evidence": TEXT, "agent?": TEXT, "run?": bool, "runs?": [int]}),
     "verify_run": (_ev_verify_run, {
         "id": str, "check": (int, _N), "cmd": str, "cwd": str, "exit_code": (int, _N),
-        "signal": _TEXT, "timed_out": bool, "error": _TEXT, "duration_s": (int, float),
+        "signal": TEXT, "timed_out": bool, "error": TEXT, "duration_s": (int, float),
         "bytes": int, "sha256": str, "tail": str, "log": str, "after_seq": int, "started": str,
-        "git_head": _TEXT, "git_dirty": (bool, _N), "interrupted?": str,
+        "git_head": TEXT, "git_dirty": (bool, _N), "interrupted?": str,
         "provenance?": (PROVENANCE_SPEC, _N)}),
     "decision": (_ev_decision, {"id": str, "decision": str, "note": str,
                                 "signature?": ({"signer": str, "sig": str}, _N)}),
     "story_added": (_ev_story_added, {"story": STORY_EVENT_SPEC, "unverifiable": UNVERIFIABLE_SPEC}),
     "verdict": (_ev_verdict, {"id": str, "verdict": str, "evidence": str, "agent": str,
-                              "tree?": _TEXT, "packet_seq?": (int, _N)}),
-    "guard_block": (_ev_guard_block, {"reason": str, "fresh": bool, "hook?": _TEXT}),
+                              "tree?": TEXT, "packet_seq?": (int, _N)}),
+    "guard_block": (_ev_guard_block, {"reason": str, "fresh": bool, "hook?": TEXT}),
     "judge_packet": (lambda plan, ev: _ev_judge_packet(plan, ev),  # with the trust code
                      {"id": str, "tree": str, "files": (int, _N)}),
-    "paused": (_ev_paused, {"note": _TEXT}),
+    "paused": (_ev_paused, {"note": TEXT}),
     "unpaused": (_ev_unpaused, {}),
     "observed_run": (_ev_observed_run, {"id": str, "cmd": str, "exit_code": (int, _N),
-                                        "ok": (bool, _N), "tool": _TEXT, "detail": _TEXT}),
-    "story_released": (_ev_story_released, {"id": str, "note": str, "agent": _TEXT}),
+                                        "ok": (bool, _N), "tool": TEXT, "detail": TEXT}),
+    "story_released": (_ev_story_released, {"id": str, "note": str, "agent": TEXT}),
     "plan_merged": (_ev_plan_merged, {"plan_id": str, "events": int, "head": str,
                                       "lines": [str]}),
 }
 EVENT_SPECS = {kind: dict(_EVENT_BASE, **fields) for kind, (_, fields) in EVENTS.items()}
-_TS = Pattern(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}\+00:00\Z", re.A)
 _FITTED = set()
 
 
@@ -1101,7 +1258,7 @@ def apply_event(plan, ev):
     shape = (kind, tuple(ev), types)  # only shapes with no list or dict are kept as they are
     if shape not in _FITTED:
         fit_event(kind, ev, shape, types)
-    if not _TS.match(ev["ts"]):
+    if not regex(TIMESTAMP, re.A).match(ev["ts"]):
         raise forged(f"ts {one_line(ev['ts'])[:40]!r} is not a UTC timestamp")
     if (plan is None) != (kind == "plan_created"):
         raise damaged("plan_created must be the first event and only the first", "bad_sequence")
@@ -1136,23 +1293,58 @@ def _dict_shape(value):
         return None
     inner = tuple(_dict_shape(v) for v in value.values() if type(v) is dict)
     return None if None in inner else (tuple(value), types, inner)
+WIRING_EVENTS = {  # how `log` shows them
+    "paused": lambda ev: "guard paused" + (f": {one_line(ev['note'])}" if ev.get("note") else ""),
+    "unpaused": lambda ev: "guard on again",
+    "observed_run": lambda ev: (f"{ev.get('id')} observed `{one_line(last_chars(ev.get('cmd'), 200))}` → "
+                                f"{observed_result(ev)} (reported by {one_line(ev.get('tool'))})"),
+}
 
 
-def run_passed(run):
-    return run.get("exit_code") == 0 and not run.get("timed_out") and not run.get("error") \
-        and not run.get("interrupted")
-
-
-def describe_exit(run):
-    if run.get("interrupted"):
-        return f"interrupted by {run['interrupted']}"
-    if run.get("error"):
-        return "did not start: " + one_line(run["error"])
-    if run.get("timed_out"):
-        return f"timed out after {one_line(run.get('duration_s'))} s"
-    if run.get("signal"):
-        return f"killed by {one_line(run['signal'])}"
-    return f"exit {one_line(run.get('exit_code'))}"
+def format_event(ev):
+    """One event of the ledger as a line of history."""
+    kind, sid = ev.get("event"), one_line(ev.get("id", ""))
+    when = time_label(ev.get("ts"))
+    if kind == "plan_created":
+        count = ev.get("count")
+        text = f"plan created — {count_stories(count) if type(count) is int else one_line(count)}: " \
+               f"{defused_line(ev.get('brief'))}"
+        if ev.get("replaces"):
+            text += f" (replaces {one_line(ev['replaces'].get('plan_id'))}, archived)"
+        if ev.get("imported_from"):
+            text += " (imported from the original goals.py)"
+    elif kind == "story_started":
+        text = f"{sid} started, round {one_line(ev.get('round'))}" + (f", agent {one_line(ev['agent'])}"
+                                                           if ev.get("agent") else "")
+    elif kind == "checkpoint":
+        text = f"{sid} checkpoint {one_line(ev.get('status'))} — evidence: {one_line(last_chars(ev.get('evidence'), 200))}"
+        if ev.get("verify_cmd"):
+            text += f" · verify-cmd: {one_line(ev['verify_cmd'])}"
+        if ev.get("verify_evidence"):
+            text += f" · verify-evidence: {one_line(last_chars(ev['verify_evidence'], 120))}"
+        if ev.get("status") == "complete":
+            text += " · grade: " + ("witnessed" if ev.get("run") or ev.get("runs") else "claimed")
+    elif kind == "verify_run":
+        text = f"{sid} run {run_summary(ev)} · log {one_line(ev.get('log'))}" + \
+            (f" · in {one_line(ev['cwd'])}" if isinstance(ev.get("cwd"), str) else "")
+    elif kind == "decision":
+        text = f"{sid} decision: {one_line(ev.get('decision'))} — {one_line(ev.get('note'))}"
+    elif kind == "story_added":
+        story = ev.get("story", {})
+        text = f"{one_line(story.get('id'))} added: {defused_line(story.get('title'))}"
+    elif kind == "verdict":
+        text = (f"{sid} verdict {one_line(ev.get('verdict'))} by {one_line(ev.get('agent'))} — "
+                f"{one_line(last_chars(ev.get('evidence'), 200))}")
+    elif kind == "guard_block":
+        text = f"stop blocked by the guard: {one_line(ev.get('reason', ''))}"
+    elif kind == "judge_packet":
+        text = f"{sid} judge packet: working tree recorded ({one_line(ev.get('files'))} files, " \
+               f"sha256 {one_line(str(ev.get('tree'))[:16])}…)"
+    elif kind in WIRING_EVENTS:
+        text = WIRING_EVENTS[kind](ev)
+    else:
+        text = one_line(kind)
+    return f"#{one_line(ev.get('seq'))}  {one_line(when)}  {text}"
 
 
 def is_original_snapshot(snap):
@@ -1187,15 +1379,37 @@ def validate_snapshot(plan):
     return plan
 
 
-# Storage: discovery, lock, ledger, snapshot ################################
+def original_plan_fields(snap):
+    """The plan_created fields that carry an original goals.py plan's stories as they are."""
+    stories = []
+    for i, g in enumerate(snap["goals"], 1):
+        stories.append({"id": story_id(i), "title": g["title"], "objective": g["objective"],
+                        "status": g["status"], "evidence": g.get("evidence"),
+                        "after": [story_id(i - 1)] if i > 1 else []})
+    stories[-1]["after"] = [s["id"] for s in stories[:-1]]
+    return {"brief": snap["brief"], "count": len(stories), "plan_id": new_plan_id(),
+            "stories": stories, "options": {"rounds": DEFAULT_ROUNDS, "require_run": False},
+            "imported_from": {"tool": "goals.py (original)"}}
 
-import errno
-import stat
 
+def make_event(plan, kind, fields, ts=None):
+    """The next event of `plan`: (the plan after it, its record, its ledger line). Pure: the
+    plan is changed in place, nothing is written."""
+    record = {"seq": plan["ledger"]["seq"] + 1 if plan else 1, "ts": ts or now_iso(), "event": kind}
+    record.update(fields)
+    record["prev"] = plan["ledger"]["head"] if plan else ZERO_HASH
+    plan = apply_event(plan, record)
+    line = dumps(record).encode("utf-8")
+    plan["ledger"] = {"seq": record["seq"], "head": sha256_hex(line)}
+    return plan, record, line
+
+
+# Storage: discovery, files, lock, ledger, snapshot ############################################
 O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 O_BINARY = getattr(os, "O_BINARY", 0)
 O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+
 
 # Where FABLIZE_CRASH_AT (tests only) may kill the process, in write-protocol order.
 CRASH_POINTS = ("before-ledger-write", "after-ledger-write", "after-ledger-fsync",
@@ -1226,6 +1440,20 @@ def find_state_dir(explicit, cwd):
         if parent == d:
             return os.path.join(here, STATE_DIRNAME), True
         d = parent
+
+
+def project_state_dir(path, out):
+    """--dir or $FABLIZE_DIR naming a project (it holds .git or .fablize/, but no state files)
+    means that project's .fablize/: state files written into the project would put the
+    checks' working directory one level too high."""
+    if os.path.basename(path) == STATE_DIRNAME or any(
+            os.path.lexists(os.path.join(path, name)) for name in (SNAPSHOT, LEDGER)):
+        return path
+    if not any(os.path.lexists(os.path.join(path, name)) for name in (".git", STATE_DIRNAME)):
+        return path
+    state = os.path.join(path, STATE_DIRNAME)
+    out.warn(f"{path} is a project root, not a state directory — using {state}.")
+    return state
 
 
 def symlink_refusal(path):
@@ -1304,6 +1532,74 @@ def ensure_subdir(path):
         if not stat.S_ISDIR(st.st_mode):
             raise damaged(f"{path} is not a directory.", "not_a_directory")
     return path
+
+
+def free_name(path):
+    """`path`, or `path.2`, `path.3`, … whichever does not exist yet."""
+    candidate, n = path, 1
+    while os.path.lexists(candidate):
+        n += 1
+        candidate = f"{path}.{n}"
+    return candidate
+
+
+def link_or_copy(src, dst):
+    try:
+        os.link(src, dst)
+    except OSError:  # no hard links here (some filesystems): copy, refusing a symlink
+        fd = open_state_file(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            write_all(fd, read_state_file(src) or b"")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_atomic(path, data, mode=0o644, sweep=False):
+    """Replace `path` with `data` whole: a temp file in the same directory, fsync, rename, fsync
+    the directory. With `sweep`, temp files a killed writer left are removed first (the caller
+    holds the lock)."""
+    directory = os.path.dirname(path) or "."
+    if sweep:
+        prefix = os.path.basename(path) + ".tmp-"
+        for name in os.listdir(directory):
+            if name.startswith(prefix):
+                os.unlink(os.path.join(directory, name))
+    tmp = f"{path}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
+    fd = open_state_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        try:
+            write_all(fd, data)
+            crash_point("after-snapshot-temp")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        crash_point("before-snapshot-replace")
+        os.replace(tmp, path)  # rename last: a crash before it leaves the old file whole
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    crash_point("after-snapshot-replace")
+    fsync_dir(directory)
+
+
+def write_state_gitignore(state_dir):
+    """`.fablize/.gitignore`, unless one is there already (it may be the user's own)."""
+    path = os.path.join(state_dir, ".gitignore")
+    if os.path.lexists(path):
+        return False
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_BINARY, 0o644)
+    except FileExistsError:
+        return False
+    try:
+        write_all(fd, STATE_GITIGNORE.encode())
+    finally:
+        os.close(fd)
+    return True
 
 
 def pid_alive(pid):
@@ -1452,8 +1748,6 @@ def parse_event(line):
     if type(ev) is dict and type(ev.get("seq")) is int and type(ev.get("event")) is str:
         return ev
     return None
-
-
 _SCAN = json.JSONDecoder().scan_once  # json's C scanner: one value at a position, and its end
 
 
@@ -1663,16 +1957,7 @@ class Replay:
 
     def position(self):
         return {"seq": self.seq, "head": self.head}
-
-
 _EVENT_KIND = itemgetter("event")
-
-
-def fast_sha256():
-    """OpenSSL's SHA-256 (several times faster on long inputs; hashlib costs ~4 ms to import,
-    so only what reads a whole ledger or a large file uses it)."""
-    from hashlib import sha256
-    return lambda data: sha256(data).hexdigest()
 
 
 def replay_all(ledger, end, on_event=None, kinds=None):
@@ -1690,15 +1975,6 @@ def replay_all(ledger, end, on_event=None, kinds=None):
         counts.update(map(_EVENT_KIND, events))  # in C: every line is an event by now
         del events  # freed before the next batch is parsed, whose objects reuse its memory
     return replay
-
-
-# The snapshot ###############################################################
-#
-# goals.json starts with its digest: the SHA-256 of the file's own bytes after that first key,
-# so checking it costs one hash and no re-serialising. Snapshots of version 1 (a digest over
-# sorted keys, and every run of every story) still verify; the engine then rebuilds them from
-# the ledger.
-
 SNAPSHOT_VERSION = 2
 _DIGEST_PREFIX = b'{"digest":"'
 
@@ -1756,48 +2032,37 @@ def position_error(snap_seq, ledger_seq):
                    "disagree")
 
 
-def write_atomic(path, data, mode=0o644, sweep=False):
-    """Replace `path` with `data` whole: a temp file in the same directory, fsync, rename, fsync
-    the directory. With `sweep`, temp files a killed writer left are removed first (the caller
-    holds the lock)."""
-    directory = os.path.dirname(path) or "."
-    if sweep:
-        prefix = os.path.basename(path) + ".tmp-"
-        for name in os.listdir(directory):
-            if name.startswith(prefix):
-                os.unlink(os.path.join(directory, name))
-    tmp = f"{path}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
-    fd = open_state_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+def loose_snapshot(store):
+    """goals.json as a dict with a goals list, or None when it is missing or unreadable."""
     try:
-        try:
-            write_all(fd, data)
-            crash_point("after-snapshot-temp")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        crash_point("before-snapshot-replace")
-        os.replace(tmp, path)  # rename last: a crash before it leaves the old file whole
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    crash_point("after-snapshot-replace")
-    fsync_dir(directory)
+        snap = load_json(read_state_file(store.path(SNAPSHOT)) or b"null")
+    except ValueError:
+        return None
+    return snap if isinstance(snap, dict) and isinstance(snap.get("goals"), list) else None
 
 
-# Reading and writing the plan ###############################################
+def stripped_snapshot_error():
+    return damaged(f"{SNAPSHOT} lost its ledger position and digest but {LEDGER} is hash-chained: "
+                   "it was edited by hand — run `audit`; `rebuild` regenerates it from the "
+                   "ledger.", "snapshot_edited")
+
+
+def legacy_refusal():
+    return damaged(f"{SNAPSHOT} was written by the original goals.py; run `status` (or any writing "
+                   "command) to import it into a hash-chained ledger first.", "legacy")
 
 
 class Store:
-    """A state directory. Storage never prints: what it has to say goes to `warnings`."""
+    """A state directory. Storage never prints: what it has to say goes to `warnings`. Its
+    `after_commit` steps run after every writing session that committed an event, still under
+    the lock (a shared plan publishes there); storage knows nothing of what they do."""
 
     def __init__(self, path, discovered, warnings=None):
         self.dir = path
         self.root = os.path.dirname(path)
         self.discovered = discovered
         self.warnings = [] if warnings is None else warnings
+        self.after_commit = []
 
     def path(self, name):
         return os.path.join(self.dir, name)
@@ -2007,42 +2272,6 @@ class Reading:
             raise legacy_refusal()
 
 
-def stripped_snapshot_error():
-    return damaged(f"{SNAPSHOT} lost its ledger position and digest but {LEDGER} is hash-chained: "
-                   "it was edited by hand — run `audit`; `rebuild` regenerates it from the "
-                   "ledger.", "snapshot_edited")
-
-
-def legacy_refusal():
-    return damaged(f"{SNAPSHOT} was written by the original goals.py; run `status` (or any writing "
-                   "command) to import it into a hash-chained ledger first.", "legacy")
-
-
-def original_plan_fields(snap):
-    """The plan_created fields that carry an original goals.py plan's stories as they are."""
-    stories = []
-    for i, g in enumerate(snap["goals"], 1):
-        stories.append({"id": story_id(i), "title": g["title"], "objective": g["objective"],
-                        "status": g["status"], "evidence": g.get("evidence"),
-                        "after": [story_id(i - 1)] if i > 1 else []})
-    stories[-1]["after"] = [s["id"] for s in stories[:-1]]
-    return {"brief": snap["brief"], "count": len(stories), "plan_id": new_plan_id(),
-            "stories": stories, "options": {"rounds": DEFAULT_ROUNDS, "require_run": False},
-            "imported_from": {"tool": "goals.py (original)"}}
-
-
-def make_event(plan, kind, fields, ts=None):
-    """The next event of `plan`: (the plan after it, its record, its ledger line). Pure: the
-    plan is changed in place, nothing is written."""
-    record = {"seq": plan["ledger"]["seq"] + 1 if plan else 1, "ts": ts or now_iso(), "event": kind}
-    record.update(fields)
-    record["prev"] = plan["ledger"]["head"] if plan else ZERO_HASH
-    plan = apply_event(plan, record)
-    line = dumps(record).encode("utf-8")
-    plan["ledger"] = {"seq": record["seq"], "head": sha256_hex(line)}
-    return plan, record, line
-
-
 class Transaction(Reading):
     """A write: the lock held throughout; load() moves a torn last line aside and saves a rolled
     forward plan; commit() appends one event (one write, fsync) and then replaces the snapshot."""
@@ -2061,7 +2290,8 @@ class Transaction(Reading):
     def __exit__(self, *exc):
         try:
             if exc[0] is None and self.last is not None:
-                publish(self)  # a shared plan: this command's events go to the remote
+                for step in self.store.after_commit:
+                    step(self)
         finally:
             self.ledger.close()
             self.lock.__exit__(*exc)
@@ -2102,14 +2332,14 @@ class Transaction(Reading):
         """Append one event (checked by apply_event first) and save the snapshot."""
         plan, line = self.prepare(kind, fields)
         self.ledger.append(line, self.ledger.open(create=True))
-        self.settle(plan, line)
+        self.settle(plan)
         return self.last
 
     def prepare(self, kind, fields):
         plan, self.last, line = make_event(self.plan, kind, fields)
         return plan, line
 
-    def settle(self, plan, line):
+    def settle(self, plan):
         self.save_snapshot(plan)
         self.plan = plan
 
@@ -2119,26 +2349,37 @@ class Transaction(Reading):
     def replace_plan(self, fields):
         """Start a new plan over the current one, which moves whole to archive/<plan id>/.
         The old plan stays current until the new ledger is durable, so a crash anywhere leaves
-        the old plan or the new one, never none: its files are linked into the archive, the new
-        first event goes to ledger.jsonl.new, and one rename swaps it in."""
-        store = self.store
+        the old plan or the new one, never none: its files are linked into the archive, then
+        the new first event replaces the ledger (swap_ledger)."""
         old = self.archive_current()
         plan, line = self.prepare("plan_created", dict(fields, replaces=old))
+        self.swap_ledger(line + b"\n", plan)
+        return old
+
+    def swap_ledger(self, data, plan):
+        """Replace the whole ledger with `data` and the snapshot with `plan`'s, crash-safe: the
+        new ledger is written and fsynced beside the old one, the snapshot removed (from then a
+        crash replays the new ledger from nothing), and one rename swaps it in. The rename is
+        the moment the new ledger becomes current; before it, the old one still is."""
+        store = self.store
         staged = store.path(LEDGER + ".new")
         if os.path.lexists(staged):
             os.unlink(staged)  # left by a crash before its swap: never current
         fd = open_state_file(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
-            self.ledger.append(line, fd)
+            crash_point("before-ledger-write")
+            write_all(fd, data)
+            crash_point("after-ledger-write")
+            os.fsync(fd)
+            crash_point("after-ledger-fsync")
         finally:
             os.close(fd)
         self.ledger.close()
         if os.path.lexists(store.path(SNAPSHOT)):
-            os.unlink(store.path(SNAPSHOT))  # from here a crash rolls the old ledger forward
+            os.unlink(store.path(SNAPSHOT))
         os.replace(staged, store.path(LEDGER))
         fsync_dir(store.dir)
-        self.settle(plan, line)
-        return old
+        self.settle(plan)
 
     def archive_current(self):
         """Copy the current plan into archive/<plan id>/ (hard links: constant time) and move its
@@ -2154,7 +2395,7 @@ class Transaction(Reading):
                 head = sha256_hex(last)
                 ev = parse_event(last)
                 seq = ev["seq"] if ev else None
-        plan_id = plan_id if isinstance(plan_id, str) and _PLAN_ID.match(plan_id) \
+        plan_id = plan_id if is_plan_id(plan_id) \
             else "unknown-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         ensure_subdir(store.path(ARCHIVE))
         dest = free_name(store.path(os.path.join(ARCHIVE, plan_id)))
@@ -2174,53 +2415,200 @@ class Transaction(Reading):
                 "path": os.path.relpath(dest, store.dir)}
 
 
-def loose_snapshot(store):
-    """goals.json as a dict with a goals list, or None when it is missing or unreadable."""
+# Tools: git and the other programs the engine starts ##########################################
+# One policy for every program the engine and its rooms start (git, ssh-keygen, a shell for
+# doctor): one timeout, never a prompt for credentials, a missing program or a timeout as one
+# line. Like git-filter-repo's GitUtils: nothing else calls subprocess for a tool.
+TOOL_TIMEOUT = 120.0
+
+
+def run_tool(argv, cwd=None, data=None, what=None, timeout=TOOL_TIMEOUT, shell=False):
+    """(exit code, stdout bytes, stderr text) of a program; `data` is its stdin (else none)."""
+    import subprocess
+    env = dict(os.environ, GIT_TERMINAL_PROMPT="0", GIT_ASKPASS="", SSH_ASKPASS="")
+    name = argv.split()[0] if shell else argv[0]
     try:
-        snap = load_json(read_state_file(store.path(SNAPSHOT)) or b"null")
+        p = subprocess.run(argv, cwd=cwd, input=data, capture_output=True, timeout=timeout,
+                           env=env, shell=shell,
+                           stdin=subprocess.DEVNULL if data is None else None)
+    except FileNotFoundError:
+        raise refused(f"{name} is not installed (or not on PATH): {what or name} needs it.",
+                      "tool_missing")
+    except subprocess.TimeoutExpired:
+        raise damaged(f"{name} took more than {timeout:g} s ({what or name}).", "tool_timeout")
+    except (OSError, ValueError) as e:  # ValueError: a NUL in an argument
+        raise damaged(f"{name} failed to run: {one_line(e)}", "io_error")
+    return p.returncode, p.stdout, p.stderr.decode("utf-8", "replace").strip()
+
+
+def git(root, *args, data=None, what=None):
+    """(exit code, stdout bytes, stderr text) of git in the repository at `root`."""
+    return run_tool(["git", "-C", root, *args], data=data, what=what or "this command")
+
+
+def git_out(root, *args, data=None, what=None):
+    """git's stdout; a failure is damage, with git's own reason."""
+    code, out, err = git(root, *args, data=data, what=what)
+    if code != 0:
+        raise damaged(f"git {args[0]} failed: {one_line(err)[:300]}", "git_failed")
+    return out
+
+
+def repo_root(start):
+    """The repository holding `start`: the nearest directory at or above it that holds `.git`
+    (a folder, or the file of a worktree or submodule), or None. The one root finder: no git
+    process, so every start can afford it."""
+    d = os.path.realpath(start)
+    while True:
+        if os.path.lexists(os.path.join(d, ".git")):
+            return d
+        parent = os.path.dirname(d)
+        if parent == d:
+            return None
+        d = parent
+
+
+def repo_relative(path):
+    """`path` relative to its repository ("." at the top), or None outside one."""
+    top = repo_root(path)
+    return None if top is None else \
+        os.path.relpath(os.path.realpath(path), top).replace(os.sep, "/")
+
+
+def git_state(root):
+    """(HEAD, dirty) of the repository at `root`, or (None, None) outside one."""
+    try:
+        code, out, _ = git(root, "rev-parse", "HEAD")
+        if code != 0:
+            return None, None
+        head = out.decode().strip()
+        code, out, _ = git(root, "status", "--porcelain", "--", ".", ":(exclude)" + STATE_DIRNAME)
+    except FablizeError:
+        return None, None
+    return head, bool(out.strip())
+
+
+def tree_state(root, state_dir):
+    """(sha256, file count) of the working tree at `root`: every tracked and untracked file
+    (git's ignore rules apply), by name, mode and content; the state directory is left out.
+    Outside git, every file under `root` but .git/ and the state directory."""
+    top = repo_root(root)
+    names, ignored = None, []
+    if top is not None:
+        code, out, _ = git(root, "ls-files", "-z", "--cached", "--others",
+                           "--exclude-per-directory=.gitignore", "--full-name", what="judge-packet")
+        if code == 0:
+            names = sorted(set(os.path.join(top, n.decode("utf-8", "surrogateescape"))
+                               for n in out.split(b"\0") if n))
+            # what .gitignore files hide counts by name (a new ignored file, or a .gitignore
+            # that hides itself, changes the tree too); folders once, not file by file
+            code, out, _ = git(root, "ls-files", "-z", "--others", "--ignored",
+                               "--exclude-per-directory=.gitignore", "--directory", "--full-name",
+                               what="judge-packet")
+            ignored = sorted(n.decode("utf-8", "surrogateescape") for n in out.split(b"\0")
+                             if n) if code == 0 else []
+    if names is None:
+        names = []
+        for d, subdirs, files in os.walk(root):
+            subdirs[:] = [x for x in subdirs if x != ".git"
+                          and os.path.join(d, x) != state_dir]
+            names += [os.path.join(d, f) for f in files]
+        names.sort()
+    digest, count = _sha256(), 0
+    state = os.path.join(os.path.abspath(state_dir), "")
+    for name in ignored if top is not None and names is not None else []:
+        if not os.path.join(top, name).startswith(state) and name != ".git/":
+            digest.update(f"ignored:{name}\n".encode("utf-8", "surrogateescape"))
+    for path in names:
+        if path.startswith(state):  # by its own path: a symlink into it is a file of the tree
+            continue
+        try:
+            st = os.lstat(path)
+        except OSError:
+            entry = "missing"
+        else:
+            if stat.S_ISLNK(st.st_mode):
+                entry = "link:" + os.readlink(path)
+            elif stat.S_ISREG(st.st_mode):
+                entry = f"{st.st_mode & 0o111:o}:{file_sha256(path)}"
+            else:
+                entry = "other"
+        rel = os.path.relpath(path, root)
+        digest.update(f"{rel}\0{entry}\n".encode("utf-8", "surrogateescape"))
+        count += 1
+    return digest.hexdigest(), count
+
+
+# variables that change what a witnessed command does, recorded with each run (a hint)
+WITNESS_ENV = ("PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEPATH",
+               "PYTHONNOUSERSITE", "PYTHONUSERBASE", "LD_PRELOAD", "LD_LIBRARY_PATH",
+               "DYLD_INSERT_LIBRARIES", "DYLD_LIBRARY_PATH", "MAKEFLAGS", "MAKEFILES",
+               "BASH_ENV", "ENV", "NODE_OPTIONS", "NODE_PATH", "PERL5OPT", "RUBYOPT")
+MAX_ENV_VALUE = 1000
+
+
+def command_program(cmd, root):
+    """The program a shell command line starts first, resolved as the shell would (PATH, or a
+    path relative to `root`), or None for a builtin, a variable or an unparsable line."""
+    import shlex
+    import shutil
+    try:
+        lexer = shlex.shlex(cmd, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        tokens = list(lexer)
     except ValueError:
         return None
-    return snap if isinstance(snap, dict) and isinstance(snap.get("goals"), list) else None
+    for token in tokens:
+        if not token or all(c in "();<>|&" for c in token) or token in _PREFIX_WORDS or \
+                re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", token, re.S):
+            continue
+        if token in _SHELL_BUILTINS or "$" in token or "`" in token:
+            return None
+        if "/" in token:
+            path = token if os.path.isabs(token) else os.path.join(root, token)
+            return os.path.abspath(path) if os.path.isfile(path) else None
+        found = shutil.which(token)
+        return os.path.abspath(found) if found else None
+    return None
 
 
-def free_name(path):
-    """`path`, or `path.2`, `path.3`, … whichever does not exist yet."""
-    candidate, n = path, 1
-    while os.path.lexists(candidate):
-        n += 1
-        candidate = f"{path}.{n}"
-    return candidate
-
-
-def link_or_copy(src, dst):
+def file_sha256(path):
+    digest = _sha256()
     try:
-        os.link(src, dst)
-    except OSError:  # no hard links here (some filesystems): copy, refusing a symlink
-        fd = open_state_file(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        try:
-            write_all(fd, read_state_file(src) or b"")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    except OSError:
+        return None
+    return digest.hexdigest()
 
 
-def new_plan_id():
-    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + os.urandom(3).hex()
+def witness_env():
+    """The listed variables that are set, each as its value (or the digest of a long one)."""
+    env = {}
+    for name in WITNESS_ENV:
+        value = os.environ.get(name)
+        if value is not None:
+            value = fix_argv_text(value)
+            env[name] = value if len(value) <= MAX_ENV_VALUE else \
+                "sha256:" + sha256_hex(value.encode("utf-8"))
+    return env
 
 
-# Running verification commands ##############################################
-#
-# The lock is never held while a user's command runs: a check runs outside it and its
-# record is appended afterwards. Exit 0 is the only pass; non-zero, timeout, a signal
-# or a failure to start all fail closed.
+def run_provenance(root, cmd):
+    """Where and with what a witnessed run ran: a hint for the reviewer (an agent with a shell
+    can still lie about its environment; only a re-witnessed run is proof)."""
+    program = command_program(cmd, root)
+    return {"dir": repo_relative(root), "program": program,
+            "program_sha256": file_sha256(program) if program else None, "env": witness_env()}
 
+
+# Running checks ###############################################################################
 _SHELL_BUILTINS = frozenset(
     "! : . [ [[ alias bg break builtin case cd command continue declare do done echo elif else "
     "esac eval exec exit export false fi for function getopts hash if in let local printf pwd "
     "read readonly return set shift source test then time times trap true type ulimit umask "
     "unalias unset until wait while { }".split())
-
-
 _PREFIX_WORDS = frozenset("! { if then elif else while until do exec time command builtin "
                           "nohup env".split())
 
@@ -2268,22 +2656,6 @@ def unverifiable_checks(stories, root):
     return found
 
 
-def git_state(root):
-    """(HEAD, dirty) of the repository at `root`, or (None, None) outside one."""
-    import subprocess
-    try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True,
-                              timeout=10, stdin=subprocess.DEVNULL)
-        if head.returncode != 0:
-            return None, None
-        status = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", ".",
-                                 ":(exclude)" + STATE_DIRNAME], capture_output=True, timeout=30,
-                                stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.SubprocessError):
-        return None, None
-    return head.stdout.decode().strip(), bool(status.stdout.strip())
-
-
 def kill_group(proc):
     import signal
     try:
@@ -2299,6 +2671,59 @@ def kill_group(proc):
             os.killpg(proc.pid, signal.SIGKILL)
     except OSError:
         pass
+
+
+class RunInterrupted(BaseException):
+    """A stop signal during a run (not an Exception: no handler may swallow it)."""
+
+
+class StopSignals:
+    """SIGINT, SIGTERM and SIGHUP while a user's command runs: the first one stops the run (its
+    whole process group is killed) and is kept to be reported; nothing else is started."""
+
+    NAMES = ("SIGINT", "SIGTERM", "SIGHUP")
+
+    def __init__(self):
+        self.got = None
+        self.waiting = False
+        self.saved = {}
+
+    def __enter__(self):
+        import signal
+        import threading
+        if threading.current_thread() is not threading.main_thread():
+            return self  # only the main thread may set handlers; the caller's stay in force
+        for name in self.NAMES:
+            num = getattr(signal, name, None)
+            if num is not None:
+                try:
+                    self.saved[num] = signal.signal(num, self._handle)
+                except (ValueError, OSError):
+                    pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.got is None:
+            import signal
+            self.got = signal.Signals(signum).name
+            if self.waiting:
+                raise RunInterrupted()
+
+    def wait(self, proc, timeout):
+        """proc.wait(timeout), cut short (RunInterrupted) by a stop signal, even an earlier one."""
+        self.waiting = True
+        try:
+            if self.got is not None:
+                raise RunInterrupted()
+            return proc.wait(timeout=timeout)
+        finally:
+            self.waiting = False
+
+    def __exit__(self, *exc):
+        import signal
+        for num, old in self.saved.items():
+            signal.signal(num, old if old is not None else signal.SIG_DFL)
+        return False
 
 
 def run_command(cmd, cwd, timeout, stream, log_path):
@@ -2408,8 +2833,6 @@ def run_command(cmd, cwd, timeout, stream, log_path):
     if stream is not None and not at_start[0]:
         stream.write("\n")
     return record
-
-
 OUTPUT_BAR = "  │ "
 
 
@@ -2424,23 +2847,23 @@ def quote_output(text, at_start):
     return quoted, False
 
 
-def execute_runs(ctx, store, story_id_, commands, after_seq):
-    """Run each (check index, command) outside the lock; returns records ready to commit."""
+def execute_runs(store, sid, commands, after_seq, timeout, out):
+    """Run each (check index, command) of story `sid` outside the lock, saying on `out` (an
+    Output) when each starts and ends; returns records ready to commit."""
     runs_dir = ensure_subdir(store.path(RUNS))
     head, dirty = git_state(store.root)
-    stream = sys.stderr if ctx.json else sys.stdout
     records = []
     for check, cmd in commands:
         label = f"frozen check {check + 1}" if check is not None else "verification"
-        ctx.out.progress(f"fablize: running {label} for {story_id_} in {store.root}: {one_line(cmd)}")
+        out.progress(f"fablize: running {label} for {sid} in {store.root}: {one_line(cmd)}")
         tmp_log = os.path.join(runs_dir, f".run-{os.getpid()}-{os.urandom(4).hex()}.log")
         started = now_iso()
-        record = run_command(cmd, store.root, ctx.timeout, stream, tmp_log)
-        record.update(id=story_id_, check=check, after_seq=after_seq, started=started,
+        record = run_command(cmd, store.root, timeout, out.stream(), tmp_log)
+        record.update(id=sid, check=check, after_seq=after_seq, started=started,
                       git_head=head, git_dirty=dirty, tmp_log=tmp_log,
                       provenance=run_provenance(store.root, cmd))
-        ctx.out.progress(f"fablize: {label} {'passed' if run_passed(record) else 'FAILED'} — "
-                f"{run_result(record)}")
+        out.progress(f"fablize: {label} {'passed' if run_passed(record) else 'FAILED'} — "
+                     f"{run_result(record)}")
         records.append(record)
         if record.get("interrupted"):
             break  # a stop signal stops the whole command, not just this run
@@ -2460,11 +2883,37 @@ def commit_runs(session, records):
     return committed
 
 
-# Rendering: handoff, status, history ########################################
+
+# Rendering: handoff, status, report ###########################################################
 
 
-def indent(text, prefix="    "):
-    return "\n".join(prefix + line for line in text.split("\n"))
+def invocation(cwd=None):
+    """The command that runs this engine, as every handoff, hook reason and block prints it:
+    `fablize` when started as the installed command or through the plugin's bin/fablize; else
+    the file that was started (this script, or the launcher beside it) by its place in the
+    repository, found from wherever the shell stands (`git rev-parse`); else, for a copy outside
+    the repository, by its absolute path."""
+    name, ext = os.path.splitext(os.path.basename(sys.argv[0] or ""))
+    if name == "fablize" and ext.lower() != ".py":
+        return "fablize"
+    started = sys.argv[0] if name + ext == LAUNCHER else __file__
+    script = os.path.realpath(started)
+    root = repo_root(cwd or os.getcwd())
+    if root is not None:
+        try:
+            rel = os.path.relpath(script, root).replace(os.sep, "/")
+        except ValueError:  # another drive on Windows
+            rel = ".."
+        if not rel.startswith("..") and re.fullmatch(r"[\w./@+-]+", rel):
+            return repository_command(rel)
+    return f"{PYTHON}{' -I -S' if name + ext == LAUNCHER else ''} {quote_arg(script)}"
+
+
+def repository_command(rel):
+    """The command that runs the repository's file `rel` (its launcher or goals.py) from any
+    directory of any clone, with no absolute path: what setup commits."""
+    flags = " -I -S" if os.path.basename(rel) == LAUNCHER else ""  # a lean start: stdlib only
+    return f'{PYTHON}{flags} "$(git rev-parse --show-toplevel)/{rel}"'
 
 
 def run_summary(run):
@@ -2487,6 +2936,13 @@ def completion_command(prog, plan, story):
     if is_final(plan, story):  # witnessed first: the engine runs it (SKILL.md: prefer --run)
         return cmd + " --run --verify-cmd \"<command>\""
     return cmd
+
+
+def handoff_command(prog, story):
+    """The command that prints `story`'s whole handoff again without changing anything."""
+    if story["agent"]:
+        return f"{prog} next --agent {quote_arg(story['agent'])}"
+    return f"{prog} next"
 
 
 def render_map(plan, story):
@@ -2546,7 +3002,33 @@ def render_feedback(story):
     return lines
 
 
-def render_handoff(ctx, plan, story, reshown):
+def render_round_failures(story, prefix):
+    failed = round_failures(story)
+    if not failed:
+        return []
+    lines = [f"⚠ {prefix}{len(failed)} run(s) already failed in this round — fix what they "
+             "show before the complete checkpoint:"]
+    for run in failed:
+        label = f"frozen check {run['check'] + 1}" if run["check"] is not None else "run"
+        lines.append(f"  {label} `{defuse(one_line(run['cmd']))}` ({describe_exit(run)}, event "
+                     f"{run['seq']}) — output tail:")
+        lines.append(indent(defuse(last_chars(run["tail"]).rstrip("\n")) or "(no output)",
+                            "      "))
+    return lines
+
+
+def render_observed(story):
+    seen = observed_of(story)
+    if not seen:
+        return []
+    lines = ["## Observed runs — what your harness reported about commands you ran (observed: "
+             "more than claimed, less than witnessed):"]
+    lines += [f"  event {o.get('seq')}: `{one_line(o['cmd'])}` → {observed_result(o)}"
+              for o in seen[-5:]]
+    return lines
+
+
+def render_handoff(prog, plan, story, reshown):
     lines = [f"=== fablize handoff — {story['id']} {defused_line(story['title'])}",
              f"Objective: {defused_line(story['objective'])}"]
     for a in story["amendments"]:
@@ -2594,13 +3076,32 @@ def render_handoff(ctx, plan, story, reshown):
     if story["judge"]:
         lines.append("Judged story: `complete` moves it to review; an independent judge decides.")
     lines += render_observed(story)
-    lines.append(f"Not achieved yet: {ctx.prog} checkpoint --id {story['id']} --status failed "
+    lines.append(f"Not achieved yet: {prog} checkpoint --id {story['id']} --status failed "
                  "--evidence \"<what is missing>\"; impossible as specified: --status blocked "
                  "--evidence \"<why>\", then stop and ask a human.")
-    lines.append("On completion: " + completion_command(ctx.prog, plan, story))
+    lines.append("On completion: " + completion_command(prog, plan, story))
     if is_final(plan, story) and not story["checks"] and not plan["options"]["require_run"]:
         lines.append("  (only if the engine cannot run it, a claimed completion: --verify-cmd "
                      "\"<command>\" --verify-evidence \"<result>\" without --run)")
+    return lines
+
+
+def render_resume(prog, plan, story):
+    """What `status` shows of a story in progress: enough to pick it up after a crash."""
+    lines = [f"## Resume {story['id']} — {defused_line(story['title'])} (round {story['round']}, "
+             f"started {time_label(story['started_ts'])})",
+             f"Objective: {defused_line(story['objective'])}"]
+    lines += [f"Amended: {defused_line(a['note'])}" for a in story["amendments"]]
+    fb = story["feedback"]
+    if fb:
+        lines.append(f"What was missing last round (round {fb['round']}):")
+        lines.append(indent(defuse(last_chars(fb["text"], 300))) if not blank(fb["text"])
+                     else "    (no reason was recorded)")
+    lines += render_round_failures(story, "")
+    lines.append("Full handoff (plan map, dependencies' evidence, checks): "
+                 + handoff_command(prog, story))
+    lines.append(f"  or, for every story in progress: {prog} status --resume")
+    lines.append("Then: " + completion_command(prog, plan, story))
     return lines
 
 
@@ -2668,11 +3169,12 @@ def next_action(prog, plan, agent=None):
                     f"progress {held}; the rest waits for them"}
 
 
-def quote_arg(text):
-    """A word for a printed command line, quoted for a POSIX shell when it needs to be."""
-    text = one_line(text)
-    return text if re.fullmatch(r"[\w./:@%+=,-]+", text, re.A) else \
-        "'" + text.replace("'", "'\\''") + "'"
+def hand_to_judge(prog, story):
+    sid = story["id"]
+    return (f"fablize: {sid} \"{defused_line(story['title'])}\" is in review — hand {sid} to the "
+            f"judge: start the fablize-judge agent (or another independent reviewer) on {sid}; it "
+            f"runs {prog} judge-packet --id {sid} and answers with a verdict. Do not judge "
+            "your own work.")
 
 
 def plan_summary(plan):
@@ -2717,53 +3219,50 @@ def plan_json(plan):
             "ledger": plan["ledger"], "stories": [story_json(plan, s) for s in plan["goals"]]}
 
 
-def format_event(ev):
-    """One event of the ledger as a line of history."""
-    kind, sid = ev.get("event"), one_line(ev.get("id", ""))
-    when = time_label(ev.get("ts"))
-    if kind == "plan_created":
-        count = ev.get("count")
-        text = f"plan created — {count_stories(count) if type(count) is int else one_line(count)}: " \
-               f"{defused_line(ev.get('brief'))}"
-        if ev.get("replaces"):
-            text += f" (replaces {one_line(ev['replaces'].get('plan_id'))}, archived)"
-        if ev.get("imported_from"):
-            text += " (imported from the original goals.py)"
-    elif kind == "story_started":
-        text = f"{sid} started, round {one_line(ev.get('round'))}" + (f", agent {one_line(ev['agent'])}"
-                                                           if ev.get("agent") else "")
-    elif kind == "checkpoint":
-        text = f"{sid} checkpoint {one_line(ev.get('status'))} — evidence: {one_line(last_chars(ev.get('evidence'), 200))}"
-        if ev.get("verify_cmd"):
-            text += f" · verify-cmd: {one_line(ev['verify_cmd'])}"
-        if ev.get("verify_evidence"):
-            text += f" · verify-evidence: {one_line(last_chars(ev['verify_evidence'], 120))}"
-        if ev.get("status") == "complete":
-            text += " · grade: " + ("witnessed" if ev.get("run") or ev.get("runs") else "claimed")
-    elif kind == "verify_run":
-        text = f"{sid} run {run_summary(ev)} · log {one_line(ev.get('log'))}" + \
-            (f" · in {one_line(ev['cwd'])}" if isinstance(ev.get("cwd"), str) else "")
-    elif kind == "decision":
-        text = f"{sid} decision: {one_line(ev.get('decision'))} — {one_line(ev.get('note'))}"
-    elif kind == "story_added":
-        story = ev.get("story", {})
-        text = f"{one_line(story.get('id'))} added: {defused_line(story.get('title'))}"
-    elif kind == "verdict":
-        text = (f"{sid} verdict {one_line(ev.get('verdict'))} by {one_line(ev.get('agent'))} — "
-                f"{one_line(last_chars(ev.get('evidence'), 200))}")
-    elif kind == "guard_block":
-        text = f"stop blocked by the guard: {one_line(ev.get('reason', ''))}"
-    elif kind == "judge_packet":
-        text = f"{sid} judge packet: working tree recorded ({one_line(ev.get('files'))} files, " \
-               f"sha256 {one_line(str(ev.get('tree'))[:16])}…)"
-    elif kind in WIRING_EVENTS:
-        text = WIRING_EVENTS[kind](ev)
-    else:
-        text = one_line(kind)
-    return f"#{one_line(ev.get('seq'))}  {one_line(when)}  {text}"
+def md_cell(text, limit=120):
+    text = one_line(last_chars(text or "", limit) if len(text or "") > limit else text or "")
+    return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;").replace("`", "'")
 
 
-# Audit: replaying the whole ledger ##########################################
+def render_report(plan, runs, total=None):
+    goals = plan["goals"]
+    done = sum(1 for s in goals if s["status"] in DONE)
+    filled = round(20 * done / len(goals))
+    lines = [f"# fablize report — {md_cell(plan['brief'], 200)}", "",
+             f"`{'█' * filled}{'░' * (20 - filled)}` **{done}/{len(goals)} done** "
+             f"({100 * done // len(goals)}%)" +
+             (" — " + done_line(plan)[len("fablize: "):] if plan_done(plan) else ""),
+             "", "| Story | Title | Status | Rounds | Evidence | Grade |",
+             "|---|---|---|---|---|---|"]
+    for s in goals:
+        evidence = md_cell(s["evidence"])
+        if s["status"] == "accepted" and s["decision"]:
+            evidence = "accepted by a human: " + md_cell(s["decision"]["note"], 100)
+        lines.append(f"| {s['id']} | {md_cell(s['title'], 80)} | {MARKS[s['status']]} {s['status']} "
+                     f"| {md_cell(str(s['round']))} | {evidence} | {story_grade(s) or ''} |")
+    if runs:
+        lines += ["", "## Verification runs", "",
+                  "| Event | Story | Command | Result | Duration | Output sha256 |", "|---|---|---|---|---|---|"]
+        if total and total > len(runs):
+            lines[-3] += f" — the latest {len(runs)} of {total} (`log` lists them all)"
+        for r in runs:
+            lines.append(f"| {md_cell(str(r['seq']))} | {md_cell(r['id'])} | `{md_cell(r['cmd'], 80)}` | "
+                         f"{'pass' if run_passed(r) else 'FAIL'}: {md_cell(describe_exit(r))} | "
+                         f"{md_cell(str(r.get('duration_s')))} s | `{md_cell(str(r.get('sha256'))[:16])}` |")
+    lines += ["", "## Stories and dependencies", "", "```mermaid", "graph TD"]
+    for s in goals:
+        label = md_cell(s["title"], 40).replace('"', "#quot;")
+        lines.append(f"  {s['id']}[\"{s['id']} {label}\"]:::{s['status']}")
+    for s in goals:
+        for dep in s["after"]:
+            lines.append(f"  {dep} --> {s['id']}")
+    lines += [f"  classDef {k} fill:{row[2]}" for k, row in STATUS_TABLE.items()]
+    lines += ["```", "", f"Ledger head: `{plan['ledger']['seq']}:{md_cell(plan['ledger']['head'])}` "
+              f"(plan `{md_cell(plan['plan_id'])}`)", ""]
+    return "\n".join(lines)
+
+
+# Audit: replaying the whole ledger ############################################################
 
 
 def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None, scan=None,
@@ -2876,144 +3375,6 @@ def first_difference(expected, actual, path=""):
     return None
 
 
-# What the user sees: ids, grades, resume, cancellation ######################
-
-_ID_FORM = Pattern(r"[Gg]0*([0-9]+)")
-EXIT_SIGNAL_BASE = 128      # interrupted by signal N: exit 128 + N, as a shell reports it
-
-
-def normalize_id(text):
-    """`g1`, `G01`, ` g001 ` -> G001, the one spelling the plan uses; other text comes back
-    stripped and upper-cased, for the caller to refuse."""
-    text = text.strip()
-    found = _ID_FORM.fullmatch(text)
-    return story_id(int(found.group(1))) if found else text.upper()
-
-
-def id_arg(text):
-    """argparse `type=` of every option that names one story."""
-    sid = normalize_id(fix_argv_text(text))
-    if not _ID_FORM.fullmatch(sid):
-        raise usage(f"{one_line(text)} is not a story id — ids look like G001, G002, … "
-                    "(`status` lists them).", "bad_id")
-    return sid
-
-
-def count_stories(n):
-    return f"{n} story" if n == 1 else f"{n} stories"
-
-
-def story_grade(story):
-    """What a done story's completion rested on: witnessed (runs the engine made), claimed (the
-    agent's text) or accepted (a human's decision); None while it is not done. A snapshot
-    written before stories kept a grade gets one derived from what it holds."""
-    if "grade" in story:
-        return story["grade"]
-    if story["status"] == "accepted":
-        return "accepted"
-    if story["status"] not in ("complete", "review"):
-        return None
-    witnessed = story["checks"] or any(r["ok"] and r["check"] is None and
-                                       r["cmd"] == story["verify_cmd"] for r in story["runs"])
-    return "witnessed" if witnessed else "claimed"
-
-
-GRADE_WORDS = {"witnessed": "witnessed (the engine ran the checks)",
-               "claimed": "claimed (on the agent's word)", "accepted": "accepted by a human"}
-
-
-def grade_detail(story):
-    grade = story_grade(story)
-    if grade is None:
-        return None
-    if grade == "accepted" and story["decision"]:
-        return "accepted by a human: " + one_line(last_chars(story["decision"]["note"], 200))
-    judged = story["judged_by"]
-    return GRADE_WORDS.get(grade, one_line(grade)) + (
-        f"; judged {one_line(judged['verdict'])} by {one_line(judged['agent'])}"
-        if judged and story["status"] == "complete" else "")
-
-
-def project_state_dir(path, out):
-    """--dir or $FABLIZE_DIR naming a project (it holds .git or .fablize/, but no state files)
-    means that project's .fablize/: state files written into the project would put the
-    checks' working directory one level too high."""
-    if os.path.basename(path) == STATE_DIRNAME or any(
-            os.path.lexists(os.path.join(path, name)) for name in (SNAPSHOT, LEDGER)):
-        return path
-    if not any(os.path.lexists(os.path.join(path, name)) for name in (".git", STATE_DIRNAME)):
-        return path
-    state = os.path.join(path, STATE_DIRNAME)
-    out.warn(f"{path} is a project root, not a state directory — using {state}.")
-    return state
-
-
-def time_label(ts):
-    """A ledger time for people: `2026-12-01 08:12:50 UTC` (the ledger writes UTC)."""
-    ts = str(ts or "")
-    zone = ts[26:] if len(ts) > 26 else ""
-    zone = "UTC" if zone in ("+00:00", "Z", "") and ts else zone
-    return f"{ts[:19].replace('T', ' ')} {zone}".strip()
-
-
-def round_failures(story):
-    """This round's failed runs, newest last, one per check or command (the latest run of each)."""
-    latest = {}
-    for run in story["runs"] if story["status"] == "in_progress" else []:
-        latest[(run["check"], run["cmd"] if run["check"] is None else None)] = run
-    return [r for r in latest.values() if not r["ok"]]
-
-
-def render_round_failures(story, prefix):
-    failed = round_failures(story)
-    if not failed:
-        return []
-    lines = [f"⚠ {prefix}{len(failed)} run(s) already failed in this round — fix what they "
-             "show before the complete checkpoint:"]
-    for run in failed:
-        label = f"frozen check {run['check'] + 1}" if run["check"] is not None else "run"
-        lines.append(f"  {label} `{defuse(one_line(run['cmd']))}` ({describe_exit(run)}, event "
-                     f"{run['seq']}) — output tail:")
-        lines.append(indent(defuse(last_chars(run["tail"]).rstrip("\n")) or "(no output)",
-                            "      "))
-    return lines
-
-
-def handoff_command(ctx, story):
-    """The command that prints `story`'s whole handoff again without changing anything."""
-    if story["agent"]:
-        return f"{ctx.prog} next --agent {quote_arg(story['agent'])}"
-    return f"{ctx.prog} next"
-
-
-def render_resume(ctx, plan, story):
-    """What `status` shows of a story in progress: enough to pick it up after a crash."""
-    lines = [f"## Resume {story['id']} — {defused_line(story['title'])} (round {story['round']}, "
-             f"started {time_label(story['started_ts'])})",
-             f"Objective: {defused_line(story['objective'])}"]
-    lines += [f"Amended: {defused_line(a['note'])}" for a in story["amendments"]]
-    fb = story["feedback"]
-    if fb:
-        lines.append(f"What was missing last round (round {fb['round']}):")
-        lines.append(indent(defuse(last_chars(fb["text"], 300))) if not blank(fb["text"])
-                     else "    (no reason was recorded)")
-    lines += render_round_failures(story, "")
-    lines.append("Full handoff (plan map, dependencies' evidence, checks): "
-                 + handoff_command(ctx, story))
-    lines.append(f"  or, for every story in progress: {ctx.prog} status --resume")
-    lines.append("Then: " + completion_command(ctx.prog, plan, story))
-    return lines
-
-
-def reason_required(status):
-    """failed and blocked carry a reason: the next round reads it, or the human who decides."""
-    if status == "failed":
-        return refused("a failed checkpoint requires --evidence: what is missing (the next round "
-                       "is handed it).", "no_evidence")
-    return refused("a blocked checkpoint requires --evidence: why it cannot be done as specified "
-                   "(the human who decides is handed it).", "no_evidence")
-
-
 def forgive_new_keys(view, snap):
     """The replayed plan without the keys that a snapshot written before they existed lacks."""
     for mine, theirs in zip(view.get("goals", []), snap.get("goals", [])):
@@ -3022,945 +3383,23 @@ def forgive_new_keys(view, snap):
     return view
 
 
-class RunInterrupted(BaseException):
-    """A stop signal during a run (not an Exception: no handler may swallow it)."""
+# Hooks: what an agent's harness runs ##########################################################
 
 
-class StopSignals:
-    """SIGINT, SIGTERM and SIGHUP while a user's command runs: the first one stops the run (its
-    whole process group is killed) and is kept to be reported; nothing else is started."""
-
-    NAMES = ("SIGINT", "SIGTERM", "SIGHUP")
-
-    def __init__(self):
-        self.got = None
-        self.waiting = False
-        self.saved = {}
-
-    def __enter__(self):
-        import signal
-        import threading
-        if threading.current_thread() is not threading.main_thread():
-            return self  # only the main thread may set handlers; the caller's stay in force
-        for name in self.NAMES:
-            num = getattr(signal, name, None)
-            if num is not None:
-                try:
-                    self.saved[num] = signal.signal(num, self._handle)
-                except (ValueError, OSError):
-                    pass
-        return self
-
-    def _handle(self, signum, frame):
-        if self.got is None:
-            import signal
-            self.got = signal.Signals(signum).name
-            if self.waiting:
-                raise RunInterrupted()
-
-    def wait(self, proc, timeout):
-        """proc.wait(timeout), cut short (RunInterrupted) by a stop signal, even an earlier one."""
-        self.waiting = True
+def read_hook_stdin():
+    """The hook's JSON payload from stdin, or None for anything else (never an error: a hook
+    that fails on odd input would trap or blind the agent)."""
+    raw = b""
+    if not sys.stdin.isatty():
         try:
-            if self.got is not None:
-                raise RunInterrupted()
-            return proc.wait(timeout=timeout)
-        finally:
-            self.waiting = False
-
-    def __exit__(self, *exc):
-        import signal
-        for num, old in self.saved.items():
-            signal.signal(num, old if old is not None else signal.SIG_DFL)
-        return False
-
-
-def stop_if_interrupted(ctx, records):
-    """After a run a signal cut short: record the runs (the interrupted one says so) when the
-    state can still be written, else remove their temp logs; then stop with exit 128 + N."""
-    hit = next((r for r in records if r.get("interrupted")), None)
-    if hit is None:
-        return
-    import signal
-    name, sid = hit["interrupted"], hit["id"]
+            raw = sys.stdin.buffer.read(1 << 20)
+        except (OSError, ValueError, AttributeError):
+            raw = b""
     try:
-        with open_plan(ctx) as s:
-            s.require_plan()
-            runs = commit_runs(s, records)
-        ctx.data["runs"] = runs
-        fate = f"recorded as interrupted (event {runs[-1]['seq']}, log {runs[-1]['log']})"
-    except (FablizeError, OSError) as e:
-        for record in records:
-            if record.get("tmp_log") and os.path.lexists(record["tmp_log"]):
-                os.unlink(record["tmp_log"])
-        fate = f"not recorded ({e.message if isinstance(e, FablizeError) else e}; its temp log " \
-               "was removed)"
-    error = FablizeError(f"interrupted by {name}: `{one_line(hit['cmd'])}` was stopped (its "
-                         f"whole process group killed) and {fate}; {sid} is unchanged.",
-                         exit_code=EXIT_SIGNAL_BASE + getattr(signal, name, 0))
-    error.code = "interrupted"
-    raise error
-# Trust: pins, base, rerun, signatures #######################################
-#
-# The ledger is the agent's own diary: the hash chain proves only that history after a pin grew.
-# Trust comes from what the agent cannot write — the base branch's committed ledger (the pin,
-# `audit --base`), CI's own re-run of the frozen checks (`audit --rerun`), a human's key
-# (`decide --sign`, checked against allowed signers read from the base branch) and the checks
-# CI requires (`--require-check`). Three grades name what a completion rests on: claimed (text
-# the agent typed), witnessed (the engine ran it, in the agent's environment), re-witnessed
-# (CI re-ran it).
-
-TRUST_MODEL = """\
-Trust model — three grades of evidence:
-  claimed       text the agent typed (--evidence, --verify-cmd + --verify-evidence).
-  witnessed     the engine ran the command (--run, frozen checks) and recorded its exit
-                code, digest and log. It proves the command ran and what it printed, in
-                the agent's environment; not that the environment was honest.
-  re-witnessed  CI, with its own copy of the engine (python3 -I) and its own environment,
-                re-ran the plan's frozen checks on the committed tree (--rerun).
-The hash chain proves only that history after a pin grew, not who wrote it. Trust comes
-from what the agent cannot write: the base branch's committed ledger and archives (--base),
-CI's own re-run (--rerun), checks CI requires (--require-check) and a human's key
-(decide --sign, verified with --allowed-signers read from the base branch)."""
-
-# variables that change what a witnessed command does, recorded with each run (a hint)
-WITNESS_ENV = ("PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEPATH",
-               "PYTHONNOUSERSITE", "PYTHONUSERBASE", "LD_PRELOAD", "LD_LIBRARY_PATH",
-               "DYLD_INSERT_LIBRARIES", "DYLD_LIBRARY_PATH", "MAKEFLAGS", "MAKEFILES",
-               "BASH_ENV", "ENV", "NODE_OPTIONS", "NODE_PATH", "PERL5OPT", "RUBYOPT")
-SIGN_NAMESPACE = "fablize"
-MAX_ENV_VALUE = 1000
-MAX_LISTED = 10             # unclean runs named one a line in audit's text
-
-
-def run_tool(args, cwd=None, stdin=None, what=None):
-    """(exit code, stdout bytes, stderr text) of git or ssh-keygen; a missing tool is a one-line
-    refusal, not a traceback."""
-    import subprocess
-    try:
-        p = subprocess.run(args, cwd=cwd, input=stdin, capture_output=True, timeout=120,
-                           stdin=None if stdin is not None else subprocess.DEVNULL)
-    except FileNotFoundError:
-        raise refused(f"{args[0]} is not installed (or not on PATH): {what or args[0]} needs it.",
-                      "tool_missing")
-    except (OSError, subprocess.SubprocessError) as e:
-        raise damaged(f"{args[0]} failed to run: {e}", "io_error")
-    return p.returncode, p.stdout, p.stderr.decode("utf-8", "replace").strip()
-
-
-_TOPLEVELS = {}
-
-
-def git_toplevel(root):
-    """The repository's top directory holding `root`, or None outside a git work tree."""
-    if root not in _TOPLEVELS:
-        try:
-            code, out, _ = run_tool(["git", "-C", root, "rev-parse", "--show-toplevel"])
-        except FablizeError:
-            code, out = 1, b""
-        _TOPLEVELS[root] = os.path.realpath(out.decode("utf-8", "replace").strip()) \
-            if code == 0 else None
-    return _TOPLEVELS[root]
-
-
-def repo_relative(root):
-    """`root` relative to its repository's top ("." at the top), or None outside one."""
-    top = git_toplevel(root)
-    if top is None:
-        return None
-    rel = os.path.relpath(os.path.realpath(root), top).replace(os.sep, "/")
-    return None if rel.startswith("..") else rel
-
-
-def command_program(cmd, root):
-    """The program a shell command line starts first, resolved as the shell would (PATH, or a
-    path relative to `root`), or None for a builtin, a variable or an unparsable line."""
-    import shlex
-    import shutil
-    try:
-        lexer = shlex.shlex(cmd, posix=True, punctuation_chars=True)
-        lexer.whitespace_split = True
-        tokens = list(lexer)
+        payload = load_json(raw) if raw.strip() else None
     except ValueError:
-        return None
-    for token in tokens:
-        if not token or all(c in "();<>|&" for c in token) or token in _PREFIX_WORDS or \
-                re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", token, re.S):
-            continue
-        if token in _SHELL_BUILTINS or "$" in token or "`" in token:
-            return None
-        if "/" in token:
-            path = token if os.path.isabs(token) else os.path.join(root, token)
-            return os.path.abspath(path) if os.path.isfile(path) else None
-        found = shutil.which(token)
-        return os.path.abspath(found) if found else None
-    return None
-
-
-def file_sha256(path):
-    digest = _sha256()
-    try:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-    except OSError:
-        return None
-    return digest.hexdigest()
-
-
-def witness_env():
-    """The listed variables that are set, each as its value (or the digest of a long one)."""
-    env = {}
-    for name in WITNESS_ENV:
-        value = os.environ.get(name)
-        if value is not None:
-            value = fix_argv_text(value)
-            env[name] = value if len(value) <= MAX_ENV_VALUE else \
-                "sha256:" + sha256_hex(value.encode("utf-8"))
-    return env
-
-
-def run_provenance(root, cmd):
-    """Where and with what a witnessed run ran: a hint for the reviewer (an agent with a shell
-    can still lie about its environment; only a re-witnessed run is proof)."""
-    program = command_program(cmd, root)
-    return {"dir": repo_relative(root), "program": program,
-            "program_sha256": file_sha256(program) if program else None, "env": witness_env()}
-
-
-def parse_pin(text):
-    """--since [SEQ:]HASH as (seq or None, hash); a malformed pin is a usage error."""
-    seq_text, _, pin_hash = text.rpartition(":")
-    pin_hash = pin_hash.strip().lower()
-    if not re.fullmatch(r"[0-9a-f]{64}", pin_hash, re.A) or \
-            (seq_text and not (seq_text.isascii() and seq_text.isdigit())):
-        raise usage("--since takes HASH or SEQ:HASH (as `audit` prints its head: 64 hex digits, "
-                    f"optionally after the event number) — not {one_line(text)[:80]!r}.",
-                    "bad_since")
-    return (int(seq_text) if seq_text else None), pin_hash
-
-
-class PinScan:
-    """Where a pin is in one ledger, seen line by line during audit's replay: `where` is
-    'found', 'rewritten' (line SEQ exists with another hash) or 'absent'."""
-
-    def __init__(self, pin):
-        self.seq, self.hash = parse_pin(pin)
-        self.where = "absent"
-        self.first = None
-        self.merged = False  # found only inside a plan `git merge` carried in
-
-    def __call__(self, lineno, head, ev):
-        if lineno == 1:
-            self.first = ev
-        if self.seq is None:
-            if head == self.hash:
-                self.where = "found"
-        elif lineno == self.seq and self.where != "found":
-            self.where = "found" if head == self.hash else "rewritten"
-        if ev["event"] == "plan_merged" and self.where != "found" and self.in_merged(ev["lines"]):
-            # a line of a plan `git merge` carried in: its history holds, but the plan that is
-            # current now was made after the pin — the reviewer must see it as new
-            self.where, self.merged = "found", True
-
-    def in_merged(self, lines):
-        for i, text in enumerate(lines, 1):
-            raw = text.encode("utf-8")
-            if (self.seq is None or self.seq == i) and sha256_hex(raw) == self.hash:
-                return True
-            if b'"plan_merged"' in raw:
-                inner = parse_event(raw)
-                if inner and inner.get("event") == "plan_merged" and self.in_merged(inner["lines"]):
-                    return True
-        return False
-
-
-def read_archived_ledger(store, replaced):
-    """The bytes of the archived ledger a plan's `replaces` names, refusing anything outside
-    archive/ or reached through a symlink."""
-    rel = replaced.get("path")
-    if not (isinstance(rel, str) and re.fullmatch(ARCHIVE + r"/[\w.-]+", rel)):
-        raise damaged(f"the plan's replaces names no archive ({one_line(repr(rel))}) — it cannot be "
-                      "verified.", "archive_unverified")
-    for part in (ARCHIVE, rel):
-        if os.path.islink(store.path(part)):
-            raise symlink_refusal(store.path(part))
-    data = read_state_file(store.path(os.path.join(rel, LEDGER)))
-    if data is None:
-        raise damaged(f"{rel}/{LEDGER}, the plan the current one replaces, is missing — the "
-                      "replaced history cannot be verified.", "archive_unverified")
-    return rel, data
-
-
-def verify_pin(store, scan, pin):
-    """Where the pinned line is: this ledger (`scan` saw it during the replay), or an archived
-    one (plans replaced by `create --force`) whose bytes and chain verify, whose final head the
-    next plan's `replaces` names, and that holds the pinned line. Raises exit 3 otherwise."""
-    if scan.pin.where == "found":
-        if scan.pin.merged:
-            return {"pin": pin, "in": f"a plan merged into {LEDGER} (plan_merged)",
-                    "new_plan": True}
-        return {"pin": pin, "in": LEDGER, "new_plan": False}
-    replaced, chain = scan.first.get("replaces") if scan.first else None, []
-    while isinstance(replaced, dict) and replaced.get("head") and len(chain) < 1000:
-        rel, archived = read_archived_ledger(store, replaced)
-        found = PinScan(pin)
-        try:
-            report = audit_ledger(archived, None, scan=found)
-        except FablizeError as e:  # its own line numbers: say which ledger they are in
-            raise damaged(f"{rel}/{LEDGER}, the plan the current one replaces, does not verify: "
-                          f"{e.message}", "archive_unverified")
-        if report["head"] != f"{replaced.get('seq')}:{replaced.get('head')}":
-            raise damaged(f"{rel}/{LEDGER} ends at {report['head'][:24]}…, not at the head the "
-                          f"plan after it names as the one it replaces — the archive was edited.",
-                          "archive_unverified")
-        chain.append(rel)
-        if found.where == "found":
-            return {"pin": pin, "in": f"{rel}/{LEDGER}", "new_plan": True, "archives": chain}
-        replaced = report["plan"]["replaces"]
-    seq, pin_hash = scan.pin.seq, scan.pin.hash
-    if scan.pin.where == "rewritten":
-        raise damaged(f"{LEDGER} line {seq} no longer hashes to {pin_hash[:16]}… (the pin): history "
-                      "before it was rewritten.", "history_rewritten")
-    what = f"line {seq} does not exist" if seq else "no line hashes to it"
-    raise damaged(f"--since {pin_hash[:16]}…: {what} — the ledger was truncated or re-written "
-                  "from scratch" + (", and no verified archive holds it." if chain else "."),
-                  "history_rewritten")
-
-
-def git_show(root, ref, path, what):
-    """The bytes of `path` (relative to the repository top) at `ref`, or None when the ref has
-    no such file. An unknown ref is a usage error."""
-    top, full = branch_ref(root, ref, what)
-    code, out, err = run_tool(["git", "-C", top, "cat-file", "blob", f"{full}:{path}"], what=what)
-    return out if code == 0 else None
-
-
-def branch_ref(root, ref, what):
-    """(repository top, the full name of the one branch `ref` names); anything else — an
-    unknown ref, a tag, a bare commit, an ambiguous name — is a usage error."""
-    if not ref or ref.startswith("-") or "\x00" in ref:  # never an option to git
-        raise usage(f"{what}: {one_line(ref)!r} is not a git ref.", "bad_ref")
-    top = git_toplevel(root)
-    if top is None:
-        raise refused(f"{what}: {root} is not inside a git repository.", "not_a_repository")
-    code, _, err = run_tool(["git", "-C", top, "rev-parse", "--verify", "--quiet",
-                             ref + "^{commit}"], what=what)
-    if code != 0:
-        raise usage(f"{what}: {one_line(ref)} is not a commit here (fetch it first?).", "bad_ref")
-    # the ref as git resolves it: a tag the pull request pushed must not stand in for the base
-    # branch (git prefers refs/tags/X to refs/heads/X and refs/remotes/X)
-    code, out, err = run_tool(["git", "-C", top, "rev-parse", "--symbolic-full-name", ref],
-                              what=what)
-    full = out.decode("utf-8", "replace").strip()
-    if code != 0 or "ambiguous" in err or not (full.startswith("refs/heads/")
-                                               or full.startswith("refs/remotes/")):
-        raise usage(f"{what}: {one_line(ref)} must name one branch (refs/heads/… or "
-                    f"refs/remotes/…), not {one_line(full) or 'a tag or a commit'}"
-                    + (" — it is ambiguous" if "ambiguous" in err else "") + ".", "bad_ref")
-    return top, full
-
-
-def changed_check_files(root, ref, plan):
-    """The files and folders the plan's frozen checks name (words of their commands that are
-    paths in the tree) which differ between the base branch and the working tree: a frozen
-    `python3 check.py` proves nothing if the branch rewrote check.py."""
-    import shlex
-    top, full = branch_ref(root, ref, "--base")
-    named = set()
-    for story in plan["goals"]:
-        for cmd in story["checks"]:
-            try:
-                words = shlex.split(cmd)
-            except ValueError:
-                continue
-            for word in words:
-                if not word.startswith("-") and "\x00" not in word and \
-                        os.path.lexists(os.path.join(root, word)):
-                    # the path as written (a symlink put in its place is a change git sees)
-                    rel = os.path.relpath(os.path.normpath(os.path.join(os.path.abspath(root),
-                                                                        word)), top)
-                    if not rel.startswith(".."):
-                        named.add(rel.replace(os.sep, "/"))
-    if not named:
-        return []
-    code, out, _ = run_tool(["git", "-C", top, "diff", "--name-only", "-z", full, "--",
-                             *sorted(named)], what="--base")
-    changed = {x.decode("utf-8", "replace") for x in out.split(b"\0") if x} if code == 0 else set()
-    code, out, _ = run_tool(["git", "-C", top, "ls-files", "-z", "--others", "--exclude-standard",
-                             "--", *sorted(named)], what="--base")
-    if code == 0:
-        changed |= {x.decode("utf-8", "replace") for x in out.split(b"\0") if x}
-    return sorted(changed)
-
-
-def base_pin(store, ref):
-    """(pin "SEQ:HASH" or None, what was read) from the ledger committed at `ref`."""
-    top = git_toplevel(store.root)
-    rel = os.path.relpath(os.path.realpath(store.dir), top or "/").replace(os.sep, "/")
-    data = git_show(store.root, ref, f"{rel}/{LEDGER}", "--base")
-    if not data:
-        return None, {"ref": ref, "path": f"{rel}/{LEDGER}", "plan": False}
-    committed = MemoryLedger(data)
-    end = committed.end()[0]
-    last = committed.last(end) if end else None
-    if not last:
-        return None, {"ref": ref, "path": f"{rel}/{LEDGER}", "plan": False}
-    # the pin is the committed head: its seq is its line number, counted without a parse
-    seq = data.count(b"\n", 0, end)
-    return f"{seq}:{sha256_hex(last)}", {"ref": ref, "path": f"{rel}/{LEDGER}", "plan": True}
-
-
-def allowed_signers_file(store, a):
-    """Path of the allowed-signers file to verify with: read from --base's ref when given, so a
-    pull request cannot add its own key. Returns (path, temporary directory or None)."""
-    if "\x00" in a.allowed_signers:
-        raise usage("--allowed-signers: a path cannot hold a NUL byte.", "no_signers")
-    if a.base is None:
-        if not os.path.isfile(a.allowed_signers):
-            raise usage(f"--allowed-signers: {one_line(a.allowed_signers)} does not exist.",
-                        "no_signers")
-        return a.allowed_signers, None
-    top = git_toplevel(store.root) or store.root
-    rel = os.path.relpath(os.path.abspath(a.allowed_signers), top).replace(os.sep, "/")
-    if rel.startswith(".."):
-        raise usage("--allowed-signers with --base names a file inside the repository.",
-                    "no_signers")
-    data = git_show(store.root, a.base, rel, "--allowed-signers")
-    if data is None:
-        raise refused(f"--allowed-signers: {one_line(rel)} is not committed at {one_line(a.base)} "
-                      "— only signers the base branch lists count.", "no_signers")
-    import tempfile
-    tmp = tempfile.mkdtemp(prefix="fablize-signers-")
-    path = os.path.join(tmp, "allowed_signers")
-    with open(path, "wb") as f:
-        f.write(data)
-    return path, tmp
-
-
-def decision_payload(plan_id, sid, decision, note, prev):
-    """The canonical content a decision's signature covers (documented in docs/reference.md, `decide`)."""
-    return json.dumps({"plan": plan_id, "story": sid, "decision": decision, "note": note,
-                       "prev": prev}, ensure_ascii=False, sort_keys=True,
-                      separators=(",", ":")).encode("utf-8")
-
-
-def sign_decision(ctx, a):
-    """(signature, the ledger head it was made over), signed outside the lock."""
-    if bool(a.sign) != bool(a.signer) or (a.signer is not None and blank(a.signer)):
-        raise usage("--sign KEYFILE and --signer PRINCIPAL go together.", "usage")
-    if "\x00" in a.sign or not os.path.isfile(a.sign):
-        raise usage(f"--sign: {one_line(a.sign)} is not a key file.", "usage")
-    with open_plan(ctx, exclusive=False) as s:
-        plan = s.require_plan()
-    prev = plan["ledger"]["head"]
-    payload = decision_payload(plan["plan_id"], a.id, a.decision, a.note, prev)
-    code, out, err = run_tool(["ssh-keygen", "-q", "-Y", "sign", "-f", a.sign, "-n",
-                               SIGN_NAMESPACE], stdin=payload, what="decide --sign")
-    if code != 0 or b"BEGIN SSH SIGNATURE" not in out:
-        raise refused(f"ssh-keygen could not sign the decision: {one_line(err)[:300]}",
-                      "sign_failed")
-    return {"signer": a.signer, "sig": out.decode("ascii", "replace")}, prev
-
-
-def signed_fields(plan, signature, prev):
-    """The decision's signature field, if the plan did not move while it was being signed."""
-    if signature is None:
-        return {}
-    if plan["ledger"]["head"] != prev:
-        raise refused("the plan changed while the decision was being signed — run `decide` "
-                      "again.", "plan_changed")
-    return {"signature": signature}
-
-
-def verify_signature(signers_path, plan_id, ev):
-    """None when the decision's signature verifies for its signer, else why not."""
-    sig = ev.get("signature")
-    if not isinstance(sig, dict) or not isinstance(sig.get("sig"), str) or \
-            not isinstance(sig.get("signer"), str) or blank(sig.get("signer")):
-        return "unsigned"
-    import tempfile
-    payload = decision_payload(plan_id, ev.get("id"), ev.get("decision"), ev.get("note"),
-                               ev.get("prev"))
-    with tempfile.TemporaryDirectory(prefix="fablize-verify-") as tmp:
-        path = os.path.join(tmp, "decision.sig")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(sig["sig"])
-        code, _, err = run_tool(["ssh-keygen", "-Y", "verify", "-f", signers_path, "-I",
-                                 sig["signer"], "-n", SIGN_NAMESPACE, "-s", path],
-                                stdin=payload, what="audit --allowed-signers")
-    return None if code == 0 else f"signature by {one_line(sig['signer'])} does not verify"
-
-
-class TrustScan:
-    """What audit's trust options need from each line, gathered during its one replay: where the
-    pin is, the first event, each story's latest decision, and why runs are not clean. Memory
-    grows with what it reports (at most MAX_FLAGGED runs are kept), never with the ledger."""
-
-    MAX_FLAGGED = 1000
-
-    def __init__(self, root, pin):
-        self.pin = PinScan(pin) if pin is not None else None
-        self.here = repo_relative(root)
-        self.first = None
-        self.decisions = []  # every one: an unsigned decision before a signed one counts too
-        self.added = []
-        self.first_env = None
-        self.unclean, self.flagged, self.unrecorded = 0, [], 0
-
-    def __call__(self, lineno, head, ev):
-        after_pin = self.pin is not None and self.pin.where == "found"
-        if self.pin is not None:
-            self.pin(lineno, head, ev)
-        if lineno == 1:
-            self.first = ev
-        kind = ev["event"]
-        if kind == "decision":
-            self.decisions.append(ev)
-        elif kind == "story_added" and after_pin:
-            self.added.append(ev["story"])  # after the pin: its checks are the agent's own
-        elif kind == "verify_run":
-            self.run(lineno, ev)
-
-    def run(self, lineno, ev):
-        """Why a witnessed run is not clean: outside the repository root, on a dirty tree, or
-        under an environment different from the plan's first run."""
-        prov = ev.get("provenance")
-        why = []
-        if not isinstance(prov, dict):
-            self.unrecorded += 1  # counted apart: every run of an older engine would be listed
-        else:
-            if prov.get("dir") is None or (self.here is not None and prov.get("dir") != self.here):
-                why.append(f"made outside the repository root ({one_line(prov.get('dir'))})")
-            env = prov.get("env")
-            if self.first_env is None:
-                self.first_env = env
-            elif env != self.first_env:
-                names = sorted(str(k) for k in set(env) | set(self.first_env)
-                               if env.get(k) != self.first_env.get(k))
-                why.append("environment differs from the plan's first run (" +
-                           ", ".join(one_line(n) for n in names) + ")")
-        if ev.get("git_dirty"):
-            why.append("the working tree was dirty")
-        if why:
-            self.unclean += 1
-            if len(self.flagged) < self.MAX_FLAGGED:
-                self.flagged.append({"line": lineno, "id": ev["id"], "cmd": ev["cmd"],
-                                     "why": why})
-
-
-def witnessed_gaps(plan):
-    """The completed stories that do not rest on their own frozen checks run by the engine."""
-    gaps = []
-    for s in plan["goals"]:
-        if s["status"] != "complete":
-            continue
-        if not s["checks"]:
-            how = "its pass was run ad hoc (--run)" if s["last_run"] and \
-                s["last_run"]["check"] is None else "it has no frozen checks: its pass is claimed"
-            gaps.append(f"{s['id']} ({how})")
-            continue
-        for i in range(len(s["checks"])):
-            run = _fresh_ok_run(s, check=i)
-            if run is None or not run["ok"]:
-                gaps.append(f"{s['id']} (frozen check {i + 1} has no passing run of the engine's)")
-                break
-    return gaps
-
-
-def rerun_checks(ctx, plan, which, root):
-    """Run the frozen checks again, here, recording nothing: the re-witnessed grade."""
-    import shutil
-    import tempfile
-    # the final story first: a check another story added could otherwise write, before it
-    # runs, what the gate tests (the tree CI checked out is the one they all run in)
-    stories = plan["goals"][-1:] + (plan["goals"][:-1] if which == "all" else [])
-    results = []
-    tmp = tempfile.mkdtemp(prefix="fablize-rerun-")
-    try:
-        for story in stories:
-            for i, cmd in enumerate(story["checks"]):
-                record = run_command(cmd, root, ctx.timeout, None,
-                                   os.path.join(tmp, f"{story['id']}-{i}.log"))
-                results.append({"id": story["id"], "check": i + 1, "cmd": cmd,
-                                "ok": run_passed(record), "result": run_result(record),
-                                "tail": record["tail"]})
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return results
-
-
-def tree_state(root, state_dir):
-    """(sha256, file count) of the working tree at `root`: every tracked and untracked file
-    (git's ignore rules apply), by name, mode and content; the state directory is left out.
-    Outside git, every file under `root` but .git/ and the state directory."""
-    top = git_toplevel(root)
-    names, ignored = None, []
-    if top is not None:
-        code, out, _ = run_tool(["git", "-C", root, "ls-files", "-z", "--cached", "--others",
-                                 "--exclude-per-directory=.gitignore", "--full-name"],
-                                what="judge-packet")
-        if code == 0:
-            names = sorted(set(os.path.join(top, n.decode("utf-8", "surrogateescape"))
-                               for n in out.split(b"\0") if n))
-            # what .gitignore files hide counts by name (a new ignored file, or a .gitignore
-            # that hides itself, changes the tree too); folders once, not file by file
-            code, out, _ = run_tool(["git", "-C", root, "ls-files", "-z", "--others",
-                                     "--ignored", "--exclude-per-directory=.gitignore",
-                                     "--directory", "--full-name"], what="judge-packet")
-            ignored = sorted(n.decode("utf-8", "surrogateescape") for n in out.split(b"\0")
-                             if n) if code == 0 else []
-    if names is None:
-        names = []
-        for d, subdirs, files in os.walk(root):
-            subdirs[:] = [x for x in subdirs if x != ".git"
-                          and os.path.join(d, x) != state_dir]
-            names += [os.path.join(d, f) for f in files]
-        names.sort()
-    digest, count = _sha256(), 0
-    state = os.path.join(os.path.abspath(state_dir), "")
-    for name in ignored if top is not None and names is not None else []:
-        if not os.path.join(top, name).startswith(state) and name != ".git/":
-            digest.update(f"ignored:{name}\n".encode("utf-8", "surrogateescape"))
-    for path in names:
-        if path.startswith(state):  # by its own path: a symlink into it is a file of the tree
-            continue
-        try:
-            st = os.lstat(path)
-        except OSError:
-            entry = "missing"
-        else:
-            if stat.S_ISLNK(st.st_mode):
-                entry = "link:" + os.readlink(path)
-            elif stat.S_ISREG(st.st_mode):
-                entry = f"{st.st_mode & 0o111:o}:{file_sha256(path)}"
-            else:
-                entry = "other"
-        rel = os.path.relpath(path, root)
-        digest.update(f"{rel}\0{entry}\n".encode("utf-8", "surrogateescape"))
-        count += 1
-    return digest.hexdigest(), count
-
-
-def current_packet(story):
-    """The judge packet recorded for the story's present review round, or None."""
-    packet = story.get("packet")
-    return packet if isinstance(packet, dict) and packet.get("round") == story["round"] else None
-
-
-def _ev_judge_packet(plan, ev):
-    story = find_story(plan, ev["id"])
-    if story["status"] != "review":
-        raise refused(f"{story['id']} is {story['status']}, not in review — there is nothing to "
-                      "judge.", "not_in_review")
-    if current_packet(story) is None:  # the round's first packet: a later one cannot launder
-        story["packet"] = {"tree": ev["tree"], "files": ev["files"], "round": story["round"],
-                           "seq": ev["seq"]}
-    return plan
-
-
-def record_judge_packet(ctx, sid):
-    """Record the working tree as the judge sees it first; a verdict compares against it."""
-    digest, count = tree_state(ctx.store.root, ctx.store.dir)
-    with open_plan(ctx) as s:
-        plan = s.require_plan()
-        if find_story(plan, sid)["status"] != "review":
-            return plan, None
-        s.commit("judge_packet", id=sid, tree=digest, files=count)
-        return s.plan, {"tree": digest, "files": count, "seq": s.last["seq"]}
-
-
-def tree_changed_verdict(ctx, a):
-    """The verdict event's fields when the tree changed since the judge packet: the judge's
-    finding goes back as not-achieved (a judge that fixed the work judged nothing); else None."""
-    with open_plan(ctx, exclusive=False) as s:
-        plan = s.require_plan()
-    packet = current_packet(find_story(plan, a.id))
-    if packet is None:
-        return None
-    digest, _ = tree_state(ctx.store.root, ctx.store.dir)
-    if digest == packet["tree"]:
-        return None
-    return {"verdict": "not-achieved", "tree": digest, "packet_seq": packet["seq"],
-            "evidence": f"the working tree changed after the judge packet (event {packet['seq']}) "
-                        f"— a judge must not change what it judges; its verdict ({a.verdict}) "
-                        f"is void. The judge's finding: {a.evidence}"}
-
-
-def engine_inside(root):
-    here = os.path.realpath(os.path.abspath(__file__))
-    top = os.path.realpath(git_toplevel(root) or root)
-    return os.path.commonpath([here, top]) == top
-
-
-def audit_pin(ctx, a):
-    """(pin or None, what --base read or None): the pin comes from --since, or from the ledger
-    committed at --base (so a pull request cannot move its own pin)."""
-    if a.base is None:
-        if a.since is not None:
-            parse_pin(a.since)  # a malformed pin is a usage error before anything is read
-        return a.since, None
-    if a.since is not None:
-        raise usage("give --base or --since, not both.")
-    return base_pin(ctx.store, a.base)
-
-
-def audit_trust(ctx, plan, scan, pin, base):
-    """The trust part of `audit`, from what `scan` saw during the replay: the pin, run
-    provenance, decisions and their signatures. Raises exit 3 for a pin that does not hold;
-    gates that say no come later (trust_gates)."""
-    store = ctx.store
-    first = scan.first
-    trust = {"base": base, "pin": None, "new_plan": False,
-             "imported": bool(first and first.get("imported_from"))}
-    if pin is not None:
-        trust["pin"] = verify_pin(store, scan, pin)
-        trust["new_plan"] = trust["pin"]["new_plan"]
-    elif base is not None:
-        trust["new_plan"] = True  # nothing committed at the base: all of this plan is new
-    trust["unclean_runs"], trust["runs_without_provenance"] = scan.flagged, scan.unrecorded
-    trust["unclean_count"] = scan.unclean
-    trust["decisions"] = scan.decisions
-    last_decision = {ev["id"]: ev for ev in scan.decisions}
-    trust["accepted"] = []
-    for s in plan["goals"]:
-        if s["status"] == "accepted":
-            sig = last_decision.get(s["id"], {}).get("signature")
-            trust["accepted"].append({"id": s["id"], "note": s["decision"]["note"],
-                                      "signer": sig.get("signer") if isinstance(sig, dict) else None})
-    trust["frozen_checks"] = [{"id": s["id"], "checks": s["checks"]} for s in plan["goals"]
-                              if s["checks"]]
-    trust["check_files_changed"] = changed_check_files(store.root, base["ref"], plan) \
-        if base is not None else []
-    trust["added_after_pin"] = [{"id": x["id"], "title": x["title"], "checks": x.get("checks", [])}
-                                for x in scan.added] if trust["pin"] and not trust["new_plan"] else []
-    trust["engine_inside_tree"] = engine_inside(store.root)
-    if trust["engine_inside_tree"]:
-        ctx.out.warn("the engine running this audit lies inside the tree it audits: a pull "
-                     "request can change it — run a copy kept outside the tree, with python3 -I.")
-    return trust
-
-
-def say_trust(ctx, trust):
-    for story in trust["added_after_pin"]:
-        checks = "; ".join(one_line(c) for c in story["checks"]) or "no frozen check"
-        ctx.say(f"  added after the pin: {story['id']} {defused_line(story['title'])} — {checks} "
-                "(the re-run runs the final story's checks first)")
-    if trust["check_files_changed"]:
-        ctx.say("  frozen checks run files this branch changed since the base (review them): "
-                + ", ".join(one_line(x) for x in trust["check_files_changed"][:MAX_LISTED]))
-    pin = trust["pin"]
-    if pin is not None:
-        where = "this ledger" if not pin["new_plan"] else f"{pin['in']} (a replaced plan)"
-        ctx.say(f"  pin: {one_line(pin['pin'][:80])} found in {where}"
-                + (f" — from {one_line(trust['base']['ref'])}" if trust["base"] else ""))
-    elif trust["base"] is not None:
-        ctx.say(f"  pin: none — {one_line(trust['base']['ref'])} has no plan "
-                f"({one_line(trust['base']['path'])}); this plan is new")
-    if trust["new_plan"]:
-        ctx.say("  new plan since the pin — its frozen checks (review what changed):")
-        for item in trust["frozen_checks"]:
-            for i, cmd in enumerate(item["checks"], 1):
-                ctx.say(f"    {item['id']} check {i}: {one_line(cmd)}")
-        if not trust["frozen_checks"]:
-            ctx.say("    (none: every completion in it is claimed)")
-    if trust["imported"]:
-        ctx.say("  imported from the original goals.py: its first event is not the engine's own")
-    for item in trust["accepted"]:
-        by = f"signed by {one_line(item['signer'])}" if item["signer"] else "unsigned"
-        ctx.say(f"  accepted: {item['id']} ({by}) — {defused_line(last_chars(item['note'], 200))}")
-    for run in trust["unclean_runs"][:MAX_LISTED]:
-        ctx.say(f"  run at line {run['line']} ({one_line(run['id'])} `{one_line(run['cmd'])}`): "
-                + "; ".join(run["why"]))
-    if trust["runs_without_provenance"]:
-        ctx.say(f"  {trust['runs_without_provenance']} run(s) recorded no provenance (an older "
-                "engine's, or written by hand)")
-    if trust["unclean_count"] > MAX_LISTED:
-        ctx.say(f"  … and {trust['unclean_count'] - MAX_LISTED} more run(s) not clean "
-                "(all of them under --json)")
-
-
-def trust_gates(ctx, a, plan, trust):
-    """The trust options of `audit` that can say no, cheapest first; --rerun last."""
-    if trust["imported"] and trust["new_plan"] and not a.allow_imported:
-        raise refused("audit: the plan was imported from the original goals.py format — nothing "
-                      "shows it was made by the engine (--allow-imported to accept it).",
-                      "imported_plan")
-    if a.require_unchanged_checks and a.base is None:
-        raise usage("--require-unchanged-checks compares with --base: give it too.")
-    if a.require_unchanged_checks and trust["check_files_changed"]:
-        raise refused("audit: frozen checks run files this branch changed since the base — "
-                      + ", ".join(one_line(x) for x in trust["check_files_changed"][:MAX_LISTED]),
-                      "check_files_changed")
-    if trust["new_plan"] and not a.allow_new_plan:
-        raise refused("audit: the plan was created after the pin (create --force or a new plan) — "
-                      "review its frozen checks above; --allow-new-plan accepts it.", "new_plan")
-    final = plan["goals"][-1]
-    missing = [c for c in a.require_check if c not in final["checks"]]
-    if missing:
-        raise refused(f"audit: the final story {final['id']} does not carry the required frozen "
-                      f"check `{one_line(missing[0])}`.", "required_check_missing")
-    if a.require_witnessed:
-        gaps = witnessed_gaps(plan)
-        if gaps:
-            raise refused("audit: not witnessed — " + "; ".join(gaps), "not_witnessed")
-    if a.require_clean_runs and trust["runs_without_provenance"]:
-        raise refused(f"audit: {trust['runs_without_provenance']} run(s) recorded no provenance, so "
-                      "they cannot be shown to be clean.", "unclean_runs")
-    if a.require_clean_runs and trust["unclean_runs"]:
-        run = trust["unclean_runs"][0]
-        raise refused(f"audit: {trust['unclean_count']} run(s) not clean — line {run['line']}: "
-                      + "; ".join(run["why"]), "unclean_runs")
-    if a.forbid_accepted and trust["accepted"]:
-        raise refused("audit: accepted by a decision, not completed — "
-                      + ", ".join(x["id"] for x in trust["accepted"]), "accepted_forbidden")
-    if a.allowed_signers is not None:
-        path, tmp = allowed_signers_file(ctx.store, a)
-        try:
-            bad = [(ev["id"], verify_signature(path, plan["plan_id"], ev))
-                   for ev in trust["decisions"]]
-        finally:
-            if tmp:
-                import shutil
-                shutil.rmtree(tmp, ignore_errors=True)
-        bad = [(sid, why) for sid, why in bad if why]
-        if bad:
-            raise refused("audit: decisions not signed by an allowed signer — "
-                          + "; ".join(f"{sid}: {why}" for sid, why in bad), "bad_signature")
-    if a.rerun:
-        results = rerun_checks(ctx, plan, a.rerun, ctx.store.root)
-        ctx.data["rerun"] = results
-        ctx.say(f"  re-run ({a.rerun}): {len(results)} frozen check(s), here, recorded nowhere:")
-        for r in results:
-            ctx.say(f"    {'✓' if r['ok'] else '✗'} {r['id']} check {r['check']} "
-                    f"`{one_line(r['cmd'])}` → {r['result']}")
-            if r["tail"]:  # a failure shows more of what it printed
-                for line in last_chars(r["tail"], 300).rstrip("\n").split("\n")[-8 if not r["ok"]
-                                                                              else -2:]:
-                    ctx.say("    " + OUTPUT_BAR + one_line(line))
-        failed = [r for r in results if not r["ok"]]
-        if failed:
-            r = failed[0]
-            raise refused(f"audit: re-run failed — {r['id']} check {r['check']} "
-                          f"`{one_line(r['cmd'])}`: {r['result']}", "rerun_failed")
-# Wiring: how the engine is run, agents' hooks, setup, doctor, observed runs #
-#
-# The engine prints commands that an agent then runs: they must run as printed, from any
-# directory of the repository, whichever way the engine was started. What gets committed (the
-# block in CLAUDE.md / AGENTS.md, hook settings) never holds an absolute path.
-
-PLUGIN_NAME = "fablize-gate"  # not `fablize`: the original's plugin and marketplace are named so
-PYTHON = "python" if os.name == "nt" else "python3"  # `python3` on Windows is the Store alias
-AGENTS = ("claude", "codex", "gemini", "cursor", "agents-md")
-STATE_GITIGNORE = """\
-# written by fablize: the lock, temporary and torn-line files are never committed
-lock
-lock.owner
-*.tmp-*
-*.broken
-*.bak
-*.fablize-backup
-"""
-# Patterns kept as text, compiled (and cached by `re`) on first use: not at every start.
-# the original fablize's block: migrated to ours, so that a file ends with exactly one block
-ORIGINAL_BLOCK = r"(?s)<!--\s*FABLIZE:BEGIN\b.*?FABLIZE:END\b[^>]*-->\n?"
-# a hook command of ours (or of the original), whatever path or interpreter runs it
-OUR_HOOK = r"(?:goals\.py|fablize)[\"']?((?:\s+--\S+)*)\s+(guard|status\s+--resume|observe)\b"
-OBSERVED_KEEP = 20          # observed runs kept per story (the snapshot stays O(stories))
-DUPLICATE_WINDOW = 60.0     # seconds: two guards fed the very same stop are one registration too many
-VERIFY_LIKE = r"""(?x)(?:^|[\s;&|(/])(?:
-    py\.?test|tox|nox|unittest|ctest|jest|vitest|mocha|rspec|phpunit|ruff|flake8|pylint|mypy|
-    pyright|eslint|tsc|shellcheck|vermin|[\w.-]*tests?[\w.-]*\.sh|
-    make(?:\s+-\S+)*\s+(?:test|check|lint|verify|ci|demo)[\w-]*|
-    (?:npm|pnpm|yarn|bun)\s+(?:run\s+)?(?:test|lint|check|build|typecheck|verify)[\w:-]*|
-    cargo\s+(?:test|check|clippy|build|nextest)|go\s+(?:test|vet|build)|
-    (?:\./)?(?:gradlew?|mvnw?)\s+(?:\S+\s+)*?(?:test|check|verify|build)|dotnet\s+test|
-    bazel\s+test|swift\s+test|mix\s+test|deno\s+test|
-    (?:goals\.py|fablize)\s+(?:audit|verify))\b"""
-
-
-def repo_root(start):
-    """The nearest directory at or above `start` holding `.git` (file or folder), or None."""
-    d = start
-    while True:
-        if os.path.lexists(os.path.join(d, ".git")):
-            return d
-        parent = os.path.dirname(d)
-        if parent == d:
-            return None
-        d = parent
-
-
-def invocation(cwd=None):
-    """The command that runs this engine, as every handoff, hook reason and block prints it:
-    `fablize` when started as the installed command or through the plugin's bin/fablize; else
-    this script by its place in the repository, found from wherever the shell stands (`git
-    rev-parse`); else, for a copy outside the repository, by its absolute path."""
-    if os.path.splitext(os.path.basename(sys.argv[0] or ""))[0] == "fablize":
-        return "fablize"
-    script = os.path.realpath(__file__)
-    root = repo_root(os.path.realpath(cwd or os.getcwd()))
-    if root is not None:
-        try:
-            rel = os.path.relpath(script, root).replace(os.sep, "/")
-        except ValueError:  # another drive on Windows
-            rel = ".."
-        if not rel.startswith("..") and re.fullmatch(r"[\w./@+-]+", rel):
-            return f'{PYTHON} "$(git rev-parse --show-toplevel)/{rel}"'
-    return f"{PYTHON} {quote_arg(script)}"
-
-
-def portable_command(root):
-    """The command written into files that get committed, so that it runs on every clone: the
-    repository's own copy of the engine when it has one (scripts/goals.py — then teammates
-    without the plugin or the installed command run the same thing), else this script's
-    repository form when it lives there, else `fablize` (installed, or the plugin's)."""
-    if os.path.isfile(os.path.join(root, "scripts", "goals.py")):
-        return f'{PYTHON} "$(git rev-parse --show-toplevel)/scripts/goals.py"'
-    cmd = invocation(root)
-    return cmd if cmd == "fablize" or "$(git rev-parse" in cmd else "fablize"
-
-
-def command_missing(cli):
-    """Why the command written into the project does not run here, or None: `fablize` names a
-    command that must be installed (or come with the plugin)."""
-    import shutil
-    if cli == "fablize" and shutil.which("fablize") is None:
-        return ("the wiring runs `fablize`, which is not on PATH here: install it (README: Add it "
-                "to your project — pipx, uv tool or the plugin), or copy scripts/goals.py into "
-                "this repository and run setup again with that copy")
-    return None
-
-
-def write_state_gitignore(state_dir):
-    """`.fablize/.gitignore`, unless one is there already (it may be the user's own)."""
-    path = os.path.join(state_dir, ".gitignore")
-    if os.path.lexists(path):
-        return False
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_BINARY, 0o644)
-    except FileExistsError:
-        return False
-    try:
-        write_all(fd, STATE_GITIGNORE.encode())
-    finally:
-        os.close(fd)
-    return True
-
-
-def cut_original_block(text):
-    """`text` without the original fablize's block, and where it stood (None: it had none)."""
-    m = re.search(ORIGINAL_BLOCK, text)
-    if m is None:
-        return text, None
-    return text[:m.start()] + text[m.end():], m.start()
-
-
-# The guard's conditions #
-
-
-def guard_paused(plan):
-    return plan["guard"].get("paused") if isinstance(plan["guard"].get("paused"), dict) else None
+        payload = None
+    return raw, payload if isinstance(payload, dict) else None
 
 
 def asks_human(payload):
@@ -4002,60 +3441,47 @@ def duplicate_stop(plan, fingerprint):
     return abs(time.time() - then) < DUPLICATE_WINDOW
 
 
-def hand_to_judge(ctx, story):
-    sid = story["id"]
-    return (f"fablize: {sid} \"{defused_line(story['title'])}\" is in review — hand {sid} to the "
-            f"judge: start the fablize-judge agent (or another independent reviewer) on {sid}; it "
-            f"runs {ctx.prog} judge-packet --id {sid} and answers with a verdict. Do not judge "
-            "your own work.")
+def guard_limit():
+    raw = os.environ.get("FABLIZE_GUARD_MAX", str(DEFAULT_GUARD_MAX))
+    return int(raw) if raw.isascii() and raw.isdigit() else DEFAULT_GUARD_MAX
 
 
-# Observed runs: what the agent's harness reported about commands the agent ran #
+def guard_reason(cli, plan, payload, fingerprint=None):
+    """(why the agent may not stop now — its next action — or a note that the guard lets go
+    after too many blocks in a row, or None; whether another registration counted this stop)."""
+    if plan is None or guard_paused(plan) or asks_human(payload):
+        return None, False  # paused by a human, or the turn ended on a question for one
+    action = next_action(cli, plan)
+    if action["kind"] not in ("finish", "next", "judge"):
+        return None, False  # done, or halted on a human's decision
+    limit = guard_limit()
+    dup = duplicate_stop(plan, fingerprint)
+    blocks = plan["guard"]["blocks"] if payload.get("stop_hook_active") is True else 0
+    if dup:
+        blocks = max(blocks - 1, 0)  # the other registration of the guard counted this stop
+    if blocks >= limit:
+        return (f"fablize guard: let the agent stop after {blocks} blocks in a row; the plan is "
+                "not finished — run `status`."), dup
+    story = find_story(plan, action["id"])
+    if action["kind"] == "finish":
+        reason = (f"fablize: {story['id']} \"{defused_line(story['title'])}\" is still in "
+                  f"progress. Finish it, then run: {action['cmd']} (or --status failed / "
+                  "blocked with the reason).") + observed_failure_note(story)
+    elif action["kind"] == "judge":
+        reason = hand_to_judge(cli, story)
+    else:
+        reason = (f"fablize: the plan is not finished — {story['id']} "
+                  f"\"{defused_line(story['title'])}\" is ready. Run: {action['cmd']}")
+    return reason + f" [guard block {blocks + 1} of at most {limit} in a row]", dup
 
 
-def observed_of(story):
-    """This round's observed runs of a story (entries of other shapes are not ours: skipped)."""
-    return [o for o in story.get("observed") or []
-            if isinstance(o, dict) and o.get("round") == story["round"] and isinstance(o.get("cmd"), str)]
-
-
-def unaddressed_failure(story):
-    """The latest observed failure of a command that has not been seen to pass since, or None."""
-    latest = {}
-    for o in observed_of(story):
-        latest[o["cmd"]] = o
-    failed = [o for o in latest.values() if o.get("ok") is False]
-    return max(failed, key=lambda o: o.get("seq", 0)) if failed else None
-
-
-def observed_result(o):
-    if o.get("ok") is None:
-        return "outcome not reported"
-    code = f"exit {o['exit_code']}" if isinstance(o.get("exit_code"), int) else None
-    return ("passed" if o["ok"] else "failed") + (f" ({code})" if code else "")
-
-
-def render_observed(story):
-    seen = observed_of(story)
-    if not seen:
-        return []
-    lines = ["## Observed runs — what your harness reported about commands you ran (observed: "
-             "more than claimed, less than witnessed):"]
-    lines += [f"  event {o.get('seq')}: `{one_line(o['cmd'])}` → {observed_result(o)}"
-              for o in seen[-5:]]
-    return lines
-
-
-def say_observed(ctx, story):
-    """After a checkpoint: the observed runs of the round, and a failure left standing."""
-    seen = observed_of(story)
-    ctx.data["observed"] = seen
-    for line in render_observed(story):
-        ctx.say(line)
-    bad = unaddressed_failure(story)
-    if bad is not None and story["status"] in DONE + ("review",):
-        ctx.out.warn(f"{story['id']} was checkpointed while the harness last saw `{one_line(bad['cmd'])}` "
-                     f"fail (event {bad.get('seq')}): the reviewer will see it.")
+def guard_answer(agent, reason):
+    """A block, in the words of the agent's Stop-hook protocol."""
+    if agent == "gemini":
+        return {"decision": "deny", "reason": reason}
+    if agent == "cursor":
+        return {"followup_message": reason}
+    return {"decision": "block", "reason": reason}
 
 
 def observed_failure_note(story):
@@ -4065,14 +3491,6 @@ def observed_failure_note(story):
     code = f"exit {bad['exit_code']}, " if isinstance(bad.get("exit_code"), int) else ""
     return (f" The harness saw `{one_line(last_chars(bad['cmd'], 200))}` fail ({code}event "
             f"{bad.get('seq')}) and it has not been seen to pass since: address it first.")
-
-
-WIRING_EVENTS = {  # how `log` shows them
-    "paused": lambda ev: "guard paused" + (f": {one_line(ev['note'])}" if ev.get("note") else ""),
-    "unpaused": lambda ev: "guard on again",
-    "observed_run": lambda ev: (f"{ev.get('id')} observed `{one_line(last_chars(ev.get('cmd'), 200))}` → "
-                                f"{observed_result(ev)} (reported by {one_line(ev.get('tool'))})"),
-}
 
 
 def observed_outcome(payload):
@@ -4112,6 +3530,15 @@ def shell_command_of(payload):
     if isinstance(cmd, list) and all(isinstance(x, str) for x in cmd):
         cmd = " ".join(cmd)
     return cmd if isinstance(cmd, str) and cmd.strip() else None
+VERIFY_LIKE = r"""(?x)(?:^|[\s;&|(/])(?:
+    py\.?test|tox|nox|unittest|ctest|jest|vitest|mocha|rspec|phpunit|ruff|flake8|pylint|mypy|
+    pyright|eslint|tsc|shellcheck|vermin|[\w.-]*tests?[\w.-]*\.sh|
+    make(?:\s+-\S+)*\s+(?:test|check|lint|verify|ci|demo)[\w-]*|
+    (?:npm|pnpm|yarn|bun)\s+(?:run\s+)?(?:test|lint|check|build|typecheck|verify)[\w:-]*|
+    cargo\s+(?:test|check|clippy|build|nextest)|go\s+(?:test|vet|build)|
+    (?:\./)?(?:gradlew?|mvnw?)\s+(?:\S+\s+)*?(?:test|check|verify|build)|dotnet\s+test|
+    bazel\s+test|swift\s+test|mix\s+test|deno\s+test|
+    (?:goals\.py|fablize)\s+(?:audit|verify))\b"""
 
 
 def is_verification(cmd, story):
@@ -4122,1118 +3549,149 @@ def is_verification(cmd, story):
         bool(re.search(VERIFY_LIKE, cmd))
 
 
-# Agents' hook configuration #
+
+# Rooms: integrations beside the core ##########################################################
+# What the original never had lives in a room beside this file, one module a room. A room is
+# loaded by path from this file's own folder, never through sys.path (nothing in a tree under
+# audit can stand in for one), only by the commands that use it, and it sees this module as
+# `fablize_engine`: one engine, even when this file runs as __main__ (a room's FablizeError is
+# the engine's). A lone goals.py answers a command whose room is missing in one line.
+ROOMS = {"setup": "fablize_setup.py", "sharing": "fablize_sharing.py",
+         "merge": "fablize_merge.py", "trust": "fablize_trust.py"}
+ROOM_COMMANDS = {"install-block": "setup", "setup": "setup", "doctor": "setup",
+                 "share": "sharing", "sync": "sharing", "release": "sharing",
+                 "merge-driver": "merge", "install-merge": "merge"}
 
 
-def hook_entries(agent, cli):
-    """[(event, matcher, role, hook object)] that wire `agent` to the engine run as `cli`."""
-    def command(args, timeout=30):
-        return {"type": "command", "command": f"{cli} {args}", "timeout": timeout}
-    if agent == "claude":
-        return [("SessionStart", "startup|resume|clear|compact", "status",
-                 command("status --resume")),
-                ("Stop", None, "guard", command("guard")),
-                ("PostToolUse", "Bash", "observe", command("observe")),
-                # Claude Code reports a command that failed as PostToolUseFailure
-                ("PostToolUseFailure", "Bash", "observe", command("observe"))]
-    if agent == "codex":
-        return [("SessionStart", "startup|resume", "status",
-                 command("status --resume --for codex")),
-                ("Stop", None, "guard", command("guard --for codex")),
-                ("PostToolUse", "Bash", "observe", command("observe --for codex"))]
-    if agent == "gemini":  # timeouts in milliseconds; hooks are named in its /hooks panel
-        return [("SessionStart", None, "status",
-                 dict(command("status --resume --for gemini", 30000), name="fablize-status")),
-                ("AfterAgent", None, "guard",
-                 dict(command("guard --for gemini", 30000), name="fablize-guard")),
-                ("AfterTool", "run_shell_command", "observe",
-                 dict(command("observe --for gemini", 30000), name="fablize-observe"))]
-    if agent == "cursor":
-        return [("stop", None, "guard", {"command": f"{cli} guard --for cursor",
-                                          "loop_limit": DEFAULT_GUARD_MAX})]
-    return []
-
-
-AGENT_FILES = {  # agent: (instructions file, hook configuration file), relative to the root
-    "claude": ("CLAUDE.md", ".claude/settings.json"),
-    "codex": ("AGENTS.md", ".codex/hooks.json"),
-    "gemini": ("GEMINI.md", ".gemini/settings.json"),
-    "cursor": ("AGENTS.md", ".cursor/hooks.json"),
-    "agents-md": ("AGENTS.md", None),
-}
-
-
-def hook_role(hook):
-    cmd = hook.get("command") if isinstance(hook, dict) else None
-    m = re.search(OUR_HOOK, cmd) if isinstance(cmd, str) else None
-    return m.group(2).split()[0] if m else None
-
-
-def our_hooks(config, event):
-    """[(group list, group, hook list, hook)] for the hooks of ours registered for `event`,
-    in Claude Code's nesting ({event: [{matcher, hooks: [...]}]}) or Cursor's ({event: [...]})."""
-    found = []
-    hooks = config.get("hooks") if isinstance(config, dict) else None
-    groups = hooks.get(event) if isinstance(hooks, dict) else None
-    for group in groups if isinstance(groups, list) else []:
-        inner = group.get("hooks") if isinstance(group, dict) else None
-        if isinstance(inner, list):
-            found += [(groups, group, inner, h) for h in inner if hook_role(h)]
-        elif hook_role(group):
-            found.append((groups, None, groups, group))
-    return found
-
-
-def merge_hooks(config, agent, cli, remove=False):
-    """`config` (a parsed settings file) with exactly one hook of ours per event, or none."""
-    config = json.loads(json.dumps(config))  # a copy: the caller compares old and new
-    if agent == "cursor":
-        config.setdefault("version", 1)
-    for event, matcher, role, hook in hook_entries(agent, cli):
-        found = [f for f in our_hooks(config, event) if hook_role(f[3]) == role]
-        if not remove and len(found) == 1 and found[0][3] == hook:
-            continue
-        for groups, group, inner, h in found:
-            inner.remove(h)
-            if group is not None and not inner:
-                groups.remove(group)
-        if not remove:
-            hooks = config.setdefault("hooks", {})
-            if not isinstance(hooks, dict):
-                raise refused(f"its \"hooks\" is not an object — fix it by hand.", "bad_config")
-            groups = hooks.setdefault(event, [])
-            if agent == "cursor":
-                groups.append(hook)
-            else:
-                groups.append(dict({"matcher": matcher} if matcher else {}, hooks=[hook]))
-        hooks = config.get("hooks")
-        if isinstance(hooks, dict) and hooks.get(event) == []:
-            del hooks[event]
-    if config.get("hooks") == {}:
-        del config["hooks"]
-    if agent == "cursor" and set(config) == {"version"}:
-        config = {}
-    return config
-
-
-def plugin_enabled(root):
-    """Where the fablize-gate plugin is switched on for Claude Code ([] when nowhere): it brings
-    its own hooks, so settings must not register them again."""
-    found = []
-    home = os.path.expanduser("~")
-    for path in (os.path.join(home, ".claude", "settings.json"),
-                 os.path.join(root, ".claude", "settings.json"),
-                 os.path.join(root, ".claude", "settings.local.json")):
-        data = read_json_config(path, quiet=True)
-        enabled = data.get("enabledPlugins") if isinstance(data, dict) else None
-        if isinstance(enabled, dict) and any(
-                k.split("@")[0] == PLUGIN_NAME and v is True for k, v in enabled.items()):
-            found.append(path)
-    env = os.environ.get("CLAUDE_PLUGIN_ROOT")
-    if env and read_json_config(os.path.join(env, ".claude-plugin", "plugin.json"),
-                                quiet=True).get("name") == PLUGIN_NAME:
-        found.append("$CLAUDE_PLUGIN_ROOT")
-    return found
-
-
-def read_json_config(path, quiet=False):
-    """A JSON settings file as a dict ({} when absent); refuses one that is not an object."""
+def ignore_bytecode(folder):
+    """The bytecode Python caches for the files in `folder` (the engine and its rooms, imported)
+    stays out of git: __pycache__/ holds a .gitignore of `*`. Never an error: a read-only
+    checkout, or PYTHONDONTWRITEBYTECODE, caches nothing."""
+    cache = os.path.join(folder, "__pycache__")
+    marker = os.path.join(cache, ".gitignore")
+    if sys.dont_write_bytecode or os.path.lexists(marker) or not os.path.isdir(cache):
+        return
     try:
-        raw = read_project_file(path)
-    except FileNotFoundError:
-        return {}
-    except (OSError, FablizeError):
-        if quiet:
-            return {}
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW, 0o644)
+        os.write(fd, b"# bytecode Python cached for fablize: never committed\n*\n")
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def room_present(name):
+    return os.path.isfile(os.path.join(os.path.dirname(os.path.realpath(__file__)), ROOMS[name]))
+
+
+def room(name, needed_by=None):
+    """The room `name` (a key of ROOMS), loaded once; its bytecode is cached as an import's."""
+    module = sys.modules.get("fablize_" + name)
+    if module is not None and getattr(module, "engine", None) is sys.modules[__name__]:
+        return module
+    path = os.path.join(os.path.dirname(os.path.realpath(__file__)), ROOMS[name])
+    if not os.path.isfile(path):
+        raise usage(f"{needed_by or name} needs {ROOMS[name]}, which is not beside "
+                    f"{os.path.basename(__file__)} here — copy the whole scripts/ folder of "
+                    "fablize (README: Add it to your project).", "room_missing")
+    from importlib.machinery import SourceFileLoader
+    from importlib.util import module_from_spec, spec_from_loader
+    loader = SourceFileLoader("fablize_" + name, path)
+    module = module_from_spec(spec_from_loader(loader.name, loader))
+    sys.modules["fablize_engine"] = sys.modules[__name__]
+    sys.modules[loader.name] = module
+    try:
+        loader.exec_module(module)
+    except BaseException:
+        del sys.modules[loader.name]
         raise
-    try:
-        data = load_json(raw) if raw.strip() else {}
-    except ValueError as e:
-        if quiet:
-            return {}
-        raise refused(f"{path} is not valid JSON ({e}) — fix it by hand, then run setup again.",
-                      "bad_config")
-    if not isinstance(data, dict):
-        if quiet:
-            return {}
-        raise refused(f"{path} does not hold a JSON object — fix it by hand.", "bad_config")
-    return data
+    ignore_bytecode(os.path.dirname(path))
+    return module
 
 
-def json_config_bytes(config):
-    return (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
-
-
-MAX_PROJECT_FILE = 1 << 20  # a settings or instructions file larger than this is not one
-
-
-def read_project_file(path):
-    """The bytes of a project's settings or instructions file: never blocks on a FIFO, never
-    reads an endless device, refuses what is not a regular file (it may follow a symlink the
-    user made; setup refuses to write through one)."""
-    fd = os.open(path, os.O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_BINARY)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise refused(f"{path} is not a regular file.", "not_a_file")
-        data = os.read(fd, MAX_PROJECT_FILE + 1)
-        if len(data) > MAX_PROJECT_FILE:
-            raise refused(f"{path} is larger than {MAX_PROJECT_FILE:,} bytes — not a settings "
-                          "or instructions file fablize edits.", "not_text")
-        return data
-    finally:
-        os.close(fd)
-
-
-def project_file(root, rel):
-    """A file of the project to write: refuses a symlink or a non-file in its place, and a
-    symlinked folder on the way to it (a cloned repository's `.claude -> ~/.claude` must not
-    put hooks into the user's own settings)."""
-    path = os.path.join(root, *rel.split("/"))
-    folder = root
-    for part in rel.split("/")[:-1]:
-        folder = os.path.join(folder, part)
-        if os.path.islink(folder):
-            raise refused(f"{folder} is a symlink — refusing to write through it.", "symlink")
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return path, None
-    if stat.S_ISLNK(st.st_mode):
-        raise refused(f"{path} is a symlink — refusing to write through it.", "symlink")
-    if not stat.S_ISREG(st.st_mode):
-        raise refused(f"{path} is not a regular file.", "not_a_file")
-    return path, st
-
-
-def put_project_file(path, st, data):
-    """Write (or, with data None, delete) a project file; parent folders made as needed, and
-    a folder this left empty taken away again."""
-    if data is None:
-        os.unlink(path)
-        parent = os.path.dirname(path)
-        try:
-            os.rmdir(parent)  # only when empty: `.claude/` that setup made
-        except OSError:
-            pass
-        return
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    write_atomic(path, data, st.st_mode & 0o7777 if st else 0o644)
-    fsync_dir(os.path.dirname(path))
-
-
-def setup_plan(ctx, agent, remove):
-    """[(relative path, absolute path, stat, new bytes or None to delete, what)] that `setup`
-    would write, leaving out what is already as it should be."""
-    root = ctx.store.root
-    cli = portable_command(root)
-    changes = []
-    block_rel, hooks_rel = AGENT_FILES[agent]
-    path, st = project_file(root, block_rel)
-    raw = read_state_file(path) if st is not None else b""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise refused(f"{path} is not UTF-8 text — refusing to edit it.", "not_text")
-    new = install_block(text, render_block(cli), remove)
-    if new != text:
-        data = None if remove and not new.strip() else new.encode("utf-8")
-        changes.append((block_rel, path, st, data, "the fablize block " +
-                        ("removed" if remove else "updated" if BLOCK_BEGIN in text else
-                         "migrated from the original fablize's block" if re.search(ORIGINAL_BLOCK, text)
-                         else "added")))
-    notes = []
-    if hooks_rel:
-        plugin = plugin_enabled(root) if agent == "claude" else []
-        path, st = project_file(root, hooks_rel)
-        config = read_json_config(path)
-        if plugin and not remove:
-            notes.append(f"hooks: the {PLUGIN_NAME} plugin provides them (enabled in "
-                         f"{', '.join(plugin)}); none added to {hooks_rel}")
-            new = merge_hooks(config, agent, cli, remove=True)  # a copy left by an earlier setup
-            if new != config:
-                data = None if not new and st is not None else json_config_bytes(new)
-                changes.append((hooks_rel, path, st, data, "hooks removed: the plugin runs "
-                                "them, and a second copy would count every stop twice"))
-        else:
-            new = merge_hooks(config, agent, cli, remove)
-            if new != config:
-                data = None if remove and not new and st is not None else json_config_bytes(new)
-                changes.append((hooks_rel, path, st, data,
-                                "hooks " + ("removed" if remove else "registered") + ": " +
-                                ", ".join(e for e, _, _, _ in hook_entries(agent, cli))))
-    return changes, notes
-
-
-def block_problem(root, agent, prog):
-    """(problem or None, fix, the command the block uses or None) for the agent's instructions."""
-    block_rel = AGENT_FILES[agent][0]
-    path = os.path.join(root, block_rel)
-    try:
-        text = read_project_file(path).decode("utf-8")
-    except FileNotFoundError:
-        text = ""
-    except (OSError, UnicodeDecodeError) as e:
-        return f"{block_rel} cannot be read ({one_line(e)})", "fix it by hand", None
-    except FablizeError as e:
-        return f"{block_rel} cannot be read ({e.message})", "fix it by hand", None
-    begin = text.find(BLOCK_BEGIN)
-    if re.search(ORIGINAL_BLOCK, text):
-        return (f"{block_rel} holds the original fablize's block", f"`{prog} setup {agent}` migrates it",
-                None)
-    if begin < 0:
-        return f"{block_rel} has no fablize block", f"`{prog} setup {agent}` adds it", None
-    end = text.find(BLOCK_END, begin)
-    block = text[begin:end + len(BLOCK_END)] + "\n"
-    m = re.search(r"`(.+?) create --brief", block)
-    cli = m.group(1) if m else None
-    if cli is None or block != render_block(cli):
-        return f"{block_rel} holds an outdated fablize block", f"`{prog} setup {agent}` updates it", cli
-    if cli != portable_command(root):
-        return (f"{block_rel}'s block runs `{cli}`, not `{portable_command(root)}`",
-                f"`{prog} setup {agent}` updates it", cli)
-    return None, None, cli
-
-
-def command_runs(cli, root):
-    """(ok, what it said) for `CLI --version`, run by a shell in the repository."""
-    import subprocess
-    try:
-        p = subprocess.run(f"{cli} --version", shell=True, cwd=root, capture_output=True,
-                           timeout=30, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.SubprocessError) as e:
-        return False, str(e)
-    out = p.stdout.decode("utf-8", "replace").strip()
-    if p.returncode == 0 and out.startswith("fablize "):
-        return True, out
-    return False, f"exit {p.returncode}: " + one_line(last_chars(
-        p.stderr.decode("utf-8", "replace").strip() or out, 200))
-
-
-def interpreter_problem(cli):
-    """Why the program at the front of `cli` does not resolve here, or None."""
-    import shutil
-    first = cli.split()[0].strip("\"'")
-    if first.startswith("$") or "/" in first:
-        return None
-    found = shutil.which(first)
-    if found is None:
-        return f"`{first}` is not on PATH"
-    if "WindowsApps" in found:
-        return f"`{first}` is the Windows Store alias ({found}), not a Python"
-    return None
-
-
-def hook_registrations(root, agent):
-    """{event: [where]} for every registration of our hooks that `agent` will run."""
-    events = [e for e, _, _, _ in hook_entries(agent, "fablize")]
-    where = {event: [] for event in events}
-    hooks_rel = AGENT_FILES[agent][1]
-    if hooks_rel is None:
-        return where
-    paths = [hooks_rel, {"claude": "~/.claude/settings.json", "gemini": "~/.gemini/settings.json"}
-             .get(agent, "~/" + hooks_rel)]
-    if agent == "claude":
-        paths.insert(1, ".claude/settings.local.json")
-    for rel in paths:
-        path = os.path.expanduser(rel) if rel.startswith("~") else os.path.join(root, rel)
-        config = read_json_config(path, quiet=True)
-        for event in events:
-            where[event] += [rel] * len(our_hooks(config, event))
-    if agent == "claude" and plugin_enabled(root):
-        for event in events:
-            where[event].append(f"the {PLUGIN_NAME} plugin")
-    return where
-# Sharing: plans through a git remote #########################################
+# Commands #####################################################################################
 #
-# A shared plan's ledger is also a chain of commits under refs/fablize/plans/<plan id> on a git
-# remote, one commit per event: its tree holds `event.jsonl` (the ledger line, exact bytes) and,
-# for a run, `log` (the run's output). Writers order themselves by pushing without force: the
-# remote's fast-forward-only ref update is the compare-and-swap. A push that loses fetches the
-# winner's events, replays them through apply_event, re-validates and re-chains the local events
-# not yet published (an event no longer legal is set aside in rejected.jsonl and said, never
-# dropped silently) and tries again. share.json in the state directory marks a shared plan and
-# records how much of the local ledger the remote is known to hold; a local plan has no
-# share.json and never starts git.
-#
-# Interface for the storage layer: publish(session) after a session's commits (Transaction.__exit__
-# calls it), publish(session, claim=True) where the command must not go on unless its events
-# are on the remote, and share_status(store, plan) for `status`.
-
-SHARE = "share.json"
-REJECTED = "rejected.jsonl"
-SHARED_REFS = "refs/fablize/plans/"
-PUSH_ATTEMPTS = 12
-CLAIM_ATTEMPTS = 5
-GIT_TIMEOUT = 60.0
-SHARE_SPEC = {"remote": str, "plan_id": str, "seq": int, "head": str, "commit": _TEXT}
-SAFE_LOG = Pattern(r"runs/[\w.-]+\.log")
-
-
-def unreachable(remote, detail):
-    return FablizeError(f"the remote {one_line(remote)} cannot be reached ({one_line(detail)[:300]}).",
-                        "remote_unreachable", EXIT_DAMAGED)
-
-
-def git(root, *args, data=None, remote=None):
-    """git in the repository at `root`; never prompts. Returns the CompletedProcess."""
-    import subprocess
-    env = dict(os.environ, GIT_TERMINAL_PROMPT="0", GIT_ASKPASS="", SSH_ASKPASS="")
-    try:
-        return subprocess.run(["git", "-C", root, *args], input=data, capture_output=True,
-                              timeout=GIT_TIMEOUT, env=env,
-                              stdin=subprocess.DEVNULL if data is None else None)
-    except FileNotFoundError:
-        raise damaged("git is not installed (or not on PATH): a shared plan needs it.", "no_git")
-    except subprocess.TimeoutExpired:
-        raise unreachable(remote or "?", f"git {args[0]} took more than {GIT_TIMEOUT:g} s")
-
-
-def git_out(root, *args, data=None):
-    p = git(root, *args, data=data)
-    if p.returncode != 0:
-        raise damaged(f"git {args[0]} failed: {one_line(p.stderr.decode('utf-8', 'replace'))[:300]}",
-                      "git_failed")
-    return p.stdout
-
-
-def remote_arg(store, remote):
-    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*", remote or ""):
-        raise usage(f"--remote takes the name of a git remote (as `git remote` lists them), not "
-                    f"{one_line(remote)!r}.", "bad_remote")
-    p = git(store.root, "remote", "get-url", remote)
-    if p.returncode != 0:
-        raise refused(f"{one_line(remote)} is not a git remote of {store.root} — add it with "
-                      f"`git remote add {one_line(remote)} URL`.", "no_remote")
-    return remote
-
-
-def plan_id_arg(plan_id):
-    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*", plan_id or "") or ".." in plan_id:
-        raise usage(f"--plan takes a plan id (as `sync` lists them), not {one_line(plan_id)!r}.",
-                    "bad_plan_id")
-    return plan_id
-
-
-def share_config(store):
-    """The shared plan's record, or None for a local plan (one lstat, no git)."""
-    path = store.path(SHARE)
-    if not os.path.lexists(path):
-        return None
-    try:
-        cfg = load_json(read_state_file(path) or b"")
-    except ValueError:
-        cfg = None
-    names = re.compile(r"[A-Za-z0-9][\w.-]*")
-    if misfit(cfg, SHARE_SPEC) is not None or not names.fullmatch(cfg["remote"]) or \
-            not names.fullmatch(cfg["plan_id"]) or ".." in cfg["plan_id"]:
-        raise damaged(f"{SHARE} is not a fablize share record — run `goals.py sync` after "
-                      "removing it.", "bad_share")
-    return cfg
-
-
-def save_share_config(store, cfg):
-    write_atomic(store.path(SHARE), dumps(cfg).encode("utf-8") + b"\n")
-
-
-def tracking_ref(cfg):
-    return f"refs/fablize/remotes/{cfg['remote']}/{cfg['plan_id']}"
-
-
-def fetch_shared(store, cfg):
-    """The commit at the remote's ref (fetched into a tracking ref), or None if it has none."""
-    ref = SHARED_REFS + cfg["plan_id"]
-    p = git(store.root, "fetch", "--quiet", "--no-tags", cfg["remote"],
-            f"+{ref}:{tracking_ref(cfg)}", remote=cfg["remote"])
-    if p.returncode != 0:
-        err = p.stderr.decode("utf-8", "replace")
-        if "couldn't find remote ref" in err:
-            return None
-        raise unreachable(cfg["remote"], err.strip().splitlines()[-1] if err.strip() else
-                          f"git fetch exit {p.returncode}")
-    return git_out(store.root, "rev-parse", "--verify", tracking_ref(cfg)).decode().strip()
-
-
-def cat_objects(root, names):
-    """The bytes of each `rev:path` (None where it is missing), through one git cat-file."""
-    if not names:
-        return []
-    out = git_out(root, "cat-file", "--batch", data="".join(n + "\n" for n in names).encode())
-    found, pos = [], 0
-    for _ in names:
-        end = out.index(b"\n", pos)
-        header = out[pos:end].split()
-        pos = end + 1
-        if header[-1] == b"missing":
-            found.append(None)
-            continue
-        size = int(header[2])
-        found.append(out[pos:pos + size])
-        pos += size + 1
-    return found
-
-
-def remote_events(store, cfg, base, tip):
-    """[(line, log bytes or None)] of the commits after `base` up to `tip`, oldest first."""
-    spec = [tip, "^" + base] if base else [tip]
-    revs = git_out(store.root, "rev-list", "--reverse", "--topo-order", *spec).decode().split()
-    lines = cat_objects(store.root, [f"{r}:event.jsonl" for r in revs])
-    events = []
-    for rev, raw in zip(revs, lines):
-        if raw is None or not raw.endswith(b"\n") or b"\n" in raw[:-1]:
-            raise damaged(f"the shared plan on {cfg['remote']} has a commit {rev[:12]} that holds "
-                          "no ledger line — the ref was written by something else.", "bad_remote_event")
-        events.append([rev, raw[:-1], None])
-    runs = [e for e in events if b'"event":"verify_run"' in e[1]]
-    for e, log in zip(runs, cat_objects(store.root, [f"{e[0]}:log" for e in runs])):
-        e[2] = log
-    return [(line, log) for _, line, log in events]
-
-
-def apply_shared_line(plan, line, seq, head, remote):
-    """A line from the remote, checked like a line read back from the ledger."""
-    ev = parse_event(line)
-    if ev is None or ev["seq"] != seq or ev.get("prev") != head:
-        got = ev["seq"] if ev else "?"
-        raise damaged(f"the shared plan on {remote} does not continue this ledger at event {seq} "
-                      f"(found event {got}, or a broken hash chain) — its history was rewritten; "
-                      "run `goals.py audit --remote` to see it.", "remote_history_rewritten")
-    try:
-        plan = apply_event(plan, ev)
-    except FablizeError as e:
-        raise damaged(f"the shared plan on {remote}: event {seq} is not legal when replayed "
-                      f"({e.message}).", "bad_remote_event")
-    plan["ledger"] = {"seq": seq, "head": sha256_hex(line)}
-    return plan, ev
-
-
-def unpublished_lines(session, after_seq):
-    """The local ledger's lines after event `after_seq`, oldest first."""
-    if session.ledger.open() is None:
-        return []
-    end = session.cut_torn_tail(session.plan and {"ledger": session.plan["ledger"]})
-    found = []
-    for _, line in session.ledger.backward(end):
-        ev = parse_event(line)
-        if ev is None or ev["seq"] <= after_seq:
-            break
-        found.append(line)
-    return found[::-1]
-
-
-def write_run_log(store, ev, log, remote):
-    name = ev.get("log")
-    if type(name) is not str or log is None:
-        return
-    if not SAFE_LOG.fullmatch(name):
-        raise damaged(f"the shared plan on {remote}: run log path {one_line(name)} is not under "
-                      f"{RUNS}/.", "bad_remote_event")
-    if ev.get("sha256") is not None and sha256_hex(log) != ev["sha256"]:
-        raise damaged(f"the shared plan on {remote}: {name} does not match the sha256 its run "
-                      "recorded.", "run_log_mismatch")
-    path = store.path(name)
-    ensure_subdir(store.path(RUNS))
-    if os.path.lexists(path):
-        os.replace(path, free_name(path + ".local"))  # a stale local log of the same name
-    write_atomic(path, log)
-
-
-def integrate(session, cfg, tip):
-    """Bring the remote's events after cfg's position into the local ledger; the local events
-    not published yet are replayed after them. Returns the local events set aside."""
-    store = session.store
-    if tip is None or tip == cfg["commit"]:
-        return []
-    incoming = remote_events(store, cfg, cfg["commit"], tip)
-    local = unpublished_lines(session, cfg["seq"])
-    same = 0  # a push that landed before its process died: those events are already there
-    while same < min(len(local), len(incoming)) and local[same] == incoming[same][0]:
-        same += 1
-    base_seq = cfg["seq"] + same
-    local, incoming = local[same:], incoming[same:]
-    if not local:
-        plan = session.plan
-        seq, head = (plan["ledger"]["seq"], plan["ledger"]["head"]) if plan else (0, ZERO_HASH)
-        lines = []
-        for line, log in incoming:
-            seq += 1
-            plan, ev = apply_shared_line(plan, line, seq, head, cfg["remote"])
-            if seq == 1 and plan["plan_id"] != cfg["plan_id"]:
-                raise damaged(f"the shared plan {cfg['plan_id']} on {cfg['remote']} holds plan "
-                              f"{one_line(plan['plan_id'])}.", "bad_remote_event")
-            head = plan["ledger"]["head"]
-            write_run_log(store, ev, log, cfg["remote"])
-            lines.append(line)
-        if lines:
-            session.ledger.append(b"\n".join(lines), session.ledger.open(create=True))
-            session.save_snapshot(plan)
-            session.plan = plan
-        cfg.update(seq=seq, head=head, commit=tip)
-        save_share_config(store, cfg)
-        return []
-    return rebase(session, cfg, tip, base_seq, incoming, local)
-
-
-def rebase(session, cfg, tip, base_seq, incoming, local):
-    store = session.store
-    data = read_state_file(store.path(LEDGER)) or b""
-    kept = data.split(b"\n")[:base_seq]
-    plan = audit_ledger(b"".join(x + b"\n" for x in kept), None)["plan"] if kept else None
-    seq, head = (base_seq, plan["ledger"]["head"]) if plan else (0, ZERO_HASH)
-    ensure_subdir(store.path(RUNS))
-    moved = {}
-    for line in local:  # our unpublished logs step aside: the remote's may carry their names
-        ev = parse_event(line)
-        if ev["event"] == "verify_run" and type(ev.get("log")) is str and \
-                os.path.lexists(store.path(ev["log"])):
-            tmp = store.path(f"{RUNS}/.rebase-{ev['seq']}-{os.urandom(4).hex()}")
-            os.replace(store.path(ev["log"]), tmp)
-            moved[ev["seq"]] = tmp
-    for line, log in incoming:
-        seq += 1
-        plan, ev = apply_shared_line(plan, line, seq, head, cfg["remote"])
-        head = plan["ledger"]["head"]
-        write_run_log(store, ev, log, cfg["remote"])
-        kept.append(line)
-    cfg.update(seq=seq, head=head, commit=tip)
-    renumber, rejected = {}, []
-    for line in local:
-        ev = parse_event(line)
-        old = ev["seq"]
-        ev.update(seq=seq + 1, prev=head)
-        if type(ev.get("after_seq")) is int:
-            ev["after_seq"] = renumber.get(ev["after_seq"], min(ev["after_seq"], base_seq))
-        if isinstance(ev.get("runs"), list):
-            ev["runs"] = [renumber.get(r, r) for r in ev["runs"]]
-        if ev["event"] == "verify_run" and type(ev.get("log")) is str:
-            ev["log"] = f"{RUNS}/{seq + 1}-{ev['id']}.log"
-        trial = json.loads(json.dumps(plan)) if plan is not None else None
-        try:
-            trial = apply_event(trial, ev)
-        except FablizeError as e:
-            rejected.append({"event": parse_event(line), "reason": e.message, "code": e.code})
-            if old in moved:
-                os.replace(moved.pop(old), free_name(store.path(f"{RUNS}/rejected-{old}.log")))
-            continue
-        if old in moved:
-            os.replace(moved.pop(old), store.path(ev["log"]))
-        new_line = dumps(ev).encode("utf-8")
-        seq, head = seq + 1, sha256_hex(new_line)
-        trial["ledger"] = {"seq": seq, "head": head}
-        plan = trial
-        renumber[old] = seq
-        kept.append(new_line)
-    staged = store.path(LEDGER + ".new")
-    if os.path.lexists(staged):
-        os.unlink(staged)
-    fd = open_state_file(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-    try:
-        write_all(fd, b"".join(x + b"\n" for x in kept))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    session.ledger.close()
-    if os.path.lexists(store.path(SNAPSHOT)):
-        os.unlink(store.path(SNAPSHOT))  # from here a crash replays the new ledger from scratch
-    os.replace(staged, store.path(LEDGER))
-    fsync_dir(store.dir)
-    session.save_snapshot(plan)
-    session.plan = plan
-    save_share_config(store, cfg)
-    if rejected:
-        rfd = open_state_file(store.path(REJECTED), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-        try:
-            write_all(rfd, b"".join(dumps(dict(r, rejected=now_iso())).encode("utf-8") + b"\n"
-                                    for r in rejected))
-            os.fsync(rfd)
-        finally:
-            os.close(rfd)
-    return rejected
-
-
-def event_commits(store, cfg, lines):
-    """Commits for `lines` on top of cfg's commit (one git fast-import); returns the new tip."""
-    ref = f"refs/fablize/local/{cfg['plan_id']}"
-    chunks = [f"reset {ref}\n".encode()]
-    if cfg["commit"]:
-        chunks.append(f"from {cfg['commit']}\n".encode())
-    when = int(time.time())
-    for i, line in enumerate(lines, 1):
-        ev = parse_event(line)
-        message = f"fablize {cfg['plan_id']} #{ev['seq']} {ev['event']} {ev.get('id') or ''}".strip()
-        message = message.encode("utf-8")
-        chunks.append(f"commit {ref}\nmark :{i}\ncommitter fablize <fablize@localhost> {when} +0000\n"
-                      f"data {len(message)}\n".encode() + message + b"\ndeleteall\n")
-        chunks.append(f"M 100644 inline event.jsonl\ndata {len(line) + 1}\n".encode() + line + b"\n\n")
-        log = ev.get("log") if ev["event"] == "verify_run" else None
-        body = read_state_file(store.path(log)) if type(log) is str and SAFE_LOG.fullmatch(log) \
-            else None
-        if body is not None:
-            chunks.append(f"M 100644 inline log\ndata {len(body)}\n".encode() + body + b"\n")
-    chunks.append(f"get-mark :{len(lines)}\n".encode())
-    out = git_out(store.root, "fast-import", "--quiet", "--force", "--done", data=b"".join(chunks)
-                  + b"done\n")
-    return out.decode().split()[-1]
-
-
-def push_shared(store, cfg, new_tip):
-    """True when the remote took the new tip; False when another writer got there first."""
-    p = git(store.root, "push", "--porcelain", "--no-verify", cfg["remote"],
-            f"{new_tip}:{SHARED_REFS}{cfg['plan_id']}", remote=cfg["remote"])
-    if p.returncode == 0:
-        return True
-    out = (p.stdout + p.stderr).decode("utf-8", "replace")
-    if "[rejected]" in out or "[remote rejected]" in out:
-        return False
-    raise unreachable(cfg["remote"], out.strip().splitlines()[-1] if out.strip() else
-                      f"git push exit {p.returncode}")
-
-
-def say_rejected(store, rejected):
-    for r in rejected:
-        ev = r["event"]
-        store.warn(f"{ev['event']} {one_line(ev.get('id') or '')} (event {ev['seq']}, made here "
-                       f"before the remote's newer events) is no longer legal: {one_line(r['reason'])}"
-                       f" — set aside in {REJECTED}, not published.")
-
-
-def sync_shared(session, cfg, fetch_first=True):
-    """Fetch, integrate, push what is unpublished; retry a lost push a bounded number of times.
-    Returns the local events set aside."""
-    import random
-    store = session.store
-    rejected = []
-    fetch = fetch_first
-    for attempt in range(PUSH_ATTEMPTS):
-        if fetch:
-            rejected += integrate(session, cfg, fetch_shared(store, cfg))
-        plan = session.plan
-        if plan is None or plan["ledger"]["seq"] <= cfg["seq"]:
-            return rejected
-        lines = unpublished_lines(session, cfg["seq"])
-        tip = event_commits(store, cfg, lines)
-        if push_shared(store, cfg, tip):
-            crash_point("after-push")  # tests: published, but share.json does not know yet
-            cfg.update(seq=plan["ledger"]["seq"], head=plan["ledger"]["head"], commit=tip)
-            save_share_config(store, cfg)
-            return rejected
-        fetch = True
-        time.sleep(random.uniform(0.005, 0.02) * min(attempt + 1, 8))
-    raise FablizeError(f"gave up publishing to {cfg['remote']} after {PUSH_ATTEMPTS} pushes lost to "
-                       "other writers; the events are kept here — run `sync` again.",
-                       "push_contended", EXIT_DAMAGED)
-
-
-def publish(session, claim=False, fetch_first=False):
-    """After a session's commits: put the unpublished events on the remote. A local plan
-    returns at once. With `claim`, the command may go on only if its last event is on the
-    remote: an event set aside or an unreachable remote is refused; otherwise the events stay
-    local with a warning and the next command or `sync` publishes them. Returns the plan."""
-    store = session.store
-    cfg = share_config(store)
-    if cfg is None or session.plan is None:
-        return session.plan
-    own = getattr(session, "last", None)
-    if session.plan["plan_id"] != cfg["plan_id"]:  # create --force: the new plan, its own ref
-        cfg = {"remote": cfg["remote"], "plan_id": session.plan["plan_id"], "seq": 0,
-               "head": ZERO_HASH, "commit": None}
-        save_share_config(store, cfg)
-    if not fetch_first and session.plan["ledger"]["seq"] <= cfg["seq"]:
-        return session.plan
-    try:
-        rejected = sync_shared(session, cfg, fetch_first)
-    except FablizeError as e:
-        if claim or e.code not in ("remote_unreachable", "push_contended"):
-            raise
-        store.warn(f"not published: {e.message} The events are kept here; the next command "
-                       "or `sync` publishes them.")
-        return session.plan
-    say_rejected(store, rejected)
-    for r in rejected:
-        ev = r["event"]
-        if own is not None and ev["seq"] >= own["seq"] and ev.get("id") == own.get("id"):
-            held = find_story(session.plan, ev["id"]) if ev.get("id") else None
-            who = f" — agent {one_line(held['agent'])} holds it" if held and held["agent"] else ""
-            raise refused(f"{one_line(ev.get('id') or ev['event'])} was taken on {cfg['remote']} "
-                          f"meanwhile{who}; this {ev['event']} was not published "
-                          f"({one_line(r['reason'])}).", "claim_lost")
-    return session.plan
-
-
-def claim_story(session, story, agent):
-    """`next`'s story_started; in a shared plan it counts only once it is on the remote, and a
-    claim lost to another machine (said, set aside) moves on to the next ready story, a bounded
-    number of times. Returns the story now held."""
-    import random
-    for attempt in range(CLAIM_ATTEMPTS):
-        session.commit("story_started", id=story["id"], title=story["title"],
-                       round=story["round"] + 1, agent=agent)
-        try:
-            publish(session, claim=True)
-            return find_story(session.plan, story["id"])
-        except FablizeError as e:
-            if e.code != "claim_lost" or attempt == CLAIM_ATTEMPTS - 1:
-                raise
-            lost = e
-        ready = ready_stories(session.plan)
-        if not ready:
-            raise lost
-        # the other writers just won the first ready story: a random one avoids a convoy
-        story = random.choice(ready)
-        session.store.warn(f"{lost.message} Claiming {story['id']} instead.")
-    raise lost
-
-
-def share_status(store, plan):
-    """How far the local copy is ahead of and behind the remote, or None for a local plan."""
-    cfg = share_config(store)
-    if cfg is None or plan is None:
-        return None
-    info = {"remote": cfg["remote"], "ref": SHARED_REFS + cfg["plan_id"],
-            "published": cfg["seq"], "ahead": plan["ledger"]["seq"] - cfg["seq"], "behind": None}
-    try:
-        tip = fetch_shared(store, cfg)
-    except FablizeError as e:
-        info["error"] = e.message
-        return info
-    behind = 0
-    if tip is not None and tip != cfg["commit"]:
-        subject = git_out(store.root, "log", "-1", "--format=%s", tip).decode()
-        found = re.search(r" #(\d+) ", subject + " ")
-        behind = int(found.group(1)) - cfg["seq"] if found else None
-    info["behind"] = behind
-    return info
-
-
-def shared_plan_refs(store, remote):
-    """{plan id: commit} of the plans shared on `remote`."""
-    p = git(store.root, "ls-remote", remote, SHARED_REFS + "*", remote=remote)
-    if p.returncode != 0:
-        raise unreachable(remote, p.stderr.decode("utf-8", "replace").strip()[-300:])
-    found = {}
-    for row in p.stdout.decode("utf-8", "replace").splitlines():
-        sha, _, ref = row.partition("\t")
-        plan_id = ref[len(SHARED_REFS):]
-        if re.fullmatch(r"[A-Za-z0-9][\w.-]*", plan_id, re.A) and ".." not in plan_id:
-            found[plan_id] = sha  # a ref no plan id names is someone else's, never a plan
-    return found
-
-
-def default_remote(store):
-    names = git_out(store.root, "remote").decode().split()
-    if "origin" in names:
-        return "origin"
-    if len(names) == 1:
-        return names[0]
-    if not names:
-        raise refused(f"{store.root} has no git remote — add one with `git remote add NAME URL`.",
-                      "no_remote")
-    raise usage(f"several git remotes ({', '.join(names)}): say which with --remote NAME.")
-
-
-def ignore_shared_dir(store):
-    """A shared plan lives in refs, not in the branch: nothing in its state directory is
-    committed, so a branch merge never touches it."""
-    path = store.path(".gitignore")
-    # the engine's own .gitignore (written with the directory) gives way; a user's stays
-    if not os.path.lexists(path) or read_state_file(path) == STATE_GITIGNORE.encode():
-        write_atomic(path, b"# a shared plan: its history is in refs/fablize/, not the branch\n*\n")
-
-
-def start_sharing(ctx, remote):
-    """share / create --remote: record the remote, then publish the whole ledger."""
-    store = ctx.store
-    with open_plan(ctx) as s:
-        plan = s.require_plan()
-        cfg = share_config(store)
-        if cfg is not None and cfg["plan_id"] == plan["plan_id"] and cfg["remote"] != remote:
-            raise refused(f"this plan is already shared through {cfg['remote']}.", "already_shared")
-        if cfg is None or cfg["plan_id"] != plan["plan_id"]:
-            cfg = {"remote": remote, "plan_id": plan["plan_id"], "seq": 0, "head": ZERO_HASH,
-                   "commit": None}
-            save_share_config(store, cfg)
-        ignore_shared_dir(store)
-        rejected = sync_shared(s, cfg)
-        say_rejected(store, rejected)
-        plan = s.plan
-    ctx.say(f"fablize: plan {plan['plan_id']} shared through {remote} "
-            f"({SHARED_REFS}{plan['plan_id']}, {cfg['seq']} events).")
-    ctx.data.update(share={"remote": remote, "ref": SHARED_REFS + plan["plan_id"],
-                           "published": cfg["seq"]})
-
-
-def cmd_share(ctx, a):
-    if not ctx.store.exists():
-        raise refused("no plan — run `create` first.", "no_plan")
-    start_sharing(ctx, remote_arg(ctx.store, a.remote))
-
-
-def cmd_sync(ctx, a):
-    store = ctx.store
-    cfg = share_config(store) if store.exists() else None
-    if cfg is None:
-        if store.exists() and store.has_plan_files():
-            raise refused("this plan is local — share it first: `share --remote NAME`.", "not_shared")
-        remote = remote_arg(store, a.remote or default_remote(store))
-        plans = shared_plan_refs(store, remote)
-        if a.plan:
-            if plan_id_arg(a.plan) not in plans:
-                raise refused(f"{remote} shares no plan {one_line(a.plan)}.", "not_found")
-            plan_id = a.plan
-        elif len(plans) == 1:
-            plan_id = next(iter(plans))
-        else:
-            raise refused(f"{remote} shares {len(plans) or 'no'} plans" +
-                          (f" ({', '.join(sorted(plans))}): say which with --plan ID." if plans
-                           else " — share one with `share --remote NAME`."), "which_plan")
-        store.create_dir()
-        with store.session() as s:
-            s.load()
-            if store.has_plan_files():
-                raise refused(PLAN_EXISTS, "plan_exists")
-            cfg = {"remote": remote, "plan_id": plan_id, "seq": 0, "head": ZERO_HASH,
-                   "commit": None}
-            save_share_config(store, cfg)
-            ignore_shared_dir(store)
-    elif a.remote and a.remote != cfg["remote"]:
-        raise refused(f"this plan is shared through {cfg['remote']}, not {one_line(a.remote)}.",
-                      "other_remote")
-    with store.session() as s:
-        s.load()
-        cfg = share_config(store)  # again under the lock: another command may have published
-        before = s.plan["ledger"]["seq"] if s.plan else 0
-        ahead = before - cfg["seq"]
-        rejected = sync_shared(s, cfg)
-        say_rejected(store, rejected)
-        plan = s.plan
-    if plan is None:
-        raise refused(f"{cfg['remote']} holds nothing for plan {cfg['plan_id']} yet.", "no_plan")
-    pulled = plan["ledger"]["seq"] - before + len(rejected)
-    sent = ahead - len(rejected)
-    ctx.say(f"fablize: in sync with {cfg['remote']} — {plan['ledger']['seq']} events "
-            f"({SHARED_REFS}{cfg['plan_id']}): {pulled} pulled, {sent} published"
-            + (f", {len(rejected)} set aside in {REJECTED}" if rejected else "") + ".")
-    ctx.data.update(share={"remote": cfg["remote"], "ref": SHARED_REFS + cfg["plan_id"],
-                           "events": plan["ledger"]["seq"], "pulled": pulled, "published": sent,
-                           "rejected": [r["event"] for r in rejected]}, plan=plan_json(plan))
-
-
-def remote_ledger(store, remote, plan_id):
-    """The ledger bytes and run logs of a plan as the remote holds it (for audit)."""
-    cfg = {"remote": remote, "plan_id": plan_id, "seq": 0, "head": ZERO_HASH, "commit": None}
-    tip = fetch_shared(store, cfg)
-    if tip is None:
-        raise refused(f"{remote} shares no plan {one_line(plan_id)}.", "not_found")
-    events = remote_events(store, cfg, None, tip)
-    logs = {}
-    for line, log in events:
-        ev = parse_event(line) if log is not None else None
-        if ev is not None and type(ev.get("log")) is str:  # a line that is no event: audit says
-            logs[ev["log"]] = log
-    return b"".join(line + b"\n" for line, _ in events), logs
-
-
-
-def say_share_status(ctx, info):
-    if info is None:
-        return
-    where = f"shared through {info['remote']} ({info['ref']})"
-    if info.get("error"):
-        ctx.say(f"fablize: {where}: {info['ahead']} event(s) not published yet; the remote cannot be "
-                f"reached now — {one_line(info['error'])}")
-    elif info["ahead"] or info["behind"]:
-        ctx.say(f"fablize: {where}: {info['ahead']} event(s) ahead (not published), "
-                f"{info['behind'] if info['behind'] is not None else 'some'} behind — run `sync`.")
-    else:
-        ctx.say(f"fablize: {where}: in sync.")
-    ctx.data["share"] = info
-
-
-def audit_remote_source(ctx, a):
-    """audit --remote: (ledger bytes, no snapshot, run logs) of the plan on the remote."""
-    store = ctx.store
-    remote = remote_arg(store, a.remote)
-    plan_id = a.plan and plan_id_arg(a.plan)
-    if plan_id is None:
-        cfg = share_config(store) if store.exists() else None
-        if cfg is not None and cfg["remote"] == remote:
-            plan_id = cfg["plan_id"]
-        else:
-            plans = shared_plan_refs(store, remote)
-            if len(plans) != 1:
-                raise refused(f"{remote} shares {len(plans) or 'no'} plans — say which with "
-                              "--plan ID.", "which_plan")
-            plan_id = next(iter(plans))
-    data, logs = remote_ledger(store, remote, plan_id)
-    return data, None, logs
-
-
-def cmd_release(ctx, a):
-    with open_plan(ctx) as s:
-        plan = s.require_plan()
-        plan = publish(s, claim=True, fetch_first=True)  # release what the remote says is held
-        story = find_story(plan, a.id)
-        holder = story["agent"]
-        s.commit("story_released", id=a.id, note=limit_text("--note", a.note), agent=holder)
-        publish(s, claim=True)
-        plan = s.plan
-    ctx.say(f"fablize: {a.id} released from agent {one_line(holder or 'unnamed')} → pending (its "
-            "round is given back; the release is recorded in the ledger).")
-    ctx.data.update(story=story_json(plan, find_story(plan, a.id)), released_from=holder)
-
-
-# Branches that merge: a merge driver for committed plans ####################
-#
-# Two branches that each replace or advance the committed plan change the same two files. Git
-# asks the driver (installed by `install-merge`: one .gitattributes line, one git config entry)
-# for the merged content of each. The same plan advanced further on one side: that side. Two
-# different plans: the one created later stays current and the other's whole ledger is carried
-# in one appended `plan_merged` event, replayed by audit, so both audit with their pins. The
-# snapshot of the current plan is then one event behind: the next command rolls it forward.
-
-MERGE_ATTRIBUTE = "merge=fablize"
-
-
-def merged_pin(lines, since_seq, since_hash):
-    """Whether a `--since` pin names a line of a plan carried in by a plan_merged event."""
-    for line in lines:
-        if b'"plan_merged"' not in line:
-            continue
-        ev = parse_event(line)
-        if ev is None or ev.get("event") != "plan_merged" or not isinstance(ev.get("lines"), list):
-            continue
-        inner = [x.encode("utf-8") for x in ev["lines"] if isinstance(x, str)]
-        for i, raw in enumerate(inner, 1):
-            if (since_seq is None or since_seq == i) and sha256_hex(raw) == since_hash:
-                return True
-        if merged_pin(inner, since_seq, since_hash):
-            return True
-    return False
-
-
-def merge_ledgers(ours, theirs):
-    """The merged ledger.jsonl, or a refusal (git then leaves the conflict to a human)."""
-    try:
-        ours.decode("utf-8"), theirs.decode("utf-8")
-    except UnicodeDecodeError:
-        raise refused(f"{LEDGER}: a side is not UTF-8 text — merge it by hand.", "conflict")
-    lo, lt = ours.splitlines(), theirs.splitlines()
-    if not lo or not lt:
-        return ours or theirs
-    if lo[0] == lt[0]:
-        if lt[:len(lo)] == lo:
-            return theirs
-        if lo[:len(lt)] == lt:
-            return ours
-        at = next(i for i, (x, y) in enumerate(zip(lo, lt), 1) if x != y)
-        raise refused(f"both branches advanced the same plan differently (from event {at}); "
-                      "keep one side: `git checkout --ours .fablize/` or `--theirs`.", "diverged")
-    mine, other = audit_ledger(ours, None)["plan"], audit_ledger(theirs, None)["plan"]
-    if (other["created"], other["plan_id"]) > (mine["created"], mine["plan_id"]):
-        (mine, lo, ours), (other, lt, theirs) = (other, lt, theirs), (mine, lo, ours)
-    ev = {"seq": mine["ledger"]["seq"] + 1, "ts": now_iso(), "event": "plan_merged",
-          "plan_id": other["plan_id"], "events": len(lt), "head": other["ledger"]["head"],
-          "lines": [x.decode("utf-8") for x in lt], "prev": mine["ledger"]["head"]}
-    apply_event(mine, ev)
-    return ours + dumps(ev).encode("utf-8") + b"\n"
-
-
-def merge_snapshots(ours, theirs):
-    """goals.json of the plan merge_ledgers keeps current (same rule, read from the snapshot)."""
-    try:
-        so, st = load_json(ours), load_json(theirs)
-    except ValueError:
-        so = st = None
-    if any(type(x) is not dict or is_original_snapshot(x) or misfit(x, PLAN_SPEC) is not None
-           for x in (so, st)):
-        raise damaged(f"{SNAPSHOT}: one side is not a fablize snapshot.", "bad_snapshot")
-    ko = (so["plan_id"], so["ledger"]["seq"], so["created"])
-    kt = (st["plan_id"], st["ledger"]["seq"], st["created"])
-    if ko[0] == kt[0]:
-        if ko[1] == kt[1]:
-            raise refused("both branches changed the same plan's snapshot at the same event.",
-                          "diverged")
-        return ours if ko[1] > kt[1] else theirs
-    return ours if (ko[2], ko[0]) > (kt[2], kt[0]) else theirs
-
-
-def merge_run_log(path, ours, theirs):
-    """Two different logs at one runs/ path: the current plan's (the side merge_ledgers keeps).
-    Their branch is named only by the GITHEAD_<commit> variable `git merge` sets."""
-    heads = [k[len("GITHEAD_"):] for k in os.environ if re.fullmatch(r"GITHEAD_[0-9a-f]{40,64}", k)]
-    ledger = path.rsplit("/" + RUNS + "/", 1)[0] + "/" + LEDGER
-    if len(heads) != 1:
-        raise refused(f"{one_line(path)}: both branches wrote a different run log here, and this "
-                      "is not a `git merge` of one branch.", "conflict")
-    sides = []
-    for rev in ("HEAD", heads[0]):
-        p = git(".", "show", f"{rev}:{ledger}")
-        sides.append(p.stdout if p.returncode == 0 else b"")
-    if not all(sides):
-        raise refused(f"{one_line(path)}: a side has no {LEDGER} to tell whose run it is.",
-                      "conflict")
-    merged = merge_ledgers(*sides)
-    if merged == sides[1] or (merged != sides[0] and not merged.startswith(sides[0])):
-        return theirs
-    return ours
-
-
-def cmd_merge_driver(ctx, a):
-    ours, theirs = (read_state_file(p) or b"" for p in (a.ours, a.theirs))
-    name = os.path.basename(a.path or "")
-    if ours == theirs:
-        return
-    if name == LEDGER:
-        merged = merge_ledgers(ours, theirs)
-    elif name == SNAPSHOT:
-        merged = merge_snapshots(ours, theirs)
-    elif f"/{RUNS}/" in "/" + (a.path or "") and name.endswith(".log"):
-        merged = merge_run_log(a.path, ours, theirs)
-    else:
-        raise refused(f"{one_line(a.path)}: both branches changed it and only {LEDGER} and "
-                      f"{SNAPSHOT} merge by replay.", "conflict")
-    write_atomic(a.ours, merged)
-    ctx.out.warn(f"merged {one_line(a.path)} by replay.")
-
-
-def cmd_install_merge(ctx, a):
-    store = ctx.store
-    root = store.root
-    if git(root, "rev-parse", "--git-dir").returncode != 0:
-        raise refused(f"{root} is not a git repository.", "no_git_repo")
-    rel = os.path.relpath(store.dir, root).replace(os.sep, "/")
-    if rel.startswith(".."):
-        raise refused("the state directory is outside the repository: nothing to merge.",
-                      "outside_repository")
-    line = f"/{rel}/** {MERGE_ATTRIBUTE}"
-    path = os.path.join(root, ".gitattributes")
-    if os.path.islink(path):
-        raise symlink_refusal(path)
-    old = read_state_file(path) or b""
-    if line.encode() not in old.splitlines():
-        write_atomic(path, old + (b"" if not old or old.endswith(b"\n") else b"\n")
-                          + line.encode() + b"\n")
-    driver = f"{ctx.cli} merge-driver %O %A %B %P"
-    git_out(root, "config", "merge.fablize.name", "fablize: plans merge by replay")
-    git_out(root, "config", "merge.fablize.driver", driver)
-    ctx.say(f"fablize: .gitattributes has `{line}` (commit it); this clone's git config runs "
-            f"`{driver}` for those files.")
-    ctx.data.update(attribute=line, driver=driver)
-
-
-# Commands ###################################################################
-#
-# Each command is a thin wrapper: it reads the plan under the lock, builds events,
-# lets apply_event judge them, and says what happened. ctx.say prints human text;
-# ctx.data becomes the --json object.
-
-PLAN_EXISTS = "a plan already exists. Check it with `status`, or replace it with --force."
+# Each command is a thin layer: it opens the plan (under the lock when it writes), lets the
+# transitions judge the events it builds, and states the result once — ctx.say for the text,
+# ctx.data for the --json object, both rendered by Output. Nothing below this section takes the
+# command line's objects.
+
+
+def require_state_dir(store):
+    if not store.exists():
+        raise no_plan()
 
 
 def open_plan(ctx, exclusive=True):
     """A session on an existing plan; refuses with the original message when there is none."""
-    if not ctx.store.exists():
-        raise refused("no plan — run `create` first.", "no_plan")
+    require_state_dir(ctx.store)
     return ctx.store.session(exclusive)
+
+
+def sharing_of(store):
+    """The sharing room when the plan in `store` is shared (its share.json: one lstat), else
+    None: a local plan never loads it."""
+    return room("sharing", "a shared plan") if os.path.lexists(store.path(SHARE)) else None
+
+
+def commit_start(session, story, agent):
+    """`next`'s event: `story` in progress, for `agent` (None: whoever calls)."""
+    session.commit("story_started", id=story["id"], title=story["title"], round=story["round"] + 1,
+                   agent=agent)
+
+
+def stop_if_interrupted(ctx, records):
+    """After a run a signal cut short: record the runs (the interrupted one says so) when the
+    state can still be written, else remove their temp logs; then stop with exit 128 + N."""
+    hit = next((r for r in records if r.get("interrupted")), None)
+    if hit is None:
+        return
+    import signal
+    name, sid = hit["interrupted"], hit["id"]
+    try:
+        with open_plan(ctx) as s:
+            s.require_plan()
+            runs = commit_runs(s, records)
+        ctx.data["runs"] = runs
+        fate = f"recorded as interrupted (event {runs[-1]['seq']}, log {runs[-1]['log']})"
+    except (FablizeError, OSError) as e:
+        for record in records:
+            if record.get("tmp_log") and os.path.lexists(record["tmp_log"]):
+                os.unlink(record["tmp_log"])
+        fate = f"not recorded ({e.message if isinstance(e, FablizeError) else e}; its temp log " \
+               "was removed)"
+    error = FablizeError(f"interrupted by {name}: `{one_line(hit['cmd'])}` was stopped (its "
+                         f"whole process group killed) and {fate}; {sid} is unchanged.",
+                         exit_code=EXIT_SIGNAL_BASE + getattr(signal, name, 0))
+    error.code = "interrupted"
+    raise error
+
+
+def record_judge_packet(ctx, sid):
+    """Record the working tree as the judge sees it first; a verdict compares against it."""
+    digest, count = tree_state(ctx.store.root, ctx.store.dir)
+    with open_plan(ctx) as s:
+        plan = s.require_plan()
+        if find_story(plan, sid)["status"] != "review":
+            return plan, None
+        s.commit("judge_packet", id=sid, tree=digest, files=count)
+        return s.plan, {"tree": digest, "files": count, "seq": s.last["seq"]}
+
+
+def tree_changed_verdict(ctx, a):
+    """The verdict event's fields when the tree changed since the judge packet: the judge's
+    finding goes back as not-achieved (a judge that fixed the work judged nothing); else None."""
+    with open_plan(ctx, exclusive=False) as s:
+        plan = s.require_plan()
+    packet = current_packet(find_story(plan, a.id))
+    if packet is None:
+        return None
+    digest, _ = tree_state(ctx.store.root, ctx.store.dir)
+    if digest == packet["tree"]:
+        return None
+    return {"verdict": "not-achieved", "tree": digest, "packet_seq": packet["seq"],
+            "evidence": f"the working tree changed after the judge packet (event {packet['seq']}) "
+                        f"— a judge must not change what it judges; its verdict ({a.verdict}) "
+                        f"is void. The judge's finding: {a.evidence}"}
 
 
 def parse_goal(value, number):
@@ -5243,14 +3701,6 @@ def parse_goal(value, number):
     return {"id": story_id(number), "title": limit_text("a title", title.strip()),
             "objective": limit_text("an objective", objective.strip()),
             "after": [], "checks": [], "accept": [], "judge": False}
-
-
-def parse_ids(text, option):
-    ids = [normalize_id(part) for part in text.split(",") if part.strip()]
-    for sid in ids:
-        if not re.fullmatch(r"G[0-9]{3,}", sid):
-            raise usage(f"{option}: {one_line(sid)} is not a story id (G001, G002, …).", "bad_id")
-    return ids
 
 
 def build_stories(a):
@@ -5311,7 +3761,8 @@ def cmd_create(ctx, a):
     if blank(a.brief):
         raise usage("--brief must not be empty: it is the task every handoff starts from.",
                     "blank_brief")
-    remote = remote_arg(store, a.remote) if a.remote else None  # Sharing
+    sharing = room("sharing", "create --remote") if a.remote else None
+    remote = sharing.remote_arg(store, a.remote) if a.remote else None
     specs = build_stories(a)
     unverifiable = unverifiable_checks(specs, store.root)
     fields = {"brief": a.brief, "count": len(specs), "plan_id": new_plan_id(), "stories": specs,
@@ -5338,8 +3789,10 @@ def cmd_create(ctx, a):
                 f"{replaces['path']}/ (head {replaces['head']}).")
     say_unverifiable(ctx, unverifiable)
     ctx.data.update(plan=plan_json(plan), replaces=replaces)
-    if remote:
-        start_sharing(ctx, remote)  # Sharing: publish the new plan's ledger
+    if remote:  # the new plan's ledger published
+        share, line = sharing.start(store, remote)
+        ctx.say(line)
+        ctx.data.update(share=share)
 
 
 def stuck_error(ctx, plan, agent):
@@ -5357,8 +3810,10 @@ def cmd_next(ctx, a):
     if agent is not None and blank(agent):
         raise usage("--agent needs a name.")
     with open_plan(ctx) as s:
-        s.require_plan()
-        plan = publish(s, claim=True, fetch_first=True)  # Sharing: see other machines' claims
+        plan = s.require_plan()
+        sharing = sharing_of(s.store)
+        if sharing is not None:
+            plan = sharing.pull(s)  # the claims other clones made
         active = active_stories(plan)
         held = [x for x in active if x["agent"] == agent] if agent is not None else active
         reshown = bool(held)
@@ -5372,9 +3827,13 @@ def cmd_next(ctx, a):
                     ctx.data.update(plan_summary(plan), story=None, plan=plan_json(plan))
                     return
                 raise stuck_error(ctx, plan, agent)
-            story = claim_story(s, story, agent)  # Sharing: on the remote before it is handed out
+            if sharing is not None:  # on the remote before it is handed out
+                story = sharing.claim(s, story, agent)
+            else:
+                commit_start(s, story, agent)
+                story = find_story(s.plan, story["id"])
             plan = s.plan
-    lines = render_handoff(ctx, plan, story, reshown)
+    lines = render_handoff(ctx.prog, plan, story, reshown)
     for line in lines:
         ctx.say(line)
     ctx.data.update(plan_summary(plan), activated=not reshown, story=story_json(plan, story),
@@ -5396,6 +3855,15 @@ def say_after_checkpoint(ctx, plan, story):
     action = next_action(ctx.prog, plan)
     ctx.say(left_line(plan, action))
     return action
+
+
+def reason_required(status):
+    """failed and blocked carry a reason: the next round reads it, or the human who decides."""
+    if status == "failed":
+        return refused("a failed checkpoint requires --evidence: what is missing (the next round "
+                       "is handed it).", "no_evidence")
+    return refused("a blocked checkpoint requires --evidence: why it cannot be done as specified "
+                   "(the human who decides is handed it).", "no_evidence")
 
 
 def cmd_checkpoint(ctx, a):
@@ -5430,7 +3898,7 @@ def cmd_checkpoint(ctx, a):
             plan = s.plan
     runs = []
     if commands:
-        records = execute_runs(ctx, ctx.store, a.id, commands, plan["ledger"]["seq"])
+        records = execute_runs(ctx.store, a.id, commands, plan["ledger"]["seq"], ctx.timeout, ctx.out)
         stop_if_interrupted(ctx, records)
         with open_plan(ctx) as s:
             s.require_plan()
@@ -5454,46 +3922,59 @@ def cmd_checkpoint(ctx, a):
     ctx.data.update(plan_summary(plan), story=story_json(plan, story), runs=runs, next=action)
 
 
-def cmd_status(ctx, a):
-    if a.resume and not getattr(a, "resuming", False):
-        return session_start(ctx, a)
-    if not ctx.store.exists():
-        if a.resume:
-            return
-        raise refused("no plan — run `create` first.", "no_plan")
-    with ctx.store.session(exclusive=False, imports=True) as s:
-        plan = s.load()
-        share = share_status(s.store, plan)  # Sharing: None for a local plan
-    if plan is None:
-        if a.resume:
-            return
-        raise refused("no plan — run `create` first.", "no_plan")
-    accepted = [x["id"] for x in plan["goals"] if x["status"] == "accepted"]
+def render_status(prog, plan, resume=False, share=()):
+    """What `status` says, and what a session start hands a new session (`resume`: each story
+    in progress with its whole handoff): the plan's count and brief, a line per story with its
+    details, checks that cannot run here, a pause, the next step, the shared plan's state."""
+    accepted = accepted_ids(plan)
     # a human's accept is not a completion: with one, the count says `done`, never `complete`
     counted = f"done ({', '.join(accepted)} accepted by a human decision)" if accepted \
         else "complete"
-    ctx.say(f"fablize: {done_count(plan)}/{len(plan['goals'])} {counted} — "
-            f"{defused_line(plan['brief'])}")
+    lines = [f"fablize: {done_count(plan)}/{len(plan['goals'])} {counted} — "
+             f"{defused_line(plan['brief'])}"]
     for story in plan["goals"]:
-        ctx.say(f"  {MARKS[story['status']]} {story['id']} [{story['status']}] {defused_line(story['title'])}")
-        for detail in status_details(plan, story):
-            ctx.say(f"      {detail}")
+        lines.append(f"  {MARKS[story['status']]} {story['id']} [{story['status']}] "
+                     f"{defused_line(story['title'])}")
+        lines += [f"      {detail}" for detail in status_details(plan, story)]
     for u in plan["unverifiable"]:
-        ctx.say(f"  ⚠ {one_line(u['id'])} check {u['check'] + 1} cannot run here: `{one_line(u['cmd'])}` — "
-                f"{one_line(u['reason'])}")
+        lines.append(f"  ⚠ {one_line(u['id'])} check {u['check'] + 1} cannot run here: "
+                     f"`{one_line(u['cmd'])}` — {one_line(u['reason'])}")
     paused = guard_paused(plan)
     if paused:
-        ctx.say(f"  ⏸ guard paused since event {paused['seq']}"
-                f"{': ' + one_line(paused['note']) if paused['note'] else ''}"
-                f" — `{ctx.prog} unpause` turns it back on")
-    action = next_action(ctx.prog, plan)
-    ctx.say(next_line(action))
-    say_share_status(ctx, share)
+        lines.append(f"  ⏸ guard paused since event {paused['seq']}"
+                     f"{': ' + one_line(paused['note']) if paused['note'] else ''}"
+                     f" — `{prog} unpause` turns it back on")
+    action = next_action(prog, plan)
+    lines.append(next_line(action))
+    lines += share
     for story in active_stories(plan):
-        ctx.say("")
-        for line in (render_handoff(ctx, plan, story, True) if a.resume
-                     else render_resume(ctx, plan, story)):
-            ctx.say(line)
+        lines.append("")
+        lines += render_handoff(prog, plan, story, True) if resume else \
+            render_resume(prog, plan, story)
+    return lines, action, paused
+
+
+def read_plan_and_share(store, imports=False):
+    """(plan or None, what a shared plan's remote says or None), read without the lock."""
+    with store.session(exclusive=False, imports=imports) as s:
+        plan = s.load()
+    sharing = sharing_of(store) if plan is not None else None
+    return plan, sharing and sharing.status(store, plan), sharing
+
+
+def cmd_status(ctx, a):
+    if a.resume:
+        return session_start(ctx, a)
+    require_state_dir(ctx.store)
+    plan, share, sharing = read_plan_and_share(ctx.store, imports=True)
+    if plan is None:
+        raise no_plan()
+    lines, action, paused = render_status(ctx.prog, plan, share=sharing.status_lines(share)
+                                          if share else ())
+    for line in lines:
+        ctx.say(line)
+    if share:
+        ctx.data["share"] = share
     if ctx.json:
         ctx.data.update(plan_json(plan), next=action, paused=paused)
 
@@ -5513,7 +3994,7 @@ def cmd_verify(ctx, a):
             raise refused(f"{a.id} has no frozen checks — give --verify-cmd to run a command.",
                           "no_checks")
         after_seq = plan["ledger"]["seq"]
-    records = execute_runs(ctx, ctx.store, a.id, commands, after_seq)
+    records = execute_runs(ctx.store, a.id, commands, after_seq, ctx.timeout, ctx.out)
     stop_if_interrupted(ctx, records)
     with open_plan(ctx) as s:
         s.require_plan()
@@ -5528,11 +4009,18 @@ def cmd_verify(ctx, a):
 
 
 def cmd_decide(ctx, a):
-    signature, prev = sign_decision(ctx, a) if a.sign or a.signer else (None, None)
+    signature = prev = None
+    if a.sign or a.signer:  # signed outside the lock, over the head the decision follows
+        trust = room("trust", "decide --sign")
+        trust.check_signer(a.sign, a.signer)
+        with open_plan(ctx, exclusive=False) as s:
+            plan = s.require_plan()
+        signature, prev = trust.sign(plan, a.id, a.decision, a.note, a.sign, a.signer)
     with open_plan(ctx) as s:
         s.require_plan()
+        signed = trust.signed_fields(s.plan, signature, prev) if signature else {}
         s.commit("decision", id=a.id, decision=a.decision, note=limit_text("--note", a.note),
-                 **signed_fields(s.plan, signature, prev))
+                 **signed)
         plan = s.plan
     story = find_story(plan, a.id)
     what = {"accept": "counts as done", "retry": "back to work, rounds reset",
@@ -5572,11 +4060,24 @@ def cmd_add(ctx, a):
     ctx.data.update(story=story_json(plan, story))
 
 
+# audit's options that the trust room answers; --allow-* only relax its gates
+TRUST_OPTIONS = ("base", "since", "rerun", "require_check", "require_witnessed",
+                 "require_clean_runs", "allowed_signers", "forbid_accepted",
+                 "require_unchanged_checks", "allow_new_plan", "allow_imported")
+
+
 def cmd_audit(ctx, a):
-    pin, base = audit_pin(ctx, a)
-    scan = TrustScan(ctx.store.root, pin)
+    store = ctx.store
+    opts = {name: getattr(a, name) for name in TRUST_OPTIONS}
+    asked = [f"--{name.replace('_', '-')}" for name, value in opts.items()
+             if value and not name.startswith("allow_")]
+    # a plain audit reports trust too when the room is there; a lone goals.py checks the rest
+    trust = room("trust", asked[0] if asked else "audit") if asked or room_present("trust") \
+        else None
+    pin, base = trust.pin_of(store, a.base, a.since) if trust else (None, None)
+    scan = trust.Scan(store.root, pin) if trust else None
     if a.remote:  # a shared plan as the remote holds it: no local state needed
-        data, _, logs = audit_remote_source(ctx, a)
+        data, logs = room("sharing", "audit --remote").audit_source(store, a.remote, a.plan)
         report = audit_ledger(data, None, a.require_independent_judge, logs=logs, scan=scan)
     else:
         with open_plan(ctx, exclusive=False) as s:
@@ -5589,11 +4090,14 @@ def cmd_audit(ctx, a):
     bad_logs = report.pop("bad_logs")
     if bad_logs:
         raise bad_logs[0]
-    trust = audit_trust(ctx, plan, scan, pin, base)
+    review = trust.review(store, plan, scan, pin, base) if trust else None
     missing_logs = report["missing_logs"]
-    report.update(plan_summary(plan), brief=plan["brief"],
-                  accepted=[x["id"] for x in trust["accepted"]],
-                  trust={k: v for k, v in trust.items() if k != "decisions"})
+    accepted = accepted_ids(plan)
+    report.update(plan_summary(plan), brief=plan["brief"], accepted=accepted)
+    if review is not None:
+        for warning in review["warnings"]:
+            ctx.out.warn(warning)
+        report["trust"] = {k: v for k, v in review.items() if k not in ("decisions", "warnings")}
     ctx.data.update(report)
     if report["independence"]:  # a trust failure: no "audit ok" line before it
         raise refused("audit: a verdict was not given by an independent judge — "
@@ -5601,7 +4105,6 @@ def cmd_audit(ctx, a):
     ctx.say(f"fablize: audit ok — {report['event_count']} events, hash chain intact, every event "
             f"one fablize writes and legal when replayed; snapshot {report['snapshot']}.")
     ctx.say(f"  head: {report['head']}   (keep it; `audit --since` proves later history only grew)")
-    accepted = [x["id"] for x in trust["accepted"]]
     ctx.say(f"  plan: {report['done']}/{report['total']} done — {defused_line(plan['brief'])}"
             + (f" ({', '.join(accepted)} accepted by a human decision)" if accepted else ""))
     if report["torn_tail_bytes"]:
@@ -5610,14 +4113,24 @@ def cmd_audit(ctx, a):
     if missing_logs:
         ctx.say(f"  {missing_logs} run log(s) not present here (not committed?); their digests are "
                 "in the ledger.")
-    say_trust(ctx, trust)
+    for line in trust.lines(review) if trust else ():
+        ctx.say(line)
     if a.require_logs and missing_logs:
         raise refused(f"audit: {missing_logs} verification run log(s) are missing, so those runs "
                       "cannot be shown to have happened — commit .fablize/runs/.", "missing_logs")
     if a.require_complete and not report["complete"]:
         left = [f"{x['id']} [{x['status']}]" for x in plan["goals"] if x["status"] not in DONE]
         raise refused("audit: trusted but incomplete — " + ", ".join(left), "incomplete")
-    trust_gates(ctx, a, plan, trust)
+    if trust:
+        trust.gates(store, plan, review, opts)
+    if a.rerun:
+        results = trust.rerun(plan, a.rerun, store.root, ctx.timeout)
+        ctx.data["rerun"] = results
+        for line in trust.rerun_lines(a.rerun, results):
+            ctx.say(line)
+        failure = trust.rerun_failure(a.rerun, results)
+        if failure:
+            raise failure
 
 
 def cmd_rebuild(ctx, a):
@@ -5670,58 +4183,23 @@ def cmd_log(ctx, a):
     ctx.data["events"] = events
 
 
-def guard_verdict(ctx, payload):
+def guard_verdict(ctx, payload, fingerprint):
     """(reason to block or None, message for the user or None) for a Stop hook."""
     if not hook_store(ctx, payload).exists():
         return None, None
     with ctx.store.session(exclusive=False) as s:
-        if guard_reason(ctx, s.load(), payload)[0] is None:
+        if guard_reason(ctx.cli, s.load(), payload, fingerprint)[0] is None:
             return None, None  # most stops: decided without the lock, nothing written
     with ctx.store.session() as s:
         plan = s.load()
-        reason, dup = guard_reason(ctx, plan, payload)
+        reason, dup = guard_reason(ctx.cli, plan, payload, fingerprint)
         if reason is None or reason.startswith("fablize guard:"):
             return None, reason
-        fingerprint = getattr(ctx, "hook_fingerprint", None)
         if not dup:  # a second registration of the guard answers the same, writes nothing
             s.commit("guard_block", reason=reason,
                      fresh=payload.get("stop_hook_active") is not True,
                      **({"hook": fingerprint} if fingerprint else {}))
         return reason, None
-
-
-def guard_reason(ctx, plan, payload):
-    """(why the agent may not stop now — its next action — or a note that the guard lets go
-    after too many blocks in a row, or None; whether another registration counted this stop)."""
-    if plan is None or guard_paused(plan) or asks_human(payload):
-        return None, False  # paused by a human, or the turn ended on a question for one
-    action = next_action(ctx.cli, plan)
-    if action["kind"] not in ("finish", "next", "judge"):
-        return None, False  # done, or halted on a human's decision
-    limit = guard_limit()
-    dup = duplicate_stop(plan, getattr(ctx, "hook_fingerprint", None))
-    blocks = plan["guard"]["blocks"] if payload.get("stop_hook_active") is True else 0
-    if dup:
-        blocks = max(blocks - 1, 0)  # the other registration of the guard counted this stop
-    if blocks >= limit:
-        return (f"fablize guard: let the agent stop after {blocks} blocks in a row; the plan is "
-                "not finished — run `status`."), dup
-    story = find_story(plan, action["id"])
-    if action["kind"] == "finish":
-        reason = (f"fablize: {story['id']} \"{defused_line(story['title'])}\" is still in "
-                  f"progress. Finish it, then run: {action['cmd']} (or --status failed / "
-                  "blocked with the reason).") + observed_failure_note(story)
-    elif action["kind"] == "judge":
-        reason = hand_to_judge(ctx, story)
-    else:
-        reason = (f"fablize: the plan is not finished — {story['id']} "
-                  f"\"{defused_line(story['title'])}\" is ready. Run: {action['cmd']}")
-    return reason + f" [guard block {blocks + 1} of at most {limit} in a row]", dup
-
-
-def guard_limit():
-    raw = os.environ.get("FABLIZE_GUARD_MAX", str(DEFAULT_GUARD_MAX))
-    return int(raw) if raw.isascii() and raw.isdigit() else DEFAULT_GUARD_MAX
 
 
 def cmd_guard(ctx, a):
@@ -5731,10 +4209,10 @@ def cmd_guard(ctx, a):
     if a.hook_for == "cursor":  # Cursor counts its own follow-ups and says how the turn ended
         if payload.get("status", "completed") != "completed":
             return ctx.emit_raw(None)
-        payload["stop_hook_active"] = isinstance(payload.get("loop_count"), int) and payload["loop_count"] > 0
-    ctx.hook_fingerprint = hook_fingerprint(raw, payload)
+        count = payload.get("loop_count")
+        payload["stop_hook_active"] = isinstance(count, int) and count > 0
     try:
-        reason, message = guard_verdict(ctx, payload)
+        reason, message = guard_verdict(ctx, payload, hook_fingerprint(raw, payload))
     except FablizeError as e:  # damaged state or a busy lock: say so, never trap the agent
         reason, message = None, f"fablize guard: {e.message}"
     if reason:
@@ -5743,52 +4221,6 @@ def cmd_guard(ctx, a):
         ctx.emit_raw({"systemMessage": message})
     else:
         ctx.emit_raw({} if a.hook_for == "gemini" else None)  # Gemini CLI reads stdout as JSON
-
-
-def md_cell(text, limit=120):
-    text = one_line(last_chars(text or "", limit) if len(text or "") > limit else text or "")
-    return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;").replace("`", "'")
-
-
-REPORT_RUNS = 100  # the latest runs a report lists; the ledger holds the rest
-
-
-def render_report(plan, runs, total=None):
-    goals = plan["goals"]
-    done = sum(1 for s in goals if s["status"] in DONE)
-    filled = round(20 * done / len(goals))
-    lines = [f"# fablize report — {md_cell(plan['brief'], 200)}", "",
-             f"`{'█' * filled}{'░' * (20 - filled)}` **{done}/{len(goals)} done** "
-             f"({100 * done // len(goals)}%)" +
-             (" — " + done_line(plan)[len("fablize: "):] if plan_done(plan) else ""),
-             "", "| Story | Title | Status | Rounds | Evidence | Grade |",
-             "|---|---|---|---|---|---|"]
-    for s in goals:
-        evidence = md_cell(s["evidence"])
-        if s["status"] == "accepted" and s["decision"]:
-            evidence = "accepted by a human: " + md_cell(s["decision"]["note"], 100)
-        lines.append(f"| {s['id']} | {md_cell(s['title'], 80)} | {MARKS[s['status']]} {s['status']} "
-                     f"| {md_cell(str(s['round']))} | {evidence} | {story_grade(s) or ''} |")
-    if runs:
-        lines += ["", "## Verification runs", "",
-                  "| Event | Story | Command | Result | Duration | Output sha256 |", "|---|---|---|---|---|---|"]
-        if total and total > len(runs):
-            lines[-3] += f" — the latest {len(runs)} of {total} (`log` lists them all)"
-        for r in runs:
-            lines.append(f"| {md_cell(str(r['seq']))} | {md_cell(r['id'])} | `{md_cell(r['cmd'], 80)}` | "
-                         f"{'pass' if run_passed(r) else 'FAIL'}: {md_cell(describe_exit(r))} | "
-                         f"{md_cell(str(r.get('duration_s')))} s | `{md_cell(str(r.get('sha256'))[:16])}` |")
-    lines += ["", "## Stories and dependencies", "", "```mermaid", "graph TD"]
-    for s in goals:
-        label = md_cell(s["title"], 40).replace('"', "#quot;")
-        lines.append(f"  {s['id']}[\"{s['id']} {label}\"]:::{s['status']}")
-    for s in goals:
-        for dep in s["after"]:
-            lines.append(f"  {dep} --> {s['id']}")
-    lines += [f"  classDef {k} fill:{row[2]}" for k, row in STATUS_TABLE.items()]
-    lines += ["```", "", f"Ledger head: `{plan['ledger']['seq']}:{md_cell(plan['ledger']['head'])}` "
-              f"(plan `{md_cell(plan['plan_id'])}`)", ""]
-    return "\n".join(lines)
 
 
 def cmd_report(ctx, a):
@@ -5823,7 +4255,7 @@ def cmd_judge_packet(ctx, a):
     if find_story(plan, a.id)["status"] == "review":
         plan, packet = record_judge_packet(ctx, a.id)
     story = find_story(plan, a.id)
-    items = [{"kind": "check", "text": cmd, "run": _fresh_ok_run(story, check=i) or next(
+    items = [{"kind": "check", "text": cmd, "run": latest_run(story, check=i) or next(
         (r for r in reversed(story["runs"]) if r["check"] == i), None)}
         for i, cmd in enumerate(story["checks"])]
     items += [{"kind": "item", "text": text} for text in story["accept"]]
@@ -5897,153 +4329,33 @@ def cmd_verdict(ctx, a):
     say_after_checkpoint(ctx, plan, story)
 
 
-def render_block(cli):
-    return BLOCK_TEMPLATE.format(cli=cli)
-
-
-def install_block(text, block, remove=False):
-    """`text` with exactly one fablize block (replaced in place, or appended), or without it.
-    Appending adds one newline before the block when the file does not end a line with a blank
-    one; removal takes that newline back, so remove(install(x)) == x."""
-    text, at = cut_original_block(text)
-    if at is not None and BLOCK_BEGIN not in text and not remove:
-        return text[:at] + block + text[at:]
-    begin = text.find(BLOCK_BEGIN)
-    if begin >= 0:
-        end = text.find(BLOCK_END, begin)
-        if end < 0 or text.find(BLOCK_BEGIN, begin + 1) >= 0:
-            raise refused("the file has a broken or repeated fablize block (begin/end markers do "
-                          "not pair) — fix it by hand.", "bad_block")
-        end += len(BLOCK_END)
-        if text[end:end + 1] == "\n":
-            end += 1
-        if not remove:
-            return text[:begin] + block + text[end:]
-        if end == len(text) and begin > 0 and text[begin - 1] == "\n":
-            begin -= 1
-        return text[:begin] + text[end:]
-    if remove:
-        return text
-    return text + ("\n" if text else "") + block
-
-
-def cmd_install_block(ctx, a):
-    target = a.file
-    if target is None:
-        target = os.path.join(ctx.store.root, "CLAUDE.md")
-    target = os.path.abspath(target)
-    try:
-        st = os.lstat(target)
-    except FileNotFoundError:
-        st = None
-    if st is not None and stat.S_ISLNK(st.st_mode):
-        raise refused(f"{target} is a symlink — refusing to write through it.", "symlink")
-    if st is not None and not stat.S_ISREG(st.st_mode):
-        raise refused(f"{target} is not a regular file.", "not_a_file")
-    raw = read_state_file(target) if st is not None else b""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise refused(f"{target} is not UTF-8 text — refusing to edit it.", "not_text")
-    if "\x00" in text:
-        raise refused(f"{target} is not text (it holds NUL bytes) — refusing to edit it.", "not_text")
-    new = install_block(text, render_block(portable_command(ctx.store.root)), a.remove)
-    if new == text:
-        ctx.say(f"fablize: {target} already {'has no' if a.remove else 'has this'} fablize block; "
-                "nothing changed.")
-        ctx.data.update(path=target, changed=False)
-        return
-    directory = os.path.dirname(target)
-    created = a.remove and not new and block_created(target + ".fablize-backup")
-    backup = None
-    if st is not None:
-        backup = target + ".fablize-backup"
-        if os.path.islink(backup):
-            raise refused(f"{backup} is a symlink — refusing to write through it.", "symlink")
-        write_atomic(backup, raw)
-    if created:  # install-block made this file: removing the block removes it, no 0-byte file
-        os.unlink(target)
-        fsync_dir(directory)
-        ctx.say(f"fablize: removed {target}: the fablize block was all it held"
-                + (f" (previous file kept as {backup})" if backup else ""))
-        ctx.data.update(path=target, changed=True, backup=backup, deleted=True)
-        return
-    write_atomic(target, new.encode("utf-8"), st.st_mode & 0o7777 if st else 0o644)
-    fsync_dir(directory)
-    verb = "removed the fablize block from" if a.remove else "installed the fablize block in"
-    ctx.say(f"fablize: {verb} {target}" + (f" (previous file kept as {backup})" if backup else ""))
-    ctx.data.update(path=target, changed=True, backup=backup)
-
-
-def block_created(backup):
-    """Whether install-block created the file whose backup is `backup`: it never backed up an
-    earlier file, or the only one it kept held nothing but a fablize block."""
-    try:
-        prior = read_state_file(backup)
-        if prior is None:
-            return True
-        text = prior.decode("utf-8")
-    except (FablizeError, OSError, UnicodeDecodeError):
-        return False
-    return bool(text.strip()) and BLOCK_BEGIN in text and not install_block(text, "", True).strip()
-
-
-def read_hook_stdin():
-    """The hook's JSON payload from stdin, or None for anything else (never an error: a hook
-    that fails on odd input would trap or blind the agent)."""
-    raw = b""
-    if not sys.stdin.isatty():
-        try:
-            raw = sys.stdin.buffer.read(1 << 20)
-        except (OSError, ValueError, AttributeError):
-            raw = b""
-    try:
-        payload = load_json(raw) if raw.strip() else None
-    except ValueError:
-        payload = None
-    return raw, payload if isinstance(payload, dict) else None
-
-
 def session_start(ctx, a):
     """`status --resume` for a SessionStart hook: the plan and its active handoffs; one line for
-    a finished plan; one warning line, still exit 0, for a damaged one (an exit 3 there is a
-    message the agent never sees). Codex and Gemini CLI take it as JSON context."""
+    a finished plan; nothing without a plan; one warning line, still exit 0, for a damaged one
+    (an exit 3 there is a message the agent never sees). Codex and Gemini CLI take it as JSON
+    context."""
     lines = []
-    say = ctx.say
-    if a.hook_for in ("codex", "gemini"):
-        ctx.say = lambda text="": lines.append(clean(text))
     try:
-        if not ctx.store.exists():
-            return
-        with ctx.store.session(exclusive=False) as s:
-            plan = s.load()
-        if plan is None:
-            return
-        if plan_done(plan):
-            done = sum(1 for x in plan["goals"] if x["status"] in DONE)
-            ctx.say(f"fablize: plan finished ({done}/{len(plan['goals'])} done) — "
-                    f"{defused_line(last_chars(plan['brief'], 200))}; nothing to resume.")
-        else:
-            a.resuming = True
-            cmd_status(ctx, a)
+        plan, share, sharing = read_plan_and_share(ctx.store, imports=True) \
+            if ctx.store.exists() else (None, None, None)
+        if plan is not None and plan_done(plan):
+            lines.append(f"fablize: plan finished ({done_count(plan)}/{len(plan['goals'])} done) — "
+                         f"{defused_line(last_chars(plan['brief'], 200))}; nothing to resume.")
+        elif plan is not None:
+            lines = render_status(ctx.prog, plan, resume=True,
+                                  share=sharing.status_lines(share) if share else ())[0]
+            if share:
+                ctx.data["share"] = share
     except FablizeError as e:
-        ctx.say(f"fablize: warning: the plan in {ctx.store.dir} cannot be read — "
-                f"{one_line(e.message)} (`{ctx.prog} audit` says more).")
-    finally:
-        ctx.say = say
-        if a.hook_for in ("codex", "gemini"):
-            ctx.emit_raw({"hookSpecificOutput": {"hookEventName": "SessionStart",
-                                                 "additionalContext": "\n".join(lines)}}
-                         if lines else {})
-
-
-def guard_answer(agent, reason):
-    """A block, in the words of the agent's Stop-hook protocol."""
-    if agent == "gemini":
-        return {"decision": "deny", "reason": reason}
-    if agent == "cursor":
-        return {"followup_message": reason}
-    return {"decision": "block", "reason": reason}
+        lines.append(f"fablize: warning: the plan in {ctx.store.dir} cannot be read — "
+                     f"{one_line(e.message)} (`{ctx.prog} audit` says more).")
+    if a.hook_for in ("codex", "gemini"):
+        ctx.emit_raw({"hookSpecificOutput": {"hookEventName": "SessionStart",
+                                             "additionalContext": "\n".join(map(clean, lines))}}
+                     if lines else {})
+    else:
+        for line in lines:
+            ctx.say(line)
 
 
 def cmd_pause(ctx, a):
@@ -6101,111 +4413,19 @@ def cmd_observe(ctx, a):
         sys.stderr.write("fablize observe: " + one_line(e.message) + "\n")
 
 
-def cmd_setup(ctx, a):
-    root = ctx.store.root
-    changes, notes = setup_plan(ctx, a.agent, a.remove)
-    done = []
-    for rel, path, st, data, what in changes:
-        put_project_file(path, st, data)
-        ctx.say(f"fablize: {rel}: {what}")
-        done.append(rel)
-    ignore = os.path.join(ctx.store.dir, ".gitignore")
-    if not a.remove:
-        if not ctx.store.exists():
-            os.makedirs(ctx.store.dir, exist_ok=True)
-        if write_state_gitignore(ctx.store.dir):
-            ctx.say(f"fablize: {os.path.relpath(ignore, root)}: written — the lock, temporary and "
-                    "torn-line files stay out of git")
-            done.append(os.path.relpath(ignore, root))
-    elif read_state_file(ignore) == STATE_GITIGNORE.encode() and not ctx.store.has_plan_files():
-        os.unlink(ignore)
-        done.append(os.path.relpath(ignore, root))
-        ctx.say(f"fablize: {os.path.relpath(ignore, root)}: removed")
-        try:
-            os.rmdir(ctx.store.dir)
-        except OSError:
-            pass
-    for note in notes:
-        ctx.say(f"fablize: {note}")
-    missing = None if a.remove else command_missing(portable_command(root))
-    if missing:
-        ctx.out.warn(missing + ".")
-    if not done:
-        ctx.say(f"fablize: {a.agent} is already {'unwired' if a.remove else 'set up'} here; "
-                "nothing changed.")
-    elif not a.remove:
-        ctx.say(f"fablize: next — `{ctx.prog} doctor {a.agent}` checks the wiring; the agent's "
-                f"commands are `{portable_command(root)} …`")
-    ctx.data.update(agent=a.agent, files=done, notes=notes, cli=portable_command(root))
+def say_observed(ctx, story):
+    """After a checkpoint: the observed runs of the round, and a failure left standing."""
+    seen = observed_of(story)
+    ctx.data["observed"] = seen
+    for line in render_observed(story):
+        ctx.say(line)
+    bad = unaddressed_failure(story)
+    if bad is not None and story["status"] in DONE + ("review",):
+        ctx.out.warn(f"{story['id']} was checkpointed while the harness last saw `{one_line(bad['cmd'])}` "
+                     f"fail (event {bad.get('seq')}): the reviewer will see it.")
 
 
-def cmd_doctor(ctx, a):
-    root = ctx.store.root
-    agent = a.agent
-    findings = []
-
-    def finding(name, problem, fix, fine):
-        findings.append({"item": name, "ok": problem is None, "problem": problem, "fix": fix,
-                       "detail": fine if problem is None else None})
-
-    finding("engine", None, None, f"fablize {__version__} on Python {sys.version.split()[0]}")
-    problem, fix, cli = block_problem(root, agent, ctx.prog)
-    finding("block", problem, fix, f"{AGENT_FILES[agent][0]} holds the current block")
-    if cli:
-        bad = interpreter_problem(cli)
-        ok, said = (False, bad) if bad else command_runs(cli, root)
-        if bad and cli == "fablize" and agent == "claude" and plugin_enabled(root):
-            ok, said = True, f"not on this PATH, but Claude Code puts the {PLUGIN_NAME} plugin's bin/ on its own"
-        finding("command", None if ok else f"the block's command `{cli}` does not run here ({said})",
-              command_missing(cli) or "install fablize (README: Add it to your project) or keep "
-              f"the script in the repository, then `{ctx.prog} setup {agent}`",
-              f"`{cli} --version` → {said}")
-    for event, where in hook_registrations(root, agent).items():
-        if not where:
-            finding(f"{event} hook", f"no fablize {event} hook is registered", f"`{ctx.prog} setup {agent}`", None)
-        elif len(where) > 1:
-            finding(f"{event} hook", f"the {event} hook is registered {len(where)} times "
-                  f"({', '.join(where)}): every event would be counted twice",
-                  f"keep one: remove fablize's {event} entry from {where[0]}", None)
-        else:
-            finding(f"{event} hook", None, None, f"registered once ({where[0]})")
-    hooks_rel = AGENT_FILES[agent][1]
-    if hooks_rel:
-        config = read_json_config(os.path.join(root, hooks_rel), quiet=True)
-        for event, _, _, _ in hook_entries(agent, "fablize"):
-            for f in our_hooks(config, event):
-                bad = interpreter_problem(f[3]["command"])
-                if bad:
-                    cli = f[3]["command"].split()[0]
-                    finding(f"{event} hook command", f"{bad} (in {hooks_rel})",
-                            command_missing(cli) or f"`{ctx.prog} setup {agent}`", None)
-    if ctx.store.exists():
-        try:
-            with ctx.store.session(exclusive=False) as s:
-                plan = s.load()
-            done = sum(1 for x in plan["goals"] if x["status"] in DONE) if plan else 0
-            finding("state", None, None, "no plan yet" if plan is None else
-                  f"plan readable, {done}/{len(plan['goals'])} done")
-        except FablizeError as e:
-            finding("state", f"the plan cannot be read: {one_line(e.message)}",
-                  f"`{ctx.prog} audit` says what is wrong; `{ctx.prog} rebuild` regenerates "
-                  "goals.json from the ledger", None)
-        present = read_state_file(os.path.join(ctx.store.dir, ".gitignore")) is not None
-        finding(".gitignore", None if present else f"{STATE_DIRNAME}/.gitignore is missing: the lock "
-              "and temporary files would be committed", f"`{ctx.prog} setup {agent}`",
-              f"{STATE_DIRNAME}/.gitignore keeps local files out of git")
-    for c in findings:
-        ctx.say(f"  ✓ {c['item']}: {c['detail']}" if c["ok"] else
-                f"  ✗ {c['item']}: {c['problem']} — fix: {c['fix']}")
-    ctx.data.update(agent=agent, findings=findings)
-    problems = [c for c in findings if not c["ok"]]
-    if problems:
-        raise refused(f"doctor: {len(problems)} problem{'s' if len(problems) > 1 else ''} — "
-                      f"{problems[0]['problem']}; fix: {problems[0]['fix']}", "doctor_problems")
-    ctx.say(f"fablize: doctor — {agent} is wired and the state is healthy.")
-
-
-# Command line ###############################################################
+# Command line #################################################################################
 
 
 class Output:
@@ -6226,10 +4446,13 @@ class Output:
     def warn(self, text):
         self.warnings.append(text)
 
+    def stream(self):
+        """Where what must be seen now goes (a run starting, its output, its end): stdout in
+        text mode, stderr under --json (stdout carries only the JSON object)."""
+        return sys.stderr if self.json else sys.stdout
+
     def progress(self, text):
-        """A line that must be seen now (a run is starting or has ended): to stdout in text
-        mode, to stderr under --json (stdout carries only the JSON object)."""
-        stream = sys.stderr if self.json else sys.stdout
+        stream = self.stream()
         stream.write(clean(text) + "\n")
         stream.flush()
 
@@ -6278,17 +4501,20 @@ class Context:
             path, discovered = find_state_dir(self.args.dir, os.getcwd())
             if not discovered:
                 path = project_state_dir(path, self.out)
-            self._store = Store(path, discovered, self.out.warnings)
+            self.store = Store(path, discovered, self.out.warnings)
         return self._store
 
     @store.setter
     def store(self, value):
+        """The state directory commands work in; a shared plan's publishes after each write."""
         self._store = value
+        sharing = sharing_of(value)
+        if sharing is not None:
+            sharing.attach(value)
 
     def emit_raw(self, obj):
         """Hook output: exactly this object (or nothing), whatever --json says."""
         self.out.raw = [obj] if obj is not None else []
-
 
 
 def add_create(command):
@@ -6418,6 +4644,20 @@ def add_audit(command):
     add_audit_trust(c)
 
 
+TRUST_MODEL = """\
+Trust model — three grades of evidence:
+  claimed       text the agent typed (--evidence, --verify-cmd + --verify-evidence).
+  witnessed     the engine ran the command (--run, frozen checks) and recorded its exit
+                code, digest and log. It proves the command ran and what it printed, in
+                the agent's environment; not that the environment was honest.
+  re-witnessed  CI, with its own copy of the engine (python3 -I) and its own environment,
+                re-ran the plan's frozen checks on the committed tree (--rerun).
+The hash chain proves only that history after a pin grew, not who wrote it. Trust comes
+from what the agent cannot write: the base branch's committed ledger and archives (--base),
+CI's own re-run (--rerun), checks CI requires (--require-check) and a human's key
+(decide --sign, verified with --allowed-signers read from the base branch)."""
+
+
 def add_audit_trust(c):
     c.epilog, c.raw_epilog = TRUST_MODEL, True
     c.add_argument("--base", metavar="REF",
@@ -6498,16 +4738,8 @@ def add_verdict(command):
     c.add_argument("--agent", required=True, help="who judged (must not be the executor)")
 
 
-def add_install_block(command):
-    c = command("install-block", cmd_install_block, "put the fablize block into CLAUDE.md",
-            "or into the file named (AGENTS.md, …); run again, it replaces the block in place; "
-            "--remove takes it out")
-    c.add_argument("file", nargs="?", help="the file (default: CLAUDE.md at the repository root)")
-    c.add_argument("--remove", action="store_true", help="take the block out again")
-
-
 def add_hook_for(c, what):
-    c.add_argument("--for", dest="hook_for", choices=AGENTS[:4], default="claude",
+    c.add_argument("--for", dest="hook_for", choices=HOOK_AGENTS, default="claude",
                    help=f"{what} in this agent's hook protocol (default: claude)")
 
 
@@ -6528,68 +4760,17 @@ def add_observe(command):
     add_hook_for(c, "read the payload")
 
 
-def add_setup(command):
-    c = command("setup", cmd_setup, "wire this project for an agent",
-                "the block in its instructions file, its hooks, .fablize/.gitignore (running it "
-                "again changes nothing)")
-    c.add_argument("agent", nargs="?", choices=AGENTS, default="claude",
-                   help="claude (CLAUDE.md, .claude/settings.json), codex (AGENTS.md, "
-                        ".codex/hooks.json), gemini (GEMINI.md, .gemini/settings.json), cursor "
-                        "(AGENTS.md, .cursor/hooks.json) or agents-md (AGENTS.md only)")
-    c.add_argument("--remove", action="store_true", help="undo it: take out what setup added")
-
-
-def add_doctor(command):
-    c = command("doctor", cmd_doctor, "check the wiring and the state",
-                "the interpreter resolves, each hook is registered once, the block is current and "
-                "its command runs, the state is healthy")
-    c.add_argument("agent", nargs="?", choices=AGENTS, default="claude",
-                   help="the agent whose wiring to check (default: claude)")
-def add_share(command):
-    c = command("share", cmd_share, "share the plan through a git remote",
-                "its ledger goes to refs/fablize/plans/<plan id>, and every write publishes there")
-    c.add_argument("--remote", required=True, metavar="NAME", help="the git remote, e.g. origin")
-
-
-def add_sync(command):
-    c = command("sync", cmd_sync, "pull and publish a shared plan",
-                "pull the shared plan's new events and publish local ones; on a fresh clone, "
-                "bring the shared plan in")
-    c.add_argument("--remote", metavar="NAME",
-                   help="the git remote (default: the plan's, else origin or the only remote)")
-    c.add_argument("--plan", metavar="ID",
-                   help="on a fresh clone: which shared plan, when the remote has several")
-
-
-def add_release(command):
-    c = command("release", cmd_release, "end a silent agent's claim on a story",
-                "recorded in the ledger; the story becomes ready again, its round given back")
-    c.add_argument("--id", required=True, type=id_arg, help="the story, e.g. G001")
-    c.add_argument("--note", required=True, help="why the claim ends (who decided, what was seen)")
-
-
-def add_merge_driver(command):
-    c = command("merge-driver", cmd_merge_driver, "git's merge driver for plan files",
-                "git runs it; see `install-merge`")
-    c.add_argument("base", help="the common ancestor's version (%%O)")
-    c.add_argument("ours", help="our version, replaced by the merged one (%%A)")
-    c.add_argument("theirs", help="their version (%%B)")
-    c.add_argument("path", nargs="?", help="the file's path in the repository (%%P)")
-
-
-def add_install_merge(command):
-    command("install-merge", cmd_install_merge, "let `git merge` merge committed plans",
-            "one .gitattributes line (commit it) and the driver in this clone's git config")
-
-
+# The core's commands, by their builders; the rooms' (ROOM_COMMANDS) come from their rooms.
 COMMANDS = {"create": add_create, "next": add_next, "checkpoint": add_checkpoint,
             "status": add_status, "verify": add_verify, "decide": add_decide, "add": add_add,
             "audit": add_audit, "rebuild": add_rebuild, "log": add_log, "guard": add_guard,
             "report": add_report, "judge-packet": add_judge_packet, "verdict": add_verdict,
-            "install-block": add_install_block, "setup": add_setup, "doctor": add_doctor,
-            "pause": add_pause, "unpause": add_unpause, "observe": add_observe,
-            "share": add_share, "sync": add_sync, "release": add_release,
-            "merge-driver": add_merge_driver, "install-merge": add_install_merge}
+            "pause": add_pause, "unpause": add_unpause, "observe": add_observe}
+
+
+def command_names():
+    """Every command, as `--help` lists them: the core's, then the rooms'."""
+    return list(COMMANDS) + list(ROOM_COMMANDS)
 DIR_HELP = ("state directory (default: $FABLIZE_DIR, else .fablize/ found walking up to the "
             "repository root); a project root means its .fablize/")
 JSON_HELP = "print exactly one JSON object to stdout"
@@ -6604,7 +4785,7 @@ def command_in(argv):
             skip = False
         elif token == "--dir":
             skip = True
-        elif token in COMMANDS:
+        elif token in COMMANDS or token in ROOM_COMMANDS:
             return token
         elif not (token == "--json" or token.startswith("--dir=")):
             return None
@@ -6630,8 +4811,10 @@ class Command:
 
 
 def command_spec(name):
+    """The Command `name` declares: the core's builder, or its room's (loaded for it)."""
+    builder = COMMANDS.get(name) or room(ROOM_COMMANDS[name], name).COMMANDS[name]
     made = []
-    COMMANDS[name](lambda *fields: made.append(Command(*fields)) or made[-1])
+    builder(lambda *fields: made.append(Command(*fields)) or made[-1])
     return made[0]
 
 
@@ -6707,6 +4890,7 @@ def build_parser(only=None, prog="goals.py"):
     common = Parser(add_help=False)
     common.add_argument("--dir", default=argparse.SUPPRESS, metavar="PATH", help=DIR_HELP)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help=JSON_HELP)
+
     class Formatter(argparse.HelpFormatter):
         def __init__(self, prog):
             super().__init__(prog, max_help_position=30)
@@ -6724,7 +4908,10 @@ def build_parser(only=None, prog="goals.py"):
     p.add_argument("--dir", default=None, metavar="PATH", help=DIR_HELP)
     p.add_argument("--json", action="store_true", default=False, help=JSON_HELP)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=Parser)
-    for name in COMMANDS if only is None else [only]:
+    for name in command_names() if only is None else [only]:
+        if only is None and name in ROOM_COMMANDS and not room_present(ROOM_COMMANDS[name]):
+            sub.add_parser(name, help=f"(needs {ROOMS[ROOM_COMMANDS[name]]} beside this file)")
+            continue
         # a command's summary is its line in `--help`, and its own --help starts with it
         spec = command_spec(name)
         c = sub.add_parser(name, parents=[common], help=spec.summary,

@@ -30,6 +30,20 @@ subprocess.run([ENGINE_PYTHON, "-c", "import importlib.util, py_compile, sys; p 
                 str(SCRIPT)], check=True)
 
 
+ENGINE_FILES = [SCRIPT, SCRIPT.parent / "fablize.py", *sorted(SCRIPT.parent.glob("fablize_*.py"))]
+
+
+def copy_engine(folder):
+    """The engine's files (the core, its launcher and its rooms) copied into `folder`, as a user
+    copies them into a repository or CI keeps its own copy; returns the copy of goals.py."""
+    import shutil
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in ENGINE_FILES:
+        shutil.copy(path, folder / path.name)
+    return folder / "goals.py"
+
+
 class Result:
     def __init__(self, code, out, err):
         self.code, self.out, self.err = code, out, err

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, SCRIPT, goals
+from conftest import ENGINE_FILES, ROOT, SCRIPT, goals
 
 README = ROOT / "README.md"
 REFERENCE = ROOT / "docs" / "reference.md"
@@ -153,8 +153,8 @@ def engine_error_codes():
     defaults = {name: inspect.signature(getattr(goals, name)).parameters["code"].default
                 for name in helpers}
     codes = {defaults[name]: {exit_code} for name, exit_code in helpers.items()}
-    source = read(SCRIPT)
-    for node in ast.walk(ast.parse(source)):
+    trees = [ast.parse(read(path)) for path in ENGINE_FILES]  # the core and its rooms
+    for node in (node for tree in trees for node in ast.walk(tree)):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             name = node.func.id
             if name in helpers:
@@ -171,6 +171,7 @@ def engine_error_codes():
             elif name == "FablizeError" and len(node.args) > 2 and \
                     isinstance(node.args[1], ast.Constant):
                 exit_code = getattr(goals, node.args[2].id) if isinstance(node.args[2], ast.Name) \
+                    else getattr(goals, node.args[2].attr) if isinstance(node.args[2], ast.Attribute) \
                     else node.args[2].value
                 codes.setdefault(node.args[1].value, set()).add(exit_code)
         elif isinstance(node, ast.Assign) and len(node.targets) == 1 and \
@@ -284,10 +285,10 @@ def test_block_file_is_exactly_the_block_the_engine_installs():
     # the command `setup` writes for a project holding the script: it runs on every clone,
     # from any directory
     cli = 'python3 "$(git rev-parse --show-toplevel)/scripts/goals.py"'
-    expected = goals.render_block(cli)
+    expected = goals.room("setup").render_block(cli)
     assert read(BLOCK) == expected, \
-        f"fablize-block.md drifted: regenerate it with goals.render_block({cli!r})"
-    assert expected.startswith(goals.BLOCK_BEGIN) and expected.rstrip("\n").endswith(goals.BLOCK_END)
+        f"fablize-block.md drifted: regenerate it with goals.room('setup').render_block({cli!r})"
+    assert expected.startswith(goals.room("setup").BLOCK_BEGIN) and expected.rstrip("\n").endswith(goals.room("setup").BLOCK_END)
 
 
 def test_skill_front_matter_names_fablize_and_says_when_to_use_it():

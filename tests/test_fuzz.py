@@ -468,7 +468,7 @@ def test_generated_ledger_never_crashes_any_command(content, json_mode, drop_sna
 
 # Properties: command lines ##################################################
 
-COMMAND_NAMES = sorted(goals.COMMANDS)
+COMMAND_NAMES = sorted(goals.command_names())
 KNOWN_FLAGS = ["--id", "--status", "--evidence", "--verify-cmd", "--verify-evidence", "--run",
                "--agent", "--brief", "--goal", "--force", "--check", "--verify", "--after",
                "--parallel", "--rounds", "--require-run", "--judge", "--accept", "--note",

@@ -31,7 +31,7 @@ def clean_env(**extra):
 def expected_block():
     """fablize-block.md, with the command a clone of the project can run: the script installing
     it lives outside the project, so that is the `fablize` command, never an absolute path."""
-    return goals.render_block("fablize")
+    return goals.room("setup").render_block("fablize")
 
 
 def test_install_block_creates_claude_md_at_the_repository_root(fab, monkeypatch):
@@ -248,7 +248,7 @@ def test_pip_install_gives_a_fablize_command_that_drives_a_plan_from_another_dir
     # the same state, read by the uninstalled script: one engine, two entry points
     assert run_cli("audit", "--require-complete", cwd=project).code == 0
 
-    # what was installed is scripts/goals.py itself, and nothing it depends on
+    # what was installed is scripts/goals.py itself and its rooms, and nothing they depend on
     probe = ("import fablize_gate, json; from importlib.metadata import files, requires; "
              "print(json.dumps([fablize_gate.__file__, requires('fablize-gate'), "
              "[str(f) for f in files('fablize-gate')]]))")
@@ -259,7 +259,10 @@ def test_pip_install_gives_a_fablize_command_that_drives_a_plan_from_another_dir
     assert Path(module).read_bytes() == SCRIPT.read_bytes()
     assert not requires
     payload = sorted(f for f in files if ".dist-info/" not in f and "__pycache__" not in f)
-    assert payload == ["../../../bin/fablize", "fablize_gate.py"]  # a module name of its own
+    assert payload == ["../../../bin/fablize", "fablize_gate.py", "fablize_merge.py",
+                       "fablize_setup.py", "fablize_sharing.py", "fablize_trust.py"]
+    for room in payload[2:]:  # byte for byte
+        assert (Path(module).parent / room).read_bytes() == (SCRIPT.parent / room).read_bytes()
 
 
 def test_the_script_runs_without_installing_anything(tmp_path):
@@ -419,7 +422,7 @@ def test_help_lists_every_command_with_its_summary(fab):
     parser = goals.build_parser()
     sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
     summaries = {c.dest: c.help for c in sub._choices_actions}
-    assert set(summaries) == set(goals.COMMANDS)
+    assert set(summaries) == set(goals.command_names())
     for name, summary in summaries.items():
         assert summary and name + "".join(summary.split()) in text, name
 
@@ -427,7 +430,7 @@ def test_help_lists_every_command_with_its_summary(fab):
 def test_help_gives_each_command_exactly_one_line_at_80_columns(fab, monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")
     lines = fab("--help").out.splitlines()
-    for name in goals.COMMANDS:
+    for name in goals.command_names():
         i = next(i for i, line in enumerate(lines) if line.split()[:1] == [name])
         assert len(lines[i].split()) > 1, f"{name}: summary not on its line"
         assert not lines[i + 1].startswith(" " * 8), f"{name}: summary wraps: {lines[i + 1]!r}"

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ENGINE as CACHED
+from conftest import copy_engine
 
 ENGINE = Path(__file__).resolve().parent.parent / "scripts" / "goals.py"
 CI = ["audit", "--base", "main", "--require-complete", "--require-witnessed", "--rerun", "all"]
@@ -61,9 +62,7 @@ def ci(tmp_path):
     the PR branch `pr` is checked out. ci() runs the CI audit with an outside copy of the engine."""
     home = tmp_path / "home"
     home.mkdir()
-    engine = tmp_path / "engine-copy" / "goals.py"
-    engine.parent.mkdir()
-    shutil.copy(ENGINE, engine)
+    engine = copy_engine(tmp_path / "engine-copy")
     repo = tmp_path / "repo"
     repo.mkdir()
     git(repo, home, "init", "-q", "-b", "main")

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from conftest import ENGINE as CACHED
+from conftest import copy_engine
 from test_redteam import (ALL_GATES, ENGINE, check_py_branch, ci, git,  # noqa: F401
                           judged_story, run, status_after_verdict)  # (ci: a fixture)
 
@@ -52,9 +53,7 @@ def test_a_frozen_check_file_swapped_for_a_symlink_out_of_the_tree_is_named(tmp_
                "--evidence", "done").returncode == 0
     git(repo, home, "add", "-A")
     git(repo, home, "commit", "-qm", "pr")
-    engine = tmp_path / "x" / "goals.py"
-    engine.parent.mkdir()
-    engine.write_bytes(ENGINE.read_bytes())
+    engine = copy_engine(tmp_path / "x")
     r = run(repo, "audit", "--base", "main", "--require-complete", "--require-witnessed",
             "--rerun", "all", "--require-unchanged-checks", "--json", engine=engine,
             env={"PATH": "/usr/bin:/bin"}, isolated=True)

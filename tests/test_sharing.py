@@ -213,7 +213,8 @@ def test_a_claim_lost_between_fetch_and_push_is_never_double_held_and_names_the_
     a, b = net.clone("a"), net.clone("b")
     plan_id = create(a, stories, "--parallel")
     assert b("sync").code == 0
-    real = goals.event_commits
+    sharing = goals.room("sharing")
+    real = sharing.event_commits
     raced = []
 
     def b_claims_first(store, cfg, lines):
@@ -222,7 +223,7 @@ def test_a_claim_lost_between_fetch_and_push_is_never_double_held_and_names_the_
             r = run_cli("next", "--agent", "y", cwd=b.root, env=cli_env(net))
             assert r.code == 0 and "G001" in r.out, r
         return real(store, cfg, lines)
-    monkeypatch.setattr(goals, "event_commits", b_claims_first)
+    monkeypatch.setattr(sharing, "event_commits", b_claims_first)
     r = a("next", "--agent", "x")
     if stories == 2:  # nothing else is ready: refused, naming who holds it
         assert r.code == 1 and "G001" in r.err and "agent y holds it" in r.err, r
@@ -299,7 +300,7 @@ def test_pushes_rejected_several_times_in_a_row_still_publish_every_event(net):
 
 
 def test_pushes_rejected_every_time_keep_the_work_and_refuse_a_claim(net, monkeypatch):
-    monkeypatch.setattr(goals, "PUSH_ATTEMPTS", 3)
+    monkeypatch.setattr(goals.room("sharing"), "PUSH_ATTEMPTS", 3)
     a = net.clone("a")
     plan_id = create(a, 2)
     assert a("next").code == 0

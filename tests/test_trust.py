@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SCRIPT, Result, assert_refused, goals, ledger, make_plan, state_files
+from conftest import (ROOT, SCRIPT, Result, assert_refused, copy_engine, goals, ledger, make_plan,
+                      state_files)
 
 BAR = ["audit", "--base", "main", "--require-complete", "--require-witnessed", "--rerun", "all"]
 CHECK_PY = "import sys\nsys.exit(0 if open('impl.txt').read().strip() == 'done' else 1)\n"
@@ -89,9 +90,7 @@ class Work:
         self.repo = tmp_path / "repo"
         self.dir = self.repo / ".fablize"
         self.keys = template / "keys"
-        self.engine = tmp_path / "ci-engine" / "goals.py"
-        self.engine.parent.mkdir()
-        shutil.copy(SCRIPT, self.engine)
+        self.engine = copy_engine(tmp_path / "ci-engine")
         self.monkeypatch, self.capsys = monkeypatch, capsys
         monkeypatch.chdir(self.repo)
         for var in ("FABLIZE_DIR", "FABLIZE_CRASH_AT", "GITHUB_STEP_SUMMARY"):
@@ -473,9 +472,7 @@ def test_attack_doctored_engine_in_the_tree_does_not_fool_the_action(work):
 
 def test_audit_warns_when_its_engine_lies_inside_the_tree(work):
     work.honest()
-    inside = work.repo / "scripts" / "goals.py"
-    inside.parent.mkdir()
-    shutil.copy(SCRIPT, inside)
+    inside = copy_engine(work.repo / "scripts")
     p = subprocess.run([sys.executable, "-I", str(inside), "audit"], cwd=str(work.repo),
                        capture_output=True, env=clean_env(work.top))
     assert p.returncode == 0 and b"lies inside the tree it audits" in p.stderr, p
@@ -695,7 +692,7 @@ def test_sign_and_signer_go_together(work):
 
 
 def test_decision_payload_is_the_documented_canonical_content():
-    raw = goals.decision_payload("P", "G001", "accept", "ünïcode", "ab" * 32)
+    raw = goals.room("trust").decision_payload("P", "G001", "accept", "ünïcode", "ab" * 32)
     assert raw == ('{"decision":"accept","note":"ünïcode","plan":"P","prev":"' + "ab" * 32 +
                    '","story":"G001"}').encode("utf-8")
     readme = (ROOT / "README.md").read_text() + (ROOT / "docs" / "reference.md").read_text()

@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ENGINE_PYTHON, ROOT, SCRIPT, assert_refused, complete, ledger, make_plan, state_files
+from conftest import (ENGINE_PYTHON, ROOT, SCRIPT, assert_refused, complete, copy_engine, ledger,
+                      make_plan, state_files)
 
 import goals
 
-PORTABLE = 'python3 "$(git rev-parse --show-toplevel)/scripts/goals.py"'
+# what setup writes for a repository holding the engine: its launcher, with the bytecode cached
+PORTABLE = 'python3 -I -S "$(git rev-parse --show-toplevel)/scripts/fablize.py"'
 
 
 def git(*args, cwd):
@@ -40,7 +42,7 @@ def repo(tmp_path, home):
     """A real git repository with the engine copied in as scripts/goals.py, and a subdirectory."""
     root = tmp_path / "repo"
     (root / "scripts").mkdir(parents=True)
-    shutil.copy(SCRIPT, root / "scripts" / "goals.py")
+    copy_engine(root / "scripts")
     (root / "src" / "deep").mkdir(parents=True)
     (root / "src" / "deep" / "x.txt").write_text("x\n")
     git("init", "-q", cwd=root)
@@ -65,10 +67,13 @@ def sh(command, cwd, home, stdin=None, **extra):
     return p.returncode, p.stdout, p.stderr
 
 
-def script(repo, home, *args, cwd=None, stdin=None):
-    p = subprocess.run([ENGINE_PYTHON, str(repo / "scripts" / "goals.py"), *args],
-                       cwd=str(cwd or repo), env=env_for(home), input=stdin,
-                       capture_output=True, text=True, timeout=120)
+def script(repo, home, *args, cwd=None, stdin=None, launcher=False):
+    """The repository's copy of the engine, run as a script (goals.py) or, with `launcher`, as
+    setup wires it (fablize.py, which imports it with its bytecode cached)."""
+    start = ["-I", "-S", str(repo / "scripts" / "fablize.py")] if launcher else \
+        [str(repo / "scripts" / "goals.py")]
+    p = subprocess.run([ENGINE_PYTHON, *start, *args], cwd=str(cwd or repo), env=env_for(home),
+                       input=stdin, capture_output=True, text=True, timeout=120)
     return p.returncode, p.stdout, p.stderr
 
 
@@ -85,8 +90,11 @@ def test_a_copied_script_prints_commands_that_run_from_any_subdirectory(repo, ho
     code, out, err = script(repo, home, "create", "--brief", "b", "--goal", "A::a", "--goal",
                             "V::v", cwd=deep)
     assert code == 0, err
-    code, out, err = script(repo, home, "status", cwd=deep)
+    code, out, err = script(repo, home, "status", cwd=deep)  # as the original's users run it
     step = printed(out, "fablize: next — ").split("`")[1]  # the command between the backticks
+    assert step == 'python3 "$(git rev-parse --show-toplevel)/scripts/goals.py" next'
+    code, out, err = script(repo, home, "status", cwd=deep, launcher=True)  # as setup wires it
+    step = printed(out, "fablize: next — ").split("`")[1]
     assert step == f"{PORTABLE} next"
     code, out, err = sh(step, deep, home)  # as printed, from the subdirectory
     assert code == 0 and "=== fablize handoff — G001 A" in out, err
@@ -97,7 +105,7 @@ def test_a_copied_script_prints_commands_that_run_from_any_subdirectory(repo, ho
     assert code == 0 and "G001 → complete" in out, err
     code, out, err = sh(f"{PORTABLE} next", deep, home)
     payload = json.dumps({"cwd": str(deep), "stop_hook_active": False})
-    code, out, err = script(repo, home, "guard", cwd=deep, stdin=payload)
+    code, out, err = script(repo, home, "guard", cwd=deep, stdin=payload, launcher=True)
     reason = json.loads(out)["reason"]
     assert f"{PORTABLE} checkpoint --id G002" in reason
     # the guard's command, with its placeholders filled in, runs too
@@ -199,10 +207,10 @@ def test_setup_wires_each_agent_and_removes_it_again(repo, home, agent, block_fi
                                                      stop_event):
     code, out, err = script(repo, home, "setup", agent)
     assert code == 0, err
-    assert goals.BLOCK_BEGIN in (repo / block_file).read_text()
+    assert goals.room("setup").BLOCK_BEGIN in (repo / block_file).read_text()
     if hooks_file:
         config = json.loads((repo / hooks_file).read_text())
-        stops = goals.our_hooks(config, stop_event)
+        stops = goals.room("setup").our_hooks(config, stop_event)
         assert len(stops) == 1 and stops[0][3]["command"].startswith(PORTABLE)
         if agent != "claude":
             assert f"--for {agent}" in stops[0][3]["command"]
@@ -234,8 +242,8 @@ def test_doctor_names_the_fix_for_a_missing_block(repo, home):
 
 def test_doctor_names_the_fix_when_the_blocks_command_does_not_run(repo, home):
     assert script(repo, home, "setup")[0] == 0
-    engine = repo / "elsewhere.py"
-    shutil.move(repo / "scripts" / "goals.py", engine)  # the block's path no longer exists
+    engine = copy_engine(repo / "elsewhere")
+    (repo / "scripts" / "fablize.py").unlink()  # the block's path no longer exists
     p = subprocess.run([ENGINE_PYTHON, str(engine), "doctor"], cwd=str(repo), env=env_for(home),
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 1
@@ -268,8 +276,8 @@ def test_setup_migrates_the_original_fablize_block_to_exactly_one_block(repo, ho
     (repo / "CLAUDE.md").write_text("# Rules\n\n" + original + "\n## After\n")
     assert script(repo, home, "setup")[0] == 0
     text = (repo / "CLAUDE.md").read_text()
-    assert "FABLIZE:BEGIN" not in text and text.count(goals.BLOCK_BEGIN) == 1
-    assert text.startswith("# Rules\n\n" + goals.BLOCK_BEGIN) and text.endswith("\n## After\n")
+    assert "FABLIZE:BEGIN" not in text and text.count(goals.room("setup").BLOCK_BEGIN) == 1
+    assert text.startswith("# Rules\n\n" + goals.room("setup").BLOCK_BEGIN) and text.endswith("\n## After\n")
 
 
 def test_install_block_migrates_the_original_block_too(fab):
@@ -277,7 +285,7 @@ def test_install_block_migrates_the_original_block_too(fab):
     target.write_text("<!-- FABLIZE:BEGIN v2 -->\nold\n<!-- FABLIZE:END -->\n")
     assert fab("install-block", "AGENTS.md").code == 0
     text = target.read_text()
-    assert "FABLIZE" not in text and text.count(goals.BLOCK_BEGIN) == 1
+    assert "FABLIZE" not in text and text.count(goals.room("setup").BLOCK_BEGIN) == 1
 
 
 def test_setup_refuses_a_settings_file_that_is_not_json(repo, home):

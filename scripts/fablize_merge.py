@@ -1,0 +1,150 @@
+"""fablize's merge room: branches whose committed plans diverge merge by replay.
+
+Two branches that each replace or advance the committed plan change the same two files. Git asks
+the driver (installed by `install-merge`: one .gitattributes line, one git config entry) for the
+merged content of each. The same plan advanced further on one side: that side. Two different
+plans: the one created later stays current and the other's whole ledger is carried in one
+appended `plan_merged` event, replayed by audit, so both audit with their pins. The snapshot of
+the current plan is then one event behind: the next command rolls it forward.
+
+Interface: COMMANDS (merge-driver, install-merge). Loaded by the engine (goals.room), never
+imported on its own.
+"""
+
+import os
+import re
+
+# the engine that loaded this room (goals.room registers itself under this name first): one
+# engine module, never a second copy of goals.py, never one found on sys.path
+import fablize_engine as engine
+from fablize_engine import LEDGER, RUNS, SNAPSHOT, damaged, one_line, refused
+
+MERGE_ATTRIBUTE = "merge=fablize"
+
+
+def merge_ledgers(ours, theirs):
+    """The merged ledger.jsonl, or a refusal (git then leaves the conflict to a human)."""
+    try:
+        ours.decode("utf-8"), theirs.decode("utf-8")
+    except UnicodeDecodeError:
+        raise refused(f"{LEDGER}: a side is not UTF-8 text — merge it by hand.", "conflict")
+    lo, lt = ours.splitlines(), theirs.splitlines()
+    if not lo or not lt:
+        return ours or theirs
+    if lo[0] == lt[0]:
+        if lt[:len(lo)] == lo:
+            return theirs
+        if lo[:len(lt)] == lt:
+            return ours
+        at = next(i for i, (x, y) in enumerate(zip(lo, lt), 1) if x != y)
+        raise refused(f"both branches advanced the same plan differently (from event {at}); "
+                      "keep one side: `git checkout --ours .fablize/` or `--theirs`.", "diverged")
+    mine, other = engine.audit_ledger(ours, None)["plan"], engine.audit_ledger(theirs, None)["plan"]
+    if (other["created"], other["plan_id"]) > (mine["created"], mine["plan_id"]):
+        (mine, lo, ours), (other, lt, theirs) = (other, lt, theirs), (mine, lo, ours)
+    _, _, line = engine.make_event(mine, "plan_merged", {
+        "plan_id": other["plan_id"], "events": len(lt), "head": other["ledger"]["head"],
+        "lines": [x.decode("utf-8") for x in lt]})
+    return ours + line + b"\n"
+
+
+def merge_snapshots(ours, theirs):
+    """goals.json of the plan merge_ledgers keeps current (same rule, read from the snapshot)."""
+    sides = []
+    for raw in (ours, theirs):
+        try:
+            snap = engine.load_json(raw)
+        except ValueError:
+            snap = None
+        if type(snap) is not dict or engine.is_original_snapshot(snap) or \
+                engine.misfit(snap, engine.PLAN_SPEC) is not None:
+            raise damaged(f"{SNAPSHOT}: one side is not a fablize snapshot.", "bad_snapshot")
+        sides.append((snap["plan_id"], snap["ledger"]["seq"], snap["created"]))
+    ko, kt = sides
+    if ko[0] == kt[0]:
+        if ko[1] == kt[1]:
+            raise refused("both branches changed the same plan's snapshot at the same event.",
+                          "diverged")
+        return ours if ko[1] > kt[1] else theirs
+    return ours if (ko[2], ko[0]) > (kt[2], kt[0]) else theirs
+
+
+def merge_run_log(path, ours, theirs):
+    """Two different logs at one runs/ path: the current plan's (the side merge_ledgers keeps).
+    Their branch is named only by the GITHEAD_<commit> variable `git merge` sets."""
+    heads = [k[len("GITHEAD_"):] for k in os.environ if re.fullmatch(r"GITHEAD_[0-9a-f]{40,64}", k)]
+    ledger = path.rsplit("/" + RUNS + "/", 1)[0] + "/" + LEDGER
+    if len(heads) != 1:
+        raise refused(f"{one_line(path)}: both branches wrote a different run log here, and this "
+                      "is not a `git merge` of one branch.", "conflict")
+    sides = []
+    for rev in ("HEAD", heads[0]):
+        code, out, _ = engine.git(".", "show", f"{rev}:{ledger}", what="merge-driver")
+        sides.append(out if code == 0 else b"")
+    if not all(sides):
+        raise refused(f"{one_line(path)}: a side has no {LEDGER} to tell whose run it is.",
+                      "conflict")
+    merged = merge_ledgers(*sides)
+    if merged == sides[1] or (merged != sides[0] and not merged.startswith(sides[0])):
+        return theirs
+    return ours
+
+
+def cmd_merge_driver(ctx, a):
+    ours, theirs = (engine.read_state_file(p) or b"" for p in (a.ours, a.theirs))
+    name = os.path.basename(a.path or "")
+    if ours == theirs:
+        return
+    if name == LEDGER:
+        merged = merge_ledgers(ours, theirs)
+    elif name == SNAPSHOT:
+        merged = merge_snapshots(ours, theirs)
+    elif f"/{RUNS}/" in "/" + (a.path or "") and name.endswith(".log"):
+        merged = merge_run_log(a.path, ours, theirs)
+    else:
+        raise refused(f"{one_line(a.path)}: both branches changed it and only {LEDGER} and "
+                      f"{SNAPSHOT} merge by replay.", "conflict")
+    engine.write_atomic(a.ours, merged)
+    ctx.out.warn(f"merged {one_line(a.path)} by replay.")
+
+
+def cmd_install_merge(ctx, a):
+    store = ctx.store
+    root = store.root
+    if engine.git(root, "rev-parse", "--git-dir", what="install-merge")[0] != 0:
+        raise refused(f"{root} is not a git repository.", "no_git_repo")
+    rel = os.path.relpath(store.dir, root).replace(os.sep, "/")
+    if rel.startswith(".."):
+        raise refused("the state directory is outside the repository: nothing to merge.",
+                      "outside_repository")
+    line = f"/{rel}/** {MERGE_ATTRIBUTE}"
+    path = os.path.join(root, ".gitattributes")
+    if os.path.islink(path):
+        raise engine.symlink_refusal(path)
+    old = engine.read_state_file(path) or b""
+    if line.encode() not in old.splitlines():
+        engine.write_atomic(path, old + (b"" if not old or old.endswith(b"\n") else b"\n")
+                            + line.encode() + b"\n")
+    driver = f"{ctx.cli} merge-driver %O %A %B %P"
+    engine.git_out(root, "config", "merge.fablize.name", "fablize: plans merge by replay")
+    engine.git_out(root, "config", "merge.fablize.driver", driver)
+    ctx.say(f"fablize: .gitattributes has `{line}` (commit it); this clone's git config runs "
+            f"`{driver}` for those files.")
+    ctx.data.update(attribute=line, driver=driver)
+
+
+def add_merge_driver(command):
+    c = command("merge-driver", cmd_merge_driver, "git's merge driver for plan files",
+                "git runs it; see `install-merge`")
+    c.add_argument("base", help="the common ancestor's version (%%O)")
+    c.add_argument("ours", help="our version, replaced by the merged one (%%A)")
+    c.add_argument("theirs", help="their version (%%B)")
+    c.add_argument("path", nargs="?", help="the file's path in the repository (%%P)")
+
+
+def add_install_merge(command):
+    command("install-merge", cmd_install_merge, "let `git merge` merge committed plans",
+            "one .gitattributes line (commit it) and the driver in this clone's git config")
+
+
+COMMANDS = {"merge-driver": add_merge_driver, "install-merge": add_install_merge}

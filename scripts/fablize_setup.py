@@ -1,0 +1,632 @@
+"""fablize's setup room: wiring an agent to the engine, and checking the wiring.
+
+`setup AGENT` writes the fablize block into the agent's instructions file and registers the
+engine's hooks in its settings (SessionStart: `status --resume`; Stop: `guard`; after a shell
+command: `observe`); `doctor` checks all of it; `install-block` puts the block into any file.
+What setup writes is meant to be committed: it names the engine by a command that runs from any
+directory of any clone and holds no absolute path.
+
+Interface: COMMANDS (setup, doctor, install-block), render_block(cli), BLOCK_BEGIN/BLOCK_END.
+Loaded by the engine (goals.room), never imported on its own.
+"""
+
+import json
+import os
+import re
+import shutil
+import stat
+import sys
+
+# the engine that loaded this room (goals.room registers itself under this name first): one
+# engine module, never a second copy of goals.py, never one found on sys.path
+import fablize_engine as engine
+from fablize_engine import FablizeError, one_line, refused
+
+BLOCK_BEGIN = "<!-- fablize:begin -->"
+BLOCK_END = "<!-- fablize:end -->"
+
+
+BLOCK_TEMPLATE = """\
+<!-- fablize:begin -->
+## fablize — evidence gate for multi-story work
+
+[2+ sequential stories] When a task needs two or more sequential steps, run it
+through fablize instead of declaring "done" yourself:
+
+1. `{cli} create --brief "<task>" --goal "title::objective" ... --verify "<test command>"`
+   The last story is the verification gate. Freeze the checks that prove a story with
+   `--check G00N="<cmd>"`; if it says a check cannot run here, fix that now.
+2. `{cli} next` — activates ONE story and prints its handoff. Work that story only.
+3. `{cli} checkpoint --id G00N --status complete --evidence "<what you did, what you saw>"`
+   Frozen checks run by themselves; otherwise prefer `--run --verify-cmd "<cmd>"`: the
+   engine runs the command and records the result.
+   Not achieved yet: `--status failed --evidence "<what is missing>"` (another round).
+   Impossible as specified: `--status blocked --evidence "<why>"`, then ask the human: end
+   your turn with the question (the Stop guard lets a question through).
+4. A judged story (`create --judge`) goes to review: never judge your own work. A separate
+   judge runs `{cli} judge-packet --id G00N`, checks the artifact itself and answers with
+   `{cli} verdict --id G00N achieved|not-achieved|unachievable --evidence "<what it saw>" --agent <judge>`.
+5. Repeat from 2 until it prints `all stories complete ✓` (or `all stories done ✓` after a
+   human accepted a story). A refusal is not an error to work around: produce the evidence
+   it asks for.
+6. Resuming after a crash or compaction: `{cli} status` (it shows what was missing and what
+   already failed), then `{cli} next`. Every failed or blocked checkpoint needs its reason.
+
+Never edit `.fablize/` by hand; `{cli} audit` detects it.
+<!-- fablize:end -->
+"""
+PLUGIN_NAME = "fablize-gate"  # not `fablize`: the original's plugin and marketplace are named so
+AGENTS = ("claude", "codex", "gemini", "cursor", "agents-md")
+# Patterns kept as text, compiled (and cached by `re`) on first use: not at every start.
+# the original fablize's block: migrated to ours, so that a file ends with exactly one block
+ORIGINAL_BLOCK = r"(?s)<!--\s*FABLIZE:BEGIN\b.*?FABLIZE:END\b[^>]*-->\n?"
+# a hook command of ours (or of the original), whatever path or interpreter runs it
+OUR_HOOK = r"(?:goals\.py|fablize(?:\.py)?)[\"']?((?:\s+--\S+)*)\s+(guard|status\s+--resume|observe)\b"
+
+
+def portable_command(root):
+    """The command written into files that get committed, so that it runs on every clone: the
+    repository's own copy of the engine when it has one (scripts/fablize.py, which starts
+    scripts/goals.py with its bytecode cached; a lone scripts/goals.py as a script) — then
+    teammates without the plugin or the installed command run the same thing — else this
+    engine's repository form when it lives there, else `fablize` (installed, or the plugin's)."""
+    scripts = os.path.join(root, "scripts")
+    if os.path.isfile(os.path.join(scripts, "goals.py")):
+        if os.path.isfile(os.path.join(scripts, engine.LAUNCHER)):
+            return engine.repository_command("scripts/" + engine.LAUNCHER)
+        return engine.repository_command("scripts/goals.py")
+    cmd = engine.invocation(root)
+    return cmd if cmd == "fablize" or "$(git rev-parse" in cmd else "fablize"
+
+
+def command_missing(cli):
+    """Why the command written into the project does not run here, or None: `fablize` names a
+    command that must be installed (or come with the plugin)."""
+    if cli == "fablize" and shutil.which("fablize") is None:
+        return ("the wiring runs `fablize`, which is not on PATH here: install it (README: Add it "
+                "to your project — pipx, uv tool or the plugin), or copy scripts/goals.py into "
+                "this repository and run setup again with that copy")
+    return None
+
+
+def cut_original_block(text):
+    """`text` without the original fablize's block, and where it stood (None: it had none)."""
+    m = re.search(ORIGINAL_BLOCK, text)
+    if m is None:
+        return text, None
+    return text[:m.start()] + text[m.end():], m.start()
+
+
+def hook_entries(agent, cli):
+    """[(event, matcher, role, hook object)] that wire `agent` to the engine run as `cli`."""
+    def command(args, timeout=30):
+        return {"type": "command", "command": f"{cli} {args}", "timeout": timeout}
+    if agent == "claude":
+        return [("SessionStart", "startup|resume|clear|compact", "status",
+                 command("status --resume")),
+                ("Stop", None, "guard", command("guard")),
+                ("PostToolUse", "Bash", "observe", command("observe")),
+                # Claude Code reports a command that failed as PostToolUseFailure
+                ("PostToolUseFailure", "Bash", "observe", command("observe"))]
+    if agent == "codex":
+        return [("SessionStart", "startup|resume", "status",
+                 command("status --resume --for codex")),
+                ("Stop", None, "guard", command("guard --for codex")),
+                ("PostToolUse", "Bash", "observe", command("observe --for codex"))]
+    if agent == "gemini":  # timeouts in milliseconds; hooks are named in its /hooks panel
+        return [("SessionStart", None, "status",
+                 dict(command("status --resume --for gemini", 30000), name="fablize-status")),
+                ("AfterAgent", None, "guard",
+                 dict(command("guard --for gemini", 30000), name="fablize-guard")),
+                ("AfterTool", "run_shell_command", "observe",
+                 dict(command("observe --for gemini", 30000), name="fablize-observe"))]
+    if agent == "cursor":
+        return [("stop", None, "guard", {"command": f"{cli} guard --for cursor",
+                                          "loop_limit": engine.DEFAULT_GUARD_MAX})]
+    return []
+
+
+AGENT_FILES = {  # agent: (instructions file, hook configuration file), relative to the root
+    "claude": ("CLAUDE.md", ".claude/settings.json"),
+    "codex": ("AGENTS.md", ".codex/hooks.json"),
+    "gemini": ("GEMINI.md", ".gemini/settings.json"),
+    "cursor": ("AGENTS.md", ".cursor/hooks.json"),
+    "agents-md": ("AGENTS.md", None),
+}
+
+
+def hook_role(hook):
+    cmd = hook.get("command") if isinstance(hook, dict) else None
+    m = re.search(OUR_HOOK, cmd) if isinstance(cmd, str) else None
+    return m.group(2).split()[0] if m else None
+
+
+def our_hooks(config, event):
+    """[(group list, group, hook list, hook)] for the hooks of ours registered for `event`,
+    in Claude Code's nesting ({event: [{matcher, hooks: [...]}]}) or Cursor's ({event: [...]})."""
+    found = []
+    hooks = config.get("hooks") if isinstance(config, dict) else None
+    groups = hooks.get(event) if isinstance(hooks, dict) else None
+    for group in groups if isinstance(groups, list) else []:
+        inner = group.get("hooks") if isinstance(group, dict) else None
+        if isinstance(inner, list):
+            found += [(groups, group, inner, h) for h in inner if hook_role(h)]
+        elif hook_role(group):
+            found.append((groups, None, groups, group))
+    return found
+
+
+def merge_hooks(config, agent, cli, remove=False):
+    """`config` (a parsed settings file) with exactly one hook of ours per event, or none."""
+    config = json.loads(json.dumps(config))  # a copy: the caller compares old and new
+    if agent == "cursor":
+        config.setdefault("version", 1)
+    for event, matcher, role, hook in hook_entries(agent, cli):
+        found = [f for f in our_hooks(config, event) if hook_role(f[3]) == role]
+        if not remove and len(found) == 1 and found[0][3] == hook:
+            continue
+        for groups, group, inner, h in found:
+            inner.remove(h)
+            if group is not None and not inner:
+                groups.remove(group)
+        if not remove:
+            hooks = config.setdefault("hooks", {})
+            if not isinstance(hooks, dict):
+                raise refused("its \"hooks\" is not an object — fix it by hand.", "bad_config")
+            groups = hooks.setdefault(event, [])
+            if agent == "cursor":
+                groups.append(hook)
+            else:
+                groups.append(dict({"matcher": matcher} if matcher else {}, hooks=[hook]))
+        hooks = config.get("hooks")
+        if isinstance(hooks, dict) and hooks.get(event) == []:
+            del hooks[event]
+    if config.get("hooks") == {}:
+        del config["hooks"]
+    if agent == "cursor" and set(config) == {"version"}:
+        config = {}
+    return config
+
+
+def plugin_enabled(root):
+    """Where the fablize-gate plugin is switched on for Claude Code ([] when nowhere): it brings
+    its own hooks, so settings must not register them again."""
+    found = []
+    home = os.path.expanduser("~")
+    for path in (os.path.join(home, ".claude", "settings.json"),
+                 os.path.join(root, ".claude", "settings.json"),
+                 os.path.join(root, ".claude", "settings.local.json")):
+        data = read_json_config(path, quiet=True)
+        enabled = data.get("enabledPlugins") if isinstance(data, dict) else None
+        if isinstance(enabled, dict) and any(
+                k.split("@")[0] == PLUGIN_NAME and v is True for k, v in enabled.items()):
+            found.append(path)
+    env = os.environ.get("CLAUDE_PLUGIN_ROOT")
+    if env and read_json_config(os.path.join(env, ".claude-plugin", "plugin.json"),
+                                quiet=True).get("name") == PLUGIN_NAME:
+        found.append("$CLAUDE_PLUGIN_ROOT")
+    return found
+
+
+def read_json_config(path, quiet=False):
+    """A JSON settings file as a dict ({} when absent); refuses one that is not an object."""
+    try:
+        raw = read_project_file(path)
+    except FileNotFoundError:
+        return {}
+    except (OSError, FablizeError):
+        if quiet:
+            return {}
+        raise
+    try:
+        data = engine.load_json(raw) if raw.strip() else {}
+    except ValueError as e:
+        if quiet:
+            return {}
+        raise refused(f"{path} is not valid JSON ({e}) — fix it by hand, then run setup again.",
+                      "bad_config")
+    if not isinstance(data, dict):
+        if quiet:
+            return {}
+        raise refused(f"{path} does not hold a JSON object — fix it by hand.", "bad_config")
+    return data
+
+
+def json_config_bytes(config):
+    return (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+MAX_PROJECT_FILE = 1 << 20  # a settings or instructions file larger than this is not one
+
+
+def read_project_file(path):
+    """The bytes of a project's settings or instructions file: never blocks on a FIFO, never
+    reads an endless device, refuses what is not a regular file (it may follow a symlink the
+    user made; setup refuses to write through one)."""
+    fd = os.open(path, os.O_RDONLY | engine.O_NONBLOCK | engine.O_CLOEXEC | engine.O_BINARY)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise refused(f"{path} is not a regular file.", "not_a_file")
+        data = os.read(fd, MAX_PROJECT_FILE + 1)
+        if len(data) > MAX_PROJECT_FILE:
+            raise refused(f"{path} is larger than {MAX_PROJECT_FILE:,} bytes — not a settings "
+                          "or instructions file fablize edits.", "not_text")
+        return data
+    finally:
+        os.close(fd)
+
+
+def project_file(root, rel):
+    """A file of the project to write: refuses a symlink or a non-file in its place, and a
+    symlinked folder on the way to it (a cloned repository's `.claude -> ~/.claude` must not
+    put hooks into the user's own settings)."""
+    path = os.path.join(root, *rel.split("/"))
+    folder = root
+    for part in rel.split("/")[:-1]:
+        folder = os.path.join(folder, part)
+        if os.path.islink(folder):
+            raise refused(f"{folder} is a symlink — refusing to write through it.", "symlink")
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return path, None
+    if stat.S_ISLNK(st.st_mode):
+        raise refused(f"{path} is a symlink — refusing to write through it.", "symlink")
+    if not stat.S_ISREG(st.st_mode):
+        raise refused(f"{path} is not a regular file.", "not_a_file")
+    return path, st
+
+
+def project_text(path, st):
+    """(bytes, text) of an instructions file to edit (b"", "" when it does not exist yet):
+    UTF-8 text without NUL bytes, or a refusal."""
+    raw = read_project_file(path) if st is not None else b""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise refused(f"{path} is not UTF-8 text — refusing to edit it.", "not_text")
+    if "\x00" in text:
+        raise refused(f"{path} is not text (it holds NUL bytes) — refusing to edit it.", "not_text")
+    return raw, text
+
+
+def put_project_file(path, st, data):
+    """Write (or, with data None, delete) a project file; parent folders made as needed, and
+    a folder this left empty taken away again."""
+    if data is None:
+        os.unlink(path)
+        parent = os.path.dirname(path)
+        try:
+            os.rmdir(parent)  # only when empty: `.claude/` that setup made
+        except OSError:
+            pass
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    engine.write_atomic(path, data, st.st_mode & 0o7777 if st else 0o644)
+    engine.fsync_dir(os.path.dirname(path))
+
+
+def setup_plan(root, agent, remove):
+    """[(relative path, absolute path, stat, new bytes or None to delete, what)] that `setup`
+    would write, leaving out what is already as it should be; and notes to say."""
+    cli = portable_command(root)
+    changes = []
+    block_rel, hooks_rel = AGENT_FILES[agent]
+    path, st = project_file(root, block_rel)
+    _, text = project_text(path, st)
+    new = install_block(text, render_block(cli), remove)
+    if new != text:
+        data = None if remove and not new.strip() else new.encode("utf-8")
+        changes.append((block_rel, path, st, data, "the fablize block " +
+                        ("removed" if remove else "updated" if BLOCK_BEGIN in text else
+                         "migrated from the original fablize's block" if re.search(ORIGINAL_BLOCK, text)
+                         else "added")))
+    notes = []
+    if hooks_rel:
+        plugin = plugin_enabled(root) if agent == "claude" else []
+        path, st = project_file(root, hooks_rel)
+        config = read_json_config(path)
+        if plugin and not remove:
+            notes.append(f"hooks: the {PLUGIN_NAME} plugin provides them (enabled in "
+                         f"{', '.join(plugin)}); none added to {hooks_rel}")
+            new = merge_hooks(config, agent, cli, remove=True)  # a copy left by an earlier setup
+            if new != config:
+                data = None if not new and st is not None else json_config_bytes(new)
+                changes.append((hooks_rel, path, st, data, "hooks removed: the plugin runs "
+                                "them, and a second copy would count every stop twice"))
+        else:
+            new = merge_hooks(config, agent, cli, remove)
+            if new != config:
+                data = None if remove and not new and st is not None else json_config_bytes(new)
+                changes.append((hooks_rel, path, st, data,
+                                "hooks " + ("removed" if remove else "registered") + ": " +
+                                ", ".join(e for e, _, _, _ in hook_entries(agent, cli))))
+    return changes, notes
+
+
+def block_problem(root, agent, prog):
+    """(problem or None, fix, the command the block uses or None) for the agent's instructions."""
+    block_rel = AGENT_FILES[agent][0]
+    path = os.path.join(root, block_rel)
+    try:
+        text = read_project_file(path).decode("utf-8")
+    except FileNotFoundError:
+        text = ""
+    except (OSError, UnicodeDecodeError) as e:
+        return f"{block_rel} cannot be read ({one_line(e)})", "fix it by hand", None
+    except FablizeError as e:
+        return f"{block_rel} cannot be read ({e.message})", "fix it by hand", None
+    begin = text.find(BLOCK_BEGIN)
+    if re.search(ORIGINAL_BLOCK, text):
+        return (f"{block_rel} holds the original fablize's block", f"`{prog} setup {agent}` migrates it",
+                None)
+    if begin < 0:
+        return f"{block_rel} has no fablize block", f"`{prog} setup {agent}` adds it", None
+    end = text.find(BLOCK_END, begin)
+    block = text[begin:end + len(BLOCK_END)] + "\n"
+    m = re.search(r"`(.+?) create --brief", block)
+    cli = m.group(1) if m else None
+    if cli is None or block != render_block(cli):
+        return f"{block_rel} holds an outdated fablize block", f"`{prog} setup {agent}` updates it", cli
+    if cli != portable_command(root):
+        return (f"{block_rel}'s block runs `{cli}`, not `{portable_command(root)}`",
+                f"`{prog} setup {agent}` updates it", cli)
+    return None, None, cli
+
+
+def command_runs(cli, root):
+    """(ok, what it said) for `CLI --version`, run by a shell in the repository."""
+    try:
+        code, out, err = engine.run_tool(f"{cli} --version", cwd=root, shell=True, timeout=30,
+                                         what="doctor")
+    except FablizeError as e:
+        return False, e.message
+    out = out.decode("utf-8", "replace").strip()
+    if code == 0 and out.startswith("fablize "):
+        return True, out
+    return False, f"exit {code}: " + one_line(engine.last_chars(err or out, 200))
+
+
+def interpreter_problem(cli):
+    """Why the program at the front of `cli` does not resolve here, or None."""
+    first = cli.split()[0].strip("\"'")
+    if first.startswith("$") or "/" in first:
+        return None
+    found = shutil.which(first)
+    if found is None:
+        return f"`{first}` is not on PATH"
+    if "WindowsApps" in found:
+        return f"`{first}` is the Windows Store alias ({found}), not a Python"
+    return None
+
+
+def hook_registrations(root, agent):
+    """{event: [where]} for every registration of our hooks that `agent` will run."""
+    events = [e for e, _, _, _ in hook_entries(agent, "fablize")]
+    where = {event: [] for event in events}
+    hooks_rel = AGENT_FILES[agent][1]
+    if hooks_rel is None:
+        return where
+    paths = [hooks_rel, {"claude": "~/.claude/settings.json", "gemini": "~/.gemini/settings.json"}
+             .get(agent, "~/" + hooks_rel)]
+    if agent == "claude":
+        paths.insert(1, ".claude/settings.local.json")
+    for rel in paths:
+        path = os.path.expanduser(rel) if rel.startswith("~") else os.path.join(root, rel)
+        config = read_json_config(path, quiet=True)
+        for event in events:
+            where[event] += [rel] * len(our_hooks(config, event))
+    if agent == "claude" and plugin_enabled(root):
+        for event in events:
+            where[event].append(f"the {PLUGIN_NAME} plugin")
+    return where
+
+
+def render_block(cli):
+    return BLOCK_TEMPLATE.format(cli=cli)
+
+
+def install_block(text, block, remove=False):
+    """`text` with exactly one fablize block (replaced in place, or appended), or without it.
+    Appending adds one newline before the block when the file does not end a line with a blank
+    one; removal takes that newline back, so remove(install(x)) == x."""
+    text, at = cut_original_block(text)
+    if at is not None and BLOCK_BEGIN not in text and not remove:
+        return text[:at] + block + text[at:]
+    begin = text.find(BLOCK_BEGIN)
+    if begin >= 0:
+        end = text.find(BLOCK_END, begin)
+        if end < 0 or text.find(BLOCK_BEGIN, begin + 1) >= 0:
+            raise refused("the file has a broken or repeated fablize block (begin/end markers do "
+                          "not pair) — fix it by hand.", "bad_block")
+        end += len(BLOCK_END)
+        if text[end:end + 1] == "\n":
+            end += 1
+        if not remove:
+            return text[:begin] + block + text[end:]
+        if end == len(text) and begin > 0 and text[begin - 1] == "\n":
+            begin -= 1
+        return text[:begin] + text[end:]
+    if remove:
+        return text
+    return text + ("\n" if text else "") + block
+
+
+def cmd_install_block(ctx, a):
+    target = os.path.abspath(a.file) if a.file is not None else \
+        os.path.join(ctx.store.root, "CLAUDE.md")
+    target, st = project_file(os.path.dirname(target), os.path.basename(target))
+    raw, text = project_text(target, st)
+    new = install_block(text, render_block(portable_command(ctx.store.root)), a.remove)
+    if new == text:
+        ctx.say(f"fablize: {target} already {'has no' if a.remove else 'has this'} fablize block; "
+                "nothing changed.")
+        ctx.data.update(path=target, changed=False)
+        return
+    directory = os.path.dirname(target)
+    created = a.remove and not new and block_created(target + ".fablize-backup")
+    backup = None
+    if st is not None:
+        backup = target + ".fablize-backup"
+        if os.path.islink(backup):
+            raise refused(f"{backup} is a symlink — refusing to write through it.", "symlink")
+        engine.write_atomic(backup, raw)
+    if created:  # install-block made this file: removing the block removes it, no 0-byte file
+        os.unlink(target)
+        engine.fsync_dir(directory)
+        ctx.say(f"fablize: removed {target}: the fablize block was all it held"
+                + (f" (previous file kept as {backup})" if backup else ""))
+        ctx.data.update(path=target, changed=True, backup=backup, deleted=True)
+        return
+    engine.write_atomic(target, new.encode("utf-8"), st.st_mode & 0o7777 if st else 0o644)
+    engine.fsync_dir(directory)
+    verb = "removed the fablize block from" if a.remove else "installed the fablize block in"
+    ctx.say(f"fablize: {verb} {target}" + (f" (previous file kept as {backup})" if backup else ""))
+    ctx.data.update(path=target, changed=True, backup=backup)
+
+
+def block_created(backup):
+    """Whether install-block created the file whose backup is `backup`: it never backed up an
+    earlier file, or the only one it kept held nothing but a fablize block."""
+    try:
+        prior = engine.read_state_file(backup)
+        if prior is None:
+            return True
+        text = prior.decode("utf-8")
+    except (FablizeError, OSError, UnicodeDecodeError):
+        return False
+    return bool(text.strip()) and BLOCK_BEGIN in text and not install_block(text, "", True).strip()
+
+
+def cmd_setup(ctx, a):
+    root = ctx.store.root
+    changes, notes = setup_plan(root, a.agent, a.remove)
+    done = []
+    for rel, path, st, data, what in changes:
+        put_project_file(path, st, data)
+        ctx.say(f"fablize: {rel}: {what}")
+        done.append(rel)
+    ignore = os.path.join(ctx.store.dir, ".gitignore")
+    if not a.remove:
+        if not ctx.store.exists():
+            os.makedirs(ctx.store.dir, exist_ok=True)
+        if engine.write_state_gitignore(ctx.store.dir):
+            ctx.say(f"fablize: {os.path.relpath(ignore, root)}: written — the lock, temporary and "
+                    "torn-line files stay out of git")
+            done.append(os.path.relpath(ignore, root))
+    elif engine.read_state_file(ignore) == engine.STATE_GITIGNORE.encode() and not ctx.store.has_plan_files():
+        os.unlink(ignore)
+        done.append(os.path.relpath(ignore, root))
+        ctx.say(f"fablize: {os.path.relpath(ignore, root)}: removed")
+        try:
+            os.rmdir(ctx.store.dir)
+        except OSError:
+            pass
+    for note in notes:
+        ctx.say(f"fablize: {note}")
+    missing = None if a.remove else command_missing(portable_command(root))
+    if missing:
+        ctx.out.warn(missing + ".")
+    if not done:
+        ctx.say(f"fablize: {a.agent} is already {'unwired' if a.remove else 'set up'} here; "
+                "nothing changed.")
+    elif not a.remove:
+        ctx.say(f"fablize: next — `{ctx.prog} doctor {a.agent}` checks the wiring; the agent's "
+                f"commands are `{portable_command(root)} …`")
+    ctx.data.update(agent=a.agent, files=done, notes=notes, cli=portable_command(root))
+
+
+def cmd_doctor(ctx, a):
+    root = ctx.store.root
+    agent = a.agent
+    findings = []
+
+    def finding(name, problem, fix, fine):
+        findings.append({"item": name, "ok": problem is None, "problem": problem, "fix": fix,
+                       "detail": fine if problem is None else None})
+
+    finding("engine", None, None, f"fablize {engine.__version__} on Python {sys.version.split()[0]}")
+    problem, fix, cli = block_problem(root, agent, ctx.prog)
+    finding("block", problem, fix, f"{AGENT_FILES[agent][0]} holds the current block")
+    if cli:
+        bad = interpreter_problem(cli)
+        ok, said = (False, bad) if bad else command_runs(cli, root)
+        if bad and cli == "fablize" and agent == "claude" and plugin_enabled(root):
+            ok, said = True, f"not on this PATH, but Claude Code puts the {PLUGIN_NAME} plugin's bin/ on its own"
+        finding("command", None if ok else f"the block's command `{cli}` does not run here ({said})",
+              command_missing(cli) or "install fablize (README: Add it to your project) or keep "
+              f"the script in the repository, then `{ctx.prog} setup {agent}`",
+              f"`{cli} --version` → {said}")
+    for event, where in hook_registrations(root, agent).items():
+        if not where:
+            finding(f"{event} hook", f"no fablize {event} hook is registered", f"`{ctx.prog} setup {agent}`", None)
+        elif len(where) > 1:
+            finding(f"{event} hook", f"the {event} hook is registered {len(where)} times "
+                  f"({', '.join(where)}): every event would be counted twice",
+                  f"keep one: remove fablize's {event} entry from {where[0]}", None)
+        else:
+            finding(f"{event} hook", None, None, f"registered once ({where[0]})")
+    hooks_rel = AGENT_FILES[agent][1]
+    if hooks_rel:
+        config = read_json_config(os.path.join(root, hooks_rel), quiet=True)
+        for event, _, _, _ in hook_entries(agent, "fablize"):
+            for f in our_hooks(config, event):
+                bad = interpreter_problem(f[3]["command"])
+                if bad:
+                    cli = f[3]["command"].split()[0]
+                    finding(f"{event} hook command", f"{bad} (in {hooks_rel})",
+                            command_missing(cli) or f"`{ctx.prog} setup {agent}`", None)
+    if ctx.store.exists():
+        try:
+            with ctx.store.session(exclusive=False) as s:
+                plan = s.load()
+            done = sum(1 for x in plan["goals"] if x["status"] in engine.DONE) if plan else 0
+            finding("state", None, None, "no plan yet" if plan is None else
+                  f"plan readable, {done}/{len(plan['goals'])} done")
+        except FablizeError as e:
+            finding("state", f"the plan cannot be read: {one_line(e.message)}",
+                  f"`{ctx.prog} audit` says what is wrong; `{ctx.prog} rebuild` regenerates "
+                  "goals.json from the ledger", None)
+        present = engine.read_state_file(os.path.join(ctx.store.dir, ".gitignore")) is not None
+        finding(".gitignore", None if present else f"{engine.STATE_DIRNAME}/.gitignore is missing: the lock "
+              "and temporary files would be committed", f"`{ctx.prog} setup {agent}`",
+              f"{engine.STATE_DIRNAME}/.gitignore keeps local files out of git")
+    for c in findings:
+        ctx.say(f"  ✓ {c['item']}: {c['detail']}" if c["ok"] else
+                f"  ✗ {c['item']}: {c['problem']} — fix: {c['fix']}")
+    ctx.data.update(agent=agent, findings=findings)
+    problems = [c for c in findings if not c["ok"]]
+    if problems:
+        raise refused(f"doctor: {len(problems)} problem{'s' if len(problems) > 1 else ''} — "
+                      f"{problems[0]['problem']}; fix: {problems[0]['fix']}", "doctor_problems")
+    ctx.say(f"fablize: doctor — {agent} is wired and the state is healthy.")
+
+
+def add_install_block(command):
+    c = command("install-block", cmd_install_block, "put the fablize block into CLAUDE.md",
+            "or into the file named (AGENTS.md, …); run again, it replaces the block in place; "
+            "--remove takes it out")
+    c.add_argument("file", nargs="?", help="the file (default: CLAUDE.md at the repository root)")
+    c.add_argument("--remove", action="store_true", help="take the block out again")
+
+
+def add_setup(command):
+    c = command("setup", cmd_setup, "wire this project for an agent",
+                "the block in its instructions file, its hooks, .fablize/.gitignore (running it "
+                "again changes nothing)")
+    c.add_argument("agent", nargs="?", choices=AGENTS, default="claude",
+                   help="claude (CLAUDE.md, .claude/settings.json), codex (AGENTS.md, "
+                        ".codex/hooks.json), gemini (GEMINI.md, .gemini/settings.json), cursor "
+                        "(AGENTS.md, .cursor/hooks.json) or agents-md (AGENTS.md only)")
+    c.add_argument("--remove", action="store_true", help="undo it: take out what setup added")
+
+
+def add_doctor(command):
+    c = command("doctor", cmd_doctor, "check the wiring and the state",
+                "the interpreter resolves, each hook is registered once, the block is current and "
+                "its command runs, the state is healthy")
+    c.add_argument("agent", nargs="?", choices=AGENTS, default="claude",
+                   help="the agent whose wiring to check (default: claude)")
+
+
+COMMANDS = {"install-block": add_install_block, "setup": add_setup, "doctor": add_doctor}
