@@ -175,7 +175,7 @@ def changed_check_files(root, ref, plan):
     top, full = branch_ref(root, ref, "--base")
     named = set()
     for story in plan["goals"]:
-        for cmd in story["checks"]:
+        for cmd in engine.touch(story)["checks"]:
             try:
                 words = shlex.split(cmd)
             except ValueError:
@@ -370,9 +370,7 @@ class Scan:
 def witnessed_gaps(plan):
     """The completed stories that do not rest on their own frozen checks run by the engine."""
     gaps = []
-    for s in plan["goals"]:
-        if s["status"] != "complete":
-            continue
+    for s in engine.stories_in(plan, "complete"):
         if not s["checks"]:
             how = "its pass was run ad hoc (--run)" if s["last_run"] and \
                 s["last_run"]["check"] is None else "it has no frozen checks: its pass is claimed"
@@ -391,6 +389,7 @@ def rerun(plan, which, root, timeout):
     # the final story first: a check another story added could otherwise write, before it
     # runs, what the gate tests (the tree CI checked out is the one they all run in)
     stories = plan["goals"][-1:] + (plan["goals"][:-1] if which == "all" else [])
+    stories = [engine.touch(story) for story in stories]
     results = []
     tmp = tempfile.mkdtemp(prefix="fablize-rerun-")
     try:
@@ -429,13 +428,12 @@ def review(store, plan, scan, pin, base):
     trust["decisions"] = scan.decisions
     last_decision = {ev["id"]: ev for ev in scan.decisions}
     trust["accepted"] = []
-    for s in plan["goals"]:
-        if s["status"] == "accepted":
-            sig = last_decision.get(s["id"], {}).get("signature")
-            trust["accepted"].append({"id": s["id"], "note": s["decision"]["note"],
-                                      "signer": sig.get("signer") if isinstance(sig, dict) else None})
+    for s in engine.stories_in(plan, "accepted"):
+        sig = last_decision.get(s["id"], {}).get("signature")
+        trust["accepted"].append({"id": s["id"], "note": s["decision"]["note"],
+                                  "signer": sig.get("signer") if isinstance(sig, dict) else None})
     trust["frozen_checks"] = [{"id": s["id"], "checks": s["checks"]} for s in plan["goals"]
-                              if s["checks"]]
+                              if s.get("checks")]
     trust["check_files_changed"] = changed_check_files(store.root, base["ref"], plan) \
         if base is not None else []
     trust["added_after_pin"] = [{"id": x["id"], "title": x["title"], "checks": x.get("checks", [])}
@@ -505,7 +503,7 @@ def gates(store, plan, trust, opts):
     if trust["new_plan"] and not opts["allow_new_plan"]:
         raise refused("audit: the plan was created after the pin (create --force or a new plan) — "
                       "review its frozen checks above; --allow-new-plan accepts it.", "new_plan")
-    final = plan["goals"][-1]
+    final = engine.touch(plan["goals"][-1])
     missing = [c for c in opts["require_check"] if c not in final["checks"]]
     if missing:
         raise refused(f"audit: the final story {final['id']} does not carry the required frozen "

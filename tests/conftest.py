@@ -126,6 +126,14 @@ def complete(fab, sid, final=False):
     return r
 
 
+def snapshot(state_dir):
+    """goals.json, its stories with every field (the snapshot holds only those that differ from
+    their defaults): what a test reads of a story."""
+    snap = json.loads((Path(state_dir) / "goals.json").read_text(encoding="utf-8"))
+    snap["goals"] = [goals.touch(story) for story in snap["goals"]]
+    return snap
+
+
 def ledger(state_dir):
     return [json.loads(line) for line in (Path(state_dir) / "ledger.jsonl").read_text().splitlines()]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPT, complete, goals, ledger, make_plan, state_files
+from conftest import SCRIPT, complete, goals, ledger, make_plan, snapshot, state_files
 
 # Helpers ####################################################################
 
@@ -88,8 +88,7 @@ def edit_snapshot(state_dir, mutate):
 
 
 def story(state_dir, sid):
-    snap = json.loads((Path(state_dir) / "goals.json").read_text())
-    return next(s for s in snap["goals"] if s["id"] == sid)
+    return next(s for s in snapshot(state_dir)["goals"] if s["id"] == sid)
 
 
 def audit_head(fab):

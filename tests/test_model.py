@@ -54,7 +54,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, rule,
                                  run_state_machine_as_test)
 
-from conftest import goals, state_files
+from conftest import goals, snapshot, state_files
 
 DEPTH = max(1, int(os.environ.get("FABLIZE_TEST_DEPTH", "1") or 1))
 SHRINK = os.environ.get("FABLIZE_TEST_SHRINK", "") not in ("", "0")
@@ -889,7 +889,7 @@ class GoalEngineMachine(RuleBasedStateMachine):
         self.check(run.obj["snapshot"] == "in sync", run.obj)
 
     def check_snapshot(self):
-        snap = json.loads((self.dir / "goals.json").read_text(encoding="utf-8"))
+        snap = snapshot(self.dir)
         got = [{"id": g["id"], "status": g["status"], "round": g["round"],
                 "round_base": g["round_base"], "agent": g["agent"], "executor": g["executor"],
                 "after": g["after"], "checks": g["checks"], "judge": g["judge"],

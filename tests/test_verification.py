@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPT, goals, ledger, make_plan, run_cli, state_files
+from conftest import SCRIPT, goals, ledger, make_plan, run_cli, snapshot, state_files
 
 # Bounds for "ends within its timeout (+ a few seconds)": generous, so a loaded machine does not
 # fail them, yet far below the time the hostile command would take if it were not stopped.
@@ -30,7 +30,7 @@ WAIT_LIMIT = 60.0
 
 
 def snap(fab):
-    return json.loads((fab.dir / "goals.json").read_text(encoding="utf-8"))
+    return snapshot(fab.dir)
 
 
 def story(fab, sid):

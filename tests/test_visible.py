@@ -5,7 +5,7 @@ import json
 import re
 
 import goals
-from conftest import assert_refused, complete, ledger, make_plan
+from conftest import assert_refused, complete, ledger, make_plan, snapshot
 
 
 def stories(fab):
@@ -90,11 +90,16 @@ def test_a_snapshot_written_before_grades_still_loads_and_audits(fab):
     assert fab("checkpoint", "--id", "G002", "--status", "complete", "--evidence", "ran",
                "--run", "--verify-cmd", "true").code == 0
     path = fab.dir / "goals.json"
-    plan = json.loads(path.read_text())
+    plan = snapshot(fab.dir)
     for story in plan["goals"]:
         del story["grade"]
     plan.pop("digest")
-    path.write_bytes(goals.snapshot_bytes(plan))  # as the engine wrote it before grades
+    plan["schema_version"] = 2  # every field of every story, and no grade: as fablize 3.0 wrote
+    body = (json.dumps({k: v for k, v in plan.items() if k != "goals"},
+                       separators=(",", ":"))[1:-1] + ',"goals":[\n'
+            + ",\n".join(json.dumps(s, separators=(",", ":")) for s in plan["goals"])
+            + "\n]}\n").encode()
+    path.write_bytes(b'{"digest":"' + goals.sha256_hex(body).encode() + b'",' + body)
     assert fab("audit").code == 0
     assert {sid: s["grade"] for sid, s in stories(fab).items()} == \
         {"G001": "claimed", "G002": "witnessed", "G003": None}
