@@ -387,14 +387,17 @@ def command_runs(cli, root):
     return False, f"exit {code}: " + one_line(engine.last_chars(err or out, 200))
 
 
-def interpreter_problem(cli):
+def interpreter_problem(cli, root):
     """Why the program at the front of `cli` does not resolve here, or None."""
-    first = cli.split()[0].strip("\"'")
-    if first.startswith("$") or "/" in first:
+    try:
+        programs = engine.command_programs(cli, root)
+    except ValueError as e:
+        return f"`{one_line(cli)}` does not parse ({e})"
+    if not programs:
         return None
-    found = shutil.which(first)
+    first, found = programs[0]
     if found is None:
-        return f"`{first}` is not on PATH"
+        return f"`{first}` is not on PATH" if "/" not in first else f"`{first}` does not exist"
     if "WindowsApps" in found:
         return f"`{first}` is the Windows Store alias ({found}), not a Python"
     return None
@@ -549,7 +552,7 @@ def cmd_doctor(ctx, a):
     problem, fix, cli = block_problem(root, agent, ctx.prog)
     finding("block", problem, fix, f"{AGENT_FILES[agent][0]} holds the current block")
     if cli:
-        bad = interpreter_problem(cli)
+        bad = interpreter_problem(cli, root)
         ok, said = (False, bad) if bad else command_runs(cli, root)
         if bad and cli == "fablize" and agent == "claude" and plugin_enabled(root):
             ok, said = True, f"not on this PATH, but Claude Code puts the {PLUGIN_NAME} plugin's bin/ on its own"
@@ -571,7 +574,7 @@ def cmd_doctor(ctx, a):
         config = read_json_config(os.path.join(root, hooks_rel), quiet=True)
         for event, _, _, _ in hook_entries(agent, "fablize"):
             for f in our_hooks(config, event):
-                bad = interpreter_problem(f[3]["command"])
+                bad = interpreter_problem(f[3]["command"], root)
                 if bad:
                     cli = f[3]["command"].split()[0]
                     finding(f"{event} hook command", f"{bad} (in {hooks_rel})",

@@ -481,10 +481,7 @@ def _compile(spec):
                     rest = tuple(x for x in sub_c[1] if x != ("t", frozenset((_N,))))
                     sub_c = rest[0] if len(rest) == 1 else ("a", rest)
                 nested.append((key, sub_c, none_ok))
-        # the shapes seen to fit (keys and plain fields), and those seen to fit whole with
-        # every nested field empty
-        c = ("d", frozenset(required), frozenset(allowed), tuple(plain), tuple(nested), set(),
-             tuple(k for k, _, _ in nested), set())
+        c = ("d", frozenset(required), frozenset(allowed), tuple(plain), tuple(nested))
     _COMPILED[id(spec)] = (c, spec)  # the spec is kept alive so its id is never reused
     return c
 
@@ -507,23 +504,14 @@ def _misfit(value, c):
             return ""
         # the keys in their order and the types of their values: a long list of dicts of one
         # shape (a plan's stories) checks the keys and the plain fields once per shape
-        shape = (tuple(value), tuple(map(type, value.values())))
         get = value.get
-        if shape not in c[5]:
-            keys = value.keys()
-            if not (keys >= c[1] and keys <= c[2]):
-                odd = sorted(c[1] - keys) or sorted(k for k in keys if k not in c[2])
-                return "." + one_line(str(odd[0]))[:60]
-            for key, types in c[3]:
-                if type(get(key)) not in types:
-                    return "." + key
-            if len(c[5]) < 64:
-                c[5].add(shape)
-        # nested fields all empty ([], None, {}, 0, ""): they fit as the last ones of that shape
-        # did, since a falsy value of a type is one value as far as a spec can tell
-        empty = None if any(map(get, c[6])) else shape
-        if empty in c[7]:
-            return None
+        keys = value.keys()
+        if not (keys >= c[1] and keys <= c[2]):
+            odd = sorted(c[1] - keys) or sorted(k for k in keys if k not in c[2])
+            return "." + one_line(str(odd[0]))[:60]
+        for key, types in c[3]:
+            if type(get(key)) not in types:
+                return "." + key
         for key, sub, none_ok in c[4]:
             item = get(key)
             if (item is None and none_ok) or (item == [] and sub[0] == "l"):
@@ -531,8 +519,6 @@ def _misfit(value, c):
             found = _misfit(item, sub)
             if found is not None:
                 return f".{key}{found}"
-        if empty is not None and len(c[7]) < 64:
-            c[7].add(empty)
         return None
     if kind == "l":
         if type(value) is not list:
@@ -953,6 +939,15 @@ def _ev_plan_created(plan, ev):
     }
 
 
+def _log_plan_created(ev, sid):
+    text = f"plan created — {count_stories(ev['count'])}: {defused_line(ev['brief'])}"
+    if ev.get("replaces"):
+        text += f" (replaces {one_line(ev['replaces']['plan_id'])}, archived)"
+    if ev.get("imported_from"):
+        text += " (imported from the original goals.py)"
+    return text
+
+
 def _ev_story_started(plan, ev):
     story = find_story(plan, ev["id"])
     agent = ev["agent"]
@@ -976,6 +971,11 @@ def _ev_story_started(plan, ev):
     story.update(status="in_progress", round=story["round"] + 1, agent=agent,
                  started_seq=ev["seq"], started_ts=ev["ts"], runs=[])
     return plan
+
+
+def _log_story_started(ev, sid):
+    return f"{sid} started, round {ev['round']}" + (f", agent {one_line(ev['agent'])}"
+                                                    if ev["agent"] else "")
 
 
 def verification_gap(plan, story, ev):
@@ -1075,6 +1075,20 @@ def _ev_checkpoint(plan, ev):
     else:
         story.update(status="blocked", agent=None, blocked_reason=ev["evidence"], grade=None)
     return plan
+
+
+def _log_checkpoint(ev, sid):
+    text = (f"{sid} checkpoint {one_line(ev['status'])} — evidence: "
+            f"{one_line(last_chars(ev['evidence'], 200))}")
+    if ev["verify_cmd"]:
+        text += f" · verify-cmd: {one_line(ev['verify_cmd'])}"
+    if ev["verify_evidence"]:
+        text += f" · verify-evidence: {one_line(last_chars(ev['verify_evidence'], 120))}"
+    if ev["status"] == "complete":
+        text += " · grade: " + ("witnessed" if ev.get("run") or ev.get("runs") else "claimed")
+    return text
+
+
 _INF = float("inf")
 
 
@@ -1087,34 +1101,25 @@ def _ev_verify_run(plan, ev):
                      "frozen check")
     if ev["log"] != f"{RUNS}/{ev['seq']}-{story['id']}.log":
         raise forged(f"run log `{one_line(ev['log'])[:80]}` is not runs/<seq>-<story>.log")
-    if not regex(r"[0-9a-f]{64}\Z").match(ev["sha256"]) or ev["bytes"] < 0 or not 0 <= ev["duration_s"] < _INF \
-            or not 0 <= ev["after_seq"] < ev["seq"] or len(ev["tail"]) > TAIL_CHARS:
+    if not regex(r"[0-9a-f]{64}\Z").match(ev["sha256"]) or ev["bytes"] < 0 or not (
+            0 <= ev["duration_s"] < _INF and 0 <= ev["after_seq"] < ev["seq"]) or \
+            len(ev["tail"]) > TAIL_CHARS:
         raise forged("a run's digest, size, duration, tail or position is out of range")
-    record = {"seq": ev["seq"], "check": check, "cmd": ev["cmd"], "exit_code": ev["exit_code"],
-              "signal": ev["signal"], "timed_out": ev["timed_out"], "error": ev["error"],
-              "duration_s": ev["duration_s"], "bytes": ev["bytes"], "sha256": ev["sha256"],
-              "tail": ev["tail"], "log": ev["log"]}  # RUN_FIELDS: a display costs half a loop
-    interrupted = ev.get("interrupted")
-    if interrupted:  # only then: replayed old runs stay as their snapshots hold them
-        record["interrupted"] = interrupted
-    record["ok"] = record["exit_code"] == 0 and not record["timed_out"] and not record["error"] \
-        and not interrupted  # run_passed(record), inline: a long replay is mostly this
+    record = {key: ev[key] for key in RUN_FIELDS}
+    if ev.get("interrupted"):  # only then: replayed old runs stay as their snapshots hold them
+        record["interrupted"] = ev["interrupted"]
+    record["ok"] = run_passed(record)
     story["last_run"] = record
-    # fresh evidence only: a run counts for the round in which it started; per check, the
-    # latest run replaces the one before, so the snapshot never holds history
+    # fresh evidence only: a run counts for the round in which it started; per check (or --run
+    # command) only the latest run is kept, last, so the snapshot never holds history
     if story["status"] == "in_progress" and ev["after_seq"] >= story["started_seq"]:
-        runs = story["runs"]
-        key = ev["cmd"] if check is None else check  # run_key(record), inline: the hot path
-        last = runs[-1] if runs else None
-        if last is not None and (last["cmd"] if last["check"] is None else last["check"]) == key:
-            runs[-1] = record  # the common case: the same check run again
-        else:
-            for i, run in enumerate(runs):
-                if run_key(run) == key:
-                    del runs[i]
-                    break
-            runs.append(record)
+        key = run_key(record)
+        story["runs"] = [run for run in story["runs"] if run_key(run) != key] + [record]
     return plan
+
+
+def _log_verify_run(ev, sid):
+    return f"{sid} run {run_summary(ev)} · log {one_line(ev['log'])} · in {one_line(ev['cwd'])}"
 
 
 def _ev_decision(plan, ev):
@@ -1140,6 +1145,12 @@ def _ev_decision(plan, ev):
     return plan
 
 
+def _log_decision(ev, sid):
+    signed = ev.get("signature")
+    return (f"{sid} decision: {one_line(ev['decision'])} — {one_line(ev['note'])}"
+            + (f" (signed by {one_line(signed['signer'])})" if signed else ""))
+
+
 def _ev_story_added(plan, ev):
     spec = ev["story"]
     final = touch(plan["goals"][-1])
@@ -1159,6 +1170,10 @@ def _ev_story_added(plan, ev):
     final["after"].append(story["id"])
     plan["unverifiable"].extend(ev["unverifiable"])
     return plan
+
+
+def _log_story_added(ev, sid):
+    return f"{one_line(ev['story']['id'])} added: {defused_line(ev['story']['title'])}"
 
 
 def _ev_verdict(plan, ev):
@@ -1189,6 +1204,11 @@ def _ev_verdict(plan, ev):
     return plan
 
 
+def _log_verdict(ev, sid):
+    return (f"{sid} verdict {one_line(ev['verdict'])} by {one_line(ev['agent'])} — "
+            f"{one_line(last_chars(ev['evidence'], 200))}")
+
+
 def _ev_judge_packet(plan, ev):
     story = find_story(plan, ev["id"])
     if story["status"] != "review":
@@ -1200,12 +1220,21 @@ def _ev_judge_packet(plan, ev):
     return plan
 
 
+def _log_judge_packet(ev, sid):
+    return (f"{sid} judge packet: working tree recorded ({one_line(ev['files'])} files, "
+            f"sha256 {one_line(ev['tree'][:16])}…)")
+
+
 def _ev_guard_block(plan, ev):
     # a fresh stop (not one caused by the previous block) starts the count again
     plan["guard"]["blocks"] = 1 if ev["fresh"] else plan["guard"]["blocks"] + 1
     if ev.get("hook") or "hook" in plan["guard"]:  # which stop it was: a second guard skips it
         plan["guard"].update(hook=ev.get("hook"), hook_ts=ev["ts"])
     return plan
+
+
+def _log_guard_block(ev, sid):
+    return f"stop blocked by the guard: {one_line(ev['reason'])}"
 
 
 def _ev_paused(plan, ev):
@@ -1217,11 +1246,19 @@ def _ev_paused(plan, ev):
     return plan
 
 
+def _log_paused(ev, sid):
+    return "guard paused" + (f": {one_line(ev['note'])}" if ev["note"] else "")
+
+
 def _ev_unpaused(plan, ev):
     if not plan["guard"].get("paused"):
         raise refused("the guard is not paused.", "not_paused")
     plan["guard"]["paused"] = None
     return plan
+
+
+def _log_unpaused(ev, sid):
+    return "guard on again"
 
 
 def _ev_observed_run(plan, ev):
@@ -1235,6 +1272,11 @@ def _ev_observed_run(plan, ev):
                  "detail": ev["detail"]})
     story["observed"] = seen[-OBSERVED_KEEP:]
     return plan
+
+
+def _log_observed_run(ev, sid):
+    return (f"{sid} observed `{one_line(last_chars(ev['cmd'], 200))}` → {observed_result(ev)} "
+            f"(reported by {one_line(ev['tool'])})")
 
 
 def _ev_story_released(plan, ev):
@@ -1251,6 +1293,11 @@ def _ev_story_released(plan, ev):
                  feedback={"source": "release", "round": story["round"], "text": ev["note"],
                            "runs": []})
     return plan
+
+
+def _log_story_released(ev, sid):
+    return (f"{sid} released from agent {one_line(ev['agent'] or 'unnamed')} — "
+            f"{one_line(last_chars(ev['note'], 200))}")
 
 
 def _ev_plan_merged(plan, ev):
@@ -1272,6 +1319,10 @@ def _ev_plan_merged(plan, ev):
     return plan
 
 
+def _log_plan_merged(ev, sid):
+    return f"plan {one_line(ev['plan_id'])} merged in ({ev['events']} events, head {ev['head'][:16]}…)"
+
+
 # Every event: its transition and exactly the fields fablize writes for it (seq, ts, event and
 # prev on every line). Replay checks each line against this table, so a re-chained line carrying
 # anything the engine would not have written is damage, named by its line.
@@ -1281,34 +1332,34 @@ EVENTS = {
     "plan_created": (_ev_plan_created, {
         "brief": str, "count": int, "plan_id": str, "stories": [STORY_EVENT_SPEC],
         "options": {"rounds": int, "require_run": bool}, "unverifiable?": UNVERIFIABLE_SPEC,
-        "replaces": (REPLACES_SPEC, _N), "imported_from?": {"tool": str}}),
-    "story_started": (_ev_story_started, {"id": str, "title": str, "round": int, "agent": TEXT}),
+        "replaces": (REPLACES_SPEC, _N), "imported_from?": {"tool": str}}, _log_plan_created),
+    "story_started": (_ev_story_started, {"id": str, "title": str, "round": int, "agent": TEXT}, _log_story_started),
     "checkpoint": (_ev_checkpoint, {
         "id": str, "status": str, "evidence": TEXT, "verify_cmd": TEXT,
-        "verify_evidence": TEXT, "agent?": TEXT, "run?": bool, "runs?": [int]}),
+        "verify_evidence": TEXT, "agent?": TEXT, "run?": bool, "runs?": [int]}, _log_checkpoint),
     "verify_run": (_ev_verify_run, {
         "id": str, "check": (int, _N), "cmd": str, "cwd": str, "exit_code": (int, _N),
         "signal": TEXT, "timed_out": bool, "error": TEXT, "duration_s": (int, float),
         "bytes": int, "sha256": str, "tail": str, "log": str, "after_seq": int, "started": str,
         "git_head": TEXT, "git_dirty": (bool, _N), "interrupted?": str,
-        "provenance?": (PROVENANCE_SPEC, _N)}),
+        "provenance?": (PROVENANCE_SPEC, _N)}, _log_verify_run),
     "decision": (_ev_decision, {"id": str, "decision": str, "note": str,
-                                "signature?": ({"signer": str, "sig": str}, _N)}),
-    "story_added": (_ev_story_added, {"story": STORY_EVENT_SPEC, "unverifiable": UNVERIFIABLE_SPEC}),
+                                "signature?": ({"signer": str, "sig": str}, _N)}, _log_decision),
+    "story_added": (_ev_story_added, {"story": STORY_EVENT_SPEC, "unverifiable": UNVERIFIABLE_SPEC}, _log_story_added),
     "verdict": (_ev_verdict, {"id": str, "verdict": str, "evidence": str, "agent": str,
-                              "tree?": TEXT, "packet_seq?": (int, _N)}),
-    "guard_block": (_ev_guard_block, {"reason": str, "fresh": bool, "hook?": TEXT}),
-    "judge_packet": (lambda plan, ev: _ev_judge_packet(plan, ev),  # with the trust code
-                     {"id": str, "tree": str, "files": (int, _N)}),
-    "paused": (_ev_paused, {"note": TEXT}),
-    "unpaused": (_ev_unpaused, {}),
+                              "tree?": TEXT, "packet_seq?": (int, _N)}, _log_verdict),
+    "guard_block": (_ev_guard_block, {"reason": str, "fresh": bool, "hook?": TEXT}, _log_guard_block),
+    "judge_packet": (_ev_judge_packet, {"id": str, "tree": str, "files": (int, _N)},
+                     _log_judge_packet),
+    "paused": (_ev_paused, {"note": TEXT}, _log_paused),
+    "unpaused": (_ev_unpaused, {}, _log_unpaused),
     "observed_run": (_ev_observed_run, {"id": str, "cmd": str, "exit_code": (int, _N),
-                                        "ok": (bool, _N), "tool": TEXT, "detail": TEXT}),
-    "story_released": (_ev_story_released, {"id": str, "note": str, "agent": TEXT}),
+                                        "ok": (bool, _N), "tool": TEXT, "detail": TEXT}, _log_observed_run),
+    "story_released": (_ev_story_released, {"id": str, "note": str, "agent": TEXT}, _log_story_released),
     "plan_merged": (_ev_plan_merged, {"plan_id": str, "events": int, "head": str,
-                                      "lines": [str]}),
+                                      "lines": [str]}, _log_plan_merged),
 }
-EVENT_SPECS = {kind: dict(_EVENT_BASE, **fields) for kind, (_, fields) in EVENTS.items()}
+EVENT_SPECS = {kind: dict(_EVENT_BASE, **fields) for kind, (_, fields, _) in EVENTS.items()}
 _FITTED = set()
 
 
@@ -1360,58 +1411,12 @@ def _dict_shape(value):
         return None
     inner = tuple(_dict_shape(v) for v in value.values() if type(v) is dict)
     return None if None in inner else (tuple(value), types, inner)
-WIRING_EVENTS = {  # how `log` shows them
-    "paused": lambda ev: "guard paused" + (f": {one_line(ev['note'])}" if ev.get("note") else ""),
-    "unpaused": lambda ev: "guard on again",
-    "observed_run": lambda ev: (f"{ev.get('id')} observed `{one_line(last_chars(ev.get('cmd'), 200))}` → "
-                                f"{observed_result(ev)} (reported by {one_line(ev.get('tool'))})"),
-}
-
-
 def format_event(ev):
-    """One event of the ledger as a line of history."""
-    kind, sid = ev.get("event"), one_line(ev.get("id", ""))
-    when = time_label(ev.get("ts"))
-    if kind == "plan_created":
-        count = ev.get("count")
-        text = f"plan created — {count_stories(count) if type(count) is int else one_line(count)}: " \
-               f"{defused_line(ev.get('brief'))}"
-        if ev.get("replaces"):
-            text += f" (replaces {one_line(ev['replaces'].get('plan_id'))}, archived)"
-        if ev.get("imported_from"):
-            text += " (imported from the original goals.py)"
-    elif kind == "story_started":
-        text = f"{sid} started, round {one_line(ev.get('round'))}" + (f", agent {one_line(ev['agent'])}"
-                                                           if ev.get("agent") else "")
-    elif kind == "checkpoint":
-        text = f"{sid} checkpoint {one_line(ev.get('status'))} — evidence: {one_line(last_chars(ev.get('evidence'), 200))}"
-        if ev.get("verify_cmd"):
-            text += f" · verify-cmd: {one_line(ev['verify_cmd'])}"
-        if ev.get("verify_evidence"):
-            text += f" · verify-evidence: {one_line(last_chars(ev['verify_evidence'], 120))}"
-        if ev.get("status") == "complete":
-            text += " · grade: " + ("witnessed" if ev.get("run") or ev.get("runs") else "claimed")
-    elif kind == "verify_run":
-        text = f"{sid} run {run_summary(ev)} · log {one_line(ev.get('log'))}" + \
-            (f" · in {one_line(ev['cwd'])}" if isinstance(ev.get("cwd"), str) else "")
-    elif kind == "decision":
-        text = f"{sid} decision: {one_line(ev.get('decision'))} — {one_line(ev.get('note'))}"
-    elif kind == "story_added":
-        story = ev.get("story", {})
-        text = f"{one_line(story.get('id'))} added: {defused_line(story.get('title'))}"
-    elif kind == "verdict":
-        text = (f"{sid} verdict {one_line(ev.get('verdict'))} by {one_line(ev.get('agent'))} — "
-                f"{one_line(last_chars(ev.get('evidence'), 200))}")
-    elif kind == "guard_block":
-        text = f"stop blocked by the guard: {one_line(ev.get('reason', ''))}"
-    elif kind == "judge_packet":
-        text = f"{sid} judge packet: working tree recorded ({one_line(ev.get('files'))} files, " \
-               f"sha256 {one_line(str(ev.get('tree'))[:16])}…)"
-    elif kind in WIRING_EVENTS:
-        text = WIRING_EVENTS[kind](ev)
-    else:
-        text = one_line(kind)
-    return f"#{one_line(ev.get('seq'))}  {one_line(when)}  {text}"
+    """One event of the ledger as a line of history (`log`): its number, its time and what its
+    kind's renderer says of it (EVENTS, beside each transition). Only events a replay accepted
+    are shown, so each has the fields its kind names."""
+    text = EVENTS[ev["event"]][2](ev, one_line(ev.get("id", "")))
+    return f"#{ev['seq']}  {time_label(ev['ts'])}  {text}"
 
 
 def is_original_snapshot(snap):
@@ -2241,7 +2246,7 @@ class Reading:
     def require_plan(self):
         plan = self.load()
         if plan is None:
-            raise refused("no plan — run `create` first.", "no_plan")
+            raise no_plan()
         return plan
 
     def load(self):
@@ -2668,28 +2673,13 @@ MAX_ENV_VALUE = 1000
 
 
 def command_program(cmd, root):
-    """The program a shell command line starts first, resolved as the shell would (PATH, or a
-    path relative to `root`), or None for a builtin, a variable or an unparsable line."""
-    import shlex
-    import shutil
+    """The program a shell command line starts first, or None (a builtin, a variable, a line
+    that does not parse, a program that is nowhere)."""
     try:
-        lexer = shlex.shlex(cmd, posix=True, punctuation_chars=True)
-        lexer.whitespace_split = True
-        tokens = list(lexer)
+        programs = command_programs(cmd, root)
     except ValueError:
         return None
-    for token in tokens:
-        if not token or all(c in "();<>|&" for c in token) or token in _PREFIX_WORDS or \
-                re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", token, re.S):
-            continue
-        if token in _SHELL_BUILTINS or "$" in token or "`" in token:
-            return None
-        if "/" in token:
-            path = token if os.path.isabs(token) else os.path.join(root, token)
-            return os.path.abspath(path) if os.path.isfile(path) else None
-        found = shutil.which(token)
-        return os.path.abspath(found) if found else None
-    return None
+    return programs[0][1] or None if programs else None
 
 
 def file_sha256(path):
@@ -2733,36 +2723,46 @@ _PREFIX_WORDS = frozenset("! { if then elif else while until do exec time comman
                           "nohup env".split())
 
 
-def unverifiable_reason(cmd, root):
-    """Why `cmd` cannot run here (a program not found), or None if it looks runnable."""
+def command_programs(cmd, root):
+    """[(word, its path)] for each program a shell command line starts (the first word, and the
+    first after each `;`, `&&`, `|`, …, past `VAR=value`, `exec`, `time`, `if`, …), found as the
+    shell would find it (PATH, or a path relative to `root`): None when it is nowhere, "" for a
+    builtin or a program named by a variable (nothing to look up). The one program finder: a
+    check that cannot run, a run's provenance and doctor's interpreter all read it. Raises
+    ValueError for a line the shell could not parse either."""
     import shlex
     import shutil
+    lexer = shlex.shlex(cmd, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    found, expect = [], True
+    for token in lexer:
+        if token and all(c in "();<>|&" for c in token):
+            expect = token in (";", "&&", "||", "|", "&", "(", "((")
+            continue
+        if not expect or token in _PREFIX_WORDS or re.fullmatch(r"[A-Za-z_]\w*=.*", token,
+                                                                  re.S | re.A):
+            continue
+        expect = False
+        if token in _SHELL_BUILTINS or "$" in token or "`" in token:
+            found.append((token, ""))
+        elif "/" in token:
+            path = os.path.abspath(token if os.path.isabs(token) else os.path.join(root, token))
+            found.append((token, path if os.path.exists(path) else None))
+        else:
+            where = shutil.which(token)
+            found.append((token, os.path.abspath(where) if where else None))
+    return found
+
+
+def unverifiable_reason(cmd, root):
+    """Why `cmd` cannot run here (a program not found), or None if it looks runnable."""
     try:
-        lexer = shlex.shlex(cmd, posix=True, punctuation_chars=True)
-        lexer.whitespace_split = True
-        tokens = list(lexer)
+        programs = command_programs(cmd, root)
     except ValueError as e:
         return f"cannot parse the command ({e})"
-    expect_program = True
-    for token in tokens:
-        if token and all(c in "();<>|&" for c in token):
-            expect_program = token in (";", "&&", "||", "|", "&", "(", "((")
-            continue
-        if not expect_program:
-            continue
-        if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", token, re.S):
-            continue  # VAR=value before the program
-        if token in _PREFIX_WORDS:
-            continue  # `exec X`, `! X`, `if X`, `{ X; }`, `time X`: X is the program
-        expect_program = False
-        if token in _SHELL_BUILTINS or "$" in token or "`" in token:
-            continue  # a builtin, or a program named by a variable: nothing to look up
-        if "/" in token:
-            path = token if os.path.isabs(token) else os.path.join(root, token)
-            if not os.path.exists(path):
-                return f"{token} does not exist"
-        elif shutil.which(token) is None:
-            return f"{token} is not on PATH"
+    for word, path in programs:
+        if path is None:
+            return f"{word} does not exist" if "/" in word else f"{word} is not on PATH"
     return None
 
 
@@ -2965,6 +2965,17 @@ def quote_output(text, at_start):
     if text.endswith("\n"):
         return quoted[:-len(OUTPUT_BAR)], True
     return quoted, False
+
+
+def verification_runs(story, verify_cmd, run):
+    """What verifying `story` runs — [(frozen check index, or None for --verify-cmd, command)] —
+    and what to say of a --verify-cmd that does not run: a story's frozen checks run whenever it
+    has any, and only they count; without them, --verify-cmd runs when `run` asks for it."""
+    if story["checks"]:
+        note = None if blank(verify_cmd) or verify_cmd in story["checks"] else \
+            f"{story['id']} has frozen checks: they run instead of --verify-cmd `{one_line(verify_cmd)}`."
+        return list(enumerate(story["checks"])), note
+    return ([(None, verify_cmd)] if run and not blank(verify_cmd) else []), None
 
 
 def execute_runs(store, sid, commands, after_seq, timeout, out):
@@ -3451,7 +3462,7 @@ def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None,
     if plan is None:
         if snap is not None:
             raise position_error(snap_seq, 0)
-        raise refused("no plan — run `create` first.", "no_plan")
+        raise no_plan()
     plan["ledger"] = replay.position()
     report = {"event_count": replay.seq, "head": f"{replay.seq}:{replay.head}",
               "torn_tail_bytes": len(torn), "snapshot": "missing", "plan": plan,
@@ -4026,14 +4037,11 @@ def cmd_checkpoint(ctx, a):
         if a.status != "complete" and blank(a.evidence):
             raise reason_required(a.status)
         if a.status == "complete":
+            commands, note = verification_runs(story, a.verify_cmd, a.run)
+            if note:
+                ctx.out.warn(note)
             if story["checks"]:
-                commands = list(enumerate(story["checks"]))
-                if not blank(a.verify_cmd) and a.verify_cmd not in story["checks"]:
-                    ctx.out.warn(f"{a.id} has frozen checks: they run instead of --verify-cmd, "
-                                 "which is recorded as a claim only.")
-                ev.pop("run", None)
-            elif a.run:
-                commands = [(None, a.verify_cmd)]
+                ev.pop("run", None)  # the frozen checks are the run
         if not commands:
             s.commit("checkpoint", **ev)
             plan = s.plan
@@ -4130,15 +4138,10 @@ def cmd_status(ctx, a):
 def cmd_verify(ctx, a):
     with open_plan(ctx) as s:
         plan = s.require_plan()
-        story = find_story(plan, a.id)
-        if story["checks"]:
-            commands = list(enumerate(story["checks"]))
-            if not blank(a.verify_cmd) and a.verify_cmd not in story["checks"]:
-                ctx.out.warn(f"{a.id} has frozen checks: they run instead of --verify-cmd, which "
-                             "is ignored.")
-        elif not blank(a.verify_cmd):
-            commands = [(None, a.verify_cmd)]
-        else:
+        commands, note = verification_runs(find_story(plan, a.id), a.verify_cmd, True)
+        if note:
+            ctx.out.warn(note)
+        if not commands:
             raise refused(f"{a.id} has no frozen checks — give --verify-cmd to run a command.",
                           "no_checks")
         after_seq = plan["ledger"]["seq"]
@@ -4285,7 +4288,7 @@ def cmd_rebuild(ctx, a):
     with open_plan(ctx) as s:
         s.refuse_original()
         if s.ledger.open() is None:
-            raise refused("no plan — run `create` first.", "no_plan")
+            raise no_plan()
         old = loose_snapshot(s.store)
         position = old.get("ledger") if old else None
         # a last line the old snapshot reflects was acknowledged: damage, not a torn write
@@ -4295,7 +4298,7 @@ def cmd_rebuild(ctx, a):
         replay = replay_all(s.ledger, end)
         plan = replay.plan
         if plan is None:
-            raise refused("no plan — run `create` first.", "no_plan")
+            raise no_plan()
         plan["ledger"] = replay.position()
         target = s.store.path(SNAPSHOT)
         kept = None
@@ -4320,10 +4323,10 @@ def cmd_log(ctx, a):
     with open_plan(ctx, exclusive=False) as s:
         s.refuse_original()
         if s.ledger.open() is None:
-            raise refused("no plan — run `create` first.", "no_plan")
+            raise no_plan()
         replay = replay_all(s.ledger, s.good_end(None), pick)
     if replay.plan is None:
-        raise refused("no plan — run `create` first.", "no_plan")
+        raise no_plan()
     if a.id is not None:
         find_story(replay.plan, a.id)
     for ev in events:

@@ -782,7 +782,8 @@ class GoalEngineMachine(RuleBasedStateMachine):
                 self.check(r.obj["complete"] is self.model.plan_done(), r)
                 self.check(r.obj["story"]["status"] == self.model.find(sid).status, r)
             else:
-                self.check(f"fablize: {sid} → {self.model.find(sid).status}" in r.out, r)
+                # the id as the engine spells it (the command may give it as `g001`)
+                self.check(f"fablize: {sid.upper()} → {self.model.find(sid).status}" in r.out, r)
             self.check_done_line(r)
 
     def do_decide(self, pick, decision, note, as_json):
