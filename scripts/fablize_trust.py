@@ -8,22 +8,32 @@ requires (`--require-check`). Three grades name what a completion rests on: clai
 agent typed), witnessed (the engine ran it, in the agent's environment), re-witnessed (CI re-ran
 it).
 
+The pull request's tree is the agent's too: its tests, conftest.py, tool configuration and
+build files decide what a check says. So a plan declares its scope (`create --scope`), the paths
+its work may change, and the re-run builds a tree of its own, outside the checkout: the base
+commit's files, with only the branch's tracked files inside the scope taken over (never bytecode
+or other build artefacts). A check that already passes on the base alone proves nothing about
+the work (fail-to-pass, the way SWE-bench judges a patch against tests it cannot touch).
+
 Interface (for the engine's `audit` and `decide`):
   Scan(root, pin)                  what audit's one replay gathers (a callback per line)
-  pin_of(store, base, since)       (pin, what --base read)
-  review(store, plan, scan, pin, base)   the trust report (a dict; its `warnings` to show)
+  pin_of(store, base, since)       (pin, what --base read: its plan's scope too)
+  review(store, plan, scan, pin, base, opts)   the trust report (a dict; `warnings` to show)
   lines(trust)                     what audit says of it
-  gates(store, plan, trust, opts)  the trust gates, cheapest first: raises the first that says no
-  rerun(plan, which, root, timeout)      the frozen checks run again, recording nothing
+  gates(store, plan, trust, opts)  every trust gate that says no: [{code, message, fix}]
+  rerun(store, plan, trust, opts, timeout)     the frozen checks run again, recording nothing
+  summary(...)                     the Markdown a CI job summary shows
   check_signer(key, signer), sign(plan, sid, decision, note, key, signer),
   signed_fields(plan, signature, prev)
 Loaded by the engine (goals.room), never imported on its own.
 """
 
+import io
 import json
 import os
 import re
 import shutil
+import tarfile
 import tempfile
 
 # the engine that loaded this room (goals.room registers itself under this name first): one
@@ -34,6 +44,11 @@ from fablize_engine import (ARCHIVE, LEDGER, FablizeError, damaged, defused_line
 
 SIGN_NAMESPACE = "fablize"
 MAX_LISTED = 10             # unclean runs named one a line in audit's text
+# never taken from the branch into the re-run's tree, whatever the scope: bytecode, compiled
+# objects, and installed-package metadata (a *.dist-info entry point loads a pytest plugin)
+ARTEFACT = (r"(^|/)(__pycache__|[^/]+\.(egg-info|dist-info))(/|$)"
+            r"|\.(pyc|pyo|pyd|so|dylib|dll|o|a|class|jar|whl|egg|pth)$")
+LITERAL = {"GIT_LITERAL_PATHSPECS": "1"}  # a file named `:!tests` is a file, not a pathspec
 
 
 def parse_pin(text):
@@ -167,54 +182,65 @@ def branch_ref(root, ref, what):
     return top, full
 
 
-def changed_check_files(root, ref, plan):
-    """The files and folders the plan's frozen checks name (words of their commands that are
-    paths in the tree) which differ between the base branch and the working tree: a frozen
-    `python3 check.py` proves nothing if the branch rewrote check.py."""
+def check_paths(plan, root, top):
+    """The files and folders the plan's frozen checks name: words of their commands that are
+    paths in the tree, a pytest node id (tests/test_x.py::test_y) by its file, relative to the
+    repository top and as written (a symlink put in its place is a change git sees)."""
     import shlex
-    top, full = branch_ref(root, ref, "--base")
     named = set()
     for story in plan["goals"]:
-        for cmd in engine.touch(story)["checks"]:
+        for cmd in story.get("checks", ()):
             try:
                 words = shlex.split(cmd)
             except ValueError:
                 continue
             for word in words:
-                if not word.startswith("-") and "\x00" not in word and \
+                word = word.split("::", 1)[0]
+                if word and not word.startswith("-") and "\x00" not in word and \
                         os.path.lexists(os.path.join(root, word)):
-                    # the path as written (a symlink put in its place is a change git sees)
                     rel = os.path.relpath(os.path.normpath(os.path.join(os.path.abspath(root),
                                                                         word)), top)
                     if not rel.startswith(".."):
                         named.add(rel.replace(os.sep, "/"))
+    return sorted(named)
+
+
+def changed_check_files(root, ref, plan):
+    """The files and folders the plan's frozen checks name which differ between the base branch
+    and the working tree: a frozen `python3 check.py` proves nothing if the branch rewrote
+    check.py."""
+    top, full = branch_ref(root, ref, "--base")
+    named = check_paths(plan, root, top)
     if not named:
         return []
-    code, out, _ = engine.git(top, "diff", "--name-only", "-z", full, "--", *sorted(named),
-                              what="--base")
+    code, out, _ = engine.git(top, "diff", "--name-only", "-z", full, "--", *named,
+                              what="--base", env=LITERAL)
     changed = {x.decode("utf-8", "replace") for x in out.split(b"\0") if x} if code == 0 else set()
     code, out, _ = engine.git(top, "ls-files", "-z", "--others", "--exclude-standard", "--",
-                              *sorted(named), what="--base")
+                              *named, what="--base", env=LITERAL)
     if code == 0:
         changed |= {x.decode("utf-8", "replace") for x in out.split(b"\0") if x}
     return sorted(changed)
 
 
 def base_pin(store, ref):
-    """(pin "SEQ:HASH" or None, what was read) from the ledger committed at `ref`."""
+    """(pin "SEQ:HASH" or None, what was read) from the ledger committed at `ref`: where it is,
+    whether there is a plan, and that plan's scope (its plan_created's)."""
     top = engine.repo_root(store.root)
     rel = os.path.relpath(os.path.realpath(store.dir), top or "/").replace(os.sep, "/")
+    info = {"ref": ref, "path": f"{rel}/{LEDGER}", "plan": False, "scope": []}
     data = git_show(store.root, ref, f"{rel}/{LEDGER}", "--base")
-    if not data:
-        return None, {"ref": ref, "path": f"{rel}/{LEDGER}", "plan": False}
-    committed = engine.MemoryLedger(data)
+    committed = engine.MemoryLedger(data or b"")
     end = committed.end()[0]
     last = committed.last(end) if end else None
     if not last:
-        return None, {"ref": ref, "path": f"{rel}/{LEDGER}", "plan": False}
+        return None, info
+    first = parse_event(data[:data.find(b"\n")])
+    scope = first.get("scope") if first and first.get("event") == "plan_created" else None
+    info.update(plan=True, scope=scope if isinstance(scope, list) else [])
     # the pin is the committed head: its seq is its line number, counted without a parse
     seq = data.count(b"\n", 0, end)
-    return f"{seq}:{sha256_hex(last)}", {"ref": ref, "path": f"{rel}/{LEDGER}", "plan": True}
+    return f"{seq}:{sha256_hex(last)}", info
 
 
 def pin_of(store, base, since):
@@ -324,7 +350,7 @@ class Scan:
         self.decisions = []  # every one: an unsigned decision before a signed one counts too
         self.added = []
         self.first_env = None
-        self.unclean, self.flagged, self.unrecorded = 0, [], 0
+        self.unclean, self.flagged, self.unrecorded, self.dirty = 0, [], 0, []
 
     def __call__(self, lineno, head, ev):
         after_pin = self.pin is not None and self.pin.where == "found"
@@ -341,8 +367,9 @@ class Scan:
             self.run(lineno, ev)
 
     def run(self, lineno, ev):
-        """Why a witnessed run is not clean: outside the repository root, on a dirty tree, or
-        under an environment different from the plan's first run."""
+        """Why a witnessed run is not clean: outside the repository root, or under an environment
+        different from the plan's first run. A run made on a dirty tree is kept apart: review
+        flags it only if that exact tree was never committed."""
         prov = ev.get("provenance")
         why = []
         if not isinstance(prov, dict):
@@ -358,13 +385,16 @@ class Scan:
                                if env.get(k) != self.first_env.get(k))
                 why.append("environment differs from the plan's first run (" +
                            ", ".join(one_line(n) for n in names) + ")")
-        if ev.get("git_dirty"):
-            why.append("the working tree was dirty")
-        if why:
-            self.unclean += 1
-            if len(self.flagged) < self.MAX_FLAGGED:
-                self.flagged.append({"line": lineno, "id": ev["id"], "cmd": ev["cmd"],
-                                     "why": why})
+        if ev.get("git_dirty") and len(self.dirty) < self.MAX_FLAGGED:
+            self.dirty.append({"line": lineno, "id": ev["id"], "cmd": ev["cmd"],
+                               "tree": ev.get("tree"), "why": why})
+        elif why:
+            self.flag(lineno, ev, why)
+
+    def flag(self, lineno, ev, why):
+        self.unclean += 1
+        if len(self.flagged) < self.MAX_FLAGGED:
+            self.flagged.append({"line": lineno, "id": ev["id"], "cmd": ev["cmd"], "why": why})
 
 
 def witnessed_gaps(plan):
@@ -384,25 +414,179 @@ def witnessed_gaps(plan):
     return gaps
 
 
-def rerun(plan, which, root, timeout):
-    """Run the frozen checks again, here, recording nothing: the re-witnessed grade."""
-    # the final story first: a check another story added could otherwise write, before it
-    # runs, what the gate tests (the tree CI checked out is the one they all run in)
+# The work's scope and the re-run's own tree ####################################################
+
+
+def scope_matcher(patterns):
+    """Whether a repository path (`/`-separated, from the top) is inside the scope: a pattern
+    without a wildcard is that file or that folder's files; a glob matches the whole path,
+    `*` and `?` within one folder, `**` across folders (`src/**`, `**/*.py`, `*.md` at the
+    top only)."""
+    literal, globs = [], []
+    for pattern in patterns:
+        if not any(c in pattern for c in "*?["):
+            literal.append(pattern.rstrip("/"))
+            continue
+        rx, i = "", 0
+        while i < len(pattern):
+            if pattern.startswith("**/", i):
+                rx, i = rx + "(?:.*/)?", i + 3
+            elif pattern.startswith("**", i):
+                rx, i = rx + ".*", i + 2
+            else:
+                c = pattern[i]
+                rx += {"*": "[^/]*", "?": "[^/]"}.get(c, re.escape(c) if c != "[" else "[")
+                i += 1
+        globs.append(re.compile(rx + r"\Z", re.S))
+    return lambda path: any(path == p or path.startswith(p + "/") for p in literal) or \
+        any(g.match(path) for g in globs)
+
+
+def scope_of(plan, base, given):
+    """(patterns, where they come from) of the work's scope, or ([], None): the scope CI gives
+    (--scope) wins; with --base, the scope of the plan as the base branch holds it (so a scope
+    the branch declared after the pin does not count); else the plan's own."""
+    if given:
+        return [engine.scope_pattern(p) for p in given], "CI"
+    if base is not None:
+        scope = [p for p in base.get("scope") or () if isinstance(p, str)]
+        return scope, (f"the plan on {base['ref']}" if scope else None)
+    scope = plan.get("scope") or []
+    return scope, ("the plan" if scope else None)
+
+
+def branch_changes(top, full, state_rel):
+    """[(path, deleted)] of the tracked files the branch's HEAD changed since `full` (the base),
+    its state directory left out."""
+    code, out, err = engine.git(top, "diff", "--name-status", "-z", "--no-renames", full, "HEAD",
+                                what="--base")
+    if code != 0:
+        raise damaged(f"--base: git cannot compare HEAD with {one_line(full)} ({one_line(err)}).",
+                      "git_failed")
+    fields = out.split(b"\0")
+    changes = []
+    for status, path in zip(fields[0::2], fields[1::2]):
+        path = path.decode("utf-8", "surrogateescape")
+        if path != state_rel and not path.startswith(state_rel + "/"):
+            changes.append((path, status == b"D"))
+    return changes
+
+
+def tree_plan(store, plan, base, opts):
+    """How the re-run builds its tree: None to run in the checkout (no scope, or no --base);
+    else {top, base commit, the branch's files it takes, those it leaves (outside the scope, or
+    artefacts), the state directory's and the root's place}."""
+    scope, source = scope_of(plan, base, opts["scope"])
+    if base is None or not scope:
+        return None
+    top, full = branch_ref(store.root, base["ref"], "--base")
+    state_rel = os.path.relpath(os.path.realpath(store.dir), top).replace(os.sep, "/")
+    inside = scope_matcher(scope)
+    take, left = [], []
+    for path, deleted in branch_changes(top, full, state_rel):
+        if inside(path) and not re.search(ARTEFACT, path):
+            take.append((path, deleted))
+        else:
+            left.append(path)
+    return {"top": top, "base": full, "take": take, "left": left, "scope": scope,
+            "from": source, "root": os.path.relpath(os.path.realpath(store.root), top)}
+
+
+def build_tree(tree, with_branch=True):
+    """A folder outside the checkout (in $RUNNER_TEMP or the temporary folder) holding the base
+    commit's files — tests, conftest.py, tool configuration, build files — and, `with_branch`,
+    the branch's files the scope lets in, their bytes and modes as HEAD holds them."""
+    folder = tempfile.mkdtemp(prefix="fablize-rerun-", dir=os.environ.get("RUNNER_TEMP") or None)
+    out = engine.git_out(tree["top"], "archive", "--format=tar", tree["base"], what="--rerun")
+    with tarfile.open(fileobj=io.BytesIO(out)) as tar:
+        if hasattr(tarfile, "data_filter"):  # no member may land outside the folder
+            tar.extractall(folder, filter="data")
+        else:
+            tar.extractall(folder, members=[m for m in tar.getmembers()
+                                            if not (m.name.startswith("/") or ".." in m.name)])
+    if not with_branch or not tree["take"]:
+        return folder
+    kept = [path for path, deleted in tree["take"] if not deleted]
+    modes = {}
+    if kept:
+        listing = engine.git_out(tree["top"], "ls-tree", "-z", "HEAD", "--", *kept, env=LITERAL)
+        for row in listing.split(b"\0"):
+            if row:
+                meta, _, name = row.partition(b"\t")
+                modes[name.decode("utf-8", "surrogateescape")] = meta.split()[0]
+    blobs = engine.git_out(tree["top"], "cat-file", "--batch",
+                           data="".join(f"HEAD:{p}\n" for p in kept).encode(
+                               "utf-8", "surrogateescape"))
+    pos = 0
+    for path, deleted in tree["take"]:
+        target = os.path.join(folder, *path.split("/"))
+        if deleted:
+            if os.path.lexists(target) and not os.path.isdir(target):
+                os.unlink(target)
+            continue
+        end = blobs.index(b"\n", pos)
+        header, pos = blobs[pos:end].split(), end + 1
+        size = int(header[2]) if len(header) == 3 else 0
+        data, pos = blobs[pos:pos + size], pos + size + 1
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if os.path.lexists(target):
+            os.unlink(target)
+        mode = modes.get(path, b"100644")
+        if mode == b"120000":  # a symlink: only one that stays inside the tree
+            link = data.decode("utf-8", "surrogateescape")
+            if not os.path.isabs(link) and not os.path.normpath(
+                    os.path.join(os.path.dirname(path), link)).startswith(".."):
+                os.symlink(link, target)
+            continue
+        with open(target, "wb") as f:
+            f.write(data)
+        os.chmod(target, 0o755 if mode == b"100755" else 0o644)
+    return folder
+
+
+def rerun(store, plan, trust, opts, timeout):
+    """The frozen checks run again by CI, recording nothing: the re-witnessed grade. With a
+    scope and a base, each story's checks run in a fresh tree of their own (build_tree), the
+    final story's first, so no story's checks can write what another's read; else in the
+    checkout. With `fail_to_pass`, the final story's checks run on the base's tree alone too:
+    one that passes there proves nothing about the work (vacuous)."""
+    which = opts["rerun"] or "all"
     stories = plan["goals"][-1:] + (plan["goals"][:-1] if which == "all" else [])
-    stories = [engine.touch(story) for story in stories]
-    results = []
-    tmp = tempfile.mkdtemp(prefix="fablize-rerun-")
+    stories = [engine.touch(story) for story in stories if story.get("checks")]
+    tree = trust["tree"]
+    results, logs = [], tempfile.mkdtemp(prefix="fablize-rerun-logs-")
+
+    def run_all(story, root, kind):
+        for i, cmd in enumerate(story["checks"]):
+            record = engine.run_command(cmd, root, timeout, None,
+                                        os.path.join(logs, f"{kind}-{story['id']}-{i}.log"))
+            results.append({"id": story["id"], "check": i + 1, "cmd": cmd, "on": kind,
+                            "ok": engine.run_passed(record), "result": engine.run_result(record),
+                            "tail": record["tail"]})
+
     try:
         for story in stories:
-            for i, cmd in enumerate(story["checks"]):
-                record = engine.run_command(cmd, root, timeout, None,
-                                            os.path.join(tmp, f"{story['id']}-{i}.log"))
-                results.append({"id": story["id"], "check": i + 1, "cmd": cmd,
-                                "ok": engine.run_passed(record),
-                                "result": engine.run_result(record), "tail": record["tail"]})
+            if tree is None:
+                run_all(story, store.root, "checkout")
+                continue
+            folder = build_tree(tree)
+            try:
+                run_all(story, os.path.join(folder, tree["root"]), "tree")
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+        if (opts["fail_to_pass"] or opts["require_fail_to_pass"]) and tree is not None and \
+                stories and engine.is_final(plan, stories[0]):
+            folder = build_tree(tree, with_branch=False)
+            try:
+                run_all(stories[0], os.path.join(folder, tree["root"]), "base")
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(logs, ignore_errors=True)
     return results
+
+
+# The report: what the audit saw, its gates, its verdict #######################################
 
 
 def engine_inside(root):
@@ -411,10 +595,29 @@ def engine_inside(root):
     return os.path.commonpath([here, top]) == top
 
 
-def review(store, plan, scan, pin, base):
-    """The trust part of `audit`, from what `scan` saw during the replay: the pin, run
-    provenance, decisions and their signatures. Raises exit 3 for a pin that does not hold;
-    gates that say no come later (gates)."""
+def committed_trees(top, trees, state_rel, limit=200):
+    """The trees of `trees` (run trees, state directory left out) that some commit reachable from
+    HEAD holds exactly, apart from the state directory: a run made before its work was committed
+    as it was tested is honest."""
+    if not trees or top is None:
+        return set()
+    code, out, _ = engine.git(top, "rev-list", f"--max-count={limit}", "HEAD")
+    commits = out.decode().split() if code == 0 else []
+    paths = ["--", ".", ":(exclude,literal)" + state_rel] if not state_rel.startswith("..") \
+        else []
+    found = set()
+    for tree in trees:
+        for commit in commits:
+            if engine.git(top, "diff", "--quiet", tree, commit, *paths)[0] == 0:
+                found.add(tree)
+                break
+    return found
+
+
+def review(store, plan, scan, pin, base, opts):
+    """The trust part of `audit`, from what `scan` saw during the replay: the pin, the scope and
+    what the branch changed outside it, run provenance, decisions and their signatures. Raises
+    exit 3 for a pin that does not hold; the gates that say no come after (gates)."""
     first = scan.first
     trust = {"base": base, "pin": None, "new_plan": False,
              "imported": bool(first and first.get("imported_from"))}
@@ -423,6 +626,15 @@ def review(store, plan, scan, pin, base):
         trust["new_plan"] = trust["pin"]["new_plan"]
     elif base is not None:
         trust["new_plan"] = True  # nothing committed at the base: all of this plan is new
+    top = engine.repo_root(store.root)
+    state_rel = os.path.relpath(os.path.realpath(store.dir), top or "/").replace(os.sep, "/")
+    honest = committed_trees(top, {run["tree"] for run in scan.dirty if run.get("tree")},
+                             state_rel)
+    for run in scan.dirty:
+        why = run["why"] + ([] if run.get("tree") in honest else [
+            "the working tree was dirty, and that tree was never committed"])
+        if why:
+            scan.flag(run["line"], run, why)
     trust["unclean_runs"], trust["runs_without_provenance"] = scan.flagged, scan.unrecorded
     trust["unclean_count"] = scan.unclean
     trust["decisions"] = scan.decisions
@@ -438,10 +650,16 @@ def review(store, plan, scan, pin, base):
         if base is not None else []
     trust["added_after_pin"] = [{"id": x["id"], "title": x["title"], "checks": x.get("checks", [])}
                                 for x in scan.added] if trust["pin"] and not trust["new_plan"] else []
+    scope, source = scope_of(plan, base, opts["scope"])
+    trust["scope"] = {"patterns": scope, "from": source}
+    trust["tree"] = tree_plan(store, plan, base, opts) if opts["rerun"] or opts["fail_to_pass"] \
+        or opts["require_fail_to_pass"] or opts["forbid_out_of_scope"] else None
+    trust["out_of_scope"] = trust["tree"]["left"] if trust["tree"] else []
     trust["engine_inside_tree"] = engine_inside(store.root)
+    ci = base is not None or os.environ.get("CI", "").lower() in ("1", "true", "yes")
     trust["warnings"] = ["the engine running this audit lies inside the tree it audits: a pull "
                          "request can change it — run a copy kept outside the tree, with "
-                         "python3 -I."] if trust["engine_inside_tree"] else []
+                         "python3 -I."] if trust["engine_inside_tree"] and ci else []
     return trust
 
 
@@ -453,7 +671,7 @@ def lines(trust):
         out.append(f"  added after the pin: {story['id']} {defused_line(story['title'])} — {checks} "
                    "(the re-run runs the final story's checks first)")
     if trust["check_files_changed"]:
-        out.append("  frozen checks run files this branch changed since the base (review them): "
+        out.append("  frozen checks name files this branch changed since the base (review them): "
                    + ", ".join(one_line(x) for x in trust["check_files_changed"][:MAX_LISTED]))
     pin = trust["pin"]
     if pin is not None:
@@ -470,6 +688,14 @@ def lines(trust):
                 out.append(f"    {item['id']} check {i}: {one_line(cmd)}")
         if not trust["frozen_checks"]:
             out.append("    (none: every completion in it is claimed)")
+    scope = trust["scope"]
+    if scope["patterns"]:
+        out.append(f"  scope ({one_line(scope['from'])}): "
+                   + ", ".join(map(one_line, scope["patterns"][:MAX_LISTED])))
+    if trust["out_of_scope"]:
+        out.append(f"  the branch changed {engine.count_noun(len(trust['out_of_scope']), 'file')}"
+                   " outside the scope, which the re-run did not take (review them): "
+                   + ", ".join(map(one_line, trust["out_of_scope"][:MAX_LISTED])))
     if trust["imported"]:
         out.append("  imported from the original goals.py: its first event is not the engine's own")
     for item in trust["accepted"]:
@@ -479,49 +705,78 @@ def lines(trust):
         out.append(f"  run at line {run['line']} ({one_line(run['id'])} `{one_line(run['cmd'])}`): "
                    + "; ".join(run["why"]))
     if trust["runs_without_provenance"]:
-        out.append(f"  {trust['runs_without_provenance']} run(s) recorded no provenance (an older "
-                   "engine's, or written by hand)")
+        out.append(f"  {engine.count_noun(trust['runs_without_provenance'], 'run')} recorded no "
+                   "provenance (an older engine's, or written by hand)")
     if trust["unclean_count"] > MAX_LISTED:
-        out.append(f"  … and {trust['unclean_count'] - MAX_LISTED} more run(s) not clean "
-                   "(all of them under --json)")
+        out.append(f"  … and {engine.count_noun(trust['unclean_count'] - MAX_LISTED, 'more run')} "
+                   "not clean (all of them under --json)")
     return out
 
 
+def failure(code, message, fix):
+    return {"code": code, "message": message, "fix": fix}
+
+
 def gates(store, plan, trust, opts):
-    """The trust options of `audit` that can say no, cheapest first; --rerun is the command's,
-    last. `opts` holds the options' values by name."""
-    if trust["imported"] and trust["new_plan"] and not opts["allow_imported"]:
-        raise refused("audit: the plan was imported from the original goals.py format — nothing "
-                      "shows it was made by the engine (--allow-imported to accept it).",
-                      "imported_plan")
+    """Every trust gate of `audit` that says no, in the order they are checked, each with what to
+    do: [{code, message, fix}] — the re-run's come after (rerun_failures). A usage mistake is
+    raised at once."""
     if opts["require_unchanged_checks"] and opts["base"] is None:
         raise usage("--require-unchanged-checks compares with --base: give it too.")
+    if (opts["forbid_out_of_scope"] or opts["require_fail_to_pass"]) and opts["base"] is None:
+        raise usage("--forbid-out-of-scope and --require-fail-to-pass compare with --base: give it "
+                    "too.")
+    found = []
+    if trust["imported"] and trust["new_plan"] and not opts["allow_imported"]:
+        found.append(failure("imported_plan", "the plan was imported from the original goals.py "
+                             "format — nothing shows it was made by the engine",
+                             "a human who trusts it passes --allow-imported"))
+    if opts["require_scope"] and not trust["scope"]["patterns"]:
+        found.append(failure(
+            "no_scope", "no scope is known: the re-run would take the branch's own tests, "
+            "conftest.py, tool configuration and build files",
+            "declare the paths the work may change — `create --scope PATH` in the plan on the base "
+            "branch, or CI's own: `--scope PATH`, FABLIZE_SCOPE, the action's `scope`"))
     if opts["require_unchanged_checks"] and trust["check_files_changed"]:
-        raise refused("audit: frozen checks run files this branch changed since the base — "
-                      + ", ".join(one_line(x) for x in trust["check_files_changed"][:MAX_LISTED]),
-                      "check_files_changed")
+        found.append(failure(
+            "check_files_changed", "frozen checks name files this branch changed since the base — "
+            + ", ".join(one_line(x) for x in trust["check_files_changed"][:MAX_LISTED]),
+            "take those changes out of the branch, or have a human change the checks on the base"))
+    if opts["forbid_out_of_scope"] and trust["out_of_scope"]:
+        found.append(failure(
+            "out_of_scope", "the branch changed files outside the work's scope — "
+            + ", ".join(map(one_line, trust["out_of_scope"][:MAX_LISTED])),
+            "take them out of the branch, or widen the scope on the base (`create --scope`)"))
     if trust["new_plan"] and not opts["allow_new_plan"]:
-        raise refused("audit: the plan was created after the pin (create --force or a new plan) — "
-                      "review its frozen checks above; --allow-new-plan accepts it.", "new_plan")
+        found.append(failure("new_plan", "the plan was created after the pin (create --force or a "
+                             "new plan)", "review its frozen checks above; --allow-new-plan "
+                             "(the action's allow-new-plan) accepts it"))
     final = engine.touch(plan["goals"][-1])
-    missing = [c for c in opts["require_check"] if c not in final["checks"]]
-    if missing:
-        raise refused(f"audit: the final story {final['id']} does not carry the required frozen "
-                      f"check `{one_line(missing[0])}`.", "required_check_missing")
+    for check in opts["require_check"]:
+        if check not in final["checks"]:
+            found.append(failure("required_check_missing", f"the final story {final['id']} does "
+                                 f"not carry the required frozen check `{one_line(check)}`",
+                                 f"a plan whose final story has --verify \"{one_line(check)}\""))
     if opts["require_witnessed"]:
         gaps = witnessed_gaps(plan)
         if gaps:
-            raise refused("audit: not witnessed — " + "; ".join(gaps), "not_witnessed")
+            found.append(failure("not_witnessed", "not witnessed — " + "; ".join(gaps),
+                                 "give those stories frozen checks (`create --check`), or run "
+                                 "them with the engine"))
     if opts["require_clean_runs"] and trust["runs_without_provenance"]:
-        raise refused(f"audit: {trust['runs_without_provenance']} run(s) recorded no provenance, so "
-                      "they cannot be shown to be clean.", "unclean_runs")
+        found.append(failure("unclean_runs", f"{engine.count_noun(trust['runs_without_provenance'], 'run')} "
+                             "recorded no provenance, so they cannot be shown to be clean",
+                             "run the checks again with this engine"))
     if opts["require_clean_runs"] and trust["unclean_runs"]:
         run = trust["unclean_runs"][0]
-        raise refused(f"audit: {trust['unclean_count']} run(s) not clean — line {run['line']}: "
-                      + "; ".join(run["why"]), "unclean_runs")
+        found.append(failure("unclean_runs", f"{engine.count_noun(trust['unclean_count'], 'run')} "
+                             f"not clean — line {run['line']}: " + "; ".join(run["why"]),
+                             "run the checks again from the repository root, on a committed "
+                             "tree, in one environment"))
     if opts["forbid_accepted"] and trust["accepted"]:
-        raise refused("audit: accepted by a decision, not completed — "
-                      + ", ".join(x["id"] for x in trust["accepted"]), "accepted_forbidden")
+        found.append(failure("accepted_forbidden", "accepted by a decision, not completed — "
+                             + ", ".join(x["id"] for x in trust["accepted"]),
+                             "complete those stories with evidence"))
     if opts["allowed_signers"] is not None:
         path, tmp = allowed_signers_file(store, opts["allowed_signers"], opts["base"])
         try:
@@ -532,26 +787,93 @@ def gates(store, plan, trust, opts):
                 shutil.rmtree(tmp, ignore_errors=True)
         bad = [(sid, why) for sid, why in bad if why]
         if bad:
-            raise refused("audit: decisions not signed by an allowed signer — "
-                          + "; ".join(f"{sid}: {why}" for sid, why in bad), "bad_signature")
+            found.append(failure("bad_signature", "decisions not signed by an allowed signer — "
+                                 + "; ".join(f"{sid}: {why}" for sid, why in bad),
+                                 "a human listed on the base signs them: `decide … --sign KEY "
+                                 "--signer NAME`"))
+    return found
 
 
-def rerun_lines(which, results):
-    """What the re-run says: a line per check, the tail of what a failure printed."""
-    out = [f"  re-run ({which}): {len(results)} frozen check(s), here, recorded nowhere:"]
+def rerun_failures(results, opts):
+    """The re-run's gates: a check that failed on the branch's work, and — with
+    --require-fail-to-pass — a final check that passes on the base alone."""
+    found = []
     for r in results:
-        out.append(f"    {'✓' if r['ok'] else '✗'} {r['id']} check {r['check']} "
+        if r["on"] != "base" and not r["ok"]:
+            found.append(failure("rerun_failed", f"re-run failed — {r['id']} check {r['check']} "
+                                 f"`{one_line(r['cmd'])}`: {r['result']}",
+                                 "fix the work so that the frozen check passes; the re-run is CI's "
+                                 "own"))
+        elif r["on"] == "base" and r["ok"] and opts["require_fail_to_pass"]:
+            found.append(failure("vacuous_check", f"{r['id']} check {r['check']} "
+                                 f"`{one_line(r['cmd'])}` already passes on the base without the "
+                                 "branch's changes: it proves nothing about this work",
+                                 "a human freezes a check that fails before the work and passes "
+                                 "after it"))
+    return found
+
+
+def rerun_lines(results, tree):
+    """What the re-run says: where it ran, a line per check, the tail of what a failure printed."""
+    where = "here, in the checkout" if tree is None else (
+        f"on {one_line(tree['base'])}'s tree with the branch's files inside the scope "
+        f"({engine.count_noun(len(tree['take']), 'file')} taken)")
+    out = [f"  re-run: {engine.count_noun(len(results), 'frozen check')}, {where}, recorded "
+           "nowhere:"]
+    for r in results:
+        label = " (on the base alone)" if r["on"] == "base" else ""
+        verdict = ("✗ vacuous" if r["ok"] else "✓ fails, as it should") if r["on"] == "base" \
+            else ("✓" if r["ok"] else "✗")
+        out.append(f"    {verdict} {r['id']} check {r['check']}{label} "
                    f"`{one_line(r['cmd'])}` → {r['result']}")
-        if r["tail"]:  # a failure shows more of what it printed
+        if r["tail"] and (not r["ok"] or r["on"] != "base"):
             tail = last_chars(r["tail"], 300).rstrip("\n").split("\n")
-            out += ["    " + engine.OUTPUT_BAR + one_line(x) for x in tail[-8 if not r["ok"] else -2:]]
+            out += ["    " + engine.OUTPUT_BAR + one_line(x)
+                    for x in tail[-8 if not r["ok"] else -2:]]
+    if tree is None:
+        out.append("  (no scope known: the checks ran on the branch's own tests and tools)")
     return out
 
 
-def rerun_failure(which, results):
-    failed = [r for r in results if not r["ok"]]
-    if failed:
-        r = failed[0]
-        return refused(f"audit: re-run failed — {r['id']} check {r['check']} "
-                       f"`{one_line(r['cmd'])}`: {r['result']}", "rerun_failed")
-    return None
+def grades(plan, results):
+    """Each story's grade for the reviewer: claimed, witnessed, accepted — re-witnessed when every
+    frozen check of it passed again in this re-run."""
+    passed = {}
+    for r in results:
+        if r["on"] != "base":
+            passed.setdefault(r["id"], True)
+            passed[r["id"]] = passed[r["id"]] and r["ok"]
+    return {s["id"]: "re-witnessed" if passed.get(s["id"]) else
+            (s.get("grade") or ("not done" if s["status"] not in engine.DONE else "claimed"))
+            for s in plan["goals"]}
+
+
+def summary(verdict, failures, report_md, trust=None, results=(), story_grades=None):
+    """The Markdown of a CI job summary, opening with the verdict: every failed gate with what to
+    do, each story's grade, where the re-run ran and what it left out, then the report."""
+    md = [f"## {verdict}", ""]
+    for f in failures:
+        md.append(f"- **{f['code']}** — {engine.md_cell(f['message'], 400)}. "
+                  f"_Fix:_ {engine.md_cell(f['fix'], 300)}")
+    if failures:
+        md.append("")
+    if story_grades:
+        md += ["| Story | Grade |", "|---|---|"]
+        md += [f"| {sid} | {grade} |" for sid, grade in story_grades.items()]
+        md.append("")
+    if trust is not None:
+        tree = trust.get("tree")
+        if results:
+            md.append("Re-run " + ("in the checkout: no scope known, so the checks ran on the "
+                                   "branch's own tests and tools." if tree is None else
+                                   f"on `{engine.md_cell(tree['base'])}`'s tree with the "
+                                   f"branch's files inside the scope "
+                                   f"({', '.join('`' + engine.md_cell(p) + '`' for p in tree['scope'])}).")
+                      )
+            md.append("")
+        if trust.get("out_of_scope"):
+            md.append("Files the branch changed outside the scope (not taken for the re-run): "
+                      + ", ".join(f"`{engine.md_cell(p)}`" for p in trust["out_of_scope"][:50]))
+            md.append("")
+    md.append(report_md)
+    return "\n".join(md)

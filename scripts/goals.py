@@ -418,6 +418,22 @@ def parse_ids(text, option):
     return ids
 
 
+def scope_pattern(text):
+    """A path the plan's work may change (`create --scope`), as the plan records it: relative to
+    the repository, `/`-separated, a literal path, a directory (its files) or a glob (`*`, `?`,
+    `**` across folders); usage error for anything else."""
+    if type(text) is not str:
+        raise usage("--scope takes a path of the repository.", "bad_scope")
+    path = text.strip().replace("\\", "/")
+    while path.startswith("./"):
+        path = path[2:]
+    if not path or "\x00" in path or path.startswith("/") or re.match(r"[A-Za-z]:", path) or \
+            ".." in path.split("/"):
+        raise usage(f"--scope {one_line(text)!r}: a path of the repository, relative to its top "
+                    "(a file, a folder or a glob like src/** or *.py).", "bad_scope")
+    return path.rstrip("/") + ("/" if path.endswith("/") else "")
+
+
 def is_plan_id(text):
     return type(text) is str and bool(re.fullmatch(PLAN_ID, text, re.A)) and ".." not in text
 
@@ -426,8 +442,16 @@ def new_plan_id():
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + os.urandom(3).hex()
 
 
+def count_noun(n, noun):
+    """`1 event`, `2 events`, `1 story`, `3 stories`: a count and its noun, never `event(s)`."""
+    if n == 1:
+        return f"1 {noun}"
+    return f"{n} {noun[:-1]}ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else \
+        f"{n} {noun}s"
+
+
 def count_stories(n):
-    return f"{n} story" if n == 1 else f"{n} stories"
+    return count_noun(n, "story")
 
 
 def time_label(ts):
@@ -606,7 +630,7 @@ GUARD_SPEC = {"blocks": int, "hook?": TEXT, "hook_ts?": TEXT,
               "paused?": ({"seq": int, "ts": str, "note": TEXT}, _N)}
 REPLACES_SPEC = {"plan_id": str, "head": TEXT, "seq": (int, _N), "path": str}
 PLAN_HEAD_SPEC = {"schema_version": int, "digest?": str, "plan_id": str, "brief": str,
-                  "created": str, "options": {"rounds": int, "require_run": bool},
+                  "created": str, "scope?": [str], "options": {"rounds": int, "require_run": bool},
                   "unverifiable": UNVERIFIABLE_SPEC, "replaces": (REPLACES_SPEC, _N),
                   "guard": GUARD_SPEC, "ledger": {"seq": int, "head": str}}
 PLAN_SPEC = dict(PLAN_HEAD_SPEC, goals=[STORY_SPEC])
@@ -923,10 +947,13 @@ def _ev_plan_created(plan, ev):
         raise usage("--rounds must be a whole number ≥ 1.", "bad_rounds")
     unverifiable = ev.get("unverifiable") or []
     _refuse_unknown_unverifiable(stories, unverifiable)
+    scope = ev.get("scope") or []
+    if scope != [scope_pattern(p) for p in scope]:
+        raise forged(f"scope {one_line(scope)[:80]} is not a list of repository paths")
     for s in stories:
         if s["status"] == "in_progress":
             s.update(round=1, started_seq=ev["seq"], started_ts=ev["ts"])
-    return {
+    plan = {
         "schema_version": SNAPSHOT_VERSION,
         "plan_id": ev["plan_id"],
         "brief": ev["brief"],
@@ -937,6 +964,9 @@ def _ev_plan_created(plan, ev):
         "replaces": ev["replaces"],
         "guard": {"blocks": 0},
     }
+    if scope:  # the paths the work may change; the re-run takes only those from the branch
+        plan["scope"] = list(scope)
+    return plan
 
 
 def _log_plan_created(ev, sid):
@@ -1332,7 +1362,8 @@ EVENTS = {
     "plan_created": (_ev_plan_created, {
         "brief": str, "count": int, "plan_id": str, "stories": [STORY_EVENT_SPEC],
         "options": {"rounds": int, "require_run": bool}, "unverifiable?": UNVERIFIABLE_SPEC,
-        "replaces": (REPLACES_SPEC, _N), "imported_from?": {"tool": str}}, _log_plan_created),
+        "replaces": (REPLACES_SPEC, _N), "imported_from?": {"tool": str}, "scope?": [str]},
+        _log_plan_created),
     "story_started": (_ev_story_started, {"id": str, "title": str, "round": int, "agent": TEXT}, _log_story_started),
     "checkpoint": (_ev_checkpoint, {
         "id": str, "status": str, "evidence": TEXT, "verify_cmd": TEXT,
@@ -1342,7 +1373,7 @@ EVENTS = {
         "signal": TEXT, "timed_out": bool, "error": TEXT, "duration_s": (int, float),
         "bytes": int, "sha256": str, "tail": str, "log": str, "after_seq": int, "started": str,
         "git_head": TEXT, "git_dirty": (bool, _N), "interrupted?": str,
-        "provenance?": (PROVENANCE_SPEC, _N)}, _log_verify_run),
+        "provenance?": (PROVENANCE_SPEC, _N), "tree?": str}, _log_verify_run),
     "decision": (_ev_decision, {"id": str, "decision": str, "note": str,
                                 "signature?": ({"signer": str, "sig": str}, _N)}, _log_decision),
     "story_added": (_ev_story_added, {"story": STORY_EVENT_SPEC, "unverifiable": UNVERIFIABLE_SPEC}, _log_story_added),
@@ -2547,10 +2578,11 @@ class Transaction(Reading):
 TOOL_TIMEOUT = 120.0
 
 
-def run_tool(argv, cwd=None, data=None, what=None, timeout=TOOL_TIMEOUT, shell=False):
-    """(exit code, stdout bytes, stderr text) of a program; `data` is its stdin (else none)."""
+def run_tool(argv, cwd=None, data=None, what=None, timeout=TOOL_TIMEOUT, shell=False, env=None):
+    """(exit code, stdout bytes, stderr text) of a program; `data` is its stdin (else none),
+    `env` variables it gets besides this process's."""
     import subprocess
-    env = dict(os.environ, GIT_TERMINAL_PROMPT="0", GIT_ASKPASS="", SSH_ASKPASS="")
+    env = dict(os.environ, GIT_TERMINAL_PROMPT="0", GIT_ASKPASS="", SSH_ASKPASS="", **(env or {}))
     name = argv.split()[0] if shell else argv[0]
     try:
         p = subprocess.run(argv, cwd=cwd, input=data, capture_output=True, timeout=timeout,
@@ -2566,9 +2598,9 @@ def run_tool(argv, cwd=None, data=None, what=None, timeout=TOOL_TIMEOUT, shell=F
     return p.returncode, p.stdout, p.stderr.decode("utf-8", "replace").strip()
 
 
-def git(root, *args, data=None, what=None):
+def git(root, *args, data=None, what=None, env=None):
     """(exit code, stdout bytes, stderr text) of git in the repository at `root`."""
-    return run_tool(["git", "-C", root, *args], data=data, what=what or "this command")
+    return run_tool(["git", "-C", root, *args], data=data, what=what or "this command", env=env)
 
 
 def git_out(root, *args, data=None, what=None):
@@ -2600,17 +2632,35 @@ def repo_relative(path):
         os.path.relpath(os.path.realpath(path), top).replace(os.sep, "/")
 
 
-def git_state(root):
-    """(HEAD, dirty) of the repository at `root`, or (None, None) outside one."""
+def git_state(root, state_dir):
+    """(HEAD, dirty, tree) of the repository at `root` as a run starts: the commit, whether the
+    working tree differs from it, and the id of the tree the working tree holds (what `git add
+    -A` would commit, the state directory left out, through an index of its own). The tree lets
+    audit tell a run made before its exact tree was committed — an honest run — from one made
+    on a tree that never was. (None, None, None) outside a repository."""
+    import shutil
+    import tempfile
     try:
-        code, out, _ = git(root, "rev-parse", "HEAD")
+        code, out, _ = git(root, "rev-parse", "HEAD", "--git-path", "index")
         if code != 0:
-            return None, None
-        head = out.decode().strip()
-        code, out, _ = git(root, "status", "--porcelain", "--", ".", ":(exclude)" + STATE_DIRNAME)
+            return None, None, None
+        head, index = out.decode("utf-8", "surrogateescape").split("\n")[:2]
+        rel = os.path.relpath(state_dir, root).replace(os.sep, "/")
+        paths = [".", ":(exclude,literal)" + rel] if not rel.startswith("..") else ["."]
+        with tempfile.TemporaryDirectory(prefix="fablize-index-") as tmp:
+            own = {"GIT_INDEX_FILE": os.path.join(tmp, "index")}
+            try:  # the index's stat cache: a big tree is not hashed anew
+                shutil.copyfile(os.path.join(root, index), own["GIT_INDEX_FILE"])
+            except OSError:
+                pass
+            if git(root, "add", "-A", "--", *paths, env=own)[0] != 0:
+                return head, None, None
+            code, out, _ = git(root, "write-tree", env=own)
+        tree = out.decode().strip() if code == 0 else None
+        dirty = git(root, "diff", "--quiet", head, tree, "--", *paths)[0] != 0 if tree else None
     except FablizeError:
-        return None, None
-    return head, bool(out.strip())
+        return None, None, None
+    return head, dirty, tree
 
 
 def tree_state(root, state_dir):
@@ -2982,7 +3032,7 @@ def execute_runs(store, sid, commands, after_seq, timeout, out):
     """Run each (check index, command) of story `sid` outside the lock, saying on `out` (an
     Output) when each starts and ends; returns records ready to commit."""
     runs_dir = ensure_subdir(store.path(RUNS))
-    head, dirty = git_state(store.root)
+    head, dirty, tree = git_state(store.root, store.dir)
     records = []
     for check, cmd in commands:
         label = f"frozen check {check + 1}" if check is not None else "verification"
@@ -2993,6 +3043,8 @@ def execute_runs(store, sid, commands, after_seq, timeout, out):
         record.update(id=sid, check=check, after_seq=after_seq, started=started,
                       git_head=head, git_dirty=dirty, tmp_log=tmp_log,
                       provenance=run_provenance(store.root, cmd))
+        if tree:
+            record["tree"] = tree
         out.progress(f"fablize: {label} {'passed' if run_passed(record) else 'FAILED'} — "
                      f"{run_result(record)}")
         records.append(record)
@@ -3137,7 +3189,7 @@ def render_round_failures(story, prefix):
     failed = round_failures(story)
     if not failed:
         return []
-    lines = [f"⚠ {prefix}{len(failed)} run(s) already failed in this round — fix what they "
+    lines = [f"⚠ {prefix}{count_noun(len(failed), 'run')} already failed in this round — fix what they "
              "show before the complete checkpoint:"]
     for run in failed:
         label = f"frozen check {run['check'] + 1}" if run["check"] is not None else "run"
@@ -3350,6 +3402,7 @@ def story_json(plan, story):
 
 def plan_json(plan):
     return {"plan_id": plan["plan_id"], "brief": plan["brief"], "created": plan["created"],
+            "scope": plan.get("scope", []),
             **plan_summary(plan), "accepted": accepted_ids(plan), "options": plan["options"],
             "unverifiable": plan["unverifiable"], "ledger": plan["ledger"],
             "stories": [story_json(plan, s) for s in plan["goals"]]}
@@ -3899,7 +3952,7 @@ def build_stories(a):
 def say_unverifiable(ctx, found):
     if not found:
         return
-    ctx.say(f"fablize: ⚠ {len(found)} frozen check(s) cannot run here — fix now; found at the gate "
+    ctx.say(f"fablize: ⚠ {count_noun(len(found), 'frozen check')} cannot run here — fix now; found at the gate "
             "it costs the whole run:")
     for u in found:
         ctx.say(f"  {one_line(u['id'])} check {u['check'] + 1}: `{one_line(u['cmd'])}` — {one_line(u['reason'])}")
@@ -3920,6 +3973,9 @@ def cmd_create(ctx, a):
     fields = {"brief": a.brief, "count": len(specs), "plan_id": new_plan_id(), "stories": specs,
               "options": {"rounds": a.rounds, "require_run": a.require_run},
               "unverifiable": unverifiable}
+    scope = list(dict.fromkeys(scope_pattern(p) for p in a.scope))
+    if scope:
+        fields["scope"] = scope
     # judge the new plan before anything moves: a bad one must not archive the old one
     apply_event(None, dict(fields, seq=1, ts=now_iso(), event="plan_created", prev=ZERO_HASH,
                            replaces=None))
@@ -3936,6 +3992,9 @@ def cmd_create(ctx, a):
     ctx.say(f"fablize: plan created — {count_stories(len(specs))}")
     for story in plan["goals"]:
         ctx.say(f"  {story['id']} {defused_line(story['title'])}: {defused_line(story['objective'])}")
+    if scope:
+        ctx.say("  scope: " + ", ".join(map(one_line, scope)) + " — the paths the work may change "
+                "(CI re-runs the checks with only these taken from the branch)")
     if replaces:
         ctx.say(f"fablize: the previous plan {replaces['plan_id']} is kept whole in "
                 f"{replaces['path']}/ (head {replaces['head']}).")
@@ -4153,9 +4212,9 @@ def cmd_verify(ctx, a):
     ctx.data["runs"] = runs
     failed = [r for r in runs if not run_passed(r)]
     if failed:
-        raise refused(f"{a.id}: {len(failed)} of {len(runs)} check(s) failed — first: "
+        raise refused(f"{a.id}: {len(failed)} of {count_noun(len(runs), 'check')} failed — first: "
                       f"{run_summary(failed[0])} (log {failed[0]['log']}).", "verification_failed")
-    ctx.say(f"fablize: {a.id}: all {len(runs)} check(s) passed (status unchanged: "
+    ctx.say(f"fablize: {a.id}: {'all ' if len(runs) > 1 else ''}{count_noun(len(runs), 'check')} passed (status unchanged: "
             f"{find_story(s.plan, a.id)['status']}).")
 
 
@@ -4214,10 +4273,24 @@ def cmd_add(ctx, a):
 # audit's options that the trust room answers; --allow-* only relax its gates
 TRUST_OPTIONS = ("base", "since", "rerun", "require_check", "require_witnessed",
                  "require_clean_runs", "allowed_signers", "forbid_accepted",
-                 "require_unchanged_checks", "allow_new_plan", "allow_imported")
+                 "require_unchanged_checks", "scope", "require_scope", "forbid_out_of_scope",
+                 "fail_to_pass", "require_fail_to_pass", "allow_new_plan", "allow_imported")
 
 
 def cmd_audit(ctx, a):
+    """audit: replay the whole ledger (chain, every field, every transition, the snapshot, the
+    run logs), then, with the trust room, what CI can believe of it (the pin, the scope, a
+    re-run on the base's tree). Every gate that says no is named at once, the verdict first;
+    `--summary` writes the same for a CI job summary, also when the ledger is damaged."""
+    try:
+        audit_and_judge(ctx, a)
+    except FablizeError as e:
+        if a.summary and not getattr(e, "summarised", False):
+            write_summary(a.summary, f"❌ audit failed: {e.message}", "")
+        raise
+
+
+def audit_and_judge(ctx, a):
     store = ctx.store
     opts = {name: getattr(a, name) for name in TRUST_OPTIONS}
     asked = [f"--{name.replace('_', '-')}" for name, value in opts.items()
@@ -4227,34 +4300,79 @@ def cmd_audit(ctx, a):
         else None
     pin, base = trust.pin_of(store, a.base, a.since) if trust else (None, None)
     scan = trust.Scan(store.root, pin) if trust else None
+    runs = collections.deque(maxlen=REPORT_RUNS)  # the latest, for the summary's report
+    collect = (lambda n, head, ev: (scan and scan(n, head, ev),
+                                    ev["event"] == "verify_run" and runs.append(ev)))
     if a.remote:  # a shared plan as the remote holds it: no local state needed
         data, logs = room("sharing", "audit --remote").audit_source(store, a.remote, a.plan)
-        report = audit_ledger(data, None, a.require_independent_judge, logs=logs, scan=scan)
+        report = audit_ledger(data, None, a.require_independent_judge, logs=logs, scan=collect)
     else:
         with open_plan(ctx, exclusive=False) as s:
             s.refuse_original()
+            for name in (RUNS, ARCHIVE):  # a planted link would have audit read another tree
+                if os.path.islink(s.store.path(name)):
+                    raise symlink_refusal(s.store.path(name))
             snapshot = read_state_file(s.store.path(SNAPSHOT))  # before the ledger, as readers do
             s.ledger.open()
             report = audit_ledger(s.ledger, snapshot, a.require_independent_judge,
-                                  runs_dir=s.store.path(RUNS), scan=scan)
+                                  runs_dir=s.store.path(RUNS), scan=collect)
     plan = report.pop("plan")
     bad_logs = report.pop("bad_logs")
     if bad_logs:
         raise bad_logs[0]
-    review = trust.review(store, plan, scan, pin, base) if trust else None
+    review = trust.review(store, plan, scan, pin, base, opts) if trust else None
     missing_logs = report["missing_logs"]
     accepted = accepted_ids(plan)
     report.update(plan_summary(plan), brief=plan["brief"], accepted=accepted)
-    if review is not None:
+    failures = []
+    if report["independence"]:
+        failures.append({"code": "judge_not_independent", "message": "a verdict was not given by "
+                         "an independent judge — " + "; ".join(report["independence"]),
+                         "fix": "an agent other than the executor judges the story again"})
+    if a.require_logs and missing_logs:
+        failures.append({"code": "missing_logs", "message": f"{count_noun(missing_logs, 'verification run log')} "
+                         f"{'is' if missing_logs == 1 else 'are'} missing, so "
+                         f"{'that run' if missing_logs == 1 else 'those runs'} cannot be shown to "
+                         "have happened", "fix": "commit .fablize/runs/"})
+    if a.require_complete and not report["complete"]:
+        left = [f"{x['id']} [{x['status']}]" for x in plan["goals"] if x["status"] not in DONE]
+        failures.append({"code": "incomplete", "message": "trusted but incomplete — "
+                         + ", ".join(left), "fix": "finish the plan: `next`, then `checkpoint`"})
+    if trust:
         for warning in review["warnings"]:
             ctx.out.warn(warning)
-        report["trust"] = {k: v for k, v in review.items() if k not in ("decisions", "warnings")}
+        failures += trust.gates(store, plan, review, opts)
+    results = trust.rerun(store, plan, review, opts, ctx.timeout) if a.rerun or (
+        opts["fail_to_pass"] or opts["require_fail_to_pass"]) else []
+    if results:
+        failures += trust.rerun_failures(results, opts)
+    grades = trust.grades(plan, results) if trust else None
+    if review is not None:
+        report["trust"] = {k: v for k, v in review.items()
+                           if k not in ("decisions", "warnings", "tree")}
+        report["trust"]["tree"] = review["tree"] and {
+            k: review["tree"][k] for k in ("scope", "from", "left")}
+    if results:
+        report["rerun"] = results
+    report.update(grades=grades, failures=failures)
     ctx.data.update(report)
-    if report["independence"]:  # a trust failure: no "audit ok" line before it
-        raise refused("audit: a verdict was not given by an independent judge — "
-                      + "; ".join(report["independence"]), "judge_not_independent")
-    ctx.say(f"fablize: audit ok — {report['event_count']} events, hash chain intact, every event "
-            f"one fablize writes and legal when replayed; snapshot {report['snapshot']}.")
+    ledger_line = (f"{count_noun(report['event_count'], 'event')}, hash chain intact, every event "
+                   f"one fablize writes and legal when replayed; snapshot {report['snapshot']}.")
+    rerun_passed = results and not any(f["code"] == "rerun_failed" for f in failures)
+    if failures:
+        verdict = f"❌ audit failed: {count_noun(len(failures), 'gate')} said no — " + \
+            ", ".join(f["code"] for f in failures)
+        ctx.say(f"fablize: {verdict}")
+        for f in failures:
+            ctx.say(f"  ✗ {f['code']}: {f['message']} — fix: {f['fix']}")
+        ctx.say(f"  ledger: {ledger_line}")
+    else:
+        verdict = ("✅ re-witnessed: every frozen check passed again; " if rerun_passed else
+                   "✅ ") + f"audit ok — {report['done']}/{report['total']} done"
+        if rerun_passed:
+            ctx.say(f"fablize: ✅ re-witnessed — {count_noun(len(results), 'frozen check')} "
+                    "passed again, run by this audit")
+        ctx.say(f"fablize: audit ok — {ledger_line}")
     ctx.say(f"  head: {report['head']}   (keep it; `audit --since` proves later history only grew)")
     ctx.say(f"  plan: {report['done']}/{report['total']} done — {defused_line(plan['brief'])}"
             + (f" ({', '.join(accepted)} accepted by a human decision)" if accepted else ""))
@@ -4262,26 +4380,39 @@ def cmd_audit(ctx, a):
         ctx.say(f"  torn tail: {report['torn_tail_bytes']} bytes after the last event — a write that "
                 "never completed; the next writing command moves it aside.")
     if missing_logs:
-        ctx.say(f"  {missing_logs} run log(s) not present here (not committed?); their digests are "
-                "in the ledger.")
+        ctx.say(f"  {count_noun(missing_logs, 'run log')} not present here (not committed?); their "
+                "digests are in the ledger.")
     for line in trust.lines(review) if trust else ():
         ctx.say(line)
-    if a.require_logs and missing_logs:
-        raise refused(f"audit: {missing_logs} verification run log(s) are missing, so those runs "
-                      "cannot be shown to have happened — commit .fablize/runs/.", "missing_logs")
-    if a.require_complete and not report["complete"]:
-        left = [f"{x['id']} [{x['status']}]" for x in plan["goals"] if x["status"] not in DONE]
-        raise refused("audit: trusted but incomplete — " + ", ".join(left), "incomplete")
-    if trust:
-        trust.gates(store, plan, review, opts)
-    if a.rerun:
-        results = trust.rerun(plan, a.rerun, store.root, ctx.timeout)
-        ctx.data["rerun"] = results
-        for line in trust.rerun_lines(a.rerun, results):
-            ctx.say(line)
-        failure = trust.rerun_failure(a.rerun, results)
-        if failure:
-            raise failure
+    for line in trust.rerun_lines(results, review["tree"]) if results else ():
+        ctx.say(line)
+    if grades:
+        ctx.say("  grades: " + ", ".join(f"{sid} {grade}" for sid, grade in grades.items()))
+    standing = [(s["id"], unaddressed_failure(s)) for s in stories_in(plan, "complete")]
+    for sid, o in standing:
+        if o is not None:
+            ctx.say(f"  {sid}: the harness last saw `{one_line(last_chars(o['cmd'], 120))}` fail "
+                    f"(event {o.get('seq')}) before it was checkpointed")
+    if a.summary:
+        md = trust.summary(verdict, failures, render_report(plan, list(runs)), review, results,
+                           grades) if trust else f"## {verdict}\n\n" + render_report(plan, list(runs))
+        write_summary(a.summary, None, md)
+    if failures:
+        error = FablizeError("audit: " + "; ".join(f"{f['message']} — {f['fix']}"
+                                                   for f in failures),
+                             failures[0]["code"], EXIT_REFUSED)
+        error.summarised = True
+        raise error
+
+
+def write_summary(path, verdict, markdown):
+    """Append a job summary (Markdown) to `path`: `verdict` alone when the audit could not go
+    further (a damaged ledger), else what the audit wrote."""
+    text = markdown if verdict is None else f"## {verdict}\n"
+    with open(path, "ab") as f:
+        if f.tell() > 0:
+            f.write(b"\n")
+        f.write(text.encode("utf-8") + b"\n")
 
 
 def cmd_rebuild(ctx, a):
@@ -4695,6 +4826,10 @@ def add_create(command):
                    help="require an independent judge's verdict: for every story, or for ID")
     c.add_argument("--accept", action="append", default=[], metavar="ID=TEXT",
                    help="an acceptance item for a judge to check on a story (repeatable)")
+    c.add_argument("--scope", action="append", default=[], metavar="PATH",
+                   help="a path the work may change (repeatable: a file, a folder, or a glob like "
+                        "src/** or *.py); CI's re-run takes only these from the branch, and the "
+                        "tests, tools and build files from the base")
     c.add_argument("--remote", metavar="NAME",
                    help="share the new plan through this git remote (see `share`)")
 
@@ -4818,9 +4953,25 @@ def add_audit_trust(c):
                    help="accept a plan created after the pin (its frozen checks are printed)")
     c.add_argument("--allow-imported", action="store_true",
                    help="accept a plan imported from the original goals.py format after the pin")
-    c.add_argument("--rerun", nargs="?", const="final", choices=["final", "all"],
-                   help="re-run the frozen checks (of the final story, or of all stories) here, "
-                        "recording nothing; exit 1 if any fails")
+    c.add_argument("--rerun", nargs="?", const="all", choices=["final", "all"],
+                   help="re-run the frozen checks (of all stories, or of the final one), recording "
+                        "nothing: with --base and a scope, on the base's tree with the branch's "
+                        "in-scope files; exit 1 if any fails")
+    c.add_argument("--scope", action="append", default=[], metavar="PATH",
+                   help="the paths the work may change, as CI gives them (repeatable; wins over "
+                        "the plan's): the re-run takes only these from the branch")
+    c.add_argument("--require-scope", action="store_true",
+                   help="exit 1 unless a scope is known (CI's, or the plan's as the base holds it)")
+    c.add_argument("--forbid-out-of-scope", action="store_true",
+                   help="with --base: exit 1 if the branch changed files outside the scope")
+    c.add_argument("--fail-to-pass", action="store_true",
+                   help="with --base: also run the final story's frozen checks on the base's tree "
+                        "alone; one that passes there is reported as vacuous")
+    c.add_argument("--require-fail-to-pass", action="store_true",
+                   help="with --base: exit 1 if a final check passes on the base's tree alone")
+    c.add_argument("--summary", metavar="FILE",
+                   help="append the verdict, every failed gate and the report to FILE as Markdown "
+                        "(a CI job summary), even when the ledger is damaged")
     c.add_argument("--require-check", action="append", default=[], metavar="CMD",
                    help="exit 1 unless the final story carries exactly this frozen check "
                         "(repeatable; with --rerun it must pass)")

@@ -934,6 +934,6 @@ def test_audit_require_logs_refuses_a_run_whose_log_is_missing(fab):
     before = state_files(fab.dir)
     r = fab("audit", "--require-logs", "--json")
     assert r.code == 1 and r.json["error"]["code"] == "missing_logs", r
-    assert "1 verification run log(s) are missing" in r.json["error"]["message"]
+    assert "1 verification run log is missing" in r.json["error"]["message"]
     assert state_files(fab.dir) == before
     assert fab("audit").code == 0  # without the option a missing log is only reported

@@ -79,7 +79,7 @@ def sandbox():
                     "GITHUB_STEP_SUMMARY", "FABLIZE_GUARD_MAX"):
             mp.delenv(var, raising=False)
         mp.setattr(goals, "run_command", _stub_run_command)
-        mp.setattr(goals, "git_state", lambda root: (None, None))
+        mp.setattr(goals, "git_state", lambda root, state_dir: (None, None, None))
         yield
 
 

@@ -325,7 +325,7 @@ def test_a_frozen_check_whose_file_the_branch_rewrote_is_named_and_can_fail_ci(t
     git(repo, home, "add", "-A")
     git(repo, home, "commit", "-qm", "pr")
     r = run(repo, "audit", "--base", "main", "--require-complete", "--rerun", "all")
-    assert r.returncode == 0 and "frozen checks run files this branch changed since the base " \
+    assert r.returncode == 0 and "frozen checks name files this branch changed since the base " \
         "(review them): check.py" in r.stdout, r  # the rerun passes: only a reviewer sees it
     r = run(repo, "audit", "--base", "main", "--require-complete", "--rerun", "all",
             "--require-unchanged-checks", "--json")

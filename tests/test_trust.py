@@ -193,7 +193,7 @@ def test_honest_plan_passes_the_ci_audit(work):
     r = work.ci(*BAR)
     assert r.code == 0, r
     assert "pin: 1:" in r.out and "found in this ledger — from main" in r.out
-    assert "re-run (all): 2 frozen check(s)" in r.out and "✓ G002 check 1 `python3 check.py`" in r.out
+    assert "re-run: 2 frozen checks, here, in the checkout" in r.out and "✓ G002 check 1 `python3 check.py`" in r.out
     j = work.ci_json(*BAR).json
     assert j["ok"] and [x["ok"] for x in j["rerun"]] == [True, True]
     assert j["trust"]["pin"]["new_plan"] is False and j["accepted"] == []
@@ -380,7 +380,7 @@ def test_attack_run_without_a_log_fails_require_logs_and_the_ci_audit(work):
     work.rebuild()
     commit_all(work.repo)
     r = work.ci("audit", "--require-complete", "--require-logs")
-    assert r.code == 1 and "1 verification run log(s) are missing" in r.err, r
+    assert r.code == 1 and "1 verification run log is missing" in r.err, r
     assert work.ci_json("audit").json["missing_logs"] == 1
     r = work.ci(*BAR)
     assert r.code == 1 and "re-run failed — G002" in r.err, r
@@ -435,11 +435,23 @@ def test_attack_doctored_environment_fails_the_ci_rerun_and_is_reported(work, tm
     assert r.code == 1 and "re-run failed — G002 check 1 `python3 check.py`: exit 1" in r.err, r
 
 
-def test_run_on_a_dirty_tree_is_reported(work):
+def test_runs_made_before_their_exact_tree_was_committed_raise_no_warning(work):
+    """The honest way: the work is tested, then committed as it was tested. Each run recorded
+    the tree it ran on; that tree is the commit's (apart from .fablize/): nothing to say."""
     work.honest(commit=False)
     commit_all(work.repo)
     r = work.ci("audit", "--require-clean-runs")
-    assert r.code == 1 and "the working tree was dirty" in r.err, r
+    assert r.code == 0 and "dirty" not in r.out + r.err, r
+
+
+def test_a_run_on_a_tree_that_was_never_committed_is_reported(work):
+    """Tested on one tree, committed another: the run proves nothing about what was committed."""
+    work.honest(commit=False)
+    (work.repo / "impl.txt").write_text("changed after the runs\n")
+    commit_all(work.repo)
+    r = work.ci("audit", "--require-clean-runs")
+    assert r.code == 1 and "the working tree was dirty, and that tree was never committed" \
+        in r.err, r
 
 
 # Attack 6: the auditor from the tree under audit #############################
@@ -470,12 +482,16 @@ def test_attack_doctored_engine_in_the_tree_does_not_fool_the_action(work):
     assert r.code == 1 and "trusted but incomplete" in r.err, r
 
 
-def test_audit_warns_when_its_engine_lies_inside_the_tree(work):
+def test_audit_in_ci_warns_when_its_engine_lies_inside_the_tree_and_only_there(work):
     work.honest()
     inside = copy_engine(work.repo / "scripts")
-    p = subprocess.run([sys.executable, "-I", str(inside), "audit"], cwd=str(work.repo),
-                       capture_output=True, env=clean_env(work.top))
-    assert p.returncode == 0 and b"lies inside the tree it audits" in p.stderr, p
+    for env, warned in (({"CI": "true"}, True), ({}, False)):  # a developer's own audit: no noise
+        p = subprocess.run([sys.executable, "-I", str(inside), "audit"], cwd=str(work.repo),
+                           capture_output=True, env=dict(clean_env(work.top), **env))
+        assert p.returncode == 0 and (b"lies inside the tree it audits" in p.stderr) is warned, p
+    p = subprocess.run([sys.executable, "-I", str(inside), "audit", "--base", "main"],
+                       cwd=str(work.repo), capture_output=True, env=clean_env(work.top))
+    assert b"lies inside the tree it audits" in p.stderr, p  # --base: an audit for CI
     assert b"lies inside" not in work.ci("audit").err.encode()
 
 
@@ -935,7 +951,7 @@ def test_a_run_without_provenance_is_counted_and_fails_require_clean_runs(fab):
     fab("next")
     assert forged_run(fab).code == 0  # engine-shaped, but no provenance recorded
     r = fab("audit")
-    assert r.code == 0 and "1 run(s) recorded no provenance" in r.out, r
+    assert r.code == 0 and "1 run recorded no provenance" in r.out, r
     r = fab("audit", "--require-clean-runs")
     assert r.code == 1 and "cannot be shown to be clean" in r.err, r
 
@@ -952,8 +968,8 @@ def test_rerun_prints_each_checks_result_and_output_tail_and_records_nothing(wor
     (work.repo / "check.py").write_text("print('checked: fine')\n" + CHECK_PY)
     commit_all(work.repo)
     before = state_files(work.dir)
-    r = work.ci("audit", "--rerun")
-    assert r.code == 0 and "re-run (final): 1 frozen check(s)" in r.out, r
+    r = work.ci("audit", "--rerun", "final")
+    assert r.code == 0 and "re-run: 1 frozen check, here, in the checkout" in r.out, r
     assert "│ checked: fine" in r.out
     assert state_files(work.dir) == before
 

@@ -282,7 +282,7 @@ def test_verify_runs_a_storys_checks_without_changing_its_status(fab):
     make_plan(fab, 2, "--check", "G002=echo checking-G002")
     before = story(fab, "G002")["status"]
     r = ok(fab("verify", "--id", "G002"))
-    assert "all 1 check(s) passed" in r.out
+    assert "1 check passed" in r.out
     assert story(fab, "G002")["status"] == before == "pending"
     assert kinds(fab) == ["plan_created", "verify_run"]
     assert runs_of(fab)[0]["tail"] == "checking-G002\n"
@@ -291,7 +291,7 @@ def test_verify_runs_a_storys_checks_without_changing_its_status(fab):
 def test_verify_refuses_with_exit_1_when_a_check_fails_and_records_the_run(fab):
     make_plan(fab, 2, "--check", "G001=exit 4")
     r = fab("verify", "--id", "G001")
-    assert r.code == 1 and "1 of 1 check(s) failed" in r.err, r
+    assert r.code == 1 and "1 of 1 check failed" in r.err, r
     assert kinds(fab) == ["plan_created", "verify_run"]
     assert story(fab, "G001")["status"] == "pending"
 
@@ -394,7 +394,7 @@ def test_create_flags_checks_that_cannot_run_here_and_still_creates_the_plan(fab
             "--verify", "./scripts/missing-gate.sh", "--verify", "true")
     assert r.code == 0, r
     assert "fablize: plan created — 2 stories" in r.out
-    assert "2 frozen check(s) cannot run here" in r.out
+    assert "2 frozen checks cannot run here" in r.out
     assert "G001 check 1: `no-such-tool-fablize-abc --all` — no-such-tool-fablize-abc is not on PATH" in r.out
     assert "G002 check 1: `./scripts/missing-gate.sh` — ./scripts/missing-gate.sh does not exist" in r.out
     expected = [
@@ -478,7 +478,7 @@ def test_green_run_from_an_earlier_round_does_not_complete_the_reopened_story(fa
     make_plan(fab, 2, "--check", "G001=test -f ok.flag")
     (fab.root / "ok.flag").write_text("")
     start(fab, "G001")
-    assert "all 1 check(s) passed" in ok(fab("verify", "--id", "G001")).out  # green in round 1
+    assert "1 check passed" in ok(fab("verify", "--id", "G001")).out  # green in round 1
     green = runs_of(fab, "G001")[-1]
     assert green["exit_code"] == 0
     # control: in round 1 that green run is fresh, so a completion backed by it would be legal

@@ -310,7 +310,7 @@ def test_status_on_an_active_story_is_a_resume_screen(fab):
     resume = out.split("## Resume G001 — S1 (round 2, started ", 1)[1]
     assert "Objective: objective 1\n" in resume
     assert "What was missing last round (round 1):\n    README has no --version section\n" in resume
-    assert "⚠ 1 run(s) already failed in this round" in resume
+    assert "⚠ 1 run already failed in this round" in resume
     assert "frozen check 1 `echo the parser still rejects it; false` (exit 1, event" in resume
     assert "the parser still rejects it" in resume.split("output tail:", 1)[1]
     assert "Full handoff (plan map, dependencies' evidence, checks): goals.py next\n" in resume
@@ -320,8 +320,8 @@ def test_status_on_an_active_story_is_a_resume_screen(fab):
     for line in out.splitlines():
         assert not line.rstrip("`").endswith("..."), line
     handoff = fab("next").out
-    assert "⚠ Resumed: 1 run(s) already failed in this round" in handoff, handoff
-    assert "⚠ Resumed: 1 run(s)" in fab("status", "--resume").out
+    assert "⚠ Resumed: 1 run already failed in this round" in handoff, handoff
+    assert "⚠ Resumed: 1 run" in fab("status", "--resume").out
 
 
 def test_a_resumed_story_held_by_an_agent_names_the_agent_in_the_command(fab):

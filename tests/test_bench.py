@@ -1,0 +1,212 @@
+"""scripts/bench.py renders its figures from saved measurements alone (`--from`), and README's
+performance section quotes lines it prints. Nothing here measures anything: the saved files are
+written by the tests, with made-up numbers chosen so that a median of per-round ratios and a
+ratio of medians differ."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "scripts" / "bench.py"
+README = ROOT / "README.md"
+SAVED = ROOT / "docs" / "bench.json"
+# a figure: a digit followed by a unit (ms, %, ×, MiB, MB, /s, s), or a ratio written ×N
+FIGURE = re.compile(r"\d\s?(?:ms\b|%|×|MiB\b|MB\b|/s\b|s\b)|×\s?\d")
+
+
+def ms(*values):
+    return [v / 1000 for v in values]
+
+
+def samples(cpu, wall=None, rss=None):
+    """A variant's saved runs: CPU and wall seconds and max RSS (MiB), one of each a round."""
+    wall = wall or cpu
+    return {"cpu": cpu, "wall": wall, "rss": rss or [10.0] * len(cpu)}
+
+
+def flat(value, rss=10.0):
+    return samples(ms(value, value, value), rss=[rss] * 3)
+
+
+def fake_data(original=True):
+    """A saved file with every section, three rounds, made-up numbers."""
+    starts = {}
+    for name in ("status", "next", "checkpoint"):
+        g = {"bare": flat(30), "bare -I -S": flat(10), "floor": flat(33), "launcher": flat(20),
+             "plugin": flat(21), "cached": flat(36),
+             # per round: 1, 2, 0.5 (median 1) on CPU, 0.5, 3, 0.5 (median 0.5) on wall;
+             # the ratios of the medians would be 2 and 1
+             "script": samples(ms(10, 20, 30), ms(12, 24, 36))}
+        if original:
+            g["original"] = samples(ms(10, 10, 60), ms(24, 8, 72))
+        starts[name] = g
+    hooks = {}
+    for event, theirs in (("SessionStart", ("router.sh", "gate_prompt.py")),
+                          ("Stop", ("gate_stop.py", "finish-the-work.sh")),
+                          ("PostToolUse", ("gate_post_tool.py",))):
+        g = {"launcher": flat(20), "plugin": flat(22), "cached": flat(40)}
+        if original:
+            g.update({hook: flat(40) for hook in theirs})
+        hooks[event] = g
+    large = []
+    for stories in (10_000, 100_000):
+        for command in ("status", "next", "checkpoint"):
+            v = {"launcher -I -S": flat(50, 25.0), "launcher": flat(70, 28.0),
+                 "script": flat(120, 40.0)}
+            if original:
+                v["original"] = flat(100, 30.0)
+            large.append({"stories": stories, "command": command, "rounds": 3, "variants": v})
+    ledger = {
+        "events": 1_000_000, "bytes": 1_213_000_000, "real_runs": 3,
+        "real_line_bytes": [1212, 1213, 1213], "logs_written": 10_000, "logs_checked": 10_000,
+        "rounds": 3,
+        "commands": {"bare loop": flat(4000, 17.0), "audit": flat(6000, 39.0),
+                     "rebuild": flat(8000, 39.0), "log": flat(10_000, 300.0),
+                     "report": flat(5000, 39.0)},
+        "status": {"3 events": flat(30), "long": flat(33)}}
+    sharing = {
+        "rounds": 3,
+        "cost": {"next, local": flat(20), "next, shared": flat(60), "checkpoint, local": flat(20),
+                 "checkpoint, shared": flat(25)},
+        "throughput": [
+            {"clones": c, "agents": 2 * c, "wall": wall, "stories": 100, "done": 100,
+             "finished": True, "deadline": 900.0, "cpu": 10.0, "completions": 100,
+             "nothing_ready": 2 * c - 1, "gave_up": 0,
+             "next": {"0": 102, "1": 2 * c - 1, "3": exits3},
+             "checkpoint": {"0": 100},
+             "said": {"next exit 3": {"fablize: gave up publishing": exits3}} if exits3 else {}}
+            for c, wall, exits3 in ((2, 10.0, 0), (8, 20.0, 4))]}
+    huge = {"events": 10_000_000, "bytes": 12_000_000_000, "status": {"timeout": 1200.0},
+            "rebuild": samples([100.0], rss=[40.0]), "stories": 1_000_000,
+            "snapshot_bytes": 110_000_000, "audit": samples([50.0], rss=[2048.0])}
+    return {"bench": 1, "meta": {
+        "python": "3.11.7", "cores": 2, "load": [0.5, 0.75, 1.0], "rounds": 3, "quick": False,
+        "engine": "3.0.0", "original": "2.1.1 (/src/fablize)" if original else None,
+        "platform": "linux", "rss_floor": 9.6, "load_end": [1.0, 1.0, 1.0]},
+        "sections": {"starts": {"stories": 100, "rounds": 3, "groups": starts},
+                     "hooks": {"rounds": 3, "groups": hooks}, "large": {"groups": large},
+                     "ledger": ledger,
+                     "long_line": {"rounds": 3, "variants": {"8 MB": flat(100),
+                                                             "32 MB": flat(220)}},
+                     "sharing": sharing, "huge": huge}}
+
+
+def render(tmp_path, data, *flags):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    r = subprocess.run([sys.executable, str(BENCH), "--from", str(path), *flags],
+                       capture_output=True, text=True, encoding="utf-8", timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""  # nothing measured, nothing said about measuring
+    return r.stdout
+
+
+def lines_with(out, *words):
+    found = [line for line in out.splitlines() if all(w in line for w in words)]
+    assert found, f"no line holds {words}:\n{out}"
+    return found
+
+
+def test_a_ratio_is_the_median_of_per_round_ratios_cpu_first_and_wall_beside_it(tmp_path):
+    out = render(tmp_path, fake_data(), "--markdown")
+    line, = lines_with(out, "- status, 100 stories:")
+    assert "script ÷ original ×1.00 (wall ×0.50), bar ≤ 1.5: met" in line
+    assert "launcher ÷ bare -I -S ×2.00 (wall ×2.00)" in line
+    assert "plugin ÷ bare -I -S ×2.10 (wall ×2.10)" in line
+    assert "cached (with site) ÷ bare ×1.20 (wall ×1.20)" in line
+    row, = [line for line in out.splitlines() if line.startswith("| status |")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    # every cell is the CPU median, then the wall median in parentheses, in ms
+    assert cells == ["status", "30.0 (30.0)", "10.0 (10.0)", "33.0 (33.0)", "20.0 (24.0)",
+                     "20.0 (20.0)", "21.0 (21.0)", "36.0 (36.0)", "10.0 (24.0)"]
+
+
+def test_the_first_line_says_what_was_measured_and_how(tmp_path):
+    first, second = render(tmp_path, fake_data()).splitlines()[:2]
+    assert first.startswith("python 3.11.7, 2 cores, load average 0.50 0.75 1.00")
+    assert "3 rounds" in first and "CPU is user+sys of the child" in first
+    assert "without PYTHONDONTWRITEBYTECODE" in second and "original fablize 2.1.1" in second
+
+
+def test_every_section_renders_its_figures_and_bars(tmp_path):
+    out = render(tmp_path, fake_data(), "--markdown")
+    for heading in ("### 1. Starts", "### 2. Hooks", "### 3. Large plans", "### 4. A long ledger",
+                    "### 5. A long last line", "### 6. A shared plan", "### 7. Huge states"):
+        lines_with(out, heading)
+    stop_alone, stop_both = lines_with(out, "- Stop hook (`guard`) ÷")
+    assert "(gate_stop.py): launcher ×0.50 (wall ×0.50)" in stop_alone
+    assert "(gate_stop.py + finish-the-work.sh): launcher ×0.25 (wall ×0.25)" in stop_both
+    assert "bar ≤ 1: met by all three" in stop_both
+    session, = lines_with(out, "- SessionStart hook")
+    assert "UserPromptSubmit hooks (router.sh + gate_prompt.py)" in session
+    assert "cached (with site) ×0.50" in session
+    status_10k, = lines_with(out, "- status, 10,000 stories: ours ÷ original")
+    assert "-I -S scripts/fablize.py ×0.50" in status_10k
+    assert "NOT met by scripts/goals.py" in status_10k
+    lines_with(out, "| 100,000 | checkpoint | 50.0 (50.0), 25 MiB |")
+    audit, = lines_with(out, "- audit of 1,000,000 real-run events")
+    assert "runs at 67% of the bare loop's rate (wall 67%), bar ≥ 60%: met" in audit
+    assert "max RSS 39 MiB, bar ≤ 100 MiB at 1,000,000 events: met" in audit
+    lines_with(out, "- log of 1,000,000 real-run events runs at 40%", "max RSS 300 MiB")
+    lines_with(out, "mean line 1,213 bytes", "1,212–1,213 bytes", "audit checked 10,000")
+    lines_with(out, "status on a 1,000,000-event ledger ÷", "×1.10 (wall ×1.10), bar ≤ 1.3: met")
+    lines_with(out, "32 MB ÷ one whose last line is 8 MB: ×2.20 (wall ×2.20)")
+    lines_with(out, "next --agent a in a shared plan ÷ in a local plan: ×3.00", "NOT met")
+    eight, = lines_with(out, "- shared-plan throughput, 8 clones")
+    assert "5.00 completions/s (wall)" in eight and "×0.50 the 2-clone figure" in eight
+    assert "bar ≥ 0.8: NOT met" in eight and "exit 3 ×4" in eight
+    assert "next exit 3 ×4, most often (4): fablize: gave up publishing" in eight
+    lines_with(out, "status without goals.json", "did not finish within 1,200 s")
+    lines_with(out, "audit of a 1,000,000-story plan", "2.10 KiB per story, bar ≤ 4 KiB: met")
+
+
+def test_rows_that_need_the_original_say_so(tmp_path):
+    data = fake_data(original=False)
+    data["sections"]["sharing"] = {"skipped": "--no-sharing"}
+    data["sections"]["huge"] = {"skipped": "run with --huge"}
+    out = render(tmp_path, data, "--markdown")
+    assert "script ÷ original (needs --original DIR)" in out
+    lines_with(out, "- Stop hook (`guard`) ÷", "(needs --original DIR)")
+    lines_with(out, "- checkpoint, 100,000 stories: ours ÷ original (needs --original DIR)")
+    lines_with(out, "### 6. A shared plan: skipped (--no-sharing)")
+    lines_with(out, "### 7. Huge states: skipped (run with --huge)")
+    assert "no original (needs --original DIR)" in out.splitlines()[1]
+
+
+def test_plain_text_holds_the_same_figures_without_markdown(tmp_path):
+    data = fake_data()
+    plain, markdown = render(tmp_path, data), render(tmp_path, data, "--markdown")
+    assert not any(line.startswith(("|", "- ", "###")) for line in plain.splitlines())
+    figures = [line[2:] for line in markdown.splitlines() if line.startswith("- ")]
+    assert figures and all(line in plain.splitlines() for line in figures)
+    assert render(tmp_path, data, "--markdown") == markdown  # a pure function of the file
+
+
+def readme_performance_lines():
+    lines = README.read_text(encoding="utf-8").split("\n")
+    start = lines.index("## Performance") + 1
+    end = next((i for i in range(start, len(lines)) if re.match(r"#{1,2} ", lines[i])),
+               len(lines))
+    return lines[start:end]
+
+
+def test_readme_quotes_only_figures_the_bench_prints_from_docs_bench_json():
+    if not SAVED.exists():
+        pytest.skip("docs/bench.json does not exist yet: README's figures cannot be checked "
+                    "against a saved bench run (`scripts/bench.py --markdown --save "
+                    "docs/bench.json` writes it)")
+    r = subprocess.run([sys.executable, str(BENCH), "--from", str(SAVED), "--markdown"],
+                       capture_output=True, text=True, encoding="utf-8", timeout=60)
+    assert r.returncode == 0, r.stderr
+    printed = set(r.stdout.splitlines())
+    figures = [line for line in readme_performance_lines() if FIGURE.search(line)]
+    assert figures, "README's performance section quotes no figure"
+    stray = [line for line in figures if line.rstrip() not in printed]
+    assert not stray, ("README's performance section holds figures that "
+                       "`bench.py --from docs/bench.json --markdown` does not print:\n"
+                       + "\n".join(stray))
