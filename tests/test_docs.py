@@ -168,20 +168,20 @@ def engine_error_codes():
                         f"goals.py line {node.lineno}: an error code must be a string literal"
                     code = given.value
                 codes.setdefault(code, set()).add(helpers[name])
+            elif name == "failure" and node.args and isinstance(node.args[0], ast.Constant):
+                codes.setdefault(node.args[0].value, set()).add(goals.EXIT_REFUSED)  # trust gate
             elif name == "FablizeError" and len(node.args) > 2 and \
                     isinstance(node.args[1], ast.Constant):
                 exit_code = getattr(goals, node.args[2].id) if isinstance(node.args[2], ast.Name) \
                     else getattr(goals, node.args[2].attr) if isinstance(node.args[2], ast.Attribute) \
                     else node.args[2].value
                 codes.setdefault(node.args[1].value, set()).add(exit_code)
-        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "failure" and \
-                node.args and isinstance(node.args[0], ast.Constant):
-            codes.setdefault(node.args[0].value, set()).add(goals.EXIT_REFUSED)  # a trust gate
         elif isinstance(node, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == "code"
                                                 for k in node.keys) and \
                 any(isinstance(k, ast.Constant) and k.value == "fix" for k in node.keys):
             value = node.values[[getattr(k, "value", None) for k in node.keys].index("code")]
-            codes.setdefault(value.value, set()).add(goals.EXIT_REFUSED)  # an audit gate
+            if isinstance(value, ast.Constant):
+                codes.setdefault(value.value, set()).add(goals.EXIT_REFUSED)  # an audit gate
         elif isinstance(node, ast.Assign) and len(node.targets) == 1 and \
                 isinstance(node.targets[0], ast.Attribute) and node.targets[0].attr == "code" \
                 and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
