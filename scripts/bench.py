@@ -353,12 +353,22 @@ def run_once(argv, cwd, env, stdin=None, timeout=RUN_TIMEOUT, capture=False, cap
     program = shutil.which(argv[0], path=env.get("PATH")) if os.sep not in argv[0] else argv[0]
     if program is None:
         raise SystemExit(f"bench: {argv[0]} is not on PATH")
-    fd, err_path = tempfile.mkstemp(prefix="bench-err-")
+    fd, err_path = tempfile.mkstemp(prefix="fablize-bench-err-")
     os.close(fd)
     out_path = None
     if capture:
-        fd, out_path = tempfile.mkstemp(prefix="bench-out-")
+        fd, out_path = tempfile.mkstemp(prefix="fablize-bench-out-")
         os.close(fd)
+    try:
+        return spawn(program, argv, cwd, env, stdin, out_path, err_path, timeout, cap)
+    finally:
+        for path in (out_path, err_path):
+            if path is not None:
+                os.remove(path)
+
+
+def spawn(program, argv, cwd, env, stdin, out_path, err_path, timeout, cap):
+    """run_once's request to the spawner, and the Result from its answer and the files."""
     proc = spawner()
     proc.stdin.write(json.dumps([[program, *map(str, argv[1:])], cwd, env, stdin, out_path,
                                  err_path, cap]) + "\n")
@@ -383,13 +393,11 @@ def run_once(argv, cwd, env, stdin=None, timeout=RUN_TIMEOUT, capture=False, cap
     r.cpu, r.wall, r.code, r.timed_out = cpu, wall, code, bool(fired)
     r.rss = maxrss / ((1 << 20) if sys.platform == "darwin" else 1024)
     r.out = b""
-    if capture:
+    if out_path is not None:
         with open(out_path, "rb") as f:
             r.out = f.read()
-        os.remove(out_path)
     with open(err_path, "rb") as f:
         r.err = f.read().decode("utf-8", "replace")
-    os.remove(err_path)
     return r
 
 

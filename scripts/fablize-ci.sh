@@ -1,22 +1,43 @@
 #!/usr/bin/env bash
 # fablize's CI audit: what action.yml runs, and what any other CI can run the same way.
-# The engine is a copy kept outside the tree under audit, started with `python3 -I` (no
-# PYTHONPATH, no user site, no script directory on sys.path), so nothing the pull request
-# commits can change the auditor. The pin comes from the base branch; the frozen checks are
-# re-run here, in CI's own environment.
 #
-# Settings (environment): FABLIZE_BASE (git ref, e.g. origin/main), FABLIZE_REQUIRED_CHECKS
-# (one command a line), FABLIZE_ALLOWED_SIGNERS (path, read from the base ref),
-# FABLIZE_ALLOW_NEW_PLAN, FABLIZE_SKIP_IF_NO_PLAN (true/false), FABLIZE_RERUN (all|final),
-# FABLIZE_STATE (default .fablize), FABLIZE_REPORT (a file; default $GITHUB_STEP_SUMMARY).
+# The engine is a copy kept outside the tree under audit, started with `python3 -I` (no
+# PYTHONPATH, no user site, no script directory on sys.path), so nothing the pull request commits
+# can change the auditor. The pin comes from the base branch; the frozen checks are re-run by CI
+# itself, on the base's tree with only the pull request's files inside the work's scope taken
+# over (its tests, conftest.py, tool configuration and build files come from the base). The
+# verdict and the job summary are written by that one engine process, and nothing runs after it.
+#
+# Settings (environment):
+#   FABLIZE_BASE             git ref of the base branch (e.g. origin/main): the pin and the tree
+#   FABLIZE_SCOPE            the paths the work may change, one a line (wins over the plan's)
+#   FABLIZE_REQUIRE_SCOPE    true (default): fail a plan with no scope known
+#   FABLIZE_REQUIRED_CHECKS  frozen checks the final story must carry, one command a line
+#   FABLIZE_FAIL_TO_PASS     true: fail a final check that already passes on the base alone
+#   FABLIZE_FORBID_OUT_OF_SCOPE  true: fail a branch that changed files outside the scope
+#   FABLIZE_REQUIRE_WITNESSED    true (default): every completed story rests on engine runs
+#   FABLIZE_ALLOWED_SIGNERS  path of an ssh allowed-signers file (read from the base ref)
+#   FABLIZE_ALLOW_NEW_PLAN   true: accept a plan created after the pin
+#   FABLIZE_SKIP_IF_NO_PLAN  true: succeed when the tree has no plan (and the base had none)
+#   FABLIZE_REMOTE, FABLIZE_PLAN  audit a shared plan: the remote and the plan id CI names
+#   FABLIZE_STATE            the state directory (default .fablize)
+#   FABLIZE_REPORT           the job summary file (default $GITHUB_STEP_SUMMARY)
+#
+# The whole script is one brace group, read by bash before any of it runs: a check that rewrites
+# this file while the audit runs changes nothing of what follows.
+{
 set -euo pipefail
+
+is_true() { [ "${1:-}" = "true" ]; }
+
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 work="$(mktemp -d "${RUNNER_TEMP:-${TMPDIR:-/tmp}}/fablize-engine.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
 cp "$here/goals.py" "$here"/fablize_*.py "$work/"
-engine=(python3 -I "$work/goals.py")
 state="${FABLIZE_STATE:-.fablize}"
+report="${FABLIZE_REPORT:-${GITHUB_STEP_SUMMARY:-}}"
 
-if [ ! -s "$state/ledger.jsonl" ] && [ "${FABLIZE_SKIP_IF_NO_PLAN:-false}" = "true" ]; then
+if [ -z "${FABLIZE_REMOTE:-}" ] && [ ! -s "$state/ledger.jsonl" ] && is_true "${FABLIZE_SKIP_IF_NO_PLAN:-false}"; then
   # skipping is for trees that never had a plan: deleting the base's plan is not finishing it
   if [ -n "${FABLIZE_BASE:-}" ] && git cat-file -e "$FABLIZE_BASE:./$state/ledger.jsonl" 2>/dev/null; then
     echo "fablize: $FABLIZE_BASE has a plan in $state but this tree has none — it was removed, not finished." >&2
@@ -26,31 +47,31 @@ if [ ! -s "$state/ledger.jsonl" ] && [ "${FABLIZE_SKIP_IF_NO_PLAN:-false}" = "tr
   exit 0
 fi
 
-args=(--dir "$state" audit --require-complete --require-witnessed --rerun "${FABLIZE_RERUN:-all}")
-if [ -n "${FABLIZE_BASE:-}" ]; then
-  args+=(--base "$FABLIZE_BASE")
-fi
+args=(--dir "$state" audit --require-complete --rerun all)
+if is_true "${FABLIZE_REQUIRE_WITNESSED:-true}"; then args+=(--require-witnessed); fi
+if [ -n "${FABLIZE_BASE:-}" ]; then args+=(--base "$FABLIZE_BASE"); fi
+while IFS= read -r path; do
+  if [ -n "$path" ]; then args+=(--scope "$path"); fi
+done <<< "${FABLIZE_SCOPE:-}"
+if is_true "${FABLIZE_REQUIRE_SCOPE:-true}"; then args+=(--require-scope); fi
 while IFS= read -r check; do
-  if [ -n "$check" ]; then
-    args+=(--require-check "$check")
-  fi
+  if [ -n "$check" ]; then args+=(--require-check "$check"); fi
 done <<< "${FABLIZE_REQUIRED_CHECKS:-}"
-if [ -n "${FABLIZE_ALLOWED_SIGNERS:-}" ]; then
-  args+=(--allowed-signers "$FABLIZE_ALLOWED_SIGNERS")
-fi
-if [ "${FABLIZE_ALLOW_NEW_PLAN:-false}" = "true" ]; then
-  args+=(--allow-new-plan)
-fi
-
-status=0
-"${engine[@]}" "${args[@]}" || status=$?
-report="${FABLIZE_REPORT:-${GITHUB_STEP_SUMMARY:-}}"
-if [ -n "$report" ] && [ -s "$state/ledger.jsonl" ]; then
-  "${engine[@]}" --dir "$state" report --out "$report.fablize" || true
-  if [ -f "$report.fablize" ]; then
-    cat "$report.fablize" >> "$report"
-    rm -f "$report.fablize"
+if is_true "${FABLIZE_FAIL_TO_PASS:-false}"; then args+=(--require-fail-to-pass); fi
+if is_true "${FABLIZE_FORBID_OUT_OF_SCOPE:-false}"; then args+=(--forbid-out-of-scope); fi
+if [ -n "${FABLIZE_ALLOWED_SIGNERS:-}" ]; then args+=(--allowed-signers "$FABLIZE_ALLOWED_SIGNERS"); fi
+if is_true "${FABLIZE_ALLOW_NEW_PLAN:-false}"; then args+=(--allow-new-plan); fi
+if [ -n "${FABLIZE_REMOTE:-}" ]; then
+  if [ -z "${FABLIZE_PLAN:-}" ]; then
+    echo "fablize: FABLIZE_REMOTE needs FABLIZE_PLAN: CI names the shared plan it audits, never the tree." >&2
+    exit 1
   fi
+  args+=(--remote "$FABLIZE_REMOTE" --plan "$FABLIZE_PLAN")
 fi
-rm -rf "$work"
+if [ -n "$report" ]; then args+=(--summary "$report"); fi
+
+# the verdict: the engine's exit code; nothing but the clean-up runs after it
+status=0
+python3 -I "$work/goals.py" "${args[@]}" || status=$?
 exit "$status"
+}

@@ -2603,9 +2603,9 @@ def git(root, *args, data=None, what=None, env=None):
     return run_tool(["git", "-C", root, *args], data=data, what=what or "this command", env=env)
 
 
-def git_out(root, *args, data=None, what=None):
+def git_out(root, *args, data=None, what=None, env=None):
     """git's stdout; a failure is damage, with git's own reason."""
-    code, out, err = git(root, *args, data=data, what=what)
+    code, out, err = git(root, *args, data=data, what=what, env=env)
     if code != 0:
         raise damaged(f"git {args[0]} failed: {one_line(err)[:300]}", "git_failed")
     return out

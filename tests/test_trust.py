@@ -465,9 +465,11 @@ def doctor_the_trees_engine(work):
 
 
 def ci_script(work, env=None, **settings):
-    """scripts/fablize-ci.sh — the action's own commands — from the action's checkout."""
+    """scripts/fablize-ci.sh — the action's own commands — from the action's checkout, with the
+    work's scope (impl.txt, what the plan's stories change) given by CI unless a test says."""
     full = clean_env(work.top)
-    full.update({f"FABLIZE_{k.upper()}": v for k, v in settings.items()})
+    settings.setdefault("scope", "impl.txt\n")
+    full.update({f"FABLIZE_{k.upper()}": v for k, v in settings.items() if v is not None})
     full.update(env or {})
     p = subprocess.run(["bash", str(ROOT / "scripts" / "fablize-ci.sh")], cwd=str(work.repo),
                        capture_output=True, env=full)
@@ -774,7 +776,11 @@ def test_action_runs_the_ci_script_with_every_input():
     text = (ROOT / "action.yml").read_text()
     assert "using: composite" in text and 'bash "$GITHUB_ACTION_PATH/scripts/fablize-ci.sh"' in text
     for name, var in (("required-checks", "REQUIRED_CHECKS"), ("allowed-signers", "ALLOWED_SIGNERS"),
-                      ("allow-new-plan", "ALLOW_NEW_PLAN"), ("skip-if-no-plan", "SKIP_IF_NO_PLAN")):
+                      ("allow-new-plan", "ALLOW_NEW_PLAN"), ("skip-if-no-plan", "SKIP_IF_NO_PLAN"),
+                      ("scope", "SCOPE"), ("require-scope", "REQUIRE_SCOPE"),
+                      ("fail-to-pass", "FAIL_TO_PASS"), ("forbid-out-of-scope", "FORBID_OUT_OF_SCOPE"),
+                      ("require-witnessed", "REQUIRE_WITNESSED"), ("remote", "REMOTE"),
+                      ("plan", "PLAN")):
         assert f"  {name}:" in text and f"FABLIZE_{var}: ${{{{ inputs.{name} }}}}" in text
     script = (ROOT / "scripts" / "fablize-ci.sh").read_text()
     assert 'python3 -I "$work/goals.py"' in script and 'cp "$here/goals.py"' in script
@@ -786,7 +792,20 @@ def test_action_passes_the_honest_plan_and_writes_the_job_summary(work):
     r = ci_script(work, env={"GITHUB_STEP_SUMMARY": str(summary)}, base="main",
                   required_checks=FINAL_CHECK + "\n")
     assert r.code == 0, r
-    assert summary.read_text().startswith("# fablize report — ship it")
+    text = summary.read_text()
+    assert text.startswith("## ✅ re-witnessed: every frozen check passed again; audit ok — 2/2 "
+                           "done") and "# fablize report — ship it" in text, text
+    assert "| G001 | re-witnessed |" in text and "with the branch's files inside the scope" in text
+
+
+def test_action_fails_closed_when_no_scope_is_known_and_says_how_to_declare_one(work):
+    work.honest()
+    summary = work.top / "summary.md"
+    r = ci_script(work, env={"GITHUB_STEP_SUMMARY": str(summary)}, base="main", scope=None)
+    assert r.code == 1 and "no scope is known" in r.err and "create --scope PATH" in r.err, r
+    assert summary.read_text().startswith("## ❌ audit failed: 1 gate said no — no_scope")
+    r = ci_script(work, base="main", scope=None, require_scope="false")  # a workflow's opt-out
+    assert r.code == 0 and "the checks ran on the branch's own tests and tools" in r.out, r
 
 
 def test_action_fails_a_swapped_plan_unless_new_plans_are_allowed(work):

@@ -1,0 +1,389 @@
+"""The work's scope: CI re-runs the frozen checks on the base's tree with only the pull request's
+files inside the scope, so nothing else in the tree — tests, conftest.py, tool configuration,
+build files, module shadows, plugins, bytecode — decides what a check says (issue: checks the
+agent cannot edit).
+
+Every test is real: a bare origin; main holding a human's plan whose real test fails (add()
+subtracts) with the scope `src/`; a pull-request branch where an agent cheats, completes the plan
+(its own runs pass, in its own tree) and pushes; a CI clone that audits with the action's own
+copy of the engine — scripts/fablize-ci.sh, the action's recipe, and the engine's strictest
+audit. Each attack is a test named by what it tries; each must fail both, and the honest pull
+request must pass both.
+"""
+
+import os
+import py_compile
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ENGINE, ROOT, copy_engine
+
+PY = shlex.quote(sys.executable)
+# without the venv's own plugins (40% of a pytest start); the plugin attack loads its own
+PYTEST = f"PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 {PY} -m pytest -q -p no:cacheprovider"
+PYTEST_PLUGINS = f"{PY} -m pytest -q -p no:cacheprovider"
+BUGGY = "def add(a, b):\n    return a - b\n"
+FIXED = "def add(a, b):\n    return a + b\n"
+TEST = ("import unittest\n\nfrom src.calc import add\n\n\n"
+        "class TestCalc(unittest.TestCase):\n"
+        "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n\n"
+        "    def test_sub(self):\n        self.assertEqual(1 - 1, 0)\n")
+PASS_ALL_PLUGIN = ("import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\n"
+                   "def pytest_runtest_makereport(item, call):\n    outcome = yield\n"
+                   "    report = outcome.get_result()\n    report.outcome = 'passed'\n")
+STRICTEST = ["audit", "--base", "origin/main", "--require-complete", "--require-witnessed",
+             "--rerun", "all", "--require-scope", "--require-unchanged-checks",
+             "--forbid-out-of-scope"]
+
+
+def git_env(home):
+    return {"HOME": str(home), "PATH": os.environ["PATH"], "GIT_CONFIG_NOSYSTEM": "1",
+            "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@x", "GIT_COMMITTER_NAME": "t",
+            "GIT_COMMITTER_EMAIL": "t@x"}
+
+
+def git(cwd, home, *args):
+    p = subprocess.run(["git", *args], cwd=str(cwd), capture_output=True, env=git_env(home))
+    assert p.returncode == 0, p
+    return p.stdout.decode()
+
+
+def engine(cwd, home, *args):
+    p = subprocess.run([*ENGINE, *args], cwd=str(cwd), capture_output=True, text=True,
+                       env=git_env(home))
+    return p
+
+
+class Project:
+    """origin (bare), main with the human's plan, and helpers for the agent's and CI's sides."""
+
+    def __init__(self, top, check=PYTEST + " tests", verify=None, scope=("src/",), files=None):
+        self.top, self.home = top, top / "home"
+        self.home.mkdir()
+        self.origin = top / "origin.git"
+        git(top, self.home, "init", "-q", "--bare", "-b", "main", str(self.origin))
+        human = top / "human"
+        git(top, self.home, "clone", "-q", str(self.origin), str(human))
+        (human / "src").mkdir()
+        (human / "src" / "calc.py").write_text(BUGGY)
+        (human / "tests").mkdir()
+        (human / "tests" / "__init__.py").write_text("")
+        (human / "tests" / "test_calc.py").write_text(TEST)
+        (human / ".gitignore").write_text("__pycache__/\n")
+        for rel, text in (files or {}).items():
+            (human / rel).write_text(text)
+        args = ["create", "--brief", "add adds", "--goal", "fix::add returns the sum",
+                "--goal", "verify::the tests pass", "--check", f"G001={check}",
+                "--verify", verify or check]
+        for path in scope:
+            args += ["--scope", path]
+        assert engine(human, self.home, *args).returncode == 0
+        git(human, self.home, "add", "-A")
+        git(human, self.home, "commit", "-qm", "the plan")
+        git(human, self.home, "push", "-q", "origin", "main")
+
+    def agent(self, cheat=None, fix=False):
+        """The agent's branch `pr`: `cheat(tree)` changes the tree, the plan is completed (each
+        checkpoint runs the frozen checks in that tree), all of it committed and pushed."""
+        tree = self.top / "agent"
+        git(self.top, self.home, "clone", "-q", str(self.origin), str(tree))
+        git(tree, self.home, "checkout", "-q", "-b", "pr")
+        if fix:
+            (tree / "src" / "calc.py").write_text(FIXED)
+        if cheat:
+            cheat(tree)
+        for sid in ("G001", "G002"):
+            assert engine(tree, self.home, "next").returncode == 0
+            r = engine(tree, self.home, "checkpoint", "--id", sid, "--status", "complete",
+                       "--evidence", "the tests pass")
+            assert r.returncode == 0, r  # the cheat works in the agent's own tree
+        git(tree, self.home, "add", "-A")
+        git(tree, self.home, "commit", "-qm", "the work")
+        git(tree, self.home, "push", "-q", "origin", "pr")
+        return tree
+
+    def ci_clone(self):
+        ci = self.top / "ci"
+        git(self.top, self.home, "clone", "-q", str(self.origin), str(ci))
+        git(ci, self.home, "checkout", "-q", "pr")
+        return ci
+
+    def action(self, **settings):
+        """The action's recipe: scripts/fablize-ci.sh from the action's own checkout."""
+        ci = self.ci_clone() if not (self.top / "ci").exists() else self.top / "ci"
+        action = self.top / "action"
+        if not action.exists():
+            shutil.copytree(ROOT / "scripts", action / "scripts",
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        env = dict(git_env(self.home), FABLIZE_BASE="origin/main", GITHUB_ACTION_PATH=str(action))
+        env.update({f"FABLIZE_{k.upper()}": v for k, v in settings.items()})
+        p = subprocess.run(["bash", str(action / "scripts" / "fablize-ci.sh")], cwd=str(ci),
+                           capture_output=True, text=True, env=env)
+        return p
+
+    def strictest(self, *more):
+        """The engine's strictest audit, with CI's own copy of the engine under python3 -I."""
+        ci = self.ci_clone() if not (self.top / "ci").exists() else self.top / "ci"
+        copy = copy_engine(self.top / "ci-engine")
+        return subprocess.run([sys.executable, "-I", str(copy), *STRICTEST, *more], cwd=str(ci),
+                              capture_output=True, text=True, env=git_env(self.home))
+
+
+@pytest.fixture
+def project(tmp_path):
+    return Project(tmp_path)
+
+
+def fails_ci(project, *needles):
+    """The cheat makes CI red both ways, the re-run saying why."""
+    action = project.action()
+    assert action.returncode == 1, action
+    for needle in ("re-run failed",) + needles:
+        assert needle in action.stderr, action
+    strictest = project.strictest()
+    assert strictest.returncode == 1 and "re-run failed" in strictest.stderr, strictest
+    return action, strictest
+
+
+# The honest pull request ###################################################################
+
+
+def test_the_honest_pull_request_passes_the_action_and_the_strictest_audit(project):
+    project.agent(fix=True)
+    action = project.action()
+    assert action.returncode == 0, action
+    assert "✅ re-witnessed" in action.stdout and "taken)" in action.stdout, action
+    strictest = project.strictest("--require-fail-to-pass")
+    assert strictest.returncode == 0, strictest
+    assert "✓ fails, as it should" in strictest.stdout  # fail-to-pass: red on the base alone
+
+
+# What the checks read, taken from the branch ###############################################
+
+
+def test_attack_edit_the_test_file_so_it_expects_the_bug(project):
+    project.agent(lambda t: (t / "tests" / "test_calc.py").write_text(
+        TEST.replace("add(2, 3), 5", "add(2, 3), -1")))
+    action, _ = fails_ci(project)
+    assert "tests/test_calc.py" in action.stdout  # named: outside the scope, not taken
+
+
+def test_attack_a_root_conftest_that_rewrites_every_report_to_passed(project):
+    project.agent(lambda t: (t / "conftest.py").write_text(PASS_ALL_PLUGIN))
+    fails_ci(project)
+
+
+def test_attack_a_conftest_in_tests_that_monkeypatches_the_code(project):
+    project.agent(lambda t: (t / "tests" / "conftest.py").write_text(
+        "import src.calc\n\nsrc.calc.add = lambda a, b: a + b\n"))
+    fails_ci(project)
+
+
+@pytest.mark.parametrize("name, text", [
+    ("pytest.ini", "[pytest]\naddopts = -k sub\n"),
+    ("pyproject.toml", "[tool.pytest.ini_options]\naddopts = \"-k sub\"\n"),
+    ("tox.ini", "[pytest]\naddopts = -k sub\n"),
+], ids=["pytest.ini", "pyproject.toml", "tox.ini"])
+def test_attack_tool_configuration_that_deselects_the_failing_test(project, name, text):
+    project.agent(lambda t: (t / name).write_text(text))
+    fails_ci(project)
+
+
+def test_attack_a_root_pytest_py_that_shadows_pytest_under_python_m(project):
+    project.agent(lambda t: (t / "pytest.py").write_text("import sys\n\nsys.exit(0)\n"))
+    fails_ci(project)
+
+
+def test_attack_a_root_unittest_py_that_shadows_unittest_under_python_m(tmp_path):
+    project = Project(tmp_path, check=f"{PY} -m unittest -q tests.test_calc")
+    project.agent(lambda t: (t / "unittest.py").write_text("import sys\n\nsys.exit(0)\n"))
+    fails_ci(project)
+
+
+def test_attack_a_dist_info_entry_point_that_loads_a_pytest_plugin(tmp_path):
+    project = Project(tmp_path, check=PYTEST_PLUGINS + " tests")
+
+    def cheat(tree):
+        info = tree / "evil-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: evil\nVersion: 1.0\n")
+        (info / "entry_points.txt").write_text("[pytest11]\nevil = evil_plugin\n")
+        (tree / "evil_plugin.py").write_text(PASS_ALL_PLUGIN)
+    project.agent(cheat)
+    fails_ci(project)
+
+
+def test_attack_a_dist_info_inside_the_scope_is_never_taken(tmp_path):
+    """Even where the scope covers it, installed-package metadata is not the work."""
+    project = Project(tmp_path, check=PYTEST_PLUGINS + " tests",
+                      scope=("src/", "*.py", "*.dist-info/**"))
+
+    def cheat(tree):
+        info = tree / "evil-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: evil\nVersion: 1.0\n")
+        (info / "entry_points.txt").write_text("[pytest11]\nevil = evil_plugin\n")
+        (tree / "evil_plugin.py").write_text(PASS_ALL_PLUGIN)
+    project.agent(cheat)
+    action = project.action()
+    assert action.returncode == 1 and "re-run failed" in action.stderr, action
+    assert "evil-1.0.dist-info/entry_points.txt" in action.stdout  # listed: not taken
+
+
+def test_attack_the_branchs_makefile(tmp_path):
+    makefile = f"test:\n\t{PYTEST} tests\n"
+    project = Project(tmp_path, check="make -s test", files={"Makefile": makefile})
+    project.agent(lambda t: (t / "Makefile").write_text("test:\n\ttrue\n"))
+    fails_ci(project)
+
+
+@pytest.mark.skipif(shutil.which("npm") is None, reason="npm is not installed here")
+def test_attack_the_branchs_package_json(tmp_path):
+    package = '{"name": "calc", "version": "1.0.0", "scripts": {"test": "%s tests"}}\n' % \
+        PYTEST.replace('"', '\\"')
+    project = Project(tmp_path, check="npm test --silent", files={"package.json": package})
+    project.agent(lambda t: (t / "package.json").write_text(
+        '{"name": "calc", "version": "1.0.0", "scripts": {"test": "exit 0"}}\n'))
+    fails_ci(project)
+
+
+def test_attack_committed_bytecode_with_an_unchecked_hash_beside_an_unchanged_source(project):
+    """src/calc.py stays byte for byte the base's (buggy); the committed .pyc holds the fix, and
+    an unchecked-hash .pyc is used without looking at its source. Bytecode is never taken."""
+    def cheat(tree):
+        fixed = tree / "fixed.py"
+        fixed.write_text(FIXED)
+        target = tree / "src" / "__pycache__" / f"calc.{sys.implementation.cache_tag}.pyc"
+        target.parent.mkdir()
+        py_compile.compile(str(fixed), cfile=str(target), dfile=str(tree / "src" / "calc.py"),
+                           invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+        fixed.unlink()
+        git(tree, project.home, "add", "-f", str(target))  # committed despite .gitignore
+    project.agent(cheat)
+    action, _ = fails_ci(project)
+    assert "__pycache__/calc." in action.stdout  # listed as not taken
+
+
+def test_attack_a_node_id_check_whose_test_file_the_branch_edited(tmp_path):
+    node = f"{PYTEST} tests/test_calc.py::TestCalc::test_add"
+    project = Project(tmp_path, check=node)
+    project.agent(lambda t: (t / "tests" / "test_calc.py").write_text(
+        TEST.replace("add(2, 3), 5", "add(2, 3), -1")))
+    action, strictest = fails_ci(project)
+    assert "check_files_changed" in strictest.stdout and "tests/test_calc.py" in strictest.stdout
+
+
+def test_a_file_named_like_a_pathspec_is_read_as_a_file(tmp_path):
+    """A check naming `:!tests` names that file: git's pathspec magic is off for the changed-
+    files check, so the name cannot exclude the tests folder from the comparison."""
+    project = Project(tmp_path, check=f"{PY} check.py :!tests",
+                      files={"check.py": "import sys\nsys.exit(0)\n", ":!tests": "x\n"})
+    project.agent(lambda t: (t / "check.py").write_text("raise SystemExit(0)\n"))
+    strictest = project.strictest()
+    assert "check.py" in strictest.stdout and "check_files_changed" in strictest.stdout, strictest
+
+
+# The verdict: nothing in the tree can change it ###########################################
+
+
+def test_attack_the_branchs_code_rewrites_the_running_ci_script(project):
+    """Code of the work (inside the scope, so it runs in the re-run) appends `exit 0` to the
+    action's own script while bash runs it; the script is read whole first."""
+    rewrite = ("import os\n\npath = os.environ.get('GITHUB_ACTION_PATH')\nif path:\n"
+               "    with open(os.path.join(path, 'scripts', 'fablize-ci.sh'), 'a') as f:\n"
+               "        f.write('\\nexit 0\\n')\n")
+    def cheat(tree):  # the edited test passes the agent's own runs; calc.py is the rewriter
+        (tree / "tests" / "test_calc.py").write_text(TEST.replace("add(2, 3), 5", "add(2, 3), -1"))
+        (tree / "src" / "calc.py").write_text(BUGGY + "\n" + rewrite)
+    project.agent(cheat)
+    action = project.action()
+    assert action.returncode == 1 and "re-run failed" in action.stderr, action
+    assert (project.top / "action" / "scripts" / "fablize-ci.sh").read_text().endswith("exit 0\n")
+
+
+def test_attack_a_non_final_story_resting_on_its_own_runs_fails_the_full_re_run(tmp_path):
+    """The action re-runs every story's checks (its `rerun: final` input is gone): a story whose
+    own check only passed on the branch's edited test fails although the final check passes."""
+    project = Project(tmp_path, check=f"{PYTEST} tests", verify=f"{PY} -c pass")
+    project.agent(lambda t: (t / "tests" / "test_calc.py").write_text(
+        TEST.replace("add(2, 3), 5", "add(2, 3), -1")))
+    action = project.action()
+    assert action.returncode == 1 and "G001 check 1" in action.stderr, action
+    assert "rerun:" not in (ROOT / "action.yml").read_text()
+
+
+# No scope known: fail closed ###############################################################
+
+
+def test_a_plan_without_a_scope_fails_the_default_recipe_with_how_to_declare_one(tmp_path):
+    project = Project(tmp_path, scope=())
+    project.agent(fix=True)
+    action = project.action()
+    assert action.returncode == 1 and "no scope is known" in action.stderr, action
+    assert "create --scope PATH" in action.stderr
+    opted_out = project.action(REQUIRE_SCOPE="false")
+    assert opted_out.returncode == 0, opted_out
+    assert "the checks ran on the branch's own tests and tools" in opted_out.stdout
+
+
+def test_a_scope_the_branch_declares_after_the_pin_does_not_count(tmp_path):
+    project = Project(tmp_path, scope=())
+
+    def cheat(tree):  # a new plan in the branch, with a scope of the agent's choosing
+        (tree / "tests" / "test_calc.py").write_text(TEST.replace("add(2, 3), 5", "add(2, 3), -1"))
+        assert engine(tree, project.home, "create", "--force", "--brief", "add adds", "--goal",
+                      "fix::sum", "--goal", "verify::pass", "--check", f"G001={PYTEST} tests",
+                      "--verify", f"{PYTEST} tests", "--scope", "tests/").returncode == 0
+    project.agent(cheat)
+    action = project.action(ALLOW_NEW_PLAN="true")
+    assert action.returncode == 1 and "no scope is known" in action.stderr, action
+
+
+def test_the_scope_ci_gives_wins_over_the_plans(tmp_path):
+    project = Project(tmp_path, scope=("src/", "tests/"))  # a human's mistake on main
+    project.agent(lambda t: (t / "tests" / "test_calc.py").write_text(
+        TEST.replace("add(2, 3), 5", "add(2, 3), -1")))
+    assert project.action().returncode == 0  # the plan's scope let the edited test in
+    action = project.action(SCOPE="src/\n")
+    assert action.returncode == 1 and "re-run failed" in action.stderr, action
+
+
+# What the reviewer reads ##################################################################
+
+
+def test_a_check_that_already_passes_on_the_base_is_reported_vacuous(tmp_path):
+    project = Project(tmp_path, check=f"{PY} -c pass")
+    project.agent(fix=True)
+    action = project.action(FAIL_TO_PASS="true")
+    assert action.returncode == 1 and "vacuous_check" in action.stdout, action
+    assert "already passes on the base without the branch's changes" in action.stderr
+
+
+def test_two_failed_gates_are_named_in_one_run_and_the_summaries_differ(project):
+    project.agent(lambda t: (t / "conftest.py").write_text(PASS_ALL_PLUGIN))
+    summaries = {}
+    for name, settings in (("failed", {"FORBID_OUT_OF_SCOPE": "true"}), ("damaged", {})):
+        if name == "damaged":  # a ledger edited by hand in the branch
+            ledger = project.top / "ci" / ".fablize" / "ledger.jsonl"
+            ledger.write_text(ledger.read_text().replace("the tests pass", "it passes", 1))
+        path = project.top / f"{name}.md"
+        action = project.action(REPORT=str(path), **settings)
+        assert action.returncode in (1, 3), action
+        summaries[name] = path.read_text()
+    failed = summaries["failed"]
+    assert failed.startswith("## ❌ audit failed: 3 gates said no — out_of_scope, rerun_failed, "
+                             "rerun_failed")
+    assert "**out_of_scope**" in failed and "**rerun_failed**" in failed and "_Fix:_" in failed
+    assert summaries["damaged"].startswith("## ❌ audit failed: ledger.jsonl line")
+    (project.top / "second").mkdir()
+    project_ok = Project(project.top / "second")
+    project_ok.agent(fix=True)
+    path = project.top / "passed.md"
+    assert project_ok.action(REPORT=str(path)).returncode == 0
+    assert path.read_text().startswith("## ✅ re-witnessed")
+    assert len({summaries["failed"][:40], summaries["damaged"][:40], path.read_text()[:40]}) == 3
