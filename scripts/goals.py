@@ -768,6 +768,12 @@ def accepted_ids(plan):
     return [s["id"] for s in plan["goals"] if s["status"] == "accepted"]
 
 
+def blocked_because(story):
+    """Why a blocked story is: the judge's or the rounds' reason, else its checkpoint's evidence
+    (held once, as the story's evidence)."""
+    return story["blocked_reason"] or story["evidence"] or "no reason given"
+
+
 def rounds_left(plan, story):
     return plan["options"]["rounds"] - (story["round"] - story["round_base"])
 
@@ -1103,7 +1109,8 @@ def _ev_checkpoint(plan, ev):
         _fail_round(plan, story, {"source": "checkpoint", "round": story["round"],
                                   "text": ev["evidence"], "runs": _failed_run_tails(story)})
     else:
-        story.update(status="blocked", agent=None, blocked_reason=ev["evidence"], grade=None)
+        # the reason is the evidence, kept once (blocked_because reads it)
+        story.update(status="blocked", agent=None, blocked_reason=None, grade=None)
     return plan
 
 
@@ -2227,8 +2234,9 @@ class Store:
             st = os.lstat(self.dir)
         except FileNotFoundError:
             return False
-        if stat.S_ISLNK(st.st_mode) and self.discovered:
-            raise symlink_refusal(self.dir)
+        if stat.S_ISLNK(st.st_mode) and (self.discovered or
+                                         os.path.basename(self.dir) == STATE_DIRNAME):
+            raise symlink_refusal(self.dir)  # a cloned repository's `.fablize -> elsewhere`
         if not stat.S_ISDIR(os.stat(self.dir).st_mode):
             raise damaged(f"{self.dir} is not a directory.", "not_a_directory")
         return True
@@ -2338,8 +2346,8 @@ class Reading:
         return end
 
     def torn_tail(self, snap):
-        """(end, torn): an unterminated or unparsable last line is a write that never completed
-        — unless the snapshot reflects it, or the line before it is damaged too."""
+        """(end, torn): an unterminated last line is a write that never completed — unless the
+        snapshot reflects it, or the line before it is damaged too."""
         ledger = self.ledger
         end, torn = ledger.end()
         if not torn and end:
@@ -2354,8 +2362,9 @@ class Reading:
                 self.last_event = (offset, {"seq": pos["seq"]}, True)
             else:
                 self.last_event = (offset, parse_event(line), False)
-                if self.last_event[1] is None:
-                    end, torn = offset, line + b"\n"
+                # a whole line is an acknowledged write: one that is no event (a merge's conflict
+                # marker, a hand edit) is damage, for the replay to name; only an unterminated
+                # tail is a write that never completed
         if not torn:
             return end, torn
         snap_seq = snap["ledger"]["seq"] if snap and "ledger" in snap else 0
@@ -3308,8 +3317,7 @@ def status_details(plan, story):
         if waiting:
             details.append("waits for " + ", ".join(waiting))
     if story["status"] == "blocked":
-        details.append("blocked: " + one_line(last_chars(story["blocked_reason"]
-                                                         or "no reason given", 200)))
+        details.append("blocked: " + one_line(last_chars(blocked_because(story), 200)))
     if story["status"] == "review":
         details.append("awaiting an independent judge")
     if story["status"] in ("accepted", "complete", "review") and grade_detail(story):
@@ -3338,15 +3346,15 @@ def next_action(prog, plan, agent=None):
         command = f"{prog} next" + (f" --agent {quote_arg(agent)}" if agent is not None else "")
         return {"kind": "next", "id": ready["id"], "cmd": command,
                 "text": f"`{command}` (activates {ready['id']})"}
-    blocked = [s for s in plan["goals"] if s["status"] == "blocked"]
+    blocked = stories_in(plan, "blocked")
     if blocked:
         s = blocked[0]
         command = f"{prog} decide --id {s['id']} accept|retry|amend --note \"<why>\""
-        reason = one_line(last_chars(s["blocked_reason"] or "no reason given", 200))
+        reason = one_line(last_chars(blocked_because(s), 200))
         return {"kind": "decide", "id": s["id"], "cmd": command,
                 "text": f"{s['id']} is blocked ({reason}) — the plan halts here: nothing that "
                         f"depends on it can start. A human must decide: {command}"}
-    review = [s for s in plan["goals"] if s["status"] == "review"]
+    review = stories_in(plan, "review")
     if review:
         s = review[0]
         command = f"{prog} judge-packet --id {s['id']}"
@@ -3469,10 +3477,6 @@ def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None,
     `scan(lineno, head, ev)` sees every line after it replayed (the trust checks' pass)."""
     ledger = MemoryLedger(source) if isinstance(source, bytes) else source
     end, torn = ledger.end() if ledger.fd is not None else (0, b"")
-    if not torn and end:
-        last = ledger.last(end)
-        if parse_event(last) is None:  # an unparsable last line is a torn write too
-            end, torn = end - len(last) - 1, last
     snap = parse_snapshot(snapshot_raw, whole=True) if snapshot_raw is not None else None
     if snap is not None and is_original_snapshot(snap):
         raise stripped_snapshot_error()  # beside a chained ledger (else refuse_original said so)
@@ -3581,10 +3585,16 @@ def snapshot_view(plan, version):
 
 
 def forgive_new_keys(view, snap):
-    """The replayed plan without the keys that a snapshot written before they existed lacks."""
+    """The replayed plan as a snapshot written before this engine held it: without the keys it
+    lacks (grade), and with a blocked checkpoint's reason kept twice, as it was."""
     for mine, theirs in zip(view.get("goals", []), snap.get("goals", [])):
-        if isinstance(theirs, dict) and "grade" not in theirs:
+        if not isinstance(theirs, dict):
+            continue
+        if "grade" not in theirs:
             mine.pop("grade", None)
+        if mine.get("blocked_reason") is None and theirs.get("blocked_reason") is not None and \
+                theirs.get("blocked_reason") == theirs.get("evidence"):
+            mine["blocked_reason"] = theirs["blocked_reason"]
     return view
 
 
@@ -3701,9 +3711,17 @@ def observed_failure_note(story):
 def observed_outcome(payload):
     """(exit code or None, passed: True/False/None, detail) from a PostToolUse-style payload —
     the harness's report of the run, never the agent's own words."""
-    def exit_in(text):
-        m = re.search(r"(?i)exit(?:ed)?(?: with)?(?: code|\s+status)?\s*[:=]?\s*(-?\d+)", text or "")
-        return int(m.group(1)) if m else None
+    def exit_in(text, last=False):
+        # the harness's own line, never one the command printed: Claude Code's failure text
+        # opens with it, Gemini CLI's llmContent gives it after the command's output
+        found = regex(r"^\s*exit(?:ed)?(?: with)?(?: code|\s+status)?\s*[:=]?\s*(-?\d+)\s*$",
+                      re.I | re.M).findall(text or "")
+        lines = (text or "").lstrip().split("\n", 1)
+        if not last:
+            m = regex(r"(?i)\s*exit(?:ed)?(?: with)?(?: code|\s+status)?\s*[:=]?\s*(-?\d+)"
+                      ).match(lines[0])
+            return int(m.group(1)) if m else None
+        return int(found[-1]) if found else None
     if payload.get("hook_event_name") == "PostToolUseFailure":
         error = payload.get("error")
         text = error if isinstance(error, str) else json_text(error)
@@ -3711,7 +3729,7 @@ def observed_outcome(payload):
         return code, False, text
     resp = payload.get("tool_response")
     if isinstance(resp, str):
-        code = exit_in(resp)
+        code = exit_in(resp, last=True)
         return code, None if code is None else code == 0, resp
     if not isinstance(resp, dict):
         return None, None, ""
@@ -3720,10 +3738,11 @@ def observed_outcome(payload):
         if type(resp.get(key)) is int:
             return resp[key], resp[key] == 0, detail
     if resp.get("error"):  # Gemini CLI: a tool error
-        return exit_in(str(resp.get("llmContent") or resp["error"])), False, detail
+        return exit_in(str(resp.get("llmContent") or resp["error"]), last=True), False, detail
     if resp.get("interrupted") is True:
         return None, False, detail
-    code = exit_in(resp.get("llmContent") if isinstance(resp.get("llmContent"), str) else "")
+    code = exit_in(resp.get("llmContent") if isinstance(resp.get("llmContent"), str) else "",
+                   last=True)
     if code is not None:
         return code, code == 0, detail
     return None, True, detail  # Claude Code reports a failing command as PostToolUseFailure

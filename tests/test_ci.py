@@ -242,7 +242,7 @@ def test_audit_catches_a_last_line_made_unparsable_that_the_snapshot_reflects(hi
     lines = raw_lines(fab.dir)
     lines[-1] = lines[-1][:-3]
     write_lines(fab.dir, lines)
-    assert_damaged(fab("audit"), "reflects event 8")
+    assert_damaged(fab("audit"), "ledger.jsonl line 8: not a ledger event")
 
 
 @pytest.mark.parametrize("lineno", [2, 5])
@@ -336,10 +336,25 @@ def test_audit_reports_a_torn_tail_as_never_acknowledged_and_trusts_the_rest(his
     assert state_files(fab.dir) == before  # audit does not move it; it only reports
 
 
-def test_audit_treats_an_unparsable_terminated_last_line_as_torn(history):
+@pytest.mark.parametrize("line", [b'{"seq":9,"ts', b">>>>>>> feature"],
+                         ids=["half an event", "a merge conflict marker"])
+def test_a_whole_last_line_that_is_no_event_is_damage_not_a_torn_write(history, line):
+    """A newline-terminated line was written whole: one that is no event is an edit or a merge
+    gone wrong, never moved aside as a torn write (only an unterminated tail is one)."""
     fab = history
     with open(ledger_path(fab.dir), "ab") as f:
-        f.write(b'{"seq":9,"ts\n')
+        f.write(line + b"\n")
+    assert_damaged(fab("audit"), "ledger.jsonl line 9: not a ledger event")
+    before = state_files(fab.dir)
+    r = fab("next")
+    assert r.code == 3 and "not a ledger event" in r.err, r
+    assert state_files(fab.dir) == before  # nothing moved aside, nothing written
+
+
+def test_audit_treats_an_unterminated_last_line_as_torn(history):
+    fab = history
+    with open(ledger_path(fab.dir), "ab") as f:
+        f.write(b'{"seq":9,"ts')
     j = fab("audit", "--json").json
     assert j["ok"] is True and j["torn_tail_bytes"] == len(b'{"seq":9,"ts')
 
