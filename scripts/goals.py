@@ -2312,6 +2312,8 @@ class Reading:
         end = self.good_end(snap) if ledger.open() is not None else 0
         if snap is not None and snap["schema_version"] < 2:
             return self.upgrade(snap, end)
+        if snap is None and end:  # no snapshot: the plan is the whole ledger's, replayed streaming
+            return self.replayed(end)
         snap_seq = snap["ledger"]["seq"] if snap else 0
         newer, found = [], None
         last = getattr(self, "last_event", None)
@@ -2387,21 +2389,27 @@ class Reading:
         replay.plan["ledger"] = replay.position()
         return replay.plan
 
+    def replayed(self, end):
+        """The plan of the ledger's first `end` bytes, replayed from nothing in batches (memory
+        flat in the ledger's length, rebuild's cost): what a command gets when goals.json is
+        missing; a writer saves it."""
+        replay = replay_all(self.ledger, end)
+        if replay.plan is not None:
+            replay.plan["ledger"] = replay.position()
+        self.plan = replay.plan
+        return self.plan
+
     def upgrade(self, snap, end):
         """A version-1 snapshot (it kept every run): its position is checked, then the plan is
         replayed from the ledger."""
-        snap_seq = snap["ledger"]["seq"]
-        replay = replay_all(self.ledger, end)
-        if replay.seq < snap_seq:
-            raise position_error(snap_seq, replay.seq)
-        if replay.plan is None:
-            return None
-        replay.plan["ledger"] = replay.position()
-        self.plan = replay.plan
-        self.store.warn(f"{SNAPSHOT} is in the format of fablize 1 (it kept every run); "
-                        + ("it was rewritten from the ledger." if self.writer else
-                           "the next writing command rewrites it from the ledger."))
-        return self.plan
+        plan = self.replayed(end)
+        if (plan["ledger"]["seq"] if plan else 0) < snap["ledger"]["seq"]:
+            raise position_error(snap["ledger"]["seq"], plan["ledger"]["seq"] if plan else 0)
+        if plan is not None:
+            self.store.warn(f"{SNAPSHOT} is in the format of fablize 1 (it kept every run); "
+                            + ("it was rewritten from the ledger." if self.writer else
+                               "the next writing command rewrites it from the ledger."))
+        return plan
 
     def plan_from_original(self, snap):
         """A plan written by the original goals.py: `status`, the command its users resume with,
@@ -2479,8 +2487,8 @@ class Transaction(Reading):
         self.save_snapshot(plan)
         return plan
 
-    def upgrade(self, snap, end):
-        plan = super().upgrade(snap, end)
+    def replayed(self, end):
+        plan = super().replayed(end)
         if plan is not None:
             self.save_snapshot(plan)
         return plan
