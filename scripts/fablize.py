@@ -10,8 +10,13 @@ nothing of it is ever committed; where it cannot be written (PYTHONDONTWRITEBYTE
 read-only checkout) the engine still runs, compiled as the script would be.
 """
 
-import os
-import sys
+import _signal
+
+STARTUP_INTERRUPT = []  # Ctrl-C before the engine answers it: kept, handed to it, answered there
+_signal.signal(_signal.SIGINT, lambda signum, frame: STARTUP_INTERRUPT.append(signum))
+
+import os  # noqa: E402 (after the handler: a Ctrl-C from here on is answered in one line)
+import sys  # noqa: E402
 
 
 def main(name=None):
@@ -29,6 +34,7 @@ def main(name=None):
     from importlib.util import module_from_spec, spec_from_loader
     loader = SourceFileLoader("fablize_engine", os.path.join(here, "goals.py"))
     engine = module_from_spec(spec_from_loader(loader.name, loader))
+    engine.STARTUP_INTERRUPT = STARTUP_INTERRUPT
     sys.modules[loader.name] = engine
     loader.exec_module(engine)
     engine.ignore_bytecode(here)

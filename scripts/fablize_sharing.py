@@ -626,7 +626,7 @@ def cmd_release(ctx, a):
         s.require_plan()
         plan = pull(s)  # release what the remote says is held
         holder = engine.find_story(plan, a.id)["agent"]
-        s.commit("story_released", id=a.id, note=engine.limit_text("--note", a.note), agent=holder)
+        s.commit("story_released", id=a.id, note=engine.masked_text("--note", a.note), agent=holder)
         publish(s, claim=True)
         plan = s.plan
     ctx.say(f"fablize: {a.id} released from agent {one_line(holder or 'unnamed')} → pending (its "

@@ -377,7 +377,7 @@ class Scan:
         else:
             if prov.get("dir") is None or (self.here is not None and prov.get("dir") != self.here):
                 why.append(f"made outside the repository root ({one_line(prov.get('dir'))})")
-            env = prov.get("env")
+            env = env_digests(prov.get("env"))
             if self.first_env is None:
                 self.first_env = env
             elif env != self.first_env:
@@ -395,6 +395,16 @@ class Scan:
         self.unclean += 1
         if len(self.flagged) < self.MAX_FLAGGED:
             self.flagged.append({"line": lineno, "id": ev["id"], "cmd": ev["cmd"], "why": why})
+
+
+def env_digests(env):
+    """A run's recorded environment as names and short digests, whichever engine wrote it (an
+    older one kept the values): runs made before and after an upgrade compare alike."""
+    if not isinstance(env, dict):
+        return env
+    return {k: v[:23] if isinstance(v, str) and v.startswith("sha256:") else
+            "sha256:" + engine.sha256_hex(str(v).encode("utf-8", "surrogateescape"))[:16]
+            for k, v in env.items()}
 
 
 def witnessed_gaps(plan):

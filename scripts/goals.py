@@ -36,6 +36,14 @@ Exit codes: 0 done, 1 refused, 2 usage, 3 damaged; 128 + N when signal N stopped
 Stdlib only, Python 3.9+.
 """
 
+# Ctrl-C while the engine starts (its definitions, its imports) is kept, then raised where
+# `main` answers it in one line — a traceback otherwise; the launcher keeps one from its own
+# start the same way, in the list it hands over (STARTUP_INTERRUPT, set before this runs).
+STARTUP_INTERRUPT = globals().get("STARTUP_INTERRUPT", [])
+if __name__ in ("__main__", "fablize_engine"):  # a whole process, never an importer's
+    import _signal
+    _signal.signal(_signal.SIGINT, lambda signum, frame: STARTUP_INTERRUPT.append(signum))
+
 import collections
 import errno
 import json
@@ -825,7 +833,7 @@ def describe_exit(run):
     if run.get("interrupted"):
         return f"interrupted by {run['interrupted']}"
     if run.get("error"):
-        return "did not start: " + one_line(run["error"])
+        return ("did not start: " if run.get("exit_code") is None else "") + one_line(run["error"])
     if run.get("timed_out"):
         return f"timed out after {one_line(run.get('duration_s'))} s"
     if run.get("signal"):
@@ -2736,7 +2744,6 @@ WITNESS_ENV = ("PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEP
                "PYTHONNOUSERSITE", "PYTHONUSERBASE", "LD_PRELOAD", "LD_LIBRARY_PATH",
                "DYLD_INSERT_LIBRARIES", "DYLD_LIBRARY_PATH", "MAKEFLAGS", "MAKEFILES",
                "BASH_ENV", "ENV", "NODE_OPTIONS", "NODE_PATH", "PERL5OPT", "RUBYOPT")
-MAX_ENV_VALUE = 1000
 
 
 def command_program(cmd, root):
@@ -2761,23 +2768,137 @@ def file_sha256(path):
 
 
 def witness_env():
-    """The listed variables that are set, each as its value (or the digest of a long one)."""
-    env = {}
-    for name in WITNESS_ENV:
-        value = os.environ.get(name)
-        if value is not None:
-            value = fix_argv_text(value)
-            env[name] = value if len(value) <= MAX_ENV_VALUE else \
-                "sha256:" + sha256_hex(value.encode("utf-8"))
-    return env
+    """The listed variables that are set, each by its name and a digest of its value: what the
+    audit compares between runs, and nothing that tells anyone what the value was."""
+    return {name: "sha256:" + sha256_hex(fix_argv_text(os.environ[name]).encode("utf-8"))[:16]
+            for name in WITNESS_ENV if name in os.environ}
 
 
 def run_provenance(root, cmd):
-    """Where and with what a witnessed run ran: a hint for the reviewer (an agent with a shell
-    can still lie about its environment; only a re-witnessed run is proof)."""
+    """Where and with what a witnessed run ran, as a plan may publish it: the folder relative to
+    the repository, the program by its name and the digest of its file, the environment by
+    names and digests — a hint for the reviewer (an agent with a shell can still lie about its
+    environment; only a re-witnessed run is proof)."""
     program = command_program(cmd, root)
-    return {"dir": repo_relative(root), "program": program,
+    return {"dir": repo_relative(root), "program": program and os.path.basename(program),
             "program_sha256": file_sha256(program) if program else None, "env": witness_env()}
+
+
+# Secrets: whatever looks like one is masked before anything is written — a run's log and tail,
+# an observed command and what the harness said of it, a --run command, evidence — the way CI
+# systems mask theirs: the values of this environment's variables whose names say they are
+# secret, and well-known shapes of tokens; in a command line, also the value of an assignment
+# to such a name (`GITHUB_TOKEN=… pytest`). A committed plan, and a shared plan's refs, are read
+# by everyone who can read the repository.
+SECRET_WORDS = (r"token|secret|passw(?:or)?d|passphrase|credential|api_?key|access_?key|"
+                r"private_?key|auth_?key|signing_?key")
+# well-known token shapes, each by its literal prefix (what a quick scan looks for first) and
+# the rest of its pattern
+SECRET_SHAPES = (
+    *((f"gh{k}_", r"[A-Za-z0-9]{30,}") for k in "pousr"), ("github_pat_", r"\w{20,}"),
+    ("AKIA", r"[0-9A-Z]{16}"), *((f"xox{k}-", r"[\w-]{10,}") for k in "abprs"),
+    ("sk-", r"(?:ant-)?[\w-]{20,}"), ("AIza", r"[\w-]{35}"), ("npm_", r"\w{36}"),
+    ("glpat-", r"[\w-]{20}"), ("eyJ", r"[\w-]{10,}\.eyJ[\w-]{10,}\.[\w-]{10,}"))
+SECRET_ASSIGNMENT = r"(?<![\w-])((?:[A-Za-z_]\w*)?(?i:" + SECRET_WORDS + r")\w*=)(?:'[^']*'|\"[^\"]*\"|[^\s'\"]+)"
+MASK = "***"
+PRIVATE_KEY = b"PRIVATE KEY-----"
+
+
+def secret_values():
+    """This environment's values of variables whose names say they are secret, longest first
+    (so that none is masked half)."""
+    names = regex("(?i)" + SECRET_WORDS)
+    return sorted({fix_argv_text(v) for k, v in os.environ.items()
+                   if len(v) >= 6 and names.search(k)}, key=len, reverse=True)
+
+
+def _secrets(key):
+    """(pattern, literals) of what is masked in text of `kind` (str or bytes): a text holding
+    none of the literals holds no secret (output, not a command: a name's case varies), which
+    a scan for each finds at memory speed, where the pattern would cost ~20 ns a byte."""
+    kind, command = key
+    values = secret_values()
+    text = "|".join(([SECRET_ASSIGNMENT] if command else []) +
+                    [re.escape(prefix) + rest for prefix, rest in SECRET_SHAPES] +
+                    [re.escape(v) for v in values])
+    literals = [prefix for prefix, _ in SECRET_SHAPES] + values
+    if kind is bytes:
+        return (re.compile(text.encode("utf-8", "surrogateescape")),
+                None if command else [x.encode("utf-8", "surrogateescape") for x in literals])
+    return re.compile(text), None if command else literals
+
+
+_SECRETS = Lazy(_secrets)  # (str or bytes, a command line?) -> (pattern, literals), once a run
+
+
+def mask(text, command=False):
+    """`text` (str or bytes) with every secret it holds replaced by ***; a `command` line's
+    assignments to a secret-looking name keep the name (`GITHUB_TOKEN=***`)."""
+    if not looks_secret(text, command):
+        return text
+    star = MASK.encode() if type(text) is bytes else MASK
+    return _SECRETS[type(text), command][0].sub(
+        lambda m: (m.lastindex and m.group(1) or star[:0]) + star, text)
+
+
+def looks_secret(text, command=False):
+    if not text:
+        return False
+    pattern, literals = _SECRETS[type(text), command]
+    if literals is not None and not any(x in text for x in literals):
+        return False
+    return pattern.search(text) is not None
+
+
+def masked_text(name, text):
+    """An agent's text as the plan keeps it: within the limit, its secrets masked."""
+    return mask(limit_text(name, text), command=True)
+
+
+def check_command(option, cmd):
+    """A command the engine will run and record: never one that carries a secret, which the
+    plan would publish and a re-run could not repeat masked."""
+    if looks_secret(cmd, command=True):
+        raise usage(f"{option} `{one_line(mask(cmd, command=True))}` holds what looks like a "
+                    "secret, and a plan is read by everyone who can read the repository: keep "
+                    "it in the environment (the command sees it there) and leave it out of the "
+                    "command.", "secret_in_command")
+    return limit_text(option, cmd)
+
+
+class Masker:
+    """Masks a stream of output, a line at a time (a secret never spans lines; a line held
+    back waits for its end, up to READ_CHUNK bytes); a private key's lines are dropped whole,
+    from its BEGIN line to its END line."""
+
+    def __init__(self):
+        self.carry = b""
+        self.in_key = False
+
+    def feed(self, chunk, final=False):
+        data = self.carry + chunk
+        cut = len(data) if final or len(data) >= READ_CHUNK else data.rfind(b"\n") + 1
+        self.carry = data[cut:]
+        block = data[:cut]
+        if self.in_key or PRIVATE_KEY in block:
+            block = self.keys(block)
+        return mask(block)
+
+    def keys(self, block):
+        out = []
+        for line in block.splitlines(True):
+            key = PRIVATE_KEY in line
+            if self.in_key:
+                if key and b"-----END" in line:
+                    self.in_key = False
+                    out.append(MASK.encode() + line[len(line.rstrip(b"\r\n")):])
+                continue
+            if key and b"-----BEGIN" in line:
+                self.in_key = b"-----END" not in line
+                line = line[:line.index(b"-----BEGIN")] + MASK.encode() + \
+                    line[len(line.rstrip(b"\r\n")):]
+            out.append(line)
+        return b"".join(out)
 
 
 # Running checks ###############################################################################
@@ -2914,15 +3035,20 @@ class StopSignals:
 
 
 def run_command(cmd, cwd, timeout, stream, log_path):
-    """Run `cmd` through the shell in `cwd`, stdin closed, output streamed (escaped) to
-    `stream` and captured whole to `log_path`. Returns the run's record."""
+    """Run `cmd` through the shell in `cwd`, stdin closed, its output masked (secrets) and then
+    streamed (escaped) to `stream` and written whole to `log_path`. Returns the run's record,
+    whose size, digest and tail are read back from the log on disk: a log that could not be
+    written whole (a full disk, a read-only folder) makes the run an error, and the record
+    never claims more than the disk holds."""
     import codecs
     import subprocess
     import threading
-    digest = _sha256()
-    tail = bytearray()
-    count = [0]
-    log_fd = open_state_file(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    masker = Masker()
+    try:
+        log_fd = open_state_file(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        log_error = [None]
+    except OSError as e:
+        log_fd, log_error = None, [e]
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     # a child that escaped the process group may keep writing after the run is over: what it
     # writes then belongs to no run, so the reader drops it once `finished` is set
@@ -2933,6 +3059,21 @@ def run_command(cmd, cwd, timeout, stream, log_path):
     # a child that escaped the group and keeps the pipe open costs no wait (where pipes can be
     # polled; on Windows the reader waits for the end of the pipe, at most 5 s)
     draining = [False]
+
+    def take(masked):
+        """One masked piece of output: to the log (until a write fails), then to the stream."""
+        if log_error[0] is None and masked:
+            try:
+                write_all(log_fd, masked)
+            except OSError as e:  # the run goes on; its record will say the log is short
+                log_error[0] = e
+        if stream is not None and masked:
+            try:
+                piece, at_start[0] = quote_output(clean(decoder.decode(masked)), at_start[0])
+                stream.write(piece)
+                stream.flush()
+            except (OSError, ValueError):
+                pass
 
     def pump(pipe):
         import select
@@ -2951,38 +3092,30 @@ def run_command(cmd, cwd, timeout, stream, log_path):
                 with guard:
                     if finished[0]:
                         return
-                    count[0] += len(chunk)
-                    digest.update(chunk)
-                    tail.extend(chunk)
-                    del tail[:-4 * TAIL_CHARS]
-                    write_all(log_fd, chunk)
-                    if stream is not None:
-                        try:
-                            piece, at_start[0] = quote_output(clean(decoder.decode(chunk)),
-                                                              at_start[0])
-                            stream.write(piece)
-                            stream.flush()
-                        except (OSError, ValueError):
-                            pass
+                    take(masker.feed(chunk))
         except OSError:
             return
         finally:
             os.close(pipe)  # the reader's own descriptor: never reused under another run
 
     started = time.monotonic()
-    record = {"cmd": cmd, "cwd": cwd, "exit_code": None, "signal": None, "timed_out": False,
-              "error": None}
+    record = {"cmd": cmd, "cwd": repo_relative(cwd) or ".", "exit_code": None, "signal": None,
+              "timed_out": False, "error": None}
     # Ctrl-C, an agent's tool timeout (SIGTERM) or a closed terminal must not leave the command
     # running on its own in its new session: a stop signal kills its group like a timeout does
     with StopSignals() as stop:
-        try:
-            kwargs = {"start_new_session": True} if os.name != "nt" else \
-                {"creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)}
-            proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)
-        except (OSError, ValueError) as e:  # ValueError: a NUL in the command
-            record["error"] = one_line(str(e))
-            proc = None
+        proc = None
+        if log_fd is None:
+            record["error"] = f"its log could not be written ({log_reason(log_error[0])})"
+        else:
+            try:
+                kwargs = {"start_new_session": True} if os.name != "nt" else \
+                    {"creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)}
+                proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        **kwargs)
+            except (OSError, ValueError) as e:  # ValueError: a NUL in the command
+                record["error"] = one_line(str(e))
         if proc is not None:
             reader = threading.Thread(target=pump, args=(os.dup(proc.stdout.fileno()),),
                                       daemon=True)
@@ -3012,14 +3145,43 @@ def run_command(cmd, cwd, timeout, stream, log_path):
         record["interrupted"] = stop.got
     with guard:
         finished[0] = True
-    os.fsync(log_fd)
-    os.close(log_fd)
-    text = bytes(tail).decode("utf-8", "replace")
-    record.update(duration_s=round(time.monotonic() - started, 3), bytes=count[0],
-                  sha256=digest.hexdigest(), tail=text[-TAIL_CHARS:])
+        take(masker.feed(b"", final=True))
+    if log_fd is not None:
+        try:
+            os.fsync(log_fd)
+        except OSError as e:
+            log_error[0] = log_error[0] or e
+        os.close(log_fd)
+    size, sha, tail = log_on_disk(log_path) if log_fd is not None else (0, _sha256().hexdigest(), b"")
+    if log_error[0] is not None and record["error"] is None:
+        record["error"] = (f"its log could not be written whole ({log_reason(log_error[0])}; "
+                           f"{size:,} bytes kept): the run counts for nothing")
+    record.update(duration_s=round(time.monotonic() - started, 3), bytes=size, sha256=sha,
+                  tail=tail.decode("utf-8", "replace")[-TAIL_CHARS:])
     if stream is not None and not at_start[0]:
         stream.write("\n")
     return record
+
+
+def log_reason(error):
+    return one_line(error.strerror or str(error)) if isinstance(error, OSError) else one_line(error)
+
+
+def log_on_disk(path):
+    """(size, sha256, last bytes) of the log as the disk holds it, read back."""
+    digest = _sha256()
+    size, tail = 0, b""
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(READ_CHUNK), b""):
+                digest.update(chunk)
+                size += len(chunk)
+                tail = (tail + chunk)[-4 * TAIL_CHARS:]
+    except OSError:
+        pass
+    return size, digest.hexdigest(), tail
+
+
 OUTPUT_BAR = "  │ "
 
 
@@ -3057,7 +3219,7 @@ def execute_runs(store, sid, commands, after_seq, timeout, out):
         tmp_log = os.path.join(runs_dir, f".run-{os.getpid()}-{os.urandom(4).hex()}.log")
         started = now_iso()
         record = run_command(cmd, store.root, timeout, out.stream(), tmp_log)
-        record.update(id=sid, check=check, after_seq=after_seq, started=started,
+        record.update(cmd=mask(cmd, command=True), id=sid, check=check, after_seq=after_seq, started=started,
                       git_head=head, git_dirty=dirty, tmp_log=tmp_log,
                       provenance=run_provenance(store.root, cmd))
         if tree:
@@ -3077,7 +3239,9 @@ def commit_runs(session, records):
         tmp_log = record.pop("tmp_log")
         seq = session.plan["ledger"]["seq"] + 1
         log_rel = f"{RUNS}/{seq}-{record['id']}.log"
-        os.replace(tmp_log, session.store.path(log_rel))
+        if os.path.lexists(tmp_log):  # none when it could not be made: the run is an error
+            os.replace(tmp_log, session.store.path(log_rel))
+            fsync_dir(session.store.path(RUNS))  # the log is there before the record names it
         record["log"] = log_rel
         committed.append(session.commit("verify_run", **record))
     return committed
@@ -3476,6 +3640,14 @@ def render_report(plan, runs, total=None):
 # Audit: replaying the whole ledger ############################################################
 
 
+# the fields of an event where a secret could have been recorded (an older engine masked none)
+SECRET_FIELDS = {"verify_run": ("cmd", "tail"), "observed_run": ("cmd", "detail"),
+                 "checkpoint": ("evidence", "verify_cmd", "verify_evidence"),
+                 "verdict": ("evidence",), "paused": ("note",)}
+MAX_SECRET_LINES = 20
+EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+
+
 def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None, scan=None,
                  logs=None):
     """Replay every line of `source` (a Ledger, or a ledger's bytes), streaming; returns a report
@@ -3491,7 +3663,7 @@ def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None,
     snap_seq = snap["ledger"]["seq"] if snap is not None else None
     snap_view = None
     present = set(os.listdir(runs_dir)) if runs_dir and os.path.isdir(runs_dir) else set()
-    independence, bad_logs = [], []
+    independence, bad_logs, secrets = [], [], []
     checked = 0
     digest = fast_sha256()
     skip = len(RUNS) + 1  # a run's log is runs/<seq>-<story>.log (replay checked)
@@ -3499,9 +3671,15 @@ def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None,
     def on_event(replay, line, ev):
         nonlocal snap_view, checked
         kind = ev["event"]
+        fields = SECRET_FIELDS.get(kind)
+        if fields and len(secrets) < MAX_SECRET_LINES and \
+                any(looks_secret(ev.get(f)) for f in fields if isinstance(ev.get(f), str)):
+            secrets.append(replay.seq)
         if kind == "verify_run":
             log = ev["log"]
-            if logs is not None or log[skip:] in present:
+            if not ev["bytes"] and ev["sha256"] == EMPTY_SHA256 and ev["error"]:
+                checked += 1  # a run whose log could not be made: no log to show, none claimed
+            elif logs is not None or log[skip:] in present:
                 checked += 1
                 content = logs.get(log) if logs is not None else \
                     read_state_file(os.path.join(runs_dir, log[skip:]))
@@ -3532,7 +3710,7 @@ def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None,
     report = {"event_count": replay.seq, "head": f"{replay.seq}:{replay.head}",
               "torn_tail_bytes": len(torn), "snapshot": "missing", "plan": plan,
               "independence": independence, "run_count": runs,
-              "missing_logs": runs - checked, "bad_logs": bad_logs}
+              "missing_logs": runs - checked, "bad_logs": bad_logs, "secret_lines": secrets}
     if snap is not None:
         if replay.seq < snap_seq:
             raise position_error(snap_seq, replay.seq)
@@ -3959,11 +4137,11 @@ def build_stories(a):
         sid, cmd = split_assignment("--check", value)
         if blank(cmd):
             raise usage(f"--check {sid}= needs a command.", "blank_check")
-        target("--check", sid)["checks"].append(limit_text("a check", cmd))
+        target("--check", sid)["checks"].append(check_command("--check", cmd))
     for cmd in a.verify:
         if blank(cmd):
             raise usage("--verify needs a command.", "blank_check")
-        specs[-1]["checks"].append(limit_text("a check", cmd))
+        specs[-1]["checks"].append(check_command("--verify", cmd))
     for value in a.accept:
         sid, text = split_assignment("--accept", value)
         if blank(text):
@@ -4105,9 +4283,11 @@ def reason_required(status):
 
 
 def cmd_checkpoint(ctx, a):
-    ev = {"id": a.id, "status": a.status, "evidence": limit_text("--evidence", a.evidence),
-          "verify_cmd": limit_text("--verify-cmd", a.verify_cmd),
-          "verify_evidence": limit_text("--verify-evidence", a.verify_evidence)}
+    if a.run and not blank(a.verify_cmd):
+        check_command("--verify-cmd", a.verify_cmd)
+    ev = {"id": a.id, "status": a.status, "evidence": masked_text("--evidence", a.evidence),
+          "verify_cmd": masked_text("--verify-cmd", a.verify_cmd),
+          "verify_evidence": masked_text("--verify-evidence", a.verify_evidence)}
     if a.agent is not None:
         ev["agent"] = a.agent
     if a.run:
@@ -4283,7 +4463,7 @@ def cmd_add(ctx, a):
         for cmd in a.check:
             if blank(cmd):
                 raise usage("--check needs a command.", "blank_check")
-            spec["checks"].append(limit_text("a check", cmd))
+            spec["checks"].append(check_command("--check", cmd))
         spec["accept"] = [limit_text("an acceptance item", t) for t in a.accept if not blank(t)]
         spec["judge"] = a.judge
         unverifiable = unverifiable_checks([spec], ctx.store.root)
@@ -4361,6 +4541,13 @@ def audit_and_judge(ctx, a):
                          f"{'is' if missing_logs == 1 else 'are'} missing, so "
                          f"{'that run' if missing_logs == 1 else 'those runs'} cannot be shown to "
                          "have happened", "fix": "commit .fablize/runs/"})
+    if report["secret_lines"]:
+        lines = report["secret_lines"]
+        failures.append({"code": "secret_in_ledger", "message": f"{count_noun(len(lines), 'event')} "
+                         "recorded what looks like a secret (line " + ", ".join(map(str, lines)) +
+                         ") — everyone who can read the plan can read it",
+                         "fix": "rotate that secret now: what was committed or shared stays in the "
+                         "repository's history"})
     if a.require_complete and not report["complete"]:
         left = [f"{x['id']} [{x['status']}]" for x in plan["goals"] if x["status"] not in DONE]
         failures.append({"code": "incomplete", "message": "trusted but incomplete — "
@@ -4471,24 +4658,35 @@ def cmd_rebuild(ctx, a):
 
 
 def cmd_log(ctx, a):
+    """log: every event, checked as audit checks it, a line each. The whole history is printed
+    as it is replayed, in batches (memory flat in the ledger's length; damage stops it at the
+    line it names); under --json, or for one story, it is gathered first."""
     events = []
+    streaming = not ctx.json and a.id is None
 
     def pick(replay, line, ev):
         if a.id is None or ev.get("id") == a.id or ev["event"] == "plan_created" or \
                 (ev["event"] == "story_added" and ev["story"]["id"] == a.id):
-            events.append(ev)
+            if ctx.json:
+                events.append(ev)
+            else:
+                ctx.say(format_event(ev))
+                if streaming and len(ctx.out.lines) >= 4096:
+                    ctx.out.flush()
 
     with open_plan(ctx, exclusive=False) as s:
         s.refuse_original()
         if s.ledger.open() is None:
             raise no_plan()
-        replay = replay_all(s.ledger, s.good_end(None), pick)
+        try:
+            replay = replay_all(s.ledger, s.good_end(None), pick)
+        except FablizeError:
+            ctx.out.lines.clear()  # what was not yet written stays unsaid: the damage is the news
+            raise
     if replay.plan is None:
         raise no_plan()
     if a.id is not None:
         find_story(replay.plan, a.id)
-    for ev in events:
-        ctx.say(format_event(ev))
     ctx.data["events"] = events
 
 
@@ -4625,7 +4823,7 @@ def cmd_verdict(ctx, a):
     void = tree_changed_verdict(ctx, a)
     with open_plan(ctx) as s:
         s.require_plan()
-        fields = {"verdict": a.verdict, "evidence": limit_text("--evidence", a.evidence)}
+        fields = {"verdict": a.verdict, "evidence": masked_text("--evidence", a.evidence)}
         s.commit("verdict", id=a.id, agent=a.agent, **dict(fields, **(void or {})))
         plan = s.plan
     story = find_story(plan, a.id)
@@ -4670,7 +4868,7 @@ def session_start(ctx, a):
 def cmd_pause(ctx, a):
     with open_plan(ctx) as s:
         s.require_plan()
-        s.commit("paused", note=limit_text("--note", a.note))
+        s.commit("paused", note=masked_text("--note", a.note))
         plan = s.plan
     ctx.say(f"fablize: guard paused (event {plan['ledger']['seq']}) — the Stop hook lets the agent "
             f"stop until `{ctx.prog} unpause`.")
@@ -4715,9 +4913,9 @@ def cmd_observe(ctx, a):
                 return  # nothing to attribute it to, or not a verification
             code, ok, detail = observed_outcome(payload)
             tool = payload.get("tool_name")
-            s.commit("observed_run", id=active[0]["id"], cmd=last_chars(cmd, 2000), exit_code=code,
-                     ok=ok, tool=tool if isinstance(tool, str) else a.hook_for,
-                     detail=last_chars(detail or "", TAIL_CHARS))
+            s.commit("observed_run", id=active[0]["id"], cmd=mask(last_chars(cmd, 2000), True),
+                     exit_code=code, ok=ok, tool=tool if isinstance(tool, str) else a.hook_for,
+                     detail=mask(last_chars(detail or "", TAIL_CHARS), True))
     except FablizeError as e:  # never fail the agent's tool call over our bookkeeping
         sys.stderr.write("fablize observe: " + one_line(e.message) + "\n")
 
@@ -4764,6 +4962,12 @@ class Output:
         stream = self.stream()
         stream.write(clean(text) + "\n")
         stream.flush()
+
+    def flush(self):
+        """Write the lines said so far now (text mode): a long answer streams, memory flat."""
+        if self.lines and not self.json:
+            sys.stdout.write(clean("\n".join(map(str, self.lines))) + "\n")
+            self.lines = []
 
     def render(self, command, error, code):
         """The command's result on stdout and stderr."""
@@ -5270,12 +5474,27 @@ def utf8_streams():
                 pass
 
 
+def answer_interrupts():
+    """From here on, Ctrl-C raises KeyboardInterrupt, which `main` answers; one kept while the
+    process started is raised now."""
+    if "_signal" in globals():
+        _signal.signal(_signal.SIGINT, _signal.default_int_handler)
+        if STARTUP_INTERRUPT:
+            raise KeyboardInterrupt
+
+
+def keep_interrupts():
+    if "_signal" in globals():
+        _signal.signal(_signal.SIGINT, lambda signum, frame: None)
+
+
 def main(argv=None):
     argv = [fix_argv_text(x) for x in (sys.argv[1:] if argv is None else argv)]
     utf8_streams()
     out = Output("--json" in argv)
     command = ctx = None
     try:
+        answer_interrupts()
         # usage errors and --help name the engine as it was started, runnable as printed
         prog = invocation()  # once a start: the usage line and every printed command use it
         name = command_in(argv)
@@ -5305,6 +5524,7 @@ def main(argv=None):
         code = error.exit_code
     except SystemExit as e:  # --help and --version
         return e.code if isinstance(e.code, int) else EXIT_OK
+    keep_interrupts()  # the command is over: a Ctrl-C now changes nothing it did or says
     try:
         out.render(command, error, code)
         sys.stdout.flush()

@@ -78,6 +78,7 @@ def project(tmp_path, monkeypatch):
     # really started (installed, plugin, script) is tested through subprocesses
     monkeypatch.setattr(goals, "invocation", lambda cwd=None: "goals.py")
     monkeypatch.setenv("PATH", os.environ.get("PATH", ""))  # whatever a test puts on it goes again
+    goals._SECRETS.clear()  # made once a process: each test's environment has its own secrets
     return tmp_path
 
 

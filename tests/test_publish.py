@@ -1,0 +1,234 @@
+"""What a plan publishes (DESIGN §10): a committed ledger or a shared plan's refs are read by
+everyone who can read the repository, so nothing a check printed, an agent wrote or the harness
+observed carries a secret, and no run names the machine it ran on; and a run's record never
+claims more of its log than the disk holds."""
+
+import json
+import os
+import re
+import resource
+import signal
+import subprocess
+
+import pytest
+
+from conftest import ENGINE, ENGINE_PYTHON, SCRIPT, assert_refused, ledger, make_plan, state_files
+from test_trust import forge_fab
+from test_wiring import bash_failure, observe
+
+TOKEN = "ghp_" + "A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"  # the shape of a GitHub token
+VALUE = "hunter2-not-a-shape-but-a-secret"  # a value only the environment says is secret
+
+
+def state_bytes(fab):
+    return b"".join(state_files(fab.dir).values())
+
+
+def start(fab):
+    r = fab("next")
+    assert r.code == 0, r
+
+
+def test_a_check_that_prints_a_token_leaves_no_trace_of_it_in_the_state(fab, monkeypatch):
+    monkeypatch.setenv("DEPLOY_API_KEY", VALUE)
+    (fab.root / "out.txt").write_text(f"token={TOKEN}\n")
+    make_plan(fab, 1, "--verify", "cat out.txt; echo key=$DEPLOY_API_KEY; echo done")
+    start(fab)
+    r = fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "ran it")
+    assert r.code == 0, r
+    state = state_bytes(fab)
+    assert TOKEN.encode() not in state and VALUE.encode() not in state
+    run = [e for e in ledger(fab.dir) if e["event"] == "verify_run"][-1]
+    log = (fab.dir / run["log"]).read_bytes()
+    assert log == b"token=***\nkey=***\ndone\n" and run["tail"] == log.decode()
+    assert run["bytes"] == len(log) and run["sha256"] == goals_sha(log)
+    assert TOKEN not in r.out and VALUE not in r.out  # the terminal saw it masked too
+    assert fab("audit", "--require-logs").code == 0
+
+
+def goals_sha(data):
+    import goals
+    return goals.sha256_hex(data)
+
+
+def test_a_private_key_a_check_prints_is_dropped_from_begin_to_end(fab):
+    key = "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAA\nAAAABG5vbmUAAAAEbm9uZQ\n" \
+          "-----END OPENSSH PRIVATE KEY-----"
+    (fab.root / "key.txt").write_text(f"before\n{key}\nafter\n")
+    make_plan(fab, 1, "--verify", "cat key.txt")
+    start(fab)
+    assert fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e").code == 0
+    run = [e for e in ledger(fab.dir) if e["event"] == "verify_run"][-1]
+    assert (fab.dir / run["log"]).read_text() == "before\n***\n***\nafter\n"
+    assert b"b3BlbnNzaC1rZXktdjEAAAA" not in state_bytes(fab)
+
+
+def test_an_observed_command_carrying_a_token_is_recorded_masked(fab):
+    make_plan(fab, 2)
+    start(fab)
+    observe(fab, bash_failure(fab.root, f"GITHUB_TOKEN={TOKEN} AWS_SECRET='x y z' pytest -q",
+                              error=f"Exit code 1\nauth failed for {TOKEN}"))
+    seen = [e for e in ledger(fab.dir) if e["event"] == "observed_run"]
+    assert seen[0]["cmd"] == "GITHUB_TOKEN=*** AWS_SECRET=*** pytest -q"
+    assert seen[0]["detail"] == "Exit code 1\nauth failed for ***"
+    assert TOKEN.encode() not in state_bytes(fab)
+
+
+def test_evidence_and_notes_are_recorded_masked(fab):
+    make_plan(fab, 2)
+    start(fab)
+    r = fab("checkpoint", "--id", "G001", "--status", "complete",
+            "--evidence", f"pushed with API_TOKEN={TOKEN}, it worked")
+    assert r.code == 0, r
+    assert [e["evidence"] for e in ledger(fab.dir) if e["event"] == "checkpoint"] == \
+        ["pushed with API_TOKEN=*** it worked"]  # to the next space
+    assert fab("pause", "--note", f"waiting for {TOKEN}").code == 0
+    assert TOKEN.encode() not in state_bytes(fab)
+
+
+@pytest.mark.parametrize("args", [
+    ["create", "--brief", "b", "--goal", "a::b", "--verify", f"GH_TOKEN={TOKEN} make test"],
+    ["create", "--brief", "b", "--goal", "a::b", "--check", f"G001=curl -H 'x: {TOKEN}' x"],
+    ["create", "--brief", "b", "--goal", "a::b", "--verify", "PASSWORD=hunter22 ./check.sh"],
+])
+def test_a_check_that_carries_a_secret_is_refused_and_nothing_is_written(fab, args):
+    r = assert_refused(fab, args, 2, "holds what looks like a secret", "keep it in the environment")
+    assert TOKEN not in r.err and "hunter22" not in r.err  # the refusal does not repeat it
+    assert not (fab.dir / "ledger.jsonl").exists()
+
+
+def test_add_and_a_witnessed_run_refuse_a_secret_in_the_command_too(fab):
+    make_plan(fab, 2)
+    assert_refused(fab, ["add", "--goal", "x::y", "--check", f"deploy --token {TOKEN}"], 2,
+                   "--check `deploy --token ***` holds what looks like a secret")
+    start(fab)
+    assert_refused(fab, ["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
+                         "--run", "--verify-cmd", f"API_KEY={TOKEN} true"], 2,
+                   "--verify-cmd `API_KEY=*** true` holds what looks like a secret")
+
+
+def test_a_run_records_no_path_of_the_machine_and_no_environment_value(fab):
+    make_plan(fab, 1, "--verify", "python3 -c pass")
+    start(fab)
+    assert fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e").code == 0
+    text = (fab.dir / "ledger.jsonl").read_text() + (fab.dir / "goals.json").read_text()
+    run = [e for e in ledger(fab.dir) if e["event"] == "verify_run"][-1]
+    assert run["cwd"] == "." and run["provenance"]["dir"] == "."
+    assert run["provenance"]["program"] == "python3"
+    assert all(re.fullmatch(r"sha256:[0-9a-f]{16}", v) for v in run["provenance"]["env"].values())
+    assert str(fab.root) not in text and os.path.expanduser("~") + "/" not in text
+    assert os.environ["PATH"] not in text and "PATH" in run["provenance"]["env"]
+
+
+def test_runs_of_an_older_engine_that_kept_values_compare_with_digests(fab):
+    import goals
+    fablize_trust = goals.room("trust", "test")
+    old = {"PATH": os.environ["PATH"], "LONG": "sha256:" + "ab" * 32}
+    new = {"PATH": "sha256:" + goals_sha(os.environ["PATH"].encode())[:16],
+           "LONG": "sha256:" + "ab" * 8}
+    assert fablize_trust.env_digests(old) == fablize_trust.env_digests(new) == new
+
+
+def test_audit_fails_a_ledger_that_recorded_a_secret_by_hand_or_by_an_older_engine(fab):
+    make_plan(fab, 2)
+    start(fab)
+    r = forge_fab(fab, event="checkpoint", id="G001", status="complete",
+                  evidence=f"see {TOKEN}", verify_cmd="", verify_evidence="")
+    assert r.code == 0, r
+    r = fab("audit")
+    assert r.code == 1 and "secret_in_ledger" in r.out and "line 3" in r.out, r
+    assert "rotate that secret now" in r.out
+    j = fab("--json", "audit").json
+    assert j["error"]["code"] == "secret_in_ledger" and j["secret_lines"] == [3]
+
+
+# A run's log under faults ####################################################################
+
+
+def limited(size):
+    """A child whose files cannot grow past `size` bytes (the disk is full at that point for
+    every file it writes; SIGXFSZ ignored, so a write fails with EFBIG the way it would with
+    ENOSPC)."""
+    def apply():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+    return apply
+
+
+def engine(fab, *args, limit=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FABLIZE_")}
+    p = subprocess.run([*ENGINE, *args], cwd=str(fab.root), capture_output=True, text=True,
+                       env=env, timeout=120, preexec_fn=limit and limited(limit))
+    return p
+
+
+@pytest.mark.skipif(not hasattr(resource, "RLIMIT_FSIZE"), reason="needs RLIMIT_FSIZE")
+def test_a_full_disk_during_a_run_records_an_error_whose_log_matches_and_still_audits(fab):
+    make_plan(fab, 1, "--verify", "python3 -c \"print('x' * 1000000)\"")
+    start(fab)
+    p = engine(fab, "checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
+               limit=200_000)  # the ledger and snapshot fit; the 1 MB log does not
+    assert p.returncode == 1, p
+    assert "its log could not be written whole" in p.stderr + p.stdout, p
+    run = [e for e in ledger(fab.dir) if e["event"] == "verify_run"][-1]
+    log = (fab.dir / run["log"]).read_bytes()
+    assert run["error"].startswith("its log could not be written whole") and run["exit_code"] == 0
+    assert run["bytes"] == len(log) < 1_000_001 and run["sha256"] == goals_sha(log)
+    assert fab("audit", "--require-logs").code == 0  # no edit nobody made
+    assert "G001" in fab("status").out and fab("next").code == 0  # still in progress: run again
+    assert fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e").code == 0
+
+
+@pytest.mark.skipif(not hasattr(resource, "RLIMIT_FSIZE"), reason="needs RLIMIT_FSIZE")
+def test_a_disk_too_full_for_the_ledger_records_nothing_and_says_so_in_one_line(fab):
+    make_plan(fab, 1, "--verify", "echo out")
+    start(fab)
+    before = (fab.dir / "ledger.jsonl").read_bytes()
+    p = engine(fab, "checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
+               limit=2)  # not a byte more for any file: the run's record cannot be appended
+    assert p.returncode == 3 and "I/O error" in p.stderr and p.stderr.count("\n") == 1, p
+    assert (fab.dir / "ledger.jsonl").read_bytes() == before
+    assert fab("audit", "--require-logs").code == 0
+    assert fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e").code == 0
+    assert fab("audit", "--require-logs").code == 0
+
+
+# Ctrl-C at start-up ##########################################################################
+
+
+LAUNCHER = SCRIPT.parent / "fablize.py"
+
+
+def interrupted_at_start(*args):
+    """The launcher started as a hook starts it, a Ctrl-C arriving before the engine has read
+    its first argument (kept by the launcher's handler, answered by main)."""
+    code = ("import os, signal, sys, importlib.util as u; "
+            "spec = u.spec_from_file_location('launcher', sys.argv.pop(1)); "
+            "m = u.module_from_spec(spec); spec.loader.exec_module(m); "
+            "os.kill(os.getpid(), signal.SIGINT); m.main()")
+    return subprocess.run([ENGINE_PYTHON, "-c", code, str(LAUNCHER), *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_ctrl_c_while_the_engine_starts_is_one_line_and_exit_130(fab):
+    make_plan(fab, 1)
+    p = interrupted_at_start("status")
+    assert p.returncode == 130 and p.stdout == "", p
+    assert p.stderr.startswith("fablize: interrupted by SIGINT") and p.stderr.count("\n") == 1, p
+    p = interrupted_at_start("--json", "status")
+    assert p.returncode == 130 and p.stdout.count("\n") == 1, p
+    assert json.loads(p.stdout)["error"]["code"] == "interrupted" and p.stderr == "", p
+
+
+def test_ctrl_c_during_the_engine_s_own_definitions_is_answered_too(fab):
+    make_plan(fab, 1)
+    # the signal lands while goals.py's module code runs: its own handler keeps it
+    code = ("import os, signal, sys, runpy; sys.argv = [sys.argv[1], 'status']; "
+            "src = open(sys.argv[0]).read().replace('\\nimport collections\\n', "
+            "'\\nos_kill = __import__(\"os\").kill(__import__(\"os\").getpid(), 2)\\n"
+            "import collections\\n', 1); "
+            "exec(compile(src, sys.argv[0], 'exec'), {'__name__': '__main__'})")
+    p = subprocess.run([ENGINE_PYTHON, "-c", code, str(SCRIPT)], capture_output=True, text=True,
+                       timeout=60, cwd=str(fab.root))
+    assert p.returncode == 130 and "Traceback" not in p.stderr, p
+    assert p.stderr.startswith("fablize: interrupted by SIGINT"), p
