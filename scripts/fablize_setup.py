@@ -456,9 +456,8 @@ def install_block(text, block, remove=False):
 
 
 def cmd_install_block(ctx, a):
-    target = os.path.abspath(a.file) if a.file is not None else \
-        os.path.join(ctx.store.root, "CLAUDE.md")
-    target, st = project_file(os.path.dirname(target), os.path.basename(target))
+    target, st = engine.user_file(ctx.store.root, a.file or os.path.join(ctx.store.root,
+                                                                        "CLAUDE.md"), a.outside)
     raw, text = project_text(target, st)
     new = install_block(text, render_block(portable_command(ctx.store.root)), a.remove)
     if new == text:
@@ -611,6 +610,8 @@ def add_install_block(command):
             "--remove takes it out")
     c.add_argument("file", nargs="?", help="the file (default: CLAUDE.md at the repository root)")
     c.add_argument("--remove", action="store_true", help="take the block out again")
+    c.add_argument("--outside", action="store_true",
+                   help="the file may be outside the project (never through a symlink)")
 
 
 def add_setup(command):

@@ -602,7 +602,7 @@ def rerun(store, plan, trust, opts, timeout):
 def engine_inside(root):
     here = os.path.realpath(os.path.abspath(engine.__file__))
     top = os.path.realpath(engine.repo_root(root) or root)
-    return os.path.commonpath([here, top]) == top
+    return engine.within(here, top)
 
 
 def committed_trees(top, trees, state_rel, limit=200):

@@ -1693,6 +1693,36 @@ def link_or_copy(src, dst):
             os.close(fd)
 
 
+def within(path, folder):
+    """Whether `path` is `folder` or lies under it (both as given: resolve them first)."""
+    return os.path.commonpath([path, folder]) == folder
+
+
+def user_file(root, path, outside=False):
+    """Where a file written on the user's behalf (`install-block`, `report --out`) goes:
+    `path`, inside the project at `root` unless the user passed --outside, and never through
+    a symlink — not the file itself, not a folder on the way that leads out of the project.
+    Returns (path, its lstat or None when it does not exist yet)."""
+    target = os.path.abspath(path)
+    top = os.path.realpath(root)
+    if not outside and not within(os.path.realpath(os.path.dirname(target)), top):
+        where = "a folder on the way is a symlink out of it" \
+            if within(os.path.abspath(os.path.dirname(target)), os.path.abspath(root)) else \
+            "it is not inside it"
+        raise refused(f"{one_line(path)} is outside the project ({one_line(root)}): {where} — "
+                      "fablize writes a file there only when asked with --outside.",
+                      "outside_project")
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        return target, None
+    if stat.S_ISLNK(st.st_mode):
+        raise refused(f"{target} is a symlink — refusing to write through it.", "symlink")
+    if not stat.S_ISREG(st.st_mode):
+        raise refused(f"{target} is not a regular file.", "not_a_file")
+    return target, st
+
+
 def write_atomic(path, data, mode=0o644, sweep=False):
     """Replace `path` with `data` whole: a temp file in the same directory, fsync, rename, fsync
     the directory. With `sweep`, temp files a killed writer left are removed first (the caller
@@ -4739,16 +4769,20 @@ def cmd_report(ctx, a):
                             kinds={"verify_run"})
     text = render_report(plan, list(runs), replay.counts["verify_run"])
     target = a.out or os.environ.get("GITHUB_STEP_SUMMARY")
-    if target and os.path.commonpath([os.path.abspath(target), ctx.store.dir]) == ctx.store.dir:
+    if target and within(os.path.abspath(target), ctx.store.dir):
         raise usage(f"report --out {one_line(target)}: that is inside the state directory, whose "
                     "files only fablize writes.", "usage")
-    if target:
-        with open(target, "wb" if a.out else "ab+") as f:
+    if a.out:  # the user's file: in the project unless --outside, never through a symlink
+        target, st = user_file(ctx.store.root, a.out, a.outside)
+        write_atomic(target, text.encode("utf-8"), st.st_mode & 0o7777 if st else 0o644)
+    elif target:  # CI's job summary, where CI keeps it: appended to
+        with open(target, "ab+") as f:
             if f.seek(0, os.SEEK_END) > 0:
                 f.seek(-1, os.SEEK_END)
                 if f.read(1) != b"\n":
                     f.write(b"\n")  # a heading must start its own line
             f.write(text.encode("utf-8"))
+    if target:
         ctx.say(f"fablize: report written to {target}")
     else:
         ctx.say(text)
@@ -5252,6 +5286,8 @@ def add_report(command):
             'progress, stories, the latest runs and the dependency graph')
     c.add_argument("--out", metavar="FILE",
                    help="write it here (default: append to $GITHUB_STEP_SUMMARY when set, else stdout)")
+    c.add_argument("--outside", action="store_true",
+                   help="--out may name a file outside the project (never through a symlink)")
 
 
 def add_judge_packet(command):

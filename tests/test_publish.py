@@ -232,3 +232,40 @@ def test_ctrl_c_during_the_engine_s_own_definitions_is_answered_too(fab):
                        timeout=60, cwd=str(fab.root))
     assert p.returncode == 130 and "Traceback" not in p.stderr, p
     assert p.stderr.startswith("fablize: interrupted by SIGINT"), p
+
+
+# Files written on the user's behalf ##########################################################
+
+
+@pytest.mark.parametrize("command", [["install-block"], ["report", "--out"]])
+def test_a_file_outside_the_project_is_refused_unless_asked_with_outside(fab, tmp_path_factory,
+                                                                          command):
+    make_plan(fab, 1)
+    away = tmp_path_factory.mktemp("away")
+    for path in (away / "x.md", f"../{away.name}/x.md"):
+        r = assert_refused(fab, [*command, path], 1, "is outside the project",
+                           "only when asked with --outside")
+        assert not (away / "x.md").exists() and r.out == ""
+    r = fab(*command, away / "x.md", "--outside")
+    assert r.code == 0 and (away / "x.md").is_file(), r
+
+
+@pytest.mark.parametrize("command", [["install-block"], ["report", "--out"]])
+def test_a_symlink_out_of_the_project_is_never_followed(fab, tmp_path_factory, command):
+    make_plan(fab, 1)
+    away = tmp_path_factory.mktemp("away")
+    (away / "mine.md").write_text("the user's own file\n")
+    (fab.root / "docs").symlink_to(away, target_is_directory=True)
+    (fab.root / "notes.md").symlink_to(away / "mine.md")
+    assert_refused(fab, [*command, "docs/x.md"], 1, "a folder on the way is a symlink out of it")
+    for extra in ([], ["--outside"]):
+        assert_refused(fab, [*command, "notes.md", *extra], 1, "is a symlink — refusing")
+    assert sorted(p.name for p in away.iterdir()) == ["mine.md"]
+    assert (away / "mine.md").read_text() == "the user's own file\n"
+
+
+def test_a_report_inside_the_project_is_written_whole(fab):
+    make_plan(fab, 1)
+    (fab.root / "out").mkdir()
+    r = fab("report", "--out", "out/report.md")
+    assert r.code == 0 and (fab.root / "out" / "report.md").read_text().startswith("# fablize report"), r
