@@ -54,14 +54,15 @@ through fablize instead of declaring "done" yourself:
 
 Never edit `.fablize/` by hand; `{cli} audit` detects it.
 <!-- fablize:end -->
-"""
+"""  # noqa: E501 (a command the agent copies stays one line)
 PLUGIN_NAME = "fablize-gate"  # not `fablize`: the original's plugin and marketplace are named so
 AGENTS = ("claude", "codex", "gemini", "cursor", "agents-md")
 # Patterns kept as text, compiled (and cached by `re`) on first use: not at every start.
 # the original fablize's block: migrated to ours, so that a file ends with exactly one block
 ORIGINAL_BLOCK = r"(?s)<!--\s*FABLIZE:BEGIN\b.*?FABLIZE:END\b[^>]*-->\n?"
 # a hook command of ours (or of the original), whatever path or interpreter runs it
-OUR_HOOK = r"(?:goals\.py|fablize(?:\.py)?)[\"']?((?:\s+--\S+)*)\s+(guard|status\s+--resume|observe)\b"
+OUR_HOOK = (r"(?:goals\.py|fablize(?:\.py)?)[\"']?((?:\s+--\S+)*)\s+"
+            r"(guard|status\s+--resume|observe)\b")
 
 
 def portable_command(root):
@@ -319,8 +320,8 @@ def setup_plan(root, agent, remove):
         data = None if remove and not new.strip() else new.encode("utf-8")
         changes.append((block_rel, path, st, data, "the fablize block " +
                         ("removed" if remove else "updated" if BLOCK_BEGIN in text else
-                         "migrated from the original fablize's block" if re.search(ORIGINAL_BLOCK, text)
-                         else "added")))
+                         "migrated from the original fablize's block"
+                         if re.search(ORIGINAL_BLOCK, text) else "added")))
     notes = []
     if hooks_rel:
         plugin = plugin_enabled(root) if agent == "claude" else []
@@ -358,7 +359,8 @@ def block_problem(root, agent, prog):
         return f"{block_rel} cannot be read ({e.message})", "fix it by hand", None
     begin = text.find(BLOCK_BEGIN)
     if re.search(ORIGINAL_BLOCK, text):
-        return (f"{block_rel} holds the original fablize's block", f"`{prog} setup {agent}` migrates it",
+        return (f"{block_rel} holds the original fablize's block", f"`{prog} setup {agent}` "
+                                                                   "migrates it",
                 None)
     if begin < 0:
         return f"{block_rel} has no fablize block", f"`{prog} setup {agent}` adds it", None
@@ -367,7 +369,8 @@ def block_problem(root, agent, prog):
     m = re.search(r"`(.+?) create --brief", block)
     cli = m.group(1) if m else None
     if cli is None or block != render_block(cli):
-        return f"{block_rel} holds an outdated fablize block", f"`{prog} setup {agent}` updates it", cli
+        return (f"{block_rel} holds an outdated fablize block",
+                f"`{prog} setup {agent}` updates it", cli)
     if cli != portable_command(root):
         return (f"{block_rel}'s block runs `{cli}`, not `{portable_command(root)}`",
                 f"`{prog} setup {agent}` updates it", cli)
@@ -516,7 +519,8 @@ def cmd_setup(ctx, a):
             ctx.say(f"fablize: {os.path.relpath(ignore, root)}: written — the lock, temporary and "
                     "torn-line files stay out of git")
             done.append(os.path.relpath(ignore, root))
-    elif engine.read_state_file(ignore) == engine.STATE_GITIGNORE.encode() and not ctx.store.has_plan_files():
+    elif (engine.read_state_file(ignore) == engine.STATE_GITIGNORE.encode()
+          and not ctx.store.has_plan_files()):
         os.unlink(ignore)
         done.append(os.path.relpath(ignore, root))
         ctx.say(f"fablize: {os.path.relpath(ignore, root)}: removed")
@@ -547,21 +551,25 @@ def cmd_doctor(ctx, a):
         findings.append({"item": name, "ok": problem is None, "problem": problem, "fix": fix,
                        "detail": fine if problem is None else None})
 
-    finding("engine", None, None, f"fablize {engine.__version__} on Python {sys.version.split()[0]}")
+    finding("engine", None, None,
+            f"fablize {engine.__version__} on Python {sys.version.split()[0]}")
     problem, fix, cli = block_problem(root, agent, ctx.prog)
     finding("block", problem, fix, f"{AGENT_FILES[agent][0]} holds the current block")
     if cli:
         bad = interpreter_problem(cli, root)
         ok, said = (False, bad) if bad else command_runs(cli, root)
         if bad and cli == "fablize" and agent == "claude" and plugin_enabled(root):
-            ok, said = True, f"not on this PATH, but Claude Code puts the {PLUGIN_NAME} plugin's bin/ on its own"
-        finding("command", None if ok else f"the block's command `{cli}` does not run here ({said})",
+            ok, said = True, (f"not on this PATH, but Claude Code puts the {PLUGIN_NAME} "
+                              "plugin's bin/ on its own")
+        finding("command",
+                None if ok else f"the block's command `{cli}` does not run here ({said})",
               command_missing(cli) or "install fablize (README: Add it to your project) or keep "
               f"the script in the repository, then `{ctx.prog} setup {agent}`",
               f"`{cli} --version` → {said}")
     for event, where in hook_registrations(root, agent).items():
         if not where:
-            finding(f"{event} hook", f"no fablize {event} hook is registered", f"`{ctx.prog} setup {agent}`", None)
+            finding(f"{event} hook", f"no fablize {event} hook is registered", f"`{ctx.prog} setup "
+                                                                               f"{agent}`", None)
         elif len(where) > 1:
             finding(f"{event} hook", f"the {event} hook is registered {len(where)} times "
                   f"({', '.join(where)}): every event would be counted twice",
@@ -590,7 +598,8 @@ def cmd_doctor(ctx, a):
                   f"`{ctx.prog} audit` says what is wrong; `{ctx.prog} rebuild` regenerates "
                   "goals.json from the ledger", None)
         present = engine.read_state_file(os.path.join(ctx.store.dir, ".gitignore")) is not None
-        finding(".gitignore", None if present else f"{engine.STATE_DIRNAME}/.gitignore is missing: the lock "
+        finding(".gitignore", None if present else f"{engine.STATE_DIRNAME}/.gitignore is missing: "
+                                                   "the lock "
               "and temporary files would be committed", f"`{ctx.prog} setup {agent}`",
               f"{engine.STATE_DIRNAME}/.gitignore keeps local files out of git")
     for c in findings:

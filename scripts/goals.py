@@ -101,7 +101,7 @@ DEFAULT_GUARD_MAX = 3       # Stop-hook blocks in a row before the guard lets go
 READ_CHUNK = 1 << 16
 HOOK_AGENTS = ("claude", "codex", "gemini", "cursor")  # the hook protocols the engine speaks
 OBSERVED_KEEP = 20          # observed runs kept per story (the snapshot stays O(stories))
-DUPLICATE_WINDOW = 60.0     # seconds: two guards fed the very same stop are one registration too many
+DUPLICATE_WINDOW = 60.0     # seconds: two guards fed the very same stop: one registration too many
 REPORT_RUNS = 100           # the latest runs a report lists; the ledger holds the rest
 PYTHON = "python" if os.name == "nt" else "python3"  # `python3` on Windows is the Store alias
 STATE_GITIGNORE = """\
@@ -271,7 +271,8 @@ def last_chars(text, n=TAIL_CHARS):
 
 
 def _escape_table(keep):
-    table = {c: "\\x%02x" % c for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)] if chr(c) not in keep}
+    table = {c: "\\x%02x" % c for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)]
+             if chr(c) not in keep}
     # bidi overrides and line separators can reorder or break what a terminal shows
     for c in (0x200E, 0x200F, 0x2028, 0x2029, 0x202A, 0x202B, 0x202C, 0x202D, 0x202E,
               0x2066, 0x2067, 0x2068, 0x2069, 0xFEFF):
@@ -355,8 +356,8 @@ def defuse(text):
         # invisible characters between a marker's words must not hide it: read the text with
         # them as spaces, a view used only when it shows a marker (emoji joiners stay intact)
         bare = text.translate(_INVISIBLE)
-        if bare != text and has_marker_word(bare) and \
-                any(p.search(bare) for p, _ in _COMPILED_MARKERS[True]):
+        if (bare != text and has_marker_word(bare) and
+                any(p.search(bare) for p, _ in _COMPILED_MARKERS[True])):
             text = bare
     if has_marker_word(text):  # the cheap test first: most text names no marker word
         for pattern, replacement in _COMPILED_MARKERS[wide]:
@@ -435,8 +436,8 @@ def scope_pattern(text):
     path = text.strip().replace("\\", "/")
     while path.startswith("./"):
         path = path[2:]
-    if not path or "\x00" in path or path.startswith("/") or re.match(r"[A-Za-z]:", path) or \
-            ".." in path.split("/"):
+    if (not path or "\x00" in path or path.startswith("/") or re.match(r"[A-Za-z]:", path) or
+            ".." in path.split("/")):
         raise usage(f"--scope {one_line(text)!r}: a path of the repository, relative to its top "
                     "(a file, a folder or a glob like src/** or *.py).", "bad_scope")
     return path.rstrip("/") + ("/" if path.endswith("/") else "")
@@ -454,8 +455,8 @@ def count_noun(n, noun):
     """`1 event`, `2 events`, `1 story`, `3 stories`: a count and its noun, never `event(s)`."""
     if n == 1:
         return f"1 {noun}"
-    return f"{n} {noun[:-1]}ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else \
-        f"{n} {noun}s"
+    return (f"{n} {noun[:-1]}ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else
+        f"{n} {noun}s")
 
 
 def count_stories(n):
@@ -741,8 +742,8 @@ def pick_ready(plan):
     goals, done = plan["goals"], done_ids(plan)
     # most plans have no reopened story: two passes in C tell, and the first ready story is then
     # near the front (a plan of 100,000 stories picks in 15 ms, not 65)
-    reopened = "failed" in map(itemgetter("status"), goals) or \
-        any(map(methodcaller("get", "round", 0), goals))
+    reopened = ("failed" in map(itemgetter("status"), goals) or
+        any(map(methodcaller("get", "round", 0), goals)))
     first = None
     for story in goals:
         status = story["status"]
@@ -825,8 +826,8 @@ def latest_run(story, check=None, cmd=None):
 
 
 def run_passed(run):
-    return run.get("exit_code") == 0 and not run.get("timed_out") and not run.get("error") \
-        and not run.get("interrupted")
+    return (run.get("exit_code") == 0 and not run.get("timed_out") and not run.get("error")
+        and not run.get("interrupted"))
 
 
 def describe_exit(run):
@@ -890,7 +891,8 @@ def current_packet(story):
 def observed_of(story):
     """This round's observed runs of a story (entries of other shapes are not ours: skipped)."""
     return [o for o in story.get("observed") or []
-            if isinstance(o, dict) and o.get("round") == story["round"] and isinstance(o.get("cmd"), str)]
+            if isinstance(o, dict) and o.get("round") == story["round"]
+            and isinstance(o.get("cmd"), str)]
 
 
 def unaddressed_failure(story):
@@ -921,8 +923,8 @@ def _refuse_unknown_unverifiable(stories, found):
     by_id = {s["id"]: s for s in stories}
     for u in found:
         story = by_id.get(u["id"])
-        if story is None or not 0 <= u["check"] < len(story["checks"]) or \
-                story["checks"][u["check"]] != u["cmd"]:
+        if (story is None or not 0 <= u["check"] < len(story["checks"]) or
+                story["checks"][u["check"]] != u["cmd"]):
             raise forged(f"unverifiable check {one_line(u['id'])}/{u['check']} is not a frozen "
                          "check of the plan")
 
@@ -1029,7 +1031,8 @@ def verification_gap(plan, story, ev):
         for i, cmd in enumerate(checks):
             run = latest_run(story, check=i)
             if run is None:
-                return refused(f"{story['id']}: frozen check {i + 1} (`{one_line(cmd)}`) has no run "
+                return refused(f"{story['id']}: frozen check {i + 1} (`{one_line(cmd)}`) has no "
+                               "run "
                                "since the story was activated.", "verification_missing")
             if not run["ok"]:
                 return refused(f"{story['id']}: frozen check {i + 1} (`{one_line(cmd)}`) failed "
@@ -1041,14 +1044,15 @@ def verification_gap(plan, story, ev):
             return refused(f"{story['id']}: no run of `{one_line(ev.get('verify_cmd'))}` since the "
                            "story was activated.", "verification_missing")
         if not run["ok"]:
-            return refused(f"{story['id']}: `{one_line(run['cmd'])}` failed ({describe_exit(run)}).",
-                           "verification_failed")
+            return refused(f"{story['id']}: `{one_line(run['cmd'])}` failed "
+                           f"({describe_exit(run)}).", "verification_failed")
         return None
     if not is_final(plan, story):
         return None
     if plan["options"]["require_run"]:
         return refused("this plan requires a witnessed run: the final story completes only "
-                       "with --run (the engine runs --verify-cmd) or frozen checks.", "run_required")
+                       "with --run (the engine runs --verify-cmd) or frozen checks.",
+                       "run_required")
     if blank(ev.get("verify_cmd")) or blank(ev.get("verify_evidence")):
         return refused("the final story cannot complete without --verify-cmd and --verify-evidence "
                        "(verification gate).", "verification_gate")
@@ -1097,8 +1101,8 @@ def _ev_checkpoint(plan, ev):
         raise forged("run is false")
     checkpoint_gate(plan, story, ev)
     cited = ev.get("runs") or []
-    if len(set(cited)) != len(cited) or len(cited) > max(1, len(story["checks"])) or \
-            any(not 0 < seq < ev["seq"] for seq in cited):
+    if (len(set(cited)) != len(cited) or len(cited) > max(1, len(story["checks"])) or
+            any(not 0 < seq < ev["seq"] for seq in cited)):
         raise forged(f"the checkpoint cites runs {cited[:5]}, which no checkpoint of "
                      f"{story['id']} ran")
     if ev["status"] == "complete":
@@ -1146,9 +1150,9 @@ def _ev_verify_run(plan, ev):
                      "frozen check")
     if ev["log"] != f"{RUNS}/{ev['seq']}-{story['id']}.log":
         raise forged(f"run log `{one_line(ev['log'])[:80]}` is not runs/<seq>-<story>.log")
-    if not regex(r"[0-9a-f]{64}\Z").match(ev["sha256"]) or ev["bytes"] < 0 or not (
-            0 <= ev["duration_s"] < _INF and 0 <= ev["after_seq"] < ev["seq"]) or \
-            len(ev["tail"]) > TAIL_CHARS:
+    if (not regex(r"[0-9a-f]{64}\Z").match(ev["sha256"]) or ev["bytes"] < 0 or not (
+            0 <= ev["duration_s"] < _INF and 0 <= ev["after_seq"] < ev["seq"]) or
+            len(ev["tail"]) > TAIL_CHARS):
         raise forged("a run's digest, size, duration, tail or position is out of range")
     record = {key: ev[key] for key in RUN_FIELDS}
     if ev.get("interrupted"):  # only then: replayed old runs stay as their snapshots hold them
@@ -1357,15 +1361,16 @@ def _ev_plan_merged(plan, ev):
             raise FablizeError(f"merged plan {one_line(ev['plan_id'])}: {e.message}", e.code,
                                EXIT_DAMAGED)
     other, head = inner.plan, inner.head
-    if other is None or other["plan_id"] != ev["plan_id"] or head != ev["head"] \
-            or len(ev["lines"]) != ev["events"] or other["plan_id"] == plan["plan_id"]:
+    if (other is None or other["plan_id"] != ev["plan_id"] or head != ev["head"]
+            or len(ev["lines"]) != ev["events"] or other["plan_id"] == plan["plan_id"]):
         raise damaged(f"merged plan {one_line(ev['plan_id'])}: its lines do not give the plan, "
                       "head and event count the event names.", "bad_event")
     return plan
 
 
 def _log_plan_merged(ev, sid):
-    return f"plan {one_line(ev['plan_id'])} merged in ({ev['events']} events, head {ev['head'][:16]}…)"
+    return (f"plan {one_line(ev['plan_id'])} merged in ({ev['events']} events, "
+            f"head {ev['head'][:16]}…)")
 
 
 # Every event: its transition and exactly the fields fablize writes for it (seq, ts, event and
@@ -1379,7 +1384,8 @@ EVENTS = {
         "options": {"rounds": int, "require_run": bool}, "unverifiable?": UNVERIFIABLE_SPEC,
         "replaces": (REPLACES_SPEC, _N), "imported_from?": {"tool": str}, "scope?": [str]},
         _log_plan_created),
-    "story_started": (_ev_story_started, {"id": str, "title": str, "round": int, "agent": TEXT}, _log_story_started),
+    "story_started": (_ev_story_started, {"id": str, "title": str, "round": int, "agent": TEXT},
+                      _log_story_started),
     "checkpoint": (_ev_checkpoint, {
         "id": str, "status": str, "evidence": TEXT, "verify_cmd": TEXT,
         "verify_evidence": TEXT, "agent?": TEXT, "run?": bool, "runs?": [int]}, _log_checkpoint),
@@ -1391,17 +1397,21 @@ EVENTS = {
         "provenance?": (PROVENANCE_SPEC, _N), "tree?": str}, _log_verify_run),
     "decision": (_ev_decision, {"id": str, "decision": str, "note": str,
                                 "signature?": ({"signer": str, "sig": str}, _N)}, _log_decision),
-    "story_added": (_ev_story_added, {"story": STORY_EVENT_SPEC, "unverifiable": UNVERIFIABLE_SPEC}, _log_story_added),
+    "story_added": (_ev_story_added, {"story": STORY_EVENT_SPEC,
+                                      "unverifiable": UNVERIFIABLE_SPEC}, _log_story_added),
     "verdict": (_ev_verdict, {"id": str, "verdict": str, "evidence": str, "agent": str,
                               "tree?": TEXT, "packet_seq?": (int, _N)}, _log_verdict),
-    "guard_block": (_ev_guard_block, {"reason": str, "fresh": bool, "hook?": TEXT}, _log_guard_block),
+    "guard_block": (_ev_guard_block, {"reason": str, "fresh": bool, "hook?": TEXT},
+                    _log_guard_block),
     "judge_packet": (_ev_judge_packet, {"id": str, "tree": str, "files": (int, _N)},
                      _log_judge_packet),
     "paused": (_ev_paused, {"note": TEXT}, _log_paused),
     "unpaused": (_ev_unpaused, {}, _log_unpaused),
     "observed_run": (_ev_observed_run, {"id": str, "cmd": str, "exit_code": (int, _N),
-                                        "ok": (bool, _N), "tool": TEXT, "detail": TEXT}, _log_observed_run),
-    "story_released": (_ev_story_released, {"id": str, "note": str, "agent": TEXT}, _log_story_released),
+                                        "ok": (bool, _N), "tool": TEXT, "detail": TEXT},
+                     _log_observed_run),
+    "story_released": (_ev_story_released, {"id": str, "note": str, "agent": TEXT},
+                       _log_story_released),
     "plan_merged": (_ev_plan_merged, {"plan_id": str, "events": int, "head": str,
                                       "lines": [str]}, _log_plan_merged),
 }
@@ -1483,9 +1493,9 @@ def validate_snapshot(plan, whole=True):
     if type(plan) is not dict:
         raise bad("top level is not an object")
     original = is_original_snapshot(plan)
-    found = misfit(plan, ORIGINAL_SPEC) if original else \
-        misfit({k: v for k, v in plan.items() if k != "goals"}, PLAN_HEAD_SPEC) or \
-        (None if type(plan.get("goals")) is list else ".goals")
+    found = (misfit(plan, ORIGINAL_SPEC) if original else
+        misfit({k: v for k, v in plan.items() if k != "goals"}, PLAN_HEAD_SPEC) or
+        (None if type(plan.get("goals")) is list else ".goals"))
     if found:
         raise bad(f"{found.lstrip('.')} is missing, unexpected or of the wrong type")
     goals = plan["goals"]
@@ -1706,9 +1716,9 @@ def user_file(root, path, outside=False):
     target = os.path.abspath(path)
     top = os.path.realpath(root)
     if not outside and not within(os.path.realpath(os.path.dirname(target)), top):
-        where = "a folder on the way is a symlink out of it" \
-            if within(os.path.abspath(os.path.dirname(target)), os.path.abspath(root)) else \
-            "it is not inside it"
+        where = ("a folder on the way is a symlink out of it"
+            if within(os.path.abspath(os.path.dirname(target)), os.path.abspath(root)) else
+            "it is not inside it")
         raise refused(f"{one_line(path)} is outside the project ({one_line(root)}): {where} — "
                       "fablize writes a file there only when asked with --outside.",
                       "outside_project")
@@ -1860,7 +1870,8 @@ class Lock:
                 # created but never written: its creator died between the two steps
                 self.warnings.append("removed a stale lock file that no process finished writing.")
             elif pid is not None and not pid_alive(pid):
-                self.warnings.append(f"removed a stale lock left by process {pid}, which is no longer running.")
+                self.warnings.append(f"removed a stale lock left by process {pid}, which is no "
+                                     "longer running.")
             else:
                 return False
             try:
@@ -1959,8 +1970,8 @@ class Ledger:
     def open(self, create=False):
         """The descriptor, or None when there is no ledger."""
         if self.fd is None:
-            flags = os.O_RDONLY if not self.writable else \
-                os.O_RDWR | os.O_APPEND | (os.O_CREAT if create else 0)
+            flags = (os.O_RDONLY if not self.writable else
+                os.O_RDWR | os.O_APPEND | (os.O_CREAT if create else 0))
             try:
                 self.fd = open_state_file(self.path, flags)
             except FileNotFoundError:
@@ -2396,9 +2407,9 @@ class Reading:
             # reflects: one hash of it a start, and no parse of the acknowledged event (a
             # plan_created of 100,000 stories is a 12 MB line, 0.15 s of json).
             pos = snap.get("ledger") if snap else None
-            if type(pos) is dict and line.startswith(b'{"seq":%d,' % pos["seq"]) and \
-                    line[-75:-66] == b',"prev":"' and line.endswith(b'"}') and \
-                    sha256_hex(line) == pos["head"]:  # an event's first and last fields
+            if (type(pos) is dict and line.startswith(b'{"seq":%d,' % pos["seq"]) and
+                    line[-75:-66] == b',"prev":"' and line.endswith(b'"}') and
+                    sha256_hex(line) == pos["head"]):  # an event's first and last fields
                 self.last_event = (offset, {"seq": pos["seq"]}, True)
             else:
                 self.last_event = (offset, parse_event(line), False)
@@ -2606,8 +2617,8 @@ class Transaction(Reading):
                 head = sha256_hex(last)
                 ev = parse_event(last)
                 seq = ev["seq"] if ev else None
-        plan_id = plan_id if is_plan_id(plan_id) \
-            else "unknown-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        plan_id = (plan_id if is_plan_id(plan_id)
+            else "unknown-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
         ensure_subdir(store.path(ARCHIVE))
         dest = free_name(store.path(os.path.join(ARCHIVE, plan_id)))
         os.mkdir(dest)
@@ -2683,8 +2694,8 @@ def repo_root(start):
 def repo_relative(path):
     """`path` relative to its repository ("." at the top), or None outside one."""
     top = repo_root(path)
-    return None if top is None else \
-        os.path.relpath(os.path.realpath(path), top).replace(os.sep, "/")
+    return (None if top is None else
+        os.path.relpath(os.path.realpath(path), top).replace(os.sep, "/"))
 
 
 def git_state(root, state_dir):
@@ -2829,7 +2840,8 @@ SECRET_SHAPES = (
     ("AKIA", r"[0-9A-Z]{16}"), *((f"xox{k}-", r"[\w-]{10,}") for k in "abprs"),
     ("sk-", r"(?:ant-)?[\w-]{20,}"), ("AIza", r"[\w-]{35}"), ("npm_", r"\w{36}"),
     ("glpat-", r"[\w-]{20}"), ("eyJ", r"[\w-]{10,}\.eyJ[\w-]{10,}\.[\w-]{10,}"))
-SECRET_ASSIGNMENT = r"(?<![\w-])((?:[A-Za-z_]\w*)?(?i:" + SECRET_WORDS + r")\w*=)(?:'[^']*'|\"[^\"]*\"|[^\s'\"]+)"
+SECRET_ASSIGNMENT = (r"(?<![\w-])((?:[A-Za-z_]\w*)?(?i:" + SECRET_WORDS + r")\w*=)"
+                     r"(?:'[^']*'|\"[^\"]*\"|[^\s'\"]+)")
 MASK = "***"
 PRIVATE_KEY = b"PRIVATE KEY-----"
 
@@ -2925,8 +2937,8 @@ class Masker:
                 continue
             if key and b"-----BEGIN" in line:
                 self.in_key = b"-----END" not in line
-                line = line[:line.index(b"-----BEGIN")] + MASK.encode() + \
-                    line[len(line.rstrip(b"\r\n")):]
+                line = (line[:line.index(b"-----BEGIN")] + MASK.encode() +
+                    line[len(line.rstrip(b"\r\n")):])
             out.append(line)
         return b"".join(out)
 
@@ -3139,8 +3151,8 @@ def run_command(cmd, cwd, timeout, stream, log_path):
             record["error"] = f"its log could not be written ({log_reason(log_error[0])})"
         else:
             try:
-                kwargs = {"start_new_session": True} if os.name != "nt" else \
-                    {"creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)}
+                kwargs = ({"start_new_session": True} if os.name != "nt" else
+                    {"creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)})
                 proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         **kwargs)
@@ -3182,7 +3194,8 @@ def run_command(cmd, cwd, timeout, stream, log_path):
         except OSError as e:
             log_error[0] = log_error[0] or e
         os.close(log_fd)
-    size, sha, tail = log_on_disk(log_path) if log_fd is not None else (0, _sha256().hexdigest(), b"")
+    size, sha, tail = (log_on_disk(log_path) if log_fd is not None
+                       else (0, _sha256().hexdigest(), b""))
     if log_error[0] is not None and record["error"] is None:
         record["error"] = (f"its log could not be written whole ({log_reason(log_error[0])}; "
                            f"{size:,} bytes kept): the run counts for nothing")
@@ -3231,8 +3244,9 @@ def verification_runs(story, verify_cmd, run):
     and what to say of a --verify-cmd that does not run: a story's frozen checks run whenever it
     has any, and only they count; without them, --verify-cmd runs when `run` asks for it."""
     if story["checks"]:
-        note = None if blank(verify_cmd) or verify_cmd in story["checks"] else \
-            f"{story['id']} has frozen checks: they run instead of --verify-cmd `{one_line(verify_cmd)}`."
+        note = (None if blank(verify_cmd) or verify_cmd in story["checks"] else
+            f"{story['id']} has frozen checks: they run instead of --verify-cmd "
+            f"`{one_line(verify_cmd)}`.")
         return list(enumerate(story["checks"])), note
     return ([(None, verify_cmd)] if run and not blank(verify_cmd) else []), None
 
@@ -3249,8 +3263,8 @@ def execute_runs(store, sid, commands, after_seq, timeout, out):
         tmp_log = os.path.join(runs_dir, f".run-{os.getpid()}-{os.urandom(4).hex()}.log")
         started = now_iso()
         record = run_command(cmd, store.root, timeout, out.stream(), tmp_log)
-        record.update(cmd=mask(cmd, command=True), id=sid, check=check, after_seq=after_seq, started=started,
-                      git_head=head, git_dirty=dirty, tmp_log=tmp_log,
+        record.update(cmd=mask(cmd, command=True), id=sid, check=check, after_seq=after_seq,
+                      started=started, git_head=head, git_dirty=dirty, tmp_log=tmp_log,
                       provenance=run_provenance(store.root, cmd))
         if tree:
             record["tree"] = tree
@@ -3358,7 +3372,8 @@ def render_map(plan, story):
             line += f"   (agent {one_line(s['agent'])})"
         lines.append(line)
     if start or end < n:
-        lines.append(f"  … {start} earlier stories not shown above, {n - end} later not shown below")
+        lines.append(f"  … {start} earlier stories not shown above, "
+                     f"{n - end} later not shown below")
     return lines
 
 
@@ -3370,7 +3385,8 @@ def render_carried(plan, story):
         lines.append(f"## From {dep['id']} — {defused_line(dep['title'])} (direct dependency, "
                      f"{MAP_LABELS[dep['status']]})")
         if dep["decision"] and dep["status"] == "accepted":
-            lines.append("accepted by a human decision: " + defuse(last_chars(dep["decision"]["note"])))
+            lines.append("accepted by a human decision: "
+                         + defuse(last_chars(dep["decision"]["note"])))
         if not blank(dep["evidence"]):
             lines.append("evidence (last 500 characters):")
             lines.append(indent(defuse(last_chars(dep["evidence"]))))
@@ -3385,8 +3401,9 @@ def render_feedback(story):
     fb = story["feedback"]
     if not fb:
         return []
-    source = {"checkpoint": "the failed checkpoint", "judge": "the judge", "retry": "a human (retry)",
-              "amend": "a human (amend)"}.get(fb["source"], fb["source"])
+    source = {"checkpoint": "the failed checkpoint", "judge": "the judge",
+              "retry": "a human (retry)", "amend": "a human (amend)"}
+    source = source.get(fb["source"], fb["source"])
     lines = [f"## What was missing (round {fb['round']}, from {source})"]
     lines.append(indent(defuse(last_chars(fb["text"]))) if not blank(fb["text"])
                  else "    (no reason was given)")
@@ -3400,7 +3417,8 @@ def render_round_failures(story, prefix):
     failed = round_failures(story)
     if not failed:
         return []
-    lines = [f"⚠ {prefix}{count_noun(len(failed), 'run')} already failed in this round — fix what they "
+    lines = [f"⚠ {prefix}{count_noun(len(failed), 'run')} already failed in this round — fix what "
+             "they "
              "show before the complete checkpoint:"]
     for run in failed:
         label = f"frozen check {run['check'] + 1}" if run["check"] is not None else "run"
@@ -3429,17 +3447,20 @@ def render_handoff(prog, plan, story, reshown):
         lines.append(f"Amended ({a['ts'][:10]}): {one_line(a['note'])}")
     rounds = plan["options"]["rounds"]
     if reshown:
-        lines.append(f"⚠ Resumed: this story was already in progress (round {story['round']}, started "
+        lines.append(f"⚠ Resumed: this story was already in progress (round {story['round']}, "
+                     "started "
                      f"{time_label(story['started_ts'])}). Continue it; do not restart it.")
     elif story["round"] > 1:
         since = " since the last decision" if story["round_base"] else ""
-        lines.append(f"⚠ Reopened: round {story['round']} (round {story['round'] - story['round_base']} "
+        lines.append(f"⚠ Reopened: round {story['round']} (round "
+                     f"{story['round'] - story['round_base']} "
                      f"of {rounds}{since}) — the earlier attempt did not achieve the "
                      "objective; what was missing is below. Continue the work; do not restart it.")
     if reshown:
         lines += render_round_failures(story, "Resumed: ")
     if reshown or story["round"] > 1:
-        lines.append("  Files from the earlier attempt exist only if that work was kept (committed or "
+        lines.append("  Files from the earlier attempt exist only if that work was kept (committed "
+                     "or "
                      "still in this working tree): check before relying on them.")
     lines.append("Rule: work this story only. Produce evidence as you go.")
     if is_final(plan, story):
@@ -3662,7 +3683,8 @@ def render_report(plan, runs, total=None):
         for dep in s["after"]:
             lines.append(f"  {dep} --> {s['id']}")
     lines += [f"  classDef {k} fill:{row[2]}" for k, row in STATUS_TABLE.items()]
-    lines += ["```", "", f"Ledger head: `{plan['ledger']['seq']}:{md_cell(plan['ledger']['head'])}` "
+    lines += ["```", "", "Ledger head: "
+                         f"`{plan['ledger']['seq']}:{md_cell(plan['ledger']['head'])}` "
               f"(plan `{md_cell(plan['plan_id'])}`)", ""]
     return "\n".join(lines)
 
@@ -3702,8 +3724,8 @@ def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None,
         nonlocal snap_view, checked
         kind = ev["event"]
         fields = SECRET_FIELDS.get(kind)
-        if fields and len(secrets) < MAX_SECRET_LINES and \
-                any(looks_secret(ev.get(f)) for f in fields if isinstance(ev.get(f), str)):
+        if (fields and len(secrets) < MAX_SECRET_LINES and
+                any(looks_secret(ev.get(f)) for f in fields if isinstance(ev.get(f), str))):
             secrets.append(replay.seq)
         if kind == "verify_run":
             log = ev["log"]
@@ -3711,8 +3733,8 @@ def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None,
                 checked += 1  # a run whose log could not be made: no log to show, none claimed
             elif logs is not None or log[skip:] in present:
                 checked += 1
-                content = logs.get(log) if logs is not None else \
-                    read_state_file(os.path.join(runs_dir, log[skip:]))
+                content = (logs.get(log) if logs is not None else
+                    read_state_file(os.path.join(runs_dir, log[skip:])))
                 if content is None or digest(content) != ev["sha256"]:
                     bad_logs.append(line_error(replay.seq, f"{one_line(log)} does not match the "
                                                "sha256 recorded for that run — the log was edited "
@@ -3748,25 +3770,26 @@ def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None,
             if snap_view["ledger"]["head"] != snap["ledger"]["head"]:
                 raise damaged(f"{SNAPSHOT} and {LEDGER} disagree at event {snap_seq}.",
                               "snapshot_mismatch")
-            report["snapshot"] = "in the format of fablize 1 (the next writing command " \
-                                 "rewrites it)"
+            report["snapshot"] = ("in the format of fablize 1 (the next writing command "
+                                 "rewrites it)")
             return report
         mismatch = first_difference(forgive_new_keys(snap_view, snap),
                                     {k: v for k, v in snap.items() if k != "digest"})
         if mismatch:
-            raise damaged(f"{SNAPSHOT} disagrees with the replay of {LEDGER} up to line {snap_seq}: "
+            raise damaged(f"{SNAPSHOT} disagrees with the replay of {LEDGER} up to line "
+                          f"{snap_seq}: "
                           f"{mismatch}.", "snapshot_mismatch")
         behind = replay.seq - snap_seq
-        report["snapshot"] = "in sync" if not behind else \
-            f"{behind} event{'s' if behind > 1 else ''} behind (rolled forward by the next " \
-            "writing command)"
+        report["snapshot"] = ("in sync" if not behind else
+            f"{behind} event{'s' if behind > 1 else ''} behind (rolled forward by the next "
+            "writing command)")
     return report
 
 
 def first_difference(expected, actual, path=""):
     if type(expected) is not type(actual):
-        return f"{path or 'top level'} is {one_line(repr(actual))[:80]}, the ledger says " \
-               f"{one_line(repr(expected))[:80]}"
+        return (f"{path or 'top level'} is {one_line(repr(actual))[:80]}, the ledger says "
+               f"{one_line(repr(expected))[:80]}")
     if isinstance(expected, dict):
         for key in list(expected) + [k for k in actual if k not in expected]:
             if key not in actual or key not in expected:
@@ -3785,8 +3808,8 @@ def first_difference(expected, actual, path=""):
                 return found
         return None
     if expected != actual:
-        return f"{path.rstrip('.')} is {one_line(repr(actual))[:80]}, the ledger says " \
-               f"{one_line(repr(expected))[:80]}"
+        return (f"{path.rstrip('.')} is {one_line(repr(actual))[:80]}, the ledger says "
+               f"{one_line(repr(expected))[:80]}")
     return None
 
 
@@ -3808,8 +3831,8 @@ def forgive_new_keys(view, snap):
             continue
         if "grade" not in theirs:
             mine.pop("grade", None)
-        if mine.get("blocked_reason") is None and theirs.get("blocked_reason") is not None and \
-                theirs.get("blocked_reason") == theirs.get("evidence"):
+        if (mine.get("blocked_reason") is None and theirs.get("blocked_reason") is not None and
+                theirs.get("blocked_reason") == theirs.get("evidence")):
             mine["blocked_reason"] = theirs["blocked_reason"]
     return view
 
@@ -3862,7 +3885,8 @@ def hook_fingerprint(raw, payload):
 
 def duplicate_stop(plan, fingerprint):
     guard = plan["guard"]
-    if fingerprint is None or guard.get("hook") != fingerprint or not isinstance(guard.get("hook_ts"), str):
+    if (fingerprint is None or guard.get("hook") != fingerprint
+            or not isinstance(guard.get("hook_ts"), str)):
         return False
     try:
         import datetime
@@ -3983,10 +4007,11 @@ VERIFY_LIKE = r"""(?x)(?:^|[\s;&|(/])(?:
 
 def is_verification(cmd, story):
     # the engine's own commands are in the ledger already (`checkpoint --run` names pytest too)
-    if re.search(r"""(?:goals\.py|(?:^|[\s/;&|(])fablize)["']?(?:\s+--\S+)*\s+(?!verify|audit)[a-z]""", cmd):
+    if re.search(r"""(?:goals\.py|(?:^|[\s/;&|(])fablize)["']?(?:\s+--\S+)*\s+"""
+                 r"(?!verify|audit)[a-z]", cmd):
         return False
-    return any(c.strip() and c.strip() in cmd for c in story["checks"]) or \
-        bool(re.search(VERIFY_LIKE, cmd))
+    return (any(c.strip() and c.strip() in cmd for c in story["checks"]) or
+        bool(re.search(VERIFY_LIKE, cmd)))
 
 
 
@@ -4097,8 +4122,8 @@ def stop_if_interrupted(ctx, records):
         for record in records:
             if record.get("tmp_log") and os.path.lexists(record["tmp_log"]):
                 os.unlink(record["tmp_log"])
-        fate = f"not recorded ({e.message if isinstance(e, FablizeError) else e}; its temp log " \
-               "was removed)"
+        fate = (f"not recorded ({e.message if isinstance(e, FablizeError) else e}; its temp log "
+               "was removed)")
     error = FablizeError(f"interrupted by {name}: `{one_line(hit['cmd'])}` was stopped (its "
                          f"whole process group killed) and {fate}; {sid} is unchanged.",
                          exit_code=EXIT_SIGNAL_BASE + getattr(signal, name, 0))
@@ -4187,10 +4212,12 @@ def build_stories(a):
 def say_unverifiable(ctx, found):
     if not found:
         return
-    ctx.say(f"fablize: ⚠ {count_noun(len(found), 'frozen check')} cannot run here — fix now; found at the gate "
+    ctx.say(f"fablize: ⚠ {count_noun(len(found), 'frozen check')} cannot run here — fix now; found "
+            "at the gate "
             "it costs the whole run:")
     for u in found:
-        ctx.say(f"  {one_line(u['id'])} check {u['check'] + 1}: `{one_line(u['cmd'])}` — {one_line(u['reason'])}")
+        ctx.say(f"  {one_line(u['id'])} check {u['check'] + 1}: `{one_line(u['cmd'])}` — "
+                f"{one_line(u['reason'])}")
 
 
 def cmd_create(ctx, a):
@@ -4226,7 +4253,8 @@ def cmd_create(ctx, a):
         plan = s.plan
     ctx.say(f"fablize: plan created — {count_stories(len(specs))}")
     for story in plan["goals"]:
-        ctx.say(f"  {story['id']} {defused_line(story['title'])}: {defused_line(story['objective'])}")
+        ctx.say(f"  {story['id']} {defused_line(story['title'])}: "
+                f"{defused_line(story['objective'])}")
     if scope:
         ctx.say("  scope: " + ", ".join(map(one_line, scope)) + " — the paths the work may change "
                 "(CI re-runs the checks with only these taken from the branch)")
@@ -4290,8 +4318,10 @@ def say_after_checkpoint(ctx, plan, story):
     """What a checkpoint or a verdict left; returns the next action it named."""
     sid, status = story["id"], story["status"]
     if status == "failed":
-        ctx.say(f"fablize: {sid} → failed (round {story['round']}; {rounds_left(plan, story)} left) — "
-                f"`{ctx.prog} next` reopens it as round {story['round'] + 1} with what was missing.")
+        ctx.say(f"fablize: {sid} → failed (round {story['round']}; {rounds_left(plan, story)} "
+                "left) — "
+                f"`{ctx.prog} next` reopens it as round {story['round'] + 1} "
+                "with what was missing.")
     elif status == "blocked":
         ctx.say(f"fablize: {sid} → blocked — a human must decide.")
     elif status == "review":
@@ -4343,7 +4373,8 @@ def cmd_checkpoint(ctx, a):
             plan = s.plan
     runs = []
     if commands:
-        records = execute_runs(ctx.store, a.id, commands, plan["ledger"]["seq"], ctx.timeout, ctx.out)
+        records = execute_runs(ctx.store, a.id, commands, plan["ledger"]["seq"], ctx.timeout,
+                               ctx.out)
         stop_if_interrupted(ctx, records)
         with open_plan(ctx) as s:
             s.require_plan()
@@ -4373,8 +4404,8 @@ def render_status(prog, plan, resume=False, share=()):
     details, checks that cannot run here, a pause, the next step, the shared plan's state."""
     accepted = accepted_ids(plan)
     # a human's accept is not a completion: with one, the count says `done`, never `complete`
-    counted = f"done ({', '.join(accepted)} accepted by a human decision)" if accepted \
-        else "complete"
+    counted = (f"done ({', '.join(accepted)} accepted by a human decision)" if accepted
+        else "complete")
     lines = [f"fablize: {done_count(plan)}/{len(plan['goals'])} {counted} — "
              f"{defused_line(plan['brief'])}"]
     goals = plan["goals"]
@@ -4402,8 +4433,8 @@ def render_status(prog, plan, resume=False, share=()):
     lines += share
     for story in active_stories(plan):
         lines.append("")
-        lines += render_handoff(prog, plan, story, True) if resume else \
-            render_resume(prog, plan, story)
+        lines += (render_handoff(prog, plan, story, True) if resume else
+            render_resume(prog, plan, story))
     return lines, action, paused
 
 
@@ -4451,7 +4482,8 @@ def cmd_verify(ctx, a):
     if failed:
         raise refused(f"{a.id}: {len(failed)} of {count_noun(len(runs), 'check')} failed — first: "
                       f"{run_summary(failed[0])} (log {failed[0]['log']}).", "verification_failed")
-    ctx.say(f"fablize: {a.id}: {'all ' if len(runs) > 1 else ''}{count_noun(len(runs), 'check')} passed (status unchanged: "
+    ctx.say(f"fablize: {a.id}: {'all ' if len(runs) > 1 else ''}{count_noun(len(runs), 'check')} "
+            "passed (status unchanged: "
             f"{find_story(s.plan, a.id)['status']}).")
 
 
@@ -4533,13 +4565,17 @@ def audit_and_judge(ctx, a):
     asked = [f"--{name.replace('_', '-')}" for name, value in opts.items()
              if value and not name.startswith("allow_")]
     # a plain audit reports trust too when the room is there; a lone goals.py checks the rest
-    trust = room("trust", asked[0] if asked else "audit") if asked or room_present("trust") \
-        else None
+    trust = (room("trust", asked[0] if asked else "audit") if asked or room_present("trust")
+        else None)
     pin, base = trust.pin_of(store, a.base, a.since) if trust else (None, None)
     scan = trust.Scan(store.root, pin) if trust else None
     runs = collections.deque(maxlen=REPORT_RUNS)  # the latest, for the summary's report
-    collect = (lambda n, head, ev: (scan and scan(n, head, ev),
-                                    ev["event"] == "verify_run" and runs.append(ev)))
+    def collect(n, head, ev):
+        if scan:
+            scan(n, head, ev)
+        if ev["event"] == "verify_run":
+            runs.append(ev)
+
     if a.remote:  # a shared plan as the remote holds it: no local state needed
         data, logs = room("sharing", "audit --remote").audit_source(store, a.remote, a.plan)
         report = audit_ledger(data, None, a.require_independent_judge, logs=logs, scan=collect)
@@ -4567,13 +4603,15 @@ def audit_and_judge(ctx, a):
                          "an independent judge — " + "; ".join(report["independence"]),
                          "fix": "an agent other than the executor judges the story again"})
     if a.require_logs and missing_logs:
-        failures.append({"code": "missing_logs", "message": f"{count_noun(missing_logs, 'verification run log')} "
+        failures.append({"code": "missing_logs", "message":
+                         f"{count_noun(missing_logs, 'verification run log')} "
                          f"{'is' if missing_logs == 1 else 'are'} missing, so "
                          f"{'that run' if missing_logs == 1 else 'those runs'} cannot be shown to "
                          "have happened", "fix": "commit .fablize/runs/"})
     if report["secret_lines"]:
         lines = report["secret_lines"]
-        failures.append({"code": "secret_in_ledger", "message": f"{count_noun(len(lines), 'event')} "
+        failures.append({"code": "secret_in_ledger", "message":
+                         f"{count_noun(len(lines), 'event')} "
                          "recorded what looks like a secret (line " + ", ".join(map(str, lines)) +
                          ") — everyone who can read the plan can read it",
                          "fix": "rotate that secret now: what was committed or shared stays in the "
@@ -4604,8 +4642,8 @@ def audit_and_judge(ctx, a):
                    f"one fablize writes and legal when replayed; snapshot {report['snapshot']}.")
     rerun_passed = results and not any(f["code"] == "rerun_failed" for f in failures)
     if failures:
-        verdict = f"❌ audit failed: {count_noun(len(failures), 'gate')} said no — " + \
-            ", ".join(f["code"] for f in failures)
+        verdict = (f"❌ audit failed: {count_noun(len(failures), 'gate')} said no — " +
+            ", ".join(f["code"] for f in failures))
         ctx.say(f"fablize: {verdict}")
         for f in failures:
             ctx.say(f"  ✗ {f['code']}: {f['message']} — fix: {f['fix']}")
@@ -4621,7 +4659,8 @@ def audit_and_judge(ctx, a):
     ctx.say(f"  plan: {report['done']}/{report['total']} done — {defused_line(plan['brief'])}"
             + (f" ({', '.join(accepted)} accepted by a human decision)" if accepted else ""))
     if report["torn_tail_bytes"]:
-        ctx.say(f"  torn tail: {report['torn_tail_bytes']} bytes after the last event — a write that "
+        ctx.say(f"  torn tail: {report['torn_tail_bytes']} bytes after the last event — a write "
+                "that "
                 "never completed; the next writing command moves it aside.")
     if missing_logs:
         ctx.say(f"  {count_noun(missing_logs, 'run log')} not present here (not committed?); their "
@@ -4638,8 +4677,9 @@ def audit_and_judge(ctx, a):
             ctx.say(f"  {sid}: the harness last saw `{one_line(last_chars(o['cmd'], 120))}` fail "
                     f"(event {o.get('seq')}) before it was checkpointed")
     if a.summary:
-        md = trust.summary(verdict, failures, render_report(plan, list(runs)), review, results,
-                           grades) if trust else f"## {verdict}\n\n" + render_report(plan, list(runs))
+        report_md = render_report(plan, list(runs))
+        md = (trust.summary(verdict, failures, report_md, review, results, grades) if trust
+              else f"## {verdict}\n\n" + report_md)
         write_summary(a.summary, None, md)
     if failures:
         error = FablizeError("audit: " + "; ".join(f"{f['message']} — {f['fix']}"
@@ -4667,8 +4707,8 @@ def cmd_rebuild(ctx, a):
         old = loose_snapshot(s.store)
         position = old.get("ledger") if old else None
         # a last line the old snapshot reflects was acknowledged: damage, not a torn write
-        reflected = position if isinstance(position, dict) and type(position.get("seq")) is int \
-            else {"seq": 0}
+        reflected = (position if isinstance(position, dict) and type(position.get("seq")) is int
+            else {"seq": 0})
         end = s.cut_torn_tail({"ledger": reflected})
         replay = replay_all(s.ledger, end)
         plan = replay.plan
@@ -4695,8 +4735,8 @@ def cmd_log(ctx, a):
     streaming = not ctx.json and a.id is None
 
     def pick(replay, line, ev):
-        if a.id is None or ev.get("id") == a.id or ev["event"] == "plan_created" or \
-                (ev["event"] == "story_added" and ev["story"]["id"] == a.id):
+        if (a.id is None or ev.get("id") == a.id or ev["event"] == "plan_created" or
+                (ev["event"] == "story_added" and ev["story"]["id"] == a.id)):
             if ctx.json:
                 events.append(ev)
             else:
@@ -4817,7 +4857,8 @@ def cmd_judge_packet(ctx, a):
     if not items:
         lines.append("  [ ] 1. the objective above, as stated")
     lines.append("Executor's evidence (this round):")
-    lines.append(indent(defuse(story["evidence"])) if not blank(story["evidence"]) else "    (none)")
+    lines.append(indent(defuse(story["evidence"])) if not blank(story["evidence"])
+                 else "    (none)")
     if story["runs"]:
         lines.append("Witnessed runs (this round):")
         for r in story["runs"]:
@@ -4829,7 +4870,8 @@ def cmd_judge_packet(ctx, a):
         "An item without evidence you saw yourself is not passed. Ambiguous means not achieved.",
         "Do not fix the work. Answer with exactly one verdict:"]
     verdicts = [
-        f"{ctx.prog} verdict --id {sid} achieved --evidence \"<what you checked and saw>\" --agent <you>",
+        f"{ctx.prog} verdict --id {sid} achieved --evidence \"<what you checked and saw>\" --agent "
+        "<you>",
         f"{ctx.prog} verdict --id {sid} not-achieved --evidence \"<what is missing, not how to fix "
         "it>\" --agent <you>",
         f"{ctx.prog} verdict --id {sid} unachievable --evidence \"<why more rounds cannot help>\" "
@@ -4841,7 +4883,8 @@ def cmd_judge_packet(ctx, a):
                         "now, and a verdict would be refused. This packet is for reading only."]
     lines += ["How to judge:"] + [f"  - {x}" for x in instructions] + [f"    {x}" for x in verdicts]
     if packet:
-        lines.append(f"Working tree recorded (event {packet['seq']}: {packet['files']} files, sha256 "
+        lines.append(f"Working tree recorded (event {packet['seq']}: {packet['files']} files, "
+                     "sha256 "
                      f"{packet['tree'][:16]}…): a verdict given after any change to it is void and "
                      "goes back as not-achieved.")
     for line in lines:
@@ -4877,8 +4920,8 @@ def session_start(ctx, a):
     context."""
     lines = []
     try:
-        plan, share, sharing = read_plan_and_share(ctx.store, imports=True) \
-            if ctx.store.exists() else (None, None, None)
+        plan, share, sharing = (read_plan_and_share(ctx.store, imports=True)
+            if ctx.store.exists() else (None, None, None))
         if plan is not None and plan_done(plan):
             lines.append(f"fablize: plan finished ({done_count(plan)}/{len(plan['goals'])} done) — "
                          f"{defused_line(last_chars(plan['brief'], 200))}; nothing to resume.")
@@ -4962,7 +5005,8 @@ def say_observed(ctx, story):
         ctx.say(line)
     bad = unaddressed_failure(story)
     if bad is not None and story["status"] in DONE + ("review",):
-        ctx.out.warn(f"{story['id']} was checkpointed while the harness last saw `{one_line(bad['cmd'])}` "
+        ctx.out.warn(f"{story['id']} was checkpointed while the harness last saw "
+                     f"`{one_line(bad['cmd'])}` "
                      f"fail (event {bad.get('seq')}): the reviewer will see it.")
 
 
@@ -5128,7 +5172,8 @@ def add_checkpoint(command):
     c.add_argument("--verify-evidence", dest="verify_evidence", default="",
                    help="its result (final story; optional with --run)")
     c.add_argument("--run", action="store_true",
-                   help="the engine runs --verify-cmd itself and records the run; only exit 0 passes")
+                   help="the engine runs --verify-cmd itself and records the run; only exit 0 "
+                        "passes")
     add_timeout(c)
     c.add_argument("--agent", metavar="NAME", help="the agent recording it (must hold the story)")
 
@@ -5187,7 +5232,8 @@ def add_audit(command):
     c.add_argument("--require-complete", action="store_true",
                    help="exit 1 unless every story is complete or accepted")
     c.add_argument("--since", metavar="[SEQ:]HASH",
-                   help="exit 3 unless the ledger still holds this earlier head (history only grew)")
+                   help="exit 3 unless the ledger still holds this earlier head "
+                        "(history only grew)")
     c.add_argument("--require-independent-judge", action="store_true",
                    help="exit 1 unless every verdict came from an agent other than the executor")
     c.add_argument("--require-logs", action="store_true",
@@ -5212,7 +5258,8 @@ CI's own re-run (--rerun), checks CI requires (--require-check) and a human's ke
 def add_audit_trust(c):
     c.epilog, c.raw_epilog = TRUST_MODEL, True
     c.add_argument("--base", metavar="REF",
-                   help="take the pin from the ledger committed at this git ref (e.g. origin/main); "
+                   help="take the pin from the ledger committed at this git ref (e.g. "
+                        "origin/main); "
                         "files named by --allowed-signers are read from it too")
     c.add_argument("--allow-new-plan", action="store_true",
                    help="accept a plan created after the pin (its frozen checks are printed)")
@@ -5285,7 +5332,8 @@ def add_report(command):
     c = command("report", cmd_report, "a Markdown summary for a PR or CI job",
             'progress, stories, the latest runs and the dependency graph')
     c.add_argument("--out", metavar="FILE",
-                   help="write it here (default: append to $GITHUB_STEP_SUMMARY when set, else stdout)")
+                   help="write it here (default: append to $GITHUB_STEP_SUMMARY when set, else "
+                        "stdout)")
     c.add_argument("--outside", action="store_true",
                    help="--out may name a file outside the project (never through a symlink)")
 
@@ -5406,8 +5454,8 @@ def quick_args(argv, name):
                                              and "type" in options):
             return None  # argparse's own reading: a positional, a default it converts
         action = options.get("action")
-        kind = None if "nargs" in options else \
-            {None: "value", "store_true": "flag", "append": "append"}.get(action)
+        kind = (None if "nargs" in options else
+            {None: "value", "store_true": "flag", "append": "append"}.get(action))
         dest = options.get("dest") or names[0][2:].replace("-", "_")
         values[dest] = options.get("default", False if action == "store_true" else None)
         if options.get("required"):
@@ -5502,7 +5550,8 @@ def utf8_streams():
     if sys.stderr is None:
         sys.stderr = open(os.devnull, "w", encoding="utf-8")
     for stream in (sys.stdout, sys.stderr):
-        encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "").replace("_", "")
+        encoding = (getattr(stream, "encoding", None) or "").lower()
+        encoding = encoding.replace("-", "").replace("_", "")
         if encoding != "utf8" and hasattr(stream, "reconfigure"):
             try:
                 stream.reconfigure(encoding="utf-8", errors="replace")
