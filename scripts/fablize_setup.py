@@ -35,14 +35,17 @@ through fablize instead of declaring "done" yourself:
 
 1. `{cli} create --brief "<task>" --goal "title::objective" ... --verify "<test command>"`
    The last story is the verification gate. Freeze the checks that prove a story with
-   `--check G00N="<cmd>"`; if it says a check cannot run here, fix that now.
+   `--check G00N="<cmd>"` (test-first: a check may run a test a story will write);
+   if it says a check cannot run here, fix that now.
 2. `{cli} next` — activates ONE story and prints its handoff. Work that story only.
 3. `{cli} checkpoint --id G00N --status complete --evidence "<what you did, what you saw>"`
    Frozen checks run by themselves; otherwise prefer `--run --verify-cmd "<cmd>"`: the
    engine runs the command and records the result.
-   Not achieved yet: `--status failed --evidence "<what is missing>"` (another round).
-   Impossible as specified: `--status blocked --evidence "<why>"`, then ask the human: end
-   your turn with the question (the Stop guard lets a question through).
+   Not achieved yet (another round):
+   `{cli} checkpoint --id G00N --status failed --evidence "<what is missing>"`
+   Impossible as specified — then ask the human: end your turn with the question (the Stop
+   guard lets a question through):
+   `{cli} checkpoint --id G00N --status blocked --evidence "<why>"`
 4. A judged story (`create --judge`) goes to review: never judge your own work. A separate
    judge runs `{cli} judge-packet --id G00N`, checks the artifact itself and answers with
    `{cli} verdict --id G00N achieved|not-achieved|unachievable --evidence "<what it saw>" --agent <judge>`.

@@ -787,6 +787,23 @@ def rounds_left(plan, story):
     return plan["options"]["rounds"] - (story["round"] - story["round_base"])
 
 
+def round_label(plan, story):
+    """`round 2 of 3`; after a human's decision, counted from it: `round 4 (1 of 3 since a
+    human's decision)`."""
+    rounds = plan["options"]["rounds"]
+    if not story["round_base"]:
+        return f"round {story['round']} of {rounds}"
+    return (f"round {story['round']} ({story['round'] - story['round_base']} of {rounds} "
+            "since a human's decision)")
+
+
+# why a story came back, by who sent it back (its feedback's source)
+REOPENED_BECAUSE = {"checkpoint": "the earlier attempt did not achieve the objective",
+                    "judge": "the judge found the objective not achieved",
+                    "retry": "a human asked for another attempt",
+                    "amend": "a human amended the objective (above)"}
+
+
 def validate_graph(stories):
     """Unknown ids and cycles in `after` are refused; returns nothing."""
     deps = {s["id"]: s.get("after", ()) for s in stories}
@@ -2992,8 +3009,22 @@ def unverifiable_reason(cmd, root):
         return f"cannot parse the command ({e})"
     for word, path in programs:
         if path is None:
-            return f"{word} does not exist" if "/" in word else f"{word} is not on PATH"
+            return f"{word}{NOT_THERE}" if "/" in word else f"{word} is not on PATH"
     return None
+
+
+NOT_THERE = " does not exist"  # a check's file: a story may yet write it (test-first)
+
+
+def file_not_there_yet(u):
+    """Whether an unverifiable check only waits for its file (a story may write it)."""
+    return u["reason"].endswith(NOT_THERE)
+
+
+def unverifiable_label(u):
+    where = f"{one_line(u['id'])} check {u['check'] + 1}"
+    return (f"· {where} waits for its file" if file_not_there_yet(u)
+            else f"⚠ {where} cannot run here")
 
 
 def unverifiable_checks(stories, root):
@@ -3334,11 +3365,15 @@ def run_result(run):
     return f"{describe_exit(run)}{took}, {one_line(run.get('bytes'))} bytes"
 
 
+def checkpoint_command(prog, story, status, evidence):
+    """A whole checkpoint command line for `story` (its agent named, as the gate asks)."""
+    return (f"{prog} checkpoint --id {story['id']} --status {status} --evidence \"{evidence}\""
+            + (f" --agent {quote_arg(story['agent'])}" if story["agent"] else ""))
+
+
 def completion_command(prog, plan, story):
     """The checkpoint that completes `story`, as its gate will accept it."""
-    cmd = f"{prog} checkpoint --id {story['id']} --status complete --evidence \"<evidence>\""
-    if story["agent"]:
-        cmd += f" --agent {quote_arg(story['agent'])}"
+    cmd = checkpoint_command(prog, story, "complete", "<evidence>")
     if story["checks"]:
         return cmd
     if is_final(plan, story):  # witnessed first: the engine runs it (SKILL.md: prefer --run)
@@ -3402,7 +3437,7 @@ def render_feedback(story):
     if not fb:
         return []
     source = {"checkpoint": "the failed checkpoint", "judge": "the judge",
-              "retry": "a human (retry)", "amend": "a human (amend)"}
+              "retry": "a human's retry", "amend": "a human's amendment"}
     source = source.get(fb["source"], fb["source"])
     lines = [f"## What was missing (round {fb['round']}, from {source})"]
     lines.append(indent(defuse(last_chars(fb["text"]))) if not blank(fb["text"])
@@ -3451,11 +3486,10 @@ def render_handoff(prog, plan, story, reshown):
                      "started "
                      f"{time_label(story['started_ts'])}). Continue it; do not restart it.")
     elif story["round"] > 1:
-        since = " since the last decision" if story["round_base"] else ""
-        lines.append(f"⚠ Reopened: round {story['round']} (round "
-                     f"{story['round'] - story['round_base']} "
-                     f"of {rounds}{since}) — the earlier attempt did not achieve the "
-                     "objective; what was missing is below. Continue the work; do not restart it.")
+        fb = story["feedback"] or {}
+        lines.append(f"⚠ Reopened: {round_label(plan, story)} — "
+                     f"{REOPENED_BECAUSE.get(fb.get('source'), REOPENED_BECAUSE['checkpoint'])}; "
+                     "what was missing is below. Continue the work; do not restart it.")
     if reshown:
         lines += render_round_failures(story, "Resumed: ")
     if reshown or story["round"] > 1:
@@ -3483,7 +3517,10 @@ def render_handoff(prog, plan, story, reshown):
                      "command counts:")
         flagged = {u["check"]: u["reason"] for u in plan["unverifiable"] if u["id"] == story["id"]}
         for i, cmd in enumerate(story["checks"]):
-            note = f"   ⚠ cannot run here: {one_line(flagged[i])}" if i in flagged else ""
+            note = ("" if i not in flagged else
+                    f"   (not there yet: {one_line(flagged[i])}; write it first)"
+                    if flagged[i].endswith(NOT_THERE) else
+                    f"   ⚠ cannot run here: {one_line(flagged[i])}")
             lines.append(f"  {i + 1}. {one_line(cmd)}{note}")
     if story["accept"]:
         lines.append("## Acceptance items — a judge checks each one:")
@@ -3491,9 +3528,10 @@ def render_handoff(prog, plan, story, reshown):
     if story["judge"]:
         lines.append("Judged story: `complete` moves it to review; an independent judge decides.")
     lines += render_observed(story)
-    lines.append(f"Not achieved yet: {prog} checkpoint --id {story['id']} --status failed "
-                 "--evidence \"<what is missing>\"; impossible as specified: --status blocked "
-                 "--evidence \"<why>\", then stop and ask a human.")
+    lines.append("Not achieved yet: " + checkpoint_command(prog, story, "failed",
+                                                            "<what is missing>"))
+    lines.append("Impossible as specified: " + checkpoint_command(prog, story, "blocked", "<why>")
+                 + "   (then stop and ask a human)")
     lines.append("On completion: " + completion_command(prog, plan, story))
     if is_final(plan, story) and not story["checks"] and not plan["options"]["require_run"]:
         lines.append("  (only if the engine cannot run it, a claimed completion: --verify-cmd "
@@ -3532,7 +3570,8 @@ def status_details(plan, story):
         if story["round"] > 1:
             details.append(f"done in round {story['round']}")
     elif story["round"] > 1 or story["status"] in ("failed", "in_progress"):
-        details.append(f"round {story['round']}, {max(rounds_left(plan, story), 0)} left")
+        details.append(f"{round_label(plan, story)}, "
+                       f"{count_noun(max(rounds_left(plan, story), 0), 'round')} left")
     if story["status"] == "in_progress" and story["agent"]:
         details.append(f"held by agent {one_line(story['agent'])}")
     if story["status"] in ("pending", "failed"):
@@ -3572,11 +3611,11 @@ def next_action(prog, plan, agent=None):
     blocked = stories_in(plan, "blocked")
     if blocked:
         s = blocked[0]
-        command = f"{prog} decide --id {s['id']} accept|retry|amend --note \"<why>\""
+        commands = decide_commands(prog, s["id"])
         reason = one_line(last_chars(blocked_because(s), 200))
-        return {"kind": "decide", "id": s["id"], "cmd": command,
+        return {"kind": "decide", "id": s["id"], "cmd": commands[0], "commands": commands,
                 "text": f"{s['id']} is blocked ({reason}) — the plan halts here: nothing that "
-                        f"depends on it can start. A human must decide: {command}"}
+                        "depends on it can start. A human must decide, with one of:"}
     review = stories_in(plan, "review")
     if review:
         s = review[0]
@@ -3604,15 +3643,34 @@ def plan_summary(plan):
 
 
 def left_line(plan, action):
-    """After a transition: what is left and what to do next (`action`), in one line."""
+    """After a transition: what is left and what to do next (`action`): a line, and a line for
+    each of its alternative commands."""
     if action["kind"] == "done":
         return action["text"]
-    left = len(plan["goals"]) - done_count(plan)
-    return f"fablize: {left} {'story' if left == 1 else 'stories'} left — next: {action['text']}"
+    left = count_stories(len(plan["goals"]) - done_count(plan))
+    return with_commands(f"fablize: {left} left — next: {action['text']}", action)
 
 
 def next_line(action):
-    return action["text"] if action["kind"] == "done" else f"fablize: next — {action['text']}"
+    if action["kind"] == "done":
+        return action["text"]
+    return with_commands(f"fablize: next — {action['text']}", action)
+
+
+def with_commands(line, action):
+    """`line`, then each alternative command of `action` whole on its own line."""
+    return "\n".join([line] + [f"  {cmd}" for cmd in action.get("commands", ())])
+
+
+# what a human may decide of a story that needs one, each with what its note says
+DECISION_NOTES = (("accept", "<why it is acceptable as it is>"),
+                  ("retry", "<what the next attempt should do>"),
+                  ("amend", "<what changes in the objective>"))
+
+
+def decide_commands(prog, sid):
+    return [f"{prog} decide --id {sid} {decision} --note \"{note}\""
+            for decision, note in DECISION_NOTES]
 
 
 def done_line(plan):
@@ -4210,14 +4268,23 @@ def build_stories(a):
 
 
 def say_unverifiable(ctx, found):
-    if not found:
-        return
-    ctx.say(f"fablize: ⚠ {count_noun(len(found), 'frozen check')} cannot run here — fix now; found "
-            "at the gate "
-            "it costs the whole run:")
-    for u in found:
+    """What create and add say of frozen checks that cannot run yet: a program that is missing
+    here must be fixed now; a file not there yet is a test-first check, fine."""
+    later = [u for u in found if file_not_there_yet(u)]
+    now = [u for u in found if u not in later]
+    if now:
+        ctx.say(f"fablize: ⚠ {count_noun(len(now), 'frozen check')} cannot run here — fix the "
+                "command or install what it needs now: found at the gate, it costs the whole run:")
+    for u in now:
         ctx.say(f"  {one_line(u['id'])} check {u['check'] + 1}: `{one_line(u['cmd'])}` — "
                 f"{one_line(u['reason'])}")
+    if later:
+        ctx.say(f"fablize: {count_noun(len(later), 'frozen check')} "
+                f"{'starts' if len(later) == 1 else 'start'} a file that does not exist yet — fine for a test-first plan: a story writes it, and each check runs "
+                "when its own story completes:")
+    for u in later:
+        ctx.say(f"  {one_line(u['id'])} check {u['check'] + 1}: `{one_line(u['cmd'])}` — "
+                f"{one_line(u['reason'])} yet")
 
 
 def cmd_create(ctx, a):
@@ -4267,13 +4334,18 @@ def cmd_create(ctx, a):
         share, line = sharing.start(store, remote)
         ctx.say(line)
         ctx.data.update(share=share)
+    action = next_action(ctx.prog, plan)
+    ctx.say(next_line(action))  # the last line: what to do now
+    ctx.data["next"] = action
 
 
 def stuck_error(ctx, plan, agent):
     """Why `next` has nothing to hand out (the plan is not done): the plan's next action."""
     action = next_action(ctx.prog, plan, agent)
     if action["kind"] == "decide":
-        return refused(action["text"], "halted")
+        error = refused(action["text"], "halted")
+        error.commands = action["commands"]  # each whole on its own line, after the message
+        return error
     if action["kind"] == "judge":
         return refused(action["text"] + ".", "awaiting_review")
     return refused(action["text"] + ".", "nothing_ready")
@@ -4318,8 +4390,8 @@ def say_after_checkpoint(ctx, plan, story):
     """What a checkpoint or a verdict left; returns the next action it named."""
     sid, status = story["id"], story["status"]
     if status == "failed":
-        ctx.say(f"fablize: {sid} → failed (round {story['round']}; {rounds_left(plan, story)} "
-                "left) — "
+        left = count_noun(rounds_left(plan, story), "round")
+        ctx.say(f"fablize: {sid} → failed ({round_label(plan, story)}; {left} left) — "
                 f"`{ctx.prog} next` reopens it as round {story['round'] + 1} "
                 "with what was missing.")
     elif status == "blocked":
@@ -4421,8 +4493,8 @@ def render_status(prog, plan, resume=False, share=()):
         if len(story) > base:  # a story with only the original's fields has no details
             lines += [f"      {detail}" for detail in status_details(plan, story)]
     for u in plan["unverifiable"]:
-        lines.append(f"  ⚠ {one_line(u['id'])} check {u['check'] + 1} cannot run here: "
-                     f"`{one_line(u['cmd'])}` — {one_line(u['reason'])}")
+        lines.append(f"  {unverifiable_label(u)}: `{one_line(u['cmd'])}` — "
+                     f"{one_line(u['reason'])}{' yet' if file_not_there_yet(u) else ''}")
     paused = guard_paused(plan)
     if paused:
         lines.append(f"  ⏸ guard paused since event {paused['seq']}"
@@ -5060,6 +5132,8 @@ class Output:
                 obj["warnings"] = self.warnings
             if error is not None:
                 obj["error"] = {"code": error.code, "message": error.message, "exit": code}
+                if getattr(error, "commands", None):
+                    obj["error"]["commands"] = error.commands
             sys.stdout.write(json_text(obj) + "\n")
             return
         if self.lines:
@@ -5068,6 +5142,8 @@ class Output:
             sys.stderr.write("fablize: warning: " + clean(text) + "\n")
         if error is not None:
             sys.stderr.write("fablize: " + one_line(error.message) + "\n")
+            for cmd in getattr(error, "commands", None) or ():
+                sys.stderr.write("  " + one_line(cmd) + "\n")
 
 
 class Context:

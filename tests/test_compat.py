@@ -53,10 +53,13 @@ def test_script_written_for_the_original_cli_runs_unchanged(project):
             "--goal", "Server::wire the login API",
             "--goal", "Verify::run the whole test suite")
     assert r.code == 0, r
-    assert r.out.splitlines() == ["fablize: plan created — 3 stories",
-                                  "  G001 Screen: draw the login form",
-                                  "  G002 Server: wire the login API",
-                                  "  G003 Verify: run the whole test suite"]
+    lines = r.out.splitlines()
+    assert lines[:4] == ["fablize: plan created — 3 stories",
+                         "  G001 Screen: draw the login form",
+                         "  G002 Server: wire the login API",
+                         "  G003 Verify: run the whole test suite"]
+    # the shape the original printed, then (ours) what to do next, last
+    assert len(lines) == 5 and lines[4].startswith("fablize: next — ") and "next`" in lines[4]
 
     # every refusal of create, with its message and exit code
     refused_with(run("create", "--brief", "again", "--goal", "a::b"), 1, PLAN_EXISTS)

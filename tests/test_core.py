@@ -210,7 +210,8 @@ def test_a_blocked_final_story_is_not_reported_as_all_complete(fab):
     nxt = fab("next")
     assert nxt.code == 1, nxt
     assert "G003 is blocked (no test env)" in nxt.err
-    assert "decide --id G003 accept|retry|amend" in nxt.err
+    assert "A human must decide, with one of:\n  goals.py decide --id G003 accept --note" in nxt.err
+    assert "\n  goals.py decide --id G003 retry --note" in nxt.err  # each whole, on its line
     st = fab("status")
     assert st.code == 0 and "G003 is blocked" in st.out and "decide --id G003" in st.out, st
     assert_never_all_complete(cp, nxt, st)
