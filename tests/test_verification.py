@@ -412,7 +412,7 @@ def test_create_flags_checks_that_cannot_run_here_and_still_creates_the_plan(fab
     text = ok(fab("status")).out
     assert "⚠ G001 check 1 cannot run here: `no-such-tool-fablize-abc --all` — " \
            "no-such-tool-fablize-abc is not on PATH" in text
-    assert "⚠ G002 check 1 cannot run here: `./scripts/missing-gate.sh`" in text
+    assert "· G002 check 1 waits for its file: `./scripts/missing-gate.sh`" in text
 
 
 def test_create_with_runnable_checks_flags_nothing(fab):
