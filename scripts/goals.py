@@ -93,6 +93,11 @@ ORIGINAL_STATUSES = ("pending", "in_progress", "complete", "failed", "blocked")
 TAIL_CHARS = 500            # carried evidence and run tails (seed 004)
 MAP_WINDOW = 30             # plan-map lines around the current story (seed 004)
 MAP_LOOKBACK = 10           # of which at most this many come before it
+RESUME_MAP = (2, 7)         # a session start's map: lookback, window (it stays short)
+RESUME_CARRIED = 2          # a session start's direct dependencies shown, the latest
+RESUME_LISTED = 5           # a session start's failed, blocked or in-review stories listed
+RESUME_TITLE = 80           # characters of a title a session start shows
+RESUME_TAIL = 200           # characters of a dependency's evidence and output it shows
 MAX_TEXT = 1 << 20          # one user-supplied text field, in UTF-8 bytes
 DEFAULT_ROUNDS = 3
 DEFAULT_RUN_TIMEOUT = 600.0
@@ -268,6 +273,12 @@ def blank(text):
 def last_chars(text, n=TAIL_CHARS):
     text = text or ""
     return text if len(text) <= n else "…" + text[-n:]
+
+
+def short(text, n):
+    """The first `n` characters of `text`, and … when there were more."""
+    text = text or ""
+    return text if len(text) <= n else text[:n] + "…"
 
 
 def _escape_table(keep):
@@ -3388,19 +3399,20 @@ def handoff_command(prog, story):
     return f"{prog} next"
 
 
-def render_map(plan, story):
+def render_map(plan, story, lookback=MAP_LOOKBACK, window=MAP_WINDOW, title=None):
     goals = plan["goals"]
     n = len(goals)
     idx = goals.index(story)
-    start = max(0, idx - MAP_LOOKBACK)
-    end = min(n, start + MAP_WINDOW)
-    start = max(0, end - MAP_WINDOW)
+    start = max(0, idx - lookback)
+    end = min(n, start + window)
+    start = max(0, end - window)
     width = len(str(n))
     lines = ["## Plan map — context only: work the NOW story; do not start later ones."]
     for i in range(start, end):
         s = goals[i]
         label = "NOW" if s is story else MAP_LABELS[s["status"]]
-        line = f" {i + 1:>{width}}. [{label:<8}] {s['id']} {defused_line(s['title'])}"
+        name = s["title"] if title is None else short(s["title"], title)
+        line = f" {i + 1:>{width}}. [{label:<8}] {s['id']} {defused_line(name)}"
         if s is story:
             line += "   ← you are here"
         elif s["status"] == "in_progress" and s.get("agent"):
@@ -3412,23 +3424,30 @@ def render_map(plan, story):
     return lines
 
 
-def render_carried(plan, story):
-    """One block per direct dependency: its latest evidence and run, tails only, defused."""
+def render_carried(plan, story, latest=None, chars=TAIL_CHARS, title=None):
+    """One block per direct dependency (the `latest` few, when given): its latest evidence and
+    run, their last `chars` characters, defused."""
     lines = []
-    for dep_id in story["after"]:
+    after = story["after"]
+    if latest is not None and len(after) > latest:
+        lines.append(f"## From {count_noun(len(after) - latest, 'earlier dependency')} — not "
+                     f"shown here; `next` prints the whole handoff")
+        after = after[-latest:]
+    for dep_id in after:
         dep = find_story(plan, dep_id)
-        lines.append(f"## From {dep['id']} — {defused_line(dep['title'])} (direct dependency, "
+        name = dep["title"] if title is None else short(dep["title"], title)
+        lines.append(f"## From {dep['id']} — {defused_line(name)} (direct dependency, "
                      f"{MAP_LABELS[dep['status']]})")
         if dep["decision"] and dep["status"] == "accepted":
             lines.append("accepted by a human decision: "
                          + defuse(last_chars(dep["decision"]["note"])))
         if not blank(dep["evidence"]):
-            lines.append("evidence (last 500 characters):")
-            lines.append(indent(defuse(last_chars(dep["evidence"]))))
+            lines.append(f"evidence (last {chars} characters):")
+            lines.append(indent(defuse(last_chars(dep["evidence"], chars))))
         run = dep["last_run"]
         if run:
             lines.append("verification run: " + defuse(run_summary(run)) + " — output tail:")
-            lines.append(indent(defuse(last_chars(run["tail"])) or "(no output)"))
+            lines.append(indent(defuse(last_chars(run["tail"], chars)) or "(no output)"))
     return lines
 
 
@@ -3475,7 +3494,10 @@ def render_observed(story):
     return lines
 
 
-def render_handoff(prog, plan, story, reshown):
+def render_handoff(prog, plan, story, reshown, brief=False):
+    """A story's handoff: what a fresh session needs to do it (`reshown`: it was already in
+    progress). `brief` (what a session start injects): a smaller map window and the latest
+    few direct dependencies, so that it stays short however large the plan."""
     lines = [f"=== fablize handoff — {story['id']} {defused_line(story['title'])}",
              f"Objective: {defused_line(story['objective'])}"]
     for a in story["amendments"]:
@@ -3509,8 +3531,10 @@ def render_handoff(prog, plan, story, reshown):
             lines.append("★ Final story — the complete checkpoint requires verification: prefer "
                          "--run --verify-cmd (witnessed: the engine runs it); --verify-cmd with "
                          "--verify-evidence is recorded as claimed (verification gate).")
-    lines += render_map(plan, story)
-    lines += render_carried(plan, story)
+    lines += (render_map(plan, story, *RESUME_MAP, title=RESUME_TITLE) if brief
+              else render_map(plan, story))
+    lines += (render_carried(plan, story, RESUME_CARRIED, RESUME_TAIL, RESUME_TITLE) if brief
+              else render_carried(plan, story))
     lines += render_feedback(story)
     if story["checks"]:
         lines.append("## Frozen checks — the engine runs all of them at `complete`; no substitute "
@@ -4465,21 +4489,16 @@ def cmd_checkpoint(ctx, a):
                 raise
             plan = s.plan
     story = find_story(plan, a.id)
-    action = say_after_checkpoint(ctx, plan, story)
     say_observed(ctx, story)
+    action = say_after_checkpoint(ctx, plan, story)  # the next step is the last thing said
     ctx.data.update(plan_summary(plan), story=story_json(plan, story), runs=runs, next=action)
 
 
-def render_status(prog, plan, resume=False, share=()):
-    """What `status` says, and what a session start hands a new session (`resume`: each story
-    in progress with its whole handoff): the plan's count and brief, a line per story with its
-    details, checks that cannot run here, a pause, the next step, the shared plan's state."""
-    accepted = accepted_ids(plan)
-    # a human's accept is not a completion: with one, the count says `done`, never `complete`
-    counted = (f"done ({', '.join(accepted)} accepted by a human decision)" if accepted
-        else "complete")
-    lines = [f"fablize: {done_count(plan)}/{len(plan['goals'])} {counted} — "
-             f"{defused_line(plan['brief'])}"]
+def render_status(prog, plan, share=()):
+    """What `status` says, whole, for a human: the plan's count and brief, a line per story
+    with its details, checks that cannot run here, a pause, the next step, the shared plan's
+    state, and how to pick up each story in progress."""
+    lines = [count_line(plan)]
     goals = plan["goals"]
     # titles that need no escaping and carry no marker word are shown as they are: checked in
     # one pass over them all (a status of 100,000 stories renders in 50 ms, not 120)
@@ -4495,19 +4514,79 @@ def render_status(prog, plan, resume=False, share=()):
     for u in plan["unverifiable"]:
         lines.append(f"  {unverifiable_label(u)}: `{one_line(u['cmd'])}` — "
                      f"{one_line(u['reason'])}{' yet' if file_not_there_yet(u) else ''}")
-    paused = guard_paused(plan)
-    if paused:
-        lines.append(f"  ⏸ guard paused since event {paused['seq']}"
-                     f"{': ' + one_line(paused['note']) if paused['note'] else ''}"
-                     f" — `{prog} unpause` turns it back on")
+    lines += paused_line(prog, plan)
     action = next_action(prog, plan)
     lines.append(next_line(action))
     lines += share
     for story in active_stories(plan):
         lines.append("")
-        lines += (render_handoff(prog, plan, story, True) if resume else
-            render_resume(prog, plan, story))
-    return lines, action, paused
+        lines += render_resume(prog, plan, story)
+    return lines, action, guard_paused(plan)
+
+
+def render_session_start(prog, plan, share=()):
+    """What a session start hands a new session, bounded however large the plan: the count,
+    the stories by status, those a human or a judge must look at (a few), the next step, the
+    first story in progress with its whole handoff (a short map window, its latest
+    dependencies), a line for each other one; `status` for the rest."""
+    lines = [count_line(plan)]
+    counts = collections.Counter(s["status"] for s in plan["goals"])
+    lines.append("  " + " · ".join(f"{counts[status]} {word}" for status, word in
+                                   STATUS_WORDS.items() if counts[status]))
+    stuck = [s for s in plan["goals"] if s["status"] in ("failed", "blocked", "review")]
+    for story in stuck[:RESUME_LISTED]:
+        story = touch(story)
+        why = (f": {one_line(last_chars(blocked_because(story), 120))}"
+               if story["status"] == "blocked" else "")
+        lines.append(f"  {MARKS[story['status']]} {story['id']} [{story['status']}] "
+                     f"{one_line(short(story['title'], RESUME_TITLE))}{why}")
+    if len(stuck) > RESUME_LISTED:
+        lines.append(f"  … and {len(stuck) - RESUME_LISTED} more: `{prog} status` lists them")
+    if plan["unverifiable"]:
+        lines.append(f"  ⚠ {count_noun(len(plan['unverifiable']), 'frozen check')} cannot run "
+                     f"here yet: `{prog} status` lists them")
+    lines += paused_line(prog, plan)
+    action = next_action(prog, plan)
+    lines.append(next_line(action))
+    lines += share
+    active = active_stories(plan)
+    if active:
+        lines.append("")
+        lines += render_handoff(prog, plan, active[0], True, brief=True)
+    for story in active[1:RESUME_LISTED + 1]:
+        lines.append(f"Also in progress: {story['id']} "
+                     f"{one_line(short(story['title'], RESUME_TITLE))}"
+                     + (f" (agent {one_line(story['agent'])})" if story["agent"] else "")
+                     + f" — its handoff: {handoff_command(prog, story)}")
+    if len(active) > RESUME_LISTED + 1:
+        lines.append(f"… and {len(active) - RESUME_LISTED - 1} more in progress: "
+                     f"`{prog} status` lists them")
+    return lines
+
+
+# each status as a session start counts it, in the order it counts them
+STATUS_WORDS = {"complete": "complete", "accepted": "accepted", "in_progress": "in progress",
+                "review": "in review", "failed": "failed", "blocked": "blocked",
+                "pending": "pending"}
+
+
+def count_line(plan):
+    """The plan's first line: how much is done, and its brief."""
+    accepted = accepted_ids(plan)
+    # a human's accept is not a completion: with one, the count says `done`, never `complete`
+    counted = (f"done ({', '.join(accepted)} accepted by a human decision)" if accepted
+               else "complete")
+    return (f"fablize: {done_count(plan)}/{len(plan['goals'])} {counted} — "
+            f"{defused_line(plan['brief'])}")
+
+
+def paused_line(prog, plan):
+    paused = guard_paused(plan)
+    if not paused:
+        return []
+    return [f"  ⏸ guard paused since event {paused['seq']}"
+            f"{': ' + one_line(paused['note']) if paused['note'] else ''}"
+            f" — `{prog} unpause` turns it back on"]
 
 
 def read_plan_and_share(store, imports=False):
@@ -4998,8 +5077,8 @@ def session_start(ctx, a):
             lines.append(f"fablize: plan finished ({done_count(plan)}/{len(plan['goals'])} done) — "
                          f"{defused_line(last_chars(plan['brief'], 200))}; nothing to resume.")
         elif plan is not None:
-            lines = render_status(ctx.prog, plan, resume=True,
-                                  share=sharing.status_lines(share) if share else ())[0]
+            lines = render_session_start(ctx.prog, plan,
+                                         sharing.status_lines(share) if share else ())
             if share:
                 ctx.data["share"] = share
     except FablizeError as e:
