@@ -717,8 +717,16 @@ def find_story(plan, sid):
     """The story `sid`, touched; refused when the plan has none."""
     story = lookup(plan, sid)
     if story is None:
-        raise refused(f"{one_line(sid)} not found.", "not_found")
+        raise refused(f"{one_line(sid)} not found. {plan_ids(plan)}", "not_found")
     return touch(story)
+
+
+def plan_ids(plan):
+    """The plan's story ids, as a refusal lists them: all of them, or their range."""
+    ids = [s["id"] for s in plan["goals"]]
+    if len(ids) <= 8:
+        return "The plan's stories: " + ", ".join(ids) + "."
+    return f"The plan's stories: {ids[0]}–{ids[-1]} ({len(ids)})."
 
 
 def is_final(plan, story):
@@ -3502,7 +3510,6 @@ def render_handoff(prog, plan, story, reshown, brief=False):
              f"Objective: {defused_line(story['objective'])}"]
     for a in story["amendments"]:
         lines.append(f"Amended ({a['ts'][:10]}): {one_line(a['note'])}")
-    rounds = plan["options"]["rounds"]
     if reshown:
         lines.append(f"⚠ Resumed: this story was already in progress (round {story['round']}, "
                      "started "
@@ -4304,8 +4311,9 @@ def say_unverifiable(ctx, found):
                 f"{one_line(u['reason'])}")
     if later:
         ctx.say(f"fablize: {count_noun(len(later), 'frozen check')} "
-                f"{'starts' if len(later) == 1 else 'start'} a file that does not exist yet — fine for a test-first plan: a story writes it, and each check runs "
-                "when its own story completes:")
+                f"{'starts' if len(later) == 1 else 'start'} a file that does not exist yet — "
+                "fine for a test-first plan: a story writes it, and each check runs when its "
+                "own story completes:")
     for u in later:
         ctx.say(f"  {one_line(u['id'])} check {u['check'] + 1}: `{one_line(u['cmd'])}` — "
                 f"{one_line(u['reason'])} yet")
@@ -5068,7 +5076,8 @@ def session_start(ctx, a):
     """`status --resume` for a SessionStart hook: the plan and its active handoffs; one line for
     a finished plan; nothing without a plan; one warning line, still exit 0, for a damaged one
     (an exit 3 there is a message the agent never sees). Codex and Gemini CLI take it as JSON
-    context."""
+    context. Never coloured: an agent reads it."""
+    ctx.out.colour = False
     lines = []
     try:
         plan, share, sharing = (read_plan_and_share(ctx.store, imports=True)
@@ -5164,6 +5173,40 @@ def say_observed(ctx, story):
 # Command line #################################################################################
 
 
+def colour_on(stream):
+    """Colour for a terminal only: never in a pipe or a file (nor --json, nor a hook's answer),
+    never with NO_COLOR set (no-color.org); FORCE_COLOR set (force-color.org) turns it on
+    anywhere, except as 0 or false."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    force = os.environ.get("FORCE_COLOR")
+    if force:
+        return force.lower() not in ("0", "false")
+    try:
+        return stream.isatty() and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+# what is painted, on a terminal: (pattern, SGR code) — marks, verdicts, headings, warnings
+PAINT = ((r"(?m)^(\s*)(✓|✅[^\n]*)", "32"), (r"(?m)^(\s*)(✗|■|❌[^\n]*)", "31"),
+         (r"(?m)^(\s*)(▶|⚠)", "33"), (r"(?m)^(\s*)(◇)", "34"),
+         (r"(?m)^()(=== fablize handoff[^\n]*|## [^\n]*)", "1"),
+         (r"(?m)^()(fablize: (?:warning:|⚠)[^\n]*)", "33"), (r"()(← you are here)", "1"))
+
+
+def paint(text, stream, error=False, allowed=True):
+    """`text` as `stream` shows it: coloured on a terminal (an error's line red), else as is
+    (and always as is where an agent reads it: `allowed` false)."""
+    if not allowed or not colour_on(stream):
+        return text
+    for pattern, code in PAINT:
+        text = regex(pattern).sub(lambda m: f"{m.group(1)}\x1b[{code}m{m.group(2)}\x1b[0m", text)
+    if error:
+        text = regex(r"(?m)^(fablize: (?!warning:)[^\n]*)").sub("\x1b[31m\\1\x1b[0m", text)
+    return text
+
+
 class Output:
     """A command's result: the lines it says, its --json data, its warnings (storage's too).
     Nothing below `main` prints, except the progress of a run while it runs; `main` renders the
@@ -5175,6 +5218,7 @@ class Output:
         self.data = {}
         self.warnings = []
         self.raw = None
+        self.colour = True  # false for what an agent's harness reads (a session start)
 
     def say(self, text=""):
         self.lines.append(text)
@@ -5195,7 +5239,7 @@ class Output:
     def flush(self):
         """Write the lines said so far now (text mode): a long answer streams, memory flat."""
         if self.lines and not self.json:
-            sys.stdout.write(clean("\n".join(map(str, self.lines))) + "\n")
+            sys.stdout.write(paint(clean("\n".join(map(str, self.lines))), sys.stdout) + "\n")
             self.lines = []
 
     def render(self, command, error, code):
@@ -5216,13 +5260,15 @@ class Output:
             sys.stdout.write(json_text(obj) + "\n")
             return
         if self.lines:
-            sys.stdout.write(clean("\n".join(map(str, self.lines))) + "\n")
-        for text in self.warnings:
-            sys.stderr.write("fablize: warning: " + clean(text) + "\n")
+            sys.stdout.write(paint(clean("\n".join(map(str, self.lines))), sys.stdout,
+                                   allowed=self.colour) + "\n")
+        err = [f"fablize: warning: {clean(text)}" for text in self.warnings]
         if error is not None:
-            sys.stderr.write("fablize: " + one_line(error.message) + "\n")
-            for cmd in getattr(error, "commands", None) or ():
-                sys.stderr.write("  " + one_line(cmd) + "\n")
+            err.append("fablize: " + one_line(error.message))
+            err += ["  " + one_line(cmd) for cmd in getattr(error, "commands", None) or ()]
+        if err:
+            sys.stderr.write(paint("\n".join(err), sys.stderr, error is not None,
+                                   self.colour) + "\n")
 
 
 class Context:
@@ -5651,13 +5697,79 @@ def quick_args(argv, name):
     return types.SimpleNamespace(**values)
 
 
+def better_usage_error(parser, message):
+    """argparse's complaint, with what was probably meant: an unknown command or choice gets
+    its nearest name (`chekpoint` → `checkpoint`) instead of the list of every one, and an
+    unknown option the nearest option of its command."""
+    import difflib
+    m = re.match(r"argument (\S+): invalid choice: '?(.*?)'? \(choose from (.*)\)\Z", message, re.S)
+    if m:
+        name, word = m.group(1), m.group(2)
+        choices = re.findall(r"[\w-]+", m.group(3))
+        close = difflib.get_close_matches(word, choices, 1, 0.7)
+        hint = f" — did you mean `{close[0]}`?" if close else ""
+        if name == "COMMAND":
+            return f"unknown command `{one_line(word)}`{hint}"
+        return message + hint  # the original's words, which scripts may read
+    m = re.match(r"unrecognized arguments: (.*)\Z", message, re.S)
+    if m:
+        options = set()  # the commands' own options: --dir or --help are seldom what was meant
+        for action in parser._actions:
+            for sub in (getattr(action, "choices", None) or {}).values():
+                if isinstance(sub, argparse_parser()):
+                    options.update(o for a in sub._actions for o in a.option_strings)
+        for word in m.group(1).split():
+            close = difflib.get_close_matches(word.split("=")[0],
+                                              sorted(options - {"--dir", "--json", "-h", "--help"}),
+                                              1, 0.7)
+            if word.startswith("-") and close:
+                return f"{message} — did you mean `{close[0]}`?"
+    return message
+
+
+def argparse_parser():
+    import argparse
+    return argparse.ArgumentParser
+
+
+# what --help shows a command (None: the engine's own --help) used for: whole command lines
+EXAMPLES = {
+    None: ['create --brief "Add --version" --goal "Flag::cli.py accepts --version" '
+           '--goal "Verify::the tests pass" --verify "python3 -m pytest -q"',
+           "next",
+           'checkpoint --id G001 --status complete --evidence "cli.py --version prints 1.0"',
+           "status", "audit"],
+    "create": ['--brief "Add --version" --goal "Flag::cli.py accepts --version" '
+               '--goal "Verify::the tests pass" --verify "python3 -m pytest -q"',
+               '--brief "Two parts" --parallel --goal "API::the endpoint answers" '
+               '--goal "UI::the page shows it" --goal "Verify::all tests pass" '
+               '--check "G001=python3 -m pytest -q tests/test_api.py" --verify "make test"'],
+    "checkpoint": ['--id G001 --status complete --evidence "tests/test_cli.py passes: 4 passed"',
+                   '--id G002 --status complete --evidence "the suite passes" --run '
+                   '--verify-cmd "python3 -m pytest -q"',
+                   '--id G001 --status failed --evidence "the parser rejects -V"',
+                   '--id G001 --status blocked --evidence "needs an API key nobody has"'],
+    "decide": ['--id G003 accept --note "the manual check is enough here"',
+               '--id G003 retry --note "use the fixture in tests/conftest.py"',
+               '--id G003 amend --note "only the CLI, not the GUI"'],
+    "audit": ["", "--require-complete --require-logs",
+              "--base origin/main --rerun --require-witnessed"],
+    "status": ["", "--resume"],
+}
+
+
+def examples(prog, name):
+    command = f"{prog} {name}" if name else prog
+    return "Examples:\n" + "\n".join(f"  {command} {line}".rstrip() for line in EXAMPLES[name])
+
+
 def build_parser(only=None, prog="goals.py"):
     """The command-line parser: every command, or just `only`."""
     import argparse
 
     class Parser(argparse.ArgumentParser):
         def error(self, message):
-            raise usage(f"{message} (see `{self.prog} --help`)")
+            raise usage(f"{better_usage_error(self, message)} (see `{self.prog} --help`)")
 
     common = Parser(add_help=False)
     common.add_argument("--dir", default=argparse.SUPPRESS, metavar="PATH", help=DIR_HELP)
@@ -5668,13 +5780,16 @@ def build_parser(only=None, prog="goals.py"):
             super().__init__(prog, max_help_position=30)
             self._action_max_length = 20  # room for `install-block` and its line on one row
 
+        def _fill_text(self, text, width, indent):  # examples keep their lines
+            return text if "\n" in text else super()._fill_text(text, width, indent)
+
     p = Parser(prog=prog, formatter_class=Formatter,
                description="fablize goal engine: split a task into stories; "
                "\"done\" is refused until evidence shows it.",
-               epilog="Exit codes: 0 done, 1 refused, 2 usage, 3 damaged state; 128+N "
-                      "interrupted by signal N during a run (130 SIGINT, 143 SIGTERM, 129 "
-                      "SIGHUP), the run recorded as interrupted. "
-                      f"`{prog} COMMAND --help` shows a command's options.")
+               epilog=examples(prog, None) +
+               "\n\nExit codes: 0 done, 1 refused, 2 usage, 3 damaged state; 128+N interrupted"
+               "\nby signal N during a run (130 SIGINT, 143 SIGTERM, 129 SIGHUP), the run"
+               f"\nrecorded as interrupted. `{prog} COMMAND --help` shows a command's options.")
     p.add_argument("--version", action="version", version=f"fablize {__version__}",
                    help="print the version and exit")
     p.add_argument("--dir", default=None, metavar="PATH", help=DIR_HELP)
@@ -5686,10 +5801,13 @@ def build_parser(only=None, prog="goals.py"):
             continue
         # a command's summary is its line in `--help`, and its own --help starts with it
         spec = command_spec(name)
+        epilog = spec.epilog
+        if name in EXAMPLES:
+            epilog = examples(prog, name) + (f"\n\n{epilog}" if epilog else "")
         c = sub.add_parser(name, parents=[common], help=spec.summary,
-                           description=spec.description, epilog=spec.epilog,
-                           formatter_class=argparse.RawDescriptionHelpFormatter
-                           if spec.raw_epilog else argparse.HelpFormatter)
+                           description=spec.description, epilog=epilog,
+                           formatter_class=(argparse.RawDescriptionHelpFormatter
+                                            if spec.raw_epilog else Formatter))
         for names, options in spec.arguments:
             c.add_argument(*names, **options)
         c.set_defaults(**spec.defaults)

@@ -69,7 +69,7 @@ def test_script_written_for_the_original_cli_runs_unchanged(project):
 
     # checkpoint refusals before any story is active
     refused_with(run("checkpoint", "--id", "G009", "--status", "complete", "--evidence", "e"), 1,
-                 "G009 not found.")
+                 "G009 not found. The plan's stories: G001, G002, G003.")  # the original's words first
     refused_with(run("checkpoint", "--id", "G002", "--status", "complete", "--evidence", "e"), 1,
                  "G002 is not active (pending) — activate it with `next` first.")
 

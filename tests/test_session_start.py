@@ -71,7 +71,8 @@ def test_a_long_title_or_many_dependencies_do_not_grow_it(fab):
                    "--evidence", "e" * 400).code == 0
     assert fab("next").code == 0  # the final story: it waits for all 39
     out = fab("status", "--resume").out
-    assert "## From 37 earlier dependencies — not shown here; `next` prints the whole handoff" in out
+    assert ("## From 37 earlier dependencies — not shown here; `next` prints the whole handoff"
+            in out)
     # bounded by constants (titles, tails, the map window), whatever the plan holds
     assert out.count("## From G0") == 2 and len(out) <= 3000, len(out)
     assert out.count(long_title) == 0  # titles are cut in the map (the objective stays whole)
