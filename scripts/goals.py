@@ -3436,7 +3436,7 @@ def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None,
         kind = ev["event"]
         if kind == "verify_run":
             log = ev["log"]
-            if logs is not None or log[skip:] in present:
+            if (log in logs) if logs is not None else (log[skip:] in present):
                 checked += 1
                 content = logs.get(log) if logs is not None else \
                     read_state_file(os.path.join(runs_dir, log[skip:]))
