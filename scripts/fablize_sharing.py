@@ -62,8 +62,9 @@ COMMITTER = "fablize <fablize@localhost>"
 
 DEFAULT_WAIT = 30.0      # seconds a command waits out other writers (FABLIZE_SHARE_WAIT)
 LONG_WAIT = 5.0          # a wait longer than this is said
-BACKOFF_BASE = 0.01      # seconds: the second lost push waits up to this, each next one twice
-BACKOFF_CAP = 1.0        # as long, at most
+BACKOFF_BASE = 0.01      # seconds: the least a lost push's backoff scales with
+BACKOFF_ROUNDS = 4       # the first wait is up to this many rounds (a round: one fetch and push)
+BACKOFF_CAP = 2.0        # seconds: the most a lost push waits
 CLAIM_ATTEMPTS = 20      # claims lost in a row before `next` gives up (each within the wait)
 REF_LOCK_STALE = 2.0     # seconds: git holds a ref lock for milliseconds; older ones are litter
 CHAIN_BATCH = 16         # commits read back per git cat-file (more when that falls short)
@@ -361,13 +362,15 @@ def commit_time(ts):
     return max(0, days_from_civil(y, mo, d) * 86400 + h * 3600 + mi * 60 + s)
 
 
-def event_files(store, ev, line, where=None):
+def event_files(store, ev, line, where=None, sources=None):
     """The tree of an event's commit: its line and, for a run, its log as `where` (the state
-    directory, or an archived plan's folder) holds it."""
+    directory, or an archived plan's folder) holds it — or, for a run a rebase renamed and has
+    not written yet, where `sources` says it is now."""
     files = {"event.jsonl": line + b"\n"}
     log = ev.get("log") if ev["event"] == "verify_run" else None
     if type(log) is str and re.fullmatch(SAFE_LOG, log):
-        body = engine.read_state_file(os.path.join(where or store.dir, log))
+        path = (sources or {}).get(log) or os.path.join(where or store.dir, log)
+        body = engine.read_state_file(path)
         if body is None and where is None:
             body = stranded_log(store, ev)
         if body is not None:
@@ -395,17 +398,19 @@ def stranded_log(store, ev):
     return None
 
 
-def event_commit(store, plan_id, line, where=None):
+def event_commit(store, plan_id, line, where=None, sources=None):
     """(message, files, time) of the commit that carries one ledger line."""
     ev = parse_event(line)
     message = f"fablize {plan_id} #{ev['seq']} {ev['event']} {ev.get('id') or ''}".strip()
-    return message.encode("utf-8"), event_files(store, ev, line, where), commit_time(ev.get("ts"))
+    return (message.encode("utf-8"), event_files(store, ev, line, where, sources),
+            commit_time(ev.get("ts")))
 
 
-def event_commits(store, cfg, lines, where=None):
+def event_commits(store, cfg, lines, where=None, sources=None):
     """Commits for `lines` on top of cfg's commit; returns the new tip."""
-    return write_commits(store, cfg["commit"], [event_commit(store, cfg["plan_id"], line, where)
-                                                for line in lines], cfg["plan_id"])
+    return write_commits(store, cfg["commit"], [
+        event_commit(store, cfg["plan_id"], line, where, sources) for line in lines],
+        cfg["plan_id"])
 
 
 def end_commit(old_id, new_plan, when):
@@ -878,22 +883,26 @@ def finish_interrupted(store):
 
 
 def integrate(session, cfg, chain):
-    """Bring the chain's events after cfg's position into the local ledger (the local events
-    not published yet are replayed after them), then follow the plan that replaced this one, if
-    the chain ends so. Returns (the local events set aside, whether the replacing plan was
-    there: False means try again)."""
-    rejected = []
-    if chain.events:
-        rejected += take_events(session, cfg, chain)
-    if chain.replaced is not None:
-        followed = follow_replacement(session, cfg, chain.replaced)
-        if followed is None:
-            return rejected, False
-        rejected += followed
-    return rejected, True
+    """Take in the chain's events after cfg's position. With no local event waiting they are
+    appended at once; otherwise the rebase is worked out in memory and returned, to be written
+    once its push is decided (Rebase). A chain that ends with a replacement sets every local
+    event aside, then the plan that replaced this one is followed. Returns (a Rebase or None,
+    the events set aside, whether the replacing plan was on the remote: False means try
+    again)."""
+    replaced = chain.replaced
+    rebase = take_events(session, cfg, chain, replaced and replaced["plan_id"])
+    if replaced is None:
+        return rebase, [], True
+    set_aside = rebase.apply(session, cfg) if rebase is not None else []
+    followed = follow_replacement(session, cfg, replaced)
+    if followed is None:
+        return None, set_aside, False
+    return None, set_aside + followed, True
 
 
-def take_events(session, cfg, chain):
+def take_events(session, cfg, chain, replaced_by=None):
+    """The chain's events appended to the local ledger when no local event waits for the
+    remote (returns None); else the Rebase that puts them under the local ones."""
     store = session.store
     incoming = chain.events
     local = unpublished_lines(session, cfg["seq"])
@@ -903,7 +912,7 @@ def take_events(session, cfg, chain):
     base_seq = cfg["seq"] + same
     local, incoming = local[same:], incoming[same:]
     if local:
-        return rebase(session, cfg, chain.last, base_seq, incoming, local)
+        return Rebase(session, cfg, chain.last, base_seq, incoming, local, replaced_by)
     plan = session.plan
     seq, head = (plan["ledger"]["seq"], plan["ledger"]["head"]) if plan else (0, ZERO_HASH)
     lines = []
@@ -920,105 +929,132 @@ def take_events(session, cfg, chain):
         session.ledger.append(b"\n".join(lines), session.ledger.open(create=True))
         session.save_snapshot(plan)
         session.plan = plan
-    cfg.update(seq=seq, head=head, commit=chain.last)
-    save_share_config(store, cfg)
-    return []
+        session.share_busy = True  # other clones are at work right now (claim: spread)
+    if chain.last != cfg["commit"]:
+        cfg.update(seq=seq, head=head, commit=chain.last)
+        save_share_config(store, cfg)
+    return None
 
 
-def rebase(session, cfg, tip, base_seq, incoming, local, replaced_by=None):
-    """The local ledger rewritten as: its first `base_seq` lines (what the remote holds too),
-    the remote's `incoming` events [(commit, line, log)], then the `local` unpublished events
-    re-chained after them. A local event no longer legal after the remote's (another clone
-    claimed the story first) is set aside with why; with `replaced_by` every local event is
-    (the plan was replaced on the remote). A run's log follows its event's new seq: the logs
-    are staged under their final names (the remote's from its commits, the local ones linked)
-    and placed by the journal, so a kill leaves each log where one ledger or the other names
-    it. Returns the events set aside."""
-    store, remote = session.store, cfg["remote"]
-    data = engine.read_state_file(store.path(LEDGER)) or b""
-    kept = data.split(b"\n")[:base_seq]
-    plan = replay(b"".join(x + b"\n" for x in kept))
-    seq, head = (base_seq, plan["ledger"]["head"]) if plan else (0, ZERO_HASH)
-    journal = Journal(store, seq, head)
-    for _, line, log in incoming:
-        seq += 1
-        plan, ev = apply_shared_line(plan, line, seq, head, remote)
-        head = plan["ledger"]["head"]
-        name = checked_log(ev, log, remote)
-        if name is not None:
-            journal.stage_bytes(name, log)
-        journal.lines.append(line)
-    finals = {final for _, final in journal.logs}
-    renumber, moved = {}, []
-    for line in local:
-        ev = parse_event(line)
-        old, old_log = ev["seq"], ev.get("log") if ev["event"] == "verify_run" else None
-        src = None
-        if type(old_log) is str and re.fullmatch(SAFE_LOG, old_log):
-            src = store.path(old_log)
-        if src is not None and not os.path.lexists(src):
-            src = store.path(old_log) if stranded_log(store, ev) is not None else None
-        if replaced_by is not None:
-            why = (f"plan {cfg['plan_id']} was replaced on {remote} by {replaced_by}",
-                   "plan_replaced")
-        else:
-            ev.update(seq=seq + 1, prev=head)
-            if type(ev.get("after_seq")) is int:
-                ev["after_seq"] = renumber.get(ev["after_seq"], min(ev["after_seq"], base_seq))
-            if isinstance(ev.get("runs"), list):
-                ev["runs"] = [renumber.get(r, r) for r in ev["runs"]]
-            if old_log is not None:
-                ev["log"] = f"{RUNS}/{seq + 1}-{ev['id']}.log"
-            trial = json.loads(json.dumps(plan)) if plan is not None else None
-            try:
-                trial = engine.apply_event(trial, ev)
-                why = None
-            except FablizeError as e:
-                why = (e.message, e.code)
-        if why is not None:
-            journal.rejected.append(set_aside_record(line, why[0], why[1], journal.id))
-            if src is not None:
-                final = f"{RUNS}/rejected-{old}.log"
-                while final in finals or os.path.lexists(store.path(final)):
-                    final = f"{RUNS}/rejected-{old}-{os.urandom(2).hex()}.log"
-                journal.stage_link(src, final)
-                finals.add(final)
+class Rebase:
+    """The local ledger as it is once the remote's events come in under the local ones: its
+    first `base_seq` lines (what the remote holds too), the remote's `incoming` events
+    [(commit, line, log)], then the `local` unpublished events re-chained after them. Worked out
+    in memory, so that a push that loses again costs no write here: `lines` is what to push, on
+    `tip` (the remote's last event), and apply() writes the rebase (a Journal) once the push is
+    decided — won, refused, or given up.
+
+    A local event no longer legal after the remote's (another clone claimed the story first) is
+    set aside with why; with `replaced_by` every local event is (the plan was replaced on the
+    remote). A local event the remote holds already, re-chained (a command pushed this rebase
+    and died before writing it here), is taken as the remote's. A run's log follows its event's
+    new seq: the remote's logs come from their commits, the local ones are linked under their
+    new names, and the journal places them, so a kill leaves each log where one ledger or the
+    other names it."""
+
+    def __init__(self, session, cfg, tip, base_seq, incoming, local, replaced_by=None):
+        store, remote = session.store, cfg["remote"]
+        self.store, self.tip = store, tip
+        data = engine.read_state_file(store.path(LEDGER)) or b""
+        kept = data.split(b"\n")[:base_seq]
+        plan = replay(b"".join(x + b"\n" for x in kept))
+        seq, head = (base_seq, plan["ledger"]["head"]) if plan else (0, ZERO_HASH)
+        self.base = (seq, head)
+        self.incoming, theirs = [], []
+        for _, line, log in incoming:
+            seq += 1
+            plan, ev = apply_shared_line(plan, line, seq, head, remote)
+            head = plan["ledger"]["head"]
+            self.incoming.append((line, checked_log(ev, log, remote), log))
+            theirs.append(ev)
+        self.share = dict(cfg, seq=seq, head=head, commit=tip)  # what the remote holds
+        finals = {name for _, name, _ in self.incoming if name}
+        self.lines, self.links, self.set_aside, moved = [], [], [], []
+        renumber = {}
+        for line in local:
+            ev = parse_event(line)
+            old, old_log = ev["seq"], ev.get("log") if ev["event"] == "verify_run" else None
+            src = None
+            if type(old_log) is str and re.fullmatch(SAFE_LOG, old_log):
+                src = store.path(old_log)
+                if not os.path.lexists(src) and stranded_log(store, ev) is None:
+                    src = None
+            if any(same_event(ev, t) for t in theirs):  # published already, re-chained
                 moved.append(old_log)
-            continue
-        if src is not None:
-            journal.stage_link(src, ev["log"])
-            finals.add(ev["log"])
-            moved.append(old_log)
-        new_line = dumps(ev).encode("utf-8")
-        seq, head = seq + 1, engine.sha256_hex(new_line)
-        trial["ledger"] = {"seq": seq, "head": head}
-        plan = trial
-        renumber[old] = seq
-        journal.lines.append(new_line)
-    journal.drop = [name for name in moved if name not in finals]
-    journal.ledger = {"seq": seq, "head": head}
-    # what the remote holds after this: the kept lines and its events
-    journal.share = dict(cfg, seq=base_seq + len(incoming), commit=tip,
-                         head=engine.sha256_hex(incoming[-1][1]) if incoming else
-                         journal.base["head"])
-    journal.write()
-    journal.apply(session, plan)
-    cfg.update(journal.share)
-    return journal.rejected
+                continue
+            why = None
+            if replaced_by is not None:
+                why = (f"plan {cfg['plan_id']} was replaced on {remote} by {replaced_by}",
+                       "plan_replaced")
+            else:
+                ev.update(seq=seq + 1, prev=head)
+                if type(ev.get("after_seq")) is int:
+                    ev["after_seq"] = renumber.get(ev["after_seq"], min(ev["after_seq"], base_seq))
+                if isinstance(ev.get("runs"), list):
+                    ev["runs"] = [renumber.get(r, r) for r in ev["runs"]]
+                if old_log is not None:
+                    ev["log"] = f"{RUNS}/{seq + 1}-{ev['id']}.log"
+                trial = json.loads(json.dumps(plan)) if plan is not None else None
+                try:
+                    trial = engine.apply_event(trial, ev)
+                except FablizeError as e:
+                    why = (e.message, e.code)
+            if why is not None:
+                self.set_aside.append((line, why))
+                if src is not None:
+                    final = f"{RUNS}/rejected-{old}.log"
+                    while final in finals or os.path.lexists(store.path(final)):
+                        final = f"{RUNS}/rejected-{old}-{os.urandom(2).hex()}.log"
+                    self.links.append((src, final))
+                    finals.add(final)
+                    moved.append(old_log)
+                continue
+            if src is not None:
+                self.links.append((src, ev["log"]))
+                finals.add(ev["log"])
+                moved.append(old_log)
+            new_line = dumps(ev).encode("utf-8")
+            seq, head = seq + 1, engine.sha256_hex(new_line)
+            trial["ledger"] = {"seq": seq, "head": head}
+            plan = trial
+            renumber[old] = seq
+            self.lines.append(new_line)
+        self.drop = [name for name in moved if name is not None and name not in finals]
+        self.plan, self.ledger = plan, {"seq": seq, "head": head}
+
+    def apply(self, session, cfg, pushed=None):
+        """Write the rebase (a Journal: crash-safe); with `pushed`, the commit its re-chained
+        events were pushed as, share.json records them as published. Returns the events set
+        aside (said now)."""
+        journal = Journal(self.store, *self.base)
+        for line, name, log in self.incoming:
+            journal.lines.append(line)
+            if name is not None:
+                journal.stage_bytes(name, log)
+        for src, final in self.links:
+            journal.stage_link(src, final)
+        journal.lines += self.lines
+        journal.drop = self.drop
+        journal.rejected = [set_aside_record(line, reason, code, journal.id)
+                            for line, (reason, code) in self.set_aside]
+        journal.ledger = self.ledger
+        journal.share = self.share if pushed is None else dict(
+            self.share, seq=self.ledger["seq"], head=self.ledger["head"], commit=pushed)
+        journal.write()
+        journal.apply(session, self.plan)
+        cfg.clear()
+        cfg.update(journal.share)
+        return journal.rejected
 
 
 def follow_replacement(session, cfg, replaced):
-    """The plan was replaced on the remote (its chain ends with a replaced.json commit): the
-    local copy becomes exactly the remote's (the local events it lacks set aside), is archived
-    whole, and the plan that replaced it comes in from the remote and is current here. Returns
-    the events set aside, or None when the remote does not hold the new plan yet (its clone is
-    between its two pushes: try again)."""
+    """The plan was replaced on the remote (its chain ends with a replaced.json commit) and the
+    local copy holds exactly the remote's events (integrate set the others aside): it is
+    archived whole, and the plan that replaced it comes in from the remote and is current here.
+    Returns [] (nothing more set aside), or None when the remote does not hold the new plan yet
+    (its clone is between its two pushes: try again)."""
     store, remote, old_id = session.store, cfg["remote"], cfg["plan_id"]
     new_id = replaced["plan_id"]
-    rejected = []
-    local = unpublished_lines(session, cfg["seq"])
-    if local:
-        rejected = rebase(session, cfg, cfg["commit"], cfg["seq"], [], local, replaced_by=new_id)
     ref = fetch_plan(store, remote, new_id)
     if ref is None:
         return None
@@ -1051,24 +1087,26 @@ def follow_replacement(session, cfg, replaced):
     cfg.clear()
     cfg.update(journal.share)
     if chain.replaced is not None:  # replaced again since
-        more = follow_replacement(session, cfg, chain.replaced)
-        return None if more is None else rejected + more
-    return rejected
+        return follow_replacement(session, cfg, chain.replaced)
+    return []
 
 
 # Publishing ###################################################################################
 
 
 class Contention:
-    """Waiting out other writers, once per command: the first lost push tries again at once
-    (the winner just landed), each next one after a full-jitter exponential backoff (a random
-    wait up to BACKOFF_BASE, then twice that, … up to BACKOFF_CAP: writers that lost together
-    spread out instead of colliding again), until FABLIZE_SHARE_WAIT seconds have passed."""
+    """Waiting out other writers, once per command: full-jitter exponential backoff (a lost
+    push waits a random time up to BACKOFF_ROUNDS rounds, then twice that, … at most
+    BACKOFF_CAP; a round is how long this command's last fetch-and-push took, so the wait
+    scales with how busy the machine and the remote are), until FABLIZE_SHARE_WAIT seconds have
+    passed. Writers that lost together spread out instead of colliding again: with 8 clones of
+    2 agents, a first wait of up to 4 rounds made 4.1-4.8 completions/s where 1 round made
+    2.5-2.8 (tests/test_sharing_bench.py)."""
 
     def __init__(self, remote):
         self.remote = remote
         self.limit = share_wait()
-        self.started = time.monotonic()
+        self.started = self.round_started = time.monotonic()
         self.lost = 0
         self.why = None
 
@@ -1076,18 +1114,24 @@ class Contention:
         return time.monotonic() - self.started
 
     def lose(self, why=None):
-        """After a lost push: wait before the next try, or give up (exit 1, try again)."""
+        """After a lost push: how long to wait before the next try; or give up (exit 1, try
+        again)."""
         self.lost += 1
         self.why = why or self.why
-        delay = 0.0 if self.lost == 1 else uniform() * min(
-            BACKOFF_CAP, BACKOFF_BASE * 2 ** (self.lost - 2))
+        now = time.monotonic()
+        span = max(BACKOFF_BASE, now - self.round_started)
+        delay = uniform() * min(BACKOFF_CAP, span * BACKOFF_ROUNDS * 2 ** (self.lost - 1))
         if self.elapsed() + delay > self.limit:
             raise refused(f"gave up publishing to {self.remote} after {self.elapsed():.1f} s: "
                           f"{self.lost} pushes lost to other writers"
                           + (f" (last: {one_line(self.why)[:200]})" if self.why else "")
                           + "; the events are kept here — try again (`sync` publishes them; "
                           "FABLIZE_SHARE_WAIT sets how long to wait).", "push_contended")
-        time.sleep(delay)
+        return delay
+
+    def again(self):
+        """A new round starts (after the wait)."""
+        self.round_started = time.monotonic()
 
     def say_wait(self, store):
         if self.elapsed() > LONG_WAIT:
@@ -1139,9 +1183,10 @@ def push(store, remote, updates):
 
 def sync_shared(session, cfg, fetch_first=True):
     """Publish what is unpublished: push it on the commit the remote is known to hold; a push
-    that loses fetches and integrates the winner's events (rebasing the local ones) and tries
-    again, within the command's wait (Contention). A replacement of the plan (create --force)
-    is published first. Returns the local events set aside."""
+    that loses fetches the winner's events, works out the rebase of the local ones on them in
+    memory, and pushes that, within the command's wait (Contention). The rebase is written here
+    once its push is decided. A replacement of the plan (create --force) is published first.
+    Returns the local events set aside."""
     store = session.store
     rejected = []
     if session.plan is not None and session.plan["plan_id"] != cfg["plan_id"]:
@@ -1150,37 +1195,80 @@ def sync_shared(session, cfg, fetch_first=True):
     wait = contention(session, cfg["remote"])
     fetch = fetch_first
     while True:
+        rebase = None
         if fetch:
-            taken, ready = refresh(session, cfg)
+            rebase, taken, ready = refresh(session, cfg)
             rejected += taken
             if not ready:
-                wait.lose(f"plan {cfg['plan_id']} was replaced on {cfg['remote']} by a plan it "
-                          "does not hold yet")
+                pause(session, cfg, wait.lose(f"plan {cfg['plan_id']} was replaced on "
+                                              f"{cfg['remote']} by a plan it does not hold yet"))
+                wait.again()
                 continue
-        plan = session.plan
-        if plan is None or plan["ledger"]["seq"] <= cfg["seq"]:
+        sources = None
+        if rebase is not None:
+            lines, parent, sources = rebase.lines, rebase.tip, dict(
+                (final, src) for src, final in rebase.links)
+        elif session.plan is not None and session.plan["ledger"]["seq"] > cfg["seq"]:
+            lines, parent = unpublished_lines(session, cfg["seq"]), cfg["commit"]
+        else:
+            lines = []
+        if not lines:  # nothing to publish: every local event is on the remote, or set aside
+            if rebase is not None:
+                rejected += rebase.apply(session, cfg)
             wait.say_wait(store)
             return rejected
-        lines = unpublished_lines(session, cfg["seq"])
-        tip = event_commits(store, cfg, lines)
-        if push(store, cfg["remote"], [(tip, SHARED_REFS + cfg["plan_id"], cfg["commit"])]):
-            engine.crash_point("after-push")  # tests: published, but share.json does not know yet
-            cfg.update(seq=plan["ledger"]["seq"], head=plan["ledger"]["head"], commit=tip)
-            save_share_config(store, cfg)
+        tip = event_commits(store, dict(cfg, commit=parent), lines, None, sources)
+        try:
+            won = push(store, cfg["remote"], [(tip, SHARED_REFS + cfg["plan_id"], parent)])
+            if not won:
+                delay = wait.lose()
+        except FablizeError:  # refused, unreachable, or waited out: the remote's events stay
+            if rebase is not None:
+                rejected += rebase.apply(session, cfg)
+            raise
+        if won:
+            engine.crash_point("after-push")  # tests: published, not yet written here
+            if rebase is not None:
+                rejected += rebase.apply(session, cfg, pushed=tip)
+            else:
+                cfg.update(seq=session.plan["ledger"]["seq"], head=session.plan["ledger"]["head"],
+                           commit=tip)
+                save_share_config(store, cfg)
             wait.say_wait(store)
             return rejected
         fetch = True
-        wait.lose()
+        pause(session, cfg, delay)
+        wait.again()
+
+
+def pause(session, cfg, seconds):
+    """Wait out other writers without holding the state lock (its holder would otherwise keep
+    the other agents of this clone waiting up to FABLIZE_SHARE_WAIT, past their lock timeout):
+    one of them may meanwhile commit and publish this command's events along with its own. The
+    lock is taken again and the plan and share.json read again; `publish` then finds this
+    command's event where it went (Transaction's lock is replaced by a new one: a Lock's
+    descriptor is not reopened)."""
+    if seconds <= 0:
+        return
+    session.ledger.close()
+    session.lock.__exit__(None, None, None)
+    time.sleep(seconds)
+    session.lock = engine.Lock(session.store.dir, session.store.warnings)
+    session.lock.__enter__()
+    session.share_paused = True
+    session.load()
+    cfg.clear()
+    cfg.update(share_config(session.store))
 
 
 def refresh(session, cfg):
-    """Fetch the plan's ref and integrate what it holds: (the events set aside, whether the
-    plan that replaced this one, if any, was there)."""
+    """Fetch the plan's ref and integrate what it holds: integrate's (rebase, events set aside,
+    whether the plan that replaced this one, if any, was there)."""
     store = session.store
     ref = fetch_plan(store, cfg["remote"], cfg["plan_id"])
     if ref is None:
         if cfg["commit"] is None:
-            return [], True
+            return None, [], True
         raise ref_deleted(cfg, session.plan)
     return integrate(session, cfg, Chain(store, ref, cfg["commit"], cfg["remote"]))
 
@@ -1261,7 +1349,9 @@ def undo_replacement(session, cfg, folder):
     journal.write()
     journal.apply(session, old)
     before = session.plan["ledger"]["seq"]
-    taken, _ = refresh(session, cfg)
+    rebase, taken, _ = refresh(session, cfg)
+    if rebase is not None:
+        taken += rebase.apply(session, cfg)
     if cfg["plan_id"] != old_id:
         raise refused(f"plan {old_id} was replaced on {remote} by {cfg['plan_id']} first (another "
                       f"clone's `create --force`): this clone's replacement {mine} was not "
@@ -1328,18 +1418,43 @@ def publish(session, claim=False, fetch_first=None):
         store.warn(f"not published: {e.message} The events are kept here; the next command "
                    "or `sync` publishes them.")
         return session.plan
-    for r in rejected:
-        ev = r["event"]
-        if own is not None and ev["seq"] >= own["seq"] and ev.get("id") == own.get("id"):
-            if r["code"] == "plan_replaced":
-                raise refused(f"this {ev['event']} was not published: {one_line(r['reason'])} "
-                              f"meanwhile (set aside in {REJECTED}).", "plan_replaced")
-            held = engine.find_story(session.plan, ev["id"]) if ev.get("id") else None
-            who = f" — agent {one_line(held['agent'])} holds it" if held and held["agent"] else ""
-            raise refused(f"{one_line(ev.get('id') or ev['event'])} was taken on {cfg['remote']} "
-                          f"meanwhile{who}; this {ev['event']} was not published "
-                          f"({one_line(r['reason'])}).", "claim_lost")
+    mine = own_set_aside(session, own, rejected)
+    if mine is not None:
+        ev = mine["event"]
+        if mine["code"] == "plan_replaced":
+            raise refused(f"this {ev['event']} was not published: {one_line(mine['reason'])} "
+                          f"meanwhile (set aside in {REJECTED}).", "plan_replaced")
+        held = engine.find_story(session.plan, ev["id"]) if ev.get("id") else None
+        who = f" — agent {one_line(held['agent'])} holds it" if held and held["agent"] else ""
+        raise refused(f"{one_line(ev.get('id') or ev['event'])} was taken on {cfg['remote']} "
+                      f"meanwhile{who}; this {ev['event']} was not published "
+                      f"({one_line(mine['reason'])}).", "claim_lost")
     return session.plan
+
+
+def same_event(a, b):
+    """Whether two events are one, whatever seq a rebase gave it."""
+    return all(a.get(k) == b.get(k) for k in ("event", "id", "agent", "ts"))
+
+
+def own_set_aside(session, own, rejected):
+    """The record of this command's last event if it was set aside: by this sync, or, while
+    this command waited without the lock (pause), by another command's sync."""
+    if own is None:
+        return None
+    for r in rejected:
+        if same_event(r["event"], own):
+            return r
+    if not getattr(session, "share_paused", False):
+        return None
+    data = engine.read_state_file(session.store.path(LEDGER)) or b""
+    needle = b'"ts":"' + str(own.get("ts")).encode() + b'"'
+    if any(same_event(parse_event(line) or {}, own) for line in data.split(b"\n")
+           if needle in line):
+        return None  # still here (published, or waiting for the next command)
+    return next((r for r in read_pending(session.store) if same_event(r["event"], own)),
+                {"event": own, "code": "claim_lost",
+                 "reason": "another command of this clone set it aside"})
 
 
 def pull(session):
@@ -1360,6 +1475,8 @@ def claim(session, story, agent):
     claim lost to another machine (said, set aside) moves on to another ready story, a bounded
     number of times. A successful claim acknowledges the agent's claims set aside before.
     Returns the story now held."""
+    if getattr(session, "share_busy", False):
+        story = spread(session.plan, story)
     for attempt in range(CLAIM_ATTEMPTS):
         engine.commit_start(session, engine.touch(story), agent)
         try:
@@ -1380,6 +1497,19 @@ def claim(session, story, agent):
         story = ready[int(uniform() * len(ready))]
         session.store.warn(f"{lost.message} Claiming {story['id']} instead.")
     raise lost
+
+
+def spread(plan, story):
+    """The story a claim goes for while other clones claim at the same moment (this command's
+    fetch brought their new events): `next` picks the first ready story, and so do they, all
+    at once; a random one of the first few ready (one more than the stories in progress)
+    avoids that convoy of lost claims. A reopened story (a round behind it) keeps its turn."""
+    if story["status"] == "failed" or story.get("round"):
+        return story
+    fresh = [s for s in engine.ready_stories(plan)
+             if s["status"] == "pending" and not s.get("round")]
+    fresh = fresh[:len(engine.active_stories(plan)) + 1]
+    return fresh[int(uniform() * len(fresh))] if fresh else story
 
 
 def withdraw_claim(session):

@@ -221,12 +221,12 @@ def test_a_claim_lost_between_fetch_and_push_is_never_double_held_and_names_the_
     real = sharing.event_commits
     raced = []
 
-    def b_claims_first(store, cfg, lines):
+    def b_claims_first(store, cfg, lines, *rest):
         if not raced:  # another machine claims G001 right after a fetched
             raced.append(1)
             r = run_cli("next", "--agent", "y", cwd=b.root, env=cli_env(net))
             assert r.code == 0 and "G001" in r.out, r
-        return real(store, cfg, lines)
+        return real(store, cfg, lines, *rest)
     monkeypatch.setattr(sharing, "event_commits", b_claims_first)
     r = a("next", "--agent", "x")
     if stories == 2:  # nothing else is ready: refused, naming who holds it

@@ -1,6 +1,7 @@
 """What a shared plan costs, measured (not a test: run it).
 
     .venv/bin/python tests/test_sharing_bench.py [--rounds N] [--clones 2,4,8] [--stories N]
+        [--scripts DIR]   (another copy of scripts/ to measure, e.g. an older one)
 
 1. cost: `next --agent a` and `checkpoint` of the story it handed out, in a local plan and in a
    plan shared through a local bare remote, interleaved (next local, next shared, checkpoint
@@ -129,6 +130,7 @@ def agent(lab, clone, name, tally):
     while failures < 20:
         r = lab.fab(clone, "next", "--agent", name, check=False)
         tally["cpu"] += r.cpu
+        tally["claims lost"] += r.err.count("instead.")
         tally["codes"][f"next {r.code}"] = tally["codes"].get(f"next {r.code}", 0) + 1
         if r.code == 1 and "nothing is ready" in r.err:
             return
@@ -137,7 +139,7 @@ def agent(lab, clone, name, tally):
             if r.code == 0:  # the plan is done
                 return
             failures += 1
-            tally["errors"].append(r.err.strip()[-200:])
+            tally["errors"].append(f"next exit {r.code}: {r.err.strip()[-300:]}")
             continue
         args = ["checkpoint", "--id", m.group(1), "--status", "complete", "--evidence", "x",
                 "--agent", name]
@@ -151,7 +153,7 @@ def agent(lab, clone, name, tally):
             failures = 0
         else:
             failures += 1
-            tally["errors"].append(c.err.strip()[-200:])
+            tally["errors"].append(f"checkpoint exit {c.code}: {c.err.strip()[-300:]}")
         if "waited" in r.err or "waited" in c.err:
             tally["waited"] += 1
 
@@ -172,8 +174,8 @@ def throughput(lab, clones, stories):
             paths.append(os.path.join(where, f"clone{i}"))
             lab.git("clone", "-q", remote, paths[-1])
             lab.fab(paths[-1], "sync")
-        tallies = [{"cpu": 0.0, "completions": 0, "codes": {}, "errors": [], "waited": 0}
-                   for _ in range(2 * c)]
+        tallies = [{"cpu": 0.0, "completions": 0, "codes": {}, "errors": [], "waited": 0,
+                    "claims lost": 0} for _ in range(2 * c)]
         threads = [threading.Thread(target=agent, args=(lab, paths[k // 2], f"c{k // 2}a{k % 2}",
                                                         tallies[k])) for k in range(2 * c)]
         start = time.monotonic()
@@ -197,9 +199,10 @@ def throughput(lab, clones, stories):
               f"{per_s:.2f}/s (×{per_s / base:.2f} the {clones[0]}-clone figure), "
               f"{cpu / max(done, 1) * 1e3:.0f} ms CPU a completion; plan {status['done']}/"
               f"{status['total']} done; exits {json.dumps(codes, sort_keys=True)}; "
-              f"{sum(t['waited'] for t in tallies)} said they waited")
-        for e in errors[:3]:
-            print(f"      e.g. {e}")
+              f"{sum(t['waited'] for t in tallies)} said they waited, "
+              f"{sum(t['claims lost'] for t in tallies)} claims lost and made again")
+        for e in sorted(set(e for e in errors if " exit 3: " in e))[:5]:
+            print(f"      {e}")
 
 
 def main():
@@ -209,7 +212,10 @@ def main():
     p.add_argument("--stories", type=int, default=100, help="throughput plan size (default 100)")
     p.add_argument("--no-cost", action="store_true", help="skip the cost part")
     p.add_argument("--no-throughput", action="store_true", help="skip the throughput part")
+    p.add_argument("--scripts", help="the engine's folder to measure (default: this tree's)")
     a = p.parse_args()
+    if a.scripts:
+        LAUNCH[-1] = os.path.join(os.path.abspath(a.scripts), "fablize.py")
     root = tempfile.mkdtemp(prefix="fablize-share-bench-")
     try:
         lab = Lab(root)
