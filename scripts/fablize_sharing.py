@@ -67,7 +67,7 @@ BACKOFF_ROUNDS = 4       # the first wait is up to this many rounds (a round: on
 BACKOFF_CAP = 2.0        # seconds: the most a lost push waits
 CLAIM_ATTEMPTS = 20      # claims lost in a row before `next` gives up (each within the wait)
 REF_LOCK_STALE = 2.0     # seconds: git holds a ref lock for milliseconds; older ones are litter
-CHAIN_BATCH = 16         # commits read back per git cat-file (more when that falls short)
+CHAIN_BATCH = 16         # commits read back by name (rev~N) before git rev-list lists them
 MAX_SAID = 5             # unacknowledged events said one by one, the rest counted
 # a fetch of one ref is not the moment for the repository's upkeep (~1.8 ms a fetch): the
 # user's own git commands still run it
@@ -107,16 +107,50 @@ def remote_failure(remote, err, what):
     return unreachable(remote, said[-1] if said else what)
 
 
+def git_dirs(store):
+    """(git dir, common dir) of the repository holding the state directory, found as git finds
+    them from there (.git, a folder or a worktree's file, and its commondir), or None when a
+    GIT_DIR-style variable decides instead."""
+    if any(name in os.environ for name in GIT_LOCATION):
+        return None
+    top = engine.repo_root(store.root)
+    if top is None:
+        return None
+    gitdir = os.path.join(top, ".git")
+    if not os.path.isdir(gitdir):
+        raw = engine.read_state_file(gitdir) or b""
+        if not raw.startswith(b"gitdir: "):
+            return None
+        gitdir = os.path.join(top, raw[8:].strip().decode("utf-8", "replace"))
+    common = gitdir
+    if os.path.isfile(os.path.join(gitdir, "commondir")):
+        raw = engine.read_state_file(os.path.join(gitdir, "commondir")) or b""
+        common = os.path.join(gitdir, raw.strip().decode("utf-8", "replace"))
+    return os.path.realpath(gitdir), os.path.realpath(common)
+
+
+def own_ref_lock(store, err):
+    """The path of a ref lock under refs/fablize/ of this clone's own repository that git
+    reported it could not take, or None (a lock of the remote's is never this clone's)."""
+    found = re.search(STALE_LOCK, err)
+    dirs = git_dirs(store) if found else None
+    if dirs is None:
+        return None
+    path = os.path.realpath(found.group(1))
+    if not any(path.startswith(os.path.join(d, "refs", "fablize") + os.sep) for d in dirs):
+        return None
+    return path
+
+
 def git_call(store, *args, data=None):
-    """(exit code, stdout, stderr) of git in the plan's repository. A ref lock under
-    refs/fablize/ left by a git process that was killed (it outlived REF_LOCK_STALE; git holds
-    one for milliseconds, and this command holds the state lock) is removed, said, and the call
-    made again: a kill must never leave a clone that fails at every command."""
+    """(exit code, stdout, stderr) of git in the plan's repository. A ref lock under this
+    clone's refs/fablize/ left by a git process that was killed (it outlived REF_LOCK_STALE: git
+    holds one for milliseconds, and this command holds the state lock) is removed, said, and
+    the call made again: a kill must never leave a clone that fails at every command."""
     for attempt in range(8):
         code, out, err = engine.git(store.root, *args, data=data, what="a shared plan")
-        found = re.search(STALE_LOCK, err) if code else None
-        path = found.group(1) if found else None
-        if path is None or "/refs/fablize/" not in path.replace(os.sep, "/"):
+        path = own_ref_lock(store, err) if code else None
+        if path is None:
             return code, out, err
         try:
             age = time.time() - os.lstat(path).st_mtime
@@ -379,7 +413,7 @@ def event_files(store, ev, line, where=None, sources=None):
 
 
 def stranded_log(store, ev):
-    """A run's log that fablize before 2.x left as runs/.rebase-<seq>-* when a sync was killed
+    """A run's log that fablize 3.0.0 left as runs/.rebase-<seq>-* when a sync was killed
     mid-rebase: put back under its name when its digest matches, so it is published with its
     event."""
     runs = store.path(RUNS)
@@ -465,25 +499,14 @@ class Objects:
     def of(cls, store, commit):
         if commit is None or len(commit) not in (40, 64):
             return None
-        if any(name in os.environ for name in GIT_LOCATION):
+        dirs = git_dirs(store)
+        if dirs is None:
             return None
-        top = engine.repo_root(store.root)
-        if top is None:
-            return None
-        gitdir = os.path.join(top, ".git")
-        if not os.path.isdir(gitdir):
-            raw = engine.read_state_file(gitdir) or b""
-            if not raw.startswith(b"gitdir: "):
-                return None
-            gitdir = os.path.join(top, raw[8:].strip().decode("utf-8", "replace"))
-        common = gitdir
-        if os.path.isfile(os.path.join(gitdir, "commondir")):
-            raw = engine.read_state_file(os.path.join(gitdir, "commondir")) or b""
-            common = os.path.join(gitdir, raw.strip().decode("utf-8", "replace"))
+        common = dirs[1]
         config = (engine.read_state_file(os.path.join(common, "config")) or b"").lower()
         if b"sharedrepository" in config or b"compatobjectformat" in config:
             return None
-        if (len(commit) == 64) != (b"sha256" in config):
+        if (len(commit) == 64) != bool(re.search(rb"objectformat\s*=\s*sha256", config)):
             return None
         objects = os.path.join(common, "objects")
         if not os.path.isdir(os.path.join(objects, "pack")):
@@ -570,33 +593,45 @@ class Chain:
 
     def read(self, store, ref, base):
         """[(commit, line or None, replaced.json or None, log or None)] from the tip down to
-        just above `base`: one git cat-file asks for rev~0, rev~1, … (CHAIN_BATCH of them, then
-        four times as many from where that ended) with each one's files. A chain that ends
-        before reaching `base` is history rewritten."""
-        found, anchor, depth = [], ref, CHAIN_BATCH
+        just above `base`. The first CHAIN_BATCH commits are asked for as ref~0, ref~1, … with
+        their files in one git cat-file (a sync usually brings a few events: one process);
+        beyond them git rev-list names the rest, read the same way. A chain that ends before
+        reaching `base` is history rewritten."""
+        found = []
+        revs = [f"{ref}~{i}" for i in range(CHAIN_BATCH)]
         while True:
-            names = []
-            for i in range(depth):
-                rev = f"{anchor}~{i}"
-                names += [rev, f"{rev}:event.jsonl", f"{rev}:{REPLACED}", f"{rev}:log"]
-            got = cat_objects(store, names)
-            for i in range(depth):
-                commit, line, replaced, log = got[4 * i:4 * i + 4]
-                if commit is None or commit[0] == base:
-                    if commit is None and base is not None:
-                        raise self.rewritten()  # the ref went back, or elsewhere
-                    return found
-                sha, body = commit
-                parents, _ = parse_commit(body)
-                if len(parents) > 1:
-                    raise self.foreign(sha)
-                found.append((sha, self.line_of(sha, line), replaced and replaced[1],
-                              log and log[1]))
-                if not parents:
-                    if base is not None:
-                        raise self.rewritten()
-                    return found
-            anchor, depth = parents[0], depth * 4
+            anchor = self.walk(store, revs, base, found)
+            if anchor is None:
+                return found
+            revs = git_out(store, "rev-list", "--first-parent", anchor,
+                           *([f"^{base}"] if base else [])).decode().split()
+
+    def walk(self, store, revs, base, found):
+        """Read the commits `revs` (each the parent of the one before) into `found`; returns
+        the parent to go on from, or None once `base` or the first commit is reached."""
+        got = cat_objects(store, [name for rev in revs for name in (
+            rev, f"{rev}:event.jsonl", f"{rev}:{REPLACED}", f"{rev}:log")])
+        parent = None
+        for i in range(len(revs)):
+            commit, line, replaced, log = got[4 * i:4 * i + 4]
+            if commit is None or commit[0] == base:
+                if commit is None and base is not None:
+                    raise self.rewritten()  # the ref went back, or elsewhere
+                return None
+            sha, body = commit
+            parents, _ = parse_commit(body)
+            if len(parents) > 1:
+                raise self.foreign(sha)
+            found.append((sha, self.line_of(sha, line), replaced and replaced[1],
+                          log and log[1]))
+            if not parents:
+                if base is not None:
+                    raise self.rewritten()
+                return None
+            parent = parents[0]
+            if parent == base:
+                return None
+        return parent
 
     def line_of(self, sha, blob):
         if blob is None:
@@ -1190,8 +1225,7 @@ def sync_shared(session, cfg, fetch_first=True):
     store = session.store
     rejected = []
     if session.plan is not None and session.plan["plan_id"] != cfg["plan_id"]:
-        if publish_replacement(session, cfg):
-            return rejected
+        publish_replacement(session, cfg)
     wait = contention(session, cfg["remote"])
     fetch = fetch_first
     while True:
@@ -1284,40 +1318,33 @@ def ref_deleted(cfg, plan):
 def publish_replacement(session, cfg):
     """`create --force` on a shared plan, published: the old plan's chain gets the local events
     it lacks and ends with a commit naming the new plan, pushed where this clone last saw the
-    old plan (the compare-and-swap: of two racing replacements one wins), then the new plan's
-    chain. Returns True once both are on the remote. When the old plan moved on the remote or
-    was replaced there first, the replacement is undone here — the new plan archived, the old
-    one current again with the remote's events (or the plan that won followed) — and refused."""
+    old plan (the compare-and-swap: of two racing replacements one wins). share.json then names
+    the new plan, which the caller publishes as any plan (a killed command's push of it is
+    found there and taken as done). When the old plan moved on the remote or was replaced there
+    first, the replacement is undone here — the new plan archived, the old one current again
+    with the remote's events (or the plan that won followed) — and refused."""
     store, plan, remote, old_id = session.store, session.plan, cfg["remote"], cfg["plan_id"]
-    new_cfg = new_config(remote, plan["plan_id"])
-    if cfg["commit"] is None:  # the old plan never reached the remote: nothing to end
-        cfg.clear()
-        cfg.update(new_cfg)
-        save_share_config(store, cfg)
-        return False
-    replaced = plan.get("replaces") or {}
-    folder = replaced.get("path") if replaced.get("plan_id") == old_id else None
-    old_lines = []
-    if folder and re.fullmatch(ARCHIVE + r"/[\w.-]+", folder):
-        data = engine.read_state_file(store.path(os.path.join(folder, LEDGER))) or b""
-        old_lines = [x for x in data.split(b"\n") if x and parse_event(x)
-                     and parse_event(x)["seq"] > cfg["seq"]]
-    old_tip = write_commits(
-        store, cfg["commit"],
-        [event_commit(store, old_id, line, store.path(folder)) for line in old_lines]
-        + [end_commit(old_id, plan, commit_time(plan["created"]))], old_id)
-    if not push(store, remote, [(old_tip, SHARED_REFS + old_id, cfg["commit"])]):
-        undo_replacement(session, cfg, folder)
-    engine.crash_point("after-replaced-push")
-    lines = unpublished_lines(session, 0)
-    new_tip = event_commits(store, new_cfg, lines)
-    if not push(store, remote, [(new_tip, SHARED_REFS + plan["plan_id"], None)]):
-        raise refused(f"{remote} already holds a plan {plan['plan_id']} — this should not happen "
-                      "(plan ids are random); run `sync` to see it.", "plan_replaced")
+    if cfg["commit"] is not None:  # else the old plan never reached the remote: nothing to end
+        replaced = plan.get("replaces") or {}
+        folder = replaced.get("path") if replaced.get("plan_id") == old_id else None
+        where = None
+        if folder and re.fullmatch(ARCHIVE + r"/[\w.-]+", folder):
+            where = store.path(folder)
+        old_lines = []
+        if where is not None:
+            data = engine.read_state_file(os.path.join(where, LEDGER)) or b""
+            old_lines = [x for x in data.split(b"\n") if (parse_event(x) or {}).get("seq", 0)
+                         > cfg["seq"]]
+        old_tip = write_commits(
+            store, cfg["commit"],
+            [event_commit(store, old_id, line, where) for line in old_lines]
+            + [end_commit(old_id, plan, commit_time(plan["created"]))], old_id)
+        if not push(store, remote, [(old_tip, SHARED_REFS + old_id, cfg["commit"])]):
+            undo_replacement(session, cfg, folder)
+        engine.crash_point("after-replaced-push")
     cfg.clear()
-    cfg.update(new_cfg, seq=plan["ledger"]["seq"], head=plan["ledger"]["head"], commit=new_tip)
+    cfg.update(new_config(remote, plan["plan_id"]))
     save_share_config(store, cfg)
-    return True
 
 
 def undo_replacement(session, cfg, folder):
@@ -1358,7 +1385,7 @@ def undo_replacement(session, cfg, folder):
                       f"published — it is kept in {journal.archive}/ — and this clone follows "
                       f"{cfg['plan_id']} now.", "plan_replaced")
     raise refused(f"plan {old_id} moved on {remote} since this clone last synced "
-                  f"({session.plan['ledger']['seq'] - before + len(taken)} new events): the "
+                  f"({session.plan['ledger']['seq'] - before + len(taken)} new event(s)): the "
                   f"replacement {mine} was not published — it is kept in {journal.archive}/ and "
                   f"{old_id} is current here again, with those events; look at them (`status`), "
                   "then run `create --force` again.", "plan_replaced")

@@ -325,6 +325,105 @@ def test_a_plan_ref_wound_back_on_the_remote_is_history_rewritten_never_in_sync(
     audit_ok(fresh, "--remote", "origin")
 
 
+def test_a_replacement_killed_between_its_two_pushes_is_waited_for_and_finished(
+        net, monkeypatch):
+    a, b = net.clone("a"), net.clone("b")
+    old = create(a, 2)
+    assert b("sync").code == 0
+    r = kill_at(net, a, "after-replaced-push", "create", "--force", "--brief", "second",
+                "--goal", "n::o")
+    assert r.code == CRASH, r
+    monkeypatch.setenv("FABLIZE_SHARE_WAIT", "0")
+    r = b("sync", "--json")  # the old plan ends, naming a plan the remote does not hold yet
+    assert r.code == 1 and r.json["error"]["code"] == "push_contended", r
+    assert "does not hold yet" in r.json["error"]["message"] and "try again" in \
+        r.json["error"]["message"]
+    assert b("status", "--json").json["plan_id"] == old  # nothing changed here
+    r = a("status")
+    assert "not published yet" in r.out, r
+    assert a("sync").code == 0  # the command after the kill finishes the replacement
+    monkeypatch.delenv("FABLIZE_SHARE_WAIT")
+    r = b("sync")
+    assert r.code == 0 and "was replaced on origin" in r.err, r
+    assert ledger_lines(a) == ledger_lines(b)
+    assert len(plan_refs(net)) == 2
+
+
+@pytest.mark.parametrize("point", ["after-snapshot-replace", "sync-journal-written",
+                                   "sync-archived", "sync-ledger-swapped", "sync-logs-placed"])
+def test_following_a_replaced_plan_killed_at_any_step_is_finished_by_the_next_command(
+        net, point):
+    a, b = net.clone("a"), net.clone("b")
+    old = create(a, 2)
+    assert a("next").code == 0
+    assert a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
+             "--run", "--verify-cmd", "echo old-plan").code == 0
+    assert b("sync").code == 0
+    assert a("create", "--force", "--brief", "second", "--goal", "n::o", "--goal",
+             "p::q").code == 0
+    new = a("status", "--json").json["plan_id"]
+    assert a("next").code == 0
+    assert a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
+             "--run", "--verify-cmd", "echo new-plan").code == 0
+    r = kill_at(net, b, point, "sync")
+    assert r.code == CRASH, (point, r)
+    r = b("status", "--json")
+    assert r.code == 0 and r.json["plan_id"] == new, r
+    assert b("sync").code == 0 and ledger_lines(b) == ledger_lines(a)
+    archived = b.dir / "archive" / old
+    assert [x + b"\n" for x in (archived / "ledger.jsonl").read_bytes().splitlines()] == \
+        net.remote_lines(old)
+    assert (archived / "runs" / "3-G001.log").read_text() == "old-plan\n"
+    assert (b.dir / "runs" / "3-G001.log").read_text() == "new-plan\n"
+    assert audit_ok(b, "--require-logs")["missing_logs"] == 0
+    assert litter(b.dir) == []
+
+
+@pytest.mark.parametrize("point", ["sync-journal-written", "sync-archived",
+                                   "sync-ledger-swapped"])
+def test_undoing_a_lost_replacement_killed_at_any_step_is_finished_by_the_next_command(
+        net, point):
+    a, b = net.clone("a"), net.clone("b")
+    old = create(a, 3, "--parallel")
+    assert a("next", "--agent", "x").code == 0
+    assert a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
+             "--agent", "x", "--run", "--verify-cmd", "echo kept").code == 0
+    assert b("sync").code == 0
+    assert b("next", "--agent", "y").code == 0  # a has not seen it: a's replacement loses
+    r = kill_at(net, a, point, "create", "--force", "--brief", "second", "--goal", "n::o")
+    assert r.code == CRASH, (point, r)
+    assert a("status").code == 0
+    assert a("sync").code == 0
+    status = a("status", "--json").json
+    assert status["plan_id"] == old and ledger_lines(a) == ledger_lines(b)
+    assert (a.dir / "runs" / "3-G001.log").read_text() == "kept\n"
+    assert not (a.dir / "archive" / old).exists()  # current again, not archived twice
+    assert audit_ok(a, "--require-logs")["missing_logs"] == 0
+    assert plan_refs(net) == [f"refs/fablize/plans/{old}"] and litter(a.dir) == []
+
+
+def test_commits_written_as_loose_objects_and_by_fast_import_are_the_same_and_sound(
+        net, monkeypatch):
+    a = net.clone("a")
+    plan_id = create(a, 2)
+    assert a("next").code == 0
+    assert a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
+             "--run", "--verify-cmd", "echo both").code == 0
+    sharing = goals.room("sharing")
+    store = goals.Store(str(a.dir), True)
+    cfg = sharing.share_config(store)
+    lines = ledger_lines(a)
+    first = git(net.remote, "rev-parse", f"refs/fablize/plans/{plan_id}~{len(lines) - 1}").strip()
+    base = dict(cfg, commit=first)
+    loose = sharing.event_commits(store, base, lines[1:])
+    monkeypatch.setattr(sharing.Objects, "of", classmethod(lambda cls, store, commit: None))
+    imported = sharing.event_commits(store, base, lines[1:])
+    on_remote = git(net.remote, "rev-parse", f"refs/fablize/plans/{plan_id}").strip()
+    assert loose == imported == on_remote
+    assert subprocess.run(["git", "-C", str(a.root), "fsck", "--no-dangling"],
+                          capture_output=True).returncode == 0
+
+
 # 4. Contention is waiting; other refusals are said at once ###################################
 
 
