@@ -69,9 +69,10 @@ CLAIM_ATTEMPTS = 20      # claims lost in a row before `next` gives up (each wit
 REF_LOCK_STALE = 2.0     # seconds: git holds a ref lock for milliseconds; older ones are litter
 CHAIN_BATCH = 16         # commits read back by name (rev~N) before git rev-list lists them
 MAX_SAID = 5             # unacknowledged events said one by one, the rest counted
-# a fetch of one ref is not the moment for the repository's upkeep (~1.8 ms a fetch): the
-# user's own git commands still run it
-QUIET = ("-c", "maintenance.auto=false", "-c", "gc.auto=0")
+# a fetch of one ref is not the moment for the repository's upkeep (~1.8 ms a fetch: the
+# user's own git commands still run it), nor for telling forced updates (a +refspec of ours)
+QUIET = ("-c", "maintenance.auto=false", "-c", "gc.auto=0",
+         "-c", "fetch.showForcedUpdates=false")
 # what git says when another writer won: the ref is not where this push expected it
 LOST_RACE = ("fetch first", "non-fast-forward", "stale info", "already exists")
 # ... and when the remote was updating the ref at that moment (its ref lock)
@@ -536,7 +537,12 @@ class Objects:
             engine.write_all(fd, zlib.compress(raw, 1))
         finally:
             os.close(fd)
-        os.replace(tmp, path)  # the same name always holds the same bytes
+        try:
+            os.replace(tmp, path)  # the same name always holds the same bytes
+        except OSError:
+            os.unlink(tmp)
+            if not os.path.lexists(path):  # not another writer of the same object
+                raise
         return oid
 
     def commit(self, parent, message, files, when):
@@ -855,6 +861,7 @@ class Journal:
                 say_set_aside(store, self.rejected)
         engine.crash_point("sync-set-aside")
         save_share_config(store, self.share)
+        session.share_unsaved = False
         engine.crash_point("sync-share-saved")
         if self.restored and os.path.lexists(store.path(self.restored)):
             remove_tree(store.path(self.restored))
@@ -879,10 +886,11 @@ def remove_tree(path):
     shutil.rmtree(path)
 
 
-def plan_logs(store):
-    """The run logs in runs/ (not the hidden temp logs of runs under way)."""
+def plan_logs(store, folder=""):
+    """The run logs in `folder`/runs/ (the state directory's by default), not the hidden temp
+    logs of runs under way."""
     try:
-        names = os.listdir(store.path(RUNS))
+        names = os.listdir(store.path(os.path.join(folder, RUNS)))
     except FileNotFoundError:
         return []
     return sorted(f"{RUNS}/{n}" for n in names if not n.startswith(".") and n.endswith(".log"))
@@ -925,6 +933,8 @@ def integrate(session, cfg, chain):
     the events set aside, whether the replacing plan was on the remote: False means try
     again)."""
     replaced = chain.replaced
+    if chain.events:
+        session.share_busy = True  # other clones are at work right now (claim: spread)
     rebase = take_events(session, cfg, chain, replaced and replaced["plan_id"])
     if replaced is None:
         return rebase, [], True
@@ -964,11 +974,19 @@ def take_events(session, cfg, chain, replaced_by=None):
         session.ledger.append(b"\n".join(lines), session.ledger.open(create=True))
         session.save_snapshot(plan)
         session.plan = plan
-        session.share_busy = True  # other clones are at work right now (claim: spread)
     if chain.last != cfg["commit"]:
+        # written with the push that usually follows (keep_position): a share.json behind the
+        # ledger is always safe, it only makes the next sync read those events again
         cfg.update(seq=seq, head=head, commit=chain.last)
-        save_share_config(store, cfg)
+        session.share_unsaved = True
     return None
+
+
+def keep_position(session, cfg):
+    """share.json written, if take_events moved it on in memory only."""
+    if getattr(session, "share_unsaved", False):
+        save_share_config(session.store, cfg)
+        session.share_unsaved = False
 
 
 class Rebase:
@@ -1249,6 +1267,7 @@ def sync_shared(session, cfg, fetch_first=True):
         if not lines:  # nothing to publish: every local event is on the remote, or set aside
             if rebase is not None:
                 rejected += rebase.apply(session, cfg)
+            keep_position(session, cfg)
             wait.say_wait(store)
             return rejected
         tip = event_commits(store, dict(cfg, commit=parent), lines, None, sources)
@@ -1259,6 +1278,7 @@ def sync_shared(session, cfg, fetch_first=True):
         except FablizeError:  # refused, unreachable, or waited out: the remote's events stay
             if rebase is not None:
                 rejected += rebase.apply(session, cfg)
+            keep_position(session, cfg)
             raise
         if won:
             engine.crash_point("after-push")  # tests: published, not yet written here
@@ -1268,6 +1288,7 @@ def sync_shared(session, cfg, fetch_first=True):
                 cfg.update(seq=session.plan["ledger"]["seq"], head=session.plan["ledger"]["head"],
                            commit=tip)
                 save_share_config(store, cfg)
+            session.share_unsaved = False
             wait.say_wait(store)
             return rejected
         fetch = True
@@ -1284,6 +1305,7 @@ def pause(session, cfg, seconds):
     descriptor is not reopened)."""
     if seconds <= 0:
         return
+    keep_position(session, cfg)
     session.ledger.close()
     session.lock.__exit__(None, None, None)
     time.sleep(seconds)
@@ -1363,7 +1385,7 @@ def undo_replacement(session, cfg, folder):
     journal.archive = os.path.relpath(engine.free_name(store.path(os.path.join(ARCHIVE, mine))),
                                       store.dir)
     kept = []
-    for name in plan_logs_in(store, folder) + [LEDGER + ".broken"]:
+    for name in plan_logs(store, folder) + [LEDGER + ".broken"]:
         src = store.path(os.path.join(folder, name))
         if os.path.lexists(src):
             journal.stage_link(src, name)
@@ -1379,6 +1401,7 @@ def undo_replacement(session, cfg, folder):
     rebase, taken, _ = refresh(session, cfg)
     if rebase is not None:
         taken += rebase.apply(session, cfg)
+    keep_position(session, cfg)
     if cfg["plan_id"] != old_id:
         raise refused(f"plan {old_id} was replaced on {remote} by {cfg['plan_id']} first (another "
                       f"clone's `create --force`): this clone's replacement {mine} was not "
@@ -1389,14 +1412,6 @@ def undo_replacement(session, cfg, folder):
                   f"replacement {mine} was not published — it is kept in {journal.archive}/ and "
                   f"{old_id} is current here again, with those events; look at them (`status`), "
                   "then run `create --force` again.", "plan_replaced")
-
-
-def plan_logs_in(store, folder):
-    try:
-        names = os.listdir(store.path(os.path.join(folder, RUNS)))
-    except FileNotFoundError:
-        return []
-    return sorted(f"{RUNS}/{n}" for n in names if not n.startswith(".") and n.endswith(".log"))
 
 
 def others_active(plan, own):
@@ -1529,13 +1544,13 @@ def claim(session, story, agent):
 def spread(plan, story):
     """The story a claim goes for while other clones claim at the same moment (this command's
     fetch brought their new events): `next` picks the first ready story, and so do they, all
-    at once; a random one of the first few ready (one more than the stories in progress)
+    at once; a random one of the first few ready (twice one more than the stories in progress)
     avoids that convoy of lost claims. A reopened story (a round behind it) keeps its turn."""
     if story["status"] == "failed" or story.get("round"):
         return story
     fresh = [s for s in engine.ready_stories(plan)
              if s["status"] == "pending" and not s.get("round")]
-    fresh = fresh[:len(engine.active_stories(plan)) + 1]
+    fresh = fresh[:2 * (len(engine.active_stories(plan)) + 1)]
     return fresh[int(uniform() * len(fresh))] if fresh else story
 
 

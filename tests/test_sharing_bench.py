@@ -130,6 +130,7 @@ def agent(lab, clone, name, tally):
     while failures < 20:
         r = lab.fab(clone, "next", "--agent", name, check=False)
         tally["cpu"] += r.cpu
+        tally["next cpu"] += r.cpu
         tally["claims lost"] += r.err.count("instead.")
         tally["codes"][f"next {r.code}"] = tally["codes"].get(f"next {r.code}", 0) + 1
         if r.code == 1 and "nothing is ready" in r.err:
@@ -147,6 +148,7 @@ def agent(lab, clone, name, tally):
             args += ["--verify-cmd", "true", "--verify-evidence", "ok"]
         c = lab.fab(clone, *args, check=False)
         tally["cpu"] += c.cpu
+        tally["checkpoint cpu"] += c.cpu
         tally["codes"][f"checkpoint {c.code}"] = tally["codes"].get(f"checkpoint {c.code}", 0) + 1
         if c.code == 0:
             tally["completions"] += 1
@@ -175,7 +177,7 @@ def throughput(lab, clones, stories):
             lab.git("clone", "-q", remote, paths[-1])
             lab.fab(paths[-1], "sync")
         tallies = [{"cpu": 0.0, "completions": 0, "codes": {}, "errors": [], "waited": 0,
-                    "claims lost": 0} for _ in range(2 * c)]
+                    "claims lost": 0, "next cpu": 0.0, "checkpoint cpu": 0.0} for _ in range(2 * c)]
         threads = [threading.Thread(target=agent, args=(lab, paths[k // 2], f"c{k // 2}a{k % 2}",
                                                         tallies[k])) for k in range(2 * c)]
         start = time.monotonic()
@@ -201,6 +203,10 @@ def throughput(lab, clones, stories):
               f"{status['total']} done; exits {json.dumps(codes, sort_keys=True)}; "
               f"{sum(t['waited'] for t in tallies)} said they waited, "
               f"{sum(t['claims lost'] for t in tallies)} claims lost and made again")
+        per = {cmd: sum(t[f"{cmd} cpu"] for t in tallies) * 1e3 / max(1, sum(
+            n for k, n in codes.items() if k.startswith(cmd))) for cmd in ("next", "checkpoint")}
+        print(f"      CPU a command: next {per['next']:.0f} ms, "
+              f"checkpoint {per['checkpoint']:.0f} ms")
         for e in sorted(set(e for e in errors if " exit 3: " in e))[:5]:
             print(f"      {e}")
 

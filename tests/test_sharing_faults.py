@@ -46,13 +46,13 @@ def litter(state_dir):
 
 # 1. A sync killed at every step loses and hides nothing ######################################
 
-# every crash point a `sync` that rebases passes, in order: the journal's write (the engine's
-# write_atomic points), the journal written, the ledger swap (the engine's), each of the
-# journal's steps, then the push
-SYNC_CRASH_POINTS = ["after-snapshot-temp", "before-snapshot-replace", "after-snapshot-replace",
-                     "sync-journal-written", "before-ledger-write", "after-ledger-write",
-                     "after-ledger-fsync", "sync-ledger-swapped", "sync-logs-placed",
-                     "sync-set-aside", "sync-share-saved", "after-push"]
+# every crash point a `sync` that rebases passes, in order: the push of the rebase (worked out
+# in memory), then its journal's write (the engine's write_atomic points), the journal written,
+# the ledger swap (the engine's), and each of the journal's steps
+SYNC_CRASH_POINTS = ["after-push", "after-snapshot-temp", "before-snapshot-replace",
+                     "after-snapshot-replace", "sync-journal-written", "before-ledger-write",
+                     "after-ledger-write", "after-ledger-fsync", "sync-ledger-swapped",
+                     "sync-logs-placed", "sync-set-aside", "sync-share-saved"]
 
 
 def offline_work_against_a_colliding_remote(net):
