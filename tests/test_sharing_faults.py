@@ -131,6 +131,28 @@ def test_a_sync_killed_inside_the_ledger_swap_without_a_snapshot_is_finished(net
     assert_nothing_lost(net, a, b, plan_id, r.err)
 
 
+@pytest.mark.parametrize("point", ["after-snapshot-temp", "before-snapshot-replace",
+                                   "before-ledger-write", "after-ledger-write",
+                                   "after-ledger-fsync"])
+def test_a_sync_that_only_pulls_killed_at_any_step_is_finished_by_the_next_command(net, point):
+    """No local event waits: the remote's events and their logs are appended (the run log is
+    written first, by write_atomic, then the ledger line, then the snapshot)."""
+    a, b = net.clone("a"), net.clone("b")
+    plan_id = create(a, 2)
+    assert b("sync").code == 0
+    assert a("next").code == 0
+    assert a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
+             "--run", "--verify-cmd", "echo pulled").code == 0
+    r = kill_at(net, b, point, "sync")
+    assert r.code == CRASH, (point, r)
+    r = b("sync")
+    assert r.code == 0, r
+    assert [x + b"\n" for x in ledger_lines(b)] == net.remote_lines(plan_id)
+    assert (b.dir / "runs" / "3-G001.log").read_text() == "pulled\n"
+    assert not list((b.dir / "runs").glob("*.local*"))  # a log written again is no stranger
+    assert audit_ok(b, "--require-logs")["missing_logs"] == 0
+
+
 def test_a_run_log_an_older_sync_stranded_in_runs_rebase_is_put_back_and_published(net):
     """fablize before this fix moved unpublished logs to runs/.rebase-<seq>-* and a kill left
     them there; the next sync puts such a log back (its digest matches) and publishes it."""
