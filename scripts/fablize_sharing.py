@@ -1308,9 +1308,11 @@ def pause(session, cfg, seconds):
     keep_position(session, cfg)
     session.ledger.close()
     session.lock.__exit__(None, None, None)
+    session.share_unlocked = True  # until the lock is held again: nothing may be written
     time.sleep(seconds)
     session.lock = engine.Lock(session.store.dir, session.store.warnings)
     session.lock.__enter__()
+    session.share_unlocked = False
     session.share_paused = True
     session.load()
     cfg.clear()
@@ -1558,17 +1560,19 @@ def withdraw_claim(session):
     """A claim whose push could not be made (the remote unreachable, a refusal, the wait spent)
     was never acknowledged — `next` fails — so it leaves the local ledger again, as a torn write
     would: a refused `next` changes nothing. (The claim was pushed first, without a fetch;
-    before, the fetch would have failed first.)"""
-    last = session.last
-    cfg = share_config(session.store)
-    if last is None or last["event"] != "story_started" or cfg is None or (
-            cfg["plan_id"] == session.plan["plan_id"] and cfg["seq"] >= last["seq"]):
+    before, the fetch would have failed first.) It is the ledger's last line, found by what it
+    is (a rebase may have moved it), and only while the remote is not known to hold it."""
+    last, cfg = session.last, share_config(session.store)
+    if last is None or last["event"] != "story_started" or cfg is None or getattr(
+            session, "share_unlocked", False):
         return
     data = engine.read_state_file(session.store.path(LEDGER)) or b""
     cut = data.rstrip(b"\n").rfind(b"\n") + 1
     ev = parse_event(data[cut:].rstrip(b"\n"))
-    if ev is None or any(ev.get(k) != last.get(k) for k in ("event", "id", "agent", "ts")):
-        return  # (a rebase after a lost push may have moved the claim to another seq)
+    if ev is None or not same_event(ev, last):
+        return
+    if cfg["plan_id"] == session.plan["plan_id"] and cfg["seq"] >= ev["seq"]:
+        return  # published (by another command of this clone, while this one waited)
     session.swap_ledger(data[:cut], replay(data[:cut]))
 
 

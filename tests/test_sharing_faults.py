@@ -449,6 +449,40 @@ def test_commits_written_as_loose_objects_and_by_fast_import_are_the_same_and_so
 # 4. Contention is waiting; other refusals are said at once ###################################
 
 
+def test_a_command_waiting_out_other_writers_frees_the_lock_for_the_other_agent_of_its_clone(
+        net, monkeypatch):
+    """x's push loses; while x waits, y (the other agent of the same clone) takes the lock at
+    once (a lock timeout of 0 would fail otherwise) and publishes both checkpoints; x then
+    finds its own event published, once."""
+    import time as real_time
+    from test_sharing import others_push_first
+    a, b = net.clone("a"), net.clone("b")
+    plan_id = create(a, 4, "--parallel")
+    assert a("next", "--agent", "x").code == 0 and a("next", "--agent", "y").code == 0
+    assert b("sync").code == 0
+    others_push_first(net, monkeypatch, b, times=1)
+    sibling = []
+
+    class Clock:
+        monotonic, time = staticmethod(real_time.monotonic), staticmethod(real_time.time)
+
+        @staticmethod
+        def sleep(seconds):
+            if not sibling:
+                sibling.append(run_cli("checkpoint", "--id", "G002", "--status", "complete",
+                                       "--evidence", "y did it", "--agent", "y", cwd=a.root,
+                                       env=dict(cli_env(net), FABLIZE_LOCK_TIMEOUT="0")))
+    monkeypatch.setattr(goals.room("sharing"), "time", Clock)
+    r = a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "x did it",
+          "--agent", "x")
+    assert r.code == 0 and "not published" not in r.err, r
+    assert sibling and sibling[0].code == 0, sibling
+    checkpoints = [json.loads(x)["id"] for x in net.remote_lines(plan_id)
+                   if b'"checkpoint"' in x]
+    assert sorted(checkpoints) == ["G001", "G002"]
+    assert [x + b"\n" for x in ledger_lines(a)] == net.remote_lines(plan_id)
+
+
 def test_a_corrupt_remote_is_named_as_damaged_with_its_fix_not_as_unreachable(net):
     a = net.clone("a")
     plan_id = create(a, 2)
