@@ -1363,8 +1363,18 @@ def publish_replacement(session, cfg):
             store, cfg["commit"],
             [event_commit(store, old_id, line, where) for line in old_lines]
             + [end_commit(old_id, plan, commit_time(plan["created"]))], old_id)
-        if not push(store, remote, [(old_tip, SHARED_REFS + old_id, cfg["commit"])]):
-            undo_replacement(session, cfg, folder)
+        wait = contention(session, remote)
+        while not push(store, remote, [(old_tip, SHARED_REFS + old_id, cfg["commit"])]):
+            # lost: unless the remote's ref is still where this clone saw it (the winner of a
+            # race at the remote's ref lock is not done yet, or failed too: try again)
+            ref = fetch_plan(store, remote, old_id)
+            tip = cat_objects(store, [ref])[0] if ref else None
+            if tip is None or tip[0] != cfg["commit"]:
+                undo_replacement(session, cfg, folder)
+            pause(session, cfg, wait.lose(f"the replacement of plan {old_id}"))
+            wait.again()
+            if cfg["plan_id"] != old_id:  # another command of this clone published it meanwhile
+                return
         engine.crash_point("after-replaced-push")
     cfg.clear()
     cfg.update(new_config(remote, plan["plan_id"]))
