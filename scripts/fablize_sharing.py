@@ -349,16 +349,20 @@ def say_set_aside(store, records):
                    f"{ack_command()} once seen.")
 
 
+def pending_line(record):
+    ev = record["event"]
+    also = (f" (or agent {one_line(ev['agent'])}'s next claim)"
+            if ev["event"] == "story_started" and ev.get("agent") else "")
+    return (f"not acknowledged: {said_event(ev)}) was set aside, never published — "
+            f"{one_line(record['reason']).rstrip('.')}; it is kept in {REJECTED}. "
+            f"{ack_command()} once seen{also}.")
+
+
 def say_pending(store):
     """On every later command: the events set aside that nobody acknowledged yet."""
     records = read_pending(store)
     for r in records[:MAX_SAID]:
-        ev = r["event"]
-        also = (f" (or agent {one_line(ev['agent'])}'s next claim)"
-                if ev["event"] == "story_started" and ev.get("agent") else "")
-        store.warn(f"not acknowledged: {said_event(ev)}) was set aside, never published — "
-                   f"{one_line(r['reason'])}; it is kept in {REJECTED}. {ack_command()} once "
-                   f"seen{also}.")
+        store.warn(pending_line(r))
     if len(records) > MAX_SAID:
         store.warn(f"… and {len(records) - MAX_SAID} more events set aside and not acknowledged "
                    f"(all in {REJECTED}); {ack_command()} once seen.")
@@ -1782,6 +1786,8 @@ def cmd_sync(ctx, a):
             + (f", {len(rejected)} set aside in {REJECTED}" if rejected else "") + ".")
     for r in seen:
         ctx.say(f"  acknowledged: {said_event(r['event'])}) — {one_line(r['reason'])}")
+        if pending_line(r) in store.warnings:  # said by attach before: acknowledged now
+            store.warnings.remove(pending_line(r))
     ctx.data.update(share={"remote": cfg["remote"], "ref": SHARED_REFS + cfg["plan_id"],
                            "events": plan["ledger"]["seq"], "pulled": pulled, "published": sent,
                            "rejected": [r["event"] for r in rejected],
