@@ -3820,7 +3820,7 @@ def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None,
             log = ev["log"]
             if not ev["bytes"] and ev["sha256"] == EMPTY_SHA256 and ev["error"]:
                 checked += 1  # a run whose log could not be made: no log to show, none claimed
-            elif logs is not None or log[skip:] in present:
+            elif (log in logs) if logs is not None else (log[skip:] in present):
                 checked += 1
                 content = (logs.get(log) if logs is not None else
                     read_state_file(os.path.join(runs_dir, log[skip:])))
