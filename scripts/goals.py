@@ -3700,8 +3700,23 @@ DECISION_NOTES = (("accept", "<why it is acceptable as it is>"),
 
 
 def decide_commands(prog, sid):
-    return [f"{prog} decide --id {sid} {decision} --note \"{note}\""
+    """What a human may run: in their own terminal, so the plugin's engine by its full path."""
+    return [f"{human_command(prog)} decide --id {sid} {decision} --note \"{note}\""
             for decision, note in DECISION_NOTES]
+
+
+def human_command(prog):
+    """The engine as a person runs it in their own terminal: `prog`, except when it was started
+    through the plugin's bin/fablize, which is on the PATH of Claude Code's Bash tool only —
+    then that file, by its full path."""
+    if prog != "fablize":
+        return prog
+    top = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    launcher = os.path.join(top, "bin", "fablize")
+    if os.path.isfile(os.path.join(top, ".claude-plugin", "plugin.json")) and os.path.isfile(
+            launcher):
+        return quote_arg(launcher)
+    return prog
 
 
 def done_line(plan):
@@ -4594,7 +4609,7 @@ def paused_line(prog, plan):
         return []
     return [f"  ⏸ guard paused since event {paused['seq']}"
             f"{': ' + one_line(paused['note']) if paused['note'] else ''}"
-            f" — `{prog} unpause` turns it back on"]
+            f" — `{human_command(prog)} unpause` turns it back on"]
 
 
 def read_plan_and_share(store, imports=False):
@@ -4938,10 +4953,18 @@ def guard_verdict(ctx, payload, fingerprint):
         return reason, None
 
 
+def steps_aside(a, root, role):
+    """Whether this is the plugin's copy of a hook (`--plugin`) in a project whose committed
+    settings register their own: then the project's runs, and this one answers nothing."""
+    return bool(getattr(a, "plugin", False)) and room("setup", "--plugin").registers(root, role)
+
+
 def cmd_guard(ctx, a):
     raw, payload = read_hook_stdin()
     if payload is None:
         return  # empty or malformed input never blocks
+    if steps_aside(a, hook_store(ctx, payload).root, "guard"):
+        return ctx.emit_raw(None)
     if a.hook_for == "cursor":  # Cursor counts its own follow-ups and says how the turn ended
         if payload.get("status", "completed") != "completed":
             return ctx.emit_raw(None)
@@ -5078,6 +5101,8 @@ def session_start(ctx, a):
     (an exit 3 there is a message the agent never sees). Codex and Gemini CLI take it as JSON
     context. Never coloured: an agent reads it."""
     ctx.out.colour = False
+    if steps_aside(a, ctx.store.root, "status"):
+        return ctx.emit_raw({} if a.hook_for in ("codex", "gemini") else None)
     lines = []
     try:
         plan, share, sharing = (read_plan_and_share(ctx.store, imports=True)
@@ -5141,6 +5166,8 @@ def cmd_observe(ctx, a):
         return
     try:
         store = hook_store(ctx, payload)
+        if steps_aside(a, store.root, "observe"):
+            return
         if not store.exists():
             return
         with store.session() as s:
@@ -5559,6 +5586,9 @@ def add_verdict(command):
 def add_hook_for(c, what):
     c.add_argument("--for", dest="hook_for", choices=HOOK_AGENTS, default="claude",
                    help=f"{what} in this agent's hook protocol (default: claude)")
+    c.add_argument("--plugin", action="store_true",
+                   help="this registration is the fablize-gate plugin's: it does nothing where "
+                        "the project registers its own (each hook runs once)")
 
 
 def add_pause(command):

@@ -116,14 +116,24 @@ def test_the_plugin_archive_validates_installs_and_its_hooks_run(claude, tmp_pat
     assert p.returncode == 0 and "fablize next" in json.loads(p.stdout)["reason"], p
     p = hook("SessionStart", {"cwd": str(project), "source": "startup"})
     assert p.returncode == 0 and p.stdout.startswith("fablize: 0/2 complete — b"), p
-    # setup sees the plugin and adds no second copy of its hooks; doctor counts them once
+    # setup commits the same hooks as without the plugin; the plugin's own copy steps aside
+    # at run time only where the project's can run (here `fablize` is not on PATH: it runs)
     p = subprocess.run([fablize, "setup", "claude"], cwd=str(project), env=env,
                        capture_output=True, text=True)
-    assert p.returncode == 0 and "the fablize-gate plugin provides them" in p.stdout, p
-    assert not (project / ".claude").exists()
+    assert p.returncode == 0 and "its hooks step aside for these" in p.stdout, p
+    with_plugin = (project / ".claude" / "settings.json").read_bytes()
+    bare = tmp_path / "bare"
+    (bare / ".git").mkdir(parents=True)
+    no_plugin = dict(env, HOME=str(tmp_path / "nobody"))
+    no_plugin.pop("CLAUDE_PLUGIN_ROOT")
+    assert subprocess.run([fablize, "setup", "claude"], cwd=str(bare), env=no_plugin,
+                          capture_output=True).returncode == 0
+    assert (bare / ".claude" / "settings.json").read_bytes() == with_plugin
     p = subprocess.run([fablize, "doctor"], cwd=str(project), env=env, capture_output=True,
                        text=True)
     assert "✓ Stop hook: registered once (the fablize-gate plugin)" in p.stdout, p
+    p = hook("Stop", {"cwd": str(project), "stop_hook_active": False})
+    assert p.returncode == 0 and "fablize next" in json.loads(p.stdout)["reason"], p
 
 
 def test_the_skill_folder_holds_only_what_the_skill_needs_and_its_script_runs(tmp_path):

@@ -483,9 +483,9 @@ def hook_commands(event):
 
 def test_hooks_file_registers_the_guard_and_the_session_start_status():
     groups, commands = hook_commands("Stop")
-    assert commands == ['"${CLAUDE_PLUGIN_ROOT}/bin/fablize" guard']  # the plugin's own command
+    assert commands == ['"${CLAUDE_PLUGIN_ROOT}/bin/fablize" guard --plugin']  # the plugin's own
     groups, commands = hook_commands("SessionStart")
-    assert commands == ['"${CLAUDE_PLUGIN_ROOT}/bin/fablize" status --resume']
+    assert commands == ['"${CLAUDE_PLUGIN_ROOT}/bin/fablize" status --resume --plugin']
     for group in groups:  # SessionStart matchers are the documented sources
         assert set(group.get("matcher", "startup").split("|")) <= {
             "startup", "resume", "clear", "compact"}
