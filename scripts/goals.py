@@ -43,6 +43,9 @@ STARTUP_INTERRUPT = globals().get("STARTUP_INTERRUPT", [])
 if __name__ in ("__main__", "fablize_engine"):  # a whole process, never an importer's
     import _signal
     _signal.signal(_signal.SIGINT, lambda signum, frame: STARTUP_INTERRUPT.append(signum))
+    import sys
+    if sys.version_info < (3, 9):  # one line, before anything an older Python cannot run
+        sys.exit("fablize: needs Python 3.9 or newer, this is " + sys.version.split()[0])
 
 import collections
 import errno
@@ -696,9 +699,8 @@ def compact(story):
     default (every default is falsy, so a truthy value always differs)."""
     if len(story) <= len(BASE_FIELDS) + 1:
         return story  # the common shape, in order: its text and its dependencies
-    get = story.get
-    return {k: v for k, d in DEFAULTS.items() if k in story and ((v := get(k)) or v != d
-                                                                  or k in BASE_FIELDS)}
+    return {k: story[k] for k, d in DEFAULTS.items()
+            if k in story and (story[k] or story[k] != d or k in BASE_FIELDS)}
 
 
 def lookup(plan, sid):

@@ -173,3 +173,22 @@ def test_a_terminal_gets_colour_and_no_color_or_a_pipe_gets_none(tmp_path):
     error = on_a_terminal(root, "checkpoint", "--id", "G009", "--status", "complete",
                           "--evidence", "e")
     assert "\x1b[31mfablize: G009 not found." in error
+
+
+# Old Pythons ####################################################################################
+
+
+OLD_PYTHONS = [p for p in (os.path.expanduser(f"~/.pyenv/versions/{v}/bin/python")
+                           for v in ("3.6.15", "3.7.16", "3.8.18")) if os.path.exists(p)]
+
+
+@pytest.mark.skipif(not OLD_PYTHONS, reason="no Python older than 3.9 is installed here")
+@pytest.mark.parametrize("python", OLD_PYTHONS or ["none"])
+@pytest.mark.parametrize("start", ["goals.py", "fablize.py"])
+def test_an_older_python_gets_one_line_naming_the_version_it_needs(tmp_path, python, start):
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", start)
+    r = subprocess.run([python, script, "status"], cwd=str(tmp_path), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 1 and r.stdout == "", r
+    assert r.stderr.startswith("fablize: needs Python 3.9 or newer, this is 3.")
+    assert r.stderr.count("\n") == 1, r
