@@ -785,6 +785,143 @@ def doctor_findings(ctx, agent):
     return findings
 
 
+# Shell completion, generated from the command table ###########################################
+
+
+def command_table(prog):
+    """[(command, summary, [(option, takes a value, choices, help)], positional choices)] of
+    every command, read from the parser the engine itself uses: one source."""
+    parser = engine.build_parser(None, prog)
+    sub = next(a for a in parser._actions if getattr(a, "choices", None) and
+               isinstance(a.choices, dict))
+    summaries = {a.dest: a.help or "" for a in sub._choices_actions}
+    table = []
+    for name, p in sub.choices.items():
+        options, positional = [], []
+        for action in p._actions:
+            if action.option_strings:
+                if "-h" in action.option_strings:
+                    continue
+                for option in action.option_strings:
+                    options.append((option, action.nargs != 0, list(action.choices or ()),
+                                    action.help or ""))
+            elif action.choices:
+                positional += list(action.choices)
+        table.append((name, summaries.get(name, ""), options, positional))
+    return table
+
+
+def plain(text, limit=70):
+    """Help text a completion script can hold without quoting trouble."""
+    return re.sub(r"[^\w .,;/()+’-]", "", one_line(text).replace("'", "’"))[:limit].strip()
+
+
+def completion_bash(prog, table):
+    lines = ["# fablize completion for bash: eval \"$(fablize completion bash)\"",
+             "_fablize() {",
+             '  local cur=${COMP_WORDS[COMP_CWORD]} prev=${COMP_WORDS[COMP_CWORD-1]} cmd="" i',
+             "  for ((i = 1; i < COMP_CWORD; i++)); do",
+             '    case ${COMP_WORDS[i]} in --dir) ((i++)) ;; -*) ;; *) cmd=${COMP_WORDS[i]}; '
+             'break ;; esac',
+             "  done",
+             '  if [[ -z $cmd ]]; then',
+             '    COMPREPLY=($(compgen -W "' + " ".join(t[0] for t in table) +
+             ' --dir --json --help --version" -- "$cur")); return',
+             "  fi",
+             '  local words="" values=""',
+             '  case "$cmd $prev" in']
+    for name, _, options, _ in table:
+        for option, value, choices, _ in options:
+            if choices:
+                lines.append(f'    "{name} {option}") COMPREPLY=($(compgen -W "{" ".join(choices)}"'
+                             ' -- "$cur")); return ;;')
+    lines += ["  esac", '  case $cmd in']
+    for name, _, options, positional in table:
+        words = " ".join([o for o, _, _, _ in options] + positional)
+        values = " ".join(o for o, value, choices, _ in options if value and not choices)
+        lines.append(f'    {name}) words="{words}" values=" {values} " ;;')
+    lines += ["  esac",
+              '  if [[ $values == *" $prev "* ]]; then  # an option\'s value: a file, or words',
+              '    COMPREPLY=($(compgen -f -- "$cur")); return',
+              "  fi",
+              '  COMPREPLY=($(compgen -W "$words" -- "$cur"))', "}",
+              f"complete -F _fablize {prog}"]
+    return "\n".join(lines) + "\n"
+
+
+def completion_zsh(prog, table):
+    lines = ["#compdef " + prog,
+             "# fablize completion for zsh (after compinit): eval \"$(fablize completion zsh)\"",
+             "_fablize() {", "  local -a commands", "  commands=("]
+    lines += [f"    '{name}:{plain(summary)}'" for name, summary, _, _ in table]
+    lines += ["  )",
+              "  local i=2",
+              "  while (( i < CURRENT )) && [[ $words[i] == -* ]]; do",
+              "    [[ $words[i] == --dir ]] && (( i++ ))",
+              "    (( i++ ))",
+              "  done",
+              "  if (( CURRENT <= i )); then _describe command commands; return; fi",
+              "  case $words[i] in"]
+    for name, _, options, positional in table:
+        specs = []
+        for option, value, choices, help in options:
+            spec = f"'{option}[{plain(help)}]"
+            if value:
+                spec += f":{option.lstrip('-')}:" + (f"({' '.join(choices)})" if choices
+                                                     else "_files")
+            specs.append(spec + "'")
+        if positional:
+            specs.append(f"'*:choice:({' '.join(positional)})'")
+        lines.append(f"    {name}) _arguments -s {' '.join(specs)} ;;")
+    lines += ["  esac", "}", f"compdef _fablize {prog}"]
+    return "\n".join(lines) + "\n"
+
+
+def completion_fish(prog, table):
+    lines = [f"# fablize completion for fish: {prog} completion fish | source",
+             f"complete -c {prog} -f"]
+    for name, summary, options, positional in table:
+        lines.append(f"complete -c {prog} -n __fish_use_subcommand -a {name} "
+                     f"-d '{plain(summary)}'")
+        seen = f"'__fish_seen_subcommand_from {name}'"
+        for option, value, choices, help in options:
+            if not option.startswith("--"):
+                continue
+            line = f"complete -c {prog} -n {seen} -l {option[2:]} -d '{plain(help)}'"
+            if choices:
+                line += f" -x -a '{' '.join(choices)}'"
+            elif value:
+                line += " -r -F"
+            lines.append(line)
+        if positional:
+            lines.append(f"complete -c {prog} -n {seen} -a '{' '.join(positional)}'")
+    return "\n".join(lines) + "\n"
+
+
+COMPLETIONS = {"bash": completion_bash, "zsh": completion_zsh, "fish": completion_fish}
+
+
+def cmd_completion(ctx, a):
+    """The completion script of `a.shell` for the `fablize` command, on stdout."""
+    if not re.fullmatch(r"[\w.-]+", a.name or ""):
+        raise engine.usage(f"--name {one_line(a.name)!r} is not a command's name: one word of "
+                           "letters, digits, ., - and _.", "bad_name")
+    script = COMPLETIONS[a.shell](a.name, command_table(a.name))
+    ctx.say(script.rstrip("\n"))
+    ctx.data.update(shell=a.shell, script=script)
+
+
+def add_completion(command):
+    c = command("completion", cmd_completion, "print a shell completion script",
+                "for bash (eval \"$(fablize completion bash)\" in ~/.bashrc), zsh (the same "
+                "in ~/.zshrc, after compinit) or fish (fablize completion fish | source, in "
+                "~/.config/fish/config.fish); every command, option and choice, from the same "
+                "table as --help")
+    c.add_argument("shell", choices=tuple(COMPLETIONS), help="bash, zsh or fish")
+    c.add_argument("--name", default="fablize",
+                   help="the command it completes (default: fablize)")
+
+
 def add_install_block(command):
     c = command("install-block", cmd_install_block, "put the fablize block into CLAUDE.md",
             "or into the file named (AGENTS.md, …); run again, it replaces the block in place; "
@@ -814,4 +951,5 @@ def add_doctor(command):
                    help="the agent whose wiring to check (default: every agent wired here)")
 
 
-COMMANDS = {"install-block": add_install_block, "setup": add_setup, "doctor": add_doctor}
+COMMANDS = {"install-block": add_install_block, "setup": add_setup, "doctor": add_doctor,
+            "completion": add_completion}

@@ -4130,6 +4130,7 @@ def is_verification(cmd, story):
 ROOMS = {"setup": "fablize_setup.py", "sharing": "fablize_sharing.py",
          "merge": "fablize_merge.py", "trust": "fablize_trust.py"}
 ROOM_COMMANDS = {"install-block": "setup", "setup": "setup", "doctor": "setup",
+                 "completion": "setup",
                  "share": "sharing", "sync": "sharing", "release": "sharing",
                  "merge-driver": "merge", "install-merge": "merge"}
 

@@ -192,3 +192,58 @@ def test_an_older_python_gets_one_line_naming_the_version_it_needs(tmp_path, pyt
     assert r.returncode == 1 and r.stdout == "", r
     assert r.stderr.startswith("fablize: needs Python 3.9 or newer, this is 3.")
     assert r.stderr.count("\n") == 1, r
+
+
+# Shell completion ###############################################################################
+
+
+def completion(tmp_path, shell):
+    r = run_cli("completion", shell, cwd=tmp_path)
+    assert r.code == 0, r
+    path = tmp_path / f"fablize.{shell}"
+    path.write_text(r.out)
+    return path
+
+
+def test_bash_completion_loads_and_completes_commands_options_and_choices(tmp_path):
+    script = completion(tmp_path, "bash")
+
+    def complete(*words):
+        line = " ".join(words)
+        p = subprocess.run(["bash", "--norc", "--noprofile", "-c",
+                            f'source "{script}"; COMP_WORDS=({line}); '
+                            f"COMP_CWORD={len(words) - 1}; _fablize; "
+                            'printf "%s\\n" "${COMPREPLY[@]}"'],
+                           capture_output=True, text=True, timeout=60, cwd=str(tmp_path))
+        assert p.returncode == 0 and p.stderr == "", p
+        return p.stdout.split()
+    assert complete("fablize", "chec") == ["checkpoint"]
+    assert set(complete("fablize", "checkpoint", "--st")) == {"--status"}
+    assert complete("fablize", "checkpoint", "--status", "c") == ["complete"]
+    assert complete("fablize", "decide", "--id", "G001", "re") == ["retry"]
+    assert "--resume" in complete("fablize", "status", "--")
+    assert complete("fablize", "completion", "f") == ["fish"]
+
+
+@pytest.mark.skipif(shutil.which("zsh") is None, reason="zsh is not installed here")
+def test_zsh_completion_loads_and_registers_the_command(tmp_path):
+    script = completion(tmp_path, "zsh")
+    p = subprocess.run(["zsh", "-f", "-c", "autoload -U compinit && compinit -u -D; "
+                        f'eval "$(cat {script})"; print -r -- ${{_comps[fablize]}}; '
+                        "(( $+functions[_fablize] )) && print defined"],
+                       capture_output=True, text=True, timeout=60, cwd=str(tmp_path))
+    assert p.returncode == 0 and p.stdout.split() == ["_fablize", "defined"], p
+
+
+@pytest.mark.skipif(shutil.which("fish") is None, reason="fish is not installed here")
+def test_fish_completion_loads_and_completes(tmp_path):
+    script = completion(tmp_path, "fish")
+
+    def complete(line):
+        p = subprocess.run(["fish", "--no-config", "-c", f"source {script}; complete -C '{line}'"],
+                           capture_output=True, text=True, timeout=60, cwd=str(tmp_path))
+        assert p.returncode == 0, p
+        return [x.split("\t")[0] for x in p.stdout.splitlines()]
+    assert "checkpoint" in complete("fablize chec")
+    assert complete("fablize checkpoint --status c") == ["complete"]
+    assert "--verify-cmd" in complete("fablize checkpoint --ver")

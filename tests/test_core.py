@@ -563,6 +563,8 @@ JSON_CASES = {
               lambda fab: (fab.root / "CLAUDE.md").symlink_to(fab.root / "target.md"),
               ["setup"], "symlink", 1),
     "doctor": (lambda fab: wired(fab), ["doctor"], nothing, ["doctor"], "doctor_problems", 1),
+    "completion": (nothing, ["completion", "bash"], nothing, ["completion", "bash", "--name", "a b"],
+                   "bad_name", 2),
     "pause": (plan2, ["pause", "--note", "n"], lambda fab: (plan2(fab), fab("pause")), ["pause"],
               "already_paused", 1),
     "unpause": (lambda fab: (plan2(fab), fab("pause")), ["unpause"], plan2, ["unpause"],
