@@ -20,7 +20,7 @@ import sys
 # the engine that loaded this room (goals.room registers itself under this name first): one
 # engine module, never a second copy of goals.py, never one found on sys.path
 import fablize_engine as engine
-from fablize_engine import FablizeError, one_line, refused
+from fablize_engine import FablizeError, one_line, refused, usage
 
 BLOCK_BEGIN = "<!-- fablize:begin -->"
 BLOCK_END = "<!-- fablize:end -->"
@@ -904,8 +904,8 @@ COMPLETIONS = {"bash": completion_bash, "zsh": completion_zsh, "fish": completio
 def cmd_completion(ctx, a):
     """The completion script of `a.shell` for the `fablize` command, on stdout."""
     if not re.fullmatch(r"[\w.-]+", a.name or ""):
-        raise engine.usage(f"--name {one_line(a.name)!r} is not a command's name: one word of "
-                           "letters, digits, ., - and _.", "bad_name")
+        raise usage(f"--name {one_line(a.name)!r} is not a command's name: one word of "
+                    "letters, digits, ., - and _.", "bad_name")
     script = COMPLETIONS[a.shell](a.name, command_table(a.name))
     ctx.say(script.rstrip("\n"))
     ctx.data.update(shell=a.shell, script=script)
