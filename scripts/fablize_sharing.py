@@ -1338,7 +1338,8 @@ def refresh(session, cfg):
 def ref_deleted(cfg, plan):
     held = plan["ledger"]["seq"] if plan else cfg["seq"]
     return damaged(f"{cfg['remote']} no longer holds {SHARED_REFS}{cfg['plan_id']}: the shared "
-                   f"plan's ref was deleted there. This clone keeps all {held} events — "
+                   "plan's ref was deleted there. This clone keeps all "
+                   f"{engine.count_noun(held, 'event')} — "
                    f"`share --remote {cfg['remote']}` publishes them again.",
                    "remote_history_rewritten")
 
@@ -1423,8 +1424,9 @@ def undo_replacement(session, cfg, folder):
                       f"clone's `create --force`): this clone's replacement {mine} was not "
                       f"published — it is kept in {journal.archive}/ — and this clone follows "
                       f"{cfg['plan_id']} now.", "plan_replaced")
+    moved = engine.count_noun(session.plan["ledger"]["seq"] - before + len(taken), "new event")
     raise refused(f"plan {old_id} moved on {remote} since this clone last synced "
-                  f"({session.plan['ledger']['seq'] - before + len(taken)} new event(s)): the "
+                  f"({moved}): the "
                   f"replacement {mine} was not published — it is kept in {journal.archive}/ and "
                   f"{old_id} is current here again, with those events; look at them (`status`), "
                   "then run `create --force` again.", "plan_replaced")
@@ -1638,12 +1640,14 @@ def status(store, plan):
 def status_lines(info):
     where = f"shared through {info['remote']} ({info['ref']})"
     if info.get("error"):
-        return [f"fablize: {where}: {info['ahead']} event(s) not published yet; the remote cannot "
+        return [f"fablize: {where}: {engine.count_noun(info['ahead'], 'event')} not published yet; "
+                "the remote cannot "
                 f"be reached now — {one_line(info['error'])}"]
     if info.get("problem"):
         return [f"fablize: {where}: {one_line(info['problem'])}"]
     if info["ahead"] or info["behind"]:
-        return [f"fablize: {where}: {info['ahead']} event(s) ahead (not published), "
+        return [f"fablize: {where}: {engine.count_noun(info['ahead'], 'event')} ahead (not "
+                "published), "
                 f"{info['behind'] if info['behind'] is not None else 'some'} behind — run `sync`."]
     return [f"fablize: {where}: in sync."]
 
@@ -1717,7 +1721,7 @@ def start(store, remote):
         sync_shared(s, cfg)
         plan = s.plan
     line = (f"fablize: plan {plan['plan_id']} shared through {remote} "
-            f"({SHARED_REFS}{plan['plan_id']}, {cfg['seq']} events).")
+            f"({SHARED_REFS}{plan['plan_id']}, {engine.count_noun(cfg['seq'], 'event')}).")
     return {"remote": remote, "ref": SHARED_REFS + plan["plan_id"], "published": cfg["seq"]}, line
 
 
@@ -1781,7 +1785,8 @@ def cmd_sync(ctx, a):
     else:
         pulled = 0 if replacing else plan["ledger"]["seq"] - before + len(rejected)
         sent = ahead - len(rejected)
-    ctx.say(f"fablize: in sync with {cfg['remote']} — {plan['ledger']['seq']} events "
+    ctx.say(f"fablize: in sync with {cfg['remote']} — "
+            f"{engine.count_noun(plan['ledger']['seq'], 'event')} "
             f"({SHARED_REFS}{cfg['plan_id']}): {pulled} pulled, {sent} published"
             + (f", {len(rejected)} set aside in {REJECTED}" if rejected else "") + ".")
     for r in seen:
@@ -1810,7 +1815,8 @@ def remote_ledger(store, remote, plan_id):
     if chain.replaced is not None:
         new = chain.replaced["plan_id"]
         store.warn(f"plan {plan_id} on {remote} was replaced by {new}: audited as it stood "
-                   f"then ({len(chain.events)} events); `audit --remote {remote} --plan {new}` "
+                   f"then ({engine.count_noun(len(chain.events), 'event')}); `audit --remote "
+                   f"{remote} --plan {new}` "
                    "audits the plan that replaced it.")
     return b"".join(line + b"\n" for _, line, _ in chain.events), logs
 

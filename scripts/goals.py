@@ -1407,7 +1407,7 @@ def _ev_plan_merged(plan, ev):
 
 
 def _log_plan_merged(ev, sid):
-    return (f"plan {one_line(ev['plan_id'])} merged in ({ev['events']} events, "
+    return (f"plan {one_line(ev['plan_id'])} merged in ({count_noun(ev['events'], 'event')}, "
             f"head {ev['head'][:16]}…)")
 
 
@@ -4899,7 +4899,7 @@ def cmd_rebuild(ctx, a):
                 f"{target}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.bak"))
             os.replace(target, s.store.path(kept))
         s.save_snapshot(plan)
-    ctx.say(f"fablize: rebuilt {SNAPSHOT} from {replay.seq} ledger events"
+    ctx.say(f"fablize: rebuilt {SNAPSHOT} from {count_noun(replay.seq, 'ledger event')}"
             + (f"; the old one is kept as {kept}." if kept else "."))
     ctx.data.update(event_count=replay.seq, kept=kept, plan=plan_json(plan))
 
