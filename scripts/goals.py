@@ -627,7 +627,8 @@ STORY_FIELDS = {
     "verify_cmd": (TEXT, None), "verify_evidence": (TEXT, None),
     "runs": ([RUN_SPEC], []), "last_run": ((RUN_SPEC, _N), None),
     "feedback": ((FEEDBACK_SPEC, _N), None), "amendments": ([NOTE_SPEC], []),
-    "decision": (({"decision": str, "note": str, "seq": int, "ts": str}, _N), None),
+    "decision": (({"decision": str, "note": str, "seq": int, "ts": str, "signer?": str}, _N),
+                 None),
     "blocked_reason": (TEXT, None),
     "judged_by": (({"agent": str, "verdict": str, "seq": int}, _N), None),
     # what the harness reported of the agent's own verification commands (observe), latest last
@@ -901,7 +902,10 @@ def grade_detail(story):
     if grade is None:
         return None
     if grade == "accepted" and story["decision"]:
-        return "accepted by a human: " + one_line(last_chars(story["decision"]["note"], 200))
+        decision = story["decision"]
+        return ("accepted by a human" + (f" (signed by {one_line(decision['signer'])})"
+                                         if decision.get("signer") else " (unsigned)")
+                + ": " + one_line(last_chars(decision["note"], 200)))
     judged = story["judged_by"]
     return GRADE_WORDS.get(grade, one_line(grade)) + (
         f"; judged {one_line(judged['verdict'])} by {one_line(judged['agent'])}"
@@ -1221,6 +1225,8 @@ def _ev_decision(plan, ev):
         raise refused(f"{story['id']} is {story['status']} — `decide` applies to a blocked, failed "
                       "or in-review story.", "not_decidable")
     story["decision"] = {"decision": decision, "note": note, "seq": ev["seq"], "ts": ev["ts"]}
+    if ev.get("signature"):  # who signed it, shown wherever the decision is (not proof: audit)
+        story["decision"]["signer"] = ev["signature"]["signer"]
     story.update(agent=None, blocked_reason=None, grade=None)
     if decision == "accept":
         story.update(status="accepted", grade="accepted")  # a human's word: no evidence gate
@@ -1739,6 +1745,12 @@ def link_or_copy(src, dst):
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def shown_path(store, rel):
+    """A state file's path (`runs/3-G001.log`) as a person standing where they are can open
+    it: relative to the current directory."""
+    return one_line(os.path.relpath(store.path(rel)))
 
 
 def within(path, folder):
@@ -3931,7 +3943,8 @@ def snapshot_view(plan, version):
 
 def forgive_new_keys(view, snap):
     """The replayed plan as a snapshot written before this engine held it: without the keys it
-    lacks (grade), and with a blocked checkpoint's reason kept twice, as it was."""
+    lacks (grade, a decision's signer), and with a blocked checkpoint's reason kept twice, as
+    it was."""
     for mine, theirs in zip(view.get("goals", []), snap.get("goals", [])):
         if not isinstance(theirs, dict):
             continue
@@ -3940,6 +3953,9 @@ def forgive_new_keys(view, snap):
         if (mine.get("blocked_reason") is None and theirs.get("blocked_reason") is not None and
                 theirs.get("blocked_reason") == theirs.get("evidence")):
             mine["blocked_reason"] = theirs["blocked_reason"]
+        decision, kept = mine.get("decision"), theirs.get("decision")
+        if isinstance(decision, dict) and isinstance(kept, dict) and "signer" not in kept:
+            decision.pop("signer", None)  # a signed decision's signer, not yet kept then
     return view
 
 
@@ -4224,7 +4240,8 @@ def stop_if_interrupted(ctx, records):
             s.require_plan()
             runs = commit_runs(s, records)
         ctx.data["runs"] = runs
-        fate = f"recorded as interrupted (event {runs[-1]['seq']}, log {runs[-1]['log']})"
+        fate = (f"recorded as interrupted (event {runs[-1]['seq']}, log "
+                f"{shown_path(ctx.store, runs[-1]['log'])})")
     except (FablizeError, OSError) as e:
         for record in records:
             if record.get("tmp_log") and os.path.lexists(record["tmp_log"]):
@@ -4509,7 +4526,8 @@ def cmd_checkpoint(ctx, a):
                 failed = [r for r in runs if not run_passed(r)]
                 if failed:
                     r = failed[0]
-                    e.message += (f" The run is recorded (event {r['seq']}, log {r['log']}); "
+                    e.message += (f" The run is recorded (event {r['seq']}, log "
+                                  f"{shown_path(ctx.store, r['log'])}); "
                                   f"{a.id} stays in progress: fix it and checkpoint again.")
                     e.code = "verification_failed"
                 raise
@@ -4658,7 +4676,8 @@ def cmd_verify(ctx, a):
     failed = [r for r in runs if not run_passed(r)]
     if failed:
         raise refused(f"{a.id}: {len(failed)} of {count_noun(len(runs), 'check')} failed — first: "
-                      f"{run_summary(failed[0])} (log {failed[0]['log']}).", "verification_failed")
+                      f"{run_summary(failed[0])} (log {shown_path(ctx.store, failed[0]['log'])}).",
+                      "verification_failed")
     ctx.say(f"fablize: {a.id}: {'all ' if len(runs) > 1 else ''}{count_noun(len(runs), 'check')} "
             "passed (status unchanged: "
             f"{find_story(s.plan, a.id)['status']}).")

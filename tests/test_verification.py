@@ -640,7 +640,7 @@ def test_decide_accept_counts_as_done_and_dependents_proceed(fab):
     r = ok(fab(*checkpoint("--verify-cmd", "true", "--verify-evidence", "ok", sid="G002")))
     assert "fablize: all stories done ✓ (G001 accepted by a human decision)" in r.out
     assert "all stories complete" not in r.out
-    assert "accepted by a human: good enough" in ok(fab("status")).out
+    assert "accepted by a human (unsigned): good enough" in ok(fab("status")).out
 
 
 def test_decide_retry_resumes_with_the_note_as_feedback_and_resets_rounds(fab):
