@@ -152,3 +152,13 @@ def test_the_plugin_archive_keeps_bin_fablize_executable(tmp_path):
         modes = {i.filename: i.external_attr >> 16 & 0o777 for i in z.infolist()}
     assert modes["fablize-gate/bin/fablize"] == 0o755
     assert modes["fablize-gate/hooks/hooks.json"] == 0o644
+
+
+def test_the_plugin_folder_from_a_checkout_holds_the_plugin_only(tmp_path):
+    """What README has `claude plugin marketplace add`: the plugin's files, the launcher
+    executable, and nothing of the checkout (venv, caches, tests)."""
+    folder = Path(dist.build_plugin_folder(str(tmp_path)))
+    files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    assert files == sorted(dist.PLUGIN_FILES)
+    assert os.access(folder / "bin" / "fablize", os.X_OK)
+    assert sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) < 2_000_000
