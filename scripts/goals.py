@@ -977,6 +977,10 @@ def _refuse_blank_agent(agent):
 
 
 def _ev_plan_created(plan, ev):
+    """A plan begins: the previous one (if any) is gone from the replay, and this event holds
+    every story whole — ids G001… in order, texts non-blank, dependencies a graph without
+    cycles whose final story waits for all the others — with the unverifiable checks it named
+    (each a frozen check of the plan), the plan it replaced and the scope of its work."""
     specs = ev["stories"]
     if not specs:
         raise usage("at least one --goal is required.", "no_goals")
@@ -1136,6 +1140,12 @@ def _failed_run_tails(story):
 
 
 def _ev_checkpoint(plan, ev):
+    """A story's result. The gate (checkpoint_gate: it was activated, by this agent) holds for
+    every status; `complete` also needs its evidence and, for the final story, its
+    verification: the frozen checks' runs it cites, all passing and made this round, or a
+    --run of --verify-cmd, or (without --require-run) a claimed command and its result. A
+    failed story goes another round while it has rounds left; then, as a blocked one, waits
+    for a human. A judged story goes to review instead of complete."""
     story = find_story(plan, ev["id"])
     if ev["status"] not in CHECKPOINT_STATUSES:
         raise usage(f"unknown checkpoint status {one_line(ev['status'])}")
@@ -1270,6 +1280,10 @@ def _log_story_added(ev, sid):
 
 
 def _ev_verdict(plan, ev):
+    """A judge's verdict on a story in review, from an agent other than its executor:
+    achieved completes it; not-achieved sends it back for another round with what was missing;
+    unachievable blocks it for a human. A verdict on a tree the judge changed after its packet
+    arrives as not-achieved (cmd_verdict decides that, outside the transition)."""
     story = find_story(plan, ev["id"])
     verdict, agent = ev["verdict"], ev["agent"]
     if verdict not in VERDICTS:
@@ -2400,6 +2414,13 @@ class Reading:
                 time.sleep(0.02)
 
     def _load(self):
+        """The plan as this start must see it, reading as little as it can. A snapshot of the
+        original tool is imported; one of an older schema is upgraded; no snapshot means the
+        whole ledger, replayed streaming. Otherwise the ledger is read backwards from its end
+        only as far as the event the snapshot reflects: that line's digest must be the one the
+        snapshot names (else the two disagree: damage), and the events after it — a writer
+        killed between its two writes — are rolled forward. `last_event` is torn_tail's find,
+        (offset, event, digest verified), handed over so the last line is parsed once."""
         self.last_event = None  # a retry reads the ledger afresh
         raw = read_state_file(self.store.path(SNAPSHOT))
         snap = parse_snapshot(raw) if raw is not None else None
@@ -4401,6 +4422,9 @@ def say_unverifiable(ctx, found):
 
 
 def cmd_create(ctx, a):
+    """create: a plan from the command line, its checks flagged when they cannot run here (a
+    program missing now; a file a story will write, test-first), the previous plan archived
+    whole under --force, published with --remote; ends with the next step."""
     store = ctx.store
     if not a.force and store.exists() and store.has_plan_files():
         raise refused(PLAN_EXISTS, "plan_exists")
@@ -4465,6 +4489,10 @@ def stuck_error(ctx, plan, agent):
 
 
 def cmd_next(ctx, a):
+    """next: the story to work now, and its handoff. A story already in progress for this agent
+    is shown again, changing nothing; else the first ready one is activated (for a shared
+    plan, after pulling what other clones claimed); with nothing ready, why not and what
+    would unblock it."""
     agent = a.agent
     if agent is not None and blank(agent):
         raise usage("--agent needs a name.")
@@ -4528,6 +4556,11 @@ def reason_required(status):
 
 
 def cmd_checkpoint(ctx, a):
+    """checkpoint: record a story's result. In three steps, so that no lock is held while a
+    user's command runs: check the gate and decide what verifying the story runs (its frozen
+    checks, else --run's --verify-cmd); run those outside the lock, streaming their output;
+    then, under the lock again, record each run and the checkpoint that cites them — a failed
+    run stays recorded as evidence when the gate refuses the completion."""
     if a.run and not blank(a.verify_cmd):
         check_command("--verify-cmd", a.verify_cmd)
     ev = {"id": a.id, "status": a.status, "evidence": masked_text("--evidence", a.evidence),
@@ -4802,6 +4835,11 @@ def cmd_audit(ctx, a):
 
 
 def audit_and_judge(ctx, a):
+    """The audit itself: replay the whole ledger (locally, or a shared plan as its remote holds
+    it) with the trust room's scan alongside; then the gates — independence, logs,
+    completeness, secrets, and the trust room's (pin, scope, required checks, witnesses,
+    signatures) — and the re-run on the base's tree; then one verdict, every failed gate with
+    its reason and fix, the grades, and the job summary. Exit 1 names the first gate."""
     store = ctx.store
     opts = {name: getattr(a, name) for name in TRUST_OPTIONS}
     asked = [f"--{name.replace('_', '-')}" for name, value in opts.items()
@@ -5080,6 +5118,11 @@ def cmd_report(ctx, a):
 
 
 def cmd_judge_packet(ctx, a):
+    """judge-packet: what an independent judge needs — the objective, a checklist of every
+    frozen check (with this round's witnessed run) and acceptance item, the executor's
+    evidence and runs, and the three verdict commands. For a story in review it also records
+    the working tree (record_judge_packet), so a verdict given after the judge changed it is
+    void; for any other story it is for reading only and offers no verdict."""
     with open_plan(ctx, exclusive=False) as s:
         plan = s.require_plan()
     packet = None
