@@ -16,25 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPT, complete, goals, ledger, make_plan, snapshot, state_files
+from conftest import (SCRIPT, assert_refused, complete, forge, goals, ledger, make_plan, raw_lines,
+                      rechain, snapshot, state_files, write_lines)
 
 # Helpers ####################################################################
-
-
-def refuse(fab, *args, exit, code, message):
-    """`args` is refused: exit code, message on stderr, error code in --json, and no state
-    file changes (neither after the text call nor after the --json one)."""
-    before = state_files(fab.dir)
-    r = fab(*args)
-    assert r.code == exit, r
-    assert message in r.err, r
-    assert state_files(fab.dir) == before, "a refused command changed the state"
-    j = fab("--json", *args)
-    assert j.code == exit, j
-    assert j.json["ok"] is False and j.json["error"]["code"] == code, j
-    assert j.json["error"]["exit"] == exit
-    assert state_files(fab.dir) == before, "a refused command changed the state"
-    return r
 
 
 def audit_fails(fab, *args, code, message, line=None):
@@ -47,35 +32,6 @@ def audit_fails(fab, *args, code, message, line=None):
     j = fab("--json", "audit", *args)
     assert j.code == 3 and j.json["error"]["code"] == code, j
     return r
-
-
-def raw_lines(state_dir):
-    return (Path(state_dir) / "ledger.jsonl").read_bytes().split(b"\n")[:-1]
-
-
-def write_lines(state_dir, lines):
-    (Path(state_dir) / "ledger.jsonl").write_bytes(b"".join(x + b"\n" for x in lines))
-
-
-def forge(state_dir, **fields):
-    """Append an event with a valid seq and hash chain, as a forger who read DESIGN.md would."""
-    lines = raw_lines(state_dir)
-    seq = len(lines) + 1
-    ev = {"seq": seq, "ts": goals.now_iso(), **fields, "prev": goals.sha256_hex(lines[-1])}
-    with open(Path(state_dir) / "ledger.jsonl", "ab") as f:
-        f.write(goals.dumps(ev).encode("utf-8") + b"\n")
-    return seq
-
-
-def rechain(events):
-    """Ledger lines for `events` with seq 1.. and every prev recomputed: a history rewritten
-    from scratch that passes every chain check."""
-    lines, head = [], goals.ZERO_HASH
-    for i, ev in enumerate(events, 1):
-        line = goals.dumps(dict(ev, seq=i, prev=head)).encode("utf-8")
-        head = goals.sha256_hex(line)
-        lines.append(line)
-    return lines
 
 
 def edit_snapshot(state_dir, mutate):
@@ -127,9 +83,11 @@ def test_checkpoint_refuses_a_story_that_next_did_not_activate(fab, setup, sid, 
     elif setup == "first-failed":
         assert fab("next").code == 0
         assert fab("checkpoint", "--id", "G001", "--status", "failed", "--evidence", "no").code == 0
-    refuse(fab, "checkpoint", "--id", sid, "--status", "complete", "--evidence", "done, honest",
-           exit=1, code="not_active",
-           message=f"{sid} is not active ({status}) — activate it with `next` first.")
+    assert_refused(fab,
+                   ["checkpoint", "--id", sid, "--status", "complete", "--evidence",
+                    "done, honest"], 1,
+                   f"{sid} is not active ({status}) — activate it with `next` first.",
+                   error="not_active")
 
 
 @pytest.mark.parametrize("evidence", ["", " ", "   \t ", "\n", "\n\n\r\n", "\u3000\u2003\u00a0",
@@ -137,15 +95,16 @@ def test_checkpoint_refuses_a_story_that_next_did_not_activate(fab, setup, sid, 
 def test_complete_refuses_blank_evidence(fab, evidence):
     make_plan(fab, 2)
     assert fab("next").code == 0
-    refuse(fab, "checkpoint", "--id", "G001", "--status", "complete", "--evidence", evidence,
-           exit=1, code="no_evidence", message="a complete checkpoint requires non-empty --evidence.")
+    assert_refused(fab,
+                   ["checkpoint", "--id", "G001", "--status", "complete", "--evidence", evidence],
+                   1, "a complete checkpoint requires non-empty --evidence.", error="no_evidence")
 
 
 def test_complete_refuses_a_missing_evidence_option(fab):
     make_plan(fab, 2)
     assert fab("next").code == 0
-    refuse(fab, "checkpoint", "--id", "G001", "--status", "complete",
-           exit=1, code="no_evidence", message="a complete checkpoint requires non-empty --evidence.")
+    assert_refused(fab, ["checkpoint", "--id", "G001", "--status", "complete"], 1,
+                   "a complete checkpoint requires non-empty --evidence.", error="no_evidence")
 
 
 @pytest.mark.parametrize("verification", [
@@ -157,10 +116,12 @@ def test_complete_refuses_a_missing_evidence_option(fab):
 ])
 def test_final_story_refuses_completion_without_verification(fab, verification):
     two_stories_second_active(fab)
-    refuse(fab, "checkpoint", "--id", "G002", "--status", "complete", "--evidence", "all done",
-           *verification, exit=1, code="verification_gate",
-           message="the final story cannot complete without --verify-cmd and --verify-evidence "
-                   "(verification gate).")
+    assert_refused(fab,
+                   ["checkpoint", "--id", "G002", "--status", "complete", "--evidence", "all done",
+                    *verification], 1,
+                   "the final story cannot complete without --verify-cmd and --verify-evidence "
+                   "(verification gate).",
+                   error="verification_gate")
 
 
 @pytest.mark.parametrize("substitute", [
@@ -234,9 +195,10 @@ def test_run_started_before_the_story_was_reopened_does_not_count(fab):
 
 def test_require_run_refuses_a_claimed_pass_on_the_final_story(fab):
     two_stories_second_active(fab, "--require-run")
-    refuse(fab, "checkpoint", "--id", "G002", "--status", "complete", "--evidence", "ran it",
-           "--verify-cmd", "pytest -q", "--verify-evidence", "48 passed in 2.1s",
-           exit=1, code="run_required", message="this plan requires a witnessed run")
+    assert_refused(fab,
+                   ["checkpoint", "--id", "G002", "--status", "complete", "--evidence", "ran it",
+                    "--verify-cmd", "pytest -q", "--verify-evidence", "48 passed in 2.1s"], 1,
+                   "this plan requires a witnessed run", error="run_required")
     # the witnessed way still works: the engine runs the command itself
     r = fab("checkpoint", "--id", "G002", "--status", "complete", "--evidence", "ran it",
             "--run", "--verify-cmd", "true")
@@ -249,9 +211,10 @@ def test_judge_cannot_be_the_agent_who_did_the_work(fab):
     r = fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "did it",
             "--agent", "alice")
     assert r.code == 0 and "G001 → review" in r.out, r
-    refuse(fab, "verdict", "--id", "G001", "achieved", "--evidence", "looks right",
-           "--agent", "alice", exit=1, code="judge_not_independent",
-           message="alice did the work of G001 and cannot judge it.")
+    assert_refused(fab,
+                   ["verdict", "--id", "G001", "achieved", "--evidence", "looks right", "--agent",
+                    "alice"], 1, "alice did the work of G001 and cannot judge it.",
+                   error="judge_not_independent")
     assert story(fab.dir, "G001")["status"] == "review"
 
 
@@ -274,11 +237,11 @@ def test_decide_requires_a_note(fab):
     make_plan(fab, 2)
     assert fab("next").code == 0
     assert fab("checkpoint", "--id", "G001", "--status", "blocked", "--evidence", "no access").code == 0
-    refuse(fab, "decide", "--id", "G001", "accept", exit=2, code="usage",
-           message="the following arguments are required: --note")
+    assert_refused(fab, ["decide", "--id", "G001", "accept"], 2,
+                   "the following arguments are required: --note", error="usage")
     for note in ("", "  ", "\n"):
-        refuse(fab, "decide", "--id", "G001", "accept", "--note", note, exit=1, code="no_note",
-               message="a decision requires a non-empty --note")
+        assert_refused(fab, ["decide", "--id", "G001", "accept", "--note", note], 1,
+                       "a decision requires a non-empty --note", error="no_note")
     assert story(fab.dir, "G001")["status"] == "blocked"
 
 
@@ -300,11 +263,13 @@ def test_self_accepted_story_is_never_reported_as_plainly_complete(fab):
 def test_checkpoint_refuses_another_agents_story(fab):
     make_plan(fab, 2)
     assert fab("next", "--agent", "alice").code == 0
-    refuse(fab, "checkpoint", "--id", "G001", "--status", "complete", "--evidence", "mine now",
-           "--agent", "mallory", exit=1, code="held_by_other",
-           message="G001 is held by agent alice, not mallory.")
-    refuse(fab, "next", "--agent", "mallory", exit=1, code="nothing_ready",
-           message="nothing is ready for agent mallory: in progress G001 (alice)")
+    assert_refused(fab,
+                   ["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "mine now",
+                    "--agent", "mallory"], 1, "G001 is held by agent alice, not mallory.",
+                   error="held_by_other")
+    assert_refused(fab, ["next", "--agent", "mallory"], 1,
+                   "nothing is ready for agent mallory: in progress G001 (alice)",
+                   error="nothing_ready")
 
 
 # goals.json edited by hand ##################################################
@@ -318,8 +283,9 @@ def test_snapshot_marked_complete_by_hand_is_refused(fab):
     for args in (["status"], ["next"], ["checkpoint", "--id", "G002", "--status", "complete",
                                         "--evidence", "x", "--verify-cmd", "x",
                                         "--verify-evidence", "x"]):
-        refuse(fab, *args, exit=3, code="snapshot_edited",
-               message="goals.json was changed outside fablize (its digest does not match)")
+        assert_refused(fab, args, 3,
+                       "goals.json was changed outside fablize (its digest does not match)",
+                       error="snapshot_edited")
     audit_fails(fab, code="snapshot_edited", message="goals.json was changed outside fablize")
 
 
@@ -361,7 +327,7 @@ def test_snapshot_rewritten_in_the_original_format_over_a_chained_ledger_is_refu
     write_original_format_snapshot(fab.dir)
     for args in (["status"], ["next"], ["audit"], ["checkpoint", "--id", "G002", "--status",
                                                     "complete", "--evidence", "done"]):
-        r = refuse(fab, *args, exit=3, code="snapshot_edited", message="goals.json")
+        r = assert_refused(fab, args, 3, "goals.json", error="snapshot_edited")
         assert "imported" not in r.err, r
     # the ledger is intact: a human regenerates the snapshot from it
     assert fab("rebuild").code == 0
@@ -406,8 +372,8 @@ def test_edited_last_ledger_line_is_refused_by_every_command(fab):
     lines[-1] = lines[-1].replace(b'"evidence":"G001 done"', b'"evidence":"all tests pass"')
     write_lines(fab.dir, lines)
     for args in (["status"], ["next"]):
-        refuse(fab, *args, exit=3, code="disagree",
-               message="goals.json and ledger.jsonl disagree at event 3")
+        assert_refused(fab, args, 3, "goals.json and ledger.jsonl disagree at event 3",
+                       error="disagree")
     audit_fails(fab, code="snapshot_mismatch", message="goals.json disagrees with the replay")
 
 
@@ -430,7 +396,7 @@ def test_appended_event_off_the_chain_is_refused_when_rolled_forward(fab, fault)
         f"seq is {seq + 1}, expected {seq} — a line was deleted" if fault == "seq-gap"
         else "the hash chain is broken")
     for args in (["status"], ["next"]):
-        refuse(fab, *args, exit=3, code=code, message=message)
+        assert_refused(fab, args, 3, message, error=code)
     audit_fails(fab, code=code, line=seq, message=message)
 
 
@@ -440,8 +406,8 @@ def test_forged_checkpoint_for_an_inactive_story_is_refused_on_replay(fab):
     seq = forge(fab.dir, event="checkpoint", id="G002", status="complete", evidence="done",
                 verify_cmd="", verify_evidence="")
     for args in (["status"], ["next"]):
-        refuse(fab, *args, exit=3, code="bad_event",
-               message=f"ledger.jsonl line {seq}: G002 is not active (pending)")
+        assert_refused(fab, args, 3, f"ledger.jsonl line {seq}: G002 is not active (pending)",
+                       error="bad_event")
     audit_fails(fab, code="bad_event", line=seq, message="G002 is not active (pending)")
 
 
@@ -491,9 +457,10 @@ def test_forged_passing_run_is_caught_by_audit_when_its_log_differs(fab):
 def test_forged_passing_run_dated_before_the_activation_is_refused_on_replay(fab):
     two_stories_second_active(fab, "--verify", "false")
     seq = forged_passing_run(fab, after_seq=1)
-    refuse(fab, "status", exit=3, code="bad_event",
-           message=f"ledger.jsonl line {seq + 1}: G002: frozen check 1 (`false`) has no run "
-                   "since the story was activated.")
+    assert_refused(fab, ["status"], 3,
+                   f"ledger.jsonl line {seq + 1}: G002: frozen check 1 (`false`) has no run "
+                   "since the story was activated.",
+                   error="bad_event")
     audit_fails(fab, code="bad_event", line=seq + 1, message="has no run since the story was activated")
 
 
@@ -542,8 +509,8 @@ def test_deleted_ledger_is_refused_by_every_command(fab):
     (fab.dir / "ledger.jsonl").unlink()
     for args in (["status"], ["next"], ["checkpoint", "--id", "G001", "--status", "complete",
                                         "--evidence", "x"]):
-        refuse(fab, *args, exit=3, code="disagree",
-               message="goals.json reflects event 2 but ledger.jsonl is empty")
+        assert_refused(fab, args, 3, "goals.json reflects event 2 but ledger.jsonl is empty",
+                       error="disagree")
     assert not (fab.dir / "ledger.jsonl").exists()
 
 
@@ -587,7 +554,7 @@ def test_symlinked_state_file_is_refused(fab, outside, name, args):
     real.unlink(missing_ok=True)
     real.symlink_to(target)
     before = target.read_bytes()
-    refuse(fab, *args, exit=3, code="symlink", message=f"{name} is a symlink — refusing to follow it")
+    assert_refused(fab, args, 3, f"{name} is a symlink — refusing to follow it", error="symlink")
     assert target.read_bytes() == before and real.is_symlink()
     assert sorted(p.name for p in outside.iterdir()) == [name]
 
@@ -597,7 +564,7 @@ def test_dangling_symlinked_lock_is_refused_and_never_created(fab, outside):
     lock = fab.dir / "lock"
     lock.unlink(missing_ok=True)
     lock.symlink_to(outside / "lock")
-    refuse(fab, "next", exit=3, code="symlink", message="lock is a symlink")
+    assert_refused(fab, ["next"], 3, "lock is a symlink", error="symlink")
     assert not (outside / "lock").exists()
 
 
@@ -620,7 +587,7 @@ def test_symlinked_runs_directory_is_refused_before_anything_runs(fab, outside):
     (fab.dir / "runs").symlink_to(outside)
     for args in (["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "x"],
                  ["verify", "--id", "G001"]):
-        refuse(fab, *args, exit=3, code="symlink", message="runs is a symlink")
+        assert_refused(fab, args, 3, "runs is a symlink", error="symlink")
     assert list(outside.iterdir()) == []
     assert not (fab.root / "ran.flag").exists()
 
@@ -628,8 +595,8 @@ def test_symlinked_runs_directory_is_refused_before_anything_runs(fab, outside):
 def test_symlinked_archive_directory_is_refused_by_create_force(fab, outside):
     make_plan(fab, 2)
     (fab.dir / "archive").symlink_to(outside)
-    refuse(fab, "create", "--force", "--brief", "new", "--goal", "a::b", exit=3, code="symlink",
-           message="archive is a symlink")
+    assert_refused(fab, ["create", "--force", "--brief", "new", "--goal", "a::b"], 3,
+                   "archive is a symlink", error="symlink")
     assert list(outside.iterdir()) == []
 
 
@@ -640,7 +607,7 @@ def test_symlinked_broken_file_is_not_written_through(fab, outside):
     target = outside / "precious"
     target.write_bytes(b"precious\n")
     (fab.dir / "ledger.jsonl.broken").symlink_to(target)
-    refuse(fab, "next", exit=3, code="symlink", message="ledger.jsonl.broken is a symlink")
+    assert_refused(fab, ["next"], 3, "ledger.jsonl.broken is a symlink", error="symlink")
     assert target.read_bytes() == b"precious\n"
 
 

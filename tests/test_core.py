@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPT, complete, ledger, make_plan, run_cli, state_files
+from conftest import (SCRIPT, assert_refused, complete, git, ledger, make_plan, run_cli,
+                      state_files)
 
 import goals
 
@@ -24,21 +25,6 @@ RAW_CONTROLS = ("\x1b", "\r", "\x07", "\x00", "\x7f", "\x9b", "\u202e")
 
 def rows(out):
     return [m.groups() for m in map(STORY_ROW.match, out.splitlines()) if m]
-
-
-def refused(fab, args, code, message, exit_code=1):
-    """Run a command that must be refused: exit code, message on stderr, nothing written."""
-    before = state_files(fab.dir)
-    r = fab(*args)
-    assert r.code == exit_code, r
-    assert message in r.err, r
-    assert r.err.startswith("fablize: "), r
-    assert state_files(fab.dir) == before, "a refused command changed the state files"
-    r_json = fab(*args, "--json")
-    assert r_json.code == exit_code, r_json
-    assert r_json.json["error"]["code"] == code, r_json
-    assert state_files(fab.dir) == before, "a refused command (--json) changed the state files"
-    return r
 
 
 def start(fab, sid):
@@ -53,30 +39,33 @@ def start(fab, sid):
 @pytest.mark.parametrize("sid, status_word", [("G002", "pending"), ("G003", "pending")])
 def test_checkpoint_refuses_a_story_that_next_did_not_activate(fab, sid, status_word):
     make_plan(fab, 3)
-    refused(fab, ["checkpoint", "--id", sid, "--status", "complete", "--evidence", "e"],
-            "not_active", f"{sid} is not active ({status_word}) — activate it with `next` first.")
+    assert_refused(fab, ["checkpoint", "--id", sid, "--status", "complete", "--evidence", "e"], 1,
+                   f"{sid} is not active ({status_word}) — activate it with `next` first.",
+                   error="not_active")
     start(fab, "G001")
     for status in ("complete", "failed", "blocked"):
-        refused(fab, ["checkpoint", "--id", sid, "--status", status, "--evidence", "e"],
-                "not_active", f"{sid} is not active ({status_word})")
+        assert_refused(fab, ["checkpoint", "--id", sid, "--status", status, "--evidence", "e"], 1,
+                       f"{sid} is not active ({status_word})", error="not_active")
 
 
 def test_checkpoint_refuses_a_story_that_is_already_complete(fab):
     make_plan(fab, 3)
     complete(fab, "G001")
-    refused(fab, ["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "again"],
-            "not_active", "G001 is not active (complete) — activate it with `next` first.")
-    refused(fab, ["checkpoint", "--id", "G001", "--status", "failed", "--evidence", "undo"],
-            "not_active", "G001 is not active (complete)")
+    assert_refused(fab,
+                   ["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "again"], 1,
+                   "G001 is not active (complete) — activate it with `next` first.",
+                   error="not_active")
+    assert_refused(fab, ["checkpoint", "--id", "G001", "--status", "failed", "--evidence", "undo"],
+                   1, "G001 is not active (complete)", error="not_active")
 
 
 def test_checkpoint_refuses_an_unknown_story(fab):
     make_plan(fab, 2)
     start(fab, "G001")
-    refused(fab, ["checkpoint", "--id", "G009", "--status", "complete", "--evidence", "e"],
-            "not_found", "G009 not found.")
-    refused(fab, ["checkpoint", "--id", "X1", "--status", "complete", "--evidence", "e"],
-            "bad_id", "X1 is not a story id — ids look like G001", exit_code=2)
+    assert_refused(fab, ["checkpoint", "--id", "G009", "--status", "complete", "--evidence", "e"],
+                   1, "G009 not found.", error="not_found")
+    assert_refused(fab, ["checkpoint", "--id", "X1", "--status", "complete", "--evidence", "e"], 2,
+                   "X1 is not a story id — ids look like G001", error="bad_id")
 
 
 @pytest.mark.parametrize("evidence", [None, "", " ", "\t\n  \r\n"])
@@ -86,7 +75,8 @@ def test_complete_refuses_missing_or_blank_evidence(fab, evidence):
     args = ["checkpoint", "--id", "G001", "--status", "complete"]
     if evidence is not None:
         args += ["--evidence", evidence]
-    refused(fab, args, "no_evidence", "a complete checkpoint requires non-empty --evidence.")
+    assert_refused(fab, args, 1, "a complete checkpoint requires non-empty --evidence.",
+                   error="no_evidence")
     assert fab("status", "--json").json["stories"][0]["status"] == "in_progress"
 
 
@@ -102,8 +92,9 @@ def test_final_story_refuses_completion_without_verification(fab, extra):
     make_plan(fab, 2)
     complete(fab, "G001")
     start(fab, "G002")
-    refused(fab, ["checkpoint", "--id", "G002", "--status", "complete", "--evidence", "done",
-                  *extra], "verification_gate", GATE)
+    assert_refused(fab,
+                   ["checkpoint", "--id", "G002", "--status", "complete", "--evidence", "done",
+                    *extra], 1, GATE, error="verification_gate")
     r = fab("checkpoint", "--id", "G002", "--status", "complete", "--evidence", "done",
             "--verify-cmd", "pytest -q", "--verify-evidence", "12 passed")
     assert r.code == 0 and "all stories complete ✓" in r.out, r
@@ -119,9 +110,10 @@ def test_the_verification_gate_applies_only_to_the_final_story(fab):
 def test_final_story_evidence_is_still_required_with_verification(fab):
     make_plan(fab, 1)
     start(fab, "G001")
-    refused(fab, ["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "  ",
-                  "--verify-cmd", "pytest", "--verify-evidence", "ok"],
-            "no_evidence", "a complete checkpoint requires non-empty --evidence.")
+    assert_refused(fab,
+                   ["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "  ",
+                    "--verify-cmd", "pytest", "--verify-evidence", "ok"], 1,
+                   "a complete checkpoint requires non-empty --evidence.", error="no_evidence")
 
 
 def file_stamps(state_dir):
@@ -509,11 +501,10 @@ def edited_ledger(fab):
 def git_repo(fab):
     """The project as a real git repository with a bare remote `origin`."""
     import shutil
-    import subprocess
     shutil.rmtree(fab.root / ".git")
-    for args in (["init", "-q", str(fab.root)], ["init", "-q", "--bare", str(fab.root / "r.git")],
-                 ["-C", str(fab.root), "remote", "add", "origin", str(fab.root / "r.git")]):
-        subprocess.run(["git", *args], check=True, capture_output=True)
+    git(fab.root, "init", "-q")
+    git(fab.root, "init", "-q", "--bare", str(fab.root / "r.git"))
+    git(fab.root, "remote", "add", "origin", str(fab.root / "r.git"))
 
 
 def shared_plan(fab):

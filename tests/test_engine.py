@@ -11,27 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPT, complete, goals, ledger, make_plan, run_cli, state_files
-
-ZERO = "0" * 64
-
-
-def raw_lines(state_dir):
-    return (Path(state_dir) / "ledger.jsonl").read_bytes().split(b"\n")[:-1]
+from conftest import (SCRIPT, complete, goals, ledger, make_plan, rechain, run_cli, state_files,
+                      write_lines)
 
 
-def rechain(state_dir, mutate, line):
-    """Change event `line` (1-based) with `mutate(ev)` and re-chain every line after it, as a
-    forger who read DESIGN.md would: the chain is valid, only the content lies."""
-    events = [json.loads(x) for x in raw_lines(state_dir)]
+
+def rewrite_event(state_dir, mutate, line):
+    """Change event `line` (1-based) with `mutate(ev)` and re-chain the ledger, as a forger who
+    read DESIGN.md would: the chain is valid, only the content lies."""
+    events = ledger(state_dir)
     mutate(events[line - 1])
-    prev, out = ZERO, []
-    for ev in events:
-        ev["prev"] = prev
-        data = json.dumps(ev, ensure_ascii=False, separators=(",", ":")).encode()
-        prev = hashlib.sha256(data).hexdigest()
-        out.append(data)
-    (Path(state_dir) / "ledger.jsonl").write_bytes(b"".join(x + b"\n" for x in out))
+    write_lines(state_dir, rechain(events))
     (Path(state_dir) / "goals.json").unlink()  # only the ledger is the forger's story
 
 
@@ -76,7 +66,7 @@ FORGERIES = {
 def test_a_rechained_ledger_with_a_value_fablize_would_not_write_fails_audit_naming_the_line(
         history, name):
     line, mutate, needle = FORGERIES[name]
-    rechain(history.dir, mutate, line)
+    rewrite_event(history.dir, mutate, line)
     before = state_files(history.dir)
     for args in (["audit"], ["rebuild"], ["log"], ["report"]):
         r = history(*args)
@@ -89,7 +79,7 @@ def test_a_rechained_ledger_with_a_value_fablize_would_not_write_fails_audit_nam
 
 
 def test_the_untouched_history_passes_every_reader(history):
-    rechain(history.dir, lambda e: None, 1)  # re-chaining alone changes nothing
+    rewrite_event(history.dir, lambda e: None, 1)  # re-chaining alone changes nothing
     for args in (["audit"], ["log"], ["report"], ["rebuild"], ["status"]):
         assert history(*args).code == 0, args
 

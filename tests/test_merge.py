@@ -2,36 +2,21 @@
 sets up (one .gitattributes line, one git config entry). Real git repositories."""
 
 import json
-import subprocess
 
 import pytest
 
-from conftest import goals, run_cli
-
-GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
-           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid",
-           "GIT_CONFIG_NOSYSTEM": "1"}
+from conftest import git, git_env, goals, run_cli
 
 
 @pytest.fixture
-def repo(tmp_path, monkeypatch):
-    monkeypatch.setenv("HOME", str(tmp_path))
-    for k, v in GIT_ENV.items():
-        monkeypatch.setenv(k, v)
+def repo(tmp_path):
     root = tmp_path / "r"
     git(tmp_path, "init", "-q", "-b", "main", str(root))
     return root
 
 
-def git(cwd, *args, ok=True):
-    p = subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True)
-    if ok:
-        assert p.returncode == 0, p.stderr + p.stdout
-    return p
-
-
 def fab(root, *args):
-    return run_cli(*args, cwd=root, env=dict(GIT_ENV, HOME=str(root.parent)))
+    return run_cli(*args, cwd=root, env=git_env(root.parent))
 
 
 def complete_plan(root, brief, runs=True):
@@ -66,9 +51,8 @@ def test_two_branches_completing_different_plans_merge_and_both_audit_with_their
     pin_b = complete_plan(repo, "plan-b")
     git(repo, "add", "-A")
     git(repo, "commit", "-qm", "b")
-    r = git(repo, "merge", "a", "-m", "merge a")
-    assert "CONFLICT" not in r.stdout
-    assert git(repo, "status", "--porcelain").stdout == ""
+    assert "CONFLICT" not in git(repo, "merge", "a", "-m", "merge a")
+    assert git(repo, "status", "--porcelain") == ""
     current = json.loads((repo / ".fablize" / "ledger.jsonl").read_text().splitlines()[0])
     for pin in (pin_a, pin_b, None):
         r = fab(repo, "audit", "--require-complete", "--require-logs",
@@ -130,7 +114,7 @@ def test_the_same_plan_advanced_differently_on_both_sides_stays_a_conflict(repo)
     assert fab(repo, "checkpoint", "--id", "G001", "--status", "blocked",
                "--evidence", "on main").code == 0
     git(repo, "commit", "-qam", "main")
-    r = git(repo, "merge", "a", "-m", "m", ok=False)
+    r = git(repo, "merge", "a", "-m", "m", check=False)
     assert r.returncode != 0 and "CONFLICT" in r.stdout
     assert "advanced the same plan differently" in r.stderr + r.stdout
 
@@ -139,4 +123,4 @@ def test_install_merge_writes_its_one_line_once(repo):
     assert fab(repo, "install-merge").code == 0
     assert fab(repo, "install-merge").code == 0
     assert (repo / ".gitattributes").read_text() == "/.fablize/** merge=fablize\n"
-    assert "merge-driver %O %A %B %P" in git(repo, "config", "merge.fablize.driver").stdout
+    assert "merge-driver %O %A %B %P" in git(repo, "config", "merge.fablize.driver")

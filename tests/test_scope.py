@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ENGINE, ROOT, copy_engine
+from conftest import ENGINE, ROOT, copy_engine, git, git_env
 
 PY = shlex.quote(sys.executable)
 # without the venv's own plugins (40% of a pytest start); the plugin attack loads its own
@@ -41,18 +41,6 @@ STRICTEST = ["audit", "--base", "origin/main", "--require-complete", "--require-
              "--forbid-out-of-scope"]
 
 
-def git_env(home):
-    return {"HOME": str(home), "PATH": os.environ["PATH"], "GIT_CONFIG_NOSYSTEM": "1",
-            "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@x", "GIT_COMMITTER_NAME": "t",
-            "GIT_COMMITTER_EMAIL": "t@x"}
-
-
-def git(cwd, home, *args):
-    p = subprocess.run(["git", *args], cwd=str(cwd), capture_output=True, env=git_env(home))
-    assert p.returncode == 0, p
-    return p.stdout.decode()
-
-
 def engine(cwd, home, *args):
     p = subprocess.run([*ENGINE, *args], cwd=str(cwd), capture_output=True, text=True,
                        env=git_env(home))
@@ -66,9 +54,9 @@ class Project:
         self.top, self.home = top, top / "home"
         self.home.mkdir()
         self.origin = top / "origin.git"
-        git(top, self.home, "init", "-q", "--bare", "-b", "main", str(self.origin))
+        git(top, "init", "-q", "--bare", "-b", "main", str(self.origin))
         human = top / "human"
-        git(top, self.home, "clone", "-q", str(self.origin), str(human))
+        git(top, "clone", "-q", str(self.origin), str(human))
         (human / "src").mkdir()
         (human / "src" / "calc.py").write_text(BUGGY)
         (human / "tests").mkdir()
@@ -83,16 +71,16 @@ class Project:
         for path in scope:
             args += ["--scope", path]
         assert engine(human, self.home, *args).returncode == 0
-        git(human, self.home, "add", "-A")
-        git(human, self.home, "commit", "-qm", "the plan")
-        git(human, self.home, "push", "-q", "origin", "main")
+        git(human, "add", "-A")
+        git(human, "commit", "-qm", "the plan")
+        git(human, "push", "-q", "origin", "main")
 
     def agent(self, cheat=None, fix=False):
         """The agent's branch `pr`: `cheat(tree)` changes the tree, the plan is completed (each
         checkpoint runs the frozen checks in that tree), all of it committed and pushed."""
         tree = self.top / "agent"
-        git(self.top, self.home, "clone", "-q", str(self.origin), str(tree))
-        git(tree, self.home, "checkout", "-q", "-b", "pr")
+        git(self.top, "clone", "-q", str(self.origin), str(tree))
+        git(tree, "checkout", "-q", "-b", "pr")
         if fix:
             (tree / "src" / "calc.py").write_text(FIXED)
         if cheat:
@@ -102,15 +90,15 @@ class Project:
             r = engine(tree, self.home, "checkpoint", "--id", sid, "--status", "complete",
                        "--evidence", "the tests pass")
             assert r.returncode == 0, r  # the cheat works in the agent's own tree
-        git(tree, self.home, "add", "-A")
-        git(tree, self.home, "commit", "-qm", "the work")
-        git(tree, self.home, "push", "-q", "origin", "pr")
+        git(tree, "add", "-A")
+        git(tree, "commit", "-qm", "the work")
+        git(tree, "push", "-q", "origin", "pr")
         return tree
 
     def ci_clone(self):
         ci = self.top / "ci"
-        git(self.top, self.home, "clone", "-q", str(self.origin), str(ci))
-        git(ci, self.home, "checkout", "-q", "pr")
+        git(self.top, "clone", "-q", str(self.origin), str(ci))
+        git(ci, "checkout", "-q", "pr")
         return ci
 
     def action(self, **settings):
@@ -263,7 +251,7 @@ def test_attack_committed_bytecode_with_an_unchecked_hash_beside_an_unchanged_so
         py_compile.compile(str(fixed), cfile=str(target), dfile=str(tree / "src" / "calc.py"),
                            invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
         fixed.unlink()
-        git(tree, project.home, "add", "-f", str(target))  # committed despite .gitignore
+        git(tree, "add", "-f", str(target))  # committed despite .gitignore
     project.agent(cheat)
     action, _ = fails_ci(project)
     assert "__pycache__/calc." in action.stdout  # listed as not taken

@@ -18,27 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (ROOT, SCRIPT, Result, assert_refused, copy_engine, goals, ledger, make_plan,
-                      state_files)
+from conftest import (ROOT, SCRIPT, Result, assert_refused, copy_engine, forge, git, goals, ledger,
+                      make_plan, raw_lines, rechain, run_cli, state_files, write_lines)
 
 BAR = ["audit", "--base", "main", "--require-complete", "--require-witnessed", "--rerun", "all"]
 CHECK_PY = "import sys\nsys.exit(0 if open('impl.txt').read().strip() == 'done' else 1)\n"
 FINAL_CHECK = "python3 check.py"
 HAS_SSH_KEYGEN = shutil.which("ssh-keygen") is not None
-
-
-def git(repo, *args):
-    p = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, env=git_env())
-    assert p.returncode == 0, p
-    return p.stdout.decode()
-
-
-def git_env():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GIT_", "FABLIZE_"))}
-    env.update(GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.com", GIT_COMMITTER_NAME="t",
-               GIT_COMMITTER_EMAIL="t@example.com", GIT_CONFIG_NOSYSTEM="1",
-               GIT_CONFIG_GLOBAL=os.devnull)
-    return env
 
 
 def commit_all(repo, message="work"):
@@ -102,10 +88,8 @@ class Work:
         return Result(code, out.out, out.err)
 
     def ci(self, *args, env=None):
-        p = subprocess.run([sys.executable, "-I", str(self.engine), *[str(a) for a in args]],
-                           cwd=str(self.repo), capture_output=True, env=env or clean_env(self.top))
-        return Result(p.returncode, p.stdout.decode("utf-8", "replace"),
-                      p.stderr.decode("utf-8", "replace"))
+        return run_cli(*args, cwd=self.repo, engine=self.engine, isolated=True,
+                       env=env or clean_env(self.top), inherit=False)
 
     def ci_json(self, *args):
         r = self.ci("--json", *args)
@@ -129,51 +113,16 @@ class Work:
                                                          "ledger.jsonl").rstrip("\n").split("\n"))
 
     def forge(self, **fields):
-        """Append a correctly chained event, as a forger who read the design would."""
-        path = self.dir / "ledger.jsonl"
-        lines = path.read_bytes().split(b"\n")[:-1]
-        ev = shaped({"seq": len(lines) + 1, "ts": goals.now_iso(), **fields,
-                     "prev": goals.sha256_hex(lines[-1])})
-        with open(path, "ab") as f:
-            f.write(goals.dumps(ev).encode("utf-8") + b"\n")
-        return ev["seq"]
+        return forge(self.dir, **fields)
 
     def rebuild(self):
         (self.dir / "goals.json").unlink()
         assert self.agent("rebuild").code == 0
 
 
-def shaped(ev):
-    """The event with every field fablize writes for its kind (a forger who read the design
-    writes them all, so the rule under test is what speaks, not a missing field)."""
-    if ev["event"] == "verify_run":
-        ev = dict({"cwd": "/tmp", "started": ev["ts"], "git_head": None, "git_dirty": None,
-                   "log": "AUTO"}, **ev)
-        if ev["log"] == "AUTO":
-            ev["log"] = f"runs/{ev['seq']}-{ev['id']}.log"
-    elif ev["event"] == "checkpoint":
-        ev = dict({"verify_cmd": "", "verify_evidence": ""}, **ev)
-    elif ev["event"] == "story_started":
-        ev = dict({"title": "S1", "agent": None}, **ev)
-    return ev
-
-
 @pytest.fixture
 def work(tmp_path, template, monkeypatch, capsys):
     return Work(tmp_path, template, monkeypatch, capsys)
-
-
-def rechain(lines, start):
-    """Lines from index `start` on re-chained after an edit (seq kept, prev recomputed)."""
-    out = list(lines[:start])
-    head = goals.sha256_hex(out[-1]) if out else goals.ZERO_HASH
-    for line in lines[start:]:
-        ev = json.loads(line)
-        ev["prev"] = head
-        line = goals.dumps(ev).encode("utf-8")
-        head = goals.sha256_hex(line)
-        out.append(line)
-    return out
 
 
 def fake_program_dir(tmp_path):
@@ -386,18 +335,11 @@ def test_attack_run_without_a_log_fails_require_logs_and_the_ci_audit(work):
     r = work.ci(*BAR)
     assert r.code == 1 and "re-run failed — G002" in r.err, r
     # and a run with no log path at all is no run fablize writes: damage, at its line
-    lines = (work.dir / "ledger.jsonl").read_bytes().split(b"\n")[:-1]
-    forged = [json.loads(x) for x in lines]
+    forged = ledger(work.dir)
     run_line = next(i for i, ev in enumerate(forged) if ev["event"] == "verify_run"
                     and ev["id"] == "G002")
     forged[run_line]["log"] = None
-    prev = forged[run_line - 1] and goals.sha256_hex(lines[run_line - 1])
-    out = lines[:run_line]
-    for ev in forged[run_line:]:
-        ev["prev"] = prev
-        out.append(goals.dumps(ev).encode())
-        prev = goals.sha256_hex(out[-1])
-    (work.dir / "ledger.jsonl").write_bytes(b"".join(x + b"\n" for x in out))
+    write_lines(work.dir, rechain(raw_lines(work.dir)[:run_line] + forged[run_line:]))
     commit_all(work.repo)
     r = work.ci(*BAR)
     assert r.code == 3 and f"ledger.jsonl line {run_line + 1}: malformed verify_run" in r.err, r
@@ -517,12 +459,8 @@ def test_attack_checkpoint_on_a_story_another_agent_holds_is_refused(fab):
 def test_forged_checkpoint_on_a_held_story_is_caught_by_audit(fab):
     make_plan(fab, 2)
     assert fab("next", "--agent", "alice").code == 0
-    lines = (fab.dir / "ledger.jsonl").read_bytes().split(b"\n")[:-1]
-    ev = {"seq": len(lines) + 1, "ts": goals.now_iso(), "event": "checkpoint", "id": "G001",
-          "status": "complete", "evidence": "x", "verify_cmd": "", "verify_evidence": "",
-          "prev": goals.sha256_hex(lines[-1])}
-    with open(fab.dir / "ledger.jsonl", "ab") as f:
-        f.write(goals.dumps(ev).encode() + b"\n")
+    forge(fab.dir, event="checkpoint", id="G001", status="complete", evidence="x",
+          verify_cmd="", verify_evidence="")
     r = fab("audit")
     assert r.code == 3 and "held by agent alice" in r.err, r
 
@@ -540,11 +478,8 @@ def test_the_executor_recorded_is_whoever_checkpointed(fab):
 
 
 def forge_fab(fab, **fields):
-    lines = (fab.dir / "ledger.jsonl").read_bytes().split(b"\n")[:-1]
-    ev = shaped({"seq": len(lines) + 1, "ts": goals.now_iso(), **fields,
-                 "prev": goals.sha256_hex(lines[-1])})
-    with open(fab.dir / "ledger.jsonl", "ab") as f:
-        f.write(goals.dumps(ev).encode("utf-8") + b"\n")
+    """A forged event appended, and the snapshot rebuilt from the ledger that holds it."""
+    forge(fab.dir, **fields)
     (fab.dir / "goals.json").unlink()
     return fab("rebuild")
 
@@ -687,13 +622,12 @@ def test_decision_signed_with_a_key_the_pull_request_added_fails(work):
 @needs_ssh
 def test_note_edited_after_signing_fails(work):
     block_and_accept(work, "--sign", work.keys / "alice", "--signer", "alice")
-    path = work.dir / "ledger.jsonl"
-    lines = path.read_bytes().split(b"\n")[:-1]
+    lines = raw_lines(work.dir)
     i = next(n for n, line in enumerate(lines) if b'"decision"' in line)
     ev = json.loads(lines[i])
     ev["note"] = "approved by the whole team"
     lines[i] = goals.dumps(ev).encode()
-    path.write_bytes(b"".join(x + b"\n" for x in rechain(lines, i)))
+    write_lines(work.dir, rechain(lines))
     work.rebuild()
     commit_all(work.repo)
     assert work.ci("audit").code == 0  # re-chained: legal on its own

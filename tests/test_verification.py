@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPT, goals, ledger, make_plan, run_cli, snapshot, state_files
+from conftest import (SCRIPT, assert_refused, git, goals, ledger, make_plan, run_cli, snapshot,
+                      state_files)
 
 # Bounds for "ends within its timeout (+ a few seconds)": generous, so a loaded machine does not
 # fail them, yet far below the time the hostile command would take if it were not stopped.
@@ -51,16 +52,6 @@ def sha256_file(path):
 
 def ok(r):
     assert r.code == 0, r
-    return r
-
-
-def assert_refused(fab, args, message, code=1):
-    """A refusal: exit code, message on stderr, and not one state file changed."""
-    before = state_files(fab.dir)
-    r = fab(*args)
-    assert r.code == code, r
-    assert message in r.err, r
-    assert state_files(fab.dir) == before
     return r
 
 
@@ -126,12 +117,6 @@ def kill_pid_file(path):
 
 needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self") or os.name == "nt",
                                 reason="process checks use /proc and POSIX process groups")
-
-
-def git(root, *args):
-    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com",
-                           "-c", "commit.gpgsign=false", *args], cwd=str(root), check=True,
-                          capture_output=True, stdin=subprocess.DEVNULL).stdout.decode().strip()
 
 
 # 1. The engine runs the verification itself ####################################
@@ -208,7 +193,7 @@ def test_run_records_git_head_and_whether_the_tree_was_dirty(fab):
     (fab.root / "README").write_text("hello\n")
     git(fab.root, "add", "README")
     git(fab.root, "commit", "-q", "-m", "init")
-    head = git(fab.root, "rev-parse", "HEAD")
+    head = git(fab.root, "rev-parse", "HEAD").strip()
     make_plan(fab, 2)
     start(fab, "G001")
     ok(fab(*checkpoint("--run", "--verify-cmd", "true")))
@@ -264,7 +249,7 @@ def test_run_makes_verify_evidence_optional_on_the_final_story(fab):
 def test_run_without_verify_cmd_is_a_usage_error(fab):
     make_plan(fab, 1)
     start(fab, "G001")
-    assert_refused(fab, checkpoint("--run"), "--run needs --verify-cmd", code=2)
+    assert_refused(fab, checkpoint("--run"), 2, "--run needs --verify-cmd")
 
 
 def test_json_checkpoint_with_run_prints_one_json_object_and_streams_to_stderr(fab):
@@ -298,7 +283,7 @@ def test_verify_refuses_with_exit_1_when_a_check_fails_and_records_the_run(fab):
 
 def test_verify_without_checks_or_command_is_refused(fab):
     make_plan(fab, 2)
-    assert_refused(fab, ["verify", "--id", "G001"], "G001 has no frozen checks")
+    assert_refused(fab, ["verify", "--id", "G001"], 1, "G001 has no frozen checks")
 
 
 # 2. Checks frozen up front #####################################################
@@ -366,7 +351,7 @@ def test_require_run_refuses_a_claimed_final_result(fab):
     make_plan(fab, 1, "--require-run")
     assert ok(fab("status", "--json")).json["options"]["require_run"] is True
     start(fab, "G001")
-    assert_refused(fab, checkpoint("--verify-cmd", "true", "--verify-evidence", "3 passed"),
+    assert_refused(fab, checkpoint("--verify-cmd", "true", "--verify-evidence", "3 passed"), 1,
                    "this plan requires a witnessed run")
     r = ok(fab(*checkpoint("--run", "--verify-cmd", "true")))
     assert "fablize: all stories complete ✓" in r.out
@@ -612,9 +597,9 @@ def test_blocked_story_halts_the_plan_until_a_human_decides(fab, how):
     else:
         ok(fab(*checkpoint(status="failed", evidence="no luck")))
     assert story(fab, "G001")["status"] == "blocked"
-    r = assert_refused(fab, ["next"], "G001 is blocked")
+    r = assert_refused(fab, ["next"], 1, "G001 is blocked")
     assert "the plan halts here" in r.err and "A human must decide: goals.py decide --id G001" in r.err
-    assert_refused(fab, ["next", "--agent", "other"], "A human must decide")
+    assert_refused(fab, ["next", "--agent", "other"], 1, "A human must decide")
     out = ok(fab("status")).out
     assert "G001 is blocked (" in out and "A human must decide: goals.py decide --id G001" in out
 
@@ -623,7 +608,7 @@ def test_decide_accept_counts_as_done_and_dependents_proceed(fab):
     make_plan(fab, 2)
     start(fab, "G001")
     ok(fab(*checkpoint(status="blocked", evidence="cannot be done as specified")))
-    assert_refused(fab, ["next"], "A human must decide")
+    assert_refused(fab, ["next"], 1, "A human must decide")
     r = ok(fab("decide", "--id", "G001", "accept", "--note", "good enough, shipping without it"))
     assert "G001 → accepted" in r.out
     s = story(fab, "G001")
@@ -677,8 +662,8 @@ def test_decide_requires_a_note(fab):
     make_plan(fab, 2)
     start(fab, "G001")
     ok(fab(*checkpoint(status="blocked", evidence="stuck")))
-    assert_refused(fab, ["decide", "--id", "G001", "accept"], "--note", code=2)
-    assert_refused(fab, ["decide", "--id", "G001", "accept", "--note", "   "],
+    assert_refused(fab, ["decide", "--id", "G001", "accept"], 2, "--note")
+    assert_refused(fab, ["decide", "--id", "G001", "accept", "--note", "   "], 1,
                    "a decision requires a non-empty --note")
     assert story(fab, "G001")["status"] == "blocked"
 
@@ -691,7 +676,7 @@ def test_decide_is_refused_on_a_story_that_is_not_blocked_failed_or_in_review(fa
     if state == "complete":
         ok(fab(*checkpoint()))
     assert story(fab, "G001")["status"] == state
-    assert_refused(fab, ["decide", "--id", "G001", "accept", "--note", "just do it"],
+    assert_refused(fab, ["decide", "--id", "G001", "accept", "--note", "just do it"], 1,
                    f"G001 is {state} — `decide` applies to a blocked, failed or in-review story")
 
 
@@ -726,11 +711,12 @@ def test_add_is_refused_once_the_final_story_has_started(fab):
     start(fab, "G001")
     ok(fab(*checkpoint()))
     start(fab, "G002")
-    assert_refused(fab, ["add", "--goal", "Late::too late"],
+    assert_refused(fab, ["add", "--goal", "Late::too late"], 1,
                    "the final story G002 is in_progress — stories can be added only before "
                    "verification starts")
     ok(fab(*checkpoint("--verify-cmd", "true", "--verify-evidence", "ok", sid="G002")))
-    assert_refused(fab, ["add", "--goal", "Later::even later"], "the final story G002 is complete")
+    assert_refused(fab, ["add", "--goal", "Later::even later"], 1,
+                   "the final story G002 is complete")
 
 
 # 7. The Bar ####################################################################
@@ -1041,7 +1027,7 @@ def test_round_trip_fail_reopen_fail_fail_blocked_retry_complete(fab):
     status = ok(fab("status")).out
     assert "■ G001 [blocked]" in status and "round 3, 0 left" in status
     assert "rounds exhausted (3 of 3) — a human must decide" in status
-    assert_refused(fab, ["next"], "A human must decide")
+    assert_refused(fab, ["next"], 1, "A human must decide")
     # the human retries with feedback; the story resumes and completes
     ok(fab("decide", "--id", "G001", "retry", "--note", "write fixed.flag from the build step"))
     h = start(fab, "G001").out

@@ -12,19 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (ENGINE_PYTHON, ROOT, SCRIPT, assert_refused, complete, copy_engine, ledger,
-                      make_plan, state_files)
+from conftest import (ENGINE_PYTHON, ROOT, SCRIPT, assert_refused, complete, copy_engine, git,
+                      ledger, make_plan, state_files)
 
 import goals
 
 # what setup writes for a repository holding the engine: its launcher, with the bytecode cached
 PORTABLE = 'python3 -I -S "$(git rev-parse --show-toplevel)/scripts/fablize.py"'
-
-
-def git(*args, cwd):
-    p = subprocess.run(["git", *args], cwd=str(cwd), capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0, p.stderr
-    return p.stdout
 
 
 @pytest.fixture
@@ -45,11 +39,11 @@ def repo(tmp_path, home):
     copy_engine(root / "scripts")
     (root / "src" / "deep").mkdir(parents=True)
     (root / "src" / "deep" / "x.txt").write_text("x\n")
-    git("init", "-q", cwd=root)
-    git("config", "user.email", "t@example.com", cwd=root)
-    git("config", "user.name", "t", cwd=root)
-    git("add", "-A", cwd=root)
-    git("commit", "-qm", "init", cwd=root)
+    git(root, "init", "-q")
+    git(root, "config", "user.email", "t@example.com")
+    git(root, "config", "user.name", "t")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "init")
     return root
 
 
@@ -314,8 +308,8 @@ def test_after_a_plan_a_run_and_a_decide_git_shows_only_files_to_commit(repo, ho
     for litter in ("lock.owner", "ledger.jsonl.broken", "goals.json.tmp-123-abcd"):
         (state / litter).write_text("x")  # what a crash or the lock fallback leaves
     assert (state / "lock").exists()
-    shown = sorted(line[3:] for line in git("status", "--porcelain", "--untracked-files=all",
-                                            cwd=repo).splitlines())
+    shown = sorted(line[3:] for line in git(repo, "status", "--porcelain",
+                                            "--untracked-files=all").splitlines())
     assert [x for x in shown if not x.startswith(".fablize/runs/")] == \
         [".fablize/.gitignore", ".fablize/goals.json", ".fablize/ledger.jsonl"]
     assert [x for x in shown if x.startswith(".fablize/runs/")]  # run logs are evidence: kept
