@@ -140,12 +140,49 @@ def complete(fab, sid, final=False):
     return r
 
 
+def start(fab, sid, *extra):
+    """`next` (with `extra`), which must hand out the story `sid`."""
+    r = fab("next", *extra)
+    assert r.code == 0 and f"handoff — {sid} " in r.out, r
+    return r
+
+
+def two_stories_second_active(fab, *extra):
+    """A plan of two stories (`extra` passed to create): G001 complete, G002, the final story,
+    in progress."""
+    make_plan(fab, 2, *extra)
+    complete(fab, "G001")
+    start(fab, "G002")
+
+
+STORY_ROW = re.compile(r"^  (\S) (G\d{3}) \[(\w+)\] (.*)$")
+
+
+def rows(out):
+    """The `  MARK ID [status] title` lines of a status output, as tuples."""
+    return [m.groups() for m in map(STORY_ROW.match, out.splitlines()) if m]
+
+
+RAW_CONTROLS = ("\x1b", "\r", "\x07", "\x00", "\x7f", "\x9b", "\u202e")
+
+
+def assert_escaped(text):
+    """No raw terminal control (escape, CR, bell, NUL, DEL, CSI, a bidi override) in `text`."""
+    for c in RAW_CONTROLS:
+        assert c not in text, f"raw {c!r} in output: {text!r}"
+
+
 def snapshot(state_dir):
     """goals.json, its stories with every field (the snapshot holds only those that differ from
     their defaults): what a test reads of a story."""
     snap = json.loads((Path(state_dir) / "goals.json").read_text(encoding="utf-8"))
     snap["goals"] = [goals.touch(story) for story in snap["goals"]]
     return snap
+
+
+def story(state_dir, sid):
+    """The story `sid` of the snapshot, with every field."""
+    return next(s for s in snapshot(state_dir)["goals"] if s["id"] == sid)
 
 
 def ledger(state_dir):

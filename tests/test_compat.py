@@ -8,13 +8,11 @@ refusals 1, damage 3). A `.fablize/` written by the original tool is imported.
 
 import hashlib
 import json
-import re
 
 import pytest
 
-from conftest import SCRIPT, assert_refused, complete, ledger, make_plan, run_cli, state_files
+from conftest import SCRIPT, assert_refused, complete, ledger, make_plan, rows, run_cli, state_files
 
-STORY_ROW = re.compile(r"^  (\S) (G\d{3}) \[(\w+)\] (.*)$")
 
 NO_PLAN = "no plan — run `create` first."
 PLAN_EXISTS = "a plan already exists. Check it with `status`, or replace it with --force."
@@ -22,11 +20,6 @@ NO_EVIDENCE = "a complete checkpoint requires non-empty --evidence."
 GATE = ("the final story cannot complete without --verify-cmd and --verify-evidence "
         "(verification gate).")
 RULE = "Rule: work this story only. Produce evidence as you go."
-
-
-def rows(out):
-    """The `  MARK ID [status] title` lines of a status output, as tuples."""
-    return [m.groups() for m in map(STORY_ROW.match, out.splitlines()) if m]
 
 
 def refused_with(r, code, message):

@@ -5,17 +5,11 @@ import json
 import re
 
 import goals
-from conftest import assert_refused, complete, ledger, make_plan, snapshot
+from conftest import assert_refused, complete, ledger, make_plan, snapshot, start
 
 
 def stories(fab):
     return {s["id"]: s for s in fab("--json", "status").json["stories"]}
-
-
-def start(fab, sid):
-    r = fab("next")
-    assert r.code == 0 and f"handoff — {sid}" in r.out, r
-    return r
 
 
 # Item 2 and 3: grades; a plan finished by a human never reads as plainly complete ###########
