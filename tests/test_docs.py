@@ -477,6 +477,25 @@ def test_readme_keeps_the_adversarial_and_benchmark_sections():
     assert "## Performance" in lines
 
 
+def test_every_test_the_readme_tables_name_exists():
+    """The attack tables of "What it refuses, what it detects" name a test (or `test_x_*`, a
+    family) for every row and the files that hold them: a test renamed, merged or moved cannot
+    leave a row pointing nowhere."""
+    text = section(read(README), "## What it refuses, what it detects")
+    trust = text.split("### Attacks on the CI audit", 1)[1].split("### Limits", 1)[0]
+    assert re.findall(r"`(test_[a-z0-9_]+)`", trust)
+    tests = ROOT / "tests"
+    defined = {name for path in tests.glob("test_*.py")
+               for name in re.findall(r"^\s*def (test_[a-z0-9_]+)", read(path), re.M)}
+    for name in set(re.findall(r"`(test_[a-z0-9_]+\*?)`", text)):
+        if name.endswith("*"):
+            assert any(d.startswith(name[:-1]) for d in defined), name
+        else:
+            assert name in defined, name
+    for path in set(re.findall(r"`(tests/test_[a-z0-9_]+\.py)`", text)):
+        assert (ROOT / path).is_file(), path
+
+
 def test_readme_documents_every_json_field_the_commands_print(tmp_path, monkeypatch, capsys):
     """Walk a plan through every command with --json and collect the top-level fields: each is
     a row of README's JSON table (one meaning, one type — the table says which)."""

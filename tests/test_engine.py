@@ -4,6 +4,7 @@ that take no lock, one answer to "what next", and nothing that waits on a FIFO."
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -11,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (SCRIPT, complete, goals, ledger, make_plan, rechain, run_cli, state_files,
-                      write_lines)
+from conftest import (SCRIPT, complete, git, goals, ledger, make_plan, raw_lines, rechain, run_cli,
+                      state_files, write_lines)
 
 
 
@@ -82,6 +83,28 @@ def test_the_untouched_history_passes_every_reader(history):
     rewrite_event(history.dir, lambda e: None, 1)  # re-chaining alone changes nothing
     for args in (["audit"], ["log"], ["report"], ["rebuild"], ["status"]):
         assert history(*args).code == 0, args
+
+
+def test_a_non_finite_run_duration_is_damage_not_invalid_json(tmp_path):
+    """duration_s 1e999 passes `ev["duration_s"] < 0`: replay accepted it, and status/log --json
+    then printed `Infinity`, which is not JSON (RFC 8259; jq, JSON.parse and Go refuse it).
+    Failed before its fix."""
+    git(tmp_path, "init", "-q")
+    assert run_cli("create", "--brief", "b", "--goal", "x::y", "--check", "G001=false",
+                   cwd=tmp_path).code == 0
+    assert run_cli("next", cwd=tmp_path).code == 0
+    run_cli("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "ok", cwd=tmp_path)
+    state = tmp_path / ".fablize"
+    write_lines(state, rechain([re.sub(rb'"duration_s":[0-9.e-]+', b'"duration_s":1e999', line)
+                                for line in raw_lines(state)]))
+    (state / "goals.json").unlink()
+    r = run_cli("rebuild", cwd=tmp_path)
+    assert r.code == 3, r
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+    for cmd in (["status", "--json"], ["log", "--json"]):
+        strict(run_cli(*cmd, cwd=tmp_path).out)
 
 
 @pytest.mark.parametrize("args", [["status"], ["next"], ["log"], ["report"], ["audit"],

@@ -2,6 +2,7 @@
 sets up (one .gitattributes line, one git config entry). Real git repositories."""
 
 import json
+import os
 
 import pytest
 
@@ -124,3 +125,48 @@ def test_install_merge_writes_its_one_line_once(repo):
     assert fab(repo, "install-merge").code == 0
     assert (repo / ".gitattributes").read_text() == "/.fablize/** merge=fablize\n"
     assert "merge-driver %O %A %B %P" in git(repo, "config", "merge.fablize.driver")
+
+
+# The driver given what no engine wrote: one line or one JSON object, never a traceback #####
+
+
+def test_merge_driver_with_a_torn_non_utf8_line_is_one_line(tmp_path):
+    """Theirs: a base's ledger (a started plan) with a torn, non-UTF-8 last line; ours: another,
+    completed plan. Failed before its fix."""
+    base = tmp_path / "base"
+    git(tmp_path, "init", "-q", str(base))
+    assert fab(base, "create", "--brief", "make DONE", "--goal", "one::make DONE", "--goal",
+               "two::make DONE2", "--check", "G001=test -f DONE",
+               "--check", "G002=test -f DONE2").code == 0
+    assert fab(base, "next").code == 0
+    theirs = tmp_path / "theirs.jsonl"
+    theirs.write_bytes((base / ".fablize" / "ledger.jsonl").read_bytes() + b"\xff\xfe{")
+    other = tmp_path / "other"
+    git(tmp_path, "init", "-q", str(other))
+    assert fab(other, "create", "--brief", "swap", "--goal", "x::trivial",
+               "--check", "G001=true").code == 0
+    assert fab(other, "next").code == 0
+    assert fab(other, "checkpoint", "--id", "G001", "--status", "complete",
+               "--evidence", "ok").code == 0
+    ours = tmp_path / "ours.jsonl"
+    ours.write_bytes((other / ".fablize" / "ledger.jsonl").read_bytes())
+    r = fab(base, "merge-driver", os.devnull, str(ours), str(theirs), ".fablize/ledger.jsonl",
+            "--json")
+    assert "Traceback" not in r.err, r
+    json.loads(r.out)
+
+
+@pytest.mark.parametrize("ours,theirs", [
+    ({"plan_id": "a", "ledger": {"seq": "5"}, "created": "x"},
+     {"plan_id": "a", "ledger": {"seq": 3}, "created": "x"}),
+    ({"plan_id": "a", "ledger": {"seq": 1}, "created": 1},
+     {"plan_id": "b", "ledger": {"seq": 3}, "created": "x"})])
+def test_merge_driver_with_wrongly_typed_snapshot_keys_is_one_line(tmp_path, ours, theirs):
+    """merge_snapshots compares seq / created of either side without checking their types.
+    Failed before its fix."""
+    (tmp_path / "o.json").write_text(json.dumps(ours))
+    (tmp_path / "t.json").write_text(json.dumps(theirs))
+    r = run_cli("merge-driver", os.devnull, "o.json", "t.json", ".fablize/goals.json", "--json",
+                cwd=tmp_path)
+    assert "Traceback" not in r.err, r.err
+    json.loads(r.out)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import (ENGINE_PYTHON, ROOT, SCRIPT, assert_refused, complete, copy_engine, git,
-                      ledger, make_plan, state_files)
+                      ledger, make_plan, run_cli, state_files)
 
 import goals
 
@@ -288,6 +288,62 @@ def test_setup_refuses_a_settings_file_that_is_not_json(repo, home):
     code, out, err = script(repo, home, "setup")
     assert code == 1 and "settings.json is not valid JSON" in err
     assert not (repo / "CLAUDE.md").exists()
+
+
+# Hostile files and payloads: one line or one JSON object, never a traceback or a hang ######
+#
+# Each failed before its fix. A hang is bounded by run_cli's 120-second guard, not by a short
+# timeout a loaded machine could exceed: the fixed engine answers at once.
+
+
+@pytest.mark.parametrize("cmd", [["guard"], ["observe"], ["guard", "--json"]])
+def test_a_hook_payload_cwd_with_a_nul_is_no_traceback(tmp_path, cmd):
+    git(tmp_path, "init", "-q")
+    payload = json.dumps({"cwd": str(tmp_path) + "\x00x", "tool_name": "Bash",
+                          "tool_input": {"command": "pytest -q"}}).encode()
+    r = run_cli(*cmd, cwd=tmp_path, input=payload)
+    assert "Traceback" not in r.err, r
+
+
+@pytest.mark.parametrize("cmd,rel", [(["setup", "claude"], ".claude/settings.json"),
+                                     (["setup", "claude"], ".claude/settings.local.json"),
+                                     (["doctor", "claude"], ".claude/settings.json"),
+                                     (["doctor", "claude"], "CLAUDE.md")])
+def test_setup_and_doctor_do_not_hang_on_a_fifo(tmp_path, cmd, rel):
+    git(tmp_path, "init", "-q")
+    (tmp_path / ".claude").mkdir()
+    os.mkfifo(tmp_path / rel)
+    r = run_cli(*cmd, "--json", cwd=tmp_path, input=b"")  # a reader of the FIFO would wait
+    json.loads(r.out)
+
+
+@pytest.mark.parametrize("cmd,rel", [(["setup", "claude"], ".claude/settings.local.json"),
+                                     (["doctor", "claude"], "CLAUDE.md")])
+def test_setup_and_doctor_do_not_read_an_endless_file(tmp_path, cmd, rel):
+    """A symlink to /dev/zero is read whole (open().read()): MemoryError, or all memory."""
+    git(tmp_path, "init", "-q")
+    (tmp_path / ".claude").mkdir()
+    os.symlink("/dev/zero", tmp_path / rel)
+    r = subprocess.run(["bash", "-c", 'ulimit -v 1500000; exec "$@"', "x", sys.executable,
+                        str(SCRIPT), *cmd, "--json"], cwd=tmp_path, capture_output=True,
+                       timeout=120)
+    assert b"Traceback" not in r.stderr, r
+    json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("agent,folder", [("claude", ".claude"), ("gemini", ".gemini")])
+def test_setup_does_not_write_through_a_symlinked_settings_folder(tmp_path, agent, folder):
+    """project_file refuses a symlinked settings.json, not a symlinked .claude/: a hostile
+    repository's `.claude -> ~/.claude` makes `setup` register hooks in the user's global
+    settings (every other project then runs them)."""
+    repo, outside = tmp_path / "repo", tmp_path / "outside"
+    repo.mkdir()
+    outside.mkdir()
+    git(repo, "init", "-q")
+    os.symlink(outside, repo / folder)
+    r = run_cli("setup", agent, "--json", cwd=repo)
+    assert not (outside / "settings.json").exists(), r.out  # failed before its fix
+    assert r.code == 1 and r.json["error"]["code"] == "symlink"
 
 
 # git sees only what is meant to be committed ###############################
