@@ -588,10 +588,9 @@ def test_lock_timeout_is_exit_3_with_a_clear_message_and_no_change(fab, held_loc
     assert state_files(fab.dir) == before
     r = fab(*checkpoint, "--json")
     assert r.code == 3 and r.json["error"]["code"] == "lock_timeout" and r.json["ok"] is False
+    monkeypatch.setenv("FABLIZE_LOCK_TIMEOUT", "0")  # a reader that waited for it would fail
     for read_only in (["status"], ["audit"], ["log"], ["report"]):  # readers take no lock
-        started = time.monotonic()
         assert fab(*read_only).code == 0
-        assert time.monotonic() - started < 1
     assert state_files(fab.dir) == before
     fcntl.flock(held_lock, fcntl.LOCK_UN)
     r = fab(*checkpoint)

@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -115,9 +114,7 @@ def test_a_fifo_in_place_of_the_ledger_is_damage_and_never_a_hang(fab, args):
     make_plan(fab, 2)
     (fab.dir / "ledger.jsonl").unlink()
     os.mkfifo(fab.dir / "ledger.jsonl")
-    started = time.monotonic()
-    r = run_cli(*args, cwd=fab.root, timeout=20)
-    assert time.monotonic() - started < 10
+    r = run_cli(*args, cwd=fab.root)  # a read of the FIFO would wait for a writer: run_cli's guard
     assert r.code == 3, r
     assert "ledger.jsonl is not a regular file" in r.err and r.err.count("\n") == 1, r
 
@@ -127,7 +124,7 @@ def test_a_fifo_in_place_of_the_snapshot_is_damage_and_never_a_hang(fab):
     (fab.dir / "goals.json").unlink()
     os.mkfifo(fab.dir / "goals.json")
     for args in (["status"], ["next"], ["audit"]):
-        r = run_cli(*args, cwd=fab.root, timeout=20)
+        r = run_cli(*args, cwd=fab.root)
         assert r.code == 3 and "goals.json is not a regular file" in r.err, (args, r)
 
 
@@ -191,10 +188,9 @@ def test_readers_answer_while_a_writer_holds_the_lock(fab):
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
         for args in (["status"], ["log"], ["report"], ["audit"], ["judge-packet", "--id", "G001"]):
-            started = time.monotonic()
-            r = run_cli(*args, cwd=fab.root, env={"FABLIZE_LOCK_TIMEOUT": "5"})
+            # no wait for the lock: one that tried it would give up at once, exit 3
+            r = run_cli(*args, cwd=fab.root, env={"FABLIZE_LOCK_TIMEOUT": "0"})
             assert r.code == 0, (args, r)
-            assert time.monotonic() - started < 1.5, args
     finally:
         os.close(fd)
 
