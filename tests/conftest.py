@@ -186,7 +186,8 @@ def story(state_dir, sid):
 
 
 def ledger(state_dir):
-    return [json.loads(line) for line in (Path(state_dir) / "ledger.jsonl").read_text().splitlines()]
+    text = (Path(state_dir) / "ledger.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines()]
 
 
 def assert_refused(fab, args, exit_code, *fragments, error=None):

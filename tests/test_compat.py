@@ -97,8 +97,8 @@ def test_script_written_for_the_original_cli_runs_unchanged(project):
     lines = r.out.splitlines()
     assert lines[0] == "=== fablize handoff — G003 Verify"
     assert any(line.startswith("★ Final story — ") for line in lines), r
-    assert any(line.startswith(f'On completion: python3 {SCRIPT} checkpoint --id G003 --status complete '
-                               '--evidence "<evidence>"') for line in lines), r
+    assert any(line.startswith(f'On completion: python3 {SCRIPT} checkpoint --id G003 '
+                               '--status complete --evidence "<evidence>"') for line in lines), r
     refused_with(run("checkpoint", "--id", "G003", "--status", "complete", "--evidence", "ran"),
                  1, GATE)
     refused_with(run("checkpoint", "--id", "G003", "--status", "complete", "--evidence", "ran",
@@ -139,7 +139,8 @@ def test_status_shows_every_mark_of_the_original(fab):
     assert fab("checkpoint", "--id", "G002", "--status", "failed", "--evidence", "no").code == 0
     look()                                          # ✗ failed
     assert fab("next").code == 0                    # reopened as round 2
-    assert fab("checkpoint", "--id", "G002", "--status", "blocked", "--evidence", "no key").code == 0
+    assert fab("checkpoint", "--id", "G002", "--status", "blocked",
+               "--evidence", "no key").code == 0
     look()                                          # ■ blocked
     assert seen == {"pending": {"·"}, "complete": {"✓"}, "in_progress": {"▶"},
                     "failed": {"✗"}, "blocked": {"■"}}

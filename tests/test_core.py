@@ -82,7 +82,8 @@ def test_next_while_a_story_is_in_progress_reprints_its_handoff_and_writes_nothi
     for _ in range(3):
         again = fab("next")
         assert again.code == 0, again
-        assert again.out.splitlines()[0] == first.out.splitlines()[0] == "=== fablize handoff — G001 S1"
+        assert again.out.splitlines()[0] == first.out.splitlines()[0] == \
+            "=== fablize handoff — G001 S1"
         assert "Resumed" in again.out and "Resumed" not in first.out
         assert "On completion: goals.py checkpoint --id G001" in again.out
         assert state_files(fab.dir) == before
@@ -94,7 +95,8 @@ def test_next_while_a_story_is_in_progress_reprints_its_handoff_and_writes_nothi
 
 
 def test_status_resumes_a_dead_session_from_the_files(project):
-    assert run_cli("create", "--brief", "b", "--goal", "a::x", "--goal", "b::y", cwd=project).code == 0
+    assert run_cli("create", "--brief", "b", "--goal", "a::x", "--goal", "b::y",
+                   cwd=project).code == 0
     assert run_cli("next", cwd=project).code == 0
     r = run_cli("status", cwd=project)        # a new process: only the files remember
     assert r.code == 0, r
@@ -716,7 +718,8 @@ def test_binary_looking_evidence_is_stored_and_shown_escaped(fab):
 
 
 def test_undecodable_argv_bytes_are_accepted_by_the_real_process(project):
-    assert run_cli("create", "--brief", "b", "--goal", "a::x", "--goal", "b::y", cwd=project).code == 0
+    assert run_cli("create", "--brief", "b", "--goal", "a::x", "--goal", "b::y",
+                   cwd=project).code == 0
     assert run_cli("next", cwd=project).code == 0
     env = {k: v for k, v in os.environ.items() if not k.startswith("FABLIZE_")}
     p = subprocess.run([sys.executable, str(SCRIPT), "checkpoint", "--id", "G001", "--status",

@@ -172,9 +172,10 @@ def engine_error_codes():
                 codes.setdefault(node.args[0].value, set()).add(goals.EXIT_REFUSED)  # trust gate
             elif name == "FablizeError" and len(node.args) > 2 and \
                     isinstance(node.args[1], ast.Constant):
-                exit_code = getattr(goals, node.args[2].id) if isinstance(node.args[2], ast.Name) \
-                    else getattr(goals, node.args[2].attr) if isinstance(node.args[2], ast.Attribute) \
-                    else node.args[2].value
+                arg = node.args[2]
+                exit_code = getattr(goals, arg.id) if isinstance(arg, ast.Name) \
+                    else getattr(goals, arg.attr) if isinstance(arg, ast.Attribute) \
+                    else arg.value
                 codes.setdefault(node.args[1].value, set()).add(exit_code)
         elif isinstance(node, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == "code"
                                                 for k in node.keys) and \
@@ -296,7 +297,9 @@ def test_block_file_is_exactly_the_block_the_engine_installs():
     expected = goals.room("setup").render_block(cli)
     assert read(BLOCK) == expected, \
         f"fablize-block.md drifted: regenerate it with goals.room('setup').render_block({cli!r})"
-    assert expected.startswith(goals.room("setup").BLOCK_BEGIN) and expected.rstrip("\n").endswith(goals.room("setup").BLOCK_END)
+    setup = goals.room("setup")
+    assert expected.startswith(setup.BLOCK_BEGIN)
+    assert expected.rstrip("\n").endswith(setup.BLOCK_END)
 
 
 def test_skill_front_matter_names_fablize_and_says_when_to_use_it():
@@ -311,7 +314,8 @@ def test_skill_front_matter_names_fablize_and_says_when_to_use_it():
     assert set(fields) <= {"name", "description", "license", "compatibility", "allowed-tools"}
     for key, value in fields.items():
         # plain YAML scalars: what the tiny reader returns is what a YAML parser returns
-        assert value and value[0] not in "-?:,[]{}#&*!|>'\"%@`", f"{key}: starts with a YAML indicator"
+        assert value and value[0] not in "-?:,[]{}#&*!|>'\"%@`", \
+            f"{key}: starts with a YAML indicator"
         assert ": " not in value and " #" not in value, f"{key}: not a plain YAML scalar"
 
 
@@ -415,11 +419,12 @@ def test_readme_hooks_snippet_matches_the_plugin_hooks():
     assert set(readme) == set(plugin) == {"Stop", "SessionStart", "PostToolUse",
                                           "PostToolUseFailure"}
     for event in plugin:
-        assert [g.get("matcher") for g in readme[event]] == [g.get("matcher") for g in plugin[event]]
+        assert [g.get("matcher") for g in readme[event]] == \
+            [g.get("matcher") for g in plugin[event]]
         # the program differs (the script in the project, the plugin's bin/fablize); the
         # arguments must not
-        args = [[re.split(r'goals\.py"|bin/fablize"', c, 1)[1].strip() for c in hook_commands(h, event)]
-                for h in (readme, plugin)]
+        args = [[re.split(r'goals\.py"|bin/fablize"', c, 1)[1].strip()
+                 for c in hook_commands(h, event)] for h in (readme, plugin)]
         assert args[0] == args[1], f"{event}: README runs {args[0]}, the plugin {args[1]}"
 
 

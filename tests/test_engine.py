@@ -5,13 +5,11 @@ import hashlib
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import (SCRIPT, complete, git, goals, ledger, make_plan, raw_lines, rechain, run_cli,
+from conftest import (git, goals, ledger, make_plan, raw_lines, rechain, run_cli,
                       state_files, write_lines)
 
 

@@ -65,8 +65,9 @@ def test_forged_evidence_starts_no_line_in_log_report_or_judge_packet(fab):
         assert r.code == 0, r
         assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f\u202a-\u202e]", r.out), (args, r.out)
         for line in r.out.split("\n"):
-            assert not re.match(r"\s*(fablize: (all stories|G002 →|3/3)|=== fablize handoff — G009)",
-                                line), (args, line)
+            assert not re.match(
+                r"\s*(fablize: (all stories|G002 →|3/3)|=== fablize handoff — G009)", line), \
+                (args, line)
 
 
 def test_title_with_a_newline_cannot_forge_a_status_row(fab):

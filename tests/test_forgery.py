@@ -236,7 +236,8 @@ def test_forged_passing_run_dated_before_the_activation_is_refused_on_replay(fab
                    f"ledger.jsonl line {seq + 1}: G002: frozen check 1 (`false`) has no run "
                    "since the story was activated.",
                    error="bad_event")
-    audit_fails(fab, code="bad_event", line=seq + 1, message="has no run since the story was activated")
+    audit_fails(fab, code="bad_event", line=seq + 1,
+                message="has no run since the story was activated")
 
 
 def test_forged_passing_run_without_its_log_passes_audit_with_only_a_missing_log_note(fab):

@@ -101,7 +101,8 @@ def test_frozen_check_cannot_be_replaced_by_the_agents_own_command(fab, substitu
     assert "has frozen checks: they run instead of --verify-cmd" in r.err, r
     after = ledger(fab.dir)
     # the frozen check ran (and failed, on the record); the substitute never ran
-    assert after[:len(before)] == before and [e["event"] for e in after[len(before):]] == ["verify_run"]
+    assert after[:len(before)] == before
+    assert [e["event"] for e in after[len(before):]] == ["verify_run"]
     run = after[-1]
     assert run["cmd"] == "false" and run["check"] == 0 and run["exit_code"] == 1
     assert not run_of(after, event="verify_run", cmd="true")
@@ -144,7 +145,8 @@ def test_run_started_before_the_story_was_reopened_does_not_count(fab):
     assert fab("next").code == 0
     r = fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "green")
     assert r.code == 1, r
-    assert "G001: frozen check 1" in r.err and "has no run since the story was activated" in r.err, r
+    assert "G001: frozen check 1" in r.err, r
+    assert "has no run since the story was activated" in r.err, r
     events = ledger(fab.dir)
     assert [e["event"] for e in events] == ["plan_created", "story_started", "checkpoint",
                                             "story_started", "verify_run"]
@@ -184,7 +186,8 @@ def test_judging_your_own_unnamed_work_is_caught_by_audit_require_independent_ju
     """Without --agent the engine cannot know who worked; `audit` names the verdict."""
     make_plan(fab, 2, "--judge", "G001")
     assert fab("next").code == 0
-    assert fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "did it").code == 0
+    assert fab("checkpoint", "--id", "G001", "--status", "complete",
+               "--evidence", "did it").code == 0
     r = fab("verdict", "--id", "G001", "achieved", "--evidence", "fine", "--agent", "me")
     assert r.code == 0, r
     assert fab("audit").code == 0
@@ -198,7 +201,8 @@ def test_judging_your_own_unnamed_work_is_caught_by_audit_require_independent_ju
 def test_decide_requires_a_note(fab):
     make_plan(fab, 2)
     start(fab, "G001")
-    assert fab("checkpoint", "--id", "G001", "--status", "blocked", "--evidence", "no access").code == 0
+    assert fab("checkpoint", "--id", "G001", "--status", "blocked",
+               "--evidence", "no access").code == 0
     assert_refused(fab, ["decide", "--id", "G001", "accept"], 2,
                    "the following arguments are required: --note", error="usage")
     for note in ("", "  ", "   ", "\n"):

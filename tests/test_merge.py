@@ -54,7 +54,8 @@ def test_two_branches_completing_different_plans_merge_and_both_audit_with_their
     git(repo, "commit", "-qm", "b")
     assert "CONFLICT" not in git(repo, "merge", "a", "-m", "merge a")
     assert git(repo, "status", "--porcelain") == ""
-    current = json.loads((repo / ".fablize" / "ledger.jsonl").read_text().splitlines()[0])
+    first = (repo / ".fablize" / "ledger.jsonl").read_text().splitlines()[0]
+    assert json.loads(first)["event"] == "plan_created"  # the merged ledger still starts a plan
     for pin in (pin_a, pin_b, None):
         r = fab(repo, "audit", "--require-complete", "--require-logs",
                 *(["--since", pin] if pin else []))

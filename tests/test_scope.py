@@ -11,13 +11,11 @@ audit. Each attack is a test named by what it tries; each must fail both, and th
 request must pass both.
 """
 
-import os
 import py_compile
 import shlex
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 

@@ -137,7 +137,8 @@ def test_a_local_plan_never_starts_git(fab, monkeypatch, tmp_path):
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))  # no git to be found: any attempt would fail
     assert fab("create", "--brief", "b", "--goal", "a::b", "--goal", "c::d").code == 0
-    for args in (["next"], ["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e"],
+    for args in (["next"],
+                 ["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e"],
                  ["status"], ["next"], ["release", "--id", "G002", "--note", "silent"], ["audit"]):
         r = fab(*args)
         assert r.code == 0, (args, r)
@@ -372,7 +373,8 @@ def test_a_clone_offline_for_many_events_rebases_its_work_on_return(net):
     git(a.root, "remote", "set-url", "origin", str(net.remote))
     r = a("sync", "--json")
     assert r.code == 0 and "set aside" not in r.err, r
-    assert (r.json["share"]["pulled"], r.json["share"]["published"]) == (30, 2)  # 10 × start, run, checkpoint; its run and checkpoint
+    # pulled: 10 × start, run, checkpoint; published: its run and checkpoint
+    assert (r.json["share"]["pulled"], r.json["share"]["published"]) == (30, 2)
     assert b("sync").code == 0
     assert ledger_lines(a) == ledger_lines(b) and net.remote_lines(plan_id) == \
         [x + b"\n" for x in ledger_lines(a)]

@@ -141,7 +141,8 @@ def test_honest_plan_passes_the_ci_audit(work):
     r = work.ci(*BAR)
     assert r.code == 0, r
     assert "pin: 1:" in r.out and "found in this ledger — from main" in r.out
-    assert "re-run: 2 frozen checks, here, in the checkout" in r.out and "✓ G002 check 1 `python3 check.py`" in r.out
+    assert "re-run: 2 frozen checks, here, in the checkout" in r.out
+    assert "✓ G002 check 1 `python3 check.py`" in r.out
     j = work.ci_json(*BAR).json
     assert j["ok"] and [x["ok"] for x in j["rerun"]] == [True, True]
     assert j["trust"]["pin"]["new_plan"] is False and j["accepted"] == []
@@ -191,7 +192,8 @@ def test_attack_one_forged_line_with_a_copied_archive_fails_as_imported_and_clai
     base_ledger = (work.dir / "ledger.jsonl").read_bytes()
     shutil.rmtree(work.dir)
     (work.dir / "archive" / "x").mkdir(parents=True)
-    (work.dir / "archive" / "x" / "ledger.jsonl").write_bytes(base_ledger)  # verifies, holds the pin
+    # an archive that verifies and holds the pin
+    (work.dir / "archive" / "x" / "ledger.jsonl").write_bytes(base_ledger)
     (work.dir / "ledger.jsonl").write_bytes(forged_plan_line(
         work, {"head": head, "seq": seq, "plan_id": "x", "path": "archive/x"}))
     commit_all(work.repo)
@@ -219,7 +221,8 @@ def test_attack_create_force_with_a_claimed_pass_fails_the_ci_audit(work):
     head, seq = work.base_head()
     r = work.ci(*BAR)
     assert r.code == 1 and "created after the pin" in r.err, r
-    assert "new plan since the pin" in r.out and "(none: every completion in it is claimed)" in r.out
+    assert "new plan since the pin" in r.out
+    assert "(none: every completion in it is claimed)" in r.out
     assert work.ci_json(*BAR).json["error"]["code"] == "new_plan"
     for pin in (head, f"{seq}:{head}"):
         assert work.ci("audit", "--since", pin).code == 1
@@ -296,7 +299,8 @@ def test_attack_accepting_its_own_blocked_gate_fails_the_ci_audit_and_is_listed(
     assert r.code == 1 and "re-run failed — G002" in r.err, r
     assert "accepted: G002 (unsigned) — fine by me" in r.out
     j = work.ci_json("audit").json
-    assert j["ok"] and j["accepted"] == ["G002"] and j["trust"]["accepted"] == [{"id": "G002", "note": "fine by me", "signer": None}]
+    assert j["ok"] and j["accepted"] == ["G002"]
+    assert j["trust"]["accepted"] == [{"id": "G002", "note": "fine by me", "signer": None}]
     r = work.ci("audit", "--forbid-accepted")
     assert r.code == 1 and "accepted by a decision, not completed — G002" in r.err, r
 
@@ -495,7 +499,8 @@ def test_nul_in_a_run_log_path_is_damage_not_a_traceback(fab):
     make_plan(fab, 2)
     fab("next")
     r = forged_run(fab, log="runs/\x00x.log")  # replay refuses it: no path fablize writes
-    assert r.code == 3 and "line 3: run log `runs/\\x00x.log` is not runs/<seq>-<story>.log" in r.err, r
+    assert r.code == 3, r
+    assert "line 3: run log `runs/\\x00x.log` is not runs/<seq>-<story>.log" in r.err, r
     for args in (["audit"], ["log"], ["report"], ["status"]):
         r = fab(*args)
         assert r.code == 3 and r.err.startswith("fablize: ") and r.err.count("\n") == 1, r
@@ -760,10 +765,12 @@ def test_judge_agent_denies_file_writing_tools_through_a_hook():
 def test_action_runs_the_ci_script_with_every_input():
     text = (ROOT / "action.yml").read_text()
     assert "using: composite" in text and 'bash "$GITHUB_ACTION_PATH/scripts/fablize-ci.sh"' in text
-    for name, var in (("required-checks", "REQUIRED_CHECKS"), ("allowed-signers", "ALLOWED_SIGNERS"),
+    for name, var in (("required-checks", "REQUIRED_CHECKS"),
+                      ("allowed-signers", "ALLOWED_SIGNERS"),
                       ("allow-new-plan", "ALLOW_NEW_PLAN"), ("skip-if-no-plan", "SKIP_IF_NO_PLAN"),
                       ("scope", "SCOPE"), ("require-scope", "REQUIRE_SCOPE"),
-                      ("fail-to-pass", "FAIL_TO_PASS"), ("forbid-out-of-scope", "FORBID_OUT_OF_SCOPE"),
+                      ("fail-to-pass", "FAIL_TO_PASS"),
+                      ("forbid-out-of-scope", "FORBID_OUT_OF_SCOPE"),
                       ("require-witnessed", "REQUIRE_WITNESSED"), ("remote", "REMOTE"),
                       ("plan", "PLAN")):
         assert f"  {name}:" in text and f"FABLIZE_{var}: ${{{{ inputs.{name} }}}}" in text

@@ -41,7 +41,8 @@ def kinds(fab):
 
 
 def runs_of(fab, sid=None):
-    return [e for e in ledger(fab.dir) if e["event"] == "verify_run" and (sid is None or e["id"] == sid)]
+    return [e for e in ledger(fab.dir)
+            if e["event"] == "verify_run" and (sid is None or e["id"] == sid)]
 
 
 def sha256_file(path):
@@ -114,7 +115,8 @@ needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self") or os.name == "n
 # 1. The engine runs the verification itself ####################################
 
 
-def test_run_executes_verify_cmd_through_the_shell_in_the_project_root_and_records_it(fab, monkeypatch):
+def test_run_executes_verify_cmd_through_the_shell_in_the_project_root_and_records_it(
+        fab, monkeypatch):
     make_plan(fab, 1)
     sub = fab.root / "deep" / "sub"
     sub.mkdir(parents=True)
@@ -125,10 +127,12 @@ def test_run_executes_verify_cmd_through_the_shell_in_the_project_root_and_recor
     r = ok(fab(*checkpoint("--run", "--verify-cmd", cmd, "--verify-evidence", "")))
     assert "fablize: G001 → complete" in r.out
     assert "ONE TWO" in r.out  # the shell ran the pipe, its output was streamed
-    assert os.path.realpath((fab.root / "where.txt").read_text().strip()) == os.path.realpath(fab.root)
+    assert os.path.realpath((fab.root / "where.txt").read_text().strip()) == \
+        os.path.realpath(fab.root)
     assert not (sub / "where.txt").exists()
     events = ledger(fab.dir)
-    assert [e["event"] for e in events] == ["plan_created", "story_started", "verify_run", "checkpoint"]
+    assert [e["event"] for e in events] == ["plan_created", "story_started", "verify_run",
+                                            "checkpoint"]
     run = events[2]
     assert run["cmd"] == cmd
     assert run["cwd"] == "."  # the project root, relative to the repository: no machine's path
@@ -289,11 +293,13 @@ def test_create_freezes_checks_and_verify_commands_in_the_plan(fab):
     checks = {s["id"]: s["checks"] for s in created["stories"]}
     assert checks == {"G001": [], "G002": ["pytest -q tests/a.py", "true"],
                       "G003": ["echo final-1", "echo final-2", "true"]}
-    assert [s["checks"] for s in ok(fab("status", "--json")).json["stories"]] == list(checks.values())
+    stories = ok(fab("status", "--json")).json["stories"]
+    assert [s["checks"] for s in stories] == list(checks.values())
 
 
 def test_complete_runs_every_frozen_check_and_needs_all_to_pass(fab):
-    make_plan(fab, 2, "--check", "G001=exit 5", "--check", "G001=touch second-ran; test -f fixed.flag")
+    make_plan(fab, 2, "--check", "G001=exit 5",
+              "--check", "G001=touch second-ran; test -f fixed.flag")
     start(fab, "G001")
     # no --run: the frozen checks run anyway, all of them, even after the first one failed
     r, new = assert_refused_keeping_runs(fab, checkpoint(),
@@ -335,7 +341,8 @@ def test_frozen_check_on_a_middle_story_gates_its_completion(fab):
     start(fab, "G001")
     ok(fab(*checkpoint()))
     start(fab, "G002")
-    assert_refused_keeping_runs(fab, checkpoint(sid="G002"), "G002: frozen check 1 (`exit 2`) failed")
+    assert_refused_keeping_runs(fab, checkpoint(sid="G002"),
+                                "G002: frozen check 1 (`exit 2`) failed")
     assert story(fab.dir, "G002")["status"] == "in_progress"
 
 
@@ -372,8 +379,10 @@ def test_create_flags_checks_that_cannot_run_here_and_still_creates_the_plan(fab
     assert r.code == 0, r
     assert "fablize: plan created — 2 stories" in r.out
     assert "2 frozen checks cannot run here" in r.out
-    assert "G001 check 1: `no-such-tool-fablize-abc --all` — no-such-tool-fablize-abc is not on PATH" in r.out
-    assert "G002 check 1: `./scripts/missing-gate.sh` — ./scripts/missing-gate.sh does not exist" in r.out
+    assert "G001 check 1: `no-such-tool-fablize-abc --all` — no-such-tool-fablize-abc is not " \
+        "on PATH" in r.out
+    assert "G002 check 1: `./scripts/missing-gate.sh` — ./scripts/missing-gate.sh does not " \
+        "exist" in r.out
     expected = [
         {"id": "G001", "check": 0, "cmd": "no-such-tool-fablize-abc --all",
          "reason": "no-such-tool-fablize-abc is not on PATH"},
@@ -469,7 +478,8 @@ def test_green_run_from_an_earlier_round_does_not_complete_the_reopened_story(fa
     assert e.value.code == "verification_missing"
     assert "has no run since the story was activated" in e.value.message
     # ... and the CLI runs the check again, which now fails
-    r, new = assert_refused_keeping_runs(fab, checkpoint(), "frozen check 1 (`test -f ok.flag`) failed")
+    r, new = assert_refused_keeping_runs(fab, checkpoint(),
+                                         "frozen check 1 (`test -f ok.flag`) failed")
     assert new[0]["seq"] > green["seq"] and new[0]["exit_code"] == 1
 
 
@@ -480,17 +490,21 @@ def test_green_run_of_an_earlier_round_does_not_back_a_run_checkpoint(fab):
     ok(fab(*checkpoint(status="failed", evidence="not yet")))
     start(fab, "G001")
     with pytest.raises(goals.FablizeError) as e:
-        goals.apply_event(snap(fab), forged_checkpoint(snap(fab), "G001", run=True, verify_cmd="true"))
+        goals.apply_event(snap(fab), forged_checkpoint(snap(fab), "G001", run=True,
+                                                       verify_cmd="true"))
     assert e.value.code == "verification_missing"
 
 
 def test_run_that_started_before_the_latest_activation_does_not_count(fab):
     make_plan(fab, 2, "--check",
-              "G001=touch started.flag; while [ ! -f release.flag ]; do sleep 0.02; done; echo checked")
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "verify", "--id", "G001", "--timeout", "120"],
+              "G001=touch started.flag; while [ ! -f release.flag ]; do sleep 0.02; done; "
+              "echo checked")
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "verify", "--id", "G001",
+                             "--timeout", "120"],
                             cwd=str(fab.root), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL,
-                            env={k: v for k, v in os.environ.items() if not k.startswith("FABLIZE_")})
+                            env={k: v for k, v in os.environ.items()
+                                 if not k.startswith("FABLIZE_")})
     try:
         assert wait_until(lambda: (fab.root / "started.flag").exists())
         start(fab, "G001")  # activated while the check (started on the pending story) still runs
@@ -518,7 +532,8 @@ def test_failed_story_is_reopened_as_round_2_before_a_ready_earlier_story(fab):
     start(fab, "G002", "--agent", "a")
     start(fab, "G003", "--agent", "b")
     ok(fab(*checkpoint("--agent", "a", sid="G002")))
-    assert story(fab.dir, "G001")["status"] == "pending"  # G001 is ready now, and earlier in the plan
+    # G001 is ready now, and earlier in the plan
+    assert story(fab.dir, "G001")["status"] == "pending"
     r = ok(fab(*checkpoint("--agent", "b", sid="G003", status="failed", evidence="half done")))
     assert "G003 → failed (round 1; 2 left)" in r.out
     r = start(fab, "G003", "--agent", "b")
@@ -590,7 +605,8 @@ def test_blocked_story_halts_the_plan_until_a_human_decides(fab, how):
         ok(fab(*checkpoint(status="failed", evidence="no luck")))
     assert story(fab.dir, "G001")["status"] == "blocked"
     r = assert_refused(fab, ["next"], 1, "G001 is blocked")
-    assert "the plan halts here" in r.err and "A human must decide: goals.py decide --id G001" in r.err
+    assert "the plan halts here" in r.err
+    assert "A human must decide: goals.py decide --id G001" in r.err
     assert_refused(fab, ["next", "--agent", "other"], 1, "A human must decide")
     out = ok(fab("status")).out
     assert "G001 is blocked (" in out and "A human must decide: goals.py decide --id G001" in out
@@ -752,12 +768,14 @@ def test_failing_frozen_check_yields_to_no_cli_sequence_but_a_human_accept(fab):
     ok(fab("decide", "--id", "G002", "accept", "--note", "known flaky check, accepted by the lead"))
     assert story(fab.dir, "G002")["status"] == "accepted"
     decision = ledger(fab.dir)[-1]
-    assert (decision["event"], decision["id"], decision["decision"]) == ("decision", "G002", "accept")
+    assert (decision["event"], decision["id"], decision["decision"]) == \
+        ("decision", "G002", "accept")
     start(fab, "G004")
     ok(fab(*checkpoint(sid="G004")))
     start(fab, "G003")
     assert_refused_keeping_runs(fab, checkpoint("--verify-cmd", "true", "--verify-evidence", "ok",
-                                                sid="G003"), "G003: frozen check 1 (`exit 9`) failed")
+                                                sid="G003"),
+                                "G003: frozen check 1 (`exit 9`) failed")
     assert not snap(fab)["goals"][-1]["status"] == "complete"
     ok(fab("audit"))
 
@@ -768,8 +786,9 @@ def random_walk(fab, rng, steps, guarded):
     them while they were in progress. Weighted towards what an agent would try: complete the
     active story with every kind of claim, fail or block it, reopen, retry, amend, add."""
     attempts = 0
-    claims = [[], ["--verify-cmd", "true", "--verify-evidence", "ok"], ["--run", "--verify-cmd", "true"],
-              ["--run", "--verify-cmd", "exit 7"], ["--verify-cmd", "exit 9", "--verify-evidence", "passed"]]
+    claims = [[], ["--verify-cmd", "true", "--verify-evidence", "ok"],
+              ["--run", "--verify-cmd", "true"], ["--run", "--verify-cmd", "exit 7"],
+              ["--verify-cmd", "exit 9", "--verify-evidence", "passed"]]
     for _ in range(steps):
         plan = snap(fab)
         stories = plan["goals"]
@@ -820,12 +839,13 @@ def test_random_cli_sequences_never_complete_a_story_whose_frozen_check_fails(fa
         middle = ["--check", "G002=exit 7"] if walk % 2 == 0 else []
         guarded = {"G002", "G003"} if middle else {"G003"}
         ok(fab("create", "--force", "--brief", f"walk {walk}", "--goal", "A::a", "--goal", "B::b",
-               "--goal", "C::c", *middle, "--verify", "exit 9", "--rounds", "2", "--after", "G002="))
+               "--goal", "C::c", *middle, "--verify", "exit 9", "--rounds", "2",
+               "--after", "G002="))
         tried = random_walk(fab, random.Random(walk), 40, guarded)
         assert tried > 0  # the walk did try to complete a guarded story while it was active
         events = ledger(fab.dir)
-        assert not [e for e in events if e["event"] == "checkpoint" and e.get("status") == "complete"
-                    and e["id"] in guarded]
+        assert not [e for e in events if e["event"] == "checkpoint"
+                    and e.get("status") == "complete" and e["id"] in guarded]
         assert not [e for e in events if e["event"] == "decision" and e["decision"] == "accept"]
         ok(fab("audit"))
         reached_gate = reached_gate or any(e["event"] == "verify_run" and e["id"] == "G003"
@@ -872,10 +892,12 @@ def test_never_exiting_run_is_killed_with_its_process_group_at_the_timeout(fab):
            "while [ ! -s bg.pid ]; do sleep 0.01; done; echo waiting-forever; sleep 300")
     try:
         # stopped at its timeout, or the sleep's 300 s would outlast the guard
-        r = run_cli("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e", "--run",
-                    "--verify-cmd", cmd, "--timeout", "1", cwd=fab.root, timeout=HANG_GUARD)
+        r = run_cli("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
+                    "--run", "--verify-cmd", cmd, "--timeout", "1", cwd=fab.root,
+                    timeout=HANG_GUARD)
         assert r.code == 1, r
-        assert "G001: `" in r.err and "failed (timed out after" in r.err and "stays in progress" in r.err
+        assert "G001: `" in r.err and "failed (timed out after" in r.err, r
+        assert "stays in progress" in r.err, r
         run = runs_of(fab)[-1]
         assert run["timed_out"] is True and run["signal"] == "SIGKILL"
         assert run["duration_s"] >= 1
@@ -914,9 +936,11 @@ def test_run_whose_child_escapes_into_its_own_session_does_not_hang(fab):
     cmd = ("setsid sh -c 'echo $$ > child.pid; exec sleep 300' & "
            "while [ ! -s child.pid ]; do sleep 0.01; done; echo started")
     try:
-        r = run_cli("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e", "--run",
-                    "--verify-cmd", cmd, "--timeout", "120", cwd=fab.root, timeout=HANG_GUARD)
-        assert r.code == 0, r  # the command itself exited 0; the child holding the pipe does not hang it
+        r = run_cli("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
+                    "--run", "--verify-cmd", cmd, "--timeout", "120", cwd=fab.root,
+                    timeout=HANG_GUARD)
+        # the command itself exited 0; the child holding the pipe does not hang it
+        assert r.code == 0, r
         run = runs_of(fab)[-1]
         assert run["exit_code"] == 0 and run["timed_out"] is False
         assert (fab.dir / run["log"]).read_text() == "started\n"
@@ -1007,7 +1031,8 @@ def test_round_trip_fail_reopen_fail_fail_blocked_retry_complete(fab):
     assert "round 1, 2 left" in ok(fab("status")).out
     # round 2: reopened with what was missing
     h = start(fab, "G001").out
-    assert "⚠ Reopened: round 2" in h and "## What was missing (round 1, from the failed checkpoint)" in h
+    assert "⚠ Reopened: round 2" in h
+    assert "## What was missing (round 1, from the failed checkpoint)" in h
     assert "fixed.flag is not produced yet" in h and "checking" in h
     assert "round 2, 1 left" in ok(fab("status")).out  # the round in progress counts
     assert_refused_keeping_runs(fab, checkpoint(), G1)
@@ -1032,7 +1057,8 @@ def test_round_trip_fail_reopen_fail_fail_blocked_retry_complete(fab):
     assert data["stories"][0]["status"] == "complete" and data["stories"][0]["round"] == 4
     start(fab, "G002")
     assert "fablize: all stories complete ✓" in ok(fab(*checkpoint(sid="G002"))).out
-    steps = [(e["event"], e.get("status") or e.get("decision") or e.get("round") or e.get("exit_code"))
+    steps = [(e["event"],
+              e.get("status") or e.get("decision") or e.get("round") or e.get("exit_code"))
              for e in ledger(fab.dir)]
     assert steps == [
         ("plan_created", None),

@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -187,7 +186,8 @@ def test_setup_remove_undoes_exactly_what_setup_did(repo, home):
     after = {p: p.read_bytes() for p in repo.rglob("*") if p.is_file() and ".git" not in p.parts}
     assert after.keys() == before.keys()
     assert after[repo / "CLAUDE.md"] == before[repo / "CLAUDE.md"]
-    assert json.loads(after[repo / ".claude" / "settings.json"]) == {"permissions": {"allow": ["Bash(ls)"]}}
+    assert json.loads(after[repo / ".claude" / "settings.json"]) == \
+        {"permissions": {"allow": ["Bash(ls)"]}}
     assert not (repo / ".fablize").exists()
 
 
@@ -231,7 +231,8 @@ def test_doctor_names_the_fix_for_a_missing_block(repo, home):
     assert script(repo, home, "setup")[0] == 0
     (repo / "CLAUDE.md").write_text("# no block\n")
     code, out, err = script(repo, home, "doctor")
-    assert code == 1 and "✗ block: CLAUDE.md has no fablize block — fix: `" in out and "setup claude` adds it" in out
+    assert code == 1 and "✗ block: CLAUDE.md has no fablize block — fix: `" in out
+    assert "setup claude` adds it" in out
 
 
 def test_doctor_names_the_fix_when_the_blocks_command_does_not_run(repo, home):
@@ -271,7 +272,8 @@ def test_setup_migrates_the_original_fablize_block_to_exactly_one_block(repo, ho
     assert script(repo, home, "setup")[0] == 0
     text = (repo / "CLAUDE.md").read_text()
     assert "FABLIZE:BEGIN" not in text and text.count(goals.room("setup").BLOCK_BEGIN) == 1
-    assert text.startswith("# Rules\n\n" + goals.room("setup").BLOCK_BEGIN) and text.endswith("\n## After\n")
+    assert text.startswith("# Rules\n\n" + goals.room("setup").BLOCK_BEGIN)
+    assert text.endswith("\n## After\n")
 
 
 def test_install_block_migrates_the_original_block_too(fab):
@@ -489,7 +491,8 @@ def test_session_start_says_one_line_for_a_finished_plan(fab):
     complete(fab, "G001")
     complete(fab, "G002", final=True)
     code, out, err = session_start(fab)
-    assert code == 0 and out == "fablize: plan finished (2/2 done) — test plan; nothing to resume.\n"
+    assert code == 0
+    assert out == "fablize: plan finished (2/2 done) — test plan; nothing to resume.\n"
 
 
 def test_session_start_warns_in_one_line_with_exit_0_on_a_damaged_plan(fab):
@@ -582,7 +585,8 @@ def test_observe_reads_gemini_and_codex_payloads(fab):
     observe(fab, {"cwd": str(fab.root), "hook_event_name": "PostToolUse", "tool_name": "Bash",
                   "tool_input": {"command": ["cargo", "test"]},
                   "tool_response": {"exit_code": 0}}, "--for", "codex")
-    seen = [(e["cmd"], e["ok"], e["exit_code"]) for e in ledger(fab.dir) if e["event"] == "observed_run"]
+    seen = [(e["cmd"], e["ok"], e["exit_code"]) for e in ledger(fab.dir)
+            if e["event"] == "observed_run"]
     assert seen == [("npm test", False, 2), ("cargo test", True, 0)]
 
 
@@ -635,7 +639,8 @@ def readme_blocks(heading):
 
 
 def test_readme_copy_the_one_file_lines_run_as_shown(repo, home):
-    lines = [x.split("#")[0].strip() for x in readme_blocks("## Add it to your project")[0].splitlines()]
+    block = readme_blocks("## Add it to your project")[0]
+    lines = [x.split("#")[0].strip() for x in block.splitlines()]
     for line in filter(None, lines):
         code, out, err = sh(line, repo, home)
         assert code == 0, (line, out, err)
@@ -656,7 +661,8 @@ def test_the_engines_own_commands_are_not_observed(fab):
     fab("next")
     before = state_files(fab.dir)
     for cmd in ('python3 scripts/goals.py checkpoint --id G001 --status complete --evidence x '
-                '--run --verify-cmd "pytest -q"', 'fablize checkpoint --id G001 --run --verify-cmd "make test"'):
+                '--run --verify-cmd "pytest -q"',
+                'fablize checkpoint --id G001 --run --verify-cmd "make test"'):
         observe(fab, bash_failure(fab.root, cmd))
     assert state_files(fab.dir) == before
     observe(fab, bash_failure(fab.root, "fablize verify --id G001"))
