@@ -11,11 +11,14 @@ audit. Each attack is a test named by what it tries; each must fail both, and th
 request must pass both.
 """
 
+import atexit
 import py_compile
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -45,16 +48,18 @@ def engine(cwd, home, *args):
     return p
 
 
-class Project:
-    """origin (bare), main with the human's plan, and helpers for the agent's and CI's sides."""
-
-    def __init__(self, top, check=PYTEST + " tests", verify=None, scope=("src/",), files=None):
-        self.top, self.home = top, top / "home"
-        self.home.mkdir()
-        self.origin = top / "origin.git"
-        git(top, "init", "-q", "--bare", "-b", "main", str(self.origin))
-        human = top / "human"
-        git(top, "clone", "-q", str(self.origin), str(human))
+def origin_with_the_plan(check, verify, scope, files):
+    """A bare origin whose main holds the human's plan (made in a clone of it, `human`, and
+    pushed), built once a process for each plan and copied by every Project that asks for it:
+    the same bytes each time, at the cost of a copy."""
+    key = (check, verify, tuple(scope), tuple(sorted((files or {}).items())))
+    if key not in ORIGINS:
+        top = Path(tempfile.mkdtemp(prefix="fablize-scope-origin-"))
+        atexit.register(shutil.rmtree, top, True)
+        home, origin, human = top / "home", top / "origin.git", top / "human"
+        home.mkdir()
+        git(top, "init", "-q", "--bare", "-b", "main", str(origin))
+        git(top, "clone", "-q", str(origin), str(human))
         (human / "src").mkdir()
         (human / "src" / "calc.py").write_text(BUGGY)
         (human / "tests").mkdir()
@@ -68,10 +73,26 @@ class Project:
                 "--verify", verify or check]
         for path in scope:
             args += ["--scope", path]
-        assert engine(human, self.home, *args).returncode == 0
+        assert engine(human, home, *args).returncode == 0
         git(human, "add", "-A")
         git(human, "commit", "-qm", "the plan")
         git(human, "push", "-q", "origin", "main")
+        ORIGINS[key] = origin
+    return ORIGINS[key]
+
+
+ORIGINS = {}
+
+
+class Project:
+    """origin (bare), main with the human's plan, and helpers for the agent's and CI's sides."""
+
+    def __init__(self, top, check=PYTEST + " tests", verify=None, scope=("src/",), files=None):
+        self.top, self.home = top, top / "home"
+        self.home.mkdir()
+        self.origin = top / "origin.git"
+        shutil.copytree(origin_with_the_plan(check, verify, scope, files), self.origin,
+                        symlinks=True)
 
     def agent(self, cheat=None, fix=False):
         """The agent's branch `pr`: `cheat(tree)` changes the tree, the plan is completed (each
