@@ -312,3 +312,9 @@ def git(cwd, *args, home=None, check=True):
         return p
     assert p.returncode == 0, (args, p.stderr)
     return p.stdout
+
+
+def pytest_collection_modifyitems(items):
+    """The tests marked slow (a virtual environment built, a 16-process shared plan) run first:
+    started at once, each on a worker, they do not end the run alone while the other idles."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
