@@ -1,4 +1,6 @@
-"""Shared test harness: run the engine in-process (fast) or as a real subprocess."""
+"""Shared test harness: run the engine in-process (fast) or as a real subprocess, and the
+helpers every test file uses instead of its own copy — one refusal check (assert_refused), one
+forger's ledger surgery (rechain, forge) and one git."""
 
 import atexit
 import hashlib
@@ -256,12 +258,10 @@ def rechain(entries, encode=encode):
     return out
 
 
-# every field fablize writes for an event of these kinds, where a forged one does not say (a run
-# "started" when its event was written): the rule under test is then what speaks, not a missing
-# field
+# every field fablize writes for an event of these kinds, where a forged one does not say: the
+# rule under test is then what speaks, not a missing field
 FORGED_DEFAULTS = {
-    "verify_run": {"cwd": "/tmp", "started": None, "git_head": None, "git_dirty": None,
-                   "log": "AUTO"},
+    "verify_run": {"cwd": "/tmp", "git_head": None, "git_dirty": None, "log": "AUTO"},
     "checkpoint": {"verify_cmd": "", "verify_evidence": ""},
     "story_started": {"title": "S1", "agent": None},
 }
@@ -273,8 +273,11 @@ def forge(state_dir, **fields):
     lines = raw_lines(state_dir)
     ev = {"seq": len(lines) + 1, "ts": goals.now_iso(), **fields,
           "prev": sha256_hex(lines[-1]) if lines else "0" * 64}
-    for key, value in FORGED_DEFAULTS.get(ev.get("event"), {}).items():
-        ev.setdefault(key, ev["ts"] if key == "started" else value)
+    defaults = dict(FORGED_DEFAULTS.get(ev.get("event"), {}))
+    if ev.get("event") == "verify_run":
+        defaults["started"] = ev["ts"]  # a run started when its event was written
+    for key, value in defaults.items():
+        ev.setdefault(key, value)
     if ev.get("log") == "AUTO":
         ev["log"] = f"runs/{ev['seq']}-{ev['id']}.log"
     with open(Path(state_dir) / "ledger.jsonl", "ab") as f:
