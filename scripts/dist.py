@@ -5,6 +5,7 @@
   fablize_gate-V.tar.gz             the sdist (the same files the wheel is built from)
   fablize-gate-V-plugin.zip         the Claude Code plugin and its marketplace: unzip it and
                                     `claude plugin marketplace add` the folder
+  plugin/fablize-gate/              the same, unzipped: `claude plugin marketplace add` it
   skill/fablize/                    what a skill installer should copy: SKILL.md on top and the
                                     engine's files, nothing else
 
@@ -64,6 +65,17 @@ def build_sdist(out, wheel):
     return path
 
 
+def build_plugin_folder(out):
+    """The plugin's marketplace as a folder, for `claude plugin marketplace add` from a
+    checkout: the plugin's files only (~0.5 MB), never the checkout's venv, caches or tests."""
+    target = os.path.join(out, "plugin", "fablize-gate")
+    shutil.rmtree(target, ignore_errors=True)
+    for rel in PLUGIN_FILES:
+        os.makedirs(os.path.dirname(os.path.join(target, rel)), exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, rel), os.path.join(target, rel))
+    return target
+
+
 def build_plugin(out):
     path = os.path.join(out, f"fablize-gate-{VERSION}-plugin.zip")
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
@@ -91,7 +103,8 @@ def main(argv=None):
     out = os.path.abspath(argv[0] if argv else os.path.join(ROOT, "dist"))
     os.makedirs(out, exist_ok=True)
     wheel = build_wheel(out)
-    for built in (wheel, build_sdist(out, wheel), build_plugin(out), build_skill(out)):
+    for built in (wheel, build_sdist(out, wheel), build_plugin(out), build_plugin_folder(out),
+                  build_skill(out)):
         print(f"dist: {os.path.relpath(built, os.getcwd())}")
     return 0
 

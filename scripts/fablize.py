@@ -15,8 +15,8 @@ import _signal
 STARTUP_INTERRUPT = []  # Ctrl-C before the engine answers it: kept, handed to it, answered there
 _signal.signal(_signal.SIGINT, lambda signum, frame: STARTUP_INTERRUPT.append(signum))
 
-import os  # noqa: E402 (after the handler: a Ctrl-C from here on is answered in one line)
-import sys  # noqa: E402
+import os
+import sys
 
 
 def main(name=None):

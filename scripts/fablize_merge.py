@@ -56,8 +56,8 @@ def merge_snapshots(ours, theirs):
             snap = engine.load_json(raw)
         except ValueError:
             snap = None
-        if type(snap) is not dict or engine.is_original_snapshot(snap) or \
-                engine.misfit(snap, engine.PLAN_SPEC) is not None:
+        if (type(snap) is not dict or engine.is_original_snapshot(snap) or
+                engine.misfit(snap, engine.PLAN_SPEC) is not None):
             raise damaged(f"{SNAPSHOT}: one side is not a fablize snapshot.", "bad_snapshot")
         sides.append((snap["plan_id"], snap["ledger"]["seq"], snap["created"]))
     ko, kt = sides

@@ -20,7 +20,7 @@ import sys
 # the engine that loaded this room (goals.room registers itself under this name first): one
 # engine module, never a second copy of goals.py, never one found on sys.path
 import fablize_engine as engine
-from fablize_engine import FablizeError, one_line, refused
+from fablize_engine import FablizeError, one_line, refused, usage
 
 BLOCK_BEGIN = "<!-- fablize:begin -->"
 BLOCK_END = "<!-- fablize:end -->"
@@ -35,14 +35,17 @@ through fablize instead of declaring "done" yourself:
 
 1. `{cli} create --brief "<task>" --goal "title::objective" ... --verify "<test command>"`
    The last story is the verification gate. Freeze the checks that prove a story with
-   `--check G00N="<cmd>"`; if it says a check cannot run here, fix that now.
+   `--check G00N="<cmd>"` (test-first: a check may run a test a story will write);
+   if it says a check cannot run here, fix that now.
 2. `{cli} next` — activates ONE story and prints its handoff. Work that story only.
 3. `{cli} checkpoint --id G00N --status complete --evidence "<what you did, what you saw>"`
    Frozen checks run by themselves; otherwise prefer `--run --verify-cmd "<cmd>"`: the
    engine runs the command and records the result.
-   Not achieved yet: `--status failed --evidence "<what is missing>"` (another round).
-   Impossible as specified: `--status blocked --evidence "<why>"`, then ask the human: end
-   your turn with the question (the Stop guard lets a question through).
+   Not achieved yet (another round):
+   `{cli} checkpoint --id G00N --status failed --evidence "<what is missing>"`
+   Impossible as specified — then ask the human: end your turn with the question (the Stop
+   guard lets a question through):
+   `{cli} checkpoint --id G00N --status blocked --evidence "<why>"`
 4. A judged story (`create --judge`) goes to review: never judge your own work. A separate
    judge runs `{cli} judge-packet --id G00N`, checks the artifact itself and answers with
    `{cli} verdict --id G00N achieved|not-achieved|unachievable --evidence "<what it saw>" --agent <judge>`.
@@ -54,14 +57,15 @@ through fablize instead of declaring "done" yourself:
 
 Never edit `.fablize/` by hand; `{cli} audit` detects it.
 <!-- fablize:end -->
-"""
+"""  # noqa: E501 (a command the agent copies stays one line)
 PLUGIN_NAME = "fablize-gate"  # not `fablize`: the original's plugin and marketplace are named so
 AGENTS = ("claude", "codex", "gemini", "cursor", "agents-md")
 # Patterns kept as text, compiled (and cached by `re`) on first use: not at every start.
 # the original fablize's block: migrated to ours, so that a file ends with exactly one block
 ORIGINAL_BLOCK = r"(?s)<!--\s*FABLIZE:BEGIN\b.*?FABLIZE:END\b[^>]*-->\n?"
 # a hook command of ours (or of the original), whatever path or interpreter runs it
-OUR_HOOK = r"(?:goals\.py|fablize(?:\.py)?)[\"']?((?:\s+--\S+)*)\s+(guard|status\s+--resume|observe)\b"
+OUR_HOOK = (r"(?:goals\.py|fablize(?:\.py)?)[\"']?((?:\s+--\S+)*)\s+"
+            r"(guard|status\s+--resume|observe)\b")
 
 
 def portable_command(root):
@@ -89,6 +93,22 @@ def command_missing(cli):
     return None
 
 
+def migration_note(text, name):
+    """What replacing the original fablize's block leaves out, and where it is kept: its rules
+    that are not fablize's (the original's router for other kinds of task)."""
+    m = re.search(ORIGINAL_BLOCK, text)
+    rules = [r for r in re.findall(r"\*\*\[([^\]]+)\]\*\*", m.group(0) if m else "")
+             if "stories" not in r]
+    if not rules:
+        return ""
+    return (f" — its other rules ({', '.join(one_line(r) for r in rules)}) are not fablize's "
+            f"and are not carried over; the file as it was is kept as {name}{BACKUP}: copy "
+            "back what you want, outside the fablize block")
+
+
+BACKUP = ".fablize-backup"  # beside a file setup or install-block changed: the file as it was
+
+
 def cut_original_block(text):
     """`text` without the original fablize's block, and where it stood (None: it had none)."""
     m = re.search(ORIGINAL_BLOCK, text)
@@ -109,7 +129,7 @@ def hook_entries(agent, cli):
                 # Claude Code reports a command that failed as PostToolUseFailure
                 ("PostToolUseFailure", "Bash", "observe", command("observe"))]
     if agent == "codex":
-        return [("SessionStart", "startup|resume", "status",
+        return [("SessionStart", "startup|resume|clear", "status",
                  command("status --resume --for codex")),
                 ("Stop", None, "guard", command("guard --for codex")),
                 ("PostToolUse", "Bash", "observe", command("observe --for codex"))]
@@ -154,6 +174,29 @@ def our_hooks(config, event):
         elif hook_role(group):
             found.append((groups, None, groups, group))
     return found
+
+
+def registers(root, role):
+    """Whether the project's own Claude Code settings register a hook of ours for `role`
+    (guard, status, observe) that can run here: the plugin's copy then steps aside, and the
+    project's runs (a project hook that cannot run here leaves the plugin's to do the work)."""
+    for rel in (".claude/settings.json", ".claude/settings.local.json"):
+        config = read_json_config(os.path.join(root, *rel.split("/")), quiet=True)
+        hooks = config.get("hooks") if isinstance(config, dict) else None
+        for event in hooks if isinstance(hooks, dict) else ():
+            if any(hook_role(f[3]) == role and runs_here(f[3]["command"], root)
+                   for f in our_hooks(config, event)):
+                return True
+    return False
+
+
+def runs_here(cmd, root):
+    """Whether a hook command of ours finds its program and its engine here."""
+    if interpreter_problem(cmd, root):
+        return False
+    m = re.search(r"\$\(git rev-parse --show-toplevel\)/([^\"'\s]+)", cmd)
+    top = engine.repo_root(root)
+    return m is None or (top is not None and os.path.isfile(os.path.join(top, m.group(1))))
 
 
 def merge_hooks(config, agent, cli, remove=False):
@@ -313,34 +356,34 @@ def setup_plan(root, agent, remove):
     changes = []
     block_rel, hooks_rel = AGENT_FILES[agent]
     path, st = project_file(root, block_rel)
-    _, text = project_text(path, st)
+    raw, text = project_text(path, st)
     new = install_block(text, render_block(cli), remove)
+    if new != text and not remove and re.search(ORIGINAL_BLOCK, text):
+        kept, kept_st = project_file(root, block_rel + BACKUP)
+        changes.append((block_rel + BACKUP, kept, kept_st, raw,
+                        "the file as it was, before the original fablize's block was migrated"))
     if new != text:
         data = None if remove and not new.strip() else new.encode("utf-8")
         changes.append((block_rel, path, st, data, "the fablize block " +
                         ("removed" if remove else "updated" if BLOCK_BEGIN in text else
-                         "migrated from the original fablize's block" if re.search(ORIGINAL_BLOCK, text)
-                         else "added")))
+                         "migrated from the original fablize's block" +
+                         migration_note(text, block_rel)
+                         if re.search(ORIGINAL_BLOCK, text) else "added")))
     notes = []
     if hooks_rel:
-        plugin = plugin_enabled(root) if agent == "claude" else []
+        # the committed hooks are the same whoever runs setup: with the plugin enabled too, its
+        # own hooks step aside at run time for the project's (guard --plugin and the others)
         path, st = project_file(root, hooks_rel)
         config = read_json_config(path)
-        if plugin and not remove:
-            notes.append(f"hooks: the {PLUGIN_NAME} plugin provides them (enabled in "
-                         f"{', '.join(plugin)}); none added to {hooks_rel}")
-            new = merge_hooks(config, agent, cli, remove=True)  # a copy left by an earlier setup
-            if new != config:
-                data = None if not new and st is not None else json_config_bytes(new)
-                changes.append((hooks_rel, path, st, data, "hooks removed: the plugin runs "
-                                "them, and a second copy would count every stop twice"))
-        else:
-            new = merge_hooks(config, agent, cli, remove)
-            if new != config:
-                data = None if remove and not new and st is not None else json_config_bytes(new)
-                changes.append((hooks_rel, path, st, data,
-                                "hooks " + ("removed" if remove else "registered") + ": " +
-                                ", ".join(e for e, _, _, _ in hook_entries(agent, cli))))
+        new = merge_hooks(config, agent, cli, remove)
+        if new != config:
+            data = None if remove and not new and st is not None else json_config_bytes(new)
+            changes.append((hooks_rel, path, st, data,
+                            "hooks " + ("removed" if remove else "registered") + ": " +
+                            ", ".join(e for e, _, _, _ in hook_entries(agent, cli))))
+        if agent == "claude" and plugin_enabled(root) and not remove:
+            notes.append(f"hooks: the {PLUGIN_NAME} plugin is enabled too; its hooks step aside "
+                         f"for these ({hooks_rel}), so each runs once")
     return changes, notes
 
 
@@ -358,7 +401,8 @@ def block_problem(root, agent, prog):
         return f"{block_rel} cannot be read ({e.message})", "fix it by hand", None
     begin = text.find(BLOCK_BEGIN)
     if re.search(ORIGINAL_BLOCK, text):
-        return (f"{block_rel} holds the original fablize's block", f"`{prog} setup {agent}` migrates it",
+        return (f"{block_rel} holds the original fablize's block", f"`{prog} setup {agent}` "
+                                                                   "migrates it",
                 None)
     if begin < 0:
         return f"{block_rel} has no fablize block", f"`{prog} setup {agent}` adds it", None
@@ -367,7 +411,8 @@ def block_problem(root, agent, prog):
     m = re.search(r"`(.+?) create --brief", block)
     cli = m.group(1) if m else None
     if cli is None or block != render_block(cli):
-        return f"{block_rel} holds an outdated fablize block", f"`{prog} setup {agent}` updates it", cli
+        return (f"{block_rel} holds an outdated fablize block",
+                f"`{prog} setup {agent}` updates it", cli)
     if cli != portable_command(root):
         return (f"{block_rel}'s block runs `{cli}`, not `{portable_command(root)}`",
                 f"`{prog} setup {agent}` updates it", cli)
@@ -420,8 +465,10 @@ def hook_registrations(root, agent):
         for event in events:
             where[event] += [rel] * len(our_hooks(config, event))
     if agent == "claude" and plugin_enabled(root):
-        for event in events:
-            where[event].append(f"the {PLUGIN_NAME} plugin")
+        for event, role in ((e, r) for e, _, r, _ in hook_entries(agent, "fablize")):
+            if not registers(root, role):  # else the plugin's copy steps aside for the project's
+                where[event] = [w for w in where[event] if w != hooks_rel]
+                where[event].append(f"the {PLUGIN_NAME} plugin")
     return where
 
 
@@ -466,24 +513,29 @@ def cmd_install_block(ctx, a):
         ctx.data.update(path=target, changed=False)
         return
     directory = os.path.dirname(target)
-    created = a.remove and not new and block_created(target + ".fablize-backup")
-    backup = None
-    if st is not None:
-        backup = target + ".fablize-backup"
-        if os.path.islink(backup):
-            raise refused(f"{backup} is a symlink — refusing to write through it.", "symlink")
-        engine.write_atomic(backup, raw)
-    if created:  # install-block made this file: removing the block removes it, no 0-byte file
-        os.unlink(target)
+    backup = target + BACKUP
+    if os.path.islink(backup):
+        raise refused(f"{backup} is a symlink — refusing to write through it.", "symlink")
+    if a.remove and not new and block_created(backup):
+        # install-block made this file: removing the block removes it (no 0-byte file) and the
+        # copy it kept of it, which held nothing but a block
+        for path in (target, backup):
+            if os.path.lexists(path):
+                os.unlink(path)
         engine.fsync_dir(directory)
-        ctx.say(f"fablize: removed {target}: the fablize block was all it held"
-                + (f" (previous file kept as {backup})" if backup else ""))
-        ctx.data.update(path=target, changed=True, backup=backup, deleted=True)
+        ctx.say(f"fablize: removed {target}: the fablize block was all it held")
+        ctx.data.update(path=target, changed=True, backup=None, deleted=True)
         return
+    if st is not None:
+        engine.write_atomic(backup, raw)
+    else:
+        backup = None
     engine.write_atomic(target, new.encode("utf-8"), st.st_mode & 0o7777 if st else 0o644)
     engine.fsync_dir(directory)
     verb = "removed the fablize block from" if a.remove else "installed the fablize block in"
-    ctx.say(f"fablize: {verb} {target}" + (f" (previous file kept as {backup})" if backup else ""))
+    note = migration_note(text, os.path.basename(target)) if not a.remove else ""
+    ctx.say(f"fablize: {verb} {target}" + (f" (previous file kept as {backup})" if backup else "")
+            + note)
     ctx.data.update(path=target, changed=True, backup=backup)
 
 
@@ -500,8 +552,27 @@ def block_created(backup):
     return bool(text.strip()) and BLOCK_BEGIN in text and not install_block(text, "", True).strip()
 
 
+# what the user must do once setup wrote an agent's hooks, for the agent to run them
+LOAD_HOOKS = {
+    "claude": "restart Claude Code (it reads hooks when a session starts; `/hooks` lists them "
+              "for review)",
+    "codex": "restart Codex: it runs a project's hooks once they are switched on "
+             "(`[features] codex_hooks = true` in ~/.codex/config.toml) and you trust them "
+             "(`/hooks`, or Settings → Hooks)",
+    "gemini": "restart Gemini CLI: it reads a project's .gemini/settings.json only in a "
+              "trusted folder (trust this one when it asks, or `/permissions`)",
+    "cursor": "restart Cursor (it reads .cursor/hooks.json when it starts)",
+}
+
+
 def cmd_setup(ctx, a):
     root = ctx.store.root
+    cli = portable_command(root)
+    if not a.remove and "$(git rev-parse" in cli and engine.repo_root(root) is None:
+        raise refused(f"setup: {root} is not a git repository, and the hooks and the block find "
+                      "the engine with `git rev-parse --show-toplevel`: every hook would fail "
+                      "here — run `git init` first, then setup again (or install fablize, whose "
+                      "`fablize` command needs no repository).", "not_a_repository")
     changes, notes = setup_plan(root, a.agent, a.remove)
     done = []
     for rel, path, st, data, what in changes:
@@ -516,7 +587,8 @@ def cmd_setup(ctx, a):
             ctx.say(f"fablize: {os.path.relpath(ignore, root)}: written — the lock, temporary and "
                     "torn-line files stay out of git")
             done.append(os.path.relpath(ignore, root))
-    elif engine.read_state_file(ignore) == engine.STATE_GITIGNORE.encode() and not ctx.store.has_plan_files():
+    elif (engine.read_state_file(ignore) == engine.STATE_GITIGNORE.encode()
+          and not ctx.store.has_plan_files()):
         os.unlink(ignore)
         done.append(os.path.relpath(ignore, root))
         ctx.say(f"fablize: {os.path.relpath(ignore, root)}: removed")
@@ -533,75 +605,321 @@ def cmd_setup(ctx, a):
         ctx.say(f"fablize: {a.agent} is already {'unwired' if a.remove else 'set up'} here; "
                 "nothing changed.")
     elif not a.remove:
+        human = engine.human_command(portable_command(root))
+        if human != portable_command(root):
+            ctx.say(f"fablize: in your own terminal, the plugin's bin/ is not on PATH (Claude "
+                    f"Code's Bash tool has it): `alias fablize={human}` in your shell's profile "
+                    "runs it there")
+        if a.agent in LOAD_HOOKS:
+            ctx.say(f"fablize: for the hooks to load: {LOAD_HOOKS[a.agent]}")
         ctx.say(f"fablize: next — `{ctx.prog} doctor {a.agent}` checks the wiring; the agent's "
                 f"commands are `{portable_command(root)} …`")
     ctx.data.update(agent=a.agent, files=done, notes=notes, cli=portable_command(root))
 
 
+# what each hook of ours is sent, as its agent's harness sends it, when doctor runs it
+HOOK_PAYLOADS = {
+    "status": {"hook_event_name": "SessionStart", "source": "startup"},
+    "guard": {"hook_event_name": "Stop", "stop_hook_active": False},
+    "observe": {"hook_event_name": "PostToolUse", "tool_name": "Bash",
+                "tool_input": {"command": "echo fablize doctor"},
+                "tool_response": {"stdout": "fablize doctor", "stderr": "", "exit_code": 0}},
+}
+
+
+def hook_answer_problem(cmd, root, agent, role):
+    """Why the hook command `cmd` does not answer as its agent needs, run exactly as the agent
+    runs it (a shell in the project, the payload on stdin) against an empty state directory —
+    so nothing of the real plan changes — or None."""
+    import tempfile
+    payload = dict(HOOK_PAYLOADS[role], session_id="fablize-doctor", cwd=root,
+                   transcript_path=os.path.join(root, "fablize-doctor.jsonl"))
+    with tempfile.TemporaryDirectory() as empty:
+        try:
+            code, out, err = engine.run_tool(
+                cmd, cwd=root, shell=True, timeout=30, what="doctor",
+                data=json.dumps(payload).encode(),
+                env={"FABLIZE_DIR": os.path.join(empty, engine.STATE_DIRNAME)})
+        except FablizeError as e:
+            return e.message
+    said = one_line(engine.last_chars(err or out.decode("utf-8", "replace"), 200))
+    if code != 0:
+        if "$(git rev-parse" in cmd and engine.repo_root(root) is None:
+            return (f"exits {code} here: this folder is not a git repository, and the command "
+                    f"finds the engine with `git rev-parse` ({said})")
+        if code == 127:
+            return f"exits 127: its program is not found here ({said})"
+        return f"exits {code} ({said})"
+    text = out.decode("utf-8", "replace").strip()
+    if not text and agent != "gemini":  # nothing to say is an answer; Gemini CLI wants JSON
+        return None
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        return f"answers what {agent} cannot read as a JSON object: {one_line(text[:120])!r}"
+    return None
+
+
+def wired_agents(root):
+    """The agents this project is wired for: those whose hook file registers a hook of ours,
+    those whose own instructions file (CLAUDE.md, GEMINI.md) holds the block, and agents-md
+    for a block in AGENTS.md that no agent's hooks go with."""
+    def has_block(rel):
+        try:
+            return BLOCK_BEGIN in read_project_file(os.path.join(root, rel)).decode("utf-8",
+                                                                                    "replace")
+        except (OSError, FablizeError):
+            return False
+    found = []
+    for agent, (block_rel, hooks_rel) in AGENT_FILES.items():
+        config = read_json_config(os.path.join(root, hooks_rel), quiet=True) if hooks_rel else {}
+        if any(our_hooks(config, e) for e, _, _, _ in hook_entries(agent, "fablize")):
+            found.append(agent)
+        elif block_rel != "AGENTS.md" and has_block(block_rel):
+            found.append(agent)
+    if has_block("AGENTS.md") and not {"codex", "cursor"} & set(found):
+        found.append("agents-md")
+    return found
+
+
 def cmd_doctor(ctx, a):
+    agents = [a.agent] if a.agent else wired_agents(ctx.store.root)
+    if not agents:
+        raise refused(f"doctor: no agent is wired in {ctx.store.root} — `{ctx.prog} setup claude` "
+                      "(or codex, gemini, cursor, agents-md) wires one.", "doctor_problems")
+    findings = []
+    for agent in agents:
+        findings += [dict(f, agent=agent) for f in doctor_findings(ctx, agent)]
+    for agent in agents:
+        if len(agents) > 1:
+            ctx.say(f"fablize: doctor — {agent}")
+        for c in (f for f in findings if f["agent"] == agent):
+            ctx.say(f"  ✓ {c['item']}: {c['detail']}" if c["ok"] else
+                    f"  ✗ {c['item']}: {c['problem']} — fix: {c['fix']}")
+    ctx.data.update(agent=agents[0] if len(agents) == 1 else agents, findings=findings)
+    problems = [c for c in findings if not c["ok"]]
+    if problems:
+        raise refused(f"doctor: {len(problems)} problem{'s' if len(problems) > 1 else ''} — "
+                      f"{problems[0]['problem']}; fix: {problems[0]['fix']}", "doctor_problems")
+    ctx.say(f"fablize: doctor — {', '.join(agents)} {'is' if len(agents) == 1 else 'are'} wired "
+            "and the state is healthy.")
+
+
+def doctor_findings(ctx, agent):
+    """What doctor finds of `agent`'s wiring: [{item, ok, problem, fix, detail}]."""
     root = ctx.store.root
-    agent = a.agent
     findings = []
 
     def finding(name, problem, fix, fine):
         findings.append({"item": name, "ok": problem is None, "problem": problem, "fix": fix,
-                       "detail": fine if problem is None else None})
+                         "detail": fine if problem is None else None})
 
-    finding("engine", None, None, f"fablize {engine.__version__} on Python {sys.version.split()[0]}")
+    finding("engine", None, None,
+            f"fablize {engine.__version__} on Python {sys.version.split()[0]}")
     problem, fix, cli = block_problem(root, agent, ctx.prog)
     finding("block", problem, fix, f"{AGENT_FILES[agent][0]} holds the current block")
     if cli:
         bad = interpreter_problem(cli, root)
         ok, said = (False, bad) if bad else command_runs(cli, root)
         if bad and cli == "fablize" and agent == "claude" and plugin_enabled(root):
-            ok, said = True, f"not on this PATH, but Claude Code puts the {PLUGIN_NAME} plugin's bin/ on its own"
-        finding("command", None if ok else f"the block's command `{cli}` does not run here ({said})",
-              command_missing(cli) or "install fablize (README: Add it to your project) or keep "
-              f"the script in the repository, then `{ctx.prog} setup {agent}`",
-              f"`{cli} --version` → {said}")
+            ok, said = True, (f"not on this PATH, but Claude Code puts the {PLUGIN_NAME} "
+                              "plugin's bin/ on its own")
+        outside = "$(git rev-parse" in cli and engine.repo_root(root) is None
+        finding("command",
+                None if ok else f"the block's command `{cli}` does not run here ({said})"
+                + (": this folder is not a git repository" if outside else ""),
+                "`git init`" if outside else command_missing(cli) or "install fablize (README: "
+                f"Add it to your project) or keep the script in the repository, then `{ctx.prog} "
+                f"setup {agent}`", f"`{cli} --version` → {said}")
+    hooks_rel = AGENT_FILES[agent][1]
     for event, where in hook_registrations(root, agent).items():
         if not where:
-            finding(f"{event} hook", f"no fablize {event} hook is registered", f"`{ctx.prog} setup {agent}`", None)
+            finding(f"{event} hook", f"no fablize {event} hook is registered",
+                    f"`{ctx.prog} setup {agent}`", None)
         elif len(where) > 1:
+            fix = (f"`{ctx.prog} setup {agent}` keeps one" if set(where) == {hooks_rel} else
+                   f"keep one: take fablize's {event} entry out of "
+                   f"{next(w for w in where if w != hooks_rel)} (setup edits the project's files "
+                   "only)")
             finding(f"{event} hook", f"the {event} hook is registered {len(where)} times "
-                  f"({', '.join(where)}): every event would be counted twice",
-                  f"keep one: remove fablize's {event} entry from {where[0]}", None)
+                    f"({', '.join(where)}): every event would be counted twice", fix, None)
         else:
             finding(f"{event} hook", None, None, f"registered once ({where[0]})")
-    hooks_rel = AGENT_FILES[agent][1]
     if hooks_rel:
         config = read_json_config(os.path.join(root, hooks_rel), quiet=True)
-        for event, _, _, _ in hook_entries(agent, "fablize"):
+        for event, _, role, _ in hook_entries(agent, "fablize"):
             for f in our_hooks(config, event):
-                bad = interpreter_problem(f[3]["command"], root)
-                if bad:
-                    cli = f[3]["command"].split()[0]
-                    finding(f"{event} hook command", f"{bad} (in {hooks_rel})",
-                            command_missing(cli) or f"`{ctx.prog} setup {agent}`", None)
+                cmd = f[3]["command"]
+                bad = (interpreter_problem(cmd, root)
+                       or hook_answer_problem(cmd, root, agent, role))
+                if bad and agent == "claude" and plugin_enabled(root) and not registers(root,
+                                                                                         role):
+                    finding(f"{event} hook command", None, None,
+                            f"`{one_line(cmd)}` does not run here ({bad}): the {PLUGIN_NAME} "
+                            "plugin's own hook runs instead (teammates without the plugin "
+                            "need fablize installed)")
+                    continue
+                fix = ("`git init`, then " if bad and "not a git repository" in bad else "") + (
+                    command_missing(cmd.split()[0]) or f"`{ctx.prog} setup {agent}`")
+                finding(f"{event} hook command",
+                        bad and f"`{one_line(cmd)}` {bad} (in {hooks_rel})", fix,
+                        f"runs and answers as {agent} reads it")
     if ctx.store.exists():
         try:
             with ctx.store.session(exclusive=False) as s:
                 plan = s.load()
             done = sum(1 for x in plan["goals"] if x["status"] in engine.DONE) if plan else 0
             finding("state", None, None, "no plan yet" if plan is None else
-                  f"plan readable, {done}/{len(plan['goals'])} done")
+                    f"plan readable, {done}/{len(plan['goals'])} done")
         except FablizeError as e:
             finding("state", f"the plan cannot be read: {one_line(e.message)}",
-                  f"`{ctx.prog} audit` says what is wrong; `{ctx.prog} rebuild` regenerates "
-                  "goals.json from the ledger", None)
+                    f"`{ctx.prog} audit` says what is wrong; `{ctx.prog} rebuild` regenerates "
+                    "goals.json from the ledger", None)
         present = engine.read_state_file(os.path.join(ctx.store.dir, ".gitignore")) is not None
-        finding(".gitignore", None if present else f"{engine.STATE_DIRNAME}/.gitignore is missing: the lock "
-              "and temporary files would be committed", f"`{ctx.prog} setup {agent}`",
-              f"{engine.STATE_DIRNAME}/.gitignore keeps local files out of git")
-    for c in findings:
-        ctx.say(f"  ✓ {c['item']}: {c['detail']}" if c["ok"] else
-                f"  ✗ {c['item']}: {c['problem']} — fix: {c['fix']}")
-    ctx.data.update(agent=agent, findings=findings)
-    problems = [c for c in findings if not c["ok"]]
-    if problems:
-        raise refused(f"doctor: {len(problems)} problem{'s' if len(problems) > 1 else ''} — "
-                      f"{problems[0]['problem']}; fix: {problems[0]['fix']}", "doctor_problems")
-    ctx.say(f"fablize: doctor — {agent} is wired and the state is healthy.")
+        finding(".gitignore", None if present else
+                f"{engine.STATE_DIRNAME}/.gitignore is missing: the lock and temporary files "
+                "would be committed", f"`{ctx.prog} setup {agent}`",
+                f"{engine.STATE_DIRNAME}/.gitignore keeps local files out of git")
+    return findings
+
+
+# Shell completion, generated from the command table ###########################################
+
+
+def command_table(prog):
+    """[(command, summary, [(option, takes a value, choices, help)], positional choices)] of
+    every command, read from the parser the engine itself uses: one source."""
+    parser = engine.build_parser(None, prog)
+    sub = next(a for a in parser._actions if getattr(a, "choices", None) and
+               isinstance(a.choices, dict))
+    summaries = {a.dest: a.help or "" for a in sub._choices_actions}
+    table = []
+    for name, p in sub.choices.items():
+        options, positional = [], []
+        for action in p._actions:
+            if action.option_strings:
+                if "-h" in action.option_strings:
+                    continue
+                for option in action.option_strings:
+                    options.append((option, action.nargs != 0, list(action.choices or ()),
+                                    action.help or ""))
+            elif action.choices:
+                positional += list(action.choices)
+        table.append((name, summaries.get(name, ""), options, positional))
+    return table
+
+
+def plain(text, limit=70):
+    """Help text a completion script can hold without quoting trouble."""
+    return re.sub(r"[^\w .,;/()+’-]", "", one_line(text).replace("'", "’"))[:limit].strip()
+
+
+def completion_bash(prog, table):
+    lines = ["# fablize completion for bash: eval \"$(fablize completion bash)\"",
+             "_fablize() {",
+             '  local cur=${COMP_WORDS[COMP_CWORD]} prev=${COMP_WORDS[COMP_CWORD-1]} cmd="" i',
+             "  for ((i = 1; i < COMP_CWORD; i++)); do",
+             '    case ${COMP_WORDS[i]} in --dir) ((i++)) ;; -*) ;; *) cmd=${COMP_WORDS[i]}; '
+             'break ;; esac',
+             "  done",
+             '  if [[ -z $cmd ]]; then',
+             '    COMPREPLY=($(compgen -W "' + " ".join(t[0] for t in table) +
+             ' --dir --json --help --version" -- "$cur")); return',
+             "  fi",
+             '  local words="" values=""',
+             '  case "$cmd $prev" in']
+    for name, _, options, _ in table:
+        for option, value, choices, _ in options:
+            if choices:
+                lines.append(f'    "{name} {option}") COMPREPLY=($(compgen -W "{" ".join(choices)}"'
+                             ' -- "$cur")); return ;;')
+    lines += ["  esac", '  case $cmd in']
+    for name, _, options, positional in table:
+        words = " ".join([o for o, _, _, _ in options] + positional)
+        values = " ".join(o for o, value, choices, _ in options if value and not choices)
+        lines.append(f'    {name}) words="{words}" values=" {values} " ;;')
+    lines += ["  esac",
+              '  if [[ $values == *" $prev "* ]]; then  # an option\'s value: a file, or words',
+              '    COMPREPLY=($(compgen -f -- "$cur")); return',
+              "  fi",
+              '  COMPREPLY=($(compgen -W "$words" -- "$cur"))', "}",
+              f"complete -F _fablize {prog}"]
+    return "\n".join(lines) + "\n"
+
+
+def completion_zsh(prog, table):
+    lines = ["#compdef " + prog,
+             "# fablize completion for zsh (after compinit): eval \"$(fablize completion zsh)\"",
+             "_fablize() {", "  local -a commands", "  commands=("]
+    lines += [f"    '{name}:{plain(summary)}'" for name, summary, _, _ in table]
+    lines += ["  )",
+              "  local i=2",
+              "  while (( i < CURRENT )) && [[ $words[i] == -* ]]; do",
+              "    [[ $words[i] == --dir ]] && (( i++ ))",
+              "    (( i++ ))",
+              "  done",
+              "  if (( CURRENT <= i )); then _describe command commands; return; fi",
+              "  case $words[i] in"]
+    for name, _, options, positional in table:
+        specs = []
+        for option, value, choices, help in options:
+            spec = f"'{option}[{plain(help)}]"
+            if value:
+                spec += f":{option.lstrip('-')}:" + (f"({' '.join(choices)})" if choices
+                                                     else "_files")
+            specs.append(spec + "'")
+        if positional:
+            specs.append(f"'*:choice:({' '.join(positional)})'")
+        lines.append(f"    {name}) _arguments -s {' '.join(specs)} ;;")
+    lines += ["  esac", "}", f"compdef _fablize {prog}"]
+    return "\n".join(lines) + "\n"
+
+
+def completion_fish(prog, table):
+    lines = [f"# fablize completion for fish: {prog} completion fish | source",
+             f"complete -c {prog} -f"]
+    for name, summary, options, positional in table:
+        lines.append(f"complete -c {prog} -n __fish_use_subcommand -a {name} "
+                     f"-d '{plain(summary)}'")
+        seen = f"'__fish_seen_subcommand_from {name}'"
+        for option, value, choices, help in options:
+            if not option.startswith("--"):
+                continue
+            line = f"complete -c {prog} -n {seen} -l {option[2:]} -d '{plain(help)}'"
+            if choices:
+                line += f" -x -a '{' '.join(choices)}'"
+            elif value:
+                line += " -r -F"
+            lines.append(line)
+        if positional:
+            lines.append(f"complete -c {prog} -n {seen} -a '{' '.join(positional)}'")
+    return "\n".join(lines) + "\n"
+
+
+COMPLETIONS = {"bash": completion_bash, "zsh": completion_zsh, "fish": completion_fish}
+
+
+def cmd_completion(ctx, a):
+    """The completion script of `a.shell` for the `fablize` command, on stdout."""
+    if not re.fullmatch(r"[\w.-]+", a.name or ""):
+        raise usage(f"--name {one_line(a.name)!r} is not a command's name: one word of "
+                    "letters, digits, ., - and _.", "bad_name")
+    script = COMPLETIONS[a.shell](a.name, command_table(a.name))
+    ctx.say(script.rstrip("\n"))
+    ctx.data.update(shell=a.shell, script=script)
+
+
+def add_completion(command):
+    c = command("completion", cmd_completion, "print a shell completion script",
+                "for bash (eval \"$(fablize completion bash)\" in ~/.bashrc), zsh (the same "
+                "in ~/.zshrc, after compinit) or fish (fablize completion fish | source, in "
+                "~/.config/fish/config.fish); every command, option and choice, from the same "
+                "table as --help")
+    c.add_argument("shell", choices=tuple(COMPLETIONS), help="bash, zsh or fish")
+    c.add_argument("--name", default="fablize",
+                   help="the command it completes (default: fablize)")
 
 
 def add_install_block(command):
@@ -629,8 +947,9 @@ def add_doctor(command):
     c = command("doctor", cmd_doctor, "check the wiring and the state",
                 "the interpreter resolves, each hook is registered once, the block is current and "
                 "its command runs, the state is healthy")
-    c.add_argument("agent", nargs="?", choices=AGENTS, default="claude",
-                   help="the agent whose wiring to check (default: claude)")
+    c.add_argument("agent", nargs="?", choices=AGENTS, default=None,
+                   help="the agent whose wiring to check (default: every agent wired here)")
 
 
-COMMANDS = {"install-block": add_install_block, "setup": add_setup, "doctor": add_doctor}
+COMMANDS = {"install-block": add_install_block, "setup": add_setup, "doctor": add_doctor,
+            "completion": add_completion}

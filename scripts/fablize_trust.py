@@ -103,7 +103,8 @@ def read_archived_ledger(store, replaced):
     archive/ or reached through a symlink."""
     rel = replaced.get("path")
     if not (isinstance(rel, str) and re.fullmatch(ARCHIVE + r"/[\w.-]+", rel)):
-        raise damaged(f"the plan's replaces names no archive ({one_line(repr(rel))}) — it cannot be "
+        raise damaged(f"the plan's replaces names no archive ({one_line(repr(rel))}) — it cannot "
+                      "be "
                       "verified.", "archive_unverified")
     for part in (ARCHIVE, rel):
         if os.path.islink(store.path(part)):
@@ -143,7 +144,8 @@ def verify_pin(store, scan, pin):
         replaced = report["plan"]["replaces"]
     seq, pin_hash = scan.pin.seq, scan.pin.hash
     if scan.pin.where == "rewritten":
-        raise damaged(f"{LEDGER} line {seq} no longer hashes to {pin_hash[:16]}… (the pin): history "
+        raise damaged(f"{LEDGER} line {seq} no longer hashes to {pin_hash[:16]}… (the pin): "
+                      "history "
                       "before it was rewritten.", "history_rewritten")
     what = f"line {seq} does not exist" if seq else "no line hashes to it"
     raise damaged(f"--since {pin_hash[:16]}…: {what} — the ledger was truncated or re-written "
@@ -196,8 +198,8 @@ def check_paths(plan, root, top):
                 continue
             for word in words:
                 word = word.split("::", 1)[0]
-                if word and not word.startswith("-") and "\x00" not in word and \
-                        os.path.lexists(os.path.join(root, word)):
+                if (word and not word.startswith("-") and "\x00" not in word and
+                        os.path.lexists(os.path.join(root, word))):
                     rel = os.path.relpath(os.path.normpath(os.path.join(os.path.abspath(root),
                                                                         word)), top)
                     if not rel.startswith(".."):
@@ -321,8 +323,8 @@ def signed_fields(plan, signature, prev):
 def verify_signature(signers_path, plan_id, ev):
     """None when the decision's signature verifies for its signer, else why not."""
     sig = ev.get("signature")
-    if not isinstance(sig, dict) or not isinstance(sig.get("sig"), str) or \
-            not isinstance(sig.get("signer"), str) or engine.blank(sig.get("signer")):
+    if (not isinstance(sig, dict) or not isinstance(sig.get("sig"), str) or
+            not isinstance(sig.get("signer"), str) or engine.blank(sig.get("signer"))):
         return "unsigned"
     payload = decision_payload(plan_id, ev.get("id"), ev.get("decision"), ev.get("note"),
                                ev.get("prev"))
@@ -412,8 +414,8 @@ def witnessed_gaps(plan):
     gaps = []
     for s in engine.stories_in(plan, "complete"):
         if not s["checks"]:
-            how = "its pass was run ad hoc (--run)" if s["last_run"] and \
-                s["last_run"]["check"] is None else "it has no frozen checks: its pass is claimed"
+            how = ("its pass was run ad hoc (--run)" if s["last_run"] and
+                s["last_run"]["check"] is None else "it has no frozen checks: its pass is claimed")
             gaps.append(f"{s['id']} ({how})")
             continue
         for i in range(len(s["checks"])):
@@ -448,8 +450,8 @@ def scope_matcher(patterns):
                 rx += {"*": "[^/]*", "?": "[^/]"}.get(c, re.escape(c) if c != "[" else "[")
                 i += 1
         globs.append(re.compile(rx + r"\Z", re.S))
-    return lambda path: any(path == p or path.startswith(p + "/") for p in literal) or \
-        any(g.match(path) for g in globs)
+    return (lambda path: any(path == p or path.startswith(p + "/") for p in literal) or
+        any(g.match(path) for g in globs))
 
 
 def scope_of(plan, base, given):
@@ -584,8 +586,8 @@ def rerun(store, plan, trust, opts, timeout):
                 run_all(story, os.path.join(folder, tree["root"]), "tree")
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
-        if (opts["fail_to_pass"] or opts["require_fail_to_pass"]) and tree is not None and \
-                stories and engine.is_final(plan, stories[0]):
+        if ((opts["fail_to_pass"] or opts["require_fail_to_pass"]) and tree is not None and
+                stories and engine.is_final(plan, stories[0])):
             folder = build_tree(tree, with_branch=False)
             try:
                 run_all(stories[0], os.path.join(folder, tree["root"]), "base")
@@ -613,8 +615,8 @@ def committed_trees(top, trees, state_rel, limit=200):
         return set()
     code, out, _ = engine.git(top, "rev-list", f"--max-count={limit}", "HEAD")
     commits = out.decode().split() if code == 0 else []
-    paths = ["--", ".", ":(exclude,literal)" + state_rel] if not state_rel.startswith("..") \
-        else []
+    paths = (["--", ".", ":(exclude,literal)" + state_rel] if not state_rel.startswith("..")
+        else [])
     found = set()
     for tree in trees:
         for commit in commits:
@@ -656,14 +658,15 @@ def review(store, plan, scan, pin, base, opts):
                                   "signer": sig.get("signer") if isinstance(sig, dict) else None})
     trust["frozen_checks"] = [{"id": s["id"], "checks": s["checks"]} for s in plan["goals"]
                               if s.get("checks")]
-    trust["check_files_changed"] = changed_check_files(store.root, base["ref"], plan) \
-        if base is not None else []
-    trust["added_after_pin"] = [{"id": x["id"], "title": x["title"], "checks": x.get("checks", [])}
-                                for x in scan.added] if trust["pin"] and not trust["new_plan"] else []
+    trust["check_files_changed"] = (changed_check_files(store.root, base["ref"], plan)
+        if base is not None else [])
+    trust["added_after_pin"] = ([{"id": x["id"], "title": x["title"], "checks": x.get("checks", [])}
+                                 for x in scan.added]
+                                if trust["pin"] and not trust["new_plan"] else [])
     scope, source = scope_of(plan, base, opts["scope"])
     trust["scope"] = {"patterns": scope, "from": source}
-    trust["tree"] = tree_plan(store, plan, base, opts) if opts["rerun"] or opts["fail_to_pass"] \
-        or opts["require_fail_to_pass"] or opts["forbid_out_of_scope"] else None
+    trust["tree"] = (tree_plan(store, plan, base, opts) if opts["rerun"] or opts["fail_to_pass"]
+        or opts["require_fail_to_pass"] or opts["forbid_out_of_scope"] else None)
     trust["out_of_scope"] = trust["tree"]["left"] if trust["tree"] else []
     trust["engine_inside_tree"] = engine_inside(store.root)
     ci = base is not None or os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -678,7 +681,8 @@ def lines(trust):
     out = []
     for story in trust["added_after_pin"]:
         checks = "; ".join(one_line(c) for c in story["checks"]) or "no frozen check"
-        out.append(f"  added after the pin: {story['id']} {defused_line(story['title'])} — {checks} "
+        out.append(f"  added after the pin: {story['id']} {defused_line(story['title'])} — "
+                   f"{checks} "
                    "(the re-run runs the final story's checks first)")
     if trust["check_files_changed"]:
         out.append("  frozen checks name files this branch changed since the base (review them): "
@@ -710,7 +714,8 @@ def lines(trust):
         out.append("  imported from the original goals.py: its first event is not the engine's own")
     for item in trust["accepted"]:
         by = f"signed by {one_line(item['signer'])}" if item["signer"] else "unsigned"
-        out.append(f"  accepted: {item['id']} ({by}) — {defused_line(last_chars(item['note'], 200))}")
+        out.append(f"  accepted: {item['id']} ({by}) — "
+                   f"{defused_line(last_chars(item['note'], 200))}")
     for run in trust["unclean_runs"][:MAX_LISTED]:
         out.append(f"  run at line {run['line']} ({one_line(run['id'])} `{one_line(run['cmd'])}`): "
                    + "; ".join(run["why"]))
@@ -774,7 +779,8 @@ def gates(store, plan, trust, opts):
                                  "give those stories frozen checks (`create --check`), or run "
                                  "them with the engine"))
     if opts["require_clean_runs"] and trust["runs_without_provenance"]:
-        found.append(failure("unclean_runs", f"{engine.count_noun(trust['runs_without_provenance'], 'run')} "
+        unrecorded = engine.count_noun(trust["runs_without_provenance"], "run")
+        found.append(failure("unclean_runs", f"{unrecorded} "
                              "recorded no provenance, so they cannot be shown to be clean",
                              "run the checks again with this engine"))
     if opts["require_clean_runs"] and trust["unclean_runs"]:
@@ -832,8 +838,8 @@ def rerun_lines(results, tree):
            "nowhere:"]
     for r in results:
         label = " (on the base alone)" if r["on"] == "base" else ""
-        verdict = ("✗ vacuous" if r["ok"] else "✓ fails, as it should") if r["on"] == "base" \
-            else ("✓" if r["ok"] else "✗")
+        verdict = (("✗ vacuous" if r["ok"] else "✓ fails, as it should") if r["on"] == "base"
+            else ("✓" if r["ok"] else "✗"))
         out.append(f"    {verdict} {r['id']} check {r['check']}{label} "
                    f"`{one_line(r['cmd'])}` → {r['result']}")
         if r["tail"] and (not r["ok"] or r["on"] != "base"):
@@ -878,7 +884,8 @@ def summary(verdict, failures, report_md, trust=None, results=(), story_grades=N
                                    "branch's own tests and tools." if tree is None else
                                    f"on `{engine.md_cell(tree['base'])}`'s tree with the "
                                    f"branch's files inside the scope "
-                                   f"({', '.join('`' + engine.md_cell(p) + '`' for p in tree['scope'])}).")
+                                   "(" + ", ".join(f"`{engine.md_cell(p)}`"
+                                                   for p in tree["scope"]) + ").")
                       )
             md.append("")
         if trust.get("out_of_scope"):

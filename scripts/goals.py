@@ -43,6 +43,9 @@ STARTUP_INTERRUPT = globals().get("STARTUP_INTERRUPT", [])
 if __name__ in ("__main__", "fablize_engine"):  # a whole process, never an importer's
     import _signal
     _signal.signal(_signal.SIGINT, lambda signum, frame: STARTUP_INTERRUPT.append(signum))
+    import sys
+    if sys.version_info < (3, 9):  # one line, before anything an older Python cannot run
+        sys.exit("fablize: needs Python 3.9 or newer, this is " + sys.version.split()[0])
 
 import collections
 import errno
@@ -93,6 +96,11 @@ ORIGINAL_STATUSES = ("pending", "in_progress", "complete", "failed", "blocked")
 TAIL_CHARS = 500            # carried evidence and run tails (seed 004)
 MAP_WINDOW = 30             # plan-map lines around the current story (seed 004)
 MAP_LOOKBACK = 10           # of which at most this many come before it
+RESUME_MAP = (2, 7)         # a session start's map: lookback, window (it stays short)
+RESUME_CARRIED = 2          # a session start's direct dependencies shown, the latest
+RESUME_LISTED = 5           # a session start's failed, blocked or in-review stories listed
+RESUME_TITLE = 80           # characters of a title a session start shows
+RESUME_TAIL = 200           # characters of a dependency's evidence and output it shows
 MAX_TEXT = 1 << 20          # one user-supplied text field, in UTF-8 bytes
 DEFAULT_ROUNDS = 3
 DEFAULT_RUN_TIMEOUT = 600.0
@@ -101,7 +109,7 @@ DEFAULT_GUARD_MAX = 3       # Stop-hook blocks in a row before the guard lets go
 READ_CHUNK = 1 << 16
 HOOK_AGENTS = ("claude", "codex", "gemini", "cursor")  # the hook protocols the engine speaks
 OBSERVED_KEEP = 20          # observed runs kept per story (the snapshot stays O(stories))
-DUPLICATE_WINDOW = 60.0     # seconds: two guards fed the very same stop are one registration too many
+DUPLICATE_WINDOW = 60.0     # seconds: two guards fed the very same stop: one registration too many
 REPORT_RUNS = 100           # the latest runs a report lists; the ledger holds the rest
 PYTHON = "python" if os.name == "nt" else "python3"  # `python3` on Windows is the Store alias
 STATE_GITIGNORE = """\
@@ -270,8 +278,15 @@ def last_chars(text, n=TAIL_CHARS):
     return text if len(text) <= n else "…" + text[-n:]
 
 
+def short(text, n):
+    """The first `n` characters of `text`, and … when there were more."""
+    text = text or ""
+    return text if len(text) <= n else text[:n] + "…"
+
+
 def _escape_table(keep):
-    table = {c: "\\x%02x" % c for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)] if chr(c) not in keep}
+    table = {c: "\\x%02x" % c for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)]
+             if chr(c) not in keep}
     # bidi overrides and line separators can reorder or break what a terminal shows
     for c in (0x200E, 0x200F, 0x2028, 0x2029, 0x202A, 0x202B, 0x202C, 0x202D, 0x202E,
               0x2066, 0x2067, 0x2068, 0x2069, 0xFEFF):
@@ -355,8 +370,8 @@ def defuse(text):
         # invisible characters between a marker's words must not hide it: read the text with
         # them as spaces, a view used only when it shows a marker (emoji joiners stay intact)
         bare = text.translate(_INVISIBLE)
-        if bare != text and has_marker_word(bare) and \
-                any(p.search(bare) for p, _ in _COMPILED_MARKERS[True]):
+        if (bare != text and has_marker_word(bare) and
+                any(p.search(bare) for p, _ in _COMPILED_MARKERS[True])):
             text = bare
     if has_marker_word(text):  # the cheap test first: most text names no marker word
         for pattern, replacement in _COMPILED_MARKERS[wide]:
@@ -435,8 +450,8 @@ def scope_pattern(text):
     path = text.strip().replace("\\", "/")
     while path.startswith("./"):
         path = path[2:]
-    if not path or "\x00" in path or path.startswith("/") or re.match(r"[A-Za-z]:", path) or \
-            ".." in path.split("/"):
+    if (not path or "\x00" in path or path.startswith("/") or re.match(r"[A-Za-z]:", path) or
+            ".." in path.split("/")):
         raise usage(f"--scope {one_line(text)!r}: a path of the repository, relative to its top "
                     "(a file, a folder or a glob like src/** or *.py).", "bad_scope")
     return path.rstrip("/") + ("/" if path.endswith("/") else "")
@@ -454,8 +469,8 @@ def count_noun(n, noun):
     """`1 event`, `2 events`, `1 story`, `3 stories`: a count and its noun, never `event(s)`."""
     if n == 1:
         return f"1 {noun}"
-    return f"{n} {noun[:-1]}ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else \
-        f"{n} {noun}s"
+    return (f"{n} {noun[:-1]}ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else
+        f"{n} {noun}s")
 
 
 def count_stories(n):
@@ -612,7 +627,8 @@ STORY_FIELDS = {
     "verify_cmd": (TEXT, None), "verify_evidence": (TEXT, None),
     "runs": ([RUN_SPEC], []), "last_run": ((RUN_SPEC, _N), None),
     "feedback": ((FEEDBACK_SPEC, _N), None), "amendments": ([NOTE_SPEC], []),
-    "decision": (({"decision": str, "note": str, "seq": int, "ts": str}, _N), None),
+    "decision": (({"decision": str, "note": str, "seq": int, "ts": str, "signer?": str}, _N),
+                 None),
     "blocked_reason": (TEXT, None),
     "judged_by": (({"agent": str, "verdict": str, "seq": int}, _N), None),
     # what the harness reported of the agent's own verification commands (observe), latest last
@@ -684,9 +700,8 @@ def compact(story):
     default (every default is falsy, so a truthy value always differs)."""
     if len(story) <= len(BASE_FIELDS) + 1:
         return story  # the common shape, in order: its text and its dependencies
-    get = story.get
-    return {k: v for k, d in DEFAULTS.items() if k in story and ((v := get(k)) or v != d
-                                                                  or k in BASE_FIELDS)}
+    return {k: story[k] for k, d in DEFAULTS.items()
+            if k in story and (story[k] or story[k] != d or k in BASE_FIELDS)}
 
 
 def lookup(plan, sid):
@@ -705,8 +720,16 @@ def find_story(plan, sid):
     """The story `sid`, touched; refused when the plan has none."""
     story = lookup(plan, sid)
     if story is None:
-        raise refused(f"{one_line(sid)} not found.", "not_found")
+        raise refused(f"{one_line(sid)} not found. {plan_ids(plan)}", "not_found")
     return touch(story)
+
+
+def plan_ids(plan):
+    """The plan's story ids, as a refusal lists them: all of them, or their range."""
+    ids = [s["id"] for s in plan["goals"]]
+    if len(ids) <= 8:
+        return "The plan's stories: " + ", ".join(ids) + "."
+    return f"The plan's stories: {ids[0]}–{ids[-1]} ({len(ids)})."
 
 
 def is_final(plan, story):
@@ -741,8 +764,8 @@ def pick_ready(plan):
     goals, done = plan["goals"], done_ids(plan)
     # most plans have no reopened story: two passes in C tell, and the first ready story is then
     # near the front (a plan of 100,000 stories picks in 15 ms, not 65)
-    reopened = "failed" in map(itemgetter("status"), goals) or \
-        any(map(methodcaller("get", "round", 0), goals))
+    reopened = ("failed" in map(itemgetter("status"), goals) or
+        any(map(methodcaller("get", "round", 0), goals)))
     first = None
     for story in goals:
         status = story["status"]
@@ -786,6 +809,23 @@ def rounds_left(plan, story):
     return plan["options"]["rounds"] - (story["round"] - story["round_base"])
 
 
+def round_label(plan, story):
+    """`round 2 of 3`; after a human's decision, counted from it: `round 4 (1 of 3 since a
+    human's decision)`."""
+    rounds = plan["options"]["rounds"]
+    if not story["round_base"]:
+        return f"round {story['round']} of {rounds}"
+    return (f"round {story['round']} ({story['round'] - story['round_base']} of {rounds} "
+            "since a human's decision)")
+
+
+# why a story came back, by who sent it back (its feedback's source)
+REOPENED_BECAUSE = {"checkpoint": "the earlier attempt did not achieve the objective",
+                    "judge": "the judge found the objective not achieved",
+                    "retry": "a human asked for another attempt",
+                    "amend": "a human amended the objective (above)"}
+
+
 def validate_graph(stories):
     """Unknown ids and cycles in `after` are refused; returns nothing."""
     deps = {s["id"]: s.get("after", ()) for s in stories}
@@ -825,8 +865,8 @@ def latest_run(story, check=None, cmd=None):
 
 
 def run_passed(run):
-    return run.get("exit_code") == 0 and not run.get("timed_out") and not run.get("error") \
-        and not run.get("interrupted")
+    return (run.get("exit_code") == 0 and not run.get("timed_out") and not run.get("error")
+        and not run.get("interrupted"))
 
 
 def describe_exit(run):
@@ -862,7 +902,10 @@ def grade_detail(story):
     if grade is None:
         return None
     if grade == "accepted" and story["decision"]:
-        return "accepted by a human: " + one_line(last_chars(story["decision"]["note"], 200))
+        decision = story["decision"]
+        return ("accepted by a human" + (f" (signed by {one_line(decision['signer'])})"
+                                         if decision.get("signer") else " (unsigned)")
+                + ": " + one_line(last_chars(decision["note"], 200)))
     judged = story["judged_by"]
     return GRADE_WORDS.get(grade, one_line(grade)) + (
         f"; judged {one_line(judged['verdict'])} by {one_line(judged['agent'])}"
@@ -890,7 +933,8 @@ def current_packet(story):
 def observed_of(story):
     """This round's observed runs of a story (entries of other shapes are not ours: skipped)."""
     return [o for o in story.get("observed") or []
-            if isinstance(o, dict) and o.get("round") == story["round"] and isinstance(o.get("cmd"), str)]
+            if isinstance(o, dict) and o.get("round") == story["round"]
+            and isinstance(o.get("cmd"), str)]
 
 
 def unaddressed_failure(story):
@@ -921,8 +965,8 @@ def _refuse_unknown_unverifiable(stories, found):
     by_id = {s["id"]: s for s in stories}
     for u in found:
         story = by_id.get(u["id"])
-        if story is None or not 0 <= u["check"] < len(story["checks"]) or \
-                story["checks"][u["check"]] != u["cmd"]:
+        if (story is None or not 0 <= u["check"] < len(story["checks"]) or
+                story["checks"][u["check"]] != u["cmd"]):
             raise forged(f"unverifiable check {one_line(u['id'])}/{u['check']} is not a frozen "
                          "check of the plan")
 
@@ -1029,7 +1073,8 @@ def verification_gap(plan, story, ev):
         for i, cmd in enumerate(checks):
             run = latest_run(story, check=i)
             if run is None:
-                return refused(f"{story['id']}: frozen check {i + 1} (`{one_line(cmd)}`) has no run "
+                return refused(f"{story['id']}: frozen check {i + 1} (`{one_line(cmd)}`) has no "
+                               "run "
                                "since the story was activated.", "verification_missing")
             if not run["ok"]:
                 return refused(f"{story['id']}: frozen check {i + 1} (`{one_line(cmd)}`) failed "
@@ -1041,14 +1086,15 @@ def verification_gap(plan, story, ev):
             return refused(f"{story['id']}: no run of `{one_line(ev.get('verify_cmd'))}` since the "
                            "story was activated.", "verification_missing")
         if not run["ok"]:
-            return refused(f"{story['id']}: `{one_line(run['cmd'])}` failed ({describe_exit(run)}).",
-                           "verification_failed")
+            return refused(f"{story['id']}: `{one_line(run['cmd'])}` failed "
+                           f"({describe_exit(run)}).", "verification_failed")
         return None
     if not is_final(plan, story):
         return None
     if plan["options"]["require_run"]:
         return refused("this plan requires a witnessed run: the final story completes only "
-                       "with --run (the engine runs --verify-cmd) or frozen checks.", "run_required")
+                       "with --run (the engine runs --verify-cmd) or frozen checks.",
+                       "run_required")
     if blank(ev.get("verify_cmd")) or blank(ev.get("verify_evidence")):
         return refused("the final story cannot complete without --verify-cmd and --verify-evidence "
                        "(verification gate).", "verification_gate")
@@ -1097,8 +1143,8 @@ def _ev_checkpoint(plan, ev):
         raise forged("run is false")
     checkpoint_gate(plan, story, ev)
     cited = ev.get("runs") or []
-    if len(set(cited)) != len(cited) or len(cited) > max(1, len(story["checks"])) or \
-            any(not 0 < seq < ev["seq"] for seq in cited):
+    if (len(set(cited)) != len(cited) or len(cited) > max(1, len(story["checks"])) or
+            any(not 0 < seq < ev["seq"] for seq in cited)):
         raise forged(f"the checkpoint cites runs {cited[:5]}, which no checkpoint of "
                      f"{story['id']} ran")
     if ev["status"] == "complete":
@@ -1146,9 +1192,9 @@ def _ev_verify_run(plan, ev):
                      "frozen check")
     if ev["log"] != f"{RUNS}/{ev['seq']}-{story['id']}.log":
         raise forged(f"run log `{one_line(ev['log'])[:80]}` is not runs/<seq>-<story>.log")
-    if not regex(r"[0-9a-f]{64}\Z").match(ev["sha256"]) or ev["bytes"] < 0 or not (
-            0 <= ev["duration_s"] < _INF and 0 <= ev["after_seq"] < ev["seq"]) or \
-            len(ev["tail"]) > TAIL_CHARS:
+    if (not regex(r"[0-9a-f]{64}\Z").match(ev["sha256"]) or ev["bytes"] < 0 or not (
+            0 <= ev["duration_s"] < _INF and 0 <= ev["after_seq"] < ev["seq"]) or
+            len(ev["tail"]) > TAIL_CHARS):
         raise forged("a run's digest, size, duration, tail or position is out of range")
     record = {key: ev[key] for key in RUN_FIELDS}
     if ev.get("interrupted"):  # only then: replayed old runs stay as their snapshots hold them
@@ -1179,6 +1225,8 @@ def _ev_decision(plan, ev):
         raise refused(f"{story['id']} is {story['status']} — `decide` applies to a blocked, failed "
                       "or in-review story.", "not_decidable")
     story["decision"] = {"decision": decision, "note": note, "seq": ev["seq"], "ts": ev["ts"]}
+    if ev.get("signature"):  # who signed it, shown wherever the decision is (not proof: audit)
+        story["decision"]["signer"] = ev["signature"]["signer"]
     story.update(agent=None, blocked_reason=None, grade=None)
     if decision == "accept":
         story.update(status="accepted", grade="accepted")  # a human's word: no evidence gate
@@ -1357,15 +1405,16 @@ def _ev_plan_merged(plan, ev):
             raise FablizeError(f"merged plan {one_line(ev['plan_id'])}: {e.message}", e.code,
                                EXIT_DAMAGED)
     other, head = inner.plan, inner.head
-    if other is None or other["plan_id"] != ev["plan_id"] or head != ev["head"] \
-            or len(ev["lines"]) != ev["events"] or other["plan_id"] == plan["plan_id"]:
+    if (other is None or other["plan_id"] != ev["plan_id"] or head != ev["head"]
+            or len(ev["lines"]) != ev["events"] or other["plan_id"] == plan["plan_id"]):
         raise damaged(f"merged plan {one_line(ev['plan_id'])}: its lines do not give the plan, "
                       "head and event count the event names.", "bad_event")
     return plan
 
 
 def _log_plan_merged(ev, sid):
-    return f"plan {one_line(ev['plan_id'])} merged in ({ev['events']} events, head {ev['head'][:16]}…)"
+    return (f"plan {one_line(ev['plan_id'])} merged in ({count_noun(ev['events'], 'event')}, "
+            f"head {ev['head'][:16]}…)")
 
 
 # Every event: its transition and exactly the fields fablize writes for it (seq, ts, event and
@@ -1379,7 +1428,8 @@ EVENTS = {
         "options": {"rounds": int, "require_run": bool}, "unverifiable?": UNVERIFIABLE_SPEC,
         "replaces": (REPLACES_SPEC, _N), "imported_from?": {"tool": str}, "scope?": [str]},
         _log_plan_created),
-    "story_started": (_ev_story_started, {"id": str, "title": str, "round": int, "agent": TEXT}, _log_story_started),
+    "story_started": (_ev_story_started, {"id": str, "title": str, "round": int, "agent": TEXT},
+                      _log_story_started),
     "checkpoint": (_ev_checkpoint, {
         "id": str, "status": str, "evidence": TEXT, "verify_cmd": TEXT,
         "verify_evidence": TEXT, "agent?": TEXT, "run?": bool, "runs?": [int]}, _log_checkpoint),
@@ -1391,17 +1441,21 @@ EVENTS = {
         "provenance?": (PROVENANCE_SPEC, _N), "tree?": str}, _log_verify_run),
     "decision": (_ev_decision, {"id": str, "decision": str, "note": str,
                                 "signature?": ({"signer": str, "sig": str}, _N)}, _log_decision),
-    "story_added": (_ev_story_added, {"story": STORY_EVENT_SPEC, "unverifiable": UNVERIFIABLE_SPEC}, _log_story_added),
+    "story_added": (_ev_story_added, {"story": STORY_EVENT_SPEC,
+                                      "unverifiable": UNVERIFIABLE_SPEC}, _log_story_added),
     "verdict": (_ev_verdict, {"id": str, "verdict": str, "evidence": str, "agent": str,
                               "tree?": TEXT, "packet_seq?": (int, _N)}, _log_verdict),
-    "guard_block": (_ev_guard_block, {"reason": str, "fresh": bool, "hook?": TEXT}, _log_guard_block),
+    "guard_block": (_ev_guard_block, {"reason": str, "fresh": bool, "hook?": TEXT},
+                    _log_guard_block),
     "judge_packet": (_ev_judge_packet, {"id": str, "tree": str, "files": (int, _N)},
                      _log_judge_packet),
     "paused": (_ev_paused, {"note": TEXT}, _log_paused),
     "unpaused": (_ev_unpaused, {}, _log_unpaused),
     "observed_run": (_ev_observed_run, {"id": str, "cmd": str, "exit_code": (int, _N),
-                                        "ok": (bool, _N), "tool": TEXT, "detail": TEXT}, _log_observed_run),
-    "story_released": (_ev_story_released, {"id": str, "note": str, "agent": TEXT}, _log_story_released),
+                                        "ok": (bool, _N), "tool": TEXT, "detail": TEXT},
+                     _log_observed_run),
+    "story_released": (_ev_story_released, {"id": str, "note": str, "agent": TEXT},
+                       _log_story_released),
     "plan_merged": (_ev_plan_merged, {"plan_id": str, "events": int, "head": str,
                                       "lines": [str]}, _log_plan_merged),
 }
@@ -1483,9 +1537,9 @@ def validate_snapshot(plan, whole=True):
     if type(plan) is not dict:
         raise bad("top level is not an object")
     original = is_original_snapshot(plan)
-    found = misfit(plan, ORIGINAL_SPEC) if original else \
-        misfit({k: v for k, v in plan.items() if k != "goals"}, PLAN_HEAD_SPEC) or \
-        (None if type(plan.get("goals")) is list else ".goals")
+    found = (misfit(plan, ORIGINAL_SPEC) if original else
+        misfit({k: v for k, v in plan.items() if k != "goals"}, PLAN_HEAD_SPEC) or
+        (None if type(plan.get("goals")) is list else ".goals"))
     if found:
         raise bad(f"{found.lstrip('.')} is missing, unexpected or of the wrong type")
     goals = plan["goals"]
@@ -1693,6 +1747,12 @@ def link_or_copy(src, dst):
             os.close(fd)
 
 
+def shown_path(store, rel):
+    """A state file's path (`runs/3-G001.log`) as a person standing where they are can open
+    it: relative to the current directory."""
+    return one_line(os.path.relpath(store.path(rel)))
+
+
 def within(path, folder):
     """Whether `path` is `folder` or lies under it (both as given: resolve them first)."""
     return os.path.commonpath([path, folder]) == folder
@@ -1706,9 +1766,9 @@ def user_file(root, path, outside=False):
     target = os.path.abspath(path)
     top = os.path.realpath(root)
     if not outside and not within(os.path.realpath(os.path.dirname(target)), top):
-        where = "a folder on the way is a symlink out of it" \
-            if within(os.path.abspath(os.path.dirname(target)), os.path.abspath(root)) else \
-            "it is not inside it"
+        where = ("a folder on the way is a symlink out of it"
+            if within(os.path.abspath(os.path.dirname(target)), os.path.abspath(root)) else
+            "it is not inside it")
         raise refused(f"{one_line(path)} is outside the project ({one_line(root)}): {where} — "
                       "fablize writes a file there only when asked with --outside.",
                       "outside_project")
@@ -1860,7 +1920,8 @@ class Lock:
                 # created but never written: its creator died between the two steps
                 self.warnings.append("removed a stale lock file that no process finished writing.")
             elif pid is not None and not pid_alive(pid):
-                self.warnings.append(f"removed a stale lock left by process {pid}, which is no longer running.")
+                self.warnings.append(f"removed a stale lock left by process {pid}, which is no "
+                                     "longer running.")
             else:
                 return False
             try:
@@ -1959,8 +2020,8 @@ class Ledger:
     def open(self, create=False):
         """The descriptor, or None when there is no ledger."""
         if self.fd is None:
-            flags = os.O_RDONLY if not self.writable else \
-                os.O_RDWR | os.O_APPEND | (os.O_CREAT if create else 0)
+            flags = (os.O_RDONLY if not self.writable else
+                os.O_RDWR | os.O_APPEND | (os.O_CREAT if create else 0))
             try:
                 self.fd = open_state_file(self.path, flags)
             except FileNotFoundError:
@@ -2396,9 +2457,9 @@ class Reading:
             # reflects: one hash of it a start, and no parse of the acknowledged event (a
             # plan_created of 100,000 stories is a 12 MB line, 0.15 s of json).
             pos = snap.get("ledger") if snap else None
-            if type(pos) is dict and line.startswith(b'{"seq":%d,' % pos["seq"]) and \
-                    line[-75:-66] == b',"prev":"' and line.endswith(b'"}') and \
-                    sha256_hex(line) == pos["head"]:  # an event's first and last fields
+            if (type(pos) is dict and line.startswith(b'{"seq":%d,' % pos["seq"]) and
+                    line[-75:-66] == b',"prev":"' and line.endswith(b'"}') and
+                    sha256_hex(line) == pos["head"]):  # an event's first and last fields
                 self.last_event = (offset, {"seq": pos["seq"]}, True)
             else:
                 self.last_event = (offset, parse_event(line), False)
@@ -2606,8 +2667,8 @@ class Transaction(Reading):
                 head = sha256_hex(last)
                 ev = parse_event(last)
                 seq = ev["seq"] if ev else None
-        plan_id = plan_id if is_plan_id(plan_id) \
-            else "unknown-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        plan_id = (plan_id if is_plan_id(plan_id)
+            else "unknown-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
         ensure_subdir(store.path(ARCHIVE))
         dest = free_name(store.path(os.path.join(ARCHIVE, plan_id)))
         os.mkdir(dest)
@@ -2683,8 +2744,8 @@ def repo_root(start):
 def repo_relative(path):
     """`path` relative to its repository ("." at the top), or None outside one."""
     top = repo_root(path)
-    return None if top is None else \
-        os.path.relpath(os.path.realpath(path), top).replace(os.sep, "/")
+    return (None if top is None else
+        os.path.relpath(os.path.realpath(path), top).replace(os.sep, "/"))
 
 
 def git_state(root, state_dir):
@@ -2829,7 +2890,8 @@ SECRET_SHAPES = (
     ("AKIA", r"[0-9A-Z]{16}"), *((f"xox{k}-", r"[\w-]{10,}") for k in "abprs"),
     ("sk-", r"(?:ant-)?[\w-]{20,}"), ("AIza", r"[\w-]{35}"), ("npm_", r"\w{36}"),
     ("glpat-", r"[\w-]{20}"), ("eyJ", r"[\w-]{10,}\.eyJ[\w-]{10,}\.[\w-]{10,}"))
-SECRET_ASSIGNMENT = r"(?<![\w-])((?:[A-Za-z_]\w*)?(?i:" + SECRET_WORDS + r")\w*=)(?:'[^']*'|\"[^\"]*\"|[^\s'\"]+)"
+SECRET_ASSIGNMENT = (r"(?<![\w-])((?:[A-Za-z_]\w*)?(?i:" + SECRET_WORDS + r")\w*=)"
+                     r"(?:'[^']*'|\"[^\"]*\"|[^\s'\"]+)")
 MASK = "***"
 PRIVATE_KEY = b"PRIVATE KEY-----"
 
@@ -2925,8 +2987,8 @@ class Masker:
                 continue
             if key and b"-----BEGIN" in line:
                 self.in_key = b"-----END" not in line
-                line = line[:line.index(b"-----BEGIN")] + MASK.encode() + \
-                    line[len(line.rstrip(b"\r\n")):]
+                line = (line[:line.index(b"-----BEGIN")] + MASK.encode() +
+                    line[len(line.rstrip(b"\r\n")):])
             out.append(line)
         return b"".join(out)
 
@@ -2980,8 +3042,22 @@ def unverifiable_reason(cmd, root):
         return f"cannot parse the command ({e})"
     for word, path in programs:
         if path is None:
-            return f"{word} does not exist" if "/" in word else f"{word} is not on PATH"
+            return f"{word}{NOT_THERE}" if "/" in word else f"{word} is not on PATH"
     return None
+
+
+NOT_THERE = " does not exist"  # a check's file: a story may yet write it (test-first)
+
+
+def file_not_there_yet(u):
+    """Whether an unverifiable check only waits for its file (a story may write it)."""
+    return u["reason"].endswith(NOT_THERE)
+
+
+def unverifiable_label(u):
+    where = f"{one_line(u['id'])} check {u['check'] + 1}"
+    return (f"· {where} waits for its file" if file_not_there_yet(u)
+            else f"⚠ {where} cannot run here")
 
 
 def unverifiable_checks(stories, root):
@@ -3139,8 +3215,8 @@ def run_command(cmd, cwd, timeout, stream, log_path):
             record["error"] = f"its log could not be written ({log_reason(log_error[0])})"
         else:
             try:
-                kwargs = {"start_new_session": True} if os.name != "nt" else \
-                    {"creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)}
+                kwargs = ({"start_new_session": True} if os.name != "nt" else
+                    {"creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)})
                 proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         **kwargs)
@@ -3182,7 +3258,8 @@ def run_command(cmd, cwd, timeout, stream, log_path):
         except OSError as e:
             log_error[0] = log_error[0] or e
         os.close(log_fd)
-    size, sha, tail = log_on_disk(log_path) if log_fd is not None else (0, _sha256().hexdigest(), b"")
+    size, sha, tail = (log_on_disk(log_path) if log_fd is not None
+                       else (0, _sha256().hexdigest(), b""))
     if log_error[0] is not None and record["error"] is None:
         record["error"] = (f"its log could not be written whole ({log_reason(log_error[0])}; "
                            f"{size:,} bytes kept): the run counts for nothing")
@@ -3231,8 +3308,9 @@ def verification_runs(story, verify_cmd, run):
     and what to say of a --verify-cmd that does not run: a story's frozen checks run whenever it
     has any, and only they count; without them, --verify-cmd runs when `run` asks for it."""
     if story["checks"]:
-        note = None if blank(verify_cmd) or verify_cmd in story["checks"] else \
-            f"{story['id']} has frozen checks: they run instead of --verify-cmd `{one_line(verify_cmd)}`."
+        note = (None if blank(verify_cmd) or verify_cmd in story["checks"] else
+            f"{story['id']} has frozen checks: they run instead of --verify-cmd "
+            f"`{one_line(verify_cmd)}`.")
         return list(enumerate(story["checks"])), note
     return ([(None, verify_cmd)] if run and not blank(verify_cmd) else []), None
 
@@ -3249,8 +3327,8 @@ def execute_runs(store, sid, commands, after_seq, timeout, out):
         tmp_log = os.path.join(runs_dir, f".run-{os.getpid()}-{os.urandom(4).hex()}.log")
         started = now_iso()
         record = run_command(cmd, store.root, timeout, out.stream(), tmp_log)
-        record.update(cmd=mask(cmd, command=True), id=sid, check=check, after_seq=after_seq, started=started,
-                      git_head=head, git_dirty=dirty, tmp_log=tmp_log,
+        record.update(cmd=mask(cmd, command=True), id=sid, check=check, after_seq=after_seq,
+                      started=started, git_head=head, git_dirty=dirty, tmp_log=tmp_log,
                       provenance=run_provenance(store.root, cmd))
         if tree:
             record["tree"] = tree
@@ -3320,11 +3398,15 @@ def run_result(run):
     return f"{describe_exit(run)}{took}, {one_line(run.get('bytes'))} bytes"
 
 
+def checkpoint_command(prog, story, status, evidence):
+    """A whole checkpoint command line for `story` (its agent named, as the gate asks)."""
+    return (f"{prog} checkpoint --id {story['id']} --status {status} --evidence \"{evidence}\""
+            + (f" --agent {quote_arg(story['agent'])}" if story["agent"] else ""))
+
+
 def completion_command(prog, plan, story):
     """The checkpoint that completes `story`, as its gate will accept it."""
-    cmd = f"{prog} checkpoint --id {story['id']} --status complete --evidence \"<evidence>\""
-    if story["agent"]:
-        cmd += f" --agent {quote_arg(story['agent'])}"
+    cmd = checkpoint_command(prog, story, "complete", "<evidence>")
     if story["checks"]:
         return cmd
     if is_final(plan, story):  # witnessed first: the engine runs it (SKILL.md: prefer --run)
@@ -3339,45 +3421,55 @@ def handoff_command(prog, story):
     return f"{prog} next"
 
 
-def render_map(plan, story):
+def render_map(plan, story, lookback=MAP_LOOKBACK, window=MAP_WINDOW, title=None):
     goals = plan["goals"]
     n = len(goals)
     idx = goals.index(story)
-    start = max(0, idx - MAP_LOOKBACK)
-    end = min(n, start + MAP_WINDOW)
-    start = max(0, end - MAP_WINDOW)
+    start = max(0, idx - lookback)
+    end = min(n, start + window)
+    start = max(0, end - window)
     width = len(str(n))
     lines = ["## Plan map — context only: work the NOW story; do not start later ones."]
     for i in range(start, end):
         s = goals[i]
         label = "NOW" if s is story else MAP_LABELS[s["status"]]
-        line = f" {i + 1:>{width}}. [{label:<8}] {s['id']} {defused_line(s['title'])}"
+        name = s["title"] if title is None else short(s["title"], title)
+        line = f" {i + 1:>{width}}. [{label:<8}] {s['id']} {defused_line(name)}"
         if s is story:
             line += "   ← you are here"
         elif s["status"] == "in_progress" and s.get("agent"):
             line += f"   (agent {one_line(s['agent'])})"
         lines.append(line)
     if start or end < n:
-        lines.append(f"  … {start} earlier stories not shown above, {n - end} later not shown below")
+        lines.append(f"  … {start} earlier stories not shown above, "
+                     f"{n - end} later not shown below")
     return lines
 
 
-def render_carried(plan, story):
-    """One block per direct dependency: its latest evidence and run, tails only, defused."""
+def render_carried(plan, story, latest=None, chars=TAIL_CHARS, title=None):
+    """One block per direct dependency (the `latest` few, when given): its latest evidence and
+    run, their last `chars` characters, defused."""
     lines = []
-    for dep_id in story["after"]:
+    after = story["after"]
+    if latest is not None and len(after) > latest:
+        lines.append(f"## From {count_noun(len(after) - latest, 'earlier dependency')} — not "
+                     f"shown here; `next` prints the whole handoff")
+        after = after[-latest:]
+    for dep_id in after:
         dep = find_story(plan, dep_id)
-        lines.append(f"## From {dep['id']} — {defused_line(dep['title'])} (direct dependency, "
+        name = dep["title"] if title is None else short(dep["title"], title)
+        lines.append(f"## From {dep['id']} — {defused_line(name)} (direct dependency, "
                      f"{MAP_LABELS[dep['status']]})")
         if dep["decision"] and dep["status"] == "accepted":
-            lines.append("accepted by a human decision: " + defuse(last_chars(dep["decision"]["note"])))
+            lines.append("accepted by a human decision: "
+                         + defuse(last_chars(dep["decision"]["note"])))
         if not blank(dep["evidence"]):
-            lines.append("evidence (last 500 characters):")
-            lines.append(indent(defuse(last_chars(dep["evidence"]))))
+            lines.append(f"evidence (last {chars} characters):")
+            lines.append(indent(defuse(last_chars(dep["evidence"], chars))))
         run = dep["last_run"]
         if run:
             lines.append("verification run: " + defuse(run_summary(run)) + " — output tail:")
-            lines.append(indent(defuse(last_chars(run["tail"])) or "(no output)"))
+            lines.append(indent(defuse(last_chars(run["tail"], chars)) or "(no output)"))
     return lines
 
 
@@ -3385,8 +3477,9 @@ def render_feedback(story):
     fb = story["feedback"]
     if not fb:
         return []
-    source = {"checkpoint": "the failed checkpoint", "judge": "the judge", "retry": "a human (retry)",
-              "amend": "a human (amend)"}.get(fb["source"], fb["source"])
+    source = {"checkpoint": "the failed checkpoint", "judge": "the judge",
+              "retry": "a human's retry", "amend": "a human's amendment"}
+    source = source.get(fb["source"], fb["source"])
     lines = [f"## What was missing (round {fb['round']}, from {source})"]
     lines.append(indent(defuse(last_chars(fb["text"]))) if not blank(fb["text"])
                  else "    (no reason was given)")
@@ -3400,7 +3493,8 @@ def render_round_failures(story, prefix):
     failed = round_failures(story)
     if not failed:
         return []
-    lines = [f"⚠ {prefix}{count_noun(len(failed), 'run')} already failed in this round — fix what they "
+    lines = [f"⚠ {prefix}{count_noun(len(failed), 'run')} already failed in this round — fix what "
+             "they "
              "show before the complete checkpoint:"]
     for run in failed:
         label = f"frozen check {run['check'] + 1}" if run["check"] is not None else "run"
@@ -3422,24 +3516,28 @@ def render_observed(story):
     return lines
 
 
-def render_handoff(prog, plan, story, reshown):
+def render_handoff(prog, plan, story, reshown, brief=False):
+    """A story's handoff: what a fresh session needs to do it (`reshown`: it was already in
+    progress). `brief` (what a session start injects): a smaller map window and the latest
+    few direct dependencies, so that it stays short however large the plan."""
     lines = [f"=== fablize handoff — {story['id']} {defused_line(story['title'])}",
              f"Objective: {defused_line(story['objective'])}"]
     for a in story["amendments"]:
         lines.append(f"Amended ({a['ts'][:10]}): {one_line(a['note'])}")
-    rounds = plan["options"]["rounds"]
     if reshown:
-        lines.append(f"⚠ Resumed: this story was already in progress (round {story['round']}, started "
+        lines.append(f"⚠ Resumed: this story was already in progress (round {story['round']}, "
+                     "started "
                      f"{time_label(story['started_ts'])}). Continue it; do not restart it.")
     elif story["round"] > 1:
-        since = " since the last decision" if story["round_base"] else ""
-        lines.append(f"⚠ Reopened: round {story['round']} (round {story['round'] - story['round_base']} "
-                     f"of {rounds}{since}) — the earlier attempt did not achieve the "
-                     "objective; what was missing is below. Continue the work; do not restart it.")
+        fb = story["feedback"] or {}
+        lines.append(f"⚠ Reopened: {round_label(plan, story)} — "
+                     f"{REOPENED_BECAUSE.get(fb.get('source'), REOPENED_BECAUSE['checkpoint'])}; "
+                     "what was missing is below. Continue the work; do not restart it.")
     if reshown:
         lines += render_round_failures(story, "Resumed: ")
     if reshown or story["round"] > 1:
-        lines.append("  Files from the earlier attempt exist only if that work was kept (committed or "
+        lines.append("  Files from the earlier attempt exist only if that work was kept (committed "
+                     "or "
                      "still in this working tree): check before relying on them.")
     lines.append("Rule: work this story only. Produce evidence as you go.")
     if is_final(plan, story):
@@ -3454,15 +3552,20 @@ def render_handoff(prog, plan, story, reshown):
             lines.append("★ Final story — the complete checkpoint requires verification: prefer "
                          "--run --verify-cmd (witnessed: the engine runs it); --verify-cmd with "
                          "--verify-evidence is recorded as claimed (verification gate).")
-    lines += render_map(plan, story)
-    lines += render_carried(plan, story)
+    lines += (render_map(plan, story, *RESUME_MAP, title=RESUME_TITLE) if brief
+              else render_map(plan, story))
+    lines += (render_carried(plan, story, RESUME_CARRIED, RESUME_TAIL, RESUME_TITLE) if brief
+              else render_carried(plan, story))
     lines += render_feedback(story)
     if story["checks"]:
         lines.append("## Frozen checks — the engine runs all of them at `complete`; no substitute "
                      "command counts:")
         flagged = {u["check"]: u["reason"] for u in plan["unverifiable"] if u["id"] == story["id"]}
         for i, cmd in enumerate(story["checks"]):
-            note = f"   ⚠ cannot run here: {one_line(flagged[i])}" if i in flagged else ""
+            note = ("" if i not in flagged else
+                    f"   (not there yet: {one_line(flagged[i])}; write it first)"
+                    if flagged[i].endswith(NOT_THERE) else
+                    f"   ⚠ cannot run here: {one_line(flagged[i])}")
             lines.append(f"  {i + 1}. {one_line(cmd)}{note}")
     if story["accept"]:
         lines.append("## Acceptance items — a judge checks each one:")
@@ -3470,9 +3573,10 @@ def render_handoff(prog, plan, story, reshown):
     if story["judge"]:
         lines.append("Judged story: `complete` moves it to review; an independent judge decides.")
     lines += render_observed(story)
-    lines.append(f"Not achieved yet: {prog} checkpoint --id {story['id']} --status failed "
-                 "--evidence \"<what is missing>\"; impossible as specified: --status blocked "
-                 "--evidence \"<why>\", then stop and ask a human.")
+    lines.append("Not achieved yet: " + checkpoint_command(prog, story, "failed",
+                                                            "<what is missing>"))
+    lines.append("Impossible as specified: " + checkpoint_command(prog, story, "blocked", "<why>")
+                 + "   (then stop and ask a human)")
     lines.append("On completion: " + completion_command(prog, plan, story))
     if is_final(plan, story) and not story["checks"] and not plan["options"]["require_run"]:
         lines.append("  (only if the engine cannot run it, a claimed completion: --verify-cmd "
@@ -3511,7 +3615,8 @@ def status_details(plan, story):
         if story["round"] > 1:
             details.append(f"done in round {story['round']}")
     elif story["round"] > 1 or story["status"] in ("failed", "in_progress"):
-        details.append(f"round {story['round']}, {max(rounds_left(plan, story), 0)} left")
+        details.append(f"{round_label(plan, story)}, "
+                       f"{count_noun(max(rounds_left(plan, story), 0), 'round')} left")
     if story["status"] == "in_progress" and story["agent"]:
         details.append(f"held by agent {one_line(story['agent'])}")
     if story["status"] in ("pending", "failed"):
@@ -3551,11 +3656,11 @@ def next_action(prog, plan, agent=None):
     blocked = stories_in(plan, "blocked")
     if blocked:
         s = blocked[0]
-        command = f"{prog} decide --id {s['id']} accept|retry|amend --note \"<why>\""
+        commands = decide_commands(prog, s["id"])
         reason = one_line(last_chars(blocked_because(s), 200))
-        return {"kind": "decide", "id": s["id"], "cmd": command,
+        return {"kind": "decide", "id": s["id"], "cmd": commands[0], "commands": commands,
                 "text": f"{s['id']} is blocked ({reason}) — the plan halts here: nothing that "
-                        f"depends on it can start. A human must decide: {command}"}
+                        "depends on it can start. A human must decide, with one of:"}
     review = stories_in(plan, "review")
     if review:
         s = review[0]
@@ -3583,15 +3688,49 @@ def plan_summary(plan):
 
 
 def left_line(plan, action):
-    """After a transition: what is left and what to do next (`action`), in one line."""
+    """After a transition: what is left and what to do next (`action`): a line, and a line for
+    each of its alternative commands."""
     if action["kind"] == "done":
         return action["text"]
-    left = len(plan["goals"]) - done_count(plan)
-    return f"fablize: {left} {'story' if left == 1 else 'stories'} left — next: {action['text']}"
+    left = count_stories(len(plan["goals"]) - done_count(plan))
+    return with_commands(f"fablize: {left} left — next: {action['text']}", action)
 
 
 def next_line(action):
-    return action["text"] if action["kind"] == "done" else f"fablize: next — {action['text']}"
+    if action["kind"] == "done":
+        return action["text"]
+    return with_commands(f"fablize: next — {action['text']}", action)
+
+
+def with_commands(line, action):
+    """`line`, then each alternative command of `action` whole on its own line."""
+    return "\n".join([line] + [f"  {cmd}" for cmd in action.get("commands", ())])
+
+
+# what a human may decide of a story that needs one, each with what its note says
+DECISION_NOTES = (("accept", "<why it is acceptable as it is>"),
+                  ("retry", "<what the next attempt should do>"),
+                  ("amend", "<what changes in the objective>"))
+
+
+def decide_commands(prog, sid):
+    """What a human may run: in their own terminal, so the plugin's engine by its full path."""
+    return [f"{human_command(prog)} decide --id {sid} {decision} --note \"{note}\""
+            for decision, note in DECISION_NOTES]
+
+
+def human_command(prog):
+    """The engine as a person runs it in their own terminal: `prog`, except when it was started
+    through the plugin's bin/fablize, which is on the PATH of Claude Code's Bash tool only —
+    then that file, by its full path."""
+    if prog != "fablize":
+        return prog
+    top = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    launcher = os.path.join(top, "bin", "fablize")
+    if os.path.isfile(os.path.join(top, ".claude-plugin", "plugin.json")) and os.path.isfile(
+            launcher):
+        return quote_arg(launcher)
+    return prog
 
 
 def done_line(plan):
@@ -3662,7 +3801,8 @@ def render_report(plan, runs, total=None):
         for dep in s["after"]:
             lines.append(f"  {dep} --> {s['id']}")
     lines += [f"  classDef {k} fill:{row[2]}" for k, row in STATUS_TABLE.items()]
-    lines += ["```", "", f"Ledger head: `{plan['ledger']['seq']}:{md_cell(plan['ledger']['head'])}` "
+    lines += ["```", "", "Ledger head: "
+                         f"`{plan['ledger']['seq']}:{md_cell(plan['ledger']['head'])}` "
               f"(plan `{md_cell(plan['plan_id'])}`)", ""]
     return "\n".join(lines)
 
@@ -3702,17 +3842,17 @@ def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None,
         nonlocal snap_view, checked
         kind = ev["event"]
         fields = SECRET_FIELDS.get(kind)
-        if fields and len(secrets) < MAX_SECRET_LINES and \
-                any(looks_secret(ev.get(f)) for f in fields if isinstance(ev.get(f), str)):
+        if (fields and len(secrets) < MAX_SECRET_LINES and
+                any(looks_secret(ev.get(f)) for f in fields if isinstance(ev.get(f), str))):
             secrets.append(replay.seq)
         if kind == "verify_run":
             log = ev["log"]
             if not ev["bytes"] and ev["sha256"] == EMPTY_SHA256 and ev["error"]:
                 checked += 1  # a run whose log could not be made: no log to show, none claimed
-            elif logs is not None or log[skip:] in present:
+            elif (log in logs) if logs is not None else (log[skip:] in present):
                 checked += 1
-                content = logs.get(log) if logs is not None else \
-                    read_state_file(os.path.join(runs_dir, log[skip:]))
+                content = (logs.get(log) if logs is not None else
+                    read_state_file(os.path.join(runs_dir, log[skip:])))
                 if content is None or digest(content) != ev["sha256"]:
                     bad_logs.append(line_error(replay.seq, f"{one_line(log)} does not match the "
                                                "sha256 recorded for that run — the log was edited "
@@ -3748,25 +3888,26 @@ def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None,
             if snap_view["ledger"]["head"] != snap["ledger"]["head"]:
                 raise damaged(f"{SNAPSHOT} and {LEDGER} disagree at event {snap_seq}.",
                               "snapshot_mismatch")
-            report["snapshot"] = "in the format of fablize 1 (the next writing command " \
-                                 "rewrites it)"
+            report["snapshot"] = ("in the format of fablize 1 (the next writing command "
+                                 "rewrites it)")
             return report
         mismatch = first_difference(forgive_new_keys(snap_view, snap),
                                     {k: v for k, v in snap.items() if k != "digest"})
         if mismatch:
-            raise damaged(f"{SNAPSHOT} disagrees with the replay of {LEDGER} up to line {snap_seq}: "
+            raise damaged(f"{SNAPSHOT} disagrees with the replay of {LEDGER} up to line "
+                          f"{snap_seq}: "
                           f"{mismatch}.", "snapshot_mismatch")
         behind = replay.seq - snap_seq
-        report["snapshot"] = "in sync" if not behind else \
-            f"{behind} event{'s' if behind > 1 else ''} behind (rolled forward by the next " \
-            "writing command)"
+        report["snapshot"] = ("in sync" if not behind else
+            f"{behind} event{'s' if behind > 1 else ''} behind (rolled forward by the next "
+            "writing command)")
     return report
 
 
 def first_difference(expected, actual, path=""):
     if type(expected) is not type(actual):
-        return f"{path or 'top level'} is {one_line(repr(actual))[:80]}, the ledger says " \
-               f"{one_line(repr(expected))[:80]}"
+        return (f"{path or 'top level'} is {one_line(repr(actual))[:80]}, the ledger says "
+               f"{one_line(repr(expected))[:80]}")
     if isinstance(expected, dict):
         for key in list(expected) + [k for k in actual if k not in expected]:
             if key not in actual or key not in expected:
@@ -3785,8 +3926,8 @@ def first_difference(expected, actual, path=""):
                 return found
         return None
     if expected != actual:
-        return f"{path.rstrip('.')} is {one_line(repr(actual))[:80]}, the ledger says " \
-               f"{one_line(repr(expected))[:80]}"
+        return (f"{path.rstrip('.')} is {one_line(repr(actual))[:80]}, the ledger says "
+               f"{one_line(repr(expected))[:80]}")
     return None
 
 
@@ -3802,15 +3943,19 @@ def snapshot_view(plan, version):
 
 def forgive_new_keys(view, snap):
     """The replayed plan as a snapshot written before this engine held it: without the keys it
-    lacks (grade), and with a blocked checkpoint's reason kept twice, as it was."""
+    lacks (grade, a decision's signer), and with a blocked checkpoint's reason kept twice, as
+    it was."""
     for mine, theirs in zip(view.get("goals", []), snap.get("goals", [])):
         if not isinstance(theirs, dict):
             continue
         if "grade" not in theirs:
             mine.pop("grade", None)
-        if mine.get("blocked_reason") is None and theirs.get("blocked_reason") is not None and \
-                theirs.get("blocked_reason") == theirs.get("evidence"):
+        if (mine.get("blocked_reason") is None and theirs.get("blocked_reason") is not None and
+                theirs.get("blocked_reason") == theirs.get("evidence")):
             mine["blocked_reason"] = theirs["blocked_reason"]
+        decision, kept = mine.get("decision"), theirs.get("decision")
+        if isinstance(decision, dict) and isinstance(kept, dict) and "signer" not in kept:
+            decision.pop("signer", None)  # a signed decision's signer, not yet kept then
     return view
 
 
@@ -3862,7 +4007,8 @@ def hook_fingerprint(raw, payload):
 
 def duplicate_stop(plan, fingerprint):
     guard = plan["guard"]
-    if fingerprint is None or guard.get("hook") != fingerprint or not isinstance(guard.get("hook_ts"), str):
+    if (fingerprint is None or guard.get("hook") != fingerprint
+            or not isinstance(guard.get("hook_ts"), str)):
         return False
     try:
         import datetime
@@ -3983,10 +4129,11 @@ VERIFY_LIKE = r"""(?x)(?:^|[\s;&|(/])(?:
 
 def is_verification(cmd, story):
     # the engine's own commands are in the ledger already (`checkpoint --run` names pytest too)
-    if re.search(r"""(?:goals\.py|(?:^|[\s/;&|(])fablize)["']?(?:\s+--\S+)*\s+(?!verify|audit)[a-z]""", cmd):
+    if re.search(r"""(?:goals\.py|(?:^|[\s/;&|(])fablize)["']?(?:\s+--\S+)*\s+"""
+                 r"(?!verify|audit)[a-z]", cmd):
         return False
-    return any(c.strip() and c.strip() in cmd for c in story["checks"]) or \
-        bool(re.search(VERIFY_LIKE, cmd))
+    return (any(c.strip() and c.strip() in cmd for c in story["checks"]) or
+        bool(re.search(VERIFY_LIKE, cmd)))
 
 
 
@@ -3999,6 +4146,7 @@ def is_verification(cmd, story):
 ROOMS = {"setup": "fablize_setup.py", "sharing": "fablize_sharing.py",
          "merge": "fablize_merge.py", "trust": "fablize_trust.py"}
 ROOM_COMMANDS = {"install-block": "setup", "setup": "setup", "doctor": "setup",
+                 "completion": "setup",
                  "share": "sharing", "sync": "sharing", "release": "sharing",
                  "merge-driver": "merge", "install-merge": "merge"}
 
@@ -4092,13 +4240,14 @@ def stop_if_interrupted(ctx, records):
             s.require_plan()
             runs = commit_runs(s, records)
         ctx.data["runs"] = runs
-        fate = f"recorded as interrupted (event {runs[-1]['seq']}, log {runs[-1]['log']})"
+        fate = (f"recorded as interrupted (event {runs[-1]['seq']}, log "
+                f"{shown_path(ctx.store, runs[-1]['log'])})")
     except (FablizeError, OSError) as e:
         for record in records:
             if record.get("tmp_log") and os.path.lexists(record["tmp_log"]):
                 os.unlink(record["tmp_log"])
-        fate = f"not recorded ({e.message if isinstance(e, FablizeError) else e}; its temp log " \
-               "was removed)"
+        fate = (f"not recorded ({e.message if isinstance(e, FablizeError) else e}; its temp log "
+               "was removed)")
     error = FablizeError(f"interrupted by {name}: `{one_line(hit['cmd'])}` was stopped (its "
                          f"whole process group killed) and {fate}; {sid} is unchanged.",
                          exit_code=EXIT_SIGNAL_BASE + getattr(signal, name, 0))
@@ -4185,12 +4334,24 @@ def build_stories(a):
 
 
 def say_unverifiable(ctx, found):
-    if not found:
-        return
-    ctx.say(f"fablize: ⚠ {count_noun(len(found), 'frozen check')} cannot run here — fix now; found at the gate "
-            "it costs the whole run:")
-    for u in found:
-        ctx.say(f"  {one_line(u['id'])} check {u['check'] + 1}: `{one_line(u['cmd'])}` — {one_line(u['reason'])}")
+    """What create and add say of frozen checks that cannot run yet: a program that is missing
+    here must be fixed now; a file not there yet is a test-first check, fine."""
+    later = [u for u in found if file_not_there_yet(u)]
+    now = [u for u in found if u not in later]
+    if now:
+        ctx.say(f"fablize: ⚠ {count_noun(len(now), 'frozen check')} cannot run here — fix the "
+                "command or install what it needs now: found at the gate, it costs the whole run:")
+    for u in now:
+        ctx.say(f"  {one_line(u['id'])} check {u['check'] + 1}: `{one_line(u['cmd'])}` — "
+                f"{one_line(u['reason'])}")
+    if later:
+        ctx.say(f"fablize: {count_noun(len(later), 'frozen check')} "
+                f"{'starts' if len(later) == 1 else 'start'} a file that does not exist yet — "
+                "fine for a test-first plan: a story writes it, and each check runs when its "
+                "own story completes:")
+    for u in later:
+        ctx.say(f"  {one_line(u['id'])} check {u['check'] + 1}: `{one_line(u['cmd'])}` — "
+                f"{one_line(u['reason'])} yet")
 
 
 def cmd_create(ctx, a):
@@ -4226,7 +4387,8 @@ def cmd_create(ctx, a):
         plan = s.plan
     ctx.say(f"fablize: plan created — {count_stories(len(specs))}")
     for story in plan["goals"]:
-        ctx.say(f"  {story['id']} {defused_line(story['title'])}: {defused_line(story['objective'])}")
+        ctx.say(f"  {story['id']} {defused_line(story['title'])}: "
+                f"{defused_line(story['objective'])}")
     if scope:
         ctx.say("  scope: " + ", ".join(map(one_line, scope)) + " — the paths the work may change "
                 "(CI re-runs the checks with only these taken from the branch)")
@@ -4239,13 +4401,18 @@ def cmd_create(ctx, a):
         share, line = sharing.start(store, remote)
         ctx.say(line)
         ctx.data.update(share=share)
+    action = next_action(ctx.prog, plan)
+    ctx.say(next_line(action))  # the last line: what to do now
+    ctx.data["next"] = action
 
 
 def stuck_error(ctx, plan, agent):
     """Why `next` has nothing to hand out (the plan is not done): the plan's next action."""
     action = next_action(ctx.prog, plan, agent)
     if action["kind"] == "decide":
-        return refused(action["text"], "halted")
+        error = refused(action["text"], "halted")
+        error.commands = action["commands"]  # each whole on its own line, after the message
+        return error
     if action["kind"] == "judge":
         return refused(action["text"] + ".", "awaiting_review")
     return refused(action["text"] + ".", "nothing_ready")
@@ -4290,8 +4457,10 @@ def say_after_checkpoint(ctx, plan, story):
     """What a checkpoint or a verdict left; returns the next action it named."""
     sid, status = story["id"], story["status"]
     if status == "failed":
-        ctx.say(f"fablize: {sid} → failed (round {story['round']}; {rounds_left(plan, story)} left) — "
-                f"`{ctx.prog} next` reopens it as round {story['round'] + 1} with what was missing.")
+        left = count_noun(rounds_left(plan, story), "round")
+        ctx.say(f"fablize: {sid} → failed ({round_label(plan, story)}; {left} left) — "
+                f"`{ctx.prog} next` reopens it as round {story['round'] + 1} "
+                "with what was missing.")
     elif status == "blocked":
         ctx.say(f"fablize: {sid} → blocked — a human must decide.")
     elif status == "review":
@@ -4343,7 +4512,8 @@ def cmd_checkpoint(ctx, a):
             plan = s.plan
     runs = []
     if commands:
-        records = execute_runs(ctx.store, a.id, commands, plan["ledger"]["seq"], ctx.timeout, ctx.out)
+        records = execute_runs(ctx.store, a.id, commands, plan["ledger"]["seq"], ctx.timeout,
+                               ctx.out)
         stop_if_interrupted(ctx, records)
         with open_plan(ctx) as s:
             s.require_plan()
@@ -4356,27 +4526,23 @@ def cmd_checkpoint(ctx, a):
                 failed = [r for r in runs if not run_passed(r)]
                 if failed:
                     r = failed[0]
-                    e.message += (f" The run is recorded (event {r['seq']}, log {r['log']}); "
+                    e.message += (f" The run is recorded (event {r['seq']}, log "
+                                  f"{shown_path(ctx.store, r['log'])}); "
                                   f"{a.id} stays in progress: fix it and checkpoint again.")
                     e.code = "verification_failed"
                 raise
             plan = s.plan
     story = find_story(plan, a.id)
-    action = say_after_checkpoint(ctx, plan, story)
     say_observed(ctx, story)
+    action = say_after_checkpoint(ctx, plan, story)  # the next step is the last thing said
     ctx.data.update(plan_summary(plan), story=story_json(plan, story), runs=runs, next=action)
 
 
-def render_status(prog, plan, resume=False, share=()):
-    """What `status` says, and what a session start hands a new session (`resume`: each story
-    in progress with its whole handoff): the plan's count and brief, a line per story with its
-    details, checks that cannot run here, a pause, the next step, the shared plan's state."""
-    accepted = accepted_ids(plan)
-    # a human's accept is not a completion: with one, the count says `done`, never `complete`
-    counted = f"done ({', '.join(accepted)} accepted by a human decision)" if accepted \
-        else "complete"
-    lines = [f"fablize: {done_count(plan)}/{len(plan['goals'])} {counted} — "
-             f"{defused_line(plan['brief'])}"]
+def render_status(prog, plan, share=()):
+    """What `status` says, whole, for a human: the plan's count and brief, a line per story
+    with its details, checks that cannot run here, a pause, the next step, the shared plan's
+    state, and how to pick up each story in progress."""
+    lines = [count_line(plan)]
     goals = plan["goals"]
     # titles that need no escaping and carry no marker word are shown as they are: checked in
     # one pass over them all (a status of 100,000 stories renders in 50 ms, not 120)
@@ -4390,21 +4556,81 @@ def render_status(prog, plan, resume=False, share=()):
         if len(story) > base:  # a story with only the original's fields has no details
             lines += [f"      {detail}" for detail in status_details(plan, story)]
     for u in plan["unverifiable"]:
-        lines.append(f"  ⚠ {one_line(u['id'])} check {u['check'] + 1} cannot run here: "
-                     f"`{one_line(u['cmd'])}` — {one_line(u['reason'])}")
-    paused = guard_paused(plan)
-    if paused:
-        lines.append(f"  ⏸ guard paused since event {paused['seq']}"
-                     f"{': ' + one_line(paused['note']) if paused['note'] else ''}"
-                     f" — `{prog} unpause` turns it back on")
+        lines.append(f"  {unverifiable_label(u)}: `{one_line(u['cmd'])}` — "
+                     f"{one_line(u['reason'])}{' yet' if file_not_there_yet(u) else ''}")
+    lines += paused_line(prog, plan)
     action = next_action(prog, plan)
     lines.append(next_line(action))
     lines += share
     for story in active_stories(plan):
         lines.append("")
-        lines += render_handoff(prog, plan, story, True) if resume else \
-            render_resume(prog, plan, story)
-    return lines, action, paused
+        lines += render_resume(prog, plan, story)
+    return lines, action, guard_paused(plan)
+
+
+def render_session_start(prog, plan, share=()):
+    """What a session start hands a new session, bounded however large the plan: the count,
+    the stories by status, those a human or a judge must look at (a few), the next step, the
+    first story in progress with its whole handoff (a short map window, its latest
+    dependencies), a line for each other one; `status` for the rest."""
+    lines = [count_line(plan)]
+    counts = collections.Counter(s["status"] for s in plan["goals"])
+    lines.append("  " + " · ".join(f"{counts[status]} {word}" for status, word in
+                                   STATUS_WORDS.items() if counts[status]))
+    stuck = [s for s in plan["goals"] if s["status"] in ("failed", "blocked", "review")]
+    for story in stuck[:RESUME_LISTED]:
+        story = touch(story)
+        why = (f": {one_line(last_chars(blocked_because(story), 120))}"
+               if story["status"] == "blocked" else "")
+        lines.append(f"  {MARKS[story['status']]} {story['id']} [{story['status']}] "
+                     f"{one_line(short(story['title'], RESUME_TITLE))}{why}")
+    if len(stuck) > RESUME_LISTED:
+        lines.append(f"  … and {len(stuck) - RESUME_LISTED} more: `{prog} status` lists them")
+    if plan["unverifiable"]:
+        lines.append(f"  ⚠ {count_noun(len(plan['unverifiable']), 'frozen check')} cannot run "
+                     f"here yet: `{prog} status` lists them")
+    lines += paused_line(prog, plan)
+    action = next_action(prog, plan)
+    lines.append(next_line(action))
+    lines += share
+    active = active_stories(plan)
+    if active:
+        lines.append("")
+        lines += render_handoff(prog, plan, active[0], True, brief=True)
+    for story in active[1:RESUME_LISTED + 1]:
+        lines.append(f"Also in progress: {story['id']} "
+                     f"{one_line(short(story['title'], RESUME_TITLE))}"
+                     + (f" (agent {one_line(story['agent'])})" if story["agent"] else "")
+                     + f" — its handoff: {handoff_command(prog, story)}")
+    if len(active) > RESUME_LISTED + 1:
+        lines.append(f"… and {len(active) - RESUME_LISTED - 1} more in progress: "
+                     f"`{prog} status` lists them")
+    return lines
+
+
+# each status as a session start counts it, in the order it counts them
+STATUS_WORDS = {"complete": "complete", "accepted": "accepted", "in_progress": "in progress",
+                "review": "in review", "failed": "failed", "blocked": "blocked",
+                "pending": "pending"}
+
+
+def count_line(plan):
+    """The plan's first line: how much is done, and its brief."""
+    accepted = accepted_ids(plan)
+    # a human's accept is not a completion: with one, the count says `done`, never `complete`
+    counted = (f"done ({', '.join(accepted)} accepted by a human decision)" if accepted
+               else "complete")
+    return (f"fablize: {done_count(plan)}/{len(plan['goals'])} {counted} — "
+            f"{defused_line(plan['brief'])}")
+
+
+def paused_line(prog, plan):
+    paused = guard_paused(plan)
+    if not paused:
+        return []
+    return [f"  ⏸ guard paused since event {paused['seq']}"
+            f"{': ' + one_line(paused['note']) if paused['note'] else ''}"
+            f" — `{human_command(prog)} unpause` turns it back on"]
 
 
 def read_plan_and_share(store, imports=False):
@@ -4450,8 +4676,10 @@ def cmd_verify(ctx, a):
     failed = [r for r in runs if not run_passed(r)]
     if failed:
         raise refused(f"{a.id}: {len(failed)} of {count_noun(len(runs), 'check')} failed — first: "
-                      f"{run_summary(failed[0])} (log {failed[0]['log']}).", "verification_failed")
-    ctx.say(f"fablize: {a.id}: {'all ' if len(runs) > 1 else ''}{count_noun(len(runs), 'check')} passed (status unchanged: "
+                      f"{run_summary(failed[0])} (log {shown_path(ctx.store, failed[0]['log'])}).",
+                      "verification_failed")
+    ctx.say(f"fablize: {a.id}: {'all ' if len(runs) > 1 else ''}{count_noun(len(runs), 'check')} "
+            "passed (status unchanged: "
             f"{find_story(s.plan, a.id)['status']}).")
 
 
@@ -4533,13 +4761,17 @@ def audit_and_judge(ctx, a):
     asked = [f"--{name.replace('_', '-')}" for name, value in opts.items()
              if value and not name.startswith("allow_")]
     # a plain audit reports trust too when the room is there; a lone goals.py checks the rest
-    trust = room("trust", asked[0] if asked else "audit") if asked or room_present("trust") \
-        else None
+    trust = (room("trust", asked[0] if asked else "audit") if asked or room_present("trust")
+        else None)
     pin, base = trust.pin_of(store, a.base, a.since) if trust else (None, None)
     scan = trust.Scan(store.root, pin) if trust else None
     runs = collections.deque(maxlen=REPORT_RUNS)  # the latest, for the summary's report
-    collect = (lambda n, head, ev: (scan and scan(n, head, ev),
-                                    ev["event"] == "verify_run" and runs.append(ev)))
+    def collect(n, head, ev):
+        if scan:
+            scan(n, head, ev)
+        if ev["event"] == "verify_run":
+            runs.append(ev)
+
     if a.remote:  # a shared plan as the remote holds it: no local state needed
         data, logs = room("sharing", "audit --remote").audit_source(store, a.remote, a.plan)
         report = audit_ledger(data, None, a.require_independent_judge, logs=logs, scan=collect)
@@ -4567,13 +4799,15 @@ def audit_and_judge(ctx, a):
                          "an independent judge — " + "; ".join(report["independence"]),
                          "fix": "an agent other than the executor judges the story again"})
     if a.require_logs and missing_logs:
-        failures.append({"code": "missing_logs", "message": f"{count_noun(missing_logs, 'verification run log')} "
+        failures.append({"code": "missing_logs", "message":
+                         f"{count_noun(missing_logs, 'verification run log')} "
                          f"{'is' if missing_logs == 1 else 'are'} missing, so "
                          f"{'that run' if missing_logs == 1 else 'those runs'} cannot be shown to "
                          "have happened", "fix": "commit .fablize/runs/"})
     if report["secret_lines"]:
         lines = report["secret_lines"]
-        failures.append({"code": "secret_in_ledger", "message": f"{count_noun(len(lines), 'event')} "
+        failures.append({"code": "secret_in_ledger", "message":
+                         f"{count_noun(len(lines), 'event')} "
                          "recorded what looks like a secret (line " + ", ".join(map(str, lines)) +
                          ") — everyone who can read the plan can read it",
                          "fix": "rotate that secret now: what was committed or shared stays in the "
@@ -4604,8 +4838,8 @@ def audit_and_judge(ctx, a):
                    f"one fablize writes and legal when replayed; snapshot {report['snapshot']}.")
     rerun_passed = results and not any(f["code"] == "rerun_failed" for f in failures)
     if failures:
-        verdict = f"❌ audit failed: {count_noun(len(failures), 'gate')} said no — " + \
-            ", ".join(f["code"] for f in failures)
+        verdict = (f"❌ audit failed: {count_noun(len(failures), 'gate')} said no — " +
+            ", ".join(f["code"] for f in failures))
         ctx.say(f"fablize: {verdict}")
         for f in failures:
             ctx.say(f"  ✗ {f['code']}: {f['message']} — fix: {f['fix']}")
@@ -4621,7 +4855,8 @@ def audit_and_judge(ctx, a):
     ctx.say(f"  plan: {report['done']}/{report['total']} done — {defused_line(plan['brief'])}"
             + (f" ({', '.join(accepted)} accepted by a human decision)" if accepted else ""))
     if report["torn_tail_bytes"]:
-        ctx.say(f"  torn tail: {report['torn_tail_bytes']} bytes after the last event — a write that "
+        ctx.say(f"  torn tail: {report['torn_tail_bytes']} bytes after the last event — a write "
+                "that "
                 "never completed; the next writing command moves it aside.")
     if missing_logs:
         ctx.say(f"  {count_noun(missing_logs, 'run log')} not present here (not committed?); their "
@@ -4638,8 +4873,9 @@ def audit_and_judge(ctx, a):
             ctx.say(f"  {sid}: the harness last saw `{one_line(last_chars(o['cmd'], 120))}` fail "
                     f"(event {o.get('seq')}) before it was checkpointed")
     if a.summary:
-        md = trust.summary(verdict, failures, render_report(plan, list(runs)), review, results,
-                           grades) if trust else f"## {verdict}\n\n" + render_report(plan, list(runs))
+        report_md = render_report(plan, list(runs))
+        md = (trust.summary(verdict, failures, report_md, review, results, grades) if trust
+              else f"## {verdict}\n\n" + report_md)
         write_summary(a.summary, None, md)
     if failures:
         error = FablizeError("audit: " + "; ".join(f"{f['message']} — {f['fix']}"
@@ -4667,8 +4903,8 @@ def cmd_rebuild(ctx, a):
         old = loose_snapshot(s.store)
         position = old.get("ledger") if old else None
         # a last line the old snapshot reflects was acknowledged: damage, not a torn write
-        reflected = position if isinstance(position, dict) and type(position.get("seq")) is int \
-            else {"seq": 0}
+        reflected = (position if isinstance(position, dict) and type(position.get("seq")) is int
+            else {"seq": 0})
         end = s.cut_torn_tail({"ledger": reflected})
         replay = replay_all(s.ledger, end)
         plan = replay.plan
@@ -4682,7 +4918,7 @@ def cmd_rebuild(ctx, a):
                 f"{target}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.bak"))
             os.replace(target, s.store.path(kept))
         s.save_snapshot(plan)
-    ctx.say(f"fablize: rebuilt {SNAPSHOT} from {replay.seq} ledger events"
+    ctx.say(f"fablize: rebuilt {SNAPSHOT} from {count_noun(replay.seq, 'ledger event')}"
             + (f"; the old one is kept as {kept}." if kept else "."))
     ctx.data.update(event_count=replay.seq, kept=kept, plan=plan_json(plan))
 
@@ -4695,8 +4931,8 @@ def cmd_log(ctx, a):
     streaming = not ctx.json and a.id is None
 
     def pick(replay, line, ev):
-        if a.id is None or ev.get("id") == a.id or ev["event"] == "plan_created" or \
-                (ev["event"] == "story_added" and ev["story"]["id"] == a.id):
+        if (a.id is None or ev.get("id") == a.id or ev["event"] == "plan_created" or
+                (ev["event"] == "story_added" and ev["story"]["id"] == a.id)):
             if ctx.json:
                 events.append(ev)
             else:
@@ -4739,10 +4975,18 @@ def guard_verdict(ctx, payload, fingerprint):
         return reason, None
 
 
+def steps_aside(a, root, role):
+    """Whether this is the plugin's copy of a hook (`--plugin`) in a project whose committed
+    settings register their own: then the project's runs, and this one answers nothing."""
+    return bool(getattr(a, "plugin", False)) and room("setup", "--plugin").registers(root, role)
+
+
 def cmd_guard(ctx, a):
     raw, payload = read_hook_stdin()
     if payload is None:
         return  # empty or malformed input never blocks
+    if steps_aside(a, hook_store(ctx, payload).root, "guard"):
+        return ctx.emit_raw(None)
     if a.hook_for == "cursor":  # Cursor counts its own follow-ups and says how the turn ended
         if payload.get("status", "completed") != "completed":
             return ctx.emit_raw(None)
@@ -4817,7 +5061,8 @@ def cmd_judge_packet(ctx, a):
     if not items:
         lines.append("  [ ] 1. the objective above, as stated")
     lines.append("Executor's evidence (this round):")
-    lines.append(indent(defuse(story["evidence"])) if not blank(story["evidence"]) else "    (none)")
+    lines.append(indent(defuse(story["evidence"])) if not blank(story["evidence"])
+                 else "    (none)")
     if story["runs"]:
         lines.append("Witnessed runs (this round):")
         for r in story["runs"]:
@@ -4829,7 +5074,8 @@ def cmd_judge_packet(ctx, a):
         "An item without evidence you saw yourself is not passed. Ambiguous means not achieved.",
         "Do not fix the work. Answer with exactly one verdict:"]
     verdicts = [
-        f"{ctx.prog} verdict --id {sid} achieved --evidence \"<what you checked and saw>\" --agent <you>",
+        f"{ctx.prog} verdict --id {sid} achieved --evidence \"<what you checked and saw>\" --agent "
+        "<you>",
         f"{ctx.prog} verdict --id {sid} not-achieved --evidence \"<what is missing, not how to fix "
         "it>\" --agent <you>",
         f"{ctx.prog} verdict --id {sid} unachievable --evidence \"<why more rounds cannot help>\" "
@@ -4841,7 +5087,8 @@ def cmd_judge_packet(ctx, a):
                         "now, and a verdict would be refused. This packet is for reading only."]
     lines += ["How to judge:"] + [f"  - {x}" for x in instructions] + [f"    {x}" for x in verdicts]
     if packet:
-        lines.append(f"Working tree recorded (event {packet['seq']}: {packet['files']} files, sha256 "
+        lines.append(f"Working tree recorded (event {packet['seq']}: {packet['files']} files, "
+                     "sha256 "
                      f"{packet['tree'][:16]}…): a verdict given after any change to it is void and "
                      "goes back as not-achieved.")
     for line in lines:
@@ -4874,17 +5121,20 @@ def session_start(ctx, a):
     """`status --resume` for a SessionStart hook: the plan and its active handoffs; one line for
     a finished plan; nothing without a plan; one warning line, still exit 0, for a damaged one
     (an exit 3 there is a message the agent never sees). Codex and Gemini CLI take it as JSON
-    context."""
+    context. Never coloured: an agent reads it."""
+    ctx.out.colour = False
+    if steps_aside(a, ctx.store.root, "status"):
+        return ctx.emit_raw({} if a.hook_for in ("codex", "gemini") else None)
     lines = []
     try:
-        plan, share, sharing = read_plan_and_share(ctx.store, imports=True) \
-            if ctx.store.exists() else (None, None, None)
+        plan, share, sharing = (read_plan_and_share(ctx.store, imports=True)
+            if ctx.store.exists() else (None, None, None))
         if plan is not None and plan_done(plan):
             lines.append(f"fablize: plan finished ({done_count(plan)}/{len(plan['goals'])} done) — "
                          f"{defused_line(last_chars(plan['brief'], 200))}; nothing to resume.")
         elif plan is not None:
-            lines = render_status(ctx.prog, plan, resume=True,
-                                  share=sharing.status_lines(share) if share else ())[0]
+            lines = render_session_start(ctx.prog, plan,
+                                         sharing.status_lines(share) if share else ())
             if share:
                 ctx.data["share"] = share
     except FablizeError as e:
@@ -4938,6 +5188,8 @@ def cmd_observe(ctx, a):
         return
     try:
         store = hook_store(ctx, payload)
+        if steps_aside(a, store.root, "observe"):
+            return
         if not store.exists():
             return
         with store.session() as s:
@@ -4962,11 +5214,46 @@ def say_observed(ctx, story):
         ctx.say(line)
     bad = unaddressed_failure(story)
     if bad is not None and story["status"] in DONE + ("review",):
-        ctx.out.warn(f"{story['id']} was checkpointed while the harness last saw `{one_line(bad['cmd'])}` "
+        ctx.out.warn(f"{story['id']} was checkpointed while the harness last saw "
+                     f"`{one_line(bad['cmd'])}` "
                      f"fail (event {bad.get('seq')}): the reviewer will see it.")
 
 
 # Command line #################################################################################
+
+
+def colour_on(stream):
+    """Colour for a terminal only: never in a pipe or a file (nor --json, nor a hook's answer),
+    never with NO_COLOR set (no-color.org); FORCE_COLOR set (force-color.org) turns it on
+    anywhere, except as 0 or false."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    force = os.environ.get("FORCE_COLOR")
+    if force:
+        return force.lower() not in ("0", "false")
+    try:
+        return stream.isatty() and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+# what is painted, on a terminal: (pattern, SGR code) — marks, verdicts, headings, warnings
+PAINT = ((r"(?m)^(\s*)(✓|✅[^\n]*)", "32"), (r"(?m)^(\s*)(✗|■|❌[^\n]*)", "31"),
+         (r"(?m)^(\s*)(▶|⚠)", "33"), (r"(?m)^(\s*)(◇)", "34"),
+         (r"(?m)^()(=== fablize handoff[^\n]*|## [^\n]*)", "1"),
+         (r"(?m)^()(fablize: (?:warning:|⚠)[^\n]*)", "33"), (r"()(← you are here)", "1"))
+
+
+def paint(text, stream, error=False, allowed=True):
+    """`text` as `stream` shows it: coloured on a terminal (an error's line red), else as is
+    (and always as is where an agent reads it: `allowed` false)."""
+    if not allowed or not colour_on(stream):
+        return text
+    for pattern, code in PAINT:
+        text = regex(pattern).sub(lambda m: f"{m.group(1)}\x1b[{code}m{m.group(2)}\x1b[0m", text)
+    if error:
+        text = regex(r"(?m)^(fablize: (?!warning:)[^\n]*)").sub("\x1b[31m\\1\x1b[0m", text)
+    return text
 
 
 class Output:
@@ -4980,6 +5267,7 @@ class Output:
         self.data = {}
         self.warnings = []
         self.raw = None
+        self.colour = True  # false for what an agent's harness reads (a session start)
 
     def say(self, text=""):
         self.lines.append(text)
@@ -5000,7 +5288,7 @@ class Output:
     def flush(self):
         """Write the lines said so far now (text mode): a long answer streams, memory flat."""
         if self.lines and not self.json:
-            sys.stdout.write(clean("\n".join(map(str, self.lines))) + "\n")
+            sys.stdout.write(paint(clean("\n".join(map(str, self.lines))), sys.stdout) + "\n")
             self.lines = []
 
     def render(self, command, error, code):
@@ -5016,14 +5304,20 @@ class Output:
                 obj["warnings"] = self.warnings
             if error is not None:
                 obj["error"] = {"code": error.code, "message": error.message, "exit": code}
+                if getattr(error, "commands", None):
+                    obj["error"]["commands"] = error.commands
             sys.stdout.write(json_text(obj) + "\n")
             return
         if self.lines:
-            sys.stdout.write(clean("\n".join(map(str, self.lines))) + "\n")
-        for text in self.warnings:
-            sys.stderr.write("fablize: warning: " + clean(text) + "\n")
+            sys.stdout.write(paint(clean("\n".join(map(str, self.lines))), sys.stdout,
+                                   allowed=self.colour) + "\n")
+        err = [f"fablize: warning: {clean(text)}" for text in self.warnings]
         if error is not None:
-            sys.stderr.write("fablize: " + one_line(error.message) + "\n")
+            err.append("fablize: " + one_line(error.message))
+            err += ["  " + one_line(cmd) for cmd in getattr(error, "commands", None) or ()]
+        if err:
+            sys.stderr.write(paint("\n".join(err), sys.stderr, error is not None,
+                                   self.colour) + "\n")
 
 
 class Context:
@@ -5128,7 +5422,8 @@ def add_checkpoint(command):
     c.add_argument("--verify-evidence", dest="verify_evidence", default="",
                    help="its result (final story; optional with --run)")
     c.add_argument("--run", action="store_true",
-                   help="the engine runs --verify-cmd itself and records the run; only exit 0 passes")
+                   help="the engine runs --verify-cmd itself and records the run; only exit 0 "
+                        "passes")
     add_timeout(c)
     c.add_argument("--agent", metavar="NAME", help="the agent recording it (must hold the story)")
 
@@ -5187,7 +5482,8 @@ def add_audit(command):
     c.add_argument("--require-complete", action="store_true",
                    help="exit 1 unless every story is complete or accepted")
     c.add_argument("--since", metavar="[SEQ:]HASH",
-                   help="exit 3 unless the ledger still holds this earlier head (history only grew)")
+                   help="exit 3 unless the ledger still holds this earlier head "
+                        "(history only grew)")
     c.add_argument("--require-independent-judge", action="store_true",
                    help="exit 1 unless every verdict came from an agent other than the executor")
     c.add_argument("--require-logs", action="store_true",
@@ -5212,7 +5508,8 @@ CI's own re-run (--rerun), checks CI requires (--require-check) and a human's ke
 def add_audit_trust(c):
     c.epilog, c.raw_epilog = TRUST_MODEL, True
     c.add_argument("--base", metavar="REF",
-                   help="take the pin from the ledger committed at this git ref (e.g. origin/main); "
+                   help="take the pin from the ledger committed at this git ref (e.g. "
+                        "origin/main); "
                         "files named by --allowed-signers are read from it too")
     c.add_argument("--allow-new-plan", action="store_true",
                    help="accept a plan created after the pin (its frozen checks are printed)")
@@ -5285,7 +5582,8 @@ def add_report(command):
     c = command("report", cmd_report, "a Markdown summary for a PR or CI job",
             'progress, stories, the latest runs and the dependency graph')
     c.add_argument("--out", metavar="FILE",
-                   help="write it here (default: append to $GITHUB_STEP_SUMMARY when set, else stdout)")
+                   help="write it here (default: append to $GITHUB_STEP_SUMMARY when set, else "
+                        "stdout)")
     c.add_argument("--outside", action="store_true",
                    help="--out may name a file outside the project (never through a symlink)")
 
@@ -5310,6 +5608,9 @@ def add_verdict(command):
 def add_hook_for(c, what):
     c.add_argument("--for", dest="hook_for", choices=HOOK_AGENTS, default="claude",
                    help=f"{what} in this agent's hook protocol (default: claude)")
+    c.add_argument("--plugin", action="store_true",
+                   help="this registration is the fablize-gate plugin's: it does nothing where "
+                        "the project registers its own (each hook runs once)")
 
 
 def add_pause(command):
@@ -5406,8 +5707,8 @@ def quick_args(argv, name):
                                              and "type" in options):
             return None  # argparse's own reading: a positional, a default it converts
         action = options.get("action")
-        kind = None if "nargs" in options else \
-            {None: "value", "store_true": "flag", "append": "append"}.get(action)
+        kind = (None if "nargs" in options else
+            {None: "value", "store_true": "flag", "append": "append"}.get(action))
         dest = options.get("dest") or names[0][2:].replace("-", "_")
         values[dest] = options.get("default", False if action == "store_true" else None)
         if options.get("required"):
@@ -5448,13 +5749,79 @@ def quick_args(argv, name):
     return types.SimpleNamespace(**values)
 
 
+def better_usage_error(parser, message):
+    """argparse's complaint, with what was probably meant: an unknown command or choice gets
+    its nearest name (`chekpoint` → `checkpoint`) instead of the list of every one, and an
+    unknown option the nearest option of its command."""
+    import difflib
+    m = re.match(r"argument (\S+): invalid choice: '?(.*?)'? \(choose from (.*)\)\Z", message, re.S)
+    if m:
+        name, word = m.group(1), m.group(2)
+        choices = re.findall(r"[\w-]+", m.group(3))
+        close = difflib.get_close_matches(word, choices, 1, 0.7)
+        hint = f" — did you mean `{close[0]}`?" if close else ""
+        if name == "COMMAND":
+            return f"unknown command `{one_line(word)}`{hint}"
+        return message + hint  # the original's words, which scripts may read
+    m = re.match(r"unrecognized arguments: (.*)\Z", message, re.S)
+    if m:
+        options = set()  # the commands' own options: --dir or --help are seldom what was meant
+        for action in parser._actions:
+            for sub in (getattr(action, "choices", None) or {}).values():
+                if isinstance(sub, argparse_parser()):
+                    options.update(o for a in sub._actions for o in a.option_strings)
+        for word in m.group(1).split():
+            close = difflib.get_close_matches(word.split("=")[0],
+                                              sorted(options - {"--dir", "--json", "-h", "--help"}),
+                                              1, 0.7)
+            if word.startswith("-") and close:
+                return f"{message} — did you mean `{close[0]}`?"
+    return message
+
+
+def argparse_parser():
+    import argparse
+    return argparse.ArgumentParser
+
+
+# what --help shows a command (None: the engine's own --help) used for: whole command lines
+EXAMPLES = {
+    None: ['create --brief "Add --version" --goal "Flag::cli.py accepts --version" '
+           '--goal "Verify::the tests pass" --verify "python3 -m pytest -q"',
+           "next",
+           'checkpoint --id G001 --status complete --evidence "cli.py --version prints 1.0"',
+           "status", "audit"],
+    "create": ['--brief "Add --version" --goal "Flag::cli.py accepts --version" '
+               '--goal "Verify::the tests pass" --verify "python3 -m pytest -q"',
+               '--brief "Two parts" --parallel --goal "API::the endpoint answers" '
+               '--goal "UI::the page shows it" --goal "Verify::all tests pass" '
+               '--check "G001=python3 -m pytest -q tests/test_api.py" --verify "make test"'],
+    "checkpoint": ['--id G001 --status complete --evidence "tests/test_cli.py passes: 4 passed"',
+                   '--id G002 --status complete --evidence "the suite passes" --run '
+                   '--verify-cmd "python3 -m pytest -q"',
+                   '--id G001 --status failed --evidence "the parser rejects -V"',
+                   '--id G001 --status blocked --evidence "needs an API key nobody has"'],
+    "decide": ['--id G003 accept --note "the manual check is enough here"',
+               '--id G003 retry --note "use the fixture in tests/conftest.py"',
+               '--id G003 amend --note "only the CLI, not the GUI"'],
+    "audit": ["", "--require-complete --require-logs",
+              "--base origin/main --rerun --require-witnessed"],
+    "status": ["", "--resume"],
+}
+
+
+def examples(prog, name):
+    command = f"{prog} {name}" if name else prog
+    return "Examples:\n" + "\n".join(f"  {command} {line}".rstrip() for line in EXAMPLES[name])
+
+
 def build_parser(only=None, prog="goals.py"):
     """The command-line parser: every command, or just `only`."""
     import argparse
 
     class Parser(argparse.ArgumentParser):
         def error(self, message):
-            raise usage(f"{message} (see `{self.prog} --help`)")
+            raise usage(f"{better_usage_error(self, message)} (see `{self.prog} --help`)")
 
     common = Parser(add_help=False)
     common.add_argument("--dir", default=argparse.SUPPRESS, metavar="PATH", help=DIR_HELP)
@@ -5465,13 +5832,16 @@ def build_parser(only=None, prog="goals.py"):
             super().__init__(prog, max_help_position=30)
             self._action_max_length = 20  # room for `install-block` and its line on one row
 
+        def _fill_text(self, text, width, indent):  # examples keep their lines
+            return text if "\n" in text else super()._fill_text(text, width, indent)
+
     p = Parser(prog=prog, formatter_class=Formatter,
                description="fablize goal engine: split a task into stories; "
                "\"done\" is refused until evidence shows it.",
-               epilog="Exit codes: 0 done, 1 refused, 2 usage, 3 damaged state; 128+N "
-                      "interrupted by signal N during a run (130 SIGINT, 143 SIGTERM, 129 "
-                      "SIGHUP), the run recorded as interrupted. "
-                      f"`{prog} COMMAND --help` shows a command's options.")
+               epilog=examples(prog, None) +
+               "\n\nExit codes: 0 done, 1 refused, 2 usage, 3 damaged state; 128+N interrupted"
+               "\nby signal N during a run (130 SIGINT, 143 SIGTERM, 129 SIGHUP), the run"
+               f"\nrecorded as interrupted. `{prog} COMMAND --help` shows a command's options.")
     p.add_argument("--version", action="version", version=f"fablize {__version__}",
                    help="print the version and exit")
     p.add_argument("--dir", default=None, metavar="PATH", help=DIR_HELP)
@@ -5483,10 +5853,13 @@ def build_parser(only=None, prog="goals.py"):
             continue
         # a command's summary is its line in `--help`, and its own --help starts with it
         spec = command_spec(name)
+        epilog = spec.epilog
+        if name in EXAMPLES:
+            epilog = examples(prog, name) + (f"\n\n{epilog}" if epilog else "")
         c = sub.add_parser(name, parents=[common], help=spec.summary,
-                           description=spec.description, epilog=spec.epilog,
-                           formatter_class=argparse.RawDescriptionHelpFormatter
-                           if spec.raw_epilog else argparse.HelpFormatter)
+                           description=spec.description, epilog=epilog,
+                           formatter_class=(argparse.RawDescriptionHelpFormatter
+                                            if spec.raw_epilog else Formatter))
         for names, options in spec.arguments:
             c.add_argument(*names, **options)
         c.set_defaults(**spec.defaults)
@@ -5502,7 +5875,8 @@ def utf8_streams():
     if sys.stderr is None:
         sys.stderr = open(os.devnull, "w", encoding="utf-8")
     for stream in (sys.stdout, sys.stderr):
-        encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "").replace("_", "")
+        encoding = (getattr(stream, "encoding", None) or "").lower()
+        encoding = encoding.replace("-", "").replace("_", "")
         if encoding != "utf8" and hasattr(stream, "reconfigure"):
             try:
                 stream.reconfigure(encoding="utf-8", errors="replace")

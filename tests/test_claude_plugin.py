@@ -119,14 +119,24 @@ def test_the_plugin_archive_validates_installs_and_its_hooks_run(claude, tmp_pat
     assert p.returncode == 0 and "fablize next" in json.loads(p.stdout)["reason"], p
     p = hook("SessionStart", {"cwd": str(project), "source": "startup"})
     assert p.returncode == 0 and p.stdout.startswith("fablize: 0/2 complete — b"), p
-    # setup sees the plugin and adds no second copy of its hooks; doctor counts them once
+    # setup commits the same hooks as without the plugin; the plugin's own copy steps aside
+    # at run time only where the project's can run (here `fablize` is not on PATH: it runs)
     p = subprocess.run([fablize, "setup", "claude"], cwd=str(project), env=env,
                        capture_output=True, text=True)
-    assert p.returncode == 0 and "the fablize-gate plugin provides them" in p.stdout, p
-    assert not (project / ".claude").exists()
+    assert p.returncode == 0 and "its hooks step aside for these" in p.stdout, p
+    with_plugin = (project / ".claude" / "settings.json").read_bytes()
+    bare = tmp_path / "bare"
+    (bare / ".git").mkdir(parents=True)
+    no_plugin = dict(env, HOME=str(tmp_path / "nobody"))
+    no_plugin.pop("CLAUDE_PLUGIN_ROOT")
+    assert subprocess.run([fablize, "setup", "claude"], cwd=str(bare), env=no_plugin,
+                          capture_output=True).returncode == 0
+    assert (bare / ".claude" / "settings.json").read_bytes() == with_plugin
     p = subprocess.run([fablize, "doctor"], cwd=str(project), env=env, capture_output=True,
                        text=True)
     assert "✓ Stop hook: registered once (the fablize-gate plugin)" in p.stdout, p
+    p = hook("Stop", {"cwd": str(project), "stop_hook_active": False})
+    assert p.returncode == 0 and "fablize next" in json.loads(p.stdout)["reason"], p
 
 
 def test_the_skill_folder_holds_only_what_the_skill_needs_and_its_script_runs(tmp_path):
@@ -145,3 +155,13 @@ def test_the_plugin_archive_keeps_bin_fablize_executable(tmp_path):
         modes = {i.filename: i.external_attr >> 16 & 0o777 for i in z.infolist()}
     assert modes["fablize-gate/bin/fablize"] == 0o755
     assert modes["fablize-gate/hooks/hooks.json"] == 0o644
+
+
+def test_the_plugin_folder_from_a_checkout_holds_the_plugin_only(tmp_path):
+    """What README has `claude plugin marketplace add`: the plugin's files, the launcher
+    executable, and nothing of the checkout (venv, caches, tests)."""
+    folder = Path(dist.build_plugin_folder(str(tmp_path)))
+    files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    assert files == sorted(dist.PLUGIN_FILES)
+    assert os.access(folder / "bin" / "fablize", os.X_OK)
+    assert sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) < 2_000_000

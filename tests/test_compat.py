@@ -46,10 +46,13 @@ def test_script_written_for_the_original_cli_runs_unchanged(project):
             "--goal", "Server::wire the login API",
             "--goal", "Verify::run the whole test suite")
     assert r.code == 0, r
-    assert r.out.splitlines() == ["fablize: plan created — 3 stories",
-                                  "  G001 Screen: draw the login form",
-                                  "  G002 Server: wire the login API",
-                                  "  G003 Verify: run the whole test suite"]
+    lines = r.out.splitlines()
+    assert lines[:4] == ["fablize: plan created — 3 stories",
+                         "  G001 Screen: draw the login form",
+                         "  G002 Server: wire the login API",
+                         "  G003 Verify: run the whole test suite"]
+    # the shape the original printed, then (ours) what to do next, last
+    assert len(lines) == 5 and lines[4].startswith("fablize: next — ") and "next`" in lines[4]
 
     # every refusal of create, with its message and exit code
     refused_with(run("create", "--brief", "again", "--goal", "a::b"), 1, PLAN_EXISTS)
@@ -58,8 +61,9 @@ def test_script_written_for_the_original_cli_runs_unchanged(project):
     refused_with(run("create", "--brief", "b", "--force"), 2, "at least one --goal is required.")
 
     # checkpoint refusals before any story is active
+    # the original's words first
     refused_with(run("checkpoint", "--id", "G009", "--status", "complete", "--evidence", "e"), 1,
-                 "G009 not found.")
+                 "G009 not found. The plan's stories: G001, G002, G003.")
     refused_with(run("checkpoint", "--id", "G002", "--status", "complete", "--evidence", "e"), 1,
                  "G002 is not active (pending) — activate it with `next` first.")
 

@@ -156,7 +156,8 @@ def test_a_blocked_final_story_is_not_reported_as_all_complete(fab):
     nxt = fab("next")
     assert nxt.code == 1, nxt
     assert "G003 is blocked (no test env)" in nxt.err
-    assert "decide --id G003 accept|retry|amend" in nxt.err
+    assert "A human must decide, with one of:\n  goals.py decide --id G003 accept --note" in nxt.err
+    assert "\n  goals.py decide --id G003 retry --note" in nxt.err  # each whole, on its line
     st = fab("status")
     assert st.code == 0 and "G003 is blocked" in st.out and "decide --id G003" in st.out, st
     assert_never_all_complete(cp, nxt, st)
@@ -507,6 +508,8 @@ JSON_CASES = {
               lambda fab: (fab.root / "CLAUDE.md").symlink_to(fab.root / "target.md"),
               ["setup"], "symlink", 1),
     "doctor": (lambda fab: wired(fab), ["doctor"], nothing, ["doctor"], "doctor_problems", 1),
+    "completion": (nothing, ["completion", "bash"], nothing,
+                   ["completion", "bash", "--name", "a b"], "bad_name", 2),
     "pause": (plan2, ["pause", "--note", "n"], lambda fab: (plan2(fab), fab("pause")), ["pause"],
               "already_paused", 1),
     "unpause": (lambda fab: (plan2(fab), fab("pause")), ["unpause"], plan2, ["unpause"],

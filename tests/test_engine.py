@@ -282,7 +282,7 @@ def test_status_checkpoint_next_and_the_guard_give_the_same_next_action(fab):
     assert "G001 is blocked (no API key)" in status_next
     nxt = fab("next")
     assert nxt.code == 1 and "G001 is blocked (no API key)" in nxt.err, nxt
-    assert "A human must decide: goals.py decide --id G001" in nxt.err
+    assert "A human must decide, with one of:\n  goals.py decide --id G001 accept" in nxt.err
     assert guard_reason(fab) is None  # a human's turn: the guard lets the agent stop
 
 

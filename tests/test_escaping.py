@@ -80,7 +80,7 @@ def test_title_with_a_newline_cannot_forge_a_status_row(fab):
         r = fab(*args)
         assert r.code == 0, r
         rows = [x for x in r.out.split("\n") if assert_rows.match(x)]
-        assert len(rows) == (2 if args[0] == "status" else 0), (args, r.out)
+        assert len(rows) == (2 if args == ["status"] else 0), (args, r.out)
         assert not re.search(r"[\r\x1b]", r.out), (args, r.out)
         for line in r.out.split("\n"):
             assert not line.startswith("fablize: 9/9"), line

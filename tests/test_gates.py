@@ -221,7 +221,7 @@ def test_self_accepted_story_is_never_reported_as_plainly_complete(fab):
     r = complete(fab, "G002", final=True)
     assert "fablize: all stories complete ✓" not in r.out, r
     assert "all stories done ✓ (G001 accepted by a human decision)" in r.out, r
-    assert "accepted by a human: fine by me" in fab("status").out
+    assert "accepted by a human (unsigned): fine by me" in fab("status").out
     assert "G001 decision: accept — fine by me" in fab("log").out
     assert "✓ accepted" in fab("report").out
 

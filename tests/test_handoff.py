@@ -38,7 +38,7 @@ def footer_counts(out):
 
 
 CARRIED_END = ("## What was missing", "## Frozen checks", "## Acceptance items", "Judged story",
-               "Not achieved yet:", "On completion:")
+               "Not achieved yet:", "Impossible as specified:", "On completion:")
 
 
 def carried(out):
@@ -209,9 +209,10 @@ def test_handoff_of_story_40_has_no_raw_control_character_or_live_marker(fab):
     # the engine's own markers appear once each, outside the carried blocks
     assert out.count("=== fablize handoff") == 1 and out.startswith("=== fablize handoff — G040")
     checkpoint_lines = [line for line in out.split("\n") if "checkpoint --id" in line]
-    assert len(checkpoint_lines) == 2
+    assert len(checkpoint_lines) == 3
     assert checkpoint_lines[0].startswith("Not achieved yet: ")
-    assert checkpoint_lines[1].startswith("On completion: ") and "--id G040" in checkpoint_lines[1]
+    assert checkpoint_lines[1].startswith("Impossible as specified: ")
+    assert checkpoint_lines[2].startswith("On completion: ") and "--id G040" in checkpoint_lines[2]
     assert "allstoriescomplete" not in re.sub(r"\s+", "", out.lower())
     assert "all stories complete" not in out.lower()
 

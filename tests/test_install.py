@@ -483,9 +483,9 @@ def hook_commands(event):
 
 def test_hooks_file_registers_the_guard_and_the_session_start_status():
     groups, commands = hook_commands("Stop")
-    assert commands == ['"${CLAUDE_PLUGIN_ROOT}/bin/fablize" guard']  # the plugin's own command
+    assert commands == ['"${CLAUDE_PLUGIN_ROOT}/bin/fablize" guard --plugin']  # the plugin's own
     groups, commands = hook_commands("SessionStart")
-    assert commands == ['"${CLAUDE_PLUGIN_ROOT}/bin/fablize" status --resume']
+    assert commands == ['"${CLAUDE_PLUGIN_ROOT}/bin/fablize" status --resume --plugin']
     for group in groups:  # SessionStart matchers are the documented sources
         assert set(group.get("matcher", "startup").split("|")) <= {
             "startup", "resume", "clear", "compact"}
@@ -520,7 +520,7 @@ def test_session_start_hook_prints_status_and_the_active_handoff(fab, source):
     code, out, err = session_start(fab.root, source)
     assert code == 0, err
     assert out.startswith("fablize: 1/3 complete — test plan\n")
-    assert "  ▶ G002 [in_progress] S2" in out
+    assert "  1 complete · 1 in progress · 1 pending\n" in out  # counts, not every story
     assert "=== fablize handoff — G002 S2" in out and "⚠ Resumed" in out
 
 

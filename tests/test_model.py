@@ -596,7 +596,9 @@ class GoalEngineMachine(RuleBasedStateMachine):
                 self.check(run.obj["error"]["code"] == outcome.code, outcome, run)
                 self.check(run.obj["error"]["message"].strip(), run)
             else:
-                last = run.err.rstrip("\n").split("\n")[-1]
+                # the refusal's line, then (a halted plan) each command a human may run
+                lines = [x for x in run.err.rstrip("\n").split("\n") if not x.startswith("  ")]
+                last = lines[-1]
                 self.check(last.startswith("fablize: ") and "warning:" not in last, run)
                 self.check("Traceback" not in run.err, run)
         elif as_json:

@@ -268,5 +268,5 @@ def test_a_report_inside_the_project_is_written_whole(fab):
     make_plan(fab, 1)
     (fab.root / "out").mkdir()
     r = fab("report", "--out", "out/report.md")
-    assert r.code == 0, r
-    assert (fab.root / "out" / "report.md").read_text().startswith("# fablize report"), r
+    written = (fab.root / "out" / "report.md").read_text()
+    assert r.code == 0 and written.startswith("# fablize report"), r

@@ -50,9 +50,12 @@ class Net:
         return run
 
     def remote_lines(self, plan_id):
+        """The ledger lines of the plan's commits on the remote (a replaced plan's last commit
+        holds no event: its replaced.json names the plan that replaced it)."""
         ref = "refs/fablize/plans/" + plan_id
         revs = git(self.remote, "rev-list", "--reverse", ref).split()
-        return [git(self.remote, "cat-file", "blob", f"{r}:event.jsonl").encode() for r in revs]
+        return [git(self.remote, "cat-file", "blob", f"{r}:event.jsonl").encode() for r in revs
+                if git(self.remote, "ls-tree", "--name-only", r).split() != ["replaced.json"]]
 
 
 @pytest.fixture
@@ -137,8 +140,8 @@ def test_a_local_plan_never_starts_git(fab, monkeypatch, tmp_path):
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))  # no git to be found: any attempt would fail
     assert fab("create", "--brief", "b", "--goal", "a::b", "--goal", "c::d").code == 0
-    for args in (["next"],
-                 ["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e"],
+    for args in (["next"], ["checkpoint", "--id", "G001", "--status", "complete",
+                            "--evidence", "e"],
                  ["status"], ["next"], ["release", "--id", "G002", "--note", "silent"], ["audit"]):
         r = fab(*args)
         assert r.code == 0, (args, r)
@@ -211,12 +214,12 @@ def test_a_claim_lost_between_fetch_and_push_is_never_double_held_and_names_the_
     real = sharing.event_commits
     raced = []
 
-    def b_claims_first(store, cfg, lines):
+    def b_claims_first(store, cfg, lines, *rest):
         if not raced:  # another machine claims G001 right after a fetched
             raced.append(1)
             r = run_cli("next", "--agent", "y", cwd=b.root, env=cli_env(net))
             assert r.code == 0 and "G001" in r.out, r
-        return real(store, cfg, lines)
+        return real(store, cfg, lines, *rest)
     monkeypatch.setattr(sharing, "event_commits", b_claims_first)
     r = a("next", "--agent", "x")
     if stories == 2:  # nothing else is ready: refused, naming who holds it
@@ -285,27 +288,81 @@ def reject_pushes(remote, times):
     return hook
 
 
-def test_pushes_rejected_several_times_in_a_row_still_publish_every_event(net):
+class Races(list):
+    stopped = False
+
+    def stop(self):
+        self.stopped = True
+
+
+def others_push_first(net, monkeypatch, other, times=None):
+    """Before each of this process's next `times` pushes (None: all, until `raced.stop()`), the
+    clone `other` (a real process) claims a story and publishes it: real races, lost."""
+    sharing = goals.room("sharing")
+    real = sharing.event_commits
+    raced = Races()
+
+    def another_writer_first(store, cfg, lines, *rest):
+        if not raced.stopped and (times is None or len(raced) < times):
+            raced.append(run_cli("next", "--agent", f"y{len(raced)}", cwd=other.root,
+                                 env=cli_env(net)))
+            assert raced[-1].code == 0, raced[-1]
+        return real(store, cfg, lines, *rest)
+    monkeypatch.setattr(sharing, "event_commits", another_writer_first)
+    return raced
+
+
+def test_pushes_lost_to_other_writers_several_times_in_a_row_still_publish_every_event(
+        net, monkeypatch):
+    a, b = net.clone("a"), net.clone("b")
+    plan_id = create(a, 6, "--parallel")
+    assert a("next", "--agent", "x").code == 0
+    assert b("sync").code == 0
+    raced = others_push_first(net, monkeypatch, b, times=3)
+    r = a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e", "--agent", "x")
+    assert r.code == 0 and "not published" not in r.err, r
+    assert len(raced) == 3
+    assert net.remote_lines(plan_id) == [x + b"\n" for x in ledger_lines(a)]
+    starts = [json.loads(x)["agent"] for x in ledger_lines(a) if b'"story_started"' in x]
+    assert starts == ["x", "y0", "y1", "y2"] and not (a.dir / "rejected.jsonl").exists()
+
+
+def test_a_push_the_remote_refuses_says_gits_reason_at_once_and_keeps_the_work(net):
     a = net.clone("a")
-    plan_id = create(a, 2)
-    reject_pushes(net.remote, 3)
-    assert a("next").code == 0
+    plan_id = create(a, 3, "--parallel")
+    assert a("next", "--agent", "x").code == 0
+    hook = reject_pushes(net.remote, -1)
+    r = a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "done offline",
+          "--agent", "x")
+    assert r.code == 0 and "not published" in r.err and "pre-receive hook declined" in r.err, r
+    assert "busy" in r.err and "cannot be reached" not in r.err, r
+    assert (net.remote / "rejects-left").read_text().strip() == "-1"  # one push, not retried
+    assert a("status", "--json").json["share"]["ahead"] == 1
+    before = state_files(a.dir)
+    r = a("next", "--agent", "x", "--json")
+    assert r.code == 1 and r.json["error"]["code"] == "push_refused", r
+    assert "busy" in r.json["error"]["message"]
+    assert state_files(a.dir) == before  # the claim the remote refused is not kept
+    hook.unlink()
+    assert a("sync").code == 0
     assert net.remote_lines(plan_id) == [x + b"\n" for x in ledger_lines(a)]
 
 
-def test_pushes_rejected_every_time_keep_the_work_and_refuse_a_claim(net, monkeypatch):
-    monkeypatch.setattr(goals.room("sharing"), "PUSH_ATTEMPTS", 3)
-    a = net.clone("a")
-    plan_id = create(a, 2)
-    assert a("next").code == 0
-    hook = reject_pushes(net.remote, -1)
-    r = a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "done offline")
-    assert r.code == 0 and "not published" in r.err, r
-    assert a("status", "--json").json["share"]["ahead"] == 1
-    r = a("next", "--json")
-    assert r.code == 3 and r.json["error"]["code"] == "push_contended", r
-    hook.unlink()
-    assert a("sync").code == 0
+def test_contention_that_outlasts_the_wait_is_exit_1_try_again_never_exit_3(net, monkeypatch):
+    a, b = net.clone("a"), net.clone("b")
+    plan_id = create(a, 8, "--parallel")
+    assert b("sync").code == 0
+    monkeypatch.setenv("FABLIZE_SHARE_WAIT", "0")  # give up at the first lost push
+    raced = others_push_first(net, monkeypatch, b)
+    before = state_files(a.dir)
+    r = a("next", "--agent", "x", "--json")
+    assert r.code == 1 and r.json["error"]["code"] == "push_contended", r
+    assert "try again" in r.json["error"]["message"]
+    assert state_files(a.dir) == before  # the claim that never got through is not kept
+    monkeypatch.delenv("FABLIZE_SHARE_WAIT")
+    raced.stop()
+    r = a("next", "--agent", "x")
+    assert r.code == 0, r
     assert net.remote_lines(plan_id) == [x + b"\n" for x in ledger_lines(a)]
 
 

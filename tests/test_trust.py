@@ -601,6 +601,9 @@ def test_decision_signed_with_a_key_the_base_lists_passes(work):
     assert "accepted: G001 (signed by alice) — ship without it" in r.out
     sig = [ev for ev in ledger(work.dir) if ev["event"] == "decision"][0]["signature"]
     assert sig["signer"] == "alice" and "BEGIN SSH SIGNATURE" in sig["sig"]
+    # and wherever the decision shows: its signer (status, log), `unsigned` when it has none
+    assert "accepted by a human (signed by alice): ship without it" in work.agent("status").out
+    assert "decision: accept — ship without it (signed by alice)" in work.agent("log").out
 
 
 @needs_ssh

@@ -378,11 +378,17 @@ def test_create_flags_checks_that_cannot_run_here_and_still_creates_the_plan(fab
             "--verify", "./scripts/missing-gate.sh", "--verify", "true")
     assert r.code == 0, r
     assert "fablize: plan created — 2 stories" in r.out
-    assert "2 frozen checks cannot run here" in r.out
+    # a program missing here must be fixed now; a file not there yet is a test-first check
+    assert "⚠ 1 frozen check cannot run here — fix the command or install what it needs now" \
+        in r.out
     assert "G001 check 1: `no-such-tool-fablize-abc --all` — no-such-tool-fablize-abc is not " \
         "on PATH" in r.out
+    assert "1 frozen check starts a file that does not exist yet — fine for a test-first plan" \
+        in r.out
     assert "G002 check 1: `./scripts/missing-gate.sh` — ./scripts/missing-gate.sh does not " \
-        "exist" in r.out
+        "exist yet" in r.out
+    assert "fix" not in r.out.split("starts a file")[1]  # never "fix now" for a test to be written
+    assert r.out.splitlines()[-1] == "fablize: next — `goals.py next` (activates G001)"
     expected = [
         {"id": "G001", "check": 0, "cmd": "no-such-tool-fablize-abc --all",
          "reason": "no-such-tool-fablize-abc is not on PATH"},
@@ -394,7 +400,7 @@ def test_create_flags_checks_that_cannot_run_here_and_still_creates_the_plan(fab
     text = ok(fab("status")).out
     assert "⚠ G001 check 1 cannot run here: `no-such-tool-fablize-abc --all` — " \
            "no-such-tool-fablize-abc is not on PATH" in text
-    assert "⚠ G002 check 1 cannot run here: `./scripts/missing-gate.sh`" in text
+    assert "· G002 check 1 waits for its file: `./scripts/missing-gate.sh`" in text
 
 
 def test_create_with_runnable_checks_flags_nothing(fab):
@@ -535,7 +541,7 @@ def test_failed_story_is_reopened_as_round_2_before_a_ready_earlier_story(fab):
     # G001 is ready now, and earlier in the plan
     assert story(fab.dir, "G001")["status"] == "pending"
     r = ok(fab(*checkpoint("--agent", "b", sid="G003", status="failed", evidence="half done")))
-    assert "G003 → failed (round 1; 2 left)" in r.out
+    assert "G003 → failed (round 1 of 3; 2 rounds left)" in r.out
     r = start(fab, "G003", "--agent", "b")
     assert "⚠ Reopened: round 2" in r.out
     assert story(fab.dir, "G003")["round"] == 2 and story(fab.dir, "G001")["status"] == "pending"
@@ -606,10 +612,10 @@ def test_blocked_story_halts_the_plan_until_a_human_decides(fab, how):
     assert story(fab.dir, "G001")["status"] == "blocked"
     r = assert_refused(fab, ["next"], 1, "G001 is blocked")
     assert "the plan halts here" in r.err
-    assert "A human must decide: goals.py decide --id G001" in r.err
+    assert "one of:\n  goals.py decide --id G001 accept" in r.err
     assert_refused(fab, ["next", "--agent", "other"], 1, "A human must decide")
     out = ok(fab("status")).out
-    assert "G001 is blocked (" in out and "A human must decide: goals.py decide --id G001" in out
+    assert "G001 is blocked (" in out and "one of:\n  goals.py decide --id G001 accept" in out
 
 
 def test_decide_accept_counts_as_done_and_dependents_proceed(fab):
@@ -629,7 +635,7 @@ def test_decide_accept_counts_as_done_and_dependents_proceed(fab):
     r = ok(fab(*checkpoint("--verify-cmd", "true", "--verify-evidence", "ok", sid="G002")))
     assert "fablize: all stories done ✓ (G001 accepted by a human decision)" in r.out
     assert "all stories complete" not in r.out
-    assert "accepted by a human: good enough" in ok(fab("status")).out
+    assert "accepted by a human (unsigned): good enough" in ok(fab("status")).out
 
 
 def test_decide_retry_resumes_with_the_note_as_feedback_and_resets_rounds(fab):
@@ -640,8 +646,8 @@ def test_decide_retry_resumes_with_the_note_as_feedback_and_resets_rounds(fab):
     assert "G001 → pending" in r.out
     assert ledger(fab.dir)[-1]["decision"] == "retry"
     h = start(fab, "G001").out
-    assert "round 3 (round 1 of 2 since the last decision)" in h
-    assert "## What was missing (round 2, from a human (retry))" in h
+    assert "round 3 (1 of 2 since a human's decision) — a human asked for another attempt" in h
+    assert "## What was missing (round 2, from a human's retry)" in h
     assert "use the v2 endpoint instead" in h
     # rounds reset: one more failure is a failed round, not a block
     ok(fab(*checkpoint(status="failed", evidence="v2 also broken")))
@@ -1028,13 +1034,13 @@ def test_round_trip_fail_reopen_fail_fail_blocked_retry_complete(fab):
     start(fab, "G001")
     assert_refused_keeping_runs(fab, checkpoint(), G1)
     ok(fab(*checkpoint(status="failed", evidence="fixed.flag is not produced yet")))
-    assert "round 1, 2 left" in ok(fab("status")).out
+    assert "round 1 of 3, 2 rounds left" in ok(fab("status")).out
     # round 2: reopened with what was missing
     h = start(fab, "G001").out
     assert "⚠ Reopened: round 2" in h
     assert "## What was missing (round 1, from the failed checkpoint)" in h
     assert "fixed.flag is not produced yet" in h and "checking" in h
-    assert "round 2, 1 left" in ok(fab("status")).out  # the round in progress counts
+    assert "round 2 of 3, 1 round left" in ok(fab("status")).out  # the round in progress counts
     assert_refused_keeping_runs(fab, checkpoint(), G1)
     ok(fab(*checkpoint(status="failed", evidence="still no fixed.flag")))
     # round 3: the last one
@@ -1043,13 +1049,13 @@ def test_round_trip_fail_reopen_fail_fail_blocked_retry_complete(fab):
     r = ok(fab(*checkpoint(status="failed", evidence="giving up")))
     assert "G001 → blocked" in r.out
     status = ok(fab("status")).out
-    assert "■ G001 [blocked]" in status and "round 3, 0 left" in status
+    assert "■ G001 [blocked]" in status and "round 3 of 3, 0 rounds left" in status
     assert "rounds exhausted (3 of 3) — a human must decide" in status
     assert_refused(fab, ["next"], 1, "A human must decide")
     # the human retries with feedback; the story resumes and completes
     ok(fab("decide", "--id", "G001", "retry", "--note", "write fixed.flag from the build step"))
     h = start(fab, "G001").out
-    assert "round 4 (round 1 of 3 since the last decision)" in h
+    assert "round 4 (1 of 3 since a human's decision)" in h
     assert "write fixed.flag from the build step" in h
     (fab.root / "fixed.flag").write_text("")
     ok(fab(*checkpoint()))

@@ -223,7 +223,8 @@ def test_doctor_names_the_fix_for_a_stop_hook_registered_twice(repo, home):
     assert code == 1
     assert "✗ Stop hook: the Stop hook is registered 2 times (.claude/settings.json, " \
         ".claude/settings.local.json)" in out
-    assert "fix: keep one: remove fablize's Stop entry from .claude/settings.json" in out
+    assert ("fix: keep one: take fablize's Stop entry out of .claude/settings.local.json "
+            "(setup edits the project's files only)") in out
     assert err.startswith("fablize: doctor: ") and "problem" in err
 
 
@@ -246,22 +247,22 @@ def test_doctor_names_the_fix_when_the_blocks_command_does_not_run(repo, home):
     assert "fix: install fablize" in p.stdout
 
 
-def test_doctor_counts_the_plugin_and_settings_as_two_registrations(repo, home):
+def test_doctor_counts_the_project_hooks_once_when_the_plugin_steps_aside(repo, home):
     assert script(repo, home, "setup")[0] == 0
     (home / ".claude").mkdir()
     (home / ".claude" / "settings.json").write_text(json.dumps(
         {"enabledPlugins": {"fablize-gate@fablize-gate": True}}))
     code, out, err = script(repo, home, "doctor")
-    assert code == 1 and "(.claude/settings.json, the fablize-gate plugin)" in out
+    assert code == 0 and "✓ Stop hook: registered once (.claude/settings.json)" in out, out
 
 
-def test_setup_adds_no_second_copy_of_the_hooks_the_plugin_provides(repo, home):
+def test_setup_with_the_plugin_registers_the_project_hooks_all_the_same(repo, home):
     (home / ".claude").mkdir()
     (home / ".claude" / "settings.json").write_text(json.dumps(
         {"enabledPlugins": {"fablize-gate@fablize-gate": True}}))
     code, out, err = script(repo, home, "setup", "claude")
-    assert code == 0 and "the fablize-gate plugin provides them" in out, err
-    assert not (repo / ".claude").exists()
+    assert code == 0 and "hooks registered" in out and "step aside" in out, err
+    assert "guard" in (repo / ".claude" / "settings.json").read_text()
     assert (repo / "CLAUDE.md").is_file()
 
 
@@ -670,14 +671,26 @@ def test_the_engines_own_commands_are_not_observed(fab):
         ["fablize verify --id G001"]
 
 
-def test_setup_with_the_plugin_enabled_takes_out_hooks_an_earlier_setup_registered(repo, home):
+def test_the_committed_hooks_are_the_same_with_the_plugin_and_its_copy_steps_aside(repo, home):
     assert script(repo, home, "setup")[0] == 0
     settings = repo / ".claude" / "settings.json"
-    assert "guard" in settings.read_text()
-    config = json.loads(settings.read_text())
-    config["enabledPlugins"] = {"fablize-gate@fablize-gate": True}
-    settings.write_text(json.dumps(config))
+    without = settings.read_bytes()
+    (home / ".claude").mkdir()
+    (home / ".claude" / "settings.json").write_text(
+        json.dumps({"enabledPlugins": {"fablize-gate@fablize-gate": True}}))
     code, out, err = script(repo, home, "setup")
-    assert code == 0 and "hooks removed: the plugin runs them" in out, (out, err)
-    assert "guard" not in settings.read_text()
-    assert script(repo, home, "setup")[1].count("nothing changed") == 1  # idempotent again
+    assert code == 0 and "its hooks step aside for these (.claude/settings.json)" in out, (out, err)
+    assert settings.read_bytes() == without  # byte-identical: teammates keep their guard
+    assert script(repo, home, "create", "--brief", "b", "--goal", "A::a", "--goal", "B::b")[0] == 0
+    stop = json.dumps({"cwd": str(repo), "hook_event_name": "Stop", "stop_hook_active": False})
+    # the plugin's registration answers nothing where the project's runs; the project's blocks
+    assert script(repo, home, "guard", "--plugin", stdin=stop)[:2] == (0, "")
+    code, out, _ = script(repo, home, "guard", stdin=stop)
+    assert code == 0 and json.loads(out)["decision"] == "block"
+    blocks = [e for e in ledger(repo / ".fablize") if e["event"] == "guard_block"]
+    assert len(blocks) == 1  # counted once
+    assert script(repo, home, "status", "--resume", "--plugin")[:2] == (0, "")
+    # where the project's hook cannot run (its engine gone), the plugin's copy does the work
+    (repo / "scripts" / "fablize.py").unlink()
+    code, out, _ = script(repo, home, "guard", "--plugin", stdin=stop)
+    assert code == 0 and json.loads(out)["decision"] == "block"

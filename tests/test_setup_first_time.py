@@ -1,0 +1,186 @@
+"""Setup that cannot half-work: in a folder that is not a repository it refuses with the fix;
+doctor runs every hook it finds as the agent would and fails on one that does not answer; the
+user is told what loads the hooks; committed files never depend on one person's machine."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import conftest
+from conftest import copy_engine
+
+
+def env_for(home, **extra):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("FABLIZE_", "CLAUDE_")) and k != "GITHUB_STEP_SUMMARY"}
+    env.update(HOME=str(home), **extra)
+    return env
+
+
+@pytest.fixture
+def home(tmp_path):
+    h = tmp_path / "home"
+    h.mkdir()
+    return h
+
+
+def project(tmp_path, git=True):
+    root = tmp_path / "proj"
+    copy_engine(root / "scripts")
+    if git:
+        conftest.git(tmp_path, "init", "-q", str(root))
+    return root
+
+
+def run(root, home, *args, stdin=None):
+    return subprocess.run([sys.executable, str(root / "scripts" / "goals.py"), *args],
+                          cwd=str(root), env=env_for(home), input=stdin, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_setup_outside_a_repository_refuses_with_git_init_and_writes_nothing(tmp_path, home):
+    root = project(tmp_path, git=False)
+    before = sorted(p.name for p in root.iterdir())
+    r = run(root, home, "setup", "claude")
+    assert r.returncode == 1 and "is not a git repository" in r.stderr, r
+    assert "run `git init` first" in r.stderr and r.stderr.count("\n") == 1
+    assert sorted(p.name for p in root.iterdir()) == before  # no block, no hooks, no state
+
+
+@pytest.mark.parametrize("agent, line", [
+    ("claude", "restart Claude Code"), ("codex", "you trust them"),
+    ("gemini", "only in a trusted folder"), ("cursor", "restart Cursor")])
+def test_setup_says_what_loads_the_hooks_then_the_next_step(tmp_path, home, agent, line):
+    root = project(tmp_path)
+    r = run(root, home, "setup", agent)
+    assert r.returncode == 0 and "fablize: for the hooks to load: " in r.stdout, r
+    assert line in r.stdout
+    assert r.stdout.rstrip("\n").splitlines()[-1].startswith("fablize: next — ")
+
+
+def test_codex_gets_its_story_back_after_clear(tmp_path, home):
+    root = project(tmp_path)
+    assert run(root, home, "setup", "codex").returncode == 0
+    hooks = json.loads((root / ".codex" / "hooks.json").read_text())["hooks"]
+    assert hooks["SessionStart"][0]["matcher"] == "startup|resume|clear"
+
+
+def test_doctor_runs_each_hook_and_fails_on_one_that_does_not_answer(tmp_path, home):
+    root = project(tmp_path)
+    assert run(root, home, "setup", "claude").returncode == 0
+    created = run(root, home, "create", "--brief", "b", "--goal", "A::a", "--goal", "B::b")
+    assert created.returncode == 0
+    ledger = (root / ".fablize" / "ledger.jsonl").read_bytes()
+    r = run(root, home, "doctor")
+    assert r.returncode == 0
+    assert "✓ Stop hook command: runs and answers as claude reads it" in r.stdout
+    assert (root / ".fablize" / "ledger.jsonl").read_bytes() == ledger  # the plan untouched
+    # a hook that runs our engine but answers nonsense: the guard's output replaced
+    settings = root / ".claude" / "settings.json"
+    config = json.loads(settings.read_text())
+    stop = config["hooks"]["Stop"][0]["hooks"][0]
+    stop["command"] = stop["command"] + " --for cursor; echo not-json"
+    settings.write_text(json.dumps(config))
+    r = run(root, home, "doctor")
+    assert r.returncode == 1 and "✗ Stop hook command:" in r.stdout, r
+    assert "cannot read as a JSON object: 'not-json'" in r.stdout
+    assert "fix: `" in r.stdout and "setup claude`" in r.stdout
+
+
+def test_doctor_names_a_repository_that_went_away_as_the_cause(tmp_path, home):
+    root = project(tmp_path)
+    assert run(root, home, "setup", "claude").returncode == 0
+    (root / ".git").rename(root / "git-away")
+    r = run(root, home, "doctor", "claude")
+    assert r.returncode == 1, r
+    assert "exits 2 here: this folder is not a git repository" in r.stdout
+    assert "fix: `git init`, then" in r.stdout
+
+
+def test_doctor_without_an_agent_checks_the_agents_wired_here(tmp_path, home):
+    root = project(tmp_path)
+    assert run(root, home, "setup", "codex").returncode == 0
+    r = run(root, home, "doctor")
+    assert r.returncode == 0 and "codex is wired" in r.stdout, r  # not five problems of claude
+    assert "CLAUDE.md" not in r.stdout
+    assert run(root, home, "setup", "gemini").returncode == 0
+    r = run(root, home, "doctor")
+    assert r.returncode == 0 and "codex, gemini are wired" in r.stdout, r
+    bare = project(tmp_path / "other")
+    r = run(bare, home, "doctor")
+    assert r.returncode == 1 and "no agent is wired" in r.stderr and "setup claude" in r.stderr
+
+
+def test_a_duplicated_hook_in_the_project_file_is_fixed_by_running_setup_again(tmp_path, home):
+    root = project(tmp_path)
+    assert run(root, home, "setup", "claude").returncode == 0
+    settings = root / ".claude" / "settings.json"
+    config = json.loads(settings.read_text())
+    config["hooks"]["Stop"].append(config["hooks"]["Stop"][0])
+    settings.write_text(json.dumps(config))
+    r = run(root, home, "doctor")
+    assert r.returncode == 1 and "registered 2 times" in r.stdout
+    assert "setup claude` keeps one" in r.stdout
+    assert run(root, home, "setup", "claude").returncode == 0
+    assert run(root, home, "doctor").returncode == 0
+
+
+ORIGINAL = ("<!-- FABLIZE:BEGIN — run Opus like Fable -->\n## Operating mode\n"
+            "- **[always]** Lead with the outcome.\n"
+            "- **[2+ sequential stories]** Run `python3 x/goals.py`.\n"
+            "- **[debugging / test failure]** Follow the investigation protocol.\n"
+            "<!-- FABLIZE:END -->\n")
+
+
+def test_migrating_the_original_block_says_what_it_left_out_and_keeps_the_file(tmp_path, home):
+    root = project(tmp_path)
+    (root / "CLAUDE.md").write_text("# Rules\n\n" + ORIGINAL)
+    r = run(root, home, "setup", "claude")
+    assert r.returncode == 0, r
+    assert "its other rules (always, debugging / test failure) are not fablize's" in r.stdout
+    assert "kept as CLAUDE.md.fablize-backup" in r.stdout
+    assert (root / "CLAUDE.md.fablize-backup").read_text() == "# Rules\n\n" + ORIGINAL
+    assert "FABLIZE:BEGIN" not in (root / "CLAUDE.md").read_text()
+
+
+def test_install_block_remove_leaves_no_backup_of_a_file_it_created(tmp_path, home):
+    root = project(tmp_path)
+    assert run(root, home, "install-block", "NOTES.md").returncode == 0
+    assert run(root, home, "install-block", "NOTES.md").returncode == 0  # again: unchanged
+    r = run(root, home, "install-block", "NOTES.md", "--remove")
+    assert r.returncode == 0 and "the fablize block was all it held" in r.stdout, r
+    assert not (root / "NOTES.md").exists() and not (root / "NOTES.md.fablize-backup").exists()
+    (root / "MINE.md").write_text("# mine\n")
+    assert run(root, home, "install-block", "MINE.md").returncode == 0
+    assert run(root, home, "install-block", "MINE.md", "--remove").returncode == 0
+    assert (root / "MINE.md").read_text() == "# mine\n"
+    assert (root / "MINE.md.fablize-backup").is_file()  # a file of the user's: its copy kept
+
+
+def test_the_plugins_engine_names_itself_by_its_full_path_for_a_human(tmp_path, home):
+    plugin = tmp_path / "plugin"
+    copy_engine(plugin / "scripts")
+    (plugin / ".claude-plugin").mkdir()
+    (plugin / ".claude-plugin" / "plugin.json").write_text('{"name": "fablize-gate"}')
+    (plugin / "bin").mkdir()
+    root_bin = os.path.join(os.path.dirname(__file__), "..", "bin", "fablize")
+    (plugin / "bin" / "fablize").write_bytes(open(root_bin, "rb").read())
+    (plugin / "bin" / "fablize").chmod(0o755)
+    root = tmp_path / "proj"
+    root.mkdir()
+    conftest.git(tmp_path, "init", "-q", str(root))
+    fablize = str(plugin / "bin" / "fablize")
+
+    def sh(*args):
+        return subprocess.run([fablize, *args], cwd=str(root), env=env_for(home),
+                              capture_output=True, text=True, timeout=120)
+    assert sh("create", "--brief", "b", "--goal", "A::a", "--goal", "B::b").returncode == 0
+    sh("next")
+    r = sh("checkpoint", "--id", "G001", "--status", "blocked", "--evidence", "no key")
+    assert f"\n  {fablize} decide --id G001 accept --note" in r.stdout, r
+    assert "checkpoint --id" not in r.stdout.split("decide")[0].split("\n")[-1]
+    r = sh("setup", "claude")
+    assert f"`alias fablize={fablize}`" in r.stdout, r
