@@ -19,7 +19,7 @@ import re
 import fablize_engine as engine
 from fablize_engine import LEDGER, RUNS, SNAPSHOT, damaged, one_line, refused
 
-MERGE_ATTRIBUTE = "merge=fablize"
+MERGE_ATTRIBUTE = engine.MERGE_ATTRIBUTE.decode()
 
 
 def merge_ledgers(ours, theirs):
@@ -108,8 +108,53 @@ def cmd_merge_driver(ctx, a):
     ctx.out.warn(f"merged {one_line(a.path)} by replay.")
 
 
-def cmd_install_merge(ctx, a):
-    store = ctx.store
+def wanted(store):
+    """Whether `store` lies in a real git repository whose .gitattributes does not yet merge it
+    with the driver, or whose clone lacks the driver's config: setup then installs it."""
+    top = engine.repo_root(store.root)
+    if top is None or not engine.within(os.path.realpath(store.dir), os.path.realpath(top)):
+        return False
+    if engine.git(store.root, "rev-parse", "--git-dir", what="setup")[0] != 0:
+        return False  # a `.git` that is no repository: nothing git could merge
+    return (attribute_line(store).encode() not in engine.read_plain(
+        os.path.join(top, ".gitattributes")).splitlines() or engine.merge_driver_missing(top))
+
+
+def committed(store):
+    """Whether the plan's ledger is tracked by git (committed, or staged to be)."""
+    rel = os.path.relpath(store.path(LEDGER), store.root)
+    return engine.git(store.root, "ls-files", "--error-unmatch", "--", rel,
+                      what="doctor")[0] == 0
+
+
+def attribute_line(store):
+    rel = os.path.relpath(store.dir, store.root).replace(os.sep, "/")
+    return f"/{rel}/** {MERGE_ATTRIBUTE}"
+
+
+def uninstall(store):
+    """Undo what install did (the .gitattributes line, this clone's driver config); returns
+    the files it changed."""
+    top = engine.repo_root(store.root)
+    if top is None:
+        return []
+    path = os.path.join(top, ".gitattributes")
+    old = engine.read_plain(path)
+    kept = [x for x in old.splitlines(True) if x.rstrip(b"\r\n") != attribute_line(store).encode()]
+    changed = []
+    if b"".join(kept) != old and not os.path.islink(path):
+        if any(x.strip() for x in kept):
+            engine.write_atomic(path, b"".join(kept))
+        else:
+            os.unlink(path)
+        changed.append(".gitattributes")
+    engine.git(store.root, "config", "--remove-section", "merge.fablize", what="setup --remove")
+    return changed
+
+
+def install(store, cli):
+    """Wire `git merge` for the plans under `store`: the .gitattributes line (to commit) and the
+    driver in this clone's git config. Returns (the line, the driver command)."""
     root = store.root
     if engine.git(root, "rev-parse", "--git-dir", what="install-merge")[0] != 0:
         raise refused(f"{root} is not a git repository.", "no_git_repo")
@@ -117,7 +162,7 @@ def cmd_install_merge(ctx, a):
     if rel.startswith(".."):
         raise refused("the state directory is outside the repository: nothing to merge.",
                       "outside_repository")
-    line = f"/{rel}/** {MERGE_ATTRIBUTE}"
+    line = attribute_line(store)
     path = os.path.join(root, ".gitattributes")
     if os.path.islink(path):
         raise engine.symlink_refusal(path)
@@ -125,9 +170,14 @@ def cmd_install_merge(ctx, a):
     if line.encode() not in old.splitlines():
         engine.write_atomic(path, old + (b"" if not old or old.endswith(b"\n") else b"\n")
                             + line.encode() + b"\n")
-    driver = f"{ctx.cli} merge-driver %O %A %B %P"
+    driver = f"{cli} merge-driver %O %A %B %P"
     engine.git_out(root, "config", "merge.fablize.name", "fablize: plans merge by replay")
     engine.git_out(root, "config", "merge.fablize.driver", driver)
+    return line, driver
+
+
+def cmd_install_merge(ctx, a):
+    line, driver = install(ctx.store, ctx.cli)
     ctx.say(f"fablize: .gitattributes has `{line}` (commit it); this clone's git config runs "
             f"`{driver}` for those files.")
     ctx.data.update(attribute=line, driver=driver)

@@ -596,6 +596,14 @@ def cmd_setup(ctx, a):
             os.rmdir(ctx.store.dir)
         except OSError:
             pass
+    merge = engine.room("merge", "setup")
+    if a.remove:
+        done += merge.uninstall(ctx.store)
+    elif merge.wanted(ctx.store):
+        line, _ = merge.install(ctx.store, portable_command(root))
+        ctx.say(f"fablize: .gitattributes: `{line}` (commit it) — git merges, rebases and "
+                "cherry-picks of committed plans replay them, through this clone's git config")
+        done.append(".gitattributes")
     for note in notes:
         ctx.say(f"fablize: {note}")
     missing = None if a.remove else command_missing(portable_command(root))
@@ -766,6 +774,21 @@ def doctor_findings(ctx, agent):
                 finding(f"{event} hook command",
                         bad and f"`{one_line(cmd)}` {bad} (in {hooks_rel})", fix,
                         f"runs and answers as {agent} reads it")
+    merge = engine.room("merge", "doctor")
+    if merge.wanted(ctx.store) or engine.merge_driver_missing(root):
+        committed = merge.committed(ctx.store)
+        finding("merge driver", (
+            "this clone's git config lacks fablize's merge driver, which .gitattributes names: "
+            "a merge of two branches' plans would leave conflict markers"
+            if engine.merge_driver_missing(root) else
+            ".gitattributes does not name fablize's merge driver, and the plan is committed: a "
+            "merge of two branches' plans would leave conflict markers" if committed else None),
+            f"`{ctx.prog} install-merge` (or `{ctx.prog} setup {agent}`)",
+            "not needed yet: no plan is committed")
+    elif engine.repo_root(root) is not None and os.path.isdir(os.path.join(
+            engine.repo_root(root), ".git")):
+        finding("merge driver", None, None,
+                "git merges committed plans by replay (.gitattributes and this clone's config)")
     if ctx.store.exists():
         try:
             with ctx.store.session(exclusive=False) as s:

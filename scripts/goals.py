@@ -2748,6 +2748,42 @@ def repo_relative(path):
         os.path.relpath(os.path.realpath(path), top).replace(os.sep, "/"))
 
 
+MERGE_DRIVER = b'[merge "fablize"]'  # the git config section install-merge writes
+
+
+def merge_driver_missing(root):
+    """Whether the repository's committed .gitattributes names fablize's merge driver while
+    this clone's git config (its own, the user's, the global one) lacks it: a fresh clone,
+    whose merges would leave conflict markers in the plan. Read from the files, no git
+    process: every command can afford it."""
+    top = repo_root(root)
+    if top is None or MERGE_ATTRIBUTE not in (read_plain(os.path.join(top, ".gitattributes"))):
+        return False
+    git_dir = os.path.join(top, ".git")
+    if os.path.isfile(git_dir):  # a worktree or submodule: `gitdir: PATH`, maybe a commondir
+        link = read_plain(git_dir).decode("utf-8", "replace").partition("gitdir:")[2].strip()
+        git_dir = os.path.join(top, link)
+        common = read_plain(os.path.join(git_dir, "commondir")).decode("utf-8", "replace").strip()
+        git_dir = os.path.join(git_dir, common) if common else git_dir
+    home = os.path.expanduser("~")
+    xdg = os.environ.get("XDG_CONFIG_HOME") or os.path.join(home, ".config")
+    return not any(MERGE_DRIVER in read_plain(path) for path in (
+        os.path.join(git_dir, "config"), os.path.join(home, ".gitconfig"),
+        os.path.join(xdg, "git", "config")))
+
+
+MERGE_ATTRIBUTE = b"merge=fablize"
+
+
+def read_plain(path):
+    """A small file's bytes, or b"" when it cannot be read (a config, an attributes file)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(1 << 20)
+    except OSError:
+        return b""
+
+
 def git_state(root, state_dir):
     """(HEAD, dirty, tree) of the repository at `root` as a run starts: the commit, whether the
     working tree differs from it, and the id of the tree the working tree holds (what `git add
@@ -5352,6 +5388,11 @@ class Context:
         sharing = sharing_of(value)
         if sharing is not None:
             sharing.attach(value)
+        if merge_driver_missing(value.root):
+            self.out.warn(f".gitattributes merges {STATE_DIRNAME}/ with fablize's merge driver, "
+                          "which this clone's git config does not have: a merge of two branches' "
+                          f"plans would leave conflict markers — `{self.prog} install-merge` "
+                          "(once in each clone; `setup` does it too).")
 
     def emit_raw(self, obj):
         """Hook output: exactly this object (or nothing), whatever --json says."""

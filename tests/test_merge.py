@@ -171,3 +171,59 @@ def test_merge_driver_with_wrongly_typed_snapshot_keys_is_one_line(tmp_path, our
                 cwd=tmp_path)
     assert "Traceback" not in r.err, r.err
     json.loads(r.out)
+
+
+# A fresh clone: the committed .gitattributes without this clone's git config #####################
+
+
+def diverged_origin(repo, tmp_path):
+    """A bare origin whose main holds a committed plan (through install-merge) and two branches
+    that each replaced it with a plan of their own."""
+    based(repo)
+    for branch in ("a", "b"):
+        git(repo, "checkout", "-q", "main")
+        git(repo, "checkout", "-qb", branch)
+        complete_plan(repo, f"plan-{branch}")
+        git(repo, "add", "-A")
+        git(repo, "commit", "-qm", branch)
+    origin = tmp_path / "origin.git"
+    git(tmp_path, "clone", "-q", "--bare", str(repo), str(origin))
+    return origin
+
+
+def test_a_fresh_clone_is_told_at_its_first_command_and_setup_makes_merges_clean(repo, tmp_path):
+    origin = diverged_origin(repo, tmp_path)
+    fresh = tmp_path / "fresh"
+    git(tmp_path, "clone", "-q", str(origin), str(fresh))
+    (fresh / "scripts").mkdir()
+    from conftest import copy_engine
+    copy_engine(fresh / "scripts")
+    r = fab(fresh, "status")
+    assert r.code == 0 and "which this clone's git config does not have" in r.err, r
+    assert "install-merge` (once in each clone" in r.err and r.err.count("\n") == 1
+    # without the driver, git leaves markers in the plan: what the warning is about
+    git(fresh, "checkout", "-q", "b")
+    git(fresh, "checkout", "-q", "a")
+    bad = git(fresh, "merge", "b", "-m", "m", check=False)
+    assert bad.returncode != 0 and "<<<<<<<" in (fresh / ".fablize" / "ledger.jsonl").read_text()
+    git(fresh, "merge", "--abort")
+    # setup wires this clone's driver: the same merge is clean, both plans audit
+    r = fab(fresh, "setup", "claude")
+    assert r.code == 0, r
+    assert "which this clone's git config does not have" not in fab(fresh, "status").err
+    doctor = fab(fresh, "doctor", "claude")
+    assert "✓ merge driver:" in doctor.out, doctor
+    git(fresh, "add", "-A")
+    git(fresh, "commit", "-qm", "setup")
+    assert "CONFLICT" not in git(fresh, "merge", "b", "-m", "merge b")
+    assert "<<<<<<<" not in (fresh / ".fablize" / "ledger.jsonl").read_text()
+    assert fab(fresh, "audit").code == 0
+
+
+def test_doctor_fails_a_clone_without_the_driver_its_gitattributes_names(repo, tmp_path):
+    origin = diverged_origin(repo, tmp_path)
+    fresh = tmp_path / "fresh"
+    git(tmp_path, "clone", "-q", str(origin), str(fresh))
+    r = fab(fresh, "doctor", "claude")
+    assert r.code == 1 and "✗ merge driver: this clone's git config lacks" in r.out, r
+    assert "install-merge` (or `" in r.out
