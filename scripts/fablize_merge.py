@@ -48,8 +48,11 @@ def merge_ledgers(ours, theirs):
     return ours + line + b"\n"
 
 
-def merge_snapshots(ours, theirs):
-    """goals.json of the plan merge_ledgers keeps current (same rule, read from the snapshot)."""
+def merge_snapshots(ours, theirs, path=None):
+    """goals.json of the plan merge_ledgers keeps current (same rule, read from the snapshot).
+    Two snapshots of one plan at different events follow the ledgers: where the two ledgers
+    diverged (merge_ledgers refuses them), the snapshot is left in conflict too, never merged
+    on its own."""
     sides = []
     for raw in (ours, theirs):
         try:
@@ -65,24 +68,32 @@ def merge_snapshots(ours, theirs):
         if ko[1] == kt[1]:
             raise refused("both branches changed the same plan's snapshot at the same event.",
                           "diverged")
+        ledgers = ledger_sides(path.rsplit("/", 1)[0] + "/" + LEDGER) if path else None
+        if ledgers is not None:
+            merge_ledgers(*ledgers)  # refuses a diverged plan: the snapshot stays in conflict
         return ours if ko[1] > kt[1] else theirs
     return ours if (ko[2], ko[0]) > (kt[2], kt[0]) else theirs
 
 
-def merge_run_log(path, ours, theirs):
-    """Two different logs at one runs/ path: the current plan's (the side merge_ledgers keeps).
-    Their branch is named only by the GITHEAD_<commit> variable `git merge` sets."""
+def ledger_sides(ledger):
+    """(ours, theirs) of the ledger at `ledger` during a `git merge` of one branch (named only
+    by the GITHEAD_<commit> variable git sets), or None when that cannot be told."""
     heads = [k[len("GITHEAD_"):] for k in os.environ if re.fullmatch(r"GITHEAD_[0-9a-f]{40,64}", k)]
-    ledger = path.rsplit("/" + RUNS + "/", 1)[0] + "/" + LEDGER
     if len(heads) != 1:
-        raise refused(f"{one_line(path)}: both branches wrote a different run log here, and this "
-                      "is not a `git merge` of one branch.", "conflict")
+        return None
     sides = []
     for rev in ("HEAD", heads[0]):
         code, out, _ = engine.git(".", "show", f"{rev}:{ledger}", what="merge-driver")
         sides.append(out if code == 0 else b"")
-    if not all(sides):
-        raise refused(f"{one_line(path)}: a side has no {LEDGER} to tell whose run it is.",
+    return tuple(sides) if all(sides) else None
+
+
+def merge_run_log(path, ours, theirs):
+    """Two different logs at one runs/ path: the current plan's (the side merge_ledgers keeps)."""
+    sides = ledger_sides(path.rsplit("/" + RUNS + "/", 1)[0] + "/" + LEDGER)
+    if sides is None:
+        raise refused(f"{one_line(path)}: both branches wrote a different run log here, and this "
+                      f"is not a `git merge` of one branch whose sides both hold {LEDGER}.",
                       "conflict")
     merged = merge_ledgers(*sides)
     if merged == sides[1] or (merged != sides[0] and not merged.startswith(sides[0])):
@@ -98,7 +109,7 @@ def cmd_merge_driver(ctx, a):
     if name == LEDGER:
         merged = merge_ledgers(ours, theirs)
     elif name == SNAPSHOT:
-        merged = merge_snapshots(ours, theirs)
+        merged = merge_snapshots(ours, theirs, a.path)
     elif f"/{RUNS}/" in "/" + (a.path or "") and name.endswith(".log"):
         merged = merge_run_log(a.path, ours, theirs)
     else:

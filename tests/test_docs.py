@@ -468,11 +468,15 @@ def test_readme_ci_recipe_uses_the_action_and_shows_its_steps_as_plain_commands(
     yaml_blocks = fenced_blocks(section(text, "## CI"), "yaml")
     assert yaml_blocks, "README's CI section has no GitHub Actions job"
     job = yaml_blocks[0]
-    assert "/fablize@" in job and "required-checks:" in job and "allowed-signers:" in job
+    assert "/fablize@" in job and "scope:" in job and "required-checks:" in job
+    assert "pip install pytest" in job  # the test tools the re-run needs, before it
     plain = fenced_blocks(section(text, "## CI"), "sh")[0]
-    assert 'python3 -I "$TMPDIR/fablize/scripts/goals.py" --dir .fablize audit --base origin/main' \
-        in plain
-    assert "--rerun all" in plain and "goals.py\" --dir .fablize report" in plain
+    assert 'bash "$TMPDIR/fablize/scripts/fablize-ci.sh"' in plain and "FABLIZE_SCOPE=" in plain
+    # every input the action has is in the table, and every row is an input
+    action = read(ROOT / "action.yml")
+    inputs = re.findall(r"^  ([a-z-]+):\n    description", action, re.M)
+    rows = re.findall(r"^\| `([a-z-]+)`(?:, `([a-z-]+)`)? \|", section(text, "## CI"), re.M)
+    assert sorted(x for row in rows for x in row if x) == sorted(inputs)
     assert "job summary" in section(text, "## CI")
     assert "`.fablize/goals.json`" in text and "`.fablize/ledger.jsonl`" in text
 

@@ -227,3 +227,25 @@ def test_doctor_fails_a_clone_without_the_driver_its_gitattributes_names(repo, t
     r = fab(fresh, "doctor", "claude")
     assert r.code == 1 and "✗ merge driver: this clone's git config lacks" in r.out, r
     assert "install-merge` (or `" in r.out
+
+
+def test_one_plan_advanced_differently_leaves_the_ledger_and_the_snapshot_in_conflict(repo):
+    assert fab(repo, "install-merge").code == 0
+    assert fab(repo, "create", "--brief", "one", "--goal", "a::b", "--goal", "c::d").code == 0
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "plan")
+    for branch in ("a", "b"):
+        git(repo, "checkout", "-q", "main")
+        git(repo, "checkout", "-qb", branch)
+        assert fab(repo, "next").code == 0
+        assert fab(repo, "checkpoint", "--id", "G001", "--status", "complete",
+                   "--evidence", f"done on {branch}").code == 0
+        if branch == "b":
+            assert fab(repo, "next").code == 0  # further on: the snapshots are at other events
+        git(repo, "add", "-A")
+        git(repo, "commit", "-qm", branch)
+    r = git(repo, "merge", "a", "-m", "merge a", check=False)
+    assert r.returncode != 0
+    unmerged = git(repo, "diff", "--name-only", "--diff-filter=U").split()
+    # never one merged without the other: the snapshot follows the ledger it describes
+    assert {".fablize/ledger.jsonl", ".fablize/goals.json"} <= set(unmerged), unmerged
