@@ -3667,6 +3667,10 @@ def status_details(plan, story):
         details.append(grade_detail(story))
     for a in story["amendments"]:
         details.append("amended: " + one_line(last_chars(a["note"], 200)))
+    bad = unaddressed_failure(story) if story["status"] in DONE + ("review",) else None
+    if bad is not None:
+        details.append(f"the harness last saw `{one_line(last_chars(bad['cmd'], 120))}` fail "
+                       f"(event {bad.get('seq')}) before it was checkpointed")
     return details
 
 
@@ -3829,6 +3833,12 @@ def render_report(plan, runs, total=None):
                          f"{'pass' if run_passed(r) else 'FAIL'}: {md_cell(describe_exit(r))} | "
                          f"{md_cell(str(r.get('duration_s')))} s | "
                          f"`{md_cell(str(r.get('sha256'))[:16])}` |")
+    standing = [(s, unaddressed_failure(s)) for s in goals if s["status"] in DONE + ("review",)]
+    standing = [(s, o) for s, o in standing if o is not None]
+    if standing:
+        lines += ["", "## Failures the harness saw, left standing", ""]
+        lines += [f"- {s['id']}: the harness last saw `{md_cell(o['cmd'], 120)}` fail (event "
+                  f"{md_cell(str(o.get('seq')))}) before it was checkpointed" for s, o in standing]
     lines += ["", "## Stories and dependencies", "", "```mermaid", "graph TD"]
     for s in goals:
         label = md_cell(s["title"], 40).replace('"', "#quot;")
@@ -5252,7 +5262,8 @@ def say_observed(ctx, story):
     if bad is not None and story["status"] in DONE + ("review",):
         ctx.out.warn(f"{story['id']} was checkpointed while the harness last saw "
                      f"`{one_line(bad['cmd'])}` "
-                     f"fail (event {bad.get('seq')}): the reviewer will see it.")
+                     f"fail (event {bad.get('seq')}): `status`, `report` and `audit` show it "
+                     "to the reviewer.")
 
 
 # Command line #################################################################################

@@ -574,6 +574,11 @@ def test_checkpoint_over_an_observed_failure_warns(fab):
     observe(fab, bash_failure(fab.root, "make test"))
     r = fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "all good")
     assert r.code == 0 and "last saw `make test` fail" in r.err
+    # and what it says is so: status, report and audit show the failure left standing
+    assert "the harness last saw `make test` fail (event 3) before it was checkpointed" in \
+        fab("status").out
+    assert "## Failures the harness saw, left standing" in fab("report").out
+    assert "G001: the harness last saw `make test` fail" in fab("audit").out
 
 
 def test_observe_reads_gemini_and_codex_payloads(fab):
