@@ -1,9 +1,16 @@
-"""Shared test harness: run the engine in-process (fast) or as a real subprocess."""
+"""Shared test harness: run the engine in-process (fast) or as a real subprocess, and the
+helpers every test file uses instead of its own copy — one refusal check (assert_refused), one
+forger's ledger surgery (rechain, forge) and one git."""
 
+import atexit
+import hashlib
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +21,9 @@ SCRIPT = ROOT / "scripts" / "goals.py"
 # oldest supported Python (3.9) where one is installed
 ENGINE_PYTHON = os.environ.get("FABLIZE_TEST_PYTHON") or sys.executable
 sys.path.insert(0, str(SCRIPT.parent))
+# `python3` in a check or a printed command is this interpreter's, as in an activated venv: found
+# first on PATH, it starts at once, where a version manager's shim (pyenv's) costs ~0.15 s a start
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 import goals  # noqa: E402
 
@@ -36,7 +46,6 @@ ENGINE_FILES = [SCRIPT, SCRIPT.parent / "fablize.py", *sorted(SCRIPT.parent.glob
 def copy_engine(folder):
     """The engine's files (the core, its launcher and its rooms) copied into `folder`, as a user
     copies them into a repository or CI keeps its own copy; returns the copy of goals.py."""
-    import shutil
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     for path in ENGINE_FILES:
@@ -94,12 +103,21 @@ def fab(project, capsys):
     return run
 
 
-def run_cli(*args, cwd, env=None, input=None, timeout=120):
-    """The real entry point in a subprocess."""
-    full_env = {k: v for k, v in os.environ.items()
-                if not k.startswith("FABLIZE_") and k != "GITHUB_STEP_SUMMARY"}
-    full_env.update(env or {})
-    p = subprocess.run([*ENGINE, *[str(a) for a in args]], cwd=str(cwd),
+def run_cli(*args, cwd, env=None, input=None, timeout=120, engine=None, isolated=False,
+            inherit=True):
+    """The real entry point in a subprocess: the repository's engine (started as an import, its
+    bytecode cached) or `engine`, a copy of goals.py started as a script — with `isolated`, under
+    `python -I`, as CI runs its own copy. Its environment is this one's without the FABLIZE_
+    settings, updated with `env`; with inherit=False, `env` alone (CI's clean environment)."""
+    if inherit:
+        full_env = {k: v for k, v in os.environ.items()
+                    if not k.startswith("FABLIZE_") and k != "GITHUB_STEP_SUMMARY"}
+        full_env.update(env or {})
+    else:
+        full_env = dict(env or {})
+    start = ENGINE if engine is None else [ENGINE_PYTHON, *(["-I"] if isolated else []),
+                                           str(engine)]
+    p = subprocess.run([*start, *[str(a) for a in args]], cwd=str(cwd),
                        env=full_env, input=input, capture_output=True, timeout=timeout)
     return Result(p.returncode, p.stdout.decode("utf-8", "replace"),
                   p.stderr.decode("utf-8", "replace"))
@@ -127,6 +145,38 @@ def complete(fab, sid, final=False):
     return r
 
 
+def start(fab, sid, *extra):
+    """`next` (with `extra`), which must hand out the story `sid`."""
+    r = fab("next", *extra)
+    assert r.code == 0 and f"handoff — {sid} " in r.out, r
+    return r
+
+
+def two_stories_second_active(fab, *extra):
+    """A plan of two stories (`extra` passed to create): G001 complete, G002, the final story,
+    in progress."""
+    make_plan(fab, 2, *extra)
+    complete(fab, "G001")
+    start(fab, "G002")
+
+
+STORY_ROW = re.compile(r"^  (\S) (G\d{3}) \[(\w+)\] (.*)$")
+
+
+def rows(out):
+    """The `  MARK ID [status] title` lines of a status output, as tuples."""
+    return [m.groups() for m in map(STORY_ROW.match, out.splitlines()) if m]
+
+
+RAW_CONTROLS = ("\x1b", "\r", "\x07", "\x00", "\x7f", "\x9b", "\u202e")
+
+
+def assert_escaped(text):
+    """No raw terminal control (escape, CR, bell, NUL, DEL, CSI, a bidi override) in `text`."""
+    for c in RAW_CONTROLS:
+        assert c not in text, f"raw {c!r} in output: {text!r}"
+
+
 def snapshot(state_dir):
     """goals.json, its stories with every field (the snapshot holds only those that differ from
     their defaults): what a test reads of a story."""
@@ -135,16 +185,139 @@ def snapshot(state_dir):
     return snap
 
 
+def story(state_dir, sid):
+    """The story `sid` of the snapshot, with every field."""
+    return next(s for s in snapshot(state_dir)["goals"] if s["id"] == sid)
+
+
 def ledger(state_dir):
-    return [json.loads(line) for line in (Path(state_dir) / "ledger.jsonl").read_text().splitlines()]
+    text = (Path(state_dir) / "ledger.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines()]
 
 
-def assert_refused(fab, args, code, *fragments):
-    """`fab(*args)` exits `code`, says each fragment on stderr, and changes no state file."""
+def assert_refused(fab, args, exit_code, *fragments, error=None):
+    """`fab(*args)` is refused: it exits `exit_code`, says `fablize: ` and each fragment on stderr,
+    and changes not one state file. With `error`, the same command under `--json` is refused
+    alike, as one JSON object naming that stable error code, and again changes nothing."""
     before = state_files(fab.dir)
     r = fab(*args)
-    assert r.code == code, r
+    assert r.code == exit_code, r
+    assert r.err.startswith("fablize: "), r
     for fragment in fragments:
         assert fragment in r.err, r
-    assert state_files(fab.dir) == before
+    assert state_files(fab.dir) == before, "a refused command changed the state"
+    if error is not None:
+        j = fab("--json", *args)
+        assert j.code == exit_code, j
+        assert j.json["ok"] is False and j.json["error"]["code"] == error, j
+        assert j.json["error"]["exit"] == exit_code, j
+        assert state_files(fab.dir) == before, "a refused command (--json) changed the state"
     return r
+
+
+# Ledger surgery: what a forger who read DESIGN.md writes by hand. Lines are encoded and hashed
+# here, with json and hashlib, not by the engine's own code: a forgery must not share its bugs.
+
+
+def encode(ev):
+    """An event as the engine writes it: compact JSON, UTF-8, no ASCII escapes."""
+    return json.dumps(ev, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def sha256_hex(data):
+    return hashlib.sha256(data).hexdigest()
+
+
+def raw_lines(state_dir):
+    """The ledger's lines as bytes, without their newlines."""
+    return (Path(state_dir) / "ledger.jsonl").read_bytes().split(b"\n")[:-1]
+
+
+def write_lines(state_dir, lines):
+    (Path(state_dir) / "ledger.jsonl").write_bytes(b"".join(line + b"\n" for line in lines))
+
+
+def rechain(entries, encode=encode):
+    """Ledger lines (bytes, no newline) for `entries`, each chained to the one before it (its
+    prev), so that every chain check passes and only the content lies. An event (a dict) is
+    numbered by its place (seq; a run's log "AUTO" becomes the path the engine gives it) and
+    encoded by `encode`; a line (bytes) keeps every byte but its prev."""
+    out, head = [], "0" * 64
+    for entry in entries:
+        if isinstance(entry, bytes):
+            line, found = re.subn(rb'"prev":"[0-9a-f]{64}"', b'"prev":"%s"' % head.encode(),
+                                  entry, count=1)
+            assert found, entry
+        else:
+            ev = dict(entry, seq=len(out) + 1, prev=head)
+            if ev.get("log") == "AUTO":
+                ev["log"] = f"runs/{ev['seq']}-{ev['id']}.log"
+            line = encode(ev)
+        head = sha256_hex(line)
+        out.append(line)
+    return out
+
+
+# every field fablize writes for an event of these kinds, where a forged one does not say: the
+# rule under test is then what speaks, not a missing field
+FORGED_DEFAULTS = {
+    "verify_run": {"cwd": "/tmp", "git_head": None, "git_dirty": None, "log": "AUTO"},
+    "checkpoint": {"verify_cmd": "", "verify_evidence": ""},
+    "story_started": {"title": "S1", "agent": None},
+}
+
+
+def forge(state_dir, **fields):
+    """Append one event after the ledger's last line, with the next seq, a timestamp, the right
+    prev and every field fablize writes for its kind; returns its seq."""
+    lines = raw_lines(state_dir)
+    ev = {"seq": len(lines) + 1, "ts": goals.now_iso(), **fields,
+          "prev": sha256_hex(lines[-1]) if lines else "0" * 64}
+    defaults = dict(FORGED_DEFAULTS.get(ev.get("event"), {}))
+    if ev.get("event") == "verify_run":
+        defaults["started"] = ev["ts"]  # a run started when its event was written
+    for key, value in defaults.items():
+        ev.setdefault(key, value)
+    if ev.get("log") == "AUTO":
+        ev["log"] = f"runs/{ev['seq']}-{ev['id']}.log"
+    with open(Path(state_dir) / "ledger.jsonl", "ab") as f:
+        f.write(encode(ev) + b"\n")
+    return ev["seq"]
+
+
+# git, the same for every test #################################################################
+
+# HOME for git: an empty folder of this run's own, so nothing of the machine's user is read
+GIT_HOME = Path(tempfile.mkdtemp(prefix="fablize-tests-home-"))
+atexit.register(shutil.rmtree, GIT_HOME, True)
+
+
+def git_env(home=None):
+    """The environment a test's git runs in (and an engine a test runs beside it, where it needs
+    the same): HOME is `home` or an empty folder, no system or global git configuration, one
+    author and committer, and never a prompt."""
+    return {"PATH": os.environ.get("PATH", os.defpath), "HOME": str(home or GIT_HOME),
+            "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull,
+            "GIT_TERMINAL_PROMPT": "0",
+            "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
+            "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid"}
+
+
+def git(cwd, *args, home=None, check=True):
+    """`git ARGS` in `cwd`, under git_env(home); returns its stdout as text, after asserting that
+    it exited 0. With check=False, the finished process (returncode, stdout, stderr as text),
+    whatever its exit."""
+    p = subprocess.run(["git", *args], cwd=str(cwd), env=git_env(home), capture_output=True,
+                       stdin=subprocess.DEVNULL, timeout=120)
+    p.stdout = p.stdout.decode("utf-8", "surrogateescape")
+    p.stderr = p.stderr.decode("utf-8", "replace")
+    if not check:
+        return p
+    assert p.returncode == 0, (args, p.stderr)
+    return p.stdout
+
+
+def pytest_collection_modifyitems(items):
+    """The tests marked slow (a virtual environment built, a 16-process shared plan) run first:
+    started at once, each on a worker, they do not end the run alone while the other idles."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -57,7 +57,8 @@ def claude():
 
 def run_claude(claude, *args, home, cwd=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CLAUDE_", "ANTHROPIC_"))}
-    env.update(HOME=str(home), DISABLE_AUTOUPDATER="1", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1")
+    env.update(HOME=str(home), DISABLE_AUTOUPDATER="1",
+               CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1")
     p = subprocess.run([str(claude), *args], cwd=str(cwd or home), env=env, capture_output=True,
                        text=True, timeout=180)
     return p.returncode, p.stdout + p.stderr
@@ -85,7 +86,8 @@ def test_the_plugin_archive_validates_installs_and_its_hooks_run(claude, tmp_pat
     market = tmp_path / "unpacked" / "fablize-gate"
     assert sorted(str(p.relative_to(market)) for p in market.rglob("*") if p.is_file()) == \
         sorted(dist.PLUGIN_FILES)
-    assert (market / "scripts" / "goals.py").read_bytes() == (ROOT / "scripts" / "goals.py").read_bytes()
+    assert (market / "scripts" / "goals.py").read_bytes() == \
+        (ROOT / "scripts" / "goals.py").read_bytes()
     home = tmp_path / "home"
     home.mkdir()
     code, out = run_claude(claude, "plugin", "validate", "--strict", str(market), home=home)
@@ -96,7 +98,8 @@ def test_the_plugin_archive_validates_installs_and_its_hooks_run(claude, tmp_pat
     assert code == 0 and "Successfully installed" in out, out
     settings = json.loads((home / ".claude" / "settings.json").read_text())
     assert settings["enabledPlugins"] == {"fablize-gate@fablize-gate": True}
-    installed, = (home / ".claude" / "plugins" / "cache" / "fablize-gate" / "fablize-gate").iterdir()
+    installed, = (home / ".claude" / "plugins" / "cache" / "fablize-gate" /
+                  "fablize-gate").iterdir()
     # the installed hooks, as Claude Code runs them, in a project of their own
     project = tmp_path / "project"
     (project / ".git").mkdir(parents=True)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import copy_engine, run_cli
+from conftest import copy_engine, git, run_cli
 
 HUMAN = re.compile(r"\x1b\[")
 
@@ -22,7 +22,7 @@ HUMAN = re.compile(r"\x1b\[")
 def repo(tmp_path):
     root = tmp_path / "proj"
     root.mkdir()
-    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    git(tmp_path, "init", "-q", str(root))
     copy_engine(root / "scripts")
     return root
 

@@ -8,13 +8,11 @@ refusals 1, damage 3). A `.fablize/` written by the original tool is imported.
 
 import hashlib
 import json
-import re
 
 import pytest
 
-from conftest import SCRIPT, assert_refused, complete, ledger, make_plan, run_cli, state_files
+from conftest import SCRIPT, assert_refused, complete, ledger, make_plan, rows, run_cli, state_files
 
-STORY_ROW = re.compile(r"^  (\S) (G\d{3}) \[(\w+)\] (.*)$")
 
 NO_PLAN = "no plan — run `create` first."
 PLAN_EXISTS = "a plan already exists. Check it with `status`, or replace it with --force."
@@ -22,11 +20,6 @@ NO_EVIDENCE = "a complete checkpoint requires non-empty --evidence."
 GATE = ("the final story cannot complete without --verify-cmd and --verify-evidence "
         "(verification gate).")
 RULE = "Rule: work this story only. Produce evidence as you go."
-
-
-def rows(out):
-    """The `  MARK ID [status] title` lines of a status output, as tuples."""
-    return [m.groups() for m in map(STORY_ROW.match, out.splitlines()) if m]
 
 
 def refused_with(r, code, message):
@@ -68,8 +61,9 @@ def test_script_written_for_the_original_cli_runs_unchanged(project):
     refused_with(run("create", "--brief", "b", "--force"), 2, "at least one --goal is required.")
 
     # checkpoint refusals before any story is active
+    # the original's words first
     refused_with(run("checkpoint", "--id", "G009", "--status", "complete", "--evidence", "e"), 1,
-                 "G009 not found. The plan's stories: G001, G002, G003.")  # the original's words first
+                 "G009 not found. The plan's stories: G001, G002, G003.")
     refused_with(run("checkpoint", "--id", "G002", "--status", "complete", "--evidence", "e"), 1,
                  "G002 is not active (pending) — activate it with `next` first.")
 
@@ -107,8 +101,8 @@ def test_script_written_for_the_original_cli_runs_unchanged(project):
     lines = r.out.splitlines()
     assert lines[0] == "=== fablize handoff — G003 Verify"
     assert any(line.startswith("★ Final story — ") for line in lines), r
-    assert any(line.startswith(f'On completion: python3 {SCRIPT} checkpoint --id G003 --status complete '
-                               '--evidence "<evidence>"') for line in lines), r
+    assert any(line.startswith(f'On completion: python3 {SCRIPT} checkpoint --id G003 '
+                               '--status complete --evidence "<evidence>"') for line in lines), r
     refused_with(run("checkpoint", "--id", "G003", "--status", "complete", "--evidence", "ran"),
                  1, GATE)
     refused_with(run("checkpoint", "--id", "G003", "--status", "complete", "--evidence", "ran",
@@ -149,7 +143,8 @@ def test_status_shows_every_mark_of_the_original(fab):
     assert fab("checkpoint", "--id", "G002", "--status", "failed", "--evidence", "no").code == 0
     look()                                          # ✗ failed
     assert fab("next").code == 0                    # reopened as round 2
-    assert fab("checkpoint", "--id", "G002", "--status", "blocked", "--evidence", "no key").code == 0
+    assert fab("checkpoint", "--id", "G002", "--status", "blocked",
+               "--evidence", "no key").code == 0
     look()                                          # ■ blocked
     assert seen == {"pending": {"·"}, "complete": {"✓"}, "in_progress": {"▶"},
                     "failed": {"✗"}, "blocked": {"■"}}

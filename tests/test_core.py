@@ -12,71 +12,32 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPT, complete, ledger, make_plan, run_cli, state_files
+from conftest import (SCRIPT, assert_escaped, assert_refused, complete, git, ledger, make_plan,
+                      rows, run_cli, start, state_files)
 
 import goals
 
-STORY_ROW = re.compile(r"^  (\S) (G\d{3}) \[(\w+)\] (.*)$")
-GATE = ("the final story cannot complete without --verify-cmd and --verify-evidence "
-        "(verification gate).")
-RAW_CONTROLS = ("\x1b", "\r", "\x07", "\x00", "\x7f", "\x9b", "\u202e")
-
-
-def rows(out):
-    return [m.groups() for m in map(STORY_ROW.match, out.splitlines()) if m]
-
-
-def refused(fab, args, code, message, exit_code=1):
-    """Run a command that must be refused: exit code, message on stderr, nothing written."""
-    before = state_files(fab.dir)
-    r = fab(*args)
-    assert r.code == exit_code, r
-    assert message in r.err, r
-    assert r.err.startswith("fablize: "), r
-    assert state_files(fab.dir) == before, "a refused command changed the state files"
-    r_json = fab(*args, "--json")
-    assert r_json.code == exit_code, r_json
-    assert r_json.json["error"]["code"] == code, r_json
-    assert state_files(fab.dir) == before, "a refused command (--json) changed the state files"
-    return r
-
-
-def start(fab, sid):
-    r = fab("next")
-    assert r.code == 0 and f"handoff — {sid} " in r.out, r
-    return r
-
-
 # Invariants ##################################################################
-
-
-@pytest.mark.parametrize("sid, status_word", [("G002", "pending"), ("G003", "pending")])
-def test_checkpoint_refuses_a_story_that_next_did_not_activate(fab, sid, status_word):
-    make_plan(fab, 3)
-    refused(fab, ["checkpoint", "--id", sid, "--status", "complete", "--evidence", "e"],
-            "not_active", f"{sid} is not active ({status_word}) — activate it with `next` first.")
-    start(fab, "G001")
-    for status in ("complete", "failed", "blocked"):
-        refused(fab, ["checkpoint", "--id", sid, "--status", status, "--evidence", "e"],
-                "not_active", f"{sid} is not active ({status_word})")
 
 
 def test_checkpoint_refuses_a_story_that_is_already_complete(fab):
     make_plan(fab, 3)
     complete(fab, "G001")
-    refused(fab, ["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "again"],
-            "not_active", "G001 is not active (complete) — activate it with `next` first.")
-    refused(fab, ["checkpoint", "--id", "G001", "--status", "failed", "--evidence", "undo"],
-            "not_active", "G001 is not active (complete)")
+    assert_refused(fab,
+                   ["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "again"], 1,
+                   "G001 is not active (complete) — activate it with `next` first.",
+                   error="not_active")
+    assert_refused(fab, ["checkpoint", "--id", "G001", "--status", "failed", "--evidence", "undo"],
+                   1, "G001 is not active (complete)", error="not_active")
 
 
 def test_checkpoint_refuses_an_unknown_story(fab):
     make_plan(fab, 2)
     start(fab, "G001")
-    refused(fab, ["checkpoint", "--id", "G009", "--status", "complete", "--evidence", "e"],
-            "not_found", "G009 not found.")
-    refused(fab, ["checkpoint", "--id", "X1", "--status", "complete", "--evidence", "e"],
-            "bad_id", "X1 is not a story id — ids look like G001", exit_code=2)
+    assert_refused(fab, ["checkpoint", "--id", "G009", "--status", "complete", "--evidence", "e"],
+                   1, "G009 not found.", error="not_found")
+    assert_refused(fab, ["checkpoint", "--id", "X1", "--status", "complete", "--evidence", "e"], 2,
+                   "X1 is not a story id — ids look like G001", error="bad_id")
 
 
 @pytest.mark.parametrize("evidence", [None, "", " ", "\t\n  \r\n"])
@@ -86,27 +47,9 @@ def test_complete_refuses_missing_or_blank_evidence(fab, evidence):
     args = ["checkpoint", "--id", "G001", "--status", "complete"]
     if evidence is not None:
         args += ["--evidence", evidence]
-    refused(fab, args, "no_evidence", "a complete checkpoint requires non-empty --evidence.")
+    assert_refused(fab, args, 1, "a complete checkpoint requires non-empty --evidence.",
+                   error="no_evidence")
     assert fab("status", "--json").json["stories"][0]["status"] == "in_progress"
-
-
-@pytest.mark.parametrize("extra", [
-    [],
-    ["--verify-cmd", "pytest -q"],
-    ["--verify-evidence", "12 passed"],
-    ["--verify-cmd", "   ", "--verify-evidence", "12 passed"],
-    ["--verify-cmd", "pytest -q", "--verify-evidence", "\n\t "],
-    ["--verify-cmd", "", "--verify-evidence", ""],
-])
-def test_final_story_refuses_completion_without_verification(fab, extra):
-    make_plan(fab, 2)
-    complete(fab, "G001")
-    start(fab, "G002")
-    refused(fab, ["checkpoint", "--id", "G002", "--status", "complete", "--evidence", "done",
-                  *extra], "verification_gate", GATE)
-    r = fab("checkpoint", "--id", "G002", "--status", "complete", "--evidence", "done",
-            "--verify-cmd", "pytest -q", "--verify-evidence", "12 passed")
-    assert r.code == 0 and "all stories complete ✓" in r.out, r
 
 
 def test_the_verification_gate_applies_only_to_the_final_story(fab):
@@ -119,9 +62,10 @@ def test_the_verification_gate_applies_only_to_the_final_story(fab):
 def test_final_story_evidence_is_still_required_with_verification(fab):
     make_plan(fab, 1)
     start(fab, "G001")
-    refused(fab, ["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "  ",
-                  "--verify-cmd", "pytest", "--verify-evidence", "ok"],
-            "no_evidence", "a complete checkpoint requires non-empty --evidence.")
+    assert_refused(fab,
+                   ["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "  ",
+                    "--verify-cmd", "pytest", "--verify-evidence", "ok"], 1,
+                   "a complete checkpoint requires non-empty --evidence.", error="no_evidence")
 
 
 def file_stamps(state_dir):
@@ -138,7 +82,8 @@ def test_next_while_a_story_is_in_progress_reprints_its_handoff_and_writes_nothi
     for _ in range(3):
         again = fab("next")
         assert again.code == 0, again
-        assert again.out.splitlines()[0] == first.out.splitlines()[0] == "=== fablize handoff — G001 S1"
+        assert again.out.splitlines()[0] == first.out.splitlines()[0] == \
+            "=== fablize handoff — G001 S1"
         assert "Resumed" in again.out and "Resumed" not in first.out
         assert "On completion: goals.py checkpoint --id G001" in again.out
         assert state_files(fab.dir) == before
@@ -150,7 +95,8 @@ def test_next_while_a_story_is_in_progress_reprints_its_handoff_and_writes_nothi
 
 
 def test_status_resumes_a_dead_session_from_the_files(project):
-    assert run_cli("create", "--brief", "b", "--goal", "a::x", "--goal", "b::y", cwd=project).code == 0
+    assert run_cli("create", "--brief", "b", "--goal", "a::x", "--goal", "b::y",
+                   cwd=project).code == 0
     assert run_cli("next", cwd=project).code == 0
     r = run_cli("status", cwd=project)        # a new process: only the files remember
     assert r.code == 0, r
@@ -510,11 +456,10 @@ def edited_ledger(fab):
 def git_repo(fab):
     """The project as a real git repository with a bare remote `origin`."""
     import shutil
-    import subprocess
     shutil.rmtree(fab.root / ".git")
-    for args in (["init", "-q", str(fab.root)], ["init", "-q", "--bare", str(fab.root / "r.git")],
-                 ["-C", str(fab.root), "remote", "add", "origin", str(fab.root / "r.git")]):
-        subprocess.run(["git", *args], check=True, capture_output=True)
+    git(fab.root, "init", "-q")
+    git(fab.root, "init", "-q", "--bare", str(fab.root / "r.git"))
+    git(fab.root, "remote", "add", "origin", str(fab.root / "r.git"))
 
 
 def shared_plan(fab):
@@ -563,8 +508,8 @@ JSON_CASES = {
               lambda fab: (fab.root / "CLAUDE.md").symlink_to(fab.root / "target.md"),
               ["setup"], "symlink", 1),
     "doctor": (lambda fab: wired(fab), ["doctor"], nothing, ["doctor"], "doctor_problems", 1),
-    "completion": (nothing, ["completion", "bash"], nothing, ["completion", "bash", "--name", "a b"],
-                   "bad_name", 2),
+    "completion": (nothing, ["completion", "bash"], nothing,
+                   ["completion", "bash", "--name", "a b"], "bad_name", 2),
     "pause": (plan2, ["pause", "--note", "n"], lambda fab: (plan2(fab), fab("pause")), ["pause"],
               "already_paused", 1),
     "unpause": (lambda fab: (plan2(fab), fab("pause")), ["unpause"], plan2, ["unpause"],
@@ -633,65 +578,6 @@ def test_json_on_a_damaged_snapshot_is_one_object_with_exit_3(fab):
     (fab.dir / "goals.json").write_bytes(b"{")
     obj = check_json(fab("status", "--json"), ok=False)
     assert obj["error"] == {"code": "bad_snapshot", "message": obj["error"]["message"], "exit": 3}
-
-
-# Control characters never reach output raw ###################################
-
-
-def assert_escaped(text):
-    for c in RAW_CONTROLS:
-        assert c not in text, f"raw {c!r} in output: {text!r}"
-
-
-def test_control_characters_in_titles_brief_and_evidence_are_shown_escaped(fab):
-    nasty = "A\x1b[2J\rB\x07C\u202eD\x9bE\x7f"
-    r = fab("create", "--brief", "brief " + nasty, "--goal", f"title {nasty}::objective {nasty}",
-            "--goal", "final::check")
-    assert r.code == 0, r
-    outputs = [r]
-    start_r = fab("next")
-    outputs.append(start_r)
-    assert start_r.out.splitlines()[0] == \
-        "=== fablize handoff — G001 title A\\x1b[2J\\x0dB\\x07C\\u202eD\\x9bE\\x7f"
-    outputs.append(fab("checkpoint", "--id", "G001", "--status", "complete",
-                       "--evidence", f"evidence {nasty}\nsecond line {nasty}"))
-    outputs.append(fab("next"))                 # carries G001's evidence into the handoff
-    outputs += [fab("status"), fab("log"), fab("judge-packet", "--id", "G001"), fab("report"),
-                fab("create", "--brief", "x", "--goal", f"no separator {nasty}", "--force")]
-    for o in outputs:
-        assert_escaped(o.out)
-        assert_escaped(o.err)
-    status = outputs[4].out
-    assert "brief A\\x1b[2J\\x0dB\\x07C\\u202eD\\x9bE\\x7f" in status
-    assert "\\x1b[2J" in outputs[3].out                 # the carried evidence, escaped
-    assert "no separator A\\x1b[2J" in outputs[-1].err
-    # stored exactly as given
-    snap = json.loads((fab.dir / "goals.json").read_text(encoding="utf-8"))
-    assert snap["goals"][0]["title"] == f"title {nasty}"
-    assert snap["goals"][0]["evidence"] == f"evidence {nasty}\nsecond line {nasty}"
-
-
-def test_a_newline_in_a_title_cannot_forge_a_status_row(fab):
-    forged = "real\n  ✓ G002 [complete] forged\nfablize: all stories complete ✓"
-    r = fab("create", "--brief", "b\nfablize: 2/2 complete", "--goal", f"{forged}::x",
-            "--goal", "final::y")
-    assert r.code == 0, r
-    st = fab("status")
-    assert [row[:3] for row in rows(st.out)] == [("·", "G001", "pending"), ("·", "G002", "pending")]
-    assert not any(line.startswith("fablize: all stories") for line in st.out.splitlines())
-    assert st.out.splitlines()[0] == "fablize: 0/2 complete — b\\x0afablize: 2/2 complete"
-    for out in (r.out, fab("next").out, fab("log").out):
-        assert not any(line.startswith("  ✓ G002") or line.startswith("fablize: all stories")
-                       for line in out.splitlines()), out
-
-
-def test_json_output_never_carries_raw_terminal_controls(fab):
-    nasty = "A\u202eB\x9bC\x7fD\u2028E"
-    r = fab("create", "--brief", nasty, "--goal", f"{nasty}::{nasty}", "--json")
-    assert r.code == 0, r
-    for c in ("\u202e", "\x9b", "\x7f", "\u2028"):
-        assert c not in r.out, f"raw {c!r} in --json output"
-    assert json.loads(fab("status", "--json").out)["brief"] == nasty
 
 
 # A damaged goals.json is exit 3, one line, nothing changed ###################
@@ -788,105 +674,6 @@ def test_a_snapshot_stripped_of_its_digest_beside_a_chained_ledger_is_tampering(
     assert fab("audit", "--require-complete").code != 0
 
 
-# Symlinks in the state directory ##############################################
-
-
-def plant_symlink(fab, name, outside, dangling):
-    target = fab.root / outside
-    if not dangling:
-        target.write_bytes(b"precious bytes outside .fablize\n")
-    link = fab.dir / name
-    if link.exists() or link.is_symlink():
-        if not dangling:  # keep the real content in the outside file, like a planted link would
-            target.write_bytes(link.read_bytes())
-        link.unlink()
-    link.symlink_to(target)
-    return target
-
-
-def outside_files(fab):
-    return {str(p.relative_to(fab.root)): p.read_bytes() for p in fab.root.rglob("*")
-            if p.is_file() and ".fablize" not in p.parts and ".git" not in p.parts}
-
-
-SYMLINK_COMMANDS = [
-    ["status"], ["next"], ["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e"],
-    ["create", "--brief", "new", "--goal", "a::b", "--force"], ["audit"], ["log"],
-]
-
-
-@pytest.mark.parametrize("dangling", [False, True], ids=["to-a-file", "dangling"])
-@pytest.mark.parametrize("name", ["goals.json", "ledger.jsonl", "lock"])
-def test_a_symlinked_state_file_is_refused_and_its_target_untouched(fab, name, dangling):
-    make_plan(fab, 2)
-    start(fab, "G001")
-    target = plant_symlink(fab, name, "outside.txt", dangling)
-    before_out = outside_files(fab)
-    before = state_files(fab.dir)
-    for args in SYMLINK_COMMANDS:
-        if args[0] == "log" and name == "goals.json":
-            continue  # log reads the ledger only
-        r = fab(*args)
-        assert r.code == 3, (args, r)
-        assert "is a symlink — refusing" in r.err and r.err.count("\n") == 1, (args, r)
-        assert outside_files(fab) == before_out, args
-        assert state_files(fab.dir) == before, args
-        assert target.exists() is not dangling
-    assert fab("status", "--json").json["error"]["code"] == "symlink"
-
-
-def test_a_symlinked_broken_file_is_refused_when_a_torn_tail_is_moved_aside(fab):
-    make_plan(fab, 2)
-    ledger_path = fab.dir / "ledger.jsonl"
-    with open(ledger_path, "ab") as f:
-        f.write(b'{"seq":2,"ts":"x"')            # a torn last line
-    target = plant_symlink(fab, "ledger.jsonl.broken", "outside.txt", dangling=True)
-    before = state_files(fab.dir)
-    r = fab("next")
-    assert r.code == 3 and "is a symlink — refusing" in r.err, r
-    assert not target.exists()
-    assert state_files(fab.dir) == before
-
-
-@pytest.mark.parametrize("subdir, args", [
-    ("archive", ["create", "--brief", "new", "--goal", "a::b", "--force"]),
-    ("runs", ["verify", "--id", "G001", "--verify-cmd", "exit 0"]),
-])
-def test_a_symlinked_state_subdirectory_is_refused(fab, subdir, args):
-    make_plan(fab, 2)
-    outside = fab.root / "outside-dir"
-    outside.mkdir()
-    (fab.dir / subdir).symlink_to(outside)
-    before = state_files(fab.dir)
-    r = fab(*args)
-    assert r.code == 3 and "is a symlink — refusing" in r.err, r
-    assert list(outside.iterdir()) == []
-    assert state_files(fab.dir) == before
-
-
-@pytest.mark.parametrize("args", [["status"], ["next"], ["audit"],
-                                  ["create", "--brief", "b", "--goal", "a::b", "--force"]])
-def test_a_discovered_state_directory_that_is_a_symlink_is_refused(fab, args):
-    real = fab.root / "real-state"
-    create_in(fab, "planted", "--dir", str(real))
-    before = state_files(real)
-    fab.dir.symlink_to(real)
-    r = fab(*args)
-    assert r.code == 3 and "is a symlink — refusing" in r.err, r
-    assert state_files(real) == before
-
-
-def test_nothing_is_written_outside_the_state_directory(fab):
-    before = outside_files(fab)
-    make_plan(fab, 2)
-    complete(fab, "G001")
-    fab("status")
-    fab("audit")
-    complete(fab, "G002", final=True)
-    fab("create", "--brief", "again", "--goal", "a::b", "--force")
-    assert outside_files(fab) == before
-
-
 # Huge and binary evidence #####################################################
 
 
@@ -934,7 +721,8 @@ def test_binary_looking_evidence_is_stored_and_shown_escaped(fab):
 
 
 def test_undecodable_argv_bytes_are_accepted_by_the_real_process(project):
-    assert run_cli("create", "--brief", "b", "--goal", "a::x", "--goal", "b::y", cwd=project).code == 0
+    assert run_cli("create", "--brief", "b", "--goal", "a::x", "--goal", "b::y",
+                   cwd=project).code == 0
     assert run_cli("next", cwd=project).code == 0
     env = {k: v for k, v in os.environ.items() if not k.startswith("FABLIZE_")}
     p = subprocess.run([sys.executable, str(SCRIPT), "checkpoint", "--id", "G001", "--status",

@@ -172,9 +172,10 @@ def engine_error_codes():
                 codes.setdefault(node.args[0].value, set()).add(goals.EXIT_REFUSED)  # trust gate
             elif name == "FablizeError" and len(node.args) > 2 and \
                     isinstance(node.args[1], ast.Constant):
-                exit_code = getattr(goals, node.args[2].id) if isinstance(node.args[2], ast.Name) \
-                    else getattr(goals, node.args[2].attr) if isinstance(node.args[2], ast.Attribute) \
-                    else node.args[2].value
+                arg = node.args[2]
+                exit_code = getattr(goals, arg.id) if isinstance(arg, ast.Name) \
+                    else getattr(goals, arg.attr) if isinstance(arg, ast.Attribute) \
+                    else arg.value
                 codes.setdefault(node.args[1].value, set()).add(exit_code)
         elif isinstance(node, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == "code"
                                                 for k in node.keys) and \
@@ -296,7 +297,9 @@ def test_block_file_is_exactly_the_block_the_engine_installs():
     expected = goals.room("setup").render_block(cli)
     assert read(BLOCK) == expected, \
         f"fablize-block.md drifted: regenerate it with goals.room('setup').render_block({cli!r})"
-    assert expected.startswith(goals.room("setup").BLOCK_BEGIN) and expected.rstrip("\n").endswith(goals.room("setup").BLOCK_END)
+    setup = goals.room("setup")
+    assert expected.startswith(setup.BLOCK_BEGIN)
+    assert expected.rstrip("\n").endswith(setup.BLOCK_END)
 
 
 def test_skill_front_matter_names_fablize_and_says_when_to_use_it():
@@ -311,7 +314,8 @@ def test_skill_front_matter_names_fablize_and_says_when_to_use_it():
     assert set(fields) <= {"name", "description", "license", "compatibility", "allowed-tools"}
     for key, value in fields.items():
         # plain YAML scalars: what the tiny reader returns is what a YAML parser returns
-        assert value and value[0] not in "-?:,[]{}#&*!|>'\"%@`", f"{key}: starts with a YAML indicator"
+        assert value and value[0] not in "-?:,[]{}#&*!|>'\"%@`", \
+            f"{key}: starts with a YAML indicator"
         assert ": " not in value and " #" not in value, f"{key}: not a plain YAML scalar"
 
 
@@ -415,7 +419,8 @@ def test_readme_hooks_snippet_matches_the_plugin_hooks():
     assert set(readme) == set(plugin) == {"Stop", "SessionStart", "PostToolUse",
                                           "PostToolUseFailure"}
     for event in plugin:
-        assert [g.get("matcher") for g in readme[event]] == [g.get("matcher") for g in plugin[event]]
+        assert [g.get("matcher") for g in readme[event]] == \
+            [g.get("matcher") for g in plugin[event]]
         # the program differs (the script in the project, the plugin's bin/fablize); the
         # arguments must not
         # (and the plugin's marks its registration: it steps aside for the project's own)
@@ -480,6 +485,25 @@ def test_readme_keeps_the_adversarial_and_benchmark_sections():
     lines = read(README).split("\n")
     assert "## What it refuses, what it detects" in lines
     assert "## Performance" in lines
+
+
+def test_every_test_the_readme_tables_name_exists():
+    """The attack tables of "What it refuses, what it detects" name a test (or `test_x_*`, a
+    family) for every row and the files that hold them: a test renamed, merged or moved cannot
+    leave a row pointing nowhere."""
+    text = section(read(README), "## What it refuses, what it detects")
+    trust = text.split("### Attacks on the CI audit", 1)[1].split("### Limits", 1)[0]
+    assert re.findall(r"`(test_[a-z0-9_]+)`", trust)
+    tests = ROOT / "tests"
+    defined = {name for path in tests.glob("test_*.py")
+               for name in re.findall(r"^\s*def (test_[a-z0-9_]+)", read(path), re.M)}
+    for name in set(re.findall(r"`(test_[a-z0-9_]+\*?)`", text)):
+        if name.endswith("*"):
+            assert any(d.startswith(name[:-1]) for d in defined), name
+        else:
+            assert name in defined, name
+    for path in set(re.findall(r"`(tests/test_[a-z0-9_]+\.py)`", text)):
+        assert (ROOT / path).is_file(), path
 
 
 def test_readme_documents_every_json_field_the_commands_print(tmp_path, monkeypatch, capsys):

@@ -222,7 +222,8 @@ def _setup_active(fab):
 
 def _setup_blocked(fab):
     _setup_active(fab)
-    assert fab("checkpoint", "--id", "G001", "--status", "blocked", "--evidence", "cannot").code == 0
+    assert fab("checkpoint", "--id", "G001", "--status", "blocked",
+               "--evidence", "cannot").code == 0
 
 
 def _setup_review(fab):
@@ -458,7 +459,8 @@ def test_torn_last_line_is_moved_aside_at_every_byte_offset(fab, checkpointed):
         assert fab("audit").code == 0, cut
 
 
-def test_damaged_last_line_that_the_snapshot_reflects_is_refused_and_nothing_moves(fab, checkpointed):
+def test_damaged_last_line_that_the_snapshot_reflects_is_refused_and_nothing_moves(
+        fab, checkpointed):
     _, ledger_before, snap_after, line = checkpointed
     for cut in range(len(line) + 1):
         write_state(fab.dir, {goals.SNAPSHOT: snap_after, goals.LEDGER: ledger_before + line[:cut]})
@@ -501,12 +503,14 @@ def test_audit_names_the_damaged_middle_line_for_every_changed_byte(fab, six_lin
             readable = json.loads(bad).get("seq") == 2
         except ValueError:
             readable = False
-        where = ("ledger.jsonl line 2", "ledger.jsonl line 3") if readable else ("ledger.jsonl line 2",)
+        where = ("ledger.jsonl line 2", "ledger.jsonl line 3") if readable else \
+            ("ledger.jsonl line 2",)
         assert any(w + ":" in r.err for w in where), (i, bad, r.err)
         assert state_files(fab.dir) == before
 
 
-def test_edited_middle_line_breaks_the_chain_at_the_next_line_but_commands_read_only_the_tail(fab, six_lines):
+def test_edited_middle_line_breaks_the_chain_at_the_next_line_but_commands_read_only_the_tail(
+        fab, six_lines):
     lines = six_lines.split(b"\n")
     ev = json.loads(lines[1])
     assert ev["event"] == "story_started"
@@ -588,10 +592,9 @@ def test_lock_timeout_is_exit_3_with_a_clear_message_and_no_change(fab, held_loc
     assert state_files(fab.dir) == before
     r = fab(*checkpoint, "--json")
     assert r.code == 3 and r.json["error"]["code"] == "lock_timeout" and r.json["ok"] is False
+    monkeypatch.setenv("FABLIZE_LOCK_TIMEOUT", "0")  # a reader that waited for it would fail
     for read_only in (["status"], ["audit"], ["log"], ["report"]):  # readers take no lock
-        started = time.monotonic()
         assert fab(*read_only).code == 0
-        assert time.monotonic() - started < 1
     assert state_files(fab.dir) == before
     fcntl.flock(held_lock, fcntl.LOCK_UN)
     r = fab(*checkpoint)
@@ -691,8 +694,8 @@ def test_io_fault_at_every_call_is_clean_exit_3_and_old_or_new_state(fab, monkey
         failures += 1
         assert r.code == 3, (where, r)
         assert r.out == "" and r.err.count("\n") == 1, (where, r)
-        assert r.err.startswith("fablize: I/O error: ") and os.strerror(getattr(errno, err)) in r.err, \
-            (where, r)
+        assert r.err.startswith("fablize: I/O error: "), (where, r)
+        assert os.strerror(getattr(errno, err)) in r.err, (where, r)
         after = view(fab)  # without faults
         assert after in (old, new), (where, after)
         if after == NO_PLAN:

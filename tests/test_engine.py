@@ -4,34 +4,22 @@ that take no lock, one answer to "what next", and nothing that waits on a FIFO."
 import hashlib
 import json
 import os
-import subprocess
-import sys
-import time
+import re
 from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPT, complete, goals, ledger, make_plan, run_cli, state_files
-
-ZERO = "0" * 64
-
-
-def raw_lines(state_dir):
-    return (Path(state_dir) / "ledger.jsonl").read_bytes().split(b"\n")[:-1]
+from conftest import (git, goals, ledger, make_plan, raw_lines, rechain, run_cli,
+                      state_files, write_lines)
 
 
-def rechain(state_dir, mutate, line):
-    """Change event `line` (1-based) with `mutate(ev)` and re-chain every line after it, as a
-    forger who read DESIGN.md would: the chain is valid, only the content lies."""
-    events = [json.loads(x) for x in raw_lines(state_dir)]
+
+def rewrite_event(state_dir, mutate, line):
+    """Change event `line` (1-based) with `mutate(ev)` and re-chain the ledger, as a forger who
+    read DESIGN.md would: the chain is valid, only the content lies."""
+    events = ledger(state_dir)
     mutate(events[line - 1])
-    prev, out = ZERO, []
-    for ev in events:
-        ev["prev"] = prev
-        data = json.dumps(ev, ensure_ascii=False, separators=(",", ":")).encode()
-        prev = hashlib.sha256(data).hexdigest()
-        out.append(data)
-    (Path(state_dir) / "ledger.jsonl").write_bytes(b"".join(x + b"\n" for x in out))
+    write_lines(state_dir, rechain(events))
     (Path(state_dir) / "goals.json").unlink()  # only the ledger is the forger's story
 
 
@@ -76,7 +64,7 @@ FORGERIES = {
 def test_a_rechained_ledger_with_a_value_fablize_would_not_write_fails_audit_naming_the_line(
         history, name):
     line, mutate, needle = FORGERIES[name]
-    rechain(history.dir, mutate, line)
+    rewrite_event(history.dir, mutate, line)
     before = state_files(history.dir)
     for args in (["audit"], ["rebuild"], ["log"], ["report"]):
         r = history(*args)
@@ -89,9 +77,31 @@ def test_a_rechained_ledger_with_a_value_fablize_would_not_write_fails_audit_nam
 
 
 def test_the_untouched_history_passes_every_reader(history):
-    rechain(history.dir, lambda e: None, 1)  # re-chaining alone changes nothing
+    rewrite_event(history.dir, lambda e: None, 1)  # re-chaining alone changes nothing
     for args in (["audit"], ["log"], ["report"], ["rebuild"], ["status"]):
         assert history(*args).code == 0, args
+
+
+def test_a_non_finite_run_duration_is_damage_not_invalid_json(tmp_path):
+    """duration_s 1e999 passes `ev["duration_s"] < 0`: replay accepted it, and status/log --json
+    then printed `Infinity`, which is not JSON (RFC 8259; jq, JSON.parse and Go refuse it).
+    Failed before its fix."""
+    git(tmp_path, "init", "-q")
+    assert run_cli("create", "--brief", "b", "--goal", "x::y", "--check", "G001=false",
+                   cwd=tmp_path).code == 0
+    assert run_cli("next", cwd=tmp_path).code == 0
+    run_cli("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "ok", cwd=tmp_path)
+    state = tmp_path / ".fablize"
+    write_lines(state, rechain([re.sub(rb'"duration_s":[0-9.e-]+', b'"duration_s":1e999', line)
+                                for line in raw_lines(state)]))
+    (state / "goals.json").unlink()
+    r = run_cli("rebuild", cwd=tmp_path)
+    assert r.code == 3, r
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+    for cmd in (["status", "--json"], ["log", "--json"]):
+        strict(run_cli(*cmd, cwd=tmp_path).out)
 
 
 @pytest.mark.parametrize("args", [["status"], ["next"], ["log"], ["report"], ["audit"],
@@ -102,9 +112,7 @@ def test_a_fifo_in_place_of_the_ledger_is_damage_and_never_a_hang(fab, args):
     make_plan(fab, 2)
     (fab.dir / "ledger.jsonl").unlink()
     os.mkfifo(fab.dir / "ledger.jsonl")
-    started = time.monotonic()
-    r = run_cli(*args, cwd=fab.root, timeout=20)
-    assert time.monotonic() - started < 10
+    r = run_cli(*args, cwd=fab.root)  # a read of the FIFO would wait for a writer: run_cli's guard
     assert r.code == 3, r
     assert "ledger.jsonl is not a regular file" in r.err and r.err.count("\n") == 1, r
 
@@ -114,7 +122,7 @@ def test_a_fifo_in_place_of_the_snapshot_is_damage_and_never_a_hang(fab):
     (fab.dir / "goals.json").unlink()
     os.mkfifo(fab.dir / "goals.json")
     for args in (["status"], ["next"], ["audit"]):
-        r = run_cli(*args, cwd=fab.root, timeout=20)
+        r = run_cli(*args, cwd=fab.root)
         assert r.code == 3 and "goals.json is not a regular file" in r.err, (args, r)
 
 
@@ -178,10 +186,9 @@ def test_readers_answer_while_a_writer_holds_the_lock(fab):
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
         for args in (["status"], ["log"], ["report"], ["audit"], ["judge-packet", "--id", "G001"]):
-            started = time.monotonic()
-            r = run_cli(*args, cwd=fab.root, env={"FABLIZE_LOCK_TIMEOUT": "5"})
+            # no wait for the lock: one that tried it would give up at once, exit 3
+            r = run_cli(*args, cwd=fab.root, env={"FABLIZE_LOCK_TIMEOUT": "0"})
             assert r.code == 0, (args, r)
-            assert time.monotonic() - started < 1.5, args
     finally:
         os.close(fd)
 

@@ -37,7 +37,7 @@ import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import goals, state_files
+from conftest import goals, rechain, state_files
 
 try:
     DEPTH = max(1, int(os.environ.get("FABLIZE_TEST_DEPTH", "1")))
@@ -356,14 +356,7 @@ def template_lines():
 def chain(events, lines=()):
     """Ledger bytes: the existing `lines` as they are, then `events` appended with seq and
     prev computed so that every chain check passes."""
-    out = list(lines)
-    head = goals.sha256_hex(out[-1]) if out else goals.ZERO_HASH
-    for ev in events:
-        ev = dict(ev, seq=len(out) + 1, prev=head)
-        line = dumps_lax(ev)
-        head = goals.sha256_hex(line)
-        out.append(line)
-    return b"".join(x + b"\n" for x in out)
+    return b"".join(x + b"\n" for x in rechain([*lines, *events], encode=dumps_lax))
 
 
 def replace_line(i, event, rechain):

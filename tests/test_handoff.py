@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import goals
-from conftest import ENGINE, SCRIPT, assert_refused, complete, ledger, make_plan, run_cli, state_files
+from conftest import ENGINE, assert_refused, complete, ledger, make_plan, run_cli, state_files
 
 HERE_MARK = "← you are here"
 FILES_WARNING = "exist only if that work was kept"
@@ -259,10 +259,14 @@ def test_plan_map_labels_each_story_state_and_marks_only_the_now_story(fab):
               [("a", "G001"), ("b", "G002"), ("c", "G003"), ("d", "G004"), ("e", "G005"),
                ("f", "G006")]}
     assert agents == {s: s for s in ("G001", "G002", "G003", "G004", "G005", "G006")}
-    assert fab("checkpoint", "--id", "G001", "--agent", "a", "--status", "complete", "--evidence", "ok").code == 0
-    assert fab("checkpoint", "--id", "G002", "--agent", "b", "--status", "failed", "--evidence", "no").code == 0
-    assert fab("checkpoint", "--id", "G003", "--agent", "c", "--status", "blocked", "--evidence", "no").code == 0
-    assert fab("checkpoint", "--id", "G004", "--agent", "d", "--status", "blocked", "--evidence", "no").code == 0
+    assert fab("checkpoint", "--id", "G001", "--agent", "a", "--status", "complete",
+               "--evidence", "ok").code == 0
+    assert fab("checkpoint", "--id", "G002", "--agent", "b", "--status", "failed",
+               "--evidence", "no").code == 0
+    assert fab("checkpoint", "--id", "G003", "--agent", "c", "--status", "blocked",
+               "--evidence", "no").code == 0
+    assert fab("checkpoint", "--id", "G004", "--agent", "d", "--status", "blocked",
+               "--evidence", "no").code == 0
     assert fab("decide", "--id", "G004", "accept", "--note", "fine as is").code == 0
     r = fab("next", "--agent", "e")
     assert r.code == 0 and r.out.startswith("=== fablize handoff — G005"), r
@@ -363,7 +367,8 @@ def test_add_after_sets_the_new_storys_dependencies_and_the_final_waits_for_it(f
     # behaviour: G005 needs nothing, G004 only G001
     assert claim(fab, "a") == "G001"
     assert claim(fab, "b") == "G005"
-    assert fab("checkpoint", "--id", "G001", "--agent", "a", "--status", "complete", "--evidence", "ok").code == 0
+    assert fab("checkpoint", "--id", "G001", "--agent", "a", "--status", "complete",
+               "--evidence", "ok").code == 0
     assert sorted([claim(fab, "c"), claim(fab, "d")]) == ["G002", "G004"]
 
 

@@ -190,13 +190,15 @@ def packet_story(fab):
     round_file.write_text("RUNOUT-ROUND-2\n")
     fab("next", "--agent", "worker")
     assert fab("checkpoint", "--id", "G001", "--status", "complete",
-               "--agent", "worker", "--evidence", "EVIDENCE-ROUND-2 chart at out/chart.png").code == 0
+               "--agent", "worker",
+               "--evidence", "EVIDENCE-ROUND-2 chart at out/chart.png").code == 0
     assert verdict(fab, "G001", "not-achieved", "JUDGE-ROUND-2: December is missing").code == 0
     # round 3: completed again, now in review
     round_file.write_text("RUNOUT-ROUND-3\n")
     fab("next", "--agent", "worker")
     r = fab("checkpoint", "--id", "G001", "--status", "complete",
-            "--agent", "worker", "--evidence", "EVIDENCE-ROUND-3 chart at out/chart.png has 12 bars")
+            "--agent", "worker",
+            "--evidence", "EVIDENCE-ROUND-3 chart at out/chart.png has 12 bars")
     assert r.code == 0, r
     assert status_json(fab)["G001"]["status"] == "review"
 
@@ -355,7 +357,8 @@ def test_verdict_refuses_a_story_not_in_review(fab):
     fab("next", "--agent", "worker")
     assert_refused(fab, ["verdict", "--id", "G001", "achieved", "--evidence", "x", "--agent",
                          "judge"], 1, "G001 is in_progress, not in review")
-    fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "ok", "--agent", "worker")
+    fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "ok",
+        "--agent", "worker")
     assert verdict(fab, "G001", "achieved").code == 0
     assert_refused(fab, ["verdict", "--id", "G001", "not-achieved", "--evidence", "x", "--agent",
                          "judge"], 1, "G001 is complete, not in review")

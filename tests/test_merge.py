@@ -2,36 +2,22 @@
 sets up (one .gitattributes line, one git config entry). Real git repositories."""
 
 import json
-import subprocess
+import os
 
 import pytest
 
-from conftest import goals, run_cli
-
-GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
-           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid",
-           "GIT_CONFIG_NOSYSTEM": "1"}
+from conftest import git, git_env, goals, run_cli
 
 
 @pytest.fixture
-def repo(tmp_path, monkeypatch):
-    monkeypatch.setenv("HOME", str(tmp_path))
-    for k, v in GIT_ENV.items():
-        monkeypatch.setenv(k, v)
+def repo(tmp_path):
     root = tmp_path / "r"
     git(tmp_path, "init", "-q", "-b", "main", str(root))
     return root
 
 
-def git(cwd, *args, ok=True):
-    p = subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True)
-    if ok:
-        assert p.returncode == 0, p.stderr + p.stdout
-    return p
-
-
 def fab(root, *args):
-    return run_cli(*args, cwd=root, env=dict(GIT_ENV, HOME=str(root.parent)))
+    return run_cli(*args, cwd=root, env=git_env(root.parent))
 
 
 def complete_plan(root, brief, runs=True):
@@ -66,10 +52,10 @@ def test_two_branches_completing_different_plans_merge_and_both_audit_with_their
     pin_b = complete_plan(repo, "plan-b")
     git(repo, "add", "-A")
     git(repo, "commit", "-qm", "b")
-    r = git(repo, "merge", "a", "-m", "merge a")
-    assert "CONFLICT" not in r.stdout
-    assert git(repo, "status", "--porcelain").stdout == ""
-    current = json.loads((repo / ".fablize" / "ledger.jsonl").read_text().splitlines()[0])
+    assert "CONFLICT" not in git(repo, "merge", "a", "-m", "merge a")
+    assert git(repo, "status", "--porcelain") == ""
+    first = (repo / ".fablize" / "ledger.jsonl").read_text().splitlines()[0]
+    assert json.loads(first)["event"] == "plan_created"  # the merged ledger still starts a plan
     for pin in (pin_a, pin_b, None):
         r = fab(repo, "audit", "--require-complete", "--require-logs",
                 *(["--since", pin] if pin else []))
@@ -130,7 +116,7 @@ def test_the_same_plan_advanced_differently_on_both_sides_stays_a_conflict(repo)
     assert fab(repo, "checkpoint", "--id", "G001", "--status", "blocked",
                "--evidence", "on main").code == 0
     git(repo, "commit", "-qam", "main")
-    r = git(repo, "merge", "a", "-m", "m", ok=False)
+    r = git(repo, "merge", "a", "-m", "m", check=False)
     assert r.returncode != 0 and "CONFLICT" in r.stdout
     assert "advanced the same plan differently" in r.stderr + r.stdout
 
@@ -139,7 +125,52 @@ def test_install_merge_writes_its_one_line_once(repo):
     assert fab(repo, "install-merge").code == 0
     assert fab(repo, "install-merge").code == 0
     assert (repo / ".gitattributes").read_text() == "/.fablize/** merge=fablize\n"
-    assert "merge-driver %O %A %B %P" in git(repo, "config", "merge.fablize.driver").stdout
+    assert "merge-driver %O %A %B %P" in git(repo, "config", "merge.fablize.driver")
+
+
+# The driver given what no engine wrote: one line or one JSON object, never a traceback #####
+
+
+def test_merge_driver_with_a_torn_non_utf8_line_is_one_line(tmp_path):
+    """Theirs: a base's ledger (a started plan) with a torn, non-UTF-8 last line; ours: another,
+    completed plan. Failed before its fix."""
+    base = tmp_path / "base"
+    git(tmp_path, "init", "-q", str(base))
+    assert fab(base, "create", "--brief", "make DONE", "--goal", "one::make DONE", "--goal",
+               "two::make DONE2", "--check", "G001=test -f DONE",
+               "--check", "G002=test -f DONE2").code == 0
+    assert fab(base, "next").code == 0
+    theirs = tmp_path / "theirs.jsonl"
+    theirs.write_bytes((base / ".fablize" / "ledger.jsonl").read_bytes() + b"\xff\xfe{")
+    other = tmp_path / "other"
+    git(tmp_path, "init", "-q", str(other))
+    assert fab(other, "create", "--brief", "swap", "--goal", "x::trivial",
+               "--check", "G001=true").code == 0
+    assert fab(other, "next").code == 0
+    assert fab(other, "checkpoint", "--id", "G001", "--status", "complete",
+               "--evidence", "ok").code == 0
+    ours = tmp_path / "ours.jsonl"
+    ours.write_bytes((other / ".fablize" / "ledger.jsonl").read_bytes())
+    r = fab(base, "merge-driver", os.devnull, str(ours), str(theirs), ".fablize/ledger.jsonl",
+            "--json")
+    assert "Traceback" not in r.err, r
+    json.loads(r.out)
+
+
+@pytest.mark.parametrize("ours,theirs", [
+    ({"plan_id": "a", "ledger": {"seq": "5"}, "created": "x"},
+     {"plan_id": "a", "ledger": {"seq": 3}, "created": "x"}),
+    ({"plan_id": "a", "ledger": {"seq": 1}, "created": 1},
+     {"plan_id": "b", "ledger": {"seq": 3}, "created": "x"})])
+def test_merge_driver_with_wrongly_typed_snapshot_keys_is_one_line(tmp_path, ours, theirs):
+    """merge_snapshots compares seq / created of either side without checking their types.
+    Failed before its fix."""
+    (tmp_path / "o.json").write_text(json.dumps(ours))
+    (tmp_path / "t.json").write_text(json.dumps(theirs))
+    r = run_cli("merge-driver", os.devnull, "o.json", "t.json", ".fablize/goals.json", "--json",
+                cwd=tmp_path)
+    assert "Traceback" not in r.err, r.err
+    json.loads(r.out)
 
 
 # A fresh clone: the committed .gitattributes without this clone's git config #####################
@@ -173,7 +204,7 @@ def test_a_fresh_clone_is_told_at_its_first_command_and_setup_makes_merges_clean
     # without the driver, git leaves markers in the plan: what the warning is about
     git(fresh, "checkout", "-q", "b")
     git(fresh, "checkout", "-q", "a")
-    bad = git(fresh, "merge", "b", "-m", "m", ok=False)
+    bad = git(fresh, "merge", "b", "-m", "m", check=False)
     assert bad.returncode != 0 and "<<<<<<<" in (fresh / ".fablize" / "ledger.jsonl").read_text()
     git(fresh, "merge", "--abort")
     # setup wires this clone's driver: the same merge is clean, both plans audit
@@ -184,8 +215,7 @@ def test_a_fresh_clone_is_told_at_its_first_command_and_setup_makes_merges_clean
     assert "✓ merge driver:" in doctor.out, doctor
     git(fresh, "add", "-A")
     git(fresh, "commit", "-qm", "setup")
-    r = git(fresh, "merge", "b", "-m", "merge b")
-    assert "CONFLICT" not in r.stdout
+    assert "CONFLICT" not in git(fresh, "merge", "b", "-m", "merge b")
     assert "<<<<<<<" not in (fresh / ".fablize" / "ledger.jsonl").read_text()
     assert fab(fresh, "audit").code == 0
 
@@ -214,8 +244,8 @@ def test_one_plan_advanced_differently_leaves_the_ledger_and_the_snapshot_in_con
             assert fab(repo, "next").code == 0  # further on: the snapshots are at other events
         git(repo, "add", "-A")
         git(repo, "commit", "-qm", branch)
-    r = git(repo, "merge", "a", "-m", "merge a", ok=False)
+    r = git(repo, "merge", "a", "-m", "merge a", check=False)
     assert r.returncode != 0
-    unmerged = git(repo, "diff", "--name-only", "--diff-filter=U").stdout.split()
+    unmerged = git(repo, "diff", "--name-only", "--diff-filter=U").split()
     # never one merged without the other: the snapshot follows the ledger it describes
     assert {".fablize/ledger.jsonl", ".fablize/goals.json"} <= set(unmerged), unmerged

@@ -707,7 +707,8 @@ class GoalEngineMachine(RuleBasedStateMachine):
         outcome, run = self.step(argv, as_json, self.expect(self.model.next, agent))
         if outcome.exit_code == 0:
             if outcome.handoff is None:
-                self.check(run.obj["complete"] is True if as_json else "all stories" in run.out, run)
+                self.check(run.obj["complete"] is True if as_json else "all stories" in run.out,
+                           run)
                 self.check_done_line(run)
             elif as_json:
                 self.check(run.obj["story"]["id"] == outcome.handoff, outcome, run)

@@ -11,17 +11,18 @@ audit. Each attack is a test named by what it tries; each must fail both, and th
 request must pass both.
 """
 
-import os
+import atexit
 import py_compile
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from conftest import ENGINE, ROOT, copy_engine
+from conftest import ENGINE, ROOT, copy_engine, git, git_env
 
 PY = shlex.quote(sys.executable)
 # without the venv's own plugins (40% of a pytest start); the plugin attack loads its own
@@ -41,34 +42,24 @@ STRICTEST = ["audit", "--base", "origin/main", "--require-complete", "--require-
              "--forbid-out-of-scope"]
 
 
-def git_env(home):
-    return {"HOME": str(home), "PATH": os.environ["PATH"], "GIT_CONFIG_NOSYSTEM": "1",
-            "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@x", "GIT_COMMITTER_NAME": "t",
-            "GIT_COMMITTER_EMAIL": "t@x"}
-
-
-def git(cwd, home, *args):
-    p = subprocess.run(["git", *args], cwd=str(cwd), capture_output=True, env=git_env(home))
-    assert p.returncode == 0, p
-    return p.stdout.decode()
-
-
 def engine(cwd, home, *args):
     p = subprocess.run([*ENGINE, *args], cwd=str(cwd), capture_output=True, text=True,
                        env=git_env(home))
     return p
 
 
-class Project:
-    """origin (bare), main with the human's plan, and helpers for the agent's and CI's sides."""
-
-    def __init__(self, top, check=PYTEST + " tests", verify=None, scope=("src/",), files=None):
-        self.top, self.home = top, top / "home"
-        self.home.mkdir()
-        self.origin = top / "origin.git"
-        git(top, self.home, "init", "-q", "--bare", "-b", "main", str(self.origin))
-        human = top / "human"
-        git(top, self.home, "clone", "-q", str(self.origin), str(human))
+def origin_with_the_plan(check, verify, scope, files):
+    """A bare origin whose main holds the human's plan (made in a clone of it, `human`, and
+    pushed), built once a process for each plan and copied by every Project that asks for it:
+    the same bytes each time, at the cost of a copy."""
+    key = (check, verify, tuple(scope), tuple(sorted((files or {}).items())))
+    if key not in ORIGINS:
+        top = Path(tempfile.mkdtemp(prefix="fablize-scope-origin-"))
+        atexit.register(shutil.rmtree, top, True)
+        home, origin, human = top / "home", top / "origin.git", top / "human"
+        home.mkdir()
+        git(top, "init", "-q", "--bare", "-b", "main", str(origin))
+        git(top, "clone", "-q", str(origin), str(human))
         (human / "src").mkdir()
         (human / "src" / "calc.py").write_text(BUGGY)
         (human / "tests").mkdir()
@@ -82,17 +73,33 @@ class Project:
                 "--verify", verify or check]
         for path in scope:
             args += ["--scope", path]
-        assert engine(human, self.home, *args).returncode == 0
-        git(human, self.home, "add", "-A")
-        git(human, self.home, "commit", "-qm", "the plan")
-        git(human, self.home, "push", "-q", "origin", "main")
+        assert engine(human, home, *args).returncode == 0
+        git(human, "add", "-A")
+        git(human, "commit", "-qm", "the plan")
+        git(human, "push", "-q", "origin", "main")
+        ORIGINS[key] = origin
+    return ORIGINS[key]
+
+
+ORIGINS = {}
+
+
+class Project:
+    """origin (bare), main with the human's plan, and helpers for the agent's and CI's sides."""
+
+    def __init__(self, top, check=PYTEST + " tests", verify=None, scope=("src/",), files=None):
+        self.top, self.home = top, top / "home"
+        self.home.mkdir()
+        self.origin = top / "origin.git"
+        shutil.copytree(origin_with_the_plan(check, verify, scope, files), self.origin,
+                        symlinks=True)
 
     def agent(self, cheat=None, fix=False):
         """The agent's branch `pr`: `cheat(tree)` changes the tree, the plan is completed (each
         checkpoint runs the frozen checks in that tree), all of it committed and pushed."""
         tree = self.top / "agent"
-        git(self.top, self.home, "clone", "-q", str(self.origin), str(tree))
-        git(tree, self.home, "checkout", "-q", "-b", "pr")
+        git(self.top, "clone", "-q", str(self.origin), str(tree))
+        git(tree, "checkout", "-q", "-b", "pr")
         if fix:
             (tree / "src" / "calc.py").write_text(FIXED)
         if cheat:
@@ -102,15 +109,15 @@ class Project:
             r = engine(tree, self.home, "checkpoint", "--id", sid, "--status", "complete",
                        "--evidence", "the tests pass")
             assert r.returncode == 0, r  # the cheat works in the agent's own tree
-        git(tree, self.home, "add", "-A")
-        git(tree, self.home, "commit", "-qm", "the work")
-        git(tree, self.home, "push", "-q", "origin", "pr")
+        git(tree, "add", "-A")
+        git(tree, "commit", "-qm", "the work")
+        git(tree, "push", "-q", "origin", "pr")
         return tree
 
     def ci_clone(self):
         ci = self.top / "ci"
-        git(self.top, self.home, "clone", "-q", str(self.origin), str(ci))
-        git(ci, self.home, "checkout", "-q", "pr")
+        git(self.top, "clone", "-q", str(self.origin), str(ci))
+        git(ci, "checkout", "-q", "pr")
         return ci
 
     def action(self, **settings):
@@ -263,7 +270,7 @@ def test_attack_committed_bytecode_with_an_unchecked_hash_beside_an_unchanged_so
         py_compile.compile(str(fixed), cfile=str(target), dfile=str(tree / "src" / "calc.py"),
                            invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
         fixed.unlink()
-        git(tree, project.home, "add", "-f", str(target))  # committed despite .gitignore
+        git(tree, "add", "-f", str(target))  # committed despite .gitignore
     project.agent(cheat)
     action, _ = fails_ci(project)
     assert "__pycache__/calc." in action.stdout  # listed as not taken

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+import conftest
 from conftest import copy_engine
 
 
@@ -30,7 +31,7 @@ def project(tmp_path, git=True):
     root = tmp_path / "proj"
     copy_engine(root / "scripts")
     if git:
-        subprocess.run(["git", "init", "-q", str(root)], check=True)
+        conftest.git(tmp_path, "init", "-q", str(root))
     return root
 
 
@@ -170,7 +171,7 @@ def test_the_plugins_engine_names_itself_by_its_full_path_for_a_human(tmp_path, 
     (plugin / "bin" / "fablize").chmod(0o755)
     root = tmp_path / "proj"
     root.mkdir()
-    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    conftest.git(tmp_path, "init", "-q", str(root))
     fablize = str(plugin / "bin" / "fablize")
 
     def sh(*args):

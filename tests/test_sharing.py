@@ -11,18 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ENGINE, SCRIPT, assert_refused, goals, run_cli, state_files
+from conftest import ENGINE, SCRIPT, assert_refused, git, goals, run_cli, state_files
 
 GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
            "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid",
            "GIT_CONFIG_NOSYSTEM": "1"}
-
-
-def git(cwd, *args, check=True):
-    p = subprocess.run(["git", "-C", str(cwd), *args], capture_output=True)
-    if check:
-        assert p.returncode == 0, p.stderr.decode()
-    return p.stdout.decode()
 
 
 class Net:

@@ -10,35 +10,20 @@ Each attack fails it (exit 1 or 3); the honest plan passes the same command. The
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import (ROOT, SCRIPT, Result, assert_refused, copy_engine, goals, ledger, make_plan,
-                      state_files)
+from conftest import (ROOT, SCRIPT, Result, assert_refused, copy_engine, encode, forge, git, goals,
+                      ledger, make_plan, raw_lines, rechain, run_cli, sha256_hex, state_files,
+                      write_lines)
 
 BAR = ["audit", "--base", "main", "--require-complete", "--require-witnessed", "--rerun", "all"]
 CHECK_PY = "import sys\nsys.exit(0 if open('impl.txt').read().strip() == 'done' else 1)\n"
 FINAL_CHECK = "python3 check.py"
 HAS_SSH_KEYGEN = shutil.which("ssh-keygen") is not None
-
-
-def git(repo, *args):
-    p = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, env=git_env())
-    assert p.returncode == 0, p
-    return p.stdout.decode()
-
-
-def git_env():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GIT_", "FABLIZE_"))}
-    env.update(GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.com", GIT_COMMITTER_NAME="t",
-               GIT_COMMITTER_EMAIL="t@example.com", GIT_CONFIG_NOSYSTEM="1",
-               GIT_CONFIG_GLOBAL=os.devnull)
-    return env
 
 
 def commit_all(repo, message="work"):
@@ -102,10 +87,8 @@ class Work:
         return Result(code, out.out, out.err)
 
     def ci(self, *args, env=None):
-        p = subprocess.run([sys.executable, "-I", str(self.engine), *[str(a) for a in args]],
-                           cwd=str(self.repo), capture_output=True, env=env or clean_env(self.top))
-        return Result(p.returncode, p.stdout.decode("utf-8", "replace"),
-                      p.stderr.decode("utf-8", "replace"))
+        return run_cli(*args, cwd=self.repo, engine=self.engine, isolated=True,
+                       env=env or clean_env(self.top), inherit=False)
 
     def ci_json(self, *args):
         r = self.ci("--json", *args)
@@ -129,51 +112,16 @@ class Work:
                                                          "ledger.jsonl").rstrip("\n").split("\n"))
 
     def forge(self, **fields):
-        """Append a correctly chained event, as a forger who read the design would."""
-        path = self.dir / "ledger.jsonl"
-        lines = path.read_bytes().split(b"\n")[:-1]
-        ev = shaped({"seq": len(lines) + 1, "ts": goals.now_iso(), **fields,
-                     "prev": goals.sha256_hex(lines[-1])})
-        with open(path, "ab") as f:
-            f.write(goals.dumps(ev).encode("utf-8") + b"\n")
-        return ev["seq"]
+        return forge(self.dir, **fields)
 
     def rebuild(self):
         (self.dir / "goals.json").unlink()
         assert self.agent("rebuild").code == 0
 
 
-def shaped(ev):
-    """The event with every field fablize writes for its kind (a forger who read the design
-    writes them all, so the rule under test is what speaks, not a missing field)."""
-    if ev["event"] == "verify_run":
-        ev = dict({"cwd": "/tmp", "started": ev["ts"], "git_head": None, "git_dirty": None,
-                   "log": "AUTO"}, **ev)
-        if ev["log"] == "AUTO":
-            ev["log"] = f"runs/{ev['seq']}-{ev['id']}.log"
-    elif ev["event"] == "checkpoint":
-        ev = dict({"verify_cmd": "", "verify_evidence": ""}, **ev)
-    elif ev["event"] == "story_started":
-        ev = dict({"title": "S1", "agent": None}, **ev)
-    return ev
-
-
 @pytest.fixture
 def work(tmp_path, template, monkeypatch, capsys):
     return Work(tmp_path, template, monkeypatch, capsys)
-
-
-def rechain(lines, start):
-    """Lines from index `start` on re-chained after an edit (seq kept, prev recomputed)."""
-    out = list(lines[:start])
-    head = goals.sha256_hex(out[-1]) if out else goals.ZERO_HASH
-    for line in lines[start:]:
-        ev = json.loads(line)
-        ev["prev"] = head
-        line = goals.dumps(ev).encode("utf-8")
-        head = goals.sha256_hex(line)
-        out.append(line)
-    return out
 
 
 def fake_program_dir(tmp_path):
@@ -193,7 +141,8 @@ def test_honest_plan_passes_the_ci_audit(work):
     r = work.ci(*BAR)
     assert r.code == 0, r
     assert "pin: 1:" in r.out and "found in this ledger — from main" in r.out
-    assert "re-run: 2 frozen checks, here, in the checkout" in r.out and "✓ G002 check 1 `python3 check.py`" in r.out
+    assert "re-run: 2 frozen checks, here, in the checkout" in r.out
+    assert "✓ G002 check 1 `python3 check.py`" in r.out
     j = work.ci_json(*BAR).json
     assert j["ok"] and [x["ok"] for x in j["rerun"]] == [True, True]
     assert j["trust"]["pin"]["new_plan"] is False and j["accepted"] == []
@@ -243,7 +192,8 @@ def test_attack_one_forged_line_with_a_copied_archive_fails_as_imported_and_clai
     base_ledger = (work.dir / "ledger.jsonl").read_bytes()
     shutil.rmtree(work.dir)
     (work.dir / "archive" / "x").mkdir(parents=True)
-    (work.dir / "archive" / "x" / "ledger.jsonl").write_bytes(base_ledger)  # verifies, holds the pin
+    # an archive that verifies and holds the pin
+    (work.dir / "archive" / "x" / "ledger.jsonl").write_bytes(base_ledger)
     (work.dir / "ledger.jsonl").write_bytes(forged_plan_line(
         work, {"head": head, "seq": seq, "plan_id": "x", "path": "archive/x"}))
     commit_all(work.repo)
@@ -271,7 +221,8 @@ def test_attack_create_force_with_a_claimed_pass_fails_the_ci_audit(work):
     head, seq = work.base_head()
     r = work.ci(*BAR)
     assert r.code == 1 and "created after the pin" in r.err, r
-    assert "new plan since the pin" in r.out and "(none: every completion in it is claimed)" in r.out
+    assert "new plan since the pin" in r.out
+    assert "(none: every completion in it is claimed)" in r.out
     assert work.ci_json(*BAR).json["error"]["code"] == "new_plan"
     for pin in (head, f"{seq}:{head}"):
         assert work.ci("audit", "--since", pin).code == 1
@@ -348,7 +299,8 @@ def test_attack_accepting_its_own_blocked_gate_fails_the_ci_audit_and_is_listed(
     assert r.code == 1 and "re-run failed — G002" in r.err, r
     assert "accepted: G002 (unsigned) — fine by me" in r.out
     j = work.ci_json("audit").json
-    assert j["ok"] and j["accepted"] == ["G002"] and j["trust"]["accepted"] == [{"id": "G002", "note": "fine by me", "signer": None}]
+    assert j["ok"] and j["accepted"] == ["G002"]
+    assert j["trust"]["accepted"] == [{"id": "G002", "note": "fine by me", "signer": None}]
     r = work.ci("audit", "--forbid-accepted")
     assert r.code == 1 and "accepted by a decision, not completed — G002" in r.err, r
 
@@ -386,18 +338,11 @@ def test_attack_run_without_a_log_fails_require_logs_and_the_ci_audit(work):
     r = work.ci(*BAR)
     assert r.code == 1 and "re-run failed — G002" in r.err, r
     # and a run with no log path at all is no run fablize writes: damage, at its line
-    lines = (work.dir / "ledger.jsonl").read_bytes().split(b"\n")[:-1]
-    forged = [json.loads(x) for x in lines]
+    forged = ledger(work.dir)
     run_line = next(i for i, ev in enumerate(forged) if ev["event"] == "verify_run"
                     and ev["id"] == "G002")
     forged[run_line]["log"] = None
-    prev = forged[run_line - 1] and goals.sha256_hex(lines[run_line - 1])
-    out = lines[:run_line]
-    for ev in forged[run_line:]:
-        ev["prev"] = prev
-        out.append(goals.dumps(ev).encode())
-        prev = goals.sha256_hex(out[-1])
-    (work.dir / "ledger.jsonl").write_bytes(b"".join(x + b"\n" for x in out))
+    write_lines(work.dir, rechain(raw_lines(work.dir)[:run_line] + forged[run_line:]))
     commit_all(work.repo)
     r = work.ci(*BAR)
     assert r.code == 3 and f"ledger.jsonl line {run_line + 1}: malformed verify_run" in r.err, r
@@ -517,12 +462,8 @@ def test_attack_checkpoint_on_a_story_another_agent_holds_is_refused(fab):
 def test_forged_checkpoint_on_a_held_story_is_caught_by_audit(fab):
     make_plan(fab, 2)
     assert fab("next", "--agent", "alice").code == 0
-    lines = (fab.dir / "ledger.jsonl").read_bytes().split(b"\n")[:-1]
-    ev = {"seq": len(lines) + 1, "ts": goals.now_iso(), "event": "checkpoint", "id": "G001",
-          "status": "complete", "evidence": "x", "verify_cmd": "", "verify_evidence": "",
-          "prev": goals.sha256_hex(lines[-1])}
-    with open(fab.dir / "ledger.jsonl", "ab") as f:
-        f.write(goals.dumps(ev).encode() + b"\n")
+    forge(fab.dir, event="checkpoint", id="G001", status="complete", evidence="x",
+          verify_cmd="", verify_evidence="")
     r = fab("audit")
     assert r.code == 3 and "held by agent alice" in r.err, r
 
@@ -540,11 +481,8 @@ def test_the_executor_recorded_is_whoever_checkpointed(fab):
 
 
 def forge_fab(fab, **fields):
-    lines = (fab.dir / "ledger.jsonl").read_bytes().split(b"\n")[:-1]
-    ev = shaped({"seq": len(lines) + 1, "ts": goals.now_iso(), **fields,
-                 "prev": goals.sha256_hex(lines[-1])})
-    with open(fab.dir / "ledger.jsonl", "ab") as f:
-        f.write(goals.dumps(ev).encode("utf-8") + b"\n")
+    """A forged event appended, and the snapshot rebuilt from the ledger that holds it."""
+    forge(fab.dir, **fields)
     (fab.dir / "goals.json").unlink()
     return fab("rebuild")
 
@@ -561,7 +499,8 @@ def test_nul_in_a_run_log_path_is_damage_not_a_traceback(fab):
     make_plan(fab, 2)
     fab("next")
     r = forged_run(fab, log="runs/\x00x.log")  # replay refuses it: no path fablize writes
-    assert r.code == 3 and "line 3: run log `runs/\\x00x.log` is not runs/<seq>-<story>.log" in r.err, r
+    assert r.code == 3, r
+    assert "line 3: run log `runs/\\x00x.log` is not runs/<seq>-<story>.log" in r.err, r
     for args in (["audit"], ["log"], ["report"], ["status"]):
         r = fab(*args)
         assert r.code == 3 and r.err.startswith("fablize: ") and r.err.count("\n") == 1, r
@@ -690,13 +629,12 @@ def test_decision_signed_with_a_key_the_pull_request_added_fails(work):
 @needs_ssh
 def test_note_edited_after_signing_fails(work):
     block_and_accept(work, "--sign", work.keys / "alice", "--signer", "alice")
-    path = work.dir / "ledger.jsonl"
-    lines = path.read_bytes().split(b"\n")[:-1]
+    lines = raw_lines(work.dir)
     i = next(n for n, line in enumerate(lines) if b'"decision"' in line)
     ev = json.loads(lines[i])
     ev["note"] = "approved by the whole team"
     lines[i] = goals.dumps(ev).encode()
-    path.write_bytes(b"".join(x + b"\n" for x in rechain(lines, i)))
+    write_lines(work.dir, rechain(lines))
     work.rebuild()
     commit_all(work.repo)
     assert work.ci("audit").code == 0  # re-chained: legal on its own
@@ -765,6 +703,57 @@ def test_untracked_file_made_by_the_judge_in_a_git_tree_voids_its_verdict(work):
     assert work.agent("--json", "status").json["stories"][0]["status"] == "failed"
 
 
+def judged_story(root):
+    """A story in review in the git repository `root`: alice did it, its judge packet is
+    recorded; the judge is bob. The engine runs in subprocesses."""
+    git(root, "init", "-q")
+    (root / "impl.txt").write_text("x\n")
+    assert run_cli("create", "--brief", "b", "--goal", "x::y", "--check", "G001=true",
+                   "--judge", cwd=root).code == 0
+    assert run_cli("next", "--agent", "alice", cwd=root).code == 0
+    assert run_cli("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "ok",
+                   "--agent", "alice", cwd=root).code == 0
+    assert run_cli("judge-packet", "--id", "G001", cwd=root).code == 0
+
+
+def status_after_verdict(root):
+    run_cli("verdict", "--id", "G001", "achieved", "--evidence", "fine", "--agent", "bob",
+            cwd=root)
+    return run_cli("status", "--json", cwd=root).json["stories"][0]["status"]
+
+
+def test_a_second_judge_packet_after_fixing_the_tree_does_not_launder_it(tmp_path):
+    judged_story(tmp_path)
+    (tmp_path / "impl.txt").write_text("fixed by the judge\n")
+    run_cli("judge-packet", "--id", "G001", cwd=tmp_path)  # re-records the tree the judge changed
+    assert status_after_verdict(tmp_path) != "complete"
+
+
+def test_an_ignored_file_the_judge_adds_changes_the_tree(tmp_path):
+    judged_story(tmp_path)
+    with open(tmp_path / ".git" / "info" / "exclude", "a") as f:
+        f.write("conftest.py\n")
+    (tmp_path / "conftest.py").write_text("# makes the judge's own test run pass\n")
+    assert status_after_verdict(tmp_path) != "complete"
+
+
+def test_a_self_ignoring_gitignore_the_judge_adds_changes_the_tree(tmp_path):
+    """tree_state honours every .gitignore, including a new one that ignores itself."""
+    judged_story(tmp_path)
+    (tmp_path / ".gitignore").write_text("conftest.py\n.gitignore\n")
+    (tmp_path / "conftest.py").write_text("# makes the judge's own test run pass\n")
+    assert status_after_verdict(tmp_path) != "complete"  # failed before its fix
+
+
+def test_a_symlink_into_the_state_directory_the_judge_adds_changes_the_tree(tmp_path):
+    """tree_state skips any path whose realpath is in .fablize/: conftest.py -> .fablize/x.py
+    is left out of the digest."""
+    judged_story(tmp_path)
+    (tmp_path / ".fablize" / "x.py").write_text("# makes the judge's own test run pass\n")
+    os.symlink(".fablize/x.py", tmp_path / "conftest.py")
+    assert status_after_verdict(tmp_path) != "complete"  # failed before its fix
+
+
 def test_judge_agent_denies_file_writing_tools_through_a_hook():
     text = (ROOT / "agents" / "fablize-judge.md").read_text()
     front = text.split("---")[1]
@@ -779,10 +768,12 @@ def test_judge_agent_denies_file_writing_tools_through_a_hook():
 def test_action_runs_the_ci_script_with_every_input():
     text = (ROOT / "action.yml").read_text()
     assert "using: composite" in text and 'bash "$GITHUB_ACTION_PATH/scripts/fablize-ci.sh"' in text
-    for name, var in (("required-checks", "REQUIRED_CHECKS"), ("allowed-signers", "ALLOWED_SIGNERS"),
+    for name, var in (("required-checks", "REQUIRED_CHECKS"),
+                      ("allowed-signers", "ALLOWED_SIGNERS"),
                       ("allow-new-plan", "ALLOW_NEW_PLAN"), ("skip-if-no-plan", "SKIP_IF_NO_PLAN"),
                       ("scope", "SCOPE"), ("require-scope", "REQUIRE_SCOPE"),
-                      ("fail-to-pass", "FAIL_TO_PASS"), ("forbid-out-of-scope", "FORBID_OUT_OF_SCOPE"),
+                      ("fail-to-pass", "FAIL_TO_PASS"),
+                      ("forbid-out-of-scope", "FORBID_OUT_OF_SCOPE"),
                       ("require-witnessed", "REQUIRE_WITNESSED"), ("remote", "REMOTE"),
                       ("plan", "PLAN")):
         assert f"  {name}:" in text and f"FABLIZE_{var}: ${{{{ inputs.{name} }}}}" in text
@@ -1008,10 +999,267 @@ def test_hostile_trust_arguments_are_usage_errors(fab, args):
     assert r.code == 2 and r.err.startswith("fablize: ") and "Traceback" not in r.err, r
 
 
-def test_every_test_the_readme_trust_table_names_exists():
-    text = (ROOT / "README.md").read_text()
-    table = text.split("### Attacks on the CI audit", 1)[1].split("### Limits", 1)[0]
-    named = set(re.findall(r"`(test_[a-z0-9_]+)`", table))
-    every = "".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))  # any file
-    known = set(re.findall(r"^def (test_[a-z0-9_]+)", every, re.M))
-    assert named and named <= known, sorted(named - known)
+# Attacks a red-team pass found, each failing before its fix #################
+#
+# Run as the README says CI runs the audit, through the engine's own commands in subprocesses:
+# ci() audits the pull-request branch `pr` with a copy of the engine kept outside the tree,
+# `python3 -I` and a clean environment, the pin taken from `main`.
+
+ALL_GATES = ["--require-logs", "--require-independent-judge", "--forbid-accepted",
+             "--require-clean-runs"]
+
+
+def engine(cwd, *args, **kw):
+    """The repository's engine in a subprocess, in `cwd`."""
+    return run_cli(*args, cwd=cwd, **kw)
+
+
+@pytest.fixture
+def ci(tmp_path):
+    """(repo, ci(*extra)): main holds a started plan whose frozen checks fail (no DONE file);
+    the PR branch `pr` is checked out. ci() commits the branch and runs the CI audit on it."""
+    home = tmp_path / "home"
+    home.mkdir()
+    copy = copy_engine(tmp_path / "engine-copy")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    (repo / "README").write_text("hi\n")
+    assert engine(repo, "create", "--brief", "make DONE", "--goal", "one::make DONE", "--goal",
+                  "two::make DONE2", "--check", "G001=test -f DONE",
+                  "--check", "G002=test -f DONE2").code == 0
+    assert engine(repo, "next").code == 0
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "base")
+    git(repo, "checkout", "-qb", "pr")
+
+    def audit(*extra):
+        git(repo, "add", "-A")
+        git(repo, "commit", "-qm", "pr", "--allow-empty")
+        return run_cli(*BAR, *extra, cwd=repo, engine=copy, isolated=True, inherit=False,
+                       env={"PATH": "/usr/bin:/bin", "HOME": str(home)})
+    return repo, audit
+
+
+def trivial_plan(tmp_path):
+    """An honest, engine-written, completed one-story plan whose only check is `true`."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    git(scratch, "init", "-q")
+    assert engine(scratch, "create", "--brief", "swap", "--goal", "x::trivial",
+                  "--check", "G001=true").code == 0
+    assert engine(scratch, "next").code == 0
+    assert engine(scratch, "checkpoint", "--id", "G001", "--status", "complete",
+                  "--evidence", "ok").code == 0
+    return scratch / ".fablize"
+
+
+def base_ledger(repo):
+    return git(repo, "show", "main:.fablize/ledger.jsonl").encode("utf-8", "surrogateescape")
+
+
+def test_plan_merged_swallows_the_pinned_plan(ci, tmp_path):
+    """create --force + merge-driver carrying main's ledger: the pin is 'found in this ledger',
+    the plan is not new, the failing checks of main's plan are never re-run."""
+    repo, audit = ci
+    (tmp_path / "base.jsonl").write_bytes(base_ledger(repo))
+    assert engine(repo, "create", "--force", "--brief", "swap", "--goal", "x::trivial",
+                  "--check", "G001=true").code == 0
+    assert engine(repo, "next").code == 0
+    assert engine(repo, "checkpoint", "--id", "G001", "--status", "complete",
+                  "--evidence", "ok").code == 0
+    led = repo / ".fablize" / "ledger.jsonl"
+    assert engine(repo, "merge-driver", os.devnull, str(led), str(tmp_path / "base.jsonl"),
+                  ".fablize/ledger.jsonl").code == 0
+    assert engine(repo, "rebuild").code == 0
+    for p in (repo / ".fablize").glob("goals.json.*.bak"):
+        p.unlink()
+    shutil.rmtree(repo / ".fablize" / "archive", ignore_errors=True)
+    r = audit(*ALL_GATES)
+    assert r.code != 0, r.out  # failed before its fix
+
+
+def splice(pin_line, pin_seq, honest_lines):
+    """Re-chain `honest_lines` so that ledger line `pin_seq` is, byte for byte, the pinned line
+    of main, while the events the batch parser (parse_events: lines joined with ',') sees are
+    the honest ones: event pin_seq-1 swallows the pinned line as the value of a duplicate key."""
+    evs = [json.loads(x) for x in honest_lines]
+    k = pin_seq - 1
+    lines, prev, i = [], "0" * 64, 0
+    while i < len(evs):
+        e = evs[i]
+        e["prev"] = prev
+        if i + 1 == k:
+            t = encode(e)
+            key = b'"event":"%s",' % e["event"].encode()
+            cut = t.index(key) + len(key)
+            dup = b'"brief":' if e["event"] == "plan_created" else b'"id":'
+            first = t[:cut] + dup + b"[0"
+            evs[i + 1]["prev"] = sha256_hex(first)
+            evs[i + 2]["prev"] = sha256_hex(pin_line)
+            third = b"0]," + t[cut:] + b"," + encode(evs[i + 1]) + b"," + encode(evs[i + 2])
+            lines += [first, pin_line, third]
+            prev, i = sha256_hex(third), i + 3
+            continue
+        t = encode(e)
+        lines.append(t)
+        prev, i = sha256_hex(t), i + 1
+    return b"\n".join(lines) + b"\n"
+
+
+def test_spliced_lines_put_the_pinned_line_into_a_new_plan(ci, tmp_path):
+    """A wholly new plan whose line 2 is main's line 2, byte for byte, but absorbed into event 1
+    by parse_events' join: --base, --since SEQ:HASH and --since HASH all say the pin holds."""
+    repo, audit = ci
+    base = base_ledger(repo).splitlines()
+    state = trivial_plan(tmp_path)
+    honest = (state / "ledger.jsonl").read_bytes().splitlines()
+    led = repo / ".fablize" / "ledger.jsonl"
+    led.write_bytes(splice(base[-1], len(base), honest))
+    (repo / ".fablize" / "runs").mkdir(exist_ok=True)
+    for log in (state / "runs").iterdir():
+        shutil.copy(log, repo / ".fablize" / "runs" / log.name)
+    # each line must hold one value of its own: the splice is no event at line 1
+    r = engine(repo, "rebuild")
+    assert r.code == 3 and "line 1: not a ledger event" in r.err, r
+    for p in (repo / ".fablize").glob("goals.json*"):
+        p.unlink()
+    r = audit(*ALL_GATES)
+    assert r.code == 3, r.out
+
+
+def test_nul_in_a_frozen_check_is_one_line_not_a_traceback(tmp_path):
+    git(tmp_path, "init", "-q")
+    assert engine(tmp_path, "create", "--brief", "b", "--goal", "x::y",
+                  "--check", "G001=true").code == 0
+    led = tmp_path / ".fablize" / "ledger.jsonl"
+    ev = json.loads(led.read_bytes())
+    ev["stories"][0]["checks"] = ["true\x00"]
+    led.write_bytes(encode(ev) + b"\n")
+    r = engine(tmp_path, "rebuild")  # no argv holds a NUL: the replay refuses it, on one line
+    assert r.code == 3 and "NUL" in r.err and r.err.count("\n") == 1, r
+    r = engine(tmp_path, "audit", "--rerun", "all", "--json")
+    assert "Traceback" not in r.err and r.code == 3
+    assert r.json["error"]["code"] == "bad_event"
+
+
+@needs_ssh
+def test_every_decision_is_verified_not_only_each_storys_last(ci, tmp_path):
+    """An unsigned `decide retry` (the agent giving itself a round) hides behind a later signed
+    `accept` of the same story: only scan.decisions[id] (the last) is verified."""
+    repo, audit = ci
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / "h")],
+                   check=True)
+    gh = repo / ".github"
+    gh.mkdir()
+    (gh / "allowed_signers").write_text("h@x " + (keys / "h.pub").read_text())
+    git(repo, "checkout", "-q", "main")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "signers")
+    git(repo, "checkout", "-q", "pr")
+    git(repo, "merge", "-q", "main")
+    assert engine(repo, "checkpoint", "--id", "G001", "--status", "blocked",
+                  "--evidence", "stuck").code == 0
+    assert engine(repo, "decide", "--id", "G001", "retry", "--note", "agent's own").code == 0
+    assert engine(repo, "next").code == 0
+    assert engine(repo, "checkpoint", "--id", "G001", "--status", "blocked",
+                  "--evidence", "stuck again").code == 0
+    assert engine(repo, "decide", "--id", "G001", "accept", "--note", "human", "--sign",
+                  str(keys / "h"), "--signer", "h@x").code == 0
+    r = engine(repo, "audit", "--allowed-signers", ".github/allowed_signers")
+    assert r.code != 0, r.out  # failed before its fix
+
+
+def test_base_ref_shadowed_by_a_tag_of_the_same_name(ci):
+    """`--base main` (or origin/main) resolves through git's ref order, where refs/tags/<name>
+    comes before refs/heads/<name> and refs/remotes/<name>: a tag the agent pushed (fetched by a
+    CI that fetches tags) moves the pin, and the allowed signers, to the agent's own commit."""
+    repo, audit = ci
+    assert engine(repo, "create", "--force", "--brief", "swap", "--goal", "x::trivial",
+                  "--check", "G001=true").code == 0
+    assert engine(repo, "next").code == 0
+    assert engine(repo, "checkpoint", "--id", "G001", "--status", "complete",
+                  "--evidence", "ok").code == 0
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "attack")
+    git(repo, "tag", "main")
+    r = audit()
+    assert r.code != 0, r.out  # failed before its fix
+
+
+def test_a_story_added_after_the_pin_cannot_make_the_final_check_pass_in_the_rerun(ci):
+    """The re-run runs every story's checks in order, in the one working tree CI checked out.
+    `add` puts a story (with the agent's own frozen check) before the final one, so its check
+    runs first in the re-run and can write what the final check tests: DONE2 is never
+    committed, `test -f DONE2` fails on the tree, and CI passes — even the required check."""
+    repo, audit = ci
+    assert engine(repo, "add", "--goal", "helper::prepare", "--check", "touch DONE2").code == 0
+    (repo / "DONE").write_text("done\n")  # G001 is really done
+    for sid in ("G001", "G003", "G002"):
+        if sid != "G001":
+            assert engine(repo, "next").code == 0
+        git(repo, "add", "-A")  # each run on a clean tree: --require-clean-runs
+        git(repo, "commit", "-qm", sid)
+        assert engine(repo, "checkpoint", "--id", sid, "--status", "complete",
+                      "--evidence", "done").code == 0, sid
+    (repo / "DONE2").unlink()  # the final story's check fails on what is committed
+    r = audit("--require-check", "test -f DONE2", *ALL_GATES)
+    assert not (repo / "DONE2").exists() or r.code != 0, r.out  # failed before its fix
+
+
+def check_py_branch(tmp_path, python):
+    """The repository: main holds a started plan whose frozen check `PYTHON check.py` fails
+    (impl.txt says todo); the PR branch `pr` is checked out."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    (repo / "check.py").write_text("import sys\nsys.exit(open('impl.txt').read() != 'done\\n')\n")
+    (repo / "impl.txt").write_text("todo\n")
+    assert engine(repo, "create", "--brief", "b", "--goal", "x::make impl.txt say done",
+                  "--check", f"G001={python} check.py").code == 0
+    assert engine(repo, "next").code == 0
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "base")
+    git(repo, "checkout", "-qb", "pr")
+    return repo
+
+
+def test_a_frozen_check_whose_file_the_branch_rewrote_is_named_and_can_fail_ci(tmp_path):
+    """The frozen command stays frozen, but the file it runs does not: the branch rewrites
+    check.py to exit 0. audit --base names the file; --require-unchanged-checks fails it."""
+    repo = check_py_branch(tmp_path, sys.executable)
+    (repo / "check.py").write_text("raise SystemExit(0)\n")  # impl.txt still says todo
+    assert engine(repo, "checkpoint", "--id", "G001", "--status", "complete",
+                  "--evidence", "done").code == 0
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "pr")
+    r = engine(repo, "audit", "--base", "main", "--require-complete", "--rerun", "all")
+    assert r.code == 0 and "frozen checks name files this branch changed since the base " \
+        "(review them): check.py" in r.out, r  # the rerun passes: only a reviewer sees it
+    r = engine(repo, "audit", "--base", "main", "--require-complete", "--rerun", "all",
+               "--require-unchanged-checks", "--json")
+    assert r.code == 1 and r.json["error"]["code"] == "check_files_changed", r
+    assert r.json["trust"]["check_files_changed"] == ["check.py"]
+    r = engine(repo, "audit", "--require-unchanged-checks")
+    assert r.code == 2 and "give it too" in r.err, r
+
+
+def test_a_frozen_check_file_swapped_for_a_symlink_out_of_the_tree_is_named(tmp_path):
+    """`check.py -> /dev/null` resolves outside the tree: compared by its real path it was never
+    named, and `python3 /dev/null` exits 0 — the check that fails on the tree passed the CI
+    re-run even under --require-unchanged-checks. The path as written is what counts."""
+    repo = check_py_branch(tmp_path, "python3")
+    (repo / "check.py").unlink()
+    os.symlink("/dev/null", repo / "check.py")  # impl.txt still says todo
+    assert engine(repo, "checkpoint", "--id", "G001", "--status", "complete",
+                  "--evidence", "done").code == 0
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "pr")
+    copy = copy_engine(tmp_path / "x")
+    r = run_cli("audit", "--base", "main", "--require-complete", "--require-witnessed",
+                "--rerun", "all", "--require-unchanged-checks", "--json", cwd=repo, engine=copy,
+                isolated=True, inherit=False, env={"PATH": "/usr/bin:/bin"})
+    assert r.code == 1 and r.json["error"]["code"] == "check_files_changed", \
+        r.out  # failed before its fix

@@ -13,16 +13,19 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPT, goals, ledger, make_plan, run_cli, snapshot, state_files
+from conftest import (SCRIPT, assert_refused, git, goals, ledger, make_plan, run_cli, snapshot,
+                      start, state_files, story)
 
-# Bounds for "ends within its timeout (+ a few seconds)": generous, so a loaded machine does not
-# fail them, yet far below the time the hostile command would take if it were not stopped.
-HANG_BOUND = 60.0
+# What a test waits for is an event (a run's record, a process gone); these bound only a wait
+# that would otherwise never end: far beyond what a loaded machine needs, yet far below the time
+# a hostile command would take if it were not stopped (sleep 300).
+HANG_GUARD = 120.0
 WAIT_LIMIT = 60.0
 
 
@@ -33,16 +36,13 @@ def snap(fab):
     return snapshot(fab.dir)
 
 
-def story(fab, sid):
-    return next(s for s in snap(fab)["goals"] if s["id"] == sid)
-
-
 def kinds(fab):
     return [e["event"] for e in ledger(fab.dir)]
 
 
 def runs_of(fab, sid=None):
-    return [e for e in ledger(fab.dir) if e["event"] == "verify_run" and (sid is None or e["id"] == sid)]
+    return [e for e in ledger(fab.dir)
+            if e["event"] == "verify_run" and (sid is None or e["id"] == sid)]
 
 
 def sha256_file(path):
@@ -54,22 +54,12 @@ def ok(r):
     return r
 
 
-def assert_refused(fab, args, message, code=1):
-    """A refusal: exit code, message on stderr, and not one state file changed."""
-    before = state_files(fab.dir)
-    r = fab(*args)
-    assert r.code == code, r
-    assert message in r.err, r
-    assert state_files(fab.dir) == before
-    return r
-
-
 def assert_refused_keeping_runs(fab, args, message):
     """A fail-closed completion: exit 1 with `message`; the only events appended are the
     verify_run records of the failed runs (the story stays as it was), each with its log."""
     before = ledger(fab.dir)
     sid = args[args.index("--id") + 1]
-    status_before = story(fab, sid)["status"]
+    status_before = story(fab.dir, sid)["status"]
     r = fab(*args)
     assert r.code == 1, r
     assert message in r.err, r
@@ -79,18 +69,12 @@ def assert_refused_keeping_runs(fab, args, message):
     assert new and all(e["event"] == "verify_run" for e in new), new
     for e in new:
         assert (fab.dir / e["log"]).is_file()
-    assert story(fab, sid)["status"] == status_before
+    assert story(fab.dir, sid)["status"] == status_before
     return r, new
 
 
 def checkpoint(*extra, sid="G001", status="complete", evidence="did it"):
     return ["checkpoint", "--id", sid, "--status", status, "--evidence", evidence, *extra]
-
-
-def start(fab, sid, *extra):
-    r = ok(fab("next", *extra))
-    assert f"handoff — {sid}" in r.out, r
-    return r
 
 
 def process_running(pid):
@@ -128,16 +112,11 @@ needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self") or os.name == "n
                                 reason="process checks use /proc and POSIX process groups")
 
 
-def git(root, *args):
-    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com",
-                           "-c", "commit.gpgsign=false", *args], cwd=str(root), check=True,
-                          capture_output=True, stdin=subprocess.DEVNULL).stdout.decode().strip()
-
-
 # 1. The engine runs the verification itself ####################################
 
 
-def test_run_executes_verify_cmd_through_the_shell_in_the_project_root_and_records_it(fab, monkeypatch):
+def test_run_executes_verify_cmd_through_the_shell_in_the_project_root_and_records_it(
+        fab, monkeypatch):
     make_plan(fab, 1)
     sub = fab.root / "deep" / "sub"
     sub.mkdir(parents=True)
@@ -148,10 +127,12 @@ def test_run_executes_verify_cmd_through_the_shell_in_the_project_root_and_recor
     r = ok(fab(*checkpoint("--run", "--verify-cmd", cmd, "--verify-evidence", "")))
     assert "fablize: G001 → complete" in r.out
     assert "ONE TWO" in r.out  # the shell ran the pipe, its output was streamed
-    assert os.path.realpath((fab.root / "where.txt").read_text().strip()) == os.path.realpath(fab.root)
+    assert os.path.realpath((fab.root / "where.txt").read_text().strip()) == \
+        os.path.realpath(fab.root)
     assert not (sub / "where.txt").exists()
     events = ledger(fab.dir)
-    assert [e["event"] for e in events] == ["plan_created", "story_started", "verify_run", "checkpoint"]
+    assert [e["event"] for e in events] == ["plan_created", "story_started", "verify_run",
+                                            "checkpoint"]
     run = events[2]
     assert run["cmd"] == cmd
     assert run["cwd"] == "."  # the project root, relative to the repository: no machine's path
@@ -208,7 +189,7 @@ def test_run_records_git_head_and_whether_the_tree_was_dirty(fab):
     (fab.root / "README").write_text("hello\n")
     git(fab.root, "add", "README")
     git(fab.root, "commit", "-q", "-m", "init")
-    head = git(fab.root, "rev-parse", "HEAD")
+    head = git(fab.root, "rev-parse", "HEAD").strip()
     make_plan(fab, 2)
     start(fab, "G001")
     ok(fab(*checkpoint("--run", "--verify-cmd", "true")))
@@ -246,7 +227,7 @@ def test_run_that_does_not_exit_0_fails_closed_and_stays_in_the_ledger(fab, cmd,
     run = new[0]
     assert run["exit_code"] == exit_code and run["signal"] == signal_name
     assert run["sha256"] == sha256_file(fab.dir / run["log"])
-    assert story(fab, "G001")["status"] == "in_progress"
+    assert story(fab.dir, "G001")["status"] == "in_progress"
     assert "checkpoint" not in kinds(fab)
     # the failed run is evidence: `log` shows it, `audit` accepts the ledger
     assert f"G001 run `{cmd}` → {described}" in ok(fab("log", "--id", "G001")).out
@@ -264,7 +245,7 @@ def test_run_makes_verify_evidence_optional_on_the_final_story(fab):
 def test_run_without_verify_cmd_is_a_usage_error(fab):
     make_plan(fab, 1)
     start(fab, "G001")
-    assert_refused(fab, checkpoint("--run"), "--run needs --verify-cmd", code=2)
+    assert_refused(fab, checkpoint("--run"), 2, "--run needs --verify-cmd")
 
 
 def test_json_checkpoint_with_run_prints_one_json_object_and_streams_to_stderr(fab):
@@ -280,10 +261,10 @@ def test_json_checkpoint_with_run_prints_one_json_object_and_streams_to_stderr(f
 
 def test_verify_runs_a_storys_checks_without_changing_its_status(fab):
     make_plan(fab, 2, "--check", "G002=echo checking-G002")
-    before = story(fab, "G002")["status"]
+    before = story(fab.dir, "G002")["status"]
     r = ok(fab("verify", "--id", "G002"))
     assert "1 check passed" in r.out
-    assert story(fab, "G002")["status"] == before == "pending"
+    assert story(fab.dir, "G002")["status"] == before == "pending"
     assert kinds(fab) == ["plan_created", "verify_run"]
     assert runs_of(fab)[0]["tail"] == "checking-G002\n"
 
@@ -293,12 +274,12 @@ def test_verify_refuses_with_exit_1_when_a_check_fails_and_records_the_run(fab):
     r = fab("verify", "--id", "G001")
     assert r.code == 1 and "1 of 1 check failed" in r.err, r
     assert kinds(fab) == ["plan_created", "verify_run"]
-    assert story(fab, "G001")["status"] == "pending"
+    assert story(fab.dir, "G001")["status"] == "pending"
 
 
 def test_verify_without_checks_or_command_is_refused(fab):
     make_plan(fab, 2)
-    assert_refused(fab, ["verify", "--id", "G001"], "G001 has no frozen checks")
+    assert_refused(fab, ["verify", "--id", "G001"], 1, "G001 has no frozen checks")
 
 
 # 2. Checks frozen up front #####################################################
@@ -312,11 +293,13 @@ def test_create_freezes_checks_and_verify_commands_in_the_plan(fab):
     checks = {s["id"]: s["checks"] for s in created["stories"]}
     assert checks == {"G001": [], "G002": ["pytest -q tests/a.py", "true"],
                       "G003": ["echo final-1", "echo final-2", "true"]}
-    assert [s["checks"] for s in ok(fab("status", "--json")).json["stories"]] == list(checks.values())
+    stories = ok(fab("status", "--json")).json["stories"]
+    assert [s["checks"] for s in stories] == list(checks.values())
 
 
 def test_complete_runs_every_frozen_check_and_needs_all_to_pass(fab):
-    make_plan(fab, 2, "--check", "G001=exit 5", "--check", "G001=touch second-ran; test -f fixed.flag")
+    make_plan(fab, 2, "--check", "G001=exit 5",
+              "--check", "G001=touch second-ran; test -f fixed.flag")
     start(fab, "G001")
     # no --run: the frozen checks run anyway, all of them, even after the first one failed
     r, new = assert_refused_keeping_runs(fab, checkpoint(),
@@ -358,15 +341,16 @@ def test_frozen_check_on_a_middle_story_gates_its_completion(fab):
     start(fab, "G001")
     ok(fab(*checkpoint()))
     start(fab, "G002")
-    assert_refused_keeping_runs(fab, checkpoint(sid="G002"), "G002: frozen check 1 (`exit 2`) failed")
-    assert story(fab, "G002")["status"] == "in_progress"
+    assert_refused_keeping_runs(fab, checkpoint(sid="G002"),
+                                "G002: frozen check 1 (`exit 2`) failed")
+    assert story(fab.dir, "G002")["status"] == "in_progress"
 
 
 def test_require_run_refuses_a_claimed_final_result(fab):
     make_plan(fab, 1, "--require-run")
     assert ok(fab("status", "--json")).json["options"]["require_run"] is True
     start(fab, "G001")
-    assert_refused(fab, checkpoint("--verify-cmd", "true", "--verify-evidence", "3 passed"),
+    assert_refused(fab, checkpoint("--verify-cmd", "true", "--verify-evidence", "3 passed"), 1,
                    "this plan requires a witnessed run")
     r = ok(fab(*checkpoint("--run", "--verify-cmd", "true")))
     assert "fablize: all stories complete ✓" in r.out
@@ -395,10 +379,14 @@ def test_create_flags_checks_that_cannot_run_here_and_still_creates_the_plan(fab
     assert r.code == 0, r
     assert "fablize: plan created — 2 stories" in r.out
     # a program missing here must be fixed now; a file not there yet is a test-first check
-    assert "⚠ 1 frozen check cannot run here — fix the command or install what it needs now" in r.out
-    assert "G001 check 1: `no-such-tool-fablize-abc --all` — no-such-tool-fablize-abc is not on PATH" in r.out
-    assert "1 frozen check starts a file that does not exist yet — fine for a test-first plan" in r.out
-    assert "G002 check 1: `./scripts/missing-gate.sh` — ./scripts/missing-gate.sh does not exist yet" in r.out
+    assert "⚠ 1 frozen check cannot run here — fix the command or install what it needs now" \
+        in r.out
+    assert "G001 check 1: `no-such-tool-fablize-abc --all` — no-such-tool-fablize-abc is not " \
+        "on PATH" in r.out
+    assert "1 frozen check starts a file that does not exist yet — fine for a test-first plan" \
+        in r.out
+    assert "G002 check 1: `./scripts/missing-gate.sh` — ./scripts/missing-gate.sh does not " \
+        "exist yet" in r.out
     assert "fix" not in r.out.split("starts a file")[1]  # never "fix now" for a test to be written
     assert r.out.splitlines()[-1] == "fablize: next — `goals.py next` (activates G001)"
     expected = [
@@ -496,7 +484,8 @@ def test_green_run_from_an_earlier_round_does_not_complete_the_reopened_story(fa
     assert e.value.code == "verification_missing"
     assert "has no run since the story was activated" in e.value.message
     # ... and the CLI runs the check again, which now fails
-    r, new = assert_refused_keeping_runs(fab, checkpoint(), "frozen check 1 (`test -f ok.flag`) failed")
+    r, new = assert_refused_keeping_runs(fab, checkpoint(),
+                                         "frozen check 1 (`test -f ok.flag`) failed")
     assert new[0]["seq"] > green["seq"] and new[0]["exit_code"] == 1
 
 
@@ -507,17 +496,21 @@ def test_green_run_of_an_earlier_round_does_not_back_a_run_checkpoint(fab):
     ok(fab(*checkpoint(status="failed", evidence="not yet")))
     start(fab, "G001")
     with pytest.raises(goals.FablizeError) as e:
-        goals.apply_event(snap(fab), forged_checkpoint(snap(fab), "G001", run=True, verify_cmd="true"))
+        goals.apply_event(snap(fab), forged_checkpoint(snap(fab), "G001", run=True,
+                                                       verify_cmd="true"))
     assert e.value.code == "verification_missing"
 
 
 def test_run_that_started_before_the_latest_activation_does_not_count(fab):
     make_plan(fab, 2, "--check",
-              "G001=touch started.flag; while [ ! -f release.flag ]; do sleep 0.02; done; echo checked")
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "verify", "--id", "G001", "--timeout", "120"],
+              "G001=touch started.flag; while [ ! -f release.flag ]; do sleep 0.02; done; "
+              "echo checked")
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "verify", "--id", "G001",
+                             "--timeout", "120"],
                             cwd=str(fab.root), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL,
-                            env={k: v for k, v in os.environ.items() if not k.startswith("FABLIZE_")})
+                            env={k: v for k, v in os.environ.items()
+                                 if not k.startswith("FABLIZE_")})
     try:
         assert wait_until(lambda: (fab.root / "started.flag").exists())
         start(fab, "G001")  # activated while the check (started on the pending story) still runs
@@ -529,7 +522,7 @@ def test_run_that_started_before_the_latest_activation_does_not_count(fab):
     run = events[-1]
     assert run["event"] == "verify_run" and run["exit_code"] == 0
     assert run["after_seq"] < started["seq"]
-    s = story(fab, "G001")
+    s = story(fab.dir, "G001")
     assert s["status"] == "in_progress" and s["runs"] == [] and s["last_run"]["seq"] == run["seq"]
     with pytest.raises(goals.FablizeError) as e:
         goals.apply_event(snap(fab), forged_checkpoint(snap(fab), "G001"))
@@ -545,12 +538,13 @@ def test_failed_story_is_reopened_as_round_2_before_a_ready_earlier_story(fab):
     start(fab, "G002", "--agent", "a")
     start(fab, "G003", "--agent", "b")
     ok(fab(*checkpoint("--agent", "a", sid="G002")))
-    assert story(fab, "G001")["status"] == "pending"  # G001 is ready now, and earlier in the plan
+    # G001 is ready now, and earlier in the plan
+    assert story(fab.dir, "G001")["status"] == "pending"
     r = ok(fab(*checkpoint("--agent", "b", sid="G003", status="failed", evidence="half done")))
     assert "G003 → failed (round 1 of 3; 2 rounds left)" in r.out
     r = start(fab, "G003", "--agent", "b")
     assert "⚠ Reopened: round 2" in r.out
-    assert story(fab, "G003")["round"] == 2 and story(fab, "G001")["status"] == "pending"
+    assert story(fab.dir, "G003")["round"] == 2 and story(fab.dir, "G001")["status"] == "pending"
 
 
 @pytest.mark.parametrize("how", ["frozen", "run"])
@@ -571,7 +565,7 @@ def test_reopened_handoff_shows_what_was_missing_with_the_failed_runs_tails(fab,
     assert "the parser is still missing" in missing
     assert f"failed run `{cmd}` (exit 4) — output tail:" in missing
     assert "TAIL-MARK-7 parser missing" in missing
-    feedback = story(fab, "G001")["feedback"]
+    feedback = story(fab.dir, "G001")["feedback"]
     assert feedback["text"] == "the parser is still missing"
     assert feedback["runs"][0]["tail"] == "TAIL-MARK-7 parser missing\n"
 
@@ -587,10 +581,10 @@ def test_rounds_default_to_3_then_the_story_is_blocked(fab):
     make_plan(fab, 2)
     assert snap(fab)["options"]["rounds"] == 3
     fail_rounds(fab, "G001", 2)
-    assert story(fab, "G001")["status"] == "failed"
+    assert story(fab.dir, "G001")["status"] == "failed"
     r = fail_rounds(fab, "G001", 1)
     assert "G001 → blocked — a human must decide" in r.out
-    s = story(fab, "G001")
+    s = story(fab.dir, "G001")
     assert s["status"] == "blocked" and s["round"] == 3
     assert "rounds exhausted (3 of 3)" in s["blocked_reason"]
 
@@ -598,7 +592,7 @@ def test_rounds_default_to_3_then_the_story_is_blocked(fab):
 def test_create_rounds_bounds_how_often_a_story_may_fail(fab):
     make_plan(fab, 2, "--rounds", "1")
     fail_rounds(fab, "G001", 1)
-    assert story(fab, "G001")["status"] == "blocked"
+    assert story(fab.dir, "G001")["status"] == "blocked"
 
 
 def test_create_refuses_rounds_below_1(fab):
@@ -615,10 +609,11 @@ def test_blocked_story_halts_the_plan_until_a_human_decides(fab, how):
         ok(fab(*checkpoint(status="blocked", evidence="the API does not exist")))
     else:
         ok(fab(*checkpoint(status="failed", evidence="no luck")))
-    assert story(fab, "G001")["status"] == "blocked"
-    r = assert_refused(fab, ["next"], "G001 is blocked")
-    assert "the plan halts here" in r.err and "one of:\n  goals.py decide --id G001 accept" in r.err
-    assert_refused(fab, ["next", "--agent", "other"], "A human must decide")
+    assert story(fab.dir, "G001")["status"] == "blocked"
+    r = assert_refused(fab, ["next"], 1, "G001 is blocked")
+    assert "the plan halts here" in r.err
+    assert "one of:\n  goals.py decide --id G001 accept" in r.err
+    assert_refused(fab, ["next", "--agent", "other"], 1, "A human must decide")
     out = ok(fab("status")).out
     assert "G001 is blocked (" in out and "one of:\n  goals.py decide --id G001 accept" in out
 
@@ -627,10 +622,10 @@ def test_decide_accept_counts_as_done_and_dependents_proceed(fab):
     make_plan(fab, 2)
     start(fab, "G001")
     ok(fab(*checkpoint(status="blocked", evidence="cannot be done as specified")))
-    assert_refused(fab, ["next"], "A human must decide")
+    assert_refused(fab, ["next"], 1, "A human must decide")
     r = ok(fab("decide", "--id", "G001", "accept", "--note", "good enough, shipping without it"))
     assert "G001 → accepted" in r.out
-    s = story(fab, "G001")
+    s = story(fab.dir, "G001")
     assert s["status"] == "accepted" and s["decision"]["note"] == "good enough, shipping without it"
     last = ledger(fab.dir)[-1]
     assert (last["event"], last["id"], last["decision"], last["note"]) == \
@@ -646,7 +641,7 @@ def test_decide_accept_counts_as_done_and_dependents_proceed(fab):
 def test_decide_retry_resumes_with_the_note_as_feedback_and_resets_rounds(fab):
     make_plan(fab, 2, "--rounds", "2")
     fail_rounds(fab, "G001", 2)
-    assert story(fab, "G001")["status"] == "blocked"
+    assert story(fab.dir, "G001")["status"] == "blocked"
     r = ok(fab("decide", "--id", "G001", "retry", "--note", "use the v2 endpoint instead"))
     assert "G001 → pending" in r.out
     assert ledger(fab.dir)[-1]["decision"] == "retry"
@@ -656,9 +651,9 @@ def test_decide_retry_resumes_with_the_note_as_feedback_and_resets_rounds(fab):
     assert "use the v2 endpoint instead" in h
     # rounds reset: one more failure is a failed round, not a block
     ok(fab(*checkpoint(status="failed", evidence="v2 also broken")))
-    assert story(fab, "G001")["status"] == "failed"
+    assert story(fab.dir, "G001")["status"] == "failed"
     fail_rounds(fab, "G001", 1)
-    assert story(fab, "G001")["status"] == "blocked"
+    assert story(fab.dir, "G001")["status"] == "blocked"
 
 
 def test_decide_amend_extends_the_objective_keeping_the_original_visible(fab):
@@ -670,21 +665,11 @@ def test_decide_amend_extends_the_objective_keeping_the_original_visible(fab):
     h = start(fab, "G001").out
     assert "Objective: objective 1" in h
     assert "Amended (" in h and "): also support UTF-16 input" in h
-    s = story(fab, "G001")
+    s = story(fab.dir, "G001")
     assert s["status"] == "in_progress" and s["objective"] == "objective 1"
     assert [a["note"] for a in s["amendments"]] == ["also support UTF-16 input"]
     assert "amended: also support UTF-16 input" in ok(fab("status")).out
     ok(fab(*checkpoint()))
-
-
-def test_decide_requires_a_note(fab):
-    make_plan(fab, 2)
-    start(fab, "G001")
-    ok(fab(*checkpoint(status="blocked", evidence="stuck")))
-    assert_refused(fab, ["decide", "--id", "G001", "accept"], "--note", code=2)
-    assert_refused(fab, ["decide", "--id", "G001", "accept", "--note", "   "],
-                   "a decision requires a non-empty --note")
-    assert story(fab, "G001")["status"] == "blocked"
 
 
 @pytest.mark.parametrize("state", ["pending", "in_progress", "complete"])
@@ -694,8 +679,8 @@ def test_decide_is_refused_on_a_story_that_is_not_blocked_failed_or_in_review(fa
         start(fab, "G001")
     if state == "complete":
         ok(fab(*checkpoint()))
-    assert story(fab, "G001")["status"] == state
-    assert_refused(fab, ["decide", "--id", "G001", "accept", "--note", "just do it"],
+    assert story(fab.dir, "G001")["status"] == state
+    assert_refused(fab, ["decide", "--id", "G001", "accept", "--note", "just do it"], 1,
                    f"G001 is {state} — `decide` applies to a blocked, failed or in-review story")
 
 
@@ -730,11 +715,12 @@ def test_add_is_refused_once_the_final_story_has_started(fab):
     start(fab, "G001")
     ok(fab(*checkpoint()))
     start(fab, "G002")
-    assert_refused(fab, ["add", "--goal", "Late::too late"],
+    assert_refused(fab, ["add", "--goal", "Late::too late"], 1,
                    "the final story G002 is in_progress — stories can be added only before "
                    "verification starts")
     ok(fab(*checkpoint("--verify-cmd", "true", "--verify-evidence", "ok", sid="G002")))
-    assert_refused(fab, ["add", "--goal", "Later::even later"], "the final story G002 is complete")
+    assert_refused(fab, ["add", "--goal", "Later::even later"], 1,
+                   "the final story G002 is complete")
 
 
 # 7. The Bar ####################################################################
@@ -780,20 +766,22 @@ def test_failing_frozen_check_yields_to_no_cli_sequence_but_a_human_accept(fab):
     ok(fab("decide", "--id", "G002", "amend", "--note", "the check is what counts"))
     start(fab, "G002")
     assert_refused_keeping_runs(fab, checkpoint(sid="G002"), G2)
-    assert story(fab, "G002")["status"] == "in_progress"
+    assert story(fab.dir, "G002")["status"] == "in_progress"
     assert not [e for e in ledger(fab.dir) if e["event"] == "checkpoint" and e["id"] == "G002"
                 and e["status"] == "complete"]
     # only a human accept gets past it, and the ledger shows that decision
     ok(fab(*checkpoint(sid="G002", status="blocked", evidence="the check cannot pass here")))
     ok(fab("decide", "--id", "G002", "accept", "--note", "known flaky check, accepted by the lead"))
-    assert story(fab, "G002")["status"] == "accepted"
+    assert story(fab.dir, "G002")["status"] == "accepted"
     decision = ledger(fab.dir)[-1]
-    assert (decision["event"], decision["id"], decision["decision"]) == ("decision", "G002", "accept")
+    assert (decision["event"], decision["id"], decision["decision"]) == \
+        ("decision", "G002", "accept")
     start(fab, "G004")
     ok(fab(*checkpoint(sid="G004")))
     start(fab, "G003")
     assert_refused_keeping_runs(fab, checkpoint("--verify-cmd", "true", "--verify-evidence", "ok",
-                                                sid="G003"), "G003: frozen check 1 (`exit 9`) failed")
+                                                sid="G003"),
+                                "G003: frozen check 1 (`exit 9`) failed")
     assert not snap(fab)["goals"][-1]["status"] == "complete"
     ok(fab("audit"))
 
@@ -804,8 +792,9 @@ def random_walk(fab, rng, steps, guarded):
     them while they were in progress. Weighted towards what an agent would try: complete the
     active story with every kind of claim, fail or block it, reopen, retry, amend, add."""
     attempts = 0
-    claims = [[], ["--verify-cmd", "true", "--verify-evidence", "ok"], ["--run", "--verify-cmd", "true"],
-              ["--run", "--verify-cmd", "exit 7"], ["--verify-cmd", "exit 9", "--verify-evidence", "passed"]]
+    claims = [[], ["--verify-cmd", "true", "--verify-evidence", "ok"],
+              ["--run", "--verify-cmd", "true"], ["--run", "--verify-cmd", "exit 7"],
+              ["--verify-cmd", "exit 9", "--verify-evidence", "passed"]]
     for _ in range(steps):
         plan = snap(fab)
         stories = plan["goals"]
@@ -856,12 +845,13 @@ def test_random_cli_sequences_never_complete_a_story_whose_frozen_check_fails(fa
         middle = ["--check", "G002=exit 7"] if walk % 2 == 0 else []
         guarded = {"G002", "G003"} if middle else {"G003"}
         ok(fab("create", "--force", "--brief", f"walk {walk}", "--goal", "A::a", "--goal", "B::b",
-               "--goal", "C::c", *middle, "--verify", "exit 9", "--rounds", "2", "--after", "G002="))
+               "--goal", "C::c", *middle, "--verify", "exit 9", "--rounds", "2",
+               "--after", "G002="))
         tried = random_walk(fab, random.Random(walk), 40, guarded)
         assert tried > 0  # the walk did try to complete a guarded story while it was active
         events = ledger(fab.dir)
-        assert not [e for e in events if e["event"] == "checkpoint" and e.get("status") == "complete"
-                    and e["id"] in guarded]
+        assert not [e for e in events if e["event"] == "checkpoint"
+                    and e.get("status") == "complete" and e["id"] in guarded]
         assert not [e for e in events if e["event"] == "decision" and e["decision"] == "accept"]
         ok(fab("audit"))
         reached_gate = reached_gate or any(e["event"] == "verify_run" and e["id"] == "G003"
@@ -884,10 +874,8 @@ def test_50_mb_of_output_ends_fails_closed_and_leaves_a_readable_log(fab):
     make_plan(fab, 1)
     start(fab, "G001")
     cmd = big_output_script(fab.root, 3)
-    t0 = time.monotonic()
     r = run_cli("--json", "checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
                 "--run", "--verify-cmd", cmd, "--timeout", "120", cwd=fab.root, timeout=300)
-    assert time.monotonic() - t0 < 120 + 30
     assert r.code == 1, r
     obj = json.loads(r.out)  # one JSON object; the 50 MB went to stderr
     assert obj["ok"] is False and obj["error"]["code"] == "verification_failed"
@@ -899,7 +887,7 @@ def test_50_mb_of_output_ends_fails_closed_and_leaves_a_readable_log(fab):
     assert run["sha256"] == sha256_file(log)
     assert run["tail"].endswith("BIG-TAIL-MARK\n") and len(run["tail"]) == 500
     assert max(len(line) for line in (fab.dir / "ledger.jsonl").read_bytes().splitlines()) < 10_000
-    assert story(fab, "G001")["status"] == "in_progress"
+    assert story(fab.dir, "G001")["status"] == "in_progress"
 
 
 @needs_proc
@@ -908,22 +896,22 @@ def test_never_exiting_run_is_killed_with_its_process_group_at_the_timeout(fab):
     start(fab, "G001")
     cmd = ("sh -c 'echo $$ > bg.pid; exec sleep 300' & "
            "while [ ! -s bg.pid ]; do sleep 0.01; done; echo waiting-forever; sleep 300")
-    t0 = time.monotonic()
     try:
-        r = run_cli("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e", "--run",
-                    "--verify-cmd", cmd, "--timeout", "1", cwd=fab.root, timeout=HANG_BOUND + 30)
-        elapsed = time.monotonic() - t0
-        assert elapsed < HANG_BOUND, elapsed
+        # stopped at its timeout, or the sleep's 300 s would outlast the guard
+        r = run_cli("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
+                    "--run", "--verify-cmd", cmd, "--timeout", "1", cwd=fab.root,
+                    timeout=HANG_GUARD)
         assert r.code == 1, r
-        assert "G001: `" in r.err and "failed (timed out after" in r.err and "stays in progress" in r.err
+        assert "G001: `" in r.err and "failed (timed out after" in r.err, r
+        assert "stays in progress" in r.err, r
         run = runs_of(fab)[-1]
         assert run["timed_out"] is True and run["signal"] == "SIGKILL"
-        assert 1 <= run["duration_s"] < HANG_BOUND
+        assert run["duration_s"] >= 1
         assert (fab.dir / run["log"]).read_text() == "waiting-forever\n"
         assert run["sha256"] == sha256_file(fab.dir / run["log"])
-        assert story(fab, "G001")["status"] == "in_progress"
+        assert story(fab.dir, "G001")["status"] == "in_progress"
         pid = int((fab.root / "bg.pid").read_text())
-        assert wait_until(lambda: not process_running(pid), 10), "the background child survived"
+        assert wait_until(lambda: not process_running(pid)), "the background child survived"
     finally:
         kill_pid_file(fab.root / "bg.pid")
 
@@ -934,15 +922,14 @@ def test_run_whose_background_child_outlives_it_passes_on_exit_0_and_its_group_i
     start(fab, "G001")
     cmd = ("sh -c 'echo $$ > bg.pid; exec sleep 300' & "
            "while [ ! -s bg.pid ]; do sleep 0.01; done; echo started")
-    t0 = time.monotonic()
     try:
         r = ok(fab(*checkpoint("--run", "--verify-cmd", cmd, "--timeout", "120")))
-        assert time.monotonic() - t0 < HANG_BOUND
         assert "fablize: all stories complete ✓" in r.out
-        run = runs_of(fab)[-1]
-        assert run["exit_code"] == 0 and (fab.dir / run["log"]).read_text() == "started\n"
+        run = runs_of(fab)[-1]  # ended by its own exit, not by the 120 s timeout
+        assert run["exit_code"] == 0 and run["timed_out"] is False
+        assert (fab.dir / run["log"]).read_text() == "started\n"
         pid = int((fab.root / "bg.pid").read_text())
-        assert wait_until(lambda: not process_running(pid), 10), "the leftover child was not stopped"
+        assert wait_until(lambda: not process_running(pid)), "the leftover child was not stopped"
     finally:
         kill_pid_file(fab.root / "bg.pid")
 
@@ -954,19 +941,37 @@ def test_run_whose_child_escapes_into_its_own_session_does_not_hang(fab):
     start(fab, "G001")
     cmd = ("setsid sh -c 'echo $$ > child.pid; exec sleep 300' & "
            "while [ ! -s child.pid ]; do sleep 0.01; done; echo started")
-    t0 = time.monotonic()
     try:
-        r = run_cli("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e", "--run",
-                    "--verify-cmd", cmd, "--timeout", "120", cwd=fab.root, timeout=HANG_BOUND + 30)
-        # nor does it cost a wait: once the group is gone the reader empties the pipe and stops
-        # (it used to wait 5 s for an end of the pipe that the escaped child never gives)
-        assert time.monotonic() - t0 < (HANG_BOUND if os.name == "nt" else 4), r
-        assert r.code == 0, r  # the command itself exited 0; the child holding the pipe does not hang it
+        r = run_cli("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
+                    "--run", "--verify-cmd", cmd, "--timeout", "120", cwd=fab.root,
+                    timeout=HANG_GUARD)
+        # the command itself exited 0; the child holding the pipe does not hang it
+        assert r.code == 0, r
         run = runs_of(fab)[-1]
-        assert run["exit_code"] == 0
+        assert run["exit_code"] == 0 and run["timed_out"] is False
         assert (fab.dir / run["log"]).read_text() == "started\n"
-        assert story(fab, "G001")["status"] == "complete"
+        assert story(fab.dir, "G001")["status"] == "complete"
         assert ok(fab("audit")).code == 0
+    finally:
+        kill_pid_file(fab.root / "child.pid")
+
+
+@needs_proc
+@pytest.mark.skipif(shutil.which("setsid") is None, reason="needs setsid")
+def test_a_child_escaped_into_its_own_session_costs_the_run_no_wait(fab):
+    """Once the group is gone the reader empties the pipe and stops: it does not wait for an end
+    of the pipe that the escaped child never gives (it used to, for 5 s). Seen as the event
+    itself, not as a time: the run leaves no reader behind, blocked on the child's pipe."""
+    make_plan(fab, 1)
+    start(fab, "G001")
+    cmd = ("setsid sh -c 'echo $$ > child.pid; exec sleep 300' & "
+           "while [ ! -s child.pid ]; do sleep 0.01; done; echo started")
+    before = set(threading.enumerate())
+    try:
+        ok(fab(*checkpoint("--run", "--verify-cmd", cmd, "--timeout", "120")))
+        left = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+        assert left == [], left
+        assert process_running(int((fab.root / "child.pid").read_text()))  # still holding it
     finally:
         kill_pid_file(fab.root / "child.pid")
 
@@ -981,7 +986,7 @@ def test_escaped_childs_output_does_not_leak_into_a_later_runs_log(fab):
     start(fab, "G001")
     try:
         r = run_cli("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
-                    "--timeout", "60", cwd=fab.root, timeout=HANG_BOUND + 30)
+                    "--timeout", "60", cwd=fab.root, timeout=HANG_GUARD)
     finally:
         kill_pid_file(fab.root / "child.pid")
     assert r.code == 0, r
@@ -1015,7 +1020,7 @@ def test_status_is_not_blocked_while_a_long_check_runs(fab):
         code = proc.wait(timeout=WAIT_LIMIT)
         out.close()
     assert code == 0, (fab.root / "checkpoint.out").read_text()
-    assert story(fab, "G001")["status"] == "complete"
+    assert story(fab.dir, "G001")["status"] == "complete"
     assert runs_of(fab)[-1]["tail"] == "released\n"
 
 
@@ -1032,7 +1037,8 @@ def test_round_trip_fail_reopen_fail_fail_blocked_retry_complete(fab):
     assert "round 1 of 3, 2 rounds left" in ok(fab("status")).out
     # round 2: reopened with what was missing
     h = start(fab, "G001").out
-    assert "⚠ Reopened: round 2" in h and "## What was missing (round 1, from the failed checkpoint)" in h
+    assert "⚠ Reopened: round 2" in h
+    assert "## What was missing (round 1, from the failed checkpoint)" in h
     assert "fixed.flag is not produced yet" in h and "checking" in h
     assert "round 2 of 3, 1 round left" in ok(fab("status")).out  # the round in progress counts
     assert_refused_keeping_runs(fab, checkpoint(), G1)
@@ -1045,7 +1051,7 @@ def test_round_trip_fail_reopen_fail_fail_blocked_retry_complete(fab):
     status = ok(fab("status")).out
     assert "■ G001 [blocked]" in status and "round 3 of 3, 0 rounds left" in status
     assert "rounds exhausted (3 of 3) — a human must decide" in status
-    assert_refused(fab, ["next"], "A human must decide")
+    assert_refused(fab, ["next"], 1, "A human must decide")
     # the human retries with feedback; the story resumes and completes
     ok(fab("decide", "--id", "G001", "retry", "--note", "write fixed.flag from the build step"))
     h = start(fab, "G001").out
@@ -1057,7 +1063,8 @@ def test_round_trip_fail_reopen_fail_fail_blocked_retry_complete(fab):
     assert data["stories"][0]["status"] == "complete" and data["stories"][0]["round"] == 4
     start(fab, "G002")
     assert "fablize: all stories complete ✓" in ok(fab(*checkpoint(sid="G002"))).out
-    steps = [(e["event"], e.get("status") or e.get("decision") or e.get("round") or e.get("exit_code"))
+    steps = [(e["event"],
+              e.get("status") or e.get("decision") or e.get("round") or e.get("exit_code"))
              for e in ledger(fab.dir)]
     assert steps == [
         ("plan_created", None),

@@ -8,23 +8,16 @@ import shutil
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
-from conftest import (ENGINE_PYTHON, ROOT, SCRIPT, assert_refused, complete, copy_engine, ledger,
-                      make_plan, state_files)
+from conftest import (ENGINE_PYTHON, ROOT, SCRIPT, assert_refused, complete, copy_engine, git,
+                      ledger, make_plan, run_cli, state_files)
 
 import goals
 
 # what setup writes for a repository holding the engine: its launcher, with the bytecode cached
 PORTABLE = 'python3 -I -S "$(git rev-parse --show-toplevel)/scripts/fablize.py"'
-
-
-def git(*args, cwd):
-    p = subprocess.run(["git", *args], cwd=str(cwd), capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0, p.stderr
-    return p.stdout
 
 
 @pytest.fixture
@@ -45,11 +38,11 @@ def repo(tmp_path, home):
     copy_engine(root / "scripts")
     (root / "src" / "deep").mkdir(parents=True)
     (root / "src" / "deep" / "x.txt").write_text("x\n")
-    git("init", "-q", cwd=root)
-    git("config", "user.email", "t@example.com", cwd=root)
-    git("config", "user.name", "t", cwd=root)
-    git("add", "-A", cwd=root)
-    git("commit", "-qm", "init", cwd=root)
+    git(root, "init", "-q")
+    git(root, "config", "user.email", "t@example.com")
+    git(root, "config", "user.name", "t")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "init")
     return root
 
 
@@ -193,7 +186,8 @@ def test_setup_remove_undoes_exactly_what_setup_did(repo, home):
     after = {p: p.read_bytes() for p in repo.rglob("*") if p.is_file() and ".git" not in p.parts}
     assert after.keys() == before.keys()
     assert after[repo / "CLAUDE.md"] == before[repo / "CLAUDE.md"]
-    assert json.loads(after[repo / ".claude" / "settings.json"]) == {"permissions": {"allow": ["Bash(ls)"]}}
+    assert json.loads(after[repo / ".claude" / "settings.json"]) == \
+        {"permissions": {"allow": ["Bash(ls)"]}}
     assert not (repo / ".fablize").exists()
 
 
@@ -238,7 +232,8 @@ def test_doctor_names_the_fix_for_a_missing_block(repo, home):
     assert script(repo, home, "setup")[0] == 0
     (repo / "CLAUDE.md").write_text("# no block\n")
     code, out, err = script(repo, home, "doctor")
-    assert code == 1 and "✗ block: CLAUDE.md has no fablize block — fix: `" in out and "setup claude` adds it" in out
+    assert code == 1 and "✗ block: CLAUDE.md has no fablize block — fix: `" in out
+    assert "setup claude` adds it" in out
 
 
 def test_doctor_names_the_fix_when_the_blocks_command_does_not_run(repo, home):
@@ -278,7 +273,8 @@ def test_setup_migrates_the_original_fablize_block_to_exactly_one_block(repo, ho
     assert script(repo, home, "setup")[0] == 0
     text = (repo / "CLAUDE.md").read_text()
     assert "FABLIZE:BEGIN" not in text and text.count(goals.room("setup").BLOCK_BEGIN) == 1
-    assert text.startswith("# Rules\n\n" + goals.room("setup").BLOCK_BEGIN) and text.endswith("\n## After\n")
+    assert text.startswith("# Rules\n\n" + goals.room("setup").BLOCK_BEGIN)
+    assert text.endswith("\n## After\n")
 
 
 def test_install_block_migrates_the_original_block_too(fab):
@@ -295,6 +291,62 @@ def test_setup_refuses_a_settings_file_that_is_not_json(repo, home):
     code, out, err = script(repo, home, "setup")
     assert code == 1 and "settings.json is not valid JSON" in err
     assert not (repo / "CLAUDE.md").exists()
+
+
+# Hostile files and payloads: one line or one JSON object, never a traceback or a hang ######
+#
+# Each failed before its fix. A hang is bounded by run_cli's 120-second guard, not by a short
+# timeout a loaded machine could exceed: the fixed engine answers at once.
+
+
+@pytest.mark.parametrize("cmd", [["guard"], ["observe"], ["guard", "--json"]])
+def test_a_hook_payload_cwd_with_a_nul_is_no_traceback(tmp_path, cmd):
+    git(tmp_path, "init", "-q")
+    payload = json.dumps({"cwd": str(tmp_path) + "\x00x", "tool_name": "Bash",
+                          "tool_input": {"command": "pytest -q"}}).encode()
+    r = run_cli(*cmd, cwd=tmp_path, input=payload)
+    assert "Traceback" not in r.err, r
+
+
+@pytest.mark.parametrize("cmd,rel", [(["setup", "claude"], ".claude/settings.json"),
+                                     (["setup", "claude"], ".claude/settings.local.json"),
+                                     (["doctor", "claude"], ".claude/settings.json"),
+                                     (["doctor", "claude"], "CLAUDE.md")])
+def test_setup_and_doctor_do_not_hang_on_a_fifo(tmp_path, cmd, rel):
+    git(tmp_path, "init", "-q")
+    (tmp_path / ".claude").mkdir()
+    os.mkfifo(tmp_path / rel)
+    r = run_cli(*cmd, "--json", cwd=tmp_path, input=b"")  # a reader of the FIFO would wait
+    json.loads(r.out)
+
+
+@pytest.mark.parametrize("cmd,rel", [(["setup", "claude"], ".claude/settings.local.json"),
+                                     (["doctor", "claude"], "CLAUDE.md")])
+def test_setup_and_doctor_do_not_read_an_endless_file(tmp_path, cmd, rel):
+    """A symlink to /dev/zero is read whole (open().read()): MemoryError, or all memory."""
+    git(tmp_path, "init", "-q")
+    (tmp_path / ".claude").mkdir()
+    os.symlink("/dev/zero", tmp_path / rel)
+    r = subprocess.run(["bash", "-c", 'ulimit -v 1500000; exec "$@"', "x", sys.executable,
+                        str(SCRIPT), *cmd, "--json"], cwd=tmp_path, capture_output=True,
+                       timeout=120)
+    assert b"Traceback" not in r.stderr, r
+    json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("agent,folder", [("claude", ".claude"), ("gemini", ".gemini")])
+def test_setup_does_not_write_through_a_symlinked_settings_folder(tmp_path, agent, folder):
+    """project_file refuses a symlinked settings.json, not a symlinked .claude/: a hostile
+    repository's `.claude -> ~/.claude` makes `setup` register hooks in the user's global
+    settings (every other project then runs them)."""
+    repo, outside = tmp_path / "repo", tmp_path / "outside"
+    repo.mkdir()
+    outside.mkdir()
+    git(repo, "init", "-q")
+    os.symlink(outside, repo / folder)
+    r = run_cli("setup", agent, "--json", cwd=repo)
+    assert not (outside / "settings.json").exists(), r.out  # failed before its fix
+    assert r.code == 1 and r.json["error"]["code"] == "symlink"
 
 
 # git sees only what is meant to be committed ###############################
@@ -315,8 +367,8 @@ def test_after_a_plan_a_run_and_a_decide_git_shows_only_files_to_commit(repo, ho
     for litter in ("lock.owner", "ledger.jsonl.broken", "goals.json.tmp-123-abcd"):
         (state / litter).write_text("x")  # what a crash or the lock fallback leaves
     assert (state / "lock").exists()
-    shown = sorted(line[3:] for line in git("status", "--porcelain", "--untracked-files=all",
-                                            cwd=repo).splitlines())
+    shown = sorted(line[3:] for line in git(repo, "status", "--porcelain",
+                                            "--untracked-files=all").splitlines())
     assert [x for x in shown if not x.startswith(".fablize/runs/")] == \
         [".fablize/.gitignore", ".fablize/goals.json", ".fablize/ledger.jsonl"]
     assert [x for x in shown if x.startswith(".fablize/runs/")]  # run logs are evidence: kept
@@ -440,7 +492,8 @@ def test_session_start_says_one_line_for_a_finished_plan(fab):
     complete(fab, "G001")
     complete(fab, "G002", final=True)
     code, out, err = session_start(fab)
-    assert code == 0 and out == "fablize: plan finished (2/2 done) — test plan; nothing to resume.\n"
+    assert code == 0
+    assert out == "fablize: plan finished (2/2 done) — test plan; nothing to resume.\n"
 
 
 def test_session_start_warns_in_one_line_with_exit_0_on_a_damaged_plan(fab):
@@ -538,7 +591,8 @@ def test_observe_reads_gemini_and_codex_payloads(fab):
     observe(fab, {"cwd": str(fab.root), "hook_event_name": "PostToolUse", "tool_name": "Bash",
                   "tool_input": {"command": ["cargo", "test"]},
                   "tool_response": {"exit_code": 0}}, "--for", "codex")
-    seen = [(e["cmd"], e["ok"], e["exit_code"]) for e in ledger(fab.dir) if e["event"] == "observed_run"]
+    seen = [(e["cmd"], e["ok"], e["exit_code"]) for e in ledger(fab.dir)
+            if e["event"] == "observed_run"]
     assert seen == [("npm test", False, 2), ("cargo test", True, 0)]
 
 
@@ -591,7 +645,8 @@ def readme_blocks(heading):
 
 
 def test_readme_copy_the_one_file_lines_run_as_shown(repo, home):
-    lines = [x.split("#")[0].strip() for x in readme_blocks("## Add it to your project")[0].splitlines()]
+    block = readme_blocks("## Add it to your project")[0]
+    lines = [x.split("#")[0].strip() for x in block.splitlines()]
     for line in filter(None, lines):
         code, out, err = sh(line, repo, home)
         assert code == 0, (line, out, err)
@@ -612,7 +667,8 @@ def test_the_engines_own_commands_are_not_observed(fab):
     fab("next")
     before = state_files(fab.dir)
     for cmd in ('python3 scripts/goals.py checkpoint --id G001 --status complete --evidence x '
-                '--run --verify-cmd "pytest -q"', 'fablize checkpoint --id G001 --run --verify-cmd "make test"'):
+                '--run --verify-cmd "pytest -q"',
+                'fablize checkpoint --id G001 --run --verify-cmd "make test"'):
         observe(fab, bash_failure(fab.root, cmd))
     assert state_files(fab.dir) == before
     observe(fab, bash_failure(fab.root, "fablize verify --id G001"))
