@@ -31,6 +31,7 @@ $(VENV)/.stamp: requirements-dev.txt
 
 test: venv
 	$(BIN)/vermin $(VERMIN_FLAGS) $(VERMIN_FILES)
+	$(BIN)/ruff check --no-cache scripts tests
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test39
 
