@@ -105,7 +105,9 @@ def remote_failure(remote, err, what):
                        "repository (`git fsck` in it says what is broken) or move the plan to a "
                        "sound remote (`share --remote NAME`); this clone keeps its events.",
                        "remote_damaged")
-    return unreachable(remote, said[-1] if said else what)
+    # git's own reason is its first fatal or error line; the advice after it is the same always
+    reason = [line for line in said if line.startswith(("fatal:", "error:"))] or said[-1:]
+    return unreachable(remote, reason[0] if reason else what)
 
 
 def git_dirs(store):
@@ -1691,14 +1693,37 @@ def default_remote(store):
     raise usage(f"several git remotes ({', '.join(names)}): say which with --remote NAME.")
 
 
+SHARED_GITIGNORE = (b"# a shared plan: its history is in refs/fablize/, not the branch; only "
+                    b"its pin is committed\n*\n!" + engine.PIN.encode() + b"\n")
+OLD_SHARED_GITIGNORE = b"# a shared plan: its history is in refs/fablize/, not the branch\n*\n"
+
+
 def ignore_shared_dir(store):
     """A shared plan lives in refs, not in the branch: nothing in its state directory is
-    committed, so a branch merge never touches it."""
+    committed but its pin (sync --pin), so a branch merge never touches its history."""
     path = store.path(".gitignore")
-    # the engine's own .gitignore (written with the directory) gives way; a user's stays
-    if not os.path.lexists(path) or engine.read_state_file(path) == engine.STATE_GITIGNORE.encode():
-        engine.write_atomic(path, b"# a shared plan: its history is in refs/fablize/, not the "
-                                  b"branch\n*\n")
+    # the engine's own .gitignore (written with the directory, or an older one of a shared
+    # plan) gives way; a user's stays
+    if not os.path.lexists(path) or engine.read_state_file(path) in (
+            engine.STATE_GITIGNORE.encode(), OLD_SHARED_GITIGNORE):
+        engine.write_atomic(path, SHARED_GITIGNORE)
+
+
+def pin_here(store, plan):
+    """sync --pin (under the lock, after the sync): the plan's head as the remote holds it, in
+    pin.json, for the branch to commit. Merged into the base branch, it is what `audit --remote
+    --base` pins the shared plan to: the history up to it was reviewed with that merge, and may
+    only grow. Refused while the remote lacks local events (a pin names what it holds)."""
+    cfg = share_config(store)
+    if cfg["plan_id"] != plan["plan_id"] or cfg["seq"] != plan["ledger"]["seq"]:
+        raise refused(f"{cfg['remote']} does not hold all of this plan yet: a pin names what the "
+                      "remote holds — run `sync --pin` again once it is reachable.",
+                      "not_published")
+    record = {"plan_id": plan["plan_id"], "pin": f"{cfg['seq']}:{cfg['head']}",
+              "scope": plan.get("scope") or []}
+    ignore_shared_dir(store)
+    engine.write_atomic(store.path(engine.PIN), (dumps(record) + "\n").encode())
+    return record
 
 
 def start(store, remote):
@@ -1778,6 +1803,7 @@ def cmd_sync(ctx, a):
         rejected = sync_shared(s, cfg)
         plan = s.plan
         seen = acknowledge(store) if a.acknowledge else []
+        pinned = a.pin and plan is not None and pin_here(store, plan)
     if plan is None:
         raise refused(f"{cfg['remote']} holds nothing for plan {cfg['plan_id']} yet.", "no_plan")
     if plan["plan_id"] != before_id:  # the plan was replaced on the remote: this clone follows
@@ -1789,6 +1815,11 @@ def cmd_sync(ctx, a):
             f"{engine.count_noun(plan['ledger']['seq'], 'event')} "
             f"({SHARED_REFS}{cfg['plan_id']}): {pulled} pulled, {sent} published"
             + (f", {len(rejected)} set aside in {REJECTED}" if rejected else "") + ".")
+    if pinned:
+        ctx.data["pin"] = pinned
+        ctx.say(f"fablize: pinned {pinned['pin'][:24]}… in {engine.shown_path(store, engine.PIN)}"
+                " — commit it with this branch: once merged, CI's `audit --remote --base` holds "
+                "the plan to it.")
     for r in seen:
         ctx.say(f"  acknowledged: {said_event(r['event'])}) — {one_line(r['reason'])}")
         if pending_line(r) in store.warnings:  # said by attach before: acknowledged now
@@ -1875,6 +1906,9 @@ def add_sync(command):
     c.add_argument("--acknowledge", action="store_true",
                    help="mark the events set aside (rejected.jsonl) as seen: they stop being "
                         "said on every command")
+    c.add_argument("--pin", action="store_true",
+                   help=f"write the plan's head as the remote holds it to {engine.PIN}, to be "
+                        "committed: merged, it is the pin CI's `audit --remote --base` holds")
 
 
 def add_release(command):

@@ -17,7 +17,7 @@ the work (fail-to-pass, the way SWE-bench judges a patch against tests it cannot
 
 Interface (for the engine's `audit` and `decide`):
   Scan(root, pin)                  what audit's one replay gathers (a callback per line)
-  pin_of(store, base, since)       (pin, what --base read: its plan's scope too)
+  pin_of(store, base, since, shared)   (pin, what --base read: its plan's scope too)
   review(store, plan, scan, pin, base, opts)   the trust report (a dict; `warnings` to show)
   lines(trust)                     what audit says of it
   gates(store, plan, trust, opts)  every trust gate that says no: [{code, message, fix}]
@@ -225,11 +225,14 @@ def changed_check_files(root, ref, plan):
     return sorted(changed)
 
 
-def base_pin(store, ref):
+def base_pin(store, ref, shared=None):
     """(pin "SEQ:HASH" or None, what was read) from the ledger committed at `ref`: where it is,
-    whether there is a plan, and that plan's scope (its plan_created's)."""
+    whether there is a plan, and that plan's scope (its plan_created's). A shared plan's ledger
+    is not in the branch: its pin is the pin.json committed there (shared_pin)."""
     top = engine.repo_root(store.root)
     rel = os.path.relpath(os.path.realpath(store.dir), top or "/").replace(os.sep, "/")
+    if shared is not None:
+        return shared_pin(store, ref, rel, shared["plan"])
     info = {"ref": ref, "path": f"{rel}/{LEDGER}", "plan": False, "scope": []}
     data = git_show(store.root, ref, f"{rel}/{LEDGER}", "--base")
     committed = engine.MemoryLedger(data or b"")
@@ -245,16 +248,41 @@ def base_pin(store, ref):
     return f"{seq}:{sha256_hex(last)}", info
 
 
-def pin_of(store, base, since):
-    """(pin or None, what --base read or None): the pin comes from --since, or from the ledger
-    committed at --base (so a pull request cannot move its own pin)."""
+def shared_pin(store, ref, rel, plan_id):
+    """A shared plan's pin as the base branch holds it: the pin.json `sync --pin` wrote there
+    (the plan, its head, its scope), committed and merged like any other file. Only the base's
+    copy counts: a pull request's own pin.json is the next pin, once merged. A pin of another
+    plan than the one CI names pins nothing (the plan is new)."""
+    info = {"ref": ref, "path": f"{rel}/{engine.PIN}", "plan": False, "scope": []}
+    data = git_show(store.root, ref, info["path"], "--base")
+    if data is None:
+        return None, info
+    try:
+        record = json.loads(data.decode("utf-8"))
+        pin, pinned = record["pin"], record["plan_id"]
+        parse_pin(pin)
+        scope = [p for p in record.get("scope") or () if isinstance(p, str)]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, FablizeError):
+        raise damaged(f"{ref}:{info['path']} is not a fablize pin (`sync --pin` writes one).")
+    info["plan_id"] = pinned
+    if plan_id is not None and plan_id != pinned:
+        info["path"] += f" (it pins plan {one_line(pinned)})"
+        return None, info
+    info.update(plan=True, scope=scope)
+    return pin, info
+
+
+def pin_of(store, base, since, shared=None):
+    """(pin or None, what --base read or None): the pin comes from --since, or from what is
+    committed at --base (so a pull request cannot move its own pin): the ledger, or for a shared
+    plan (`shared`: {"plan": the id CI names, or None}) the pin.json `sync --pin` wrote."""
     if base is None:
         if since is not None:
             parse_pin(since)  # a malformed pin is a usage error before anything is read
         return since, None
     if since is not None:
         raise usage("give --base or --since, not both.")
-    return base_pin(store, base)
+    return base_pin(store, base, shared)
 
 
 def allowed_signers_file(store, signers, base):

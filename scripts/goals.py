@@ -71,6 +71,7 @@ LOCK = "lock"
 RUNS = "runs"
 ARCHIVE = "archive"
 SHARE = "share.json"        # marks a shared plan (the sharing room's record)
+PIN = "pin.json"            # a shared plan's pin, committed for CI's --base (sync --pin)
 LAUNCHER = "fablize.py"     # beside this file: starts it with its bytecode cached
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_DAMAGED = 0, 1, 2, 3
 EXIT_SIGNAL_BASE = 128      # interrupted by signal N: exit 128 + N, as a shell reports it
@@ -4847,7 +4848,8 @@ def audit_and_judge(ctx, a):
     # a plain audit reports trust too when the room is there; a lone goals.py checks the rest
     trust = (room("trust", asked[0] if asked else "audit") if asked or room_present("trust")
         else None)
-    pin, base = trust.pin_of(store, a.base, a.since) if trust else (None, None)
+    shared = {"plan": a.plan} if a.remote else None
+    pin, base = trust.pin_of(store, a.base, a.since, shared) if trust else (None, None)
     scan = trust.Scan(store.root, pin) if trust else None
     runs = collections.deque(maxlen=REPORT_RUNS)  # the latest, for the summary's report
     def collect(n, head, ev):
@@ -4857,7 +4859,9 @@ def audit_and_judge(ctx, a):
             runs.append(ev)
 
     if a.remote:  # a shared plan as the remote holds it: no local state needed
-        data, logs = room("sharing", "audit --remote").audit_source(store, a.remote, a.plan)
+        # the plan CI names, else the one the base's pin names, else the remote's only plan
+        plan_id = a.plan or (base or {}).get("plan_id")
+        data, logs = room("sharing", "audit --remote").audit_source(store, a.remote, plan_id)
         report = audit_ledger(data, None, a.require_independent_judge, logs=logs, scan=collect)
     else:
         with open_plan(ctx, exclusive=False) as s:

@@ -482,6 +482,90 @@ def test_audit_remote_checks_the_plan_as_the_remote_holds_it_with_a_pin(net):
     assert plan_id
 
 
+def pinned_on_main(net, *extra):
+    """A shared plan with a scope, its pin committed on main by `sync --pin` and pushed; then
+    more work on the remote. Returns (the clone that works, the plan id, the pin)."""
+    a = net.clone("a")
+    (a.root / "README").write_text("x\n")
+    git(a.root, "add", "README")
+    git(a.root, "commit", "-q", "-m", "start")
+    git(a.root, "push", "-q", "origin", "HEAD:main")
+    plan_id = create(a, 2, "--scope", "src/", *extra)
+    assert a("next").code == 0
+    r = a("sync", "--pin")
+    assert r.code == 0 and "pinned" in r.out and "commit it with this branch" in r.out, r
+    pin = json.loads((a.dir / "pin.json").read_text())
+    assert pin["plan_id"] == plan_id and pin["scope"] == ["src/"]
+    assert a("sync", "--pin", "--json").json["pin"] == pin  # nothing new: the same pin
+    assert git(a.root, "status", "--porcelain", "--untracked-files=all").split() == [
+        "??", ".fablize/pin.json"]  # the pin is the one file of a shared plan git sees
+    git(a.root, "add", ".fablize/pin.json")
+    git(a.root, "commit", "-q", "-m", "pin the plan")
+    git(a.root, "push", "-q", "origin", "HEAD:main")
+    assert a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
+             "--run", "--verify-cmd", "echo x").code == 0
+    return a, plan_id, pin["pin"]
+
+
+def test_a_shared_plan_is_pinned_by_the_pin_json_committed_on_the_base(net):
+    a, plan_id, pin = pinned_on_main(net)
+    ci = net.clone("ci")  # CI names the plan; the pin and the scope come from main's pin.json
+    r = ci("audit", "--remote", "origin", "--plan", plan_id, "--base", "origin/main", "--json")
+    assert r.code == 0, r
+    trust = r.json["trust"]
+    assert trust["pin"]["pin"] == pin and not trust["new_plan"]
+    assert trust["scope"] == {"patterns": ["src/"], "from": "the plan on origin/main"}
+    assert "pin: " + pin[:40] in ci("audit", "--remote", "origin", "--base", "origin/main").out
+    # a pull request's own pin.json moves nothing: only the base's copy is read
+    (ci.dir).mkdir(exist_ok=True)
+    (ci.dir / "pin.json").write_text(json.dumps({"plan_id": plan_id, "pin": "1:" + "0" * 64}))
+    assert ci("audit", "--remote", "origin", "--base", "origin/main").code == 0
+
+
+def test_sync_pin_writes_no_pin_while_the_remote_lacks_local_events(net):
+    a = net.clone("a")
+    create(a, 2)
+    assert a("next").code == 0
+    git(a.root, "remote", "set-url", "origin", str(net.tmp / "gone.git"))
+    assert a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e").code == 0
+    r = a("sync", "--pin")  # git's reason, not its advice
+    assert r.code == 3 and "does not appear to be a git repository" in r.err, r
+    assert not (a.dir / "pin.json").exists()
+    git(a.root, "remote", "set-url", "origin", str(net.remote))
+    assert a("sync", "--pin").code == 0 and (a.dir / "pin.json").exists()
+
+
+def test_a_remote_history_rewritten_under_the_base_pin_fails_the_audit(net):
+    a, plan_id, pin = pinned_on_main(net)
+    ref = "refs/fablize/plans/" + plan_id
+    first = git(net.remote, "rev-list", "--max-parents=0", ref).strip()
+    git(net.remote, "update-ref", ref, first)  # the remote's history cut back before the pin
+    ci = net.clone("ci")
+    before = sorted(p.name for p in ci.root.iterdir())
+    r = ci("audit", "--remote", "origin", "--plan", plan_id, "--base", "origin/main", "--json")
+    assert r.code == 3 and r.json["error"]["code"] == "history_rewritten", r
+    assert sorted(p.name for p in ci.root.iterdir()) == before
+
+
+def test_a_base_pin_of_another_plan_pins_nothing_and_a_broken_one_is_damage(net):
+    a, plan_id, pin = pinned_on_main(net)
+    (a.dir / "pin.json").write_text(json.dumps({"plan_id": "P" + "0" * 12, "pin": pin}) + "\n")
+    git(a.root, "commit", "-q", "-am", "a pin of another plan")
+    git(a.root, "push", "-q", "origin", "HEAD:main")
+    ci = net.clone("ci")
+    args = ("audit", "--remote", "origin", "--plan", plan_id, "--base", "origin/main")
+    r = ci(*args, "--json")
+    assert r.code == 1 and "new_plan" in [f["code"] for f in r.json["failures"]], r
+    assert "it pins plan P000000000000" in ci(*args).out
+    assert ci(*args, "--allow-new-plan").code == 0
+    (a.dir / "pin.json").write_text("{not json\n")
+    git(a.root, "commit", "-q", "-am", "a broken pin")
+    git(a.root, "push", "-q", "origin", "HEAD:main")
+    git(ci.root, "fetch", "-q", "origin")
+    r = ci(*args)
+    assert r.code == 3 and "is not a fablize pin (`sync --pin` writes one)" in r.err, r
+
+
 # The bar: 4 clones x 4 agents, one 40-story parallel plan ####################
 
 AGENT = r"""
