@@ -380,6 +380,7 @@ class Scan:
         self.decisions = []  # every one: an unsigned decision before a signed one counts too
         self.added = []
         self.first_env = None
+        self.raw_env = self.env = object()  # the last run's environment, and its digests
         self.unclean, self.flagged, self.unrecorded, self.dirty = 0, [], 0, []
 
     def __call__(self, lineno, head, ev):
@@ -407,7 +408,10 @@ class Scan:
         else:
             if prov.get("dir") is None or (self.here is not None and prov.get("dir") != self.here):
                 why.append(f"made outside the repository root ({one_line(prov.get('dir'))})")
-            env = env_digests(prov.get("env"))
+            raw = prov.get("env")
+            if raw != self.raw_env:  # most runs share one environment: digest it once
+                self.raw_env, self.env = raw, env_digests(raw)
+            env = self.env
             if self.first_env is None:
                 self.first_env = env
             elif env != self.first_env:

@@ -140,7 +140,7 @@ def test_the_plugin_archive_validates_installs_and_its_hooks_run(claude, tmp_pat
 
 
 def test_the_skill_folder_holds_only_what_the_skill_needs_and_its_script_runs(tmp_path):
-    """What `npx skills add ./dist/skill/fablize` copies: SKILL.md on top, the one script."""
+    """What `npx skills add ./dist/skill/fablize` copies: SKILL.md on top, the engine's files."""
     folder = Path(dist.build_skill(str(tmp_path)))
     assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) == \
         sorted(dist.SKILL_FILES)
