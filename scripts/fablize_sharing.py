@@ -54,6 +54,11 @@ PENDING = "rejected.pending.json"    # those not acknowledged yet: said on every
 JOURNAL = "sync.journal"             # a sync step under way (Journal)
 STAGE = "sync.stage-"                # its staged files: sync.stage-<journal id>/
 SHARED_REFS = "refs/fablize/plans/"
+# what a shared plan publishes, said once when it is first shared
+PUBLISHES = ("  it publishes, to everyone who can read {remote}: the plan, its evidence and every "
+             "run (command, exit code, output tail and log), with secrets masked, paths "
+             "relative to the repository and environment variables as names with digests — no "
+             "absolute path of this machine, no variable's value.")
 REPLACED = "replaced.json"           # the last commit of a replaced plan holds this, no event
 SHARE_SPEC = {"remote": str, "plan_id": str, "seq": int, "head": str, "commit": engine.TEXT}
 SAFE_LOG = r"runs/[\w.-]+\.log"
@@ -1742,11 +1747,16 @@ def start(store, remote):
                 and fetch_plan(store, remote, cfg["plan_id"]) is None):
             cfg = new_config(remote, plan["plan_id"])
             save_share_config(store, cfg)
+            first = True
+        else:
+            first = False
         ignore_shared_dir(store)
         sync_shared(s, cfg)
         plan = s.plan
     line = (f"fablize: plan {plan['plan_id']} shared through {remote} "
             f"({SHARED_REFS}{plan['plan_id']}, {engine.count_noun(cfg['seq'], 'event')}).")
+    if first:  # said once, when the plan first goes out
+        line += "\n" + PUBLISHES.format(remote=remote)
     return {"remote": remote, "ref": SHARED_REFS + plan["plan_id"], "published": cfg["seq"]}, line
 
 

@@ -135,6 +135,21 @@ def test_share_publishes_an_existing_plan_and_refuses_an_unknown_remote(net):
     assert net.remote_lines(plan_id) == [x + b"\n" for x in ledger_lines(a)]
 
 
+def test_sharing_says_once_what_a_shared_plan_publishes(net):
+    a = net.clone("a")
+    r = a("create", "--brief", "b", "--goal", "x::y", "--remote", "origin")
+    said = "it publishes, to everyone who can read origin: the plan, its evidence and every run"
+    assert r.code == 0 and r.out.count(said) == 1, r
+    assert "no absolute path of this machine, no variable's value" in r.out
+    again = a("share", "--remote", "origin")  # already shared: said no more
+    assert again.code == 0 and said not in again.out, again
+    b = net.clone("b")
+    r = b("create", "--brief", "b", "--goal", "x::y")
+    assert r.code == 0 and said not in r.out  # a local plan publishes nothing
+    r = b("share", "--remote", "origin")
+    assert r.code == 0 and said in r.out, r
+
+
 def test_a_local_plan_never_starts_git(fab, monkeypatch, tmp_path):
     empty = tmp_path / "nobin"
     empty.mkdir()
