@@ -567,6 +567,7 @@ LOAD_HOOKS = {
 
 def cmd_setup(ctx, a):
     root = ctx.store.root
+    engine.room("merge", "setup")  # every room setup uses, before it writes anything
     cli = portable_command(root)
     if not a.remove and "$(git rev-parse" in cli and engine.repo_root(root) is None:
         raise refused(f"setup: {root} is not a git repository, and the hooks and the block find "

@@ -4273,8 +4273,9 @@ def room(name, needed_by=None):
     path = os.path.join(os.path.dirname(os.path.realpath(__file__)), ROOMS[name])
     if not os.path.isfile(path):
         raise usage(f"{needed_by or name} needs {ROOMS[name]}, which is not beside "
-                    f"{os.path.basename(__file__)} here — copy the whole scripts/ folder of "
-                    "fablize (README: Add it to your project).", "room_missing")
+                    f"{os.path.basename(__file__)} here — copy goals.py, fablize.py and "
+                    "fablize_*.py from fablize's scripts/ folder together (README: Add it to "
+                    "your project).", "room_missing")
     from importlib.machinery import SourceFileLoader
     from importlib.util import module_from_spec, spec_from_loader
     loader = SourceFileLoader("fablize_" + name, path)

@@ -424,7 +424,8 @@ def test_readme_hooks_snippet_matches_the_plugin_hooks():
         # the program differs (the script in the project, the plugin's bin/fablize); the
         # arguments must not
         # (and the plugin's marks its registration: it steps aside for the project's own)
-        args = [[re.split(r'goals\.py"|bin/fablize"', c, 1)[1].replace(" --plugin", "").strip()
+        program = r'(?:goals|fablize)\.py"|bin/fablize"'
+        args = [[re.split(program, c, 1)[1].replace(" --plugin", "").strip()
                  for c in hook_commands(h, event)] for h in (readme, plugin)]
         assert args[0] == args[1], f"{event}: README runs {args[0]}, the plugin {args[1]}"
 

@@ -279,6 +279,46 @@ def test_the_script_runs_without_installing_anything(tmp_path):
     assert p.returncode == 0 and json.loads(p.stdout)["total"] == 1
 
 
+def lone_copy(tmp_path, *rooms):
+    """A git project holding a copy of goals.py (and the rooms named) in its scripts/."""
+    project = tmp_path / "proj"
+    (project / "scripts").mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(project)], check=True)
+    for name in ("goals.py", *rooms):
+        shutil.copy(SCRIPT.parent / name, project / "scripts" / name)
+
+    def script(*args):
+        return subprocess.run([sys.executable, "-I", "scripts/goals.py", *args], cwd=str(project),
+                              env=clean_env(), capture_output=True, text=True, timeout=60)
+    return project, script
+
+
+def test_a_lone_copied_goals_py_runs_the_originals_commands_and_names_the_files_setup_needs(
+        tmp_path):
+    project, script = lone_copy(tmp_path)
+    assert script("create", "--brief", "b", "--goal", "A::a", "--goal", "B::b").returncode == 0
+    assert script("next").returncode == 0
+    assert script("checkpoint", "--id", "G001", "--status", "complete",
+                  "--evidence", "e").returncode == 0
+    assert script("status").returncode == 0 and script("audit").returncode == 0
+    before = sorted(p.relative_to(project) for p in project.rglob("*") if ".git" not in p.parts)
+    r = script("setup", "claude")
+    assert r.returncode == 2 and r.stdout == "", r
+    assert r.stderr == ("fablize: setup needs fablize_setup.py, which is not beside goals.py here "
+                        "— copy goals.py, fablize.py and fablize_*.py from fablize's scripts/ "
+                        "folder together (README: Add it to your project).\n"), r.stderr
+    after = sorted(p.relative_to(project) for p in project.rglob("*") if ".git" not in p.parts)
+    assert after == before
+
+
+def test_setup_with_a_room_missing_writes_nothing(tmp_path):
+    project, script = lone_copy(tmp_path, "fablize_setup.py")  # fablize_merge.py left behind
+    r = script("setup", "claude")
+    assert r.returncode == 2 and "setup needs fablize_merge.py" in r.stderr, r
+    assert not (project / "CLAUDE.md").exists() and not (project / ".claude").exists()
+    assert not (project / ".fablize").exists() and not (project / ".gitattributes").exists()
+
+
 # Windows: the lock without fcntl #########################################
 
 
