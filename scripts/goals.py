@@ -4555,8 +4555,9 @@ def cmd_next(ctx, a):
                     handoff="\n".join(clean(x) for x in lines))
 
 
-def say_after_checkpoint(ctx, plan, story):
-    """What a checkpoint or a verdict left; returns the next action it named."""
+def say_after_checkpoint(ctx, plan, story, agent=None):
+    """What a checkpoint or a verdict left; returns the next action it named (for `agent`,
+    when one checkpointed: never a story another agent holds)."""
     sid, status = story["id"], story["status"]
     if status == "failed":
         left = count_noun(rounds_left(plan, story), "round")
@@ -4569,7 +4570,7 @@ def say_after_checkpoint(ctx, plan, story):
         ctx.say(f"fablize: {sid} → review — an independent judge decides.")
     else:
         ctx.say(f"fablize: {sid} → {status}")
-    action = next_action(ctx.prog, plan)
+    action = next_action(ctx.prog, plan, agent)
     ctx.say(left_line(plan, action))
     return action
 
@@ -4616,7 +4617,6 @@ def cmd_checkpoint(ctx, a):
                 ev.pop("run", None)  # the frozen checks are the run
         if not commands:
             s.commit("checkpoint", **ev)
-            plan = s.plan
     runs = []
     if commands:
         records = execute_runs(ctx.store, a.id, commands, plan["ledger"]["seq"], ctx.timeout,
@@ -4638,10 +4638,11 @@ def cmd_checkpoint(ctx, a):
                                   f"{a.id} stays in progress: fix it and checkpoint again.")
                     e.code = "verification_failed"
                 raise
-            plan = s.plan
+    plan = s.plan  # as the session left it: a shared plan's publish may have pulled events
     story = find_story(plan, a.id)
     say_observed(ctx, story)
-    action = say_after_checkpoint(ctx, plan, story)  # the next step is the last thing said
+    # the next step is the last thing said, for the agent that checkpointed
+    action = say_after_checkpoint(ctx, plan, story, a.agent)
     ctx.data.update(plan_summary(plan), story=story_json(plan, story), runs=runs, next=action)
 
 

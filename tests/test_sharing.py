@@ -135,6 +135,25 @@ def test_share_publishes_an_existing_plan_and_refuses_an_unknown_remote(net):
     assert net.remote_lines(plan_id) == [x + b"\n" for x in ledger_lines(a)]
 
 
+def test_a_checkpoint_names_the_next_step_of_its_own_agent_on_the_plan_as_the_remote_holds_it(
+        net):
+    a, b = net.clone("a"), net.clone("b")
+    create(a, 3, "--parallel")  # G001 and G002 independent; G003, the final one, needs both
+    assert a("next", "--agent", "alice").code == 0
+    assert b("sync").code == 0 and b("next", "--agent", "bob").code == 0  # bob holds G002
+    r = a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
+          "--agent", "alice")
+    assert r.code == 0, r
+    last = r.out.strip().splitlines()[-1]  # never bob's story handed to alice
+    assert "nothing is ready for agent alice: in progress G002 (bob)" in last, r.out
+    assert "activates G002" not in r.out and "--agent bob" not in r.out
+    r = b("checkpoint", "--id", "G002", "--status", "complete", "--evidence", "e",
+          "--agent", "bob")  # published after pulling alice's completion of G001
+    assert r.code == 0, r
+    last = r.out.strip().splitlines()[-1]
+    assert "next --agent bob` (activates G003)" in last and "G001" not in last, r.out
+
+
 def test_sharing_says_once_what_a_shared_plan_publishes(net):
     a = net.clone("a")
     r = a("create", "--brief", "b", "--goal", "x::y", "--remote", "origin")
