@@ -2797,6 +2797,7 @@ def merge_driver_missing(root):
 
 
 MERGE_ATTRIBUTE = b"merge=fablize"
+MERGE_QUIET = ("install-merge", "setup", "merge-driver", "audit", "doctor")  # doctor: a finding
 
 
 def read_plain(path):
@@ -5474,7 +5475,10 @@ class Context:
         sharing = sharing_of(value)
         if sharing is not None:
             sharing.attach(value)
-        if merge_driver_missing(value.root):
+        # not said where no branch merge can touch the plan (a shared plan lives in refs), by
+        # the commands that wire the driver, nor by audit (CI's copy of the engine is no clone)
+        if (sharing is None and getattr(self.args, "command", None) not in MERGE_QUIET
+                and merge_driver_missing(value.root)):
             self.out.warn(f".gitattributes merges {STATE_DIRNAME}/ with fablize's merge driver, "
                           "which this clone's git config does not have: a merge of two branches' "
                           f"plans would leave conflict markers — `{self.prog} install-merge` "

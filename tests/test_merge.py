@@ -220,6 +220,29 @@ def test_a_fresh_clone_is_told_at_its_first_command_and_setup_makes_merges_clean
     assert fab(fresh, "audit").code == 0
 
 
+def test_the_commands_that_wire_the_driver_and_audit_do_not_warn_of_it(repo, tmp_path):
+    origin = diverged_origin(repo, tmp_path)
+    fresh = tmp_path / "fresh"
+    git(tmp_path, "clone", "-q", str(origin), str(fresh))
+    warning = "which this clone's git config does not have"
+    r = fab(fresh, "audit")  # CI's copy of the engine is no clone to wire
+    assert r.code == 0 and warning not in r.err, r
+    r = fab(fresh, "install-merge")  # the fix, said without the warning it fixes
+    assert r.code == 0 and warning not in r.err + r.out, r
+    assert warning not in fab(fresh, "status").err
+
+
+def test_a_shared_plan_in_a_clone_without_the_driver_is_not_warned_of_it(repo, tmp_path):
+    origin = diverged_origin(repo, tmp_path)
+    fresh = tmp_path / "fresh"
+    git(tmp_path, "clone", "-q", str(origin), str(fresh))
+    git(fresh, "checkout", "-q", "a")
+    assert "which this clone's git config" in fab(fresh, "status").err
+    assert fab(fresh, "share", "--remote", "origin").code == 0  # its history now lives in refs
+    r = fab(fresh, "status")
+    assert r.code == 0 and "which this clone's git config" not in r.err, r
+
+
 def test_doctor_fails_a_clone_without_the_driver_its_gitattributes_names(repo, tmp_path):
     origin = diverged_origin(repo, tmp_path)
     fresh = tmp_path / "fresh"
