@@ -472,7 +472,8 @@ def test_readme_ci_recipe_uses_the_action_and_shows_its_steps_as_plain_commands(
     assert "/fablize@" in job and "scope:" in job and "required-checks:" in job
     assert "pip install pytest" in job  # the test tools the re-run needs, before it
     plain = fenced_blocks(section(text, "## CI"), "sh")[0]
-    assert 'bash "$TMPDIR/fablize/scripts/fablize-ci.sh"' in plain and "FABLIZE_SCOPE=" in plain
+    assert 'bash "$engine/scripts/fablize-ci.sh"' in plain and "FABLIZE_SCOPE=" in plain
+    assert 'engine="$(mktemp -d)/fablize"' in plain  # no path that an unset variable empties
     # every input the action has is in the table, and every row is an input
     action = read(ROOT / "action.yml")
     inputs = re.findall(r"^  ([a-z-]+):\n    description", action, re.M)
