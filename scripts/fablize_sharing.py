@@ -32,7 +32,7 @@ Interface (for the engine's commands):
   pull(session)            `next`: the remote's events first, when `next` may not write
   claim(session, story, agent)  `next`'s story_started, on the remote before it is handed out
   start(store, remote)     share the plan (`share`, `create --remote`)
-  status(store, plan), status_lines(info)   what `status` says of a shared plan
+  status(store, plan), status_lines(info, prog)   what `status` says of a shared plan
   audit_source(store, remote, plan_id)      (ledger bytes, run logs) as the remote holds them
   COMMANDS                 share, sync, release
 Loaded by the engine (goals.room), never imported on its own.
@@ -1644,7 +1644,7 @@ def status(store, plan):
     return info
 
 
-def status_lines(info):
+def status_lines(info, prog):
     where = f"shared through {info['remote']} ({info['ref']})"
     if info.get("error"):
         return [f"fablize: {where}: {engine.count_noun(info['ahead'], 'event')} not published yet; "
@@ -1655,7 +1655,8 @@ def status_lines(info):
     if info["ahead"] or info["behind"]:
         return [f"fablize: {where}: {engine.count_noun(info['ahead'], 'event')} ahead (not "
                 "published), "
-                f"{info['behind'] if info['behind'] is not None else 'some'} behind — run `sync`."]
+                f"{info['behind'] if info['behind'] is not None else 'some'} behind — run "
+                f"`{prog} sync`."]
     return [f"fablize: {where}: in sync."]
 
 

@@ -300,6 +300,8 @@ def test_status_says_how_far_ahead_and_behind_the_remote_the_copy_is(net):
     assert a("next", "--agent", "z").code == 0
     share = b("status", "--json").json["share"]
     assert (share["ahead"], share["behind"]) == (0, 2)
+    said = [x for x in b("status").out.splitlines() if "behind" in x]
+    assert said and said[0].endswith("2 behind — run `python3 " + str(SCRIPT) + " sync`."), said
     git(b.root, "remote", "set-url", "origin", str(net.tmp / "gone.git"))
     r = b("release", "--id", "G001", "--note", "offline call")  # needs the remote: refused
     assert r.code == 3 and "cannot be reached" in r.err, r
@@ -579,6 +581,17 @@ def test_a_remote_history_rewritten_under_the_base_pin_fails_the_audit(net):
     r = ci("audit", "--remote", "origin", "--plan", plan_id, "--base", "origin/main", "--json")
     assert r.code == 3 and r.json["error"]["code"] == "history_rewritten", r
     assert sorted(p.name for p in ci.root.iterdir()) == before
+
+
+def test_a_fresh_clone_of_a_repository_pinning_a_shared_plan_is_told_to_sync(net):
+    pinned_on_main(net)
+    fresh = net.clone("fresh")  # main holds .fablize/pin.json, and nothing else of the plan
+    git(fresh.root, "checkout", "-q", "main")
+    assert (fresh.dir / "pin.json").exists() and not (fresh.dir / "ledger.jsonl").exists()
+    r = fresh("status")
+    assert r.code == 1 and r.err.splitlines()[0] == "fablize: no plan — run `create` first.", r
+    assert r.err.splitlines()[1].strip().endswith(" sync"), r
+    assert fresh("sync").code == 0 and fresh("status").code == 0
 
 
 def test_a_base_pin_of_another_plan_pins_nothing_and_a_broken_one_is_damage(net):

@@ -644,12 +644,18 @@ def readme_blocks(heading):
     return [b.split("\n```", 1)[0] for b in body.split("```sh\n")[1:]]
 
 
-def test_readme_copy_the_one_file_lines_run_as_shown(repo, home):
+def test_readme_copy_the_engine_lines_run_as_shown(repo, home):
+    """The copy step with /path/to/fablize as this checkout, then setup and doctor with the
+    copied files alone."""
+    shutil.rmtree(repo / "scripts", ignore_errors=True)
     block = readme_blocks("## Add it to your project")[0]
-    lines = [x.split("#")[0].strip() for x in block.splitlines()]
+    lines = [x.split("#")[0].strip().replace("/path/to/fablize", str(ROOT))
+             for x in block.splitlines()]
     for line in filter(None, lines):
         code, out, err = sh(line, repo, home)
         assert code == 0, (line, out, err)
+    assert sorted(p.name for p in (repo / "scripts").glob("*.py")) == sorted(
+        ["goals.py", "fablize.py", *(p.name for p in (ROOT / "scripts").glob("fablize_*.py"))])
 
 
 def test_readme_three_commands_run_as_shown_through_the_plugin_command(repo, home):
