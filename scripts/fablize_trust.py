@@ -801,9 +801,16 @@ def gates(store, plan, trust, opts):
             + ", ".join(map(one_line, trust["out_of_scope"][:MAX_LISTED])),
             "take them out of the branch, or widen the scope on the base (`create --scope`)"))
     if trust["new_plan"] and not opts["allow_new_plan"]:
-        found.append(failure("new_plan", "the plan was created after the pin (create --force or a "
-                             "new plan)", "review its frozen checks above; --allow-new-plan "
-                             "(the action's allow-new-plan) accepts it"))
+        base = trust["base"]
+        if trust["pin"] is not None or base is None:
+            why = "the plan was created after the pin (create --force or a new plan)"
+        elif base.get("plan_id"):  # a shared plan's pin on the base, of another plan
+            why = (f"the pin on {one_line(base['ref'])} is of plan {one_line(base['plan_id'])}: "
+                   "all of this plan is new")
+        else:
+            why = f"{one_line(base['ref'])} holds no plan to pin it to: all of this plan is new"
+        found.append(failure("new_plan", why, "review its frozen checks (listed with the pin); "
+                             "--allow-new-plan (the action's allow-new-plan) accepts it"))
     final = engine.touch(plan["goals"][-1])
     for check in opts["require_check"]:
         if check not in final["checks"]:

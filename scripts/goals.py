@@ -4892,6 +4892,7 @@ def audit_and_judge(ctx, a):
         plan_id = a.plan or (base or {}).get("plan_id")
         data, logs = room("sharing", "audit --remote").audit_source(store, a.remote, plan_id)
         report = audit_ledger(data, None, a.require_independent_judge, logs=logs, scan=collect)
+        report["snapshot"] = "none on a remote (its ledger is the whole of it)"
     else:
         with open_plan(ctx, exclusive=False) as s:
             s.refuse_original()

@@ -551,6 +551,7 @@ def test_a_shared_plan_is_pinned_by_the_pin_json_committed_on_the_base(net):
     trust = r.json["trust"]
     assert trust["pin"]["pin"] == pin and not trust["new_plan"]
     assert trust["scope"] == {"patterns": ["src/"], "from": "the plan on origin/main"}
+    assert r.json["snapshot"] == "none on a remote (its ledger is the whole of it)"
     assert "pin: " + pin[:40] in ci("audit", "--remote", "origin", "--base", "origin/main").out
     # a pull request's own pin.json moves nothing: only the base's copy is read
     (ci.dir).mkdir(exist_ok=True)
@@ -569,6 +570,20 @@ def test_sync_pin_writes_no_pin_while_the_remote_lacks_local_events(net):
     assert not (a.dir / "pin.json").exists()
     git(a.root, "remote", "set-url", "origin", str(net.remote))
     assert a("sync", "--pin").code == 0 and (a.dir / "pin.json").exists()
+
+
+def test_a_shared_plan_whose_base_holds_no_pin_is_new_and_said_so(net):
+    a = net.clone("a")
+    (a.root / "README").write_text("x\n")
+    git(a.root, "add", "README")
+    git(a.root, "commit", "-q", "-m", "start")
+    git(a.root, "push", "-q", "origin", "HEAD:main")
+    plan_id = create(a, 2)
+    ci = net.clone("ci")
+    r = ci("audit", "--remote", "origin", "--plan", plan_id, "--base", "origin/main")
+    assert r.code == 1, r
+    assert "✗ new_plan: origin/main holds no plan to pin it to: all of this plan is new" in r.out
+    assert "created after the pin" not in r.err + r.out
 
 
 def test_a_remote_history_rewritten_under_the_base_pin_fails_the_audit(net):
@@ -604,6 +619,8 @@ def test_a_base_pin_of_another_plan_pins_nothing_and_a_broken_one_is_damage(net)
     r = ci(*args, "--json")
     assert r.code == 1 and "new_plan" in [f["code"] for f in r.json["failures"]], r
     assert "it pins plan P000000000000" in ci(*args).out
+    assert "the pin on origin/main is of plan P000000000000: all of this plan is new" in ci(
+        *args).err
     assert ci(*args, "--allow-new-plan").code == 0
     (a.dir / "pin.json").write_text("{not json\n")
     git(a.root, "commit", "-q", "-am", "a broken pin")
