@@ -351,9 +351,13 @@ def say_set_aside(store, records):
     """At the time: one line for each event set aside, and how it is acknowledged."""
     for r in records:
         ev = r["event"]
+        # a lost claim is acknowledged by its agent's next claim (often this very command's)
+        seen = (f"agent {one_line(ev['agent'])}'s next claim acknowledges it, or "
+                f"{ack_command()}" if ev["event"] == "story_started" and ev.get("agent") else
+                f"{ack_command()} once seen")
         store.warn(f"{said_event(ev)} before the remote's newer events) is no longer legal: "
                    f"{one_line(r['reason'])} — set aside in {REJECTED}, not published; "
-                   f"{ack_command()} once seen.")
+                   f"{seen}.")
 
 
 def pending_line(record):
@@ -1495,7 +1499,7 @@ def publish(session, claim=False, fetch_first=None):
         who = f" — agent {one_line(held['agent'])} holds it" if held and held["agent"] else ""
         raise refused(f"{one_line(ev.get('id') or ev['event'])} was taken on {cfg['remote']} "
                       f"meanwhile{who}; this {ev['event']} was not published "
-                      f"({one_line(mine['reason'])}).", "claim_lost")
+                      f"({one_line(mine['reason']).rstrip('.')}).", "claim_lost")
     return session.plan
 
 

@@ -261,6 +261,8 @@ def test_a_claim_lost_between_fetch_and_push_is_never_double_held_and_names_the_
     else:  # said, set aside, and the next ready story is claimed instead
         assert r.code == 0 and "handoff — G002" in r.out, r
         assert "agent y holds it" in r.err and "Claiming G002 instead" in r.err, r
+        assert ".)." not in r.err and "agent x's next claim acknowledges it" in r.err, r
+        assert "not acknowledged" not in a("status").err  # this very claim acknowledged it
     rejected = [json.loads(x) for x in (a.dir / "rejected.jsonl").read_text().splitlines()]
     assert [(x["event"]["id"], x["event"]["agent"]) for x in rejected] == [("G001", "x")]
     starts = [json.loads(x) for x in net.remote_lines(plan_id) if b'"story_started"' in x]
