@@ -821,8 +821,11 @@ def gates(store, plan, trust, opts):
         gaps = witnessed_gaps(plan)
         if gaps:
             found.append(failure("not_witnessed", "not witnessed — " + "; ".join(gaps),
-                                 "give those stories frozen checks (`create --check`), or run "
-                                 "them with the engine"))
+                                 "a story rests on a run only if the engine made it: give the "
+                                 "next plan's stories frozen checks (`create --check`) or "
+                                 "complete them with `checkpoint --run`; a workflow that accepts "
+                                 "claimed stories drops --require-witnessed (the action's "
+                                 "require-witnessed: false)"))
     if opts["require_clean_runs"] and trust["runs_without_provenance"]:
         unrecorded = engine.count_noun(trust["runs_without_provenance"], "run")
         found.append(failure("unclean_runs", f"{unrecorded} "

@@ -228,6 +228,8 @@ def test_attack_create_force_with_a_claimed_pass_fails_the_ci_audit(work):
         assert work.ci("audit", "--since", pin).code == 1
     r = work.ci(*BAR, "--allow-new-plan")
     assert r.code == 1 and "not witnessed — G001 (it has no frozen checks" in r.err, r
+    # the fix names what can be done: checks or engine runs next time, or accepting claims
+    assert "`checkpoint --run`" in r.err and "require-witnessed: false" in r.err, r
 
 
 def replace_honestly(work, final_check=FINAL_CHECK, env_path=None):
