@@ -2650,7 +2650,22 @@ class Transaction(Reading):
         old = self.archive_current()
         plan, line = self.prepare("plan_created", dict(fields, replaces=old))
         self.swap_ledger(line + b"\n", plan)
+        self.drop_replaced_logs()
         return old
+
+    def drop_replaced_logs(self):
+        """After the swap: the replaced plan's run logs (linked into its archive) leave runs/.
+        A kill before this leaves them there, harmless: audit reads only the logs the current
+        plan's runs name, and a new run's log replaces a file of the same name."""
+        store = self.store
+        for name in (RUNS, LEDGER + ".broken"):
+            path = store.path(name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                for entry in os.listdir(path):
+                    if not entry.startswith("."):  # a run under way writes runs/.run-*
+                        os.unlink(os.path.join(path, entry))
+            elif os.path.lexists(path):
+                os.unlink(path)
 
     def swap_ledger(self, data, plan):
         """Replace the whole ledger with `data` and the snapshot with `plan`'s, crash-safe: the
@@ -2678,8 +2693,8 @@ class Transaction(Reading):
         self.settle(plan)
 
     def archive_current(self):
-        """Copy the current plan into archive/<plan id>/ (hard links: constant time) and move its
-        run logs there; returns what a new plan_created names as the plan it replaces."""
+        """Copy the current plan into archive/<plan id>/, its run logs too (hard links: a
+        constant time a file); returns what a new plan_created names as the plan it replaces."""
         store = self.store
         snap = loose_snapshot(store)
         plan_id = snap.get("plan_id") if snap else None
@@ -2699,10 +2714,17 @@ class Transaction(Reading):
         for name in (SNAPSHOT, LEDGER):
             if os.path.lexists(store.path(name)):
                 link_or_copy(store.path(name), os.path.join(dest, name))
-        # the old plan's logs leave before the new plan can write runs/<seq>-<id>.log over them
-        for name in (RUNS, LEDGER + ".broken"):
-            if os.path.lexists(store.path(name)):
-                os.replace(store.path(name), os.path.join(dest, name))
+        # the old plan's logs are linked in too: they leave runs/ only once the new plan is
+        # current (drop_replaced_logs), so a kill before the swap leaves the old plan whole
+        if os.path.lexists(store.path(LEDGER + ".broken")):
+            link_or_copy(store.path(LEDGER + ".broken"), os.path.join(dest, LEDGER + ".broken"))
+        runs = store.path(RUNS)
+        if os.path.isdir(runs) and not os.path.islink(runs):
+            os.mkdir(os.path.join(dest, RUNS))
+            for entry in os.listdir(runs):
+                if not entry.startswith(".") and os.path.isfile(os.path.join(runs, entry)):
+                    link_or_copy(os.path.join(runs, entry), os.path.join(dest, RUNS, entry))
+            fsync_dir(os.path.join(dest, RUNS))
         fsync_dir(dest)
         fsync_dir(store.dir)
         crash_point("after-archive-snapshot")

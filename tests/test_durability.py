@@ -347,6 +347,36 @@ def test_sigkill_at_crash_point_leaves_old_or_new_state(fab, monkeypatch, comman
     audit_ok(fab)
 
 
+@pytest.mark.parametrize("point", ["after-archive-snapshot", "after-ledger-fsync"])
+def test_a_create_force_killed_before_its_swap_leaves_the_old_plan_with_its_run_logs(fab, point):
+    make_plan(fab, 2)
+    assert fab("next").code == 0
+    assert fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
+               "--run", "--verify-cmd", "echo logged").code == 0
+    logs = sorted(p.name for p in (fab.dir / "runs").iterdir())
+    assert logs
+    r = run_cli(*plan_args(2, "replacement"), "--force", cwd=fab.root,
+                env={"FABLIZE_CRASH_AT": point})
+    assert r.code == -signal.SIGKILL, r
+    report = fab("audit", "--require-logs", "--json")  # the old plan, whole, logs included
+    assert report.code == 0 and report.json["missing_logs"] == 0, report
+    assert sorted(p.name for p in (fab.dir / "runs").iterdir()) == logs
+
+
+def test_a_create_force_moves_the_replaced_plans_logs_into_its_archive(fab):
+    make_plan(fab, 2)
+    assert fab("next").code == 0
+    assert fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
+               "--run", "--verify-cmd", "echo logged").code == 0
+    logs = sorted(p.name for p in (fab.dir / "runs").iterdir())
+    assert fab(*plan_args(2, "replacement"), "--force").code == 0
+    archived, = (fab.dir / "archive").iterdir()
+    assert sorted(p.name for p in (archived / "runs").iterdir()) == logs
+    assert not any((fab.dir / "runs").iterdir()) if (fab.dir / "runs").exists() else True
+    r = fab("audit", "--dir", archived, "--require-logs", "--json")
+    assert r.code == 0 and r.json["missing_logs"] == 0, r
+
+
 # 3. Random-time kills #########################################################
 
 
