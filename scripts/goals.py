@@ -1475,7 +1475,11 @@ EVENTS = {
                                       "lines": [str]}, _log_plan_merged),
 }
 EVENT_SPECS = {kind: dict(_EVENT_BASE, **fields) for kind, (_, fields, _) in EVENTS.items()}
-_FITTED = set()
+# event shapes (kind, keys, types of values) that fitted: () for a shape that holds no dict, else
+# its dict values as a fitting event held them, when every leaf in them is text or None (so
+# that an equal dict has the same keys and types: a str equals only a str)
+_FITTED = {}
+_FITTED_NESTED = set()  # (shape, the shapes of its dicts) that fitted
 
 
 def apply_event(plan, ev):
@@ -1486,10 +1490,13 @@ def apply_event(plan, ev):
     if entry is None:
         raise damaged(f"unknown event {one_line(repr(kind))[:60]}", "unknown_event")
     # events of one kind mostly share their keys and the types of their values: a shape that
-    # fitted once and holds no list or dict fits again, so a long replay checks it once
+    # fitted once and holds no list fits again, so a long replay checks it once; a shape with
+    # dicts (a run's provenance) fits again when its dicts equal the last fitting ones, else
+    # by their shapes (audit of 100,000 real runs, bench.py section 4: 2.08 → 1.74 s CPU)
     types = tuple(map(type, ev.values()))
-    shape = (kind, tuple(ev), types)  # only shapes with no list or dict are kept as they are
-    if shape not in _FITTED:
+    shape = (kind, tuple(ev), types)
+    known = _FITTED.get(shape)
+    if known is None or (known and not _same_dicts(ev, known)):
         fit_event(kind, ev, shape, types)
     if not regex(TIMESTAMP, re.A).match(ev["ts"]):
         raise forged(f"ts {one_line(ev['ts'])[:40]!r} is not a UTC timestamp")
@@ -1504,18 +1511,48 @@ def apply_event(plan, ev):
 def fit_event(kind, ev, shape, types):
     """The schema check of an event whose shape is not known to fit; a shape that fits is
     remembered (with its nested dicts' shapes, when it has any, and when it holds no list)."""
-    if list in types:
-        shape = None
-    elif dict in types:
-        shape += (tuple(_dict_shape(v) for v in ev.values() if type(v) is dict),)
-        if shape in _FITTED:
-            return
+    if list in types or dict not in types:
+        _fit(kind, ev)
+        if list not in types and len(_FITTED) < 256:
+            _FITTED[shape] = ()
+        return
+    names = tuple(k for k, v in ev.items() if type(v) is dict)
+    nested = (shape, tuple(_dict_shape(ev[k]) for k in names))
+    if nested not in _FITTED_NESTED:
+        _fit(kind, ev)
+        if None not in nested[1] and len(_FITTED_NESTED) < 256:
+            _FITTED_NESTED.add(nested)
+    copies = [_text_copy(ev[k]) for k in names]  # copies: nothing that holds ev can change them
+    if None not in copies and (shape in _FITTED or len(_FITTED) < 256):
+        _FITTED[shape] = tuple(zip(names, copies))
+
+
+def _fit(kind, ev):
     where = misfit(ev, EVENT_SPECS[kind])
     if where:
         raise damaged(f"malformed {kind} event ({where.lstrip('.')} is missing, unexpected "
                       "or of the wrong type)", "bad_event")
-    if shape is not None and None not in shape[-1] and len(_FITTED) < 256:
-        _FITTED.add(shape)
+
+
+def _same_dicts(ev, known):
+    for key, value in known:
+        if ev[key] != value:
+            return False
+    return True
+
+
+def _text_copy(value):
+    """A copy of a dict whose every value (in its dicts too) is text or None, else None."""
+    copy = {}
+    for k, v in value.items():
+        if type(v) is dict:
+            v = _text_copy(v)
+            if v is None:
+                return None
+        elif type(v) is not str and v is not None:
+            return None
+        copy[k] = v
+    return copy
 
 
 def _dict_shape(value):

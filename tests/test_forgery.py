@@ -250,6 +250,29 @@ def test_forged_passing_run_without_its_log_passes_audit_with_only_a_missing_log
     assert "1 run log not present here" in fab("audit").out
 
 
+@pytest.mark.parametrize("forge_env", [
+    lambda prov: prov["env"].update(PATH=1),             # a number where text was
+    lambda prov: prov.update(dir=True),                   # a bool where text was
+    lambda prov: prov.update(extra="x"),                  # a key no run records
+    lambda prov: prov.pop("program"),                     # a key missing
+], ids=["env-number", "dir-bool", "extra-key", "missing-key"])
+def test_a_run_whose_provenance_differs_in_type_from_an_earlier_run_is_malformed(fab, forge_env):
+    """A run's shape is checked once and its provenance compared with the last one that fitted:
+    a later run whose provenance differs in a key or a type is still checked whole."""
+    make_plan(fab, 2)
+    assert fab("next").code == 0
+    for _ in range(2):
+        assert fab("verify", "--id", "G001", "--verify-cmd", "echo same").code == 0
+    events = ledger(fab.dir)
+    runs = [e for e in events if e["event"] == "verify_run"]
+    assert len(runs) == 2 and runs[0]["provenance"] == runs[1]["provenance"]
+    forge_env(runs[1]["provenance"])
+    write_lines(fab.dir, rechain(events))
+    (fab.dir / "goals.json").unlink()
+    audit_fails(fab, code="bad_event", message="malformed verify_run event (provenance",
+                line=events.index(runs[1]) + 1)
+
+
 def test_truncated_and_rechained_ledger_is_caught_by_audit_since(fab):
     make_plan(fab, 2)
     complete(fab, "G001")
