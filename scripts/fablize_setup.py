@@ -309,15 +309,7 @@ def project_file(root, rel):
         folder = os.path.join(folder, part)
         if os.path.islink(folder):
             raise refused(f"{folder} is a symlink — refusing to write through it.", "symlink")
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return path, None
-    if stat.S_ISLNK(st.st_mode):
-        raise refused(f"{path} is a symlink — refusing to write through it.", "symlink")
-    if not stat.S_ISREG(st.st_mode):
-        raise refused(f"{path} is not a regular file.", "not_a_file")
-    return path, st
+    return path, engine.file_to_write(path)
 
 
 def project_text(path, st):

@@ -224,16 +224,7 @@ def plan_id_arg(plan_id):
 
 def share_wait():
     """FABLIZE_SHARE_WAIT: how long a command waits out other writers, in seconds."""
-    raw = os.environ.get("FABLIZE_SHARE_WAIT")
-    if raw is None:
-        return DEFAULT_WAIT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1
-    if not value >= 0:
-        raise usage(f"FABLIZE_SHARE_WAIT must be a number of seconds ≥ 0, not {one_line(raw)!r}.")
-    return value
+    return engine.env_seconds("FABLIZE_SHARE_WAIT", DEFAULT_WAIT)
 
 
 def uniform():

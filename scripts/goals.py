@@ -1826,15 +1826,21 @@ def user_file(root, path, outside=False):
         raise refused(f"{one_line(path)} is outside the project ({one_line(root)}): {where} — "
                       "fablize writes a file there only when asked with --outside.",
                       "outside_project")
+    return target, file_to_write(target)
+
+
+def file_to_write(path):
+    """The lstat of a file about to be written on the user's behalf, or None when there is none
+    yet; refuses a symlink (never written through) or anything but a regular file."""
     try:
-        st = os.lstat(target)
+        st = os.lstat(path)
     except FileNotFoundError:
-        return target, None
+        return None
     if stat.S_ISLNK(st.st_mode):
-        raise refused(f"{target} is a symlink — refusing to write through it.", "symlink")
+        raise refused(f"{path} is a symlink — refusing to write through it.", "symlink")
     if not stat.S_ISREG(st.st_mode):
-        raise refused(f"{target} is not a regular file.", "not_a_file")
-    return target, st
+        raise refused(f"{path} is not a regular file.", "not_a_file")
+    return st
 
 
 def write_atomic(path, data, mode=0o644, sweep=False):
@@ -1903,17 +1909,23 @@ def pid_alive(pid):
     return True
 
 
-def lock_timeout():
-    raw = os.environ.get("FABLIZE_LOCK_TIMEOUT")
+def env_seconds(name, default):
+    """A number of seconds ≥ 0 from the environment variable `name`, else `default`; anything
+    else is a usage error (FABLIZE_LOCK_TIMEOUT, the sharing room's FABLIZE_SHARE_WAIT)."""
+    raw = os.environ.get(name)
     if raw is None:
-        return DEFAULT_LOCK_TIMEOUT
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = -1
     if not value >= 0:
-        raise usage(f"FABLIZE_LOCK_TIMEOUT must be a number of seconds ≥ 0, not {one_line(raw)!r}.")
+        raise usage(f"{name} must be a number of seconds ≥ 0, not {one_line(raw)!r}.")
     return value
+
+
+def lock_timeout():
+    return env_seconds("FABLIZE_LOCK_TIMEOUT", DEFAULT_LOCK_TIMEOUT)
 
 
 def flock_module():

@@ -355,10 +355,11 @@ def test_readme_exit_code_table_has_every_exit_code():
 
 
 def test_every_environment_variable_the_engine_reads_is_documented():
-    source = read(SCRIPT)
-    names = set(re.findall(r"""os\.(?:environ(?:\.get)?|getenv)\s*[(\[]\s*["']([A-Z_][A-Z0-9_]*)""",
-                           source))
-    assert {"FABLIZE_DIR", "FABLIZE_LOCK_TIMEOUT", "GITHUB_STEP_SUMMARY"} <= names
+    source = "".join(read(path) for path in ENGINE_FILES)  # the core and its rooms
+    names = set(re.findall(r"""(?:os\.(?:environ(?:\.get)?|getenv)|env_seconds)\s*[(\[]\s*"""
+                           r"""["']([A-Z_][A-Z0-9_]*)""", source))
+    assert {"FABLIZE_DIR", "FABLIZE_LOCK_TIMEOUT", "FABLIZE_SHARE_WAIT",
+            "GITHUB_STEP_SUMMARY"} <= names
     table = section(docs(), "## Environment variables")
     missing = sorted(n for n in names if f"`{n}`" not in table)
     assert not missing, f"environment variables missing from README: {missing}"
