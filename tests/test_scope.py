@@ -212,16 +212,18 @@ def test_attack_a_root_unittest_py_that_shadows_unittest_under_python_m(tmp_path
     fails_ci(project)
 
 
+def plant_pytest_plugin(tree):
+    """A *.dist-info whose entry point makes pytest load a plugin that passes every test."""
+    info = tree / "evil-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: evil\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[pytest11]\nevil = evil_plugin\n")
+    (tree / "evil_plugin.py").write_text(PASS_ALL_PLUGIN)
+
+
 def test_attack_a_dist_info_entry_point_that_loads_a_pytest_plugin(tmp_path):
     project = Project(tmp_path, check=PYTEST_PLUGINS + " tests")
-
-    def cheat(tree):
-        info = tree / "evil-1.0.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: evil\nVersion: 1.0\n")
-        (info / "entry_points.txt").write_text("[pytest11]\nevil = evil_plugin\n")
-        (tree / "evil_plugin.py").write_text(PASS_ALL_PLUGIN)
-    project.agent(cheat)
+    project.agent(plant_pytest_plugin)
     fails_ci(project)
 
 
@@ -229,14 +231,7 @@ def test_attack_a_dist_info_inside_the_scope_is_never_taken(tmp_path):
     """Even where the scope covers it, installed-package metadata is not the work."""
     project = Project(tmp_path, check=PYTEST_PLUGINS + " tests",
                       scope=("src/", "*.py", "*.dist-info/**"))
-
-    def cheat(tree):
-        info = tree / "evil-1.0.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: evil\nVersion: 1.0\n")
-        (info / "entry_points.txt").write_text("[pytest11]\nevil = evil_plugin\n")
-        (tree / "evil_plugin.py").write_text(PASS_ALL_PLUGIN)
-    project.agent(cheat)
+    project.agent(plant_pytest_plugin)
     action = project.action()
     assert action.returncode == 1 and "re-run failed" in action.stderr, action
     assert "evil-1.0.dist-info/entry_points.txt" in action.stdout  # listed: not taken
