@@ -386,7 +386,7 @@ class Scan:
         self.decisions = []  # every one: an unsigned decision before a signed one counts too
         self.added = []
         self.first_env = None
-        self.raw_env = self.env = object()  # the last run's environment, and its digests
+        self.prov, self.why = object(), ()  # the last run's provenance, and what is wrong with it
         self.unclean, self.flagged, self.unrecorded, self.dirty = 0, [], 0, []
 
     def __call__(self, lineno, head, ev):
@@ -408,28 +408,35 @@ class Scan:
         different from the plan's first run. A run made on a dirty tree is kept apart: review
         flags it only if that exact tree was never committed."""
         prov = ev.get("provenance")
-        why = []
         if not isinstance(prov, dict):
             self.unrecorded += 1  # counted apart: every run of an older engine would be listed
+            why = ()
+        elif prov == self.prov:  # most runs share one provenance: it is judged once (with
+            # audit's memo of secret-looking texts, audit of 100,000 real runs: 1.60 → 1.39 s)
+            why = self.why
         else:
-            if prov.get("dir") is None or (self.here is not None and prov.get("dir") != self.here):
-                why.append(f"made outside the repository root ({one_line(prov.get('dir'))})")
-            raw = prov.get("env")
-            if raw != self.raw_env:  # most runs share one environment: digest it once
-                self.raw_env, self.env = raw, env_digests(raw)
-            env = self.env
-            if self.first_env is None:
-                self.first_env = env
-            elif env != self.first_env:
-                names = sorted(str(k) for k in set(env) | set(self.first_env)
-                               if env.get(k) != self.first_env.get(k))
-                why.append("environment differs from the plan's first run (" +
-                           ", ".join(one_line(n) for n in names) + ")")
+            self.prov = prov
+            why = self.why = self.judge(prov)
         if ev.get("git_dirty") and len(self.dirty) < self.MAX_FLAGGED:
             self.dirty.append({"line": lineno, "id": ev["id"], "cmd": ev["cmd"],
-                               "tree": ev.get("tree"), "why": why})
+                               "tree": ev.get("tree"), "why": list(why)})
         elif why:
-            self.flag(lineno, ev, why)
+            self.flag(lineno, ev, list(why))
+
+    def judge(self, prov):
+        """Why runs of this provenance are not clean (a tuple, empty when they are)."""
+        why = []
+        if prov.get("dir") is None or (self.here is not None and prov.get("dir") != self.here):
+            why.append(f"made outside the repository root ({one_line(prov.get('dir'))})")
+        env = env_digests(prov.get("env"))
+        if self.first_env is None:
+            self.first_env = env
+        elif env != self.first_env:
+            names = sorted(str(k) for k in set(env) | set(self.first_env)
+                           if env.get(k) != self.first_env.get(k))
+            why.append("environment differs from the plan's first run (" +
+                       ", ".join(one_line(n) for n in names) + ")")
+        return tuple(why)
 
     def flag(self, lineno, ev, why):
         self.unclean += 1

@@ -221,6 +221,82 @@ def test_streaming_batches_hold_every_line_once():
     assert got == lines
 
 
+def replayed_line_by_line(data):
+    """What replay_all would say of `data`, told by feeding each line alone (Replay.feed: every
+    check of every line, no batch): the plan's snapshot bytes, or the damage's message."""
+    replay = goals.Replay()
+    try:
+        for line in data.split(b"\n")[:-1]:
+            replay.feed(line, goals.parse_events([line])[0])
+    except goals.FablizeError as e:
+        return e.message
+    replay.plan["ledger"] = replay.position()
+    return goals.snapshot_bytes(replay.plan)
+
+
+def replayed_in_batches(data):
+    try:
+        replay = goals.replay_all(goals.MemoryLedger(data), len(data))
+    except goals.FablizeError as e:
+        return e.message
+    replay.plan["ledger"] = replay.position()
+    return goals.snapshot_bytes(replay.plan)
+
+
+_ONE_RUN = []
+BATCH_FORGERIES = {
+    # name: what is done to run 37 of 60 (every one a run the engine would never write)
+    "none": lambda e: None,
+    "exit code a bool": lambda e: e.update(exit_code=True),
+    "timed_out an int": lambda e: e.update(timed_out=0),
+    "duration as text": lambda e: e.update(duration_s="0.1"),
+    "a key missing": lambda e: e.pop("tail"),
+    "a key added": lambda e: e.update(extra=1),
+    "provenance env a number": lambda e: e["provenance"]["env"].update(PATH=1),
+    "provenance dir changed": lambda e: e["provenance"].update(dir="elsewhere"),
+    "log of another line": lambda e: e.update(log="runs/3-G001.log"),
+    "check out of range": lambda e: e.update(check=5),
+    "command not the check": lambda e: e.update(cmd="false"),
+    "digest not hex": lambda e: e.update(sha256="z" * 64),
+    "time not UTC": lambda e: e.update(ts="2026-12-01T10:00:00"),
+    "run before the story started": lambda e: e.update(after_seq=-1),
+    "unknown story": lambda e: e.update(id="G009"),
+    "unknown kind": lambda e: e.update(event="verify_ran"),
+    "seq a bool": None,  # the first line's seq: True equals 1
+}
+
+
+@pytest.mark.parametrize("name", sorted(BATCH_FORGERIES))
+def test_a_batch_replays_as_its_lines_do_one_by_one(fab, name, monkeypatch):
+    """replay_all vets a batch of lines at once and sends each event of a shape known to fit
+    straight to its transition: whatever a line holds, it must end as feeding every line alone
+    would — the same plan, or the same damage named at the same line with the same words."""
+    if not _ONE_RUN:  # a plan with one real run, made once for every case
+        make_plan(fab, 2, "--check", "G001=true")
+        assert fab("next").code == 0
+        assert fab("verify", "--id", "G001").code == 0
+        _ONE_RUN.extend(ledger(fab.dir))
+    events = json.loads(json.dumps(_ONE_RUN))
+    run = next(e for e in events if e["event"] == "verify_run")
+    entries = [e for e in events if e["event"] != "verify_run"]
+    entries += [json.loads(json.dumps(dict(run, log="AUTO"))) for _ in range(60)]
+    mutate = BATCH_FORGERIES[name]
+    if mutate is not None:
+        mutate(entries[len(entries) - 60 + 36])
+    lines = rechain(entries)
+    if mutate is None:
+        lines[0] = lines[0].replace(b'"seq":1,', b'"seq":true,', 1)
+    data = b"".join(line + b"\n" for line in lines)
+    outcome = replayed_line_by_line(data)
+    fed = []
+    monkeypatch.setattr(goals.Replay, "feed", lambda self, line, ev, feed=goals.Replay.feed:
+                        fed.append(line) or feed(self, line, ev))
+    assert replayed_in_batches(data) == outcome
+    assert (type(outcome) is bytes) == (name in ("none", "provenance dir changed")), outcome
+    if name == "none":  # the batch path did the work: a shape's first event alone was fed
+        assert len([line for line in fed if b'"verify_run"' in line]) <= 1, len(fed)
+
+
 def test_json_done_is_a_count_and_complete_a_flag_in_every_command(fab):
     make_plan(fab, 2)
     results = [fab("next", "--json"), fab("checkpoint", "--id", "G001", "--status", "complete",
