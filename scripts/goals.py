@@ -55,8 +55,8 @@ import re
 import stat
 import sys
 import time
-from itertools import repeat
-from operator import itemgetter, methodcaller
+from itertools import accumulate, compress, repeat
+from operator import add, eq, itemgetter, methodcaller, sub
 
 __version__ = "3.0.0"
 
@@ -2071,6 +2071,7 @@ def parse_event(line):
         return ev
     return None
 _SCAN = json.JSONDecoder().scan_once  # json's C scanner: one value at a position, and its end
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 
 def parse_events(lines):
@@ -2086,19 +2087,17 @@ def parse_events(lines):
         text = None
     if text is None or has_surrogate_escape(text):
         return [parse_event(line) for line in lines]
-    ascii_ = text.isascii()
-    events, pos = [], 0
+    # where each line starts and ends in the text, and the scanner called at each start, all in
+    # C (map, accumulate): a loop in Python would cost ~0.4 µs a line more
+    lengths = map(len, lines if text.isascii() else map(bytes.decode, lines))
+    starts = [0, *accumulate(map(add, lengths, repeat(1)))]  # the join's "," after each line
     try:
-        for line in lines:
-            ev, end = _SCAN(text, pos)
-            pos += len(line) if ascii_ else len(line.decode("utf-8"))
-            if end != pos:
-                return [parse_event(line) for line in lines]
-            events.append(ev)
-            pos += 1
+        scanned = list(map(_SCAN, repeat(text), starts[:-1]))
     except (StopIteration, ValueError, RecursionError):
         return [parse_event(line) for line in lines]
-    return events  # Replay.feed checks each is an event (cheaper there than a second pass)
+    if list(map(_SECOND, scanned)) != list(map(sub, starts[1:], repeat(1))):
+        return [parse_event(line) for line in lines]
+    return list(map(_FIRST, scanned))  # Replay.feed checks each is an event
 
 
 class Ledger:
@@ -2290,10 +2289,11 @@ class Replay:
 
     def vet(self, lines, events):
         """What feed checks of a batch before its transitions and that the plan plays no part
-        in — each line holds a dict with the next seq, the previous line's hash and a known kind
-        — checked for the whole batch at once in C (map, zip, list equality): (hashes, shapes,
-        timestamps matched) of the batch, or None when one line fails, and feed then checks
-        each line whole to say which and why."""
+        in — each line holds a dict with the next seq, the previous line's hash, a known kind
+        and a UTC time; a ledger starts with its plan — checked for the whole batch at once in
+        C (map, zip, list equality): (each line's hash, its kind, what _FITTED knows of its
+        shape), or None when a line fails, and feed then checks each line whole to say which
+        and why."""
         try:
             if set(map(type, events)) != {dict}:
                 return None
@@ -2306,19 +2306,20 @@ class Replay:
             if prevs[0] != self.head or prevs[1:] != hashes[:-1]:
                 return None
             kinds = list(map(_EVENT_KIND, events))
-            if not EVENTS.keys() >= set(kinds):
+            if not EVENTS.keys() >= set(kinds) or self.plan is None and kinds[0] != "plan_created":
+                return None  # (a plan_created is fed: its shape, which holds lists, is never known)
+            if None in map(regex(TIMESTAMP, re.A).match, map(_TS, events)):
                 return None
-            times = list(map(regex(TIMESTAMP, re.A).match, map(_TS, events)))
             shapes = zip(kinds, map(tuple, events),
                          map(tuple, map(map, repeat(type), map(dict.values, events))))
-            return hashes, list(shapes), times
+            return hashes, kinds, list(map(_FITTED.get, shapes))
         except (KeyError, TypeError):  # a missing key; an unhashable kind, a ts not text
             return None
 
     def feed_batch(self, lines, events, on_event=None, kinds=None):
         """feed each line of a batch, then `on_event(self, line, ev)` (for `kinds` only, when
-        given). A batch that vet() passes sends each event whose shape is known to fit (and
-        whose time is one) straight to its transition; every other event goes through feed.
+        given). A batch that vet() passes sends each event whose shape is known to fit
+        straight to its transition; every other event goes through feed.
         Damage is found at the same line with the same message either way, since every event
         before it was checked whole (rebuild of 100,000 real-run events, the ledger of bench.py
         section 4: 1.31 → 1.20 s CPU, with has_surrogate_escape's pattern)."""
@@ -2329,11 +2330,8 @@ class Replay:
                 if on_event is not None and (kinds is None or ev["event"] in kinds):
                     on_event(self, line, ev)
             return
-        fitted = _FITTED
-        for line, ev, head, shape, ts in zip(lines, events, *vetted):
-            known = fitted.get(shape)
-            if (known is None or ts is None or self.plan is None or
-                    known and not _same_dicts(ev, known)):
+        for line, ev, head, kind, known in zip(lines, events, *vetted):
+            if known is None or known and not _same_dicts(ev, known):
                 self.feed(line, ev)
             else:
                 n = self.seq + 1
@@ -2342,22 +2340,25 @@ class Replay:
                 except _REFUSED_EVENT as e:
                     raise refused_event(n, ev, e)
                 self.seq, self.head = n, head
-            if on_event is not None and (kinds is None or shape[0] in kinds):
+            if on_event is not None and (kinds is None or kind in kinds):
                 on_event(self, line, ev)
 
     def position(self):
         return {"seq": self.seq, "head": self.head}
 
 
-def replay_all(ledger, end, on_event=None, kinds=None):
+def replay_all(ledger, end, on_event=None, kinds=None, on_batch=None):
     """Replay the ledger's first `end` bytes from nothing, streaming; returns the Replay, its
     `counts` the events of each kind. `on_event(replay, line, ev)` sees each event after it
-    replayed: every one, or with `kinds` only those of these kinds."""
+    replayed: every one, or with `kinds` only those of these kinds; `on_batch(replay, lines,
+    events)` each batch, once all of its events replayed."""
     replay = Replay(digest=fast_sha256())
     feed, counts = replay.feed_batch, replay.counts
     for lines in ledger.batches(end):
         events = parse_events(lines)
         feed(lines, events, on_event, kinds)
+        if on_batch is not None:
+            on_batch(replay, lines, events)
         counts.update(map(_EVENT_KIND, events))  # in C: every line is an event by now
         del events  # freed before the next batch is parsed, whose objects reuse its memory
     return replay
@@ -4052,6 +4053,25 @@ SECRET_FIELDS = {"verify_run": ("cmd", "tail"), "observed_run": ("cmd", "detail"
                  "checkpoint": ("evidence", "verify_cmd", "verify_evidence"),
                  "verdict": ("evidence",), "paused": ("note",)}
 MAX_SECRET_LINES = 20
+_SHA256, _LOG = itemgetter("sha256"), itemgetter("log")
+
+
+def secret_seqs(groups, secret):
+    """The lines (seqs, in order) of the events in `groups` ({kind: its events, as replay
+    accepted them}) whose recorded text looks secret: each text of a batch is asked of
+    `secret` once, however many events recorded it."""
+    seqs = []
+    for kind, fields in SECRET_FIELDS.items():
+        group = groups.get(kind)
+        if not group:
+            continue
+        texts = set()
+        for name in fields:  # text or None, each (replay checked)
+            texts.update(map(itemgetter(name), group))
+        flagged = {text for text in texts if text and secret(text)}
+        if flagged:
+            seqs += [ev["seq"] for ev in group if any(ev[name] in flagged for name in fields)]
+    return sorted(seqs)
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
 
@@ -4079,9 +4099,10 @@ def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None,
     independence, bad_logs, secrets = [], [], []
     checked = 0
     digest = fast_sha256()
-    skip = len(RUNS) + 1  # a run's log is runs/<seq>-<story>.log (replay checked)
-
-    recent = collections.deque(maxlen=REPORT_RUNS)  # the latest runs, for the summary
+    # the latest runs, for the summary, as their lines: a line is one object, where its event
+    # is some thirty that, kept past its batch, would no longer free memory the next batch
+    # reuses (audit of 100,000 real runs: 0.5 µs a line)
+    recent = collections.deque(maxlen=REPORT_RUNS)
     seen = {}  # short text -> looks secret: a run's command and tail mostly repeat run after run
 
     def secret(text):
@@ -4094,43 +4115,71 @@ def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None,
                 seen[text] = known
         return known
 
-    def on_event(replay, line, ev):
-        nonlocal snap_view, checked
-        kind = ev["event"]
-        fields = SECRET_FIELDS.get(kind)
-        if fields and len(secrets) < MAX_SECRET_LINES:
-            for name in fields:
-                text = ev.get(name)
-                if type(text) is str and text and secret(text):
-                    secrets.append(replay.seq)
-                    break
-        if kind == "verify_run":
-            recent.append(ev)
+    # a run's log is runs/<seq>-<story>.log (replay checked): where it is looked for
+    log_key = (itemgetter(slice(len(RUNS) + 1, None)) if logs is None else None)
+    has_log = logs.__contains__ if logs is not None else present.__contains__
+
+    def on_batch(replay, lines, events):
+        """What audit checks of each batch the replay accepted, in C loops where it can (audit
+        of 100,000 real runs, bench.py section 4: N → N s CPU)."""
+        nonlocal checked
+        kinds = list(map(_EVENT_KIND, events))
+        groups = {kind: list(compress(events, map(eq, kinds, repeat(kind))))
+                  for kind in set(kinds)}
+        if len(secrets) < MAX_SECRET_LINES:
+            secrets.extend(secret_seqs(groups, secret)[:MAX_SECRET_LINES - len(secrets)])
+        runs = groups.get("verify_run", ())
+        recent.extend(compress(lines, map(eq, kinds, repeat("verify_run"))))
+        logless = set()  # runs whose log could not be made: no log to show, none claimed
+        for ev in compress(runs, map(eq, map(_SHA256, runs), repeat(EMPTY_SHA256))):
+            if not ev["bytes"] and ev["error"]:
+                logless.add(ev["seq"])
+        checked += len(logless)
+        names = map(_LOG, runs) if log_key is None else map(log_key, map(_LOG, runs))
+        for ev in compress(runs, map(has_log, names)):
+            if ev["seq"] in logless:
+                continue
+            checked += 1
             log = ev["log"]
-            if not ev["bytes"] and ev["sha256"] == EMPTY_SHA256 and ev["error"]:
-                checked += 1  # a run whose log could not be made: no log to show, none claimed
-            elif (log in logs) if logs is not None else (log[skip:] in present):
-                checked += 1
-                content = (logs.get(log) if logs is not None else
-                    read_state_file(os.path.join(runs_dir, log[skip:])))
-                if content is None or digest(content) != ev["sha256"]:
-                    bad_logs.append(line_error(replay.seq, f"{one_line(log)} does not match the "
-                                               "sha256 recorded for that run — the log was edited "
-                                               "or replaced.", "run_log_mismatch"))
-        elif require_independent and kind == "verdict":  # a verdict leaves executor as it was
+            content = (logs.get(log) if logs is not None else
+                read_state_file(os.path.join(runs_dir, log_key(log))))
+            if content is None or digest(content) != ev["sha256"]:
+                bad_logs.append(line_error(ev["seq"], f"{one_line(log)} does not match the sha256 "
+                                           "recorded for that run — the log was edited or "
+                                           "replaced.", "run_log_mismatch"))
+        if scan is not None:
+            heads = [*map(_PREV, events[1:]), replay.head]  # each line's hash, as the next names
+            if hasattr(scan, "batch"):
+                scan.batch(events, groups, heads)
+            else:
+                for ev, head in zip(events, heads):
+                    scan(ev["seq"], head, ev)
+
+    def view(replay):  # the snapshot this engine would have written at this event
+        nonlocal snap_view
+        replay.plan["ledger"] = replay.position()
+        snap_view = (snapshot_bytes(replay.plan) if snap is True else
+                     snapshot_view(replay.plan, version))
+
+    def on_event(replay, line, ev):
+        if require_independent and ev["event"] == "verdict":  # it leaves executor as it was
             story = find_story(replay.plan, ev["id"])
             if story["executor"] is None or story["executor"] == ev["agent"]:
                 independence.append(f"line {replay.seq}: {story['id']} judged by "
                                     f"{one_line(ev['agent'])}, executor "
                                     f"{one_line(story['executor'] or 'unnamed')}")
-        if scan is not None:
-            scan(replay.seq, replay.head, ev)
-        if replay.seq == snap_seq:
-            replay.plan["ledger"] = replay.position()
-            snap_view = (snapshot_bytes(replay.plan) if snap is True else
-                         snapshot_view(replay.plan, version))
+        if replay.seq == snap_seq and not at_end:
+            view(replay)
 
-    replay = replay_all(ledger, end, on_event)
+    # the snapshot is compared as of its own event: after the replay when that is the last
+    # line (a snapshot in sync), else as the replay passes it
+    last = parse_event(ledger.last(end) or b"") if snap_seq is not None else None
+    at_end = snap_seq is None or (last is not None and last["seq"] == snap_seq)
+    kinds = {"verdict"} if require_independent else set()
+    replay = replay_all(ledger, end, on_event if kinds or not at_end else None,
+                        kinds if at_end else None, on_batch)
+    if snap_seq is not None and at_end and replay.seq == snap_seq:
+        view(replay)
     runs = replay.counts["verify_run"]
     plan = replay.plan
     if plan is None:
@@ -4140,8 +4189,9 @@ def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None,
     plan["ledger"] = replay.position()
     report = {"event_count": replay.seq, "head": f"{replay.seq}:{replay.head}",
               "torn_tail_bytes": len(torn), "snapshot": "missing", "plan": plan,
-              "independence": independence, "run_count": runs, "recent_runs": list(recent),
-              "missing_logs": runs - checked, "bad_logs": bad_logs, "secret_lines": secrets}
+              "independence": independence, "run_count": runs, "missing_logs": runs - checked,
+              "recent_runs": list(map(parse_event, recent)), "bad_logs": bad_logs,
+              "secret_lines": secrets}
     if snap is not None:
         if replay.seq < snap_seq:
             raise position_error(snap_seq, replay.seq)
@@ -5224,15 +5274,19 @@ def cmd_log(ctx, a):
                 events.append(ev)
             else:
                 ctx.say(format_event(ev))
-                if streaming and len(ctx.out.lines) >= 4096:
-                    ctx.out.flush()
+
+    def stream(replay, line, ev):  # the whole history as text: each line said, a batch written
+        said.append(format_event(ev))
+        if len(said) >= 4096:
+            ctx.out.flush()
 
     with open_plan(ctx, exclusive=False) as s:
         s.refuse_original()
         if s.ledger.open() is None:
             raise no_plan()
         try:
-            replay = replay_all(s.ledger, s.good_end(None), pick)
+            said = ctx.out.lines
+            replay = replay_all(s.ledger, s.good_end(None), stream if streaming else pick)
         except FablizeError:
             ctx.out.lines.clear()  # what was not yet written stays unsaid: the damage is the news
             raise
@@ -5295,10 +5349,11 @@ def cmd_report(ctx, a):
     with open_plan(ctx, exclusive=False) as s:
         plan = s.require_plan()
         runs = collections.deque(maxlen=REPORT_RUNS)
-        # the whole history, checked as audit does; the latest runs kept
-        replay = replay_all(s.ledger, s.good_end(None), lambda replay, line, ev: runs.append(ev),
-                            kinds={"verify_run"})
-    text = render_report(plan, list(runs), replay.counts["verify_run"])
+        # the whole history, checked as audit does; the latest runs kept as their lines (as
+        # audit keeps them: report of 100,000 real runs, N → N s CPU)
+        replay = replay_all(s.ledger, s.good_end(None),
+                            lambda replay, line, ev: runs.append(line), kinds={"verify_run"})
+    text = render_report(plan, list(map(parse_event, runs)), replay.counts["verify_run"])
     target = a.out or os.environ.get("GITHUB_STEP_SUMMARY")
     if target and within(os.path.abspath(target), ctx.store.dir):
         raise usage(f"report --out {one_line(target)}: that is inside the state directory, whose "
@@ -5582,7 +5637,7 @@ class Output:
         """Write the lines said so far now (text mode): a long answer streams, memory flat."""
         if self.lines and not self.json:
             sys.stdout.write(paint(clean("\n".join(map(str, self.lines))), sys.stdout) + "\n")
-            self.lines = []
+            self.lines.clear()
 
     def render(self, command, error, code):
         """The command's result on stdout and stderr."""

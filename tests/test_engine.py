@@ -263,6 +263,8 @@ BATCH_FORGERIES = {
     "unknown story": lambda e: e.update(id="G009"),
     "unknown kind": lambda e: e.update(event="verify_ran"),
     "seq a bool": None,  # the first line's seq: True equals 1
+    "no plan first": None,  # the ledger starts with its story's start, runs behind it
+    "a second plan": None,  # run 37 is another plan_created
 }
 
 
@@ -280,11 +282,15 @@ def test_a_batch_replays_as_its_lines_do_one_by_one(fab, name, monkeypatch):
     run = next(e for e in events if e["event"] == "verify_run")
     entries = [e for e in events if e["event"] != "verify_run"]
     entries += [json.loads(json.dumps(dict(run, log="AUTO"))) for _ in range(60)]
-    mutate = BATCH_FORGERIES[name]
+    mutate, target = BATCH_FORGERIES[name], len(entries) - 60 + 36
     if mutate is not None:
-        mutate(entries[len(entries) - 60 + 36])
+        mutate(entries[target])
+    elif name == "a second plan":
+        entries[target] = dict(entries[0])
+    elif name == "no plan first":
+        del entries[0]
     lines = rechain(entries)
-    if mutate is None:
+    if name == "seq a bool":
         lines[0] = lines[0].replace(b'"seq":1,', b'"seq":true,', 1)
     data = b"".join(line + b"\n" for line in lines)
     outcome = replayed_line_by_line(data)
