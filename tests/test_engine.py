@@ -303,6 +303,55 @@ def test_a_batch_replays_as_its_lines_do_one_by_one(fab, name, monkeypatch):
         assert len([line for line in fed if b'"verify_run"' in line]) <= 1, len(fed)
 
 
+def test_audit_of_many_batches_finds_what_a_scan_of_each_line_finds(fab, tmp_path):
+    """audit checks a batch of events at once (secrets asked once per distinct text, logs found
+    by set lookups, the trust scan passing over runs like the last clean one): over 300 runs in
+    several batches, with a secret, a run made elsewhere, a dirty tree, a run whose log could
+    not be made and logs present or edited among them, it must report what a scan of each
+    line alone reports, at the same lines."""
+    if not _ONE_RUN:
+        make_plan(fab, 2, "--check", "G001=true")
+        assert fab("next").code == 0
+        assert fab("verify", "--id", "G001").code == 0
+        _ONE_RUN.extend(ledger(fab.dir))
+    events = json.loads(json.dumps(_ONE_RUN))
+    run = next(e for e in events if e["event"] == "verify_run")
+    entries = [e for e in events if e["event"] != "verify_run"]
+    head = len(entries)
+    entries += [json.loads(json.dumps(dict(run, log="AUTO"))) for _ in range(300)]
+    token = "ghp_" + "A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"
+    for i in (40, 41, 170):
+        entries[head + i]["tail"] = f"token {token}\n"
+    entries[head + 200]["provenance"]["dir"] = "elsewhere"
+    entries[head + 250].update(git_dirty=True, tree="0" * 40)
+    entries[head + 260].update(bytes=0, sha256=goals.EMPTY_SHA256, error="no such program",
+                               exit_code=None)
+    lines = rechain(entries)
+    data = b"".join(line + b"\n" for line in lines)
+    runs_dir = tmp_path / "runs"
+    runs_dir.mkdir()
+    for i in (10, 100, 261, 299):  # logs kept for these runs; the one of run 100 edited
+        ev = json.loads(lines[head + i])
+        (runs_dir / ev["log"][5:]).write_bytes(b"" if i != 100 else b"edited\n")  # `true`
+    trust = goals.room("trust", "test")
+    batched, each = trust.Scan(str(fab.root), None), trust.Scan(str(fab.root), None)
+    report = goals.audit_ledger(data, None, runs_dir=str(runs_dir), scan=batched)
+    alone = goals.audit_ledger(data, None, runs_dir=str(runs_dir),
+                               scan=lambda n, h, ev: each(n, h, ev))  # no batch: line by line
+    parsed = [json.loads(line) for line in lines]
+    assert report["secret_lines"] == alone["secret_lines"] == [
+        ev["seq"] for ev in parsed if ev["event"] == "verify_run" and token in ev["tail"]]
+    assert [e.message for e in report["bad_logs"]] == [e.message for e in alone["bad_logs"]]
+    assert len(report["bad_logs"]) == 1 and f"line {head + 101}:" in report["bad_logs"][0].message
+    assert report["missing_logs"] == alone["missing_logs"] == 300 - 4 - 1  # 4 logs, 1 logless
+    assert [r["seq"] for r in report["recent_runs"]] == [r["seq"] for r in alone["recent_runs"]]
+    assert len(report["recent_runs"]) == goals.REPORT_RUNS
+    for name in ("first", "decisions", "unclean", "flagged", "unrecorded", "dirty"):
+        assert getattr(batched, name) == getattr(each, name), name
+    assert [f["line"] for f in batched.flagged] == [head + 201]
+    assert [d["line"] for d in batched.dirty] == [head + 251]
+
+
 def test_json_done_is_a_count_and_complete_a_flag_in_every_command(fab):
     make_plan(fab, 2)
     results = [fab("next", "--json"), fab("checkpoint", "--id", "G001", "--status", "complete",
