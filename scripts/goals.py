@@ -2331,18 +2331,23 @@ class Replay:
                 if on_event is not None and (kinds is None or ev["event"] in kinds):
                     on_event(self, line, ev)
             return
-        for line, ev, head, kind, known in zip(lines, events, *vetted):
+        plan, seq, head = self.plan, self.seq, self.head  # held in locals between feeds
+        for line, ev, digest, kind, known in zip(lines, events, *vetted):
             if known is None or known and not _same_dicts(ev, known):
+                self.plan, self.seq, self.head = plan, seq, head
                 self.feed(line, ev)
+                plan, seq, head = self.plan, self.seq, self.head
             else:
-                n = self.seq + 1
+                seq += 1
                 try:
-                    self.plan = transition(self.plan, ev)
+                    plan = transition(plan, ev)
                 except _REFUSED_EVENT as e:
-                    raise refused_event(n, ev, e)
-                self.seq, self.head = n, head
+                    raise refused_event(seq, ev, e)
+                head = digest
             if on_event is not None and (kinds is None or kind in kinds):
+                self.plan, self.seq, self.head = plan, seq, head
                 on_event(self, line, ev)
+        self.plan, self.seq, self.head = plan, seq, head
 
     def position(self):
         return {"seq": self.seq, "head": self.head}
@@ -4117,6 +4122,10 @@ def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None,
     log_key = (itemgetter(slice(len(RUNS) + 1, None)) if logs is None else None)
     found = logs.keys() if logs is not None else present
     has_log = found.__contains__
+    # the seqs whose log may be here, from the names (<seq>-<story>.log): a batch none of whose
+    # seqs is among them has no log to look up
+    logged = {int(seq) for seq in (name.rpartition("/")[2].partition("-")[0] for name in found)
+              if seq.isascii() and seq.isdigit()}
 
     def on_batch(replay, events):
         """What audit checks of each batch the replay accepted, in C loops where it can (with
@@ -4124,8 +4133,9 @@ def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None,
         1.32 s CPU, against checking each event in Python as it replayed)."""
         nonlocal checked
         kinds = list(map(_EVENT_KIND, events))
-        groups = {kind: list(compress(events, map(eq, kinds, repeat(kind))))
-                  for kind in set(kinds)}
+        distinct = set(kinds)
+        groups = ({kinds[0]: events} if len(distinct) == 1 else  # most batches: runs only
+            {kind: list(compress(events, map(eq, kinds, repeat(kind)))) for kind in distinct})
         if len(secrets) < MAX_SECRET_LINES:
             secrets.extend(secret_seqs(groups, secret)[:MAX_SECRET_LINES - len(secrets)])
         runs = groups.get("verify_run", ())
@@ -4135,10 +4145,10 @@ def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None,
             logless = {ev["seq"] for ev in runs if not ev["bytes"] and ev["error"] and
                        ev["sha256"] == EMPTY_SHA256}
             checked += len(logless)
-        names = list(map(_LOG, runs) if log_key is None else map(log_key, map(_LOG, runs)))
-        if found.isdisjoint(names):  # most batches: none of their logs is here
-            names = ()
-        for ev in compress(runs, map(has_log, names)):
+        names = ()
+        if runs and not logged.isdisjoint(range(runs[0]["seq"], runs[-1]["seq"] + 1)):
+            names = map(_LOG, runs) if log_key is None else map(log_key, map(_LOG, runs))
+        for ev in compress(runs, map(has_log, names)):  # most batches: none of their logs here
             if ev["seq"] in logless:
                 continue
             checked += 1

@@ -333,6 +333,8 @@ def test_audit_of_many_batches_finds_what_a_scan_of_each_line_finds(fab, tmp_pat
     for i in (10, 100, 261, 299):  # logs kept for these runs; the one of run 100 edited
         ev = json.loads(lines[head + i])
         (runs_dir / ev["log"][5:]).write_bytes(b"" if i != 100 else b"edited\n")  # `true`
+    for stray in ("notes.txt", "\u00b2-G001.log", "-G001.log"):  # named like no run's log
+        (runs_dir / stray).write_bytes(b"x")
     trust = goals.room("trust", "test")
     batched, each = trust.Scan(str(fab.root), None), trust.Scan(str(fab.root), None)
     report = goals.audit_ledger(data, None, runs_dir=str(runs_dir), scan=batched)
