@@ -354,6 +354,26 @@ def test_audit_of_many_batches_finds_what_a_scan_of_each_line_finds(fab, tmp_pat
     assert [d["line"] for d in batched.dirty] == [head + 251]
 
 
+def test_a_runs_record_holds_run_fields_in_their_order(fab):
+    """The verify_run transition writes a run's record out key by key (a dict display, cheaper
+    than a comprehension over RUN_FIELDS): its keys must be RUN_FIELDS, in their order, then
+    its verdict; an interrupted run's record says so before the verdict."""
+    make_plan(fab, 2, "--check", "G001=true")
+    assert fab("next").code == 0
+    assert fab("verify", "--id", "G001").code == 0
+    run = next(e for e in ledger(fab.dir) if e["event"] == "verify_run")
+    plan = None
+    for ev in ledger(fab.dir):
+        plan = goals.apply_event(plan, ev)
+    record = goals.lookup(plan, "G001")["last_run"]
+    assert tuple(record) == (*goals.RUN_FIELDS, "ok")
+    assert {k: record[k] for k in goals.RUN_FIELDS} == {k: run[k] for k in goals.RUN_FIELDS}
+    assert goals.lookup(plan, "G001")["runs"] == [record] and record["ok"] is True
+    run = dict(run, interrupted="SIGINT", seq=run["seq"] + 1, log=f"runs/{run['seq'] + 1}-G001.log")
+    record = goals.lookup(goals.apply_event(plan, run), "G001")["last_run"]
+    assert tuple(record) == (*goals.RUN_FIELDS, "interrupted", "ok") and record["ok"] is False
+
+
 def test_json_done_is_a_count_and_complete_a_flag_in_every_command(fab):
     make_plan(fab, 2)
     results = [fab("next", "--json"), fab("checkpoint", "--id", "G001", "--status", "complete",
