@@ -2251,6 +2251,7 @@ def not_an_event(lineno):
 
 
 _EVENT_KIND, _SEQ, _PREV, _TS = map(itemgetter, ("event", "seq", "prev", "ts"))
+_HEXDIGEST = methodcaller("hexdigest")
 # what a transition raises on an event it refuses: its refusal, or a field it cannot use
 _REFUSED_EVENT = (FablizeError, KeyError, TypeError, ValueError, AttributeError, IndexError,
                   RecursionError)
@@ -2261,7 +2262,6 @@ def refused_event(n, ev, e):
     if isinstance(e, FablizeError):
         return line_error(n, e.message)
     return line_error(n, f"malformed {one_line(ev.get('event'))} event ({type(e).__name__})")
-_HEXDIGEST = methodcaller("hexdigest")
 
 
 class Replay:
@@ -4065,6 +4065,7 @@ SECRET_FIELDS = {"verify_run": ("cmd", "tail"), "observed_run": ("cmd", "detail"
                  "checkpoint": ("evidence", "verify_cmd", "verify_evidence"),
                  "verdict": ("evidence",), "paused": ("note",)}
 MAX_SECRET_LINES = 20
+EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 _SHA256, _LOG = itemgetter("sha256"), itemgetter("log")
 
 
@@ -4084,7 +4085,6 @@ def secret_seqs(groups, secret):
         if flagged:
             seqs += [ev["seq"] for ev in group if any(ev[name] in flagged for name in fields)]
     return sorted(seqs)
-EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
 
 def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None, scan=None,
@@ -4125,7 +4125,7 @@ def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None,
         return known
 
     # a run's log is runs/<seq>-<story>.log (replay checked): where it is looked for
-    log_key = (itemgetter(slice(len(RUNS) + 1, None)) if logs is None else None)
+    log_key = itemgetter(slice(len(RUNS) + 1, None)) if logs is None else None
     found = logs.keys() if logs is not None else present
     has_log = found.__contains__
     # the seqs whose log may be here, from the names (<seq>-<story>.log): a batch none of whose
