@@ -434,8 +434,9 @@ class Scan:
         if not isinstance(prov, dict):
             self.unrecorded += 1  # counted apart: every run of an older engine would be listed
             why = ()
-        elif prov == self.prov:  # most runs share one provenance: it is judged once (with
-            # audit's memo of secret-looking texts, audit of 100,000 real runs: 1.60 → 1.39 s)
+        elif prov == self.prov:  # most runs share one provenance: it is judged once (this,
+            # audit's memo of secret texts and the batch replay together, audit of 100,000 real
+            # runs: 1.60 → 1.39 s CPU)
             why = self.why
         else:
             self.prov = prov

@@ -243,7 +243,23 @@ def replayed_in_batches(data):
     return goals.snapshot_bytes(replay.plan)
 
 
-_ONE_RUN = []
+_ONE_RUN = []  # a plan with one real run, made once for every test that copies it
+
+
+def runs_of_one_plan(fab, n):
+    """(entries, head) for rechain: a plan's events before its first run (head of them), then
+    `n` copies of that run, a real one, each an object of its own."""
+    if not _ONE_RUN:
+        make_plan(fab, 2, "--check", "G001=true")
+        assert fab("next").code == 0
+        assert fab("verify", "--id", "G001").code == 0
+        _ONE_RUN.extend(ledger(fab.dir))
+    run = next(e for e in _ONE_RUN if e["event"] == "verify_run")
+    entries = json.loads(json.dumps([e for e in _ONE_RUN if e["event"] != "verify_run"]))
+    head = len(entries)
+    return entries + [json.loads(json.dumps(dict(run, log="AUTO"))) for _ in range(n)], head
+
+
 BATCH_FORGERIES = {
     # name: what is done to run 37 of 60 (every one a run the engine would never write)
     "none": lambda e: None,
@@ -273,16 +289,8 @@ def test_a_batch_replays_as_its_lines_do_one_by_one(fab, name, monkeypatch):
     """replay_all vets a batch of lines at once and sends each event of a shape known to fit
     straight to its transition: whatever a line holds, it must end as feeding every line alone
     would — the same plan, or the same damage named at the same line with the same words."""
-    if not _ONE_RUN:  # a plan with one real run, made once for every case
-        make_plan(fab, 2, "--check", "G001=true")
-        assert fab("next").code == 0
-        assert fab("verify", "--id", "G001").code == 0
-        _ONE_RUN.extend(ledger(fab.dir))
-    events = json.loads(json.dumps(_ONE_RUN))
-    run = next(e for e in events if e["event"] == "verify_run")
-    entries = [e for e in events if e["event"] != "verify_run"]
-    entries += [json.loads(json.dumps(dict(run, log="AUTO"))) for _ in range(60)]
-    mutate, target = BATCH_FORGERIES[name], len(entries) - 60 + 36
+    entries, head = runs_of_one_plan(fab, 60)
+    mutate, target = BATCH_FORGERIES[name], head + 36
     if mutate is not None:
         mutate(entries[target])
     elif name == "a second plan":
@@ -309,16 +317,7 @@ def test_audit_of_many_batches_finds_what_a_scan_of_each_line_finds(fab, tmp_pat
     several batches, with a secret, a run made elsewhere, a dirty tree, a run whose log could
     not be made and logs present or edited among them, it must report what a scan of each
     line alone reports, at the same lines."""
-    if not _ONE_RUN:
-        make_plan(fab, 2, "--check", "G001=true")
-        assert fab("next").code == 0
-        assert fab("verify", "--id", "G001").code == 0
-        _ONE_RUN.extend(ledger(fab.dir))
-    events = json.loads(json.dumps(_ONE_RUN))
-    run = next(e for e in events if e["event"] == "verify_run")
-    entries = [e for e in events if e["event"] != "verify_run"]
-    head = len(entries)
-    entries += [json.loads(json.dumps(dict(run, log="AUTO"))) for _ in range(300)]
+    entries, head = runs_of_one_plan(fab, 300)
     token = "ghp_" + "A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"
     for i in (40, 41, 170):
         entries[head + i]["tail"] = f"token {token}\n"
