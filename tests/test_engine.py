@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (git, goals, ledger, make_plan, raw_lines, rechain, run_cli,
-                      state_files, write_lines)
+from conftest import (encode, git, goals, ledger, make_plan, raw_lines, rechain, run_cli,
+                      sha256_hex, state_files, write_lines)
 
 
 
@@ -261,7 +261,8 @@ def runs_of_one_plan(fab, n):
 
 
 BATCH_FORGERIES = {
-    # name: what is done to run 37 of 60 (every one a run the engine would never write)
+    # name: what is done to run 137 of 200, in the ledger's second batch of 64 KiB, which the
+    # replay parses as one array (every one a run the engine would never write)
     "none": lambda e: None,
     "exit code a bool": lambda e: e.update(exit_code=True),
     "timed_out an int": lambda e: e.update(timed_out=0),
@@ -280,8 +281,35 @@ BATCH_FORGERIES = {
     "unknown kind": lambda e: e.update(event="verify_ran"),
     "seq a bool": None,  # the first line's seq: True equals 1
     "no plan first": None,  # the ledger starts with its story's start, runs behind it
-    "a second plan": None,  # run 37 is another plan_created
+    "a second plan": None,  # run 137 is another plan_created
+    # each line must hold one value of its own: run 137 opens a list that the next line, a
+    # whole event, closes; the line after it holds two runs, so the lines and the array's
+    # values are as many
+    "a line hidden in a list": None,
+    "two runs on one line": None,  # runs 137 and 138 on one line: one value fewer
 }
+
+
+def hide_a_line(lines, at, hidden=True):
+    """`lines` re-chained with line `at` (0-based) swallowing the line after it into a list,
+    when `hidden`, and the two runs after those on one line."""
+    evs = [json.loads(line) for line in lines]
+    head = evs[at]["prev"]
+    if hidden:
+        opened = encode(dict(evs[at], prev=head))[:-1] + b',"z":[0'
+        inner = encode(evs[at + 5]) + b"]}"
+        first = dict(evs[at + 1], prev=sha256_hex(opened))
+        second = dict(evs[at + 2], prev=sha256_hex(inner))
+        made = [opened, inner, encode(first) + b"," + encode(second)]
+        rest = at + 3
+    else:
+        first = dict(evs[at], prev=head)
+        second = dict(evs[at + 1], prev=sha256_hex(encode(first)))
+        made, rest = [encode(first) + b"," + encode(second)], at + 2
+    out = lines[:at] + made
+    for ev in evs[rest:]:
+        out.append(encode(dict(ev, prev=sha256_hex(out[-1]))))
+    return out
 
 
 @pytest.mark.parametrize("name", sorted(BATCH_FORGERIES))
@@ -289,8 +317,8 @@ def test_a_batch_replays_as_its_lines_do_one_by_one(fab, name, monkeypatch):
     """replay_all vets a batch of lines at once and sends each event of a shape known to fit
     straight to its transition: whatever a line holds, it must end as feeding every line alone
     would — the same plan, or the same damage named at the same line with the same words."""
-    entries, head = runs_of_one_plan(fab, 60)
-    mutate, target = BATCH_FORGERIES[name], head + 36
+    entries, head = runs_of_one_plan(fab, 200)
+    mutate, target = BATCH_FORGERIES[name], head + 136
     if mutate is not None:
         mutate(entries[target])
     elif name == "a second plan":
@@ -300,15 +328,24 @@ def test_a_batch_replays_as_its_lines_do_one_by_one(fab, name, monkeypatch):
     lines = rechain(entries)
     if name == "seq a bool":
         lines[0] = lines[0].replace(b'"seq":1,', b'"seq":true,', 1)
+    if name in ("a line hidden in a list", "two runs on one line"):
+        lines = hide_a_line(lines, target, name == "a line hidden in a list")
     data = b"".join(line + b"\n" for line in lines)
+    assert sum(map(len, lines[:target])) > 1 << 16  # past the first batch, parsed line by line
     outcome = replayed_line_by_line(data)
-    fed = []
+    fed, exact = [], []
     monkeypatch.setattr(goals.Replay, "feed", lambda self, line, ev, feed=goals.Replay.feed:
                         fed.append(line) or feed(self, line, ev))
+    monkeypatch.setattr(goals, "parse_events", lambda lines, parse=goals.parse_events:
+                        exact.append(len(lines)) or parse(lines))
     assert replayed_in_batches(data) == outcome
     assert (type(outcome) is bytes) == (name in ("none", "provenance dir changed")), outcome
-    if name == "none":  # the batch path did the work: a shape's first event alone was fed
+    if name == "none":  # the batch path did the work: a shape's first event alone was fed,
+        # and only the first batch, whose shapes were not known yet, was parsed line by line
         assert len([line for line in fed if b'"verify_run"' in line]) <= 1, len(fed)
+        assert len(exact) == 1, exact
+    if name == "a line hidden in a list":
+        assert f"line {target + 1}: not a ledger event" in outcome, outcome
 
 
 def test_audit_of_many_batches_finds_what_a_scan_of_each_line_finds(fab, tmp_path):
