@@ -5352,8 +5352,8 @@ def cmd_log(ctx, a):
             else:
                 ctx.say(format_event(ev))
 
-    def stream(replay, line, ev):  # the whole history as text: each line said, a batch written
-        said.append(format_event(ev))
+    def stream(replay, batch):  # the whole history as text: each batch said once it replayed
+        said.extend(map(format_event, batch))
         if len(said) >= 4096:
             ctx.out.flush()
 
@@ -5363,7 +5363,8 @@ def cmd_log(ctx, a):
             raise no_plan()
         try:
             said = ctx.out.lines
-            replay = replay_all(s.ledger, s.good_end(None), stream if streaming else pick)
+            replay = (replay_all(s.ledger, s.good_end(None), on_batch=stream) if streaming else
+                      replay_all(s.ledger, s.good_end(None), pick))
         except FablizeError:
             ctx.out.lines.clear()  # what was not yet written stays unsaid: the damage is the news
             raise
