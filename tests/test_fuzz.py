@@ -724,6 +724,15 @@ def test_a_batch_of_times_is_checked_as_the_pattern_checks_each(times):
     assert goals.utc_times(times) == all(pattern.match(t) for t in times), times
 
 
+@given(lines=st.lists(st.text(st.sampled_from("ab →\t\n\r\x00\x1b\x7f\x85\u2028\u202e\ud800"),
+                              max_size=6), max_size=4))
+@fuzz_settings(300)
+def test_lines_are_cleaned_as_their_text_is(lines):
+    """What is said is written through clean_lines, which checks each line before the text:
+    the same text clean() makes of the lines joined."""
+    assert goals.clean_lines(lines) == goals.clean("\n".join(lines))
+
+
 # Regressions: inputs that once crashed the engine ###########################
 #
 # Deep nesting, lone surrogates, log/report on malformed lines, and wrongly typed fields behind
