@@ -1307,8 +1307,7 @@ def pause(session, cfg, seconds):
     the other agents of this clone waiting up to FABLIZE_SHARE_WAIT, past their lock timeout):
     one of them may meanwhile commit and publish this command's events along with its own. The
     lock is taken again and the plan and share.json read again; `publish` then finds this
-    command's event where it went (Transaction's lock is replaced by a new one: a Lock's
-    descriptor is not reopened)."""
+    command's event where it went."""
     if seconds <= 0:
         return
     keep_position(session, cfg)
@@ -1316,7 +1315,6 @@ def pause(session, cfg, seconds):
     session.lock.__exit__(None, None, None)
     session.share_unlocked = True  # until the lock is held again: nothing may be written
     time.sleep(seconds)
-    session.lock = engine.Lock(session.store.dir, session.store.warnings)
     session.lock.__enter__()
     session.share_unlocked = False
     session.share_paused = True

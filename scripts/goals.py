@@ -2086,8 +2086,10 @@ class Lock:
                 os.unlink(self.owner_path)
             except FileNotFoundError:
                 pass
+            self.owner_path = None
         if self.fd is not None:
             os.close(self.fd)  # closing drops the flock
+            self.fd = None  # taken again, the lock opens its file again
         return False
 
 

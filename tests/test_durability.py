@@ -639,6 +639,19 @@ def test_lock_timeout_in_a_real_process(fab, held_lock):
     assert state_files(fab.dir) == before
 
 
+def test_a_lock_let_go_is_taken_again_and_holds(fab):
+    """A shared plan's writer lets its lock go while it waits out other writers, then takes the
+    same lock again: it must hold again, as the first time."""
+    make_plan(fab, 3)
+    lock = goals.Lock(str(fab.dir), [])
+    for _ in range(2):
+        with lock:
+            r = run_cli("next", cwd=fab.root, env={"FABLIZE_LOCK_TIMEOUT": "0.2"})
+            assert r.code == 3 and "FABLIZE_LOCK_TIMEOUT" in r.err, r
+        assert lock.fd is None
+    assert fab("next").code == 0
+
+
 @pytest.mark.parametrize("value", ["abc", "-1", "nan", "", "10s"])
 def test_bad_lock_timeout_value_is_a_usage_error(fab, monkeypatch, value):
     make_plan(fab, 3)
