@@ -724,6 +724,43 @@ def test_a_batch_of_times_is_checked_as_the_pattern_checks_each(times):
     assert goals.utc_times(times) == all(pattern.match(t) for t in times), times
 
 
+def event_like_values():
+    leaf = st.none() | st.booleans() | st.integers(-3, 3) | st.text(',{}[]":seq\\', max_size=5)
+    return st.recursive(leaf, lambda inner: st.lists(inner, max_size=3) | st.builds(
+        lambda rest, event: {"seq": 1, **rest} if event else rest,
+        st.dictionaries(st.sampled_from(["a", "seq", "b"]), inner, max_size=2), st.booleans()),
+        max_leaves=8)
+
+
+def holds_list(value):
+    if type(value) is dict:
+        return any(map(holds_list, value.values()))
+    return type(value) is list
+
+
+@given(values=st.lists(event_like_values(), min_size=1, max_size=4),
+       cuts=st.sets(st.integers(0, 30)))
+@fuzz_settings(400)
+def test_an_array_of_events_none_holding_a_list_is_its_lines_values(values, cuts):
+    """parse_batch parses a batch as one JSON array; Replay.vet takes its values as the lines'
+    only when each is an event of a known shape, which holds no list. Lines cut from an array's
+    text wherever `,{"seq":` follows (between its values or inside a list of one) are each one
+    value alone whenever the array's values are as many, none holding a list."""
+    text = json.dumps(values, ensure_ascii=False, separators=(",", ":"))[1:-1].encode()
+    at = [m.start() for m in re.finditer(rb',(?=\{"seq":)', text)]
+    lines, start = [], 0
+    for i, k in enumerate(at):
+        if i in cuts:
+            lines.append(text[start:k])
+            start = k + 1
+    lines.append(text[start:])
+    assume(all(line.startswith(b'{"seq":') for line in lines))
+    events, aligned = goals.parse_batch(lines)
+    if (not aligned and len(events) == len(lines) and
+            all(type(ev) is dict and not holds_list(ev) for ev in events)):
+        assert events == [json.loads(line) for line in lines], lines
+
+
 @given(lines=st.lists(st.text(st.sampled_from("ab →\t\n\r\x00\x1b\x7f\x85\u2028\u202e\ud800"),
                               max_size=6), max_size=4))
 @fuzz_settings(300)
