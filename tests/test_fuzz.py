@@ -740,7 +740,7 @@ def holds_list(value):
 
 @given(values=st.lists(event_like_values(), min_size=1, max_size=4),
        cuts=st.sets(st.integers(0, 30)))
-@fuzz_settings(400)
+@fuzz_settings(150)
 def test_an_array_of_events_none_holding_a_list_is_its_lines_values(values, cuts):
     """parse_batch parses a batch as one JSON array; Replay.vet takes its values as the lines'
     only when each is an event of a known shape, which holds no list. Lines cut from an array's

@@ -21,7 +21,7 @@ def half_done(fab, n, title="Story with a title of a realistic length"):
     assert fab("next").code == 0
 
 
-@pytest.mark.parametrize("n", [60, 600])
+@pytest.mark.parametrize("n", [60, 400])
 def test_a_session_start_stays_short_and_flat_as_the_plan_grows(fab, n):
     half_done(fab, n)
     out = fab("status", "--resume").out
