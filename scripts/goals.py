@@ -56,7 +56,7 @@ import stat
 import sys
 import time
 from itertools import accumulate, compress, repeat
-from operator import add, eq, itemgetter, methodcaller, sub
+from operator import add, eq, itemgetter, methodcaller, not_, sub
 
 __version__ = "3.0.0"
 
@@ -2132,13 +2132,28 @@ def parse_events(lines):
     return list(map(_FIRST, scanned))  # Replay.feed checks each is an event
 
 
+def holds_a_listed_dict(value):
+    """Whether a dict lies in a list anywhere inside the dict `value` (Replay.vet)."""
+    inside = [value]
+    while inside:
+        holder = inside.pop()
+        for item in holder.values() if type(holder) is dict else holder:
+            if type(item) is dict:
+                if type(holder) is list:
+                    return True
+                inside.append(item)
+            elif type(item) is list:
+                inside.append(item)
+    return False
+
+
 def parse_batch(lines):
     """(events, aligned): the events of a batch, and whether each is known to be its own line's.
     When every line starts with `{"seq":`, the batch is parsed as one JSON array, in one call of
     json's decoder (its memo of keys then spans the batch: replay of 100,000 real-run events
     ~0.6 µs an event less than parse_events), and `aligned` is False: that each value is its own
-    line's holds only once Replay.vet finds every event of a shape it knows (see there), and
-    the batch is otherwise parsed again by parse_events."""
+    line's holds only once Replay.vet finds no dict in a list in any event (see there), and the
+    batch is otherwise parsed again by parse_events."""
     if False in map(bytes.startswith, lines, repeat(b'{"seq":')):
         return parse_events(lines), True
     joined = b",".join(lines)
@@ -2349,10 +2364,11 @@ class Replay:
         C (map, zip, list equality): (each line's hash, its kind, whether its shape is one
         _FITTED knows fits), or None when a line fails, and feed then checks each line whole to
         say which and why.
-        `aligned=False` (parse_batch's one array): None too unless every event fits a shape
-        _FITTED knows, which holds no list. A line start, `{"seq":` after the join's comma, is
-        outside any string (its quote would end one, and `seq"` follow it) and no key, so it
-        can lie inside no such event: each starts an event of the array, the chain check holds
+        `aligned=False` (parse_batch's one array): None too when an event holds a dict in a
+        list — none of a shape _FITTED knows does, since none of those holds a list. A line
+        start, `{"seq":` after the join's comma, is outside any string (its quote would end
+        one, and `seq"` follow it) and no key, so only a dict in a list could be one inside an
+        event: without any, each line start starts an event of the array, the chain check holds
         as many events as lines, and so each event is its own line's."""
         try:
             if set(map(type, events)) != {dict}:
@@ -2374,7 +2390,8 @@ class Replay:
                          map(tuple, map(map, repeat(type), map(dict.values, events))))
             fits = [known is not None and (not known or _same_dicts(ev, known))
                     for ev, known in zip(events, map(_FITTED.get, shapes))]
-            if not aligned and False in fits:
+            if not aligned and False in fits and any(map(holds_a_listed_dict, compress(
+                    events, map(not_, fits)))):
                 return None
             return hashes, kinds, fits
         except (KeyError, TypeError):  # a missing key; an unhashable kind, a ts not text

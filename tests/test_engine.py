@@ -286,18 +286,20 @@ BATCH_FORGERIES = {
     # whole event, closes; the line after it holds two runs, so the lines and the array's
     # values are as many
     "a line hidden in a list": None,
+    "a line hidden in a list in a list in a dict": None,
     "two runs on one line": None,  # runs 137 and 138 on one line: one value fewer
 }
 
 
-def hide_a_line(lines, at, hidden=True):
-    """`lines` re-chained with line `at` (0-based) swallowing the line after it into a list,
-    when `hidden`, and the two runs after those on one line."""
+def hide_a_line(lines, at, hidden=(b"[0", b"]")):
+    """`lines` re-chained with line `at` (0-based) swallowing the line after it into what
+    `hidden` opens and closes (as the value of a key added last), when it is given, and the two
+    runs after those on one line."""
     evs = [json.loads(line) for line in lines]
     head = evs[at]["prev"]
     if hidden:
-        opened = encode(dict(evs[at], prev=head))[:-1] + b',"z":[0'
-        inner = encode(evs[at + 5]) + b"]}"
+        opened = encode(dict(evs[at], prev=head))[:-1] + b',"z":' + hidden[0]
+        inner = encode(evs[at + 5]) + hidden[1] + b"}"
         first = dict(evs[at + 1], prev=sha256_hex(opened))
         second = dict(evs[at + 2], prev=sha256_hex(inner))
         made = [opened, inner, encode(first) + b"," + encode(second)]
@@ -328,8 +330,12 @@ def test_a_batch_replays_as_its_lines_do_one_by_one(fab, name, monkeypatch):
     lines = rechain(entries)
     if name == "seq a bool":
         lines[0] = lines[0].replace(b'"seq":1,', b'"seq":true,', 1)
-    if name in ("a line hidden in a list", "two runs on one line"):
-        lines = hide_a_line(lines, target, name == "a line hidden in a list")
+    if name == "a line hidden in a list":
+        lines = hide_a_line(lines, target)
+    elif name == "a line hidden in a list in a list in a dict":
+        lines = hide_a_line(lines, target, (b'{"y":[1,[2', b"]]}"))
+    elif name == "two runs on one line":
+        lines = hide_a_line(lines, target, None)
     data = b"".join(line + b"\n" for line in lines)
     assert sum(map(len, lines[:target])) > 1 << 16  # past the first batch, parsed line by line
     outcome = replayed_line_by_line(data)
@@ -344,8 +350,37 @@ def test_a_batch_replays_as_its_lines_do_one_by_one(fab, name, monkeypatch):
         # and only the first batch, whose shapes were not known yet, was parsed line by line
         assert len([line for line in fed if b'"verify_run"' in line]) <= 1, len(fed)
         assert len(exact) == 1, exact
-    if name == "a line hidden in a list":
+    if name.startswith("a line hidden"):
         assert f"line {target + 1}: not a ledger event" in outcome, outcome
+
+
+def test_a_plan_worked_story_by_story_is_parsed_an_array_a_batch(fab, monkeypatch):
+    """A ledger of a plan worked as agents work it — each story started, run, then completed by
+    a checkpoint that names its runs in a list — is parsed as one array a batch past the first,
+    and replays to what feeding each line alone makes."""
+    make_plan(fab, 300)
+    assert fab("next").code == 0
+    assert fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "ran it",
+               "--run", "--verify-cmd", "true").code == 0
+    events = ledger(fab.dir)
+    started, run, done = (next(e for e in events if e["event"] == kind)
+                          for kind in ("story_started", "verify_run", "checkpoint"))
+    assert done["runs"] == [run["seq"]], done
+    entries = events[:1]
+    for i in range(1, 300):
+        sid, seq = goals.story_id(i), len(entries) + 1
+        entries += [dict(started, id=sid, title=f"S{i}"),
+                    dict(run, id=sid, after_seq=seq, log="AUTO"),
+                    dict(done, id=sid, evidence=f"{sid} done", runs=[seq + 1])]
+    data = b"".join(line + b"\n" for line in rechain(entries))
+    assert len(data) > 2 * 65536 + len(data.split(b"\n")[0])
+    exact = []
+    monkeypatch.setattr(goals, "parse_events", lambda lines, parse=goals.parse_events:
+                        exact.append(len(lines)) or parse(lines))
+    outcome = replayed_in_batches(data)
+    assert len(exact) == 1, exact
+    monkeypatch.undo()
+    assert type(outcome) is bytes and outcome == replayed_line_by_line(data)
 
 
 def test_audit_of_many_batches_finds_what_a_scan_of_each_line_finds(fab, tmp_path):
