@@ -1487,6 +1487,8 @@ def utc_times(times):
     text)."""
     return (set(map(_TIME_ZONE, times)) <= {"+00:00"} and  # its digits, which translate hides
             "\n".join(times).translate(_TIME_DIGITS) == (_TIME_FORM * len(times))[:-1])
+
+
 _EVENT_BASE = {"seq": int, "ts": str, "event": str, "prev": str}
 EVENTS = {
     "plan_created": (_ev_plan_created, {
