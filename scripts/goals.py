@@ -2097,19 +2097,25 @@ class Lock:
 
 def parse_event(line):
     """The event on a ledger line, or None when the line is not one."""
-    try:
-        ev = load_json(line)
-    except ValueError:
-        return None
+    ev = line_value(line)
     if type(ev) is dict and type(ev.get("seq")) is int and type(ev.get("event")) is str:
         return ev
     return None
+
+
+def line_value(line):
+    """The JSON value a ledger line holds, or None when it holds none (Replay.feed says what is
+    wrong with a value that is no event, as parse_events' scan of a batch hands it over)."""
+    try:
+        return load_json(line)
+    except ValueError:
+        return None
 _SCAN = json.JSONDecoder().scan_once  # json's C scanner: one value at a position, and its end
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 
 def parse_events(lines):
-    """parse_event for a batch of lines, in one pass of json's scanner over the joined batch
+    """line_value for a batch of lines, in one pass of json's scanner over the joined batch
     (JSON strings never hold a raw newline). Each value must end exactly where its own line
     does: a value spread over several lines — a forged line hidden inside another event, so
     that its hash sits in the chain without its prev ever being checked — is no event, and
@@ -2120,7 +2126,7 @@ def parse_events(lines):
     except UnicodeDecodeError:
         text = None
     if text is None or has_surrogate_escape(text):
-        return [parse_event(line) for line in lines]
+        return list(map(line_value, lines))
     # where each line starts and ends in the text, and the scanner called at each start, all in
     # C (map, accumulate): a loop in Python would cost ~0.4 µs a line more
     lengths = map(len, lines if text.isascii() else map(bytes.decode, lines))
@@ -2128,9 +2134,9 @@ def parse_events(lines):
     try:
         scanned = list(map(_SCAN, repeat(text), starts[:-1]))
     except (StopIteration, ValueError, RecursionError):
-        return [parse_event(line) for line in lines]
+        return list(map(line_value, lines))
     if list(map(_SECOND, scanned)) != list(map(sub, starts[1:], repeat(1))):
-        return [parse_event(line) for line in lines]
+        return list(map(line_value, lines))
     return list(map(_FIRST, scanned))  # Replay.feed checks each is an event
 
 

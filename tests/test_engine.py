@@ -288,6 +288,9 @@ BATCH_FORGERIES = {
     "a line hidden in a list": None,
     "a line hidden in a list in a list in a dict": None,
     "two runs on one line": None,  # runs 137 and 138 on one line: one value fewer
+    # run 137's seq as text, and a space after run 138, so that its batch is parsed a line at
+    # a time: the seq is named as it is when the batch is scanned at once
+    "seq as text beside a line parsed alone": None,
 }
 
 
@@ -336,6 +339,10 @@ def test_a_batch_replays_as_its_lines_do_one_by_one(fab, name, monkeypatch):
         lines = hide_a_line(lines, target, (b'{"y":[1,[2', b"]]}"))
     elif name == "two runs on one line":
         lines = hide_a_line(lines, target, None)
+    elif name == "seq as text beside a line parsed alone":
+        seq = b'"seq":%d,' % (target + 1)
+        lines[target] = lines[target].replace(seq, seq.replace(b":", b':"')[:-1] + b'",', 1)
+        lines[target + 1] += b" "
     data = b"".join(line + b"\n" for line in lines)
     assert sum(map(len, lines[:target])) > 1 << 16  # past the first batch, parsed line by line
     outcome = replayed_line_by_line(data)
@@ -352,6 +359,8 @@ def test_a_batch_replays_as_its_lines_do_one_by_one(fab, name, monkeypatch):
         assert len(exact) == 1, exact
     if name.startswith("a line hidden"):
         assert f"line {target + 1}: not a ledger event" in outcome, outcome
+    if name == "seq as text beside a line parsed alone":
+        assert f"line {target + 1}: seq is '{target + 1}'" in outcome, outcome
 
 
 def test_a_plan_worked_story_by_story_is_parsed_an_array_a_batch(fab, monkeypatch):
