@@ -126,6 +126,20 @@ def test_a_ratio_is_the_median_of_per_round_ratios_cpu_first_and_wall_beside_it(
                      "20.0 (20.0)", "21.0 (21.0)", "36.0 (36.0)", "10.0 (24.0)"]
 
 
+def test_each_long_ledger_command_is_rated_against_the_loop_run_just_before_it(tmp_path):
+    """The loop runs before each command: a machine that slows within a round slows a command
+    and the loop run beside it alike, and the rate is the loop's time over the command's."""
+    data = fake_data()
+    c = data["sections"]["ledger"]["commands"]
+    c["bare loop before rebuild"] = flat(8000)  # the machine at half speed for rebuild
+    c["bare loop before log"], c["bare loop before report"] = flat(4000), flat(4000)
+    out = render(tmp_path, data, "--markdown")
+    lines_with(out, "- rebuild of 1,000,000 real-run events runs at 100% of the bare loop's rate")
+    lines_with(out, "- audit of 1,000,000 real-run events runs at 67%")
+    lines_with(out, "| bare loop | 4.00 s (wall 4.00 s) |")  # the median of its 12 runs
+    lines_with(out, "the bare loop runs before each command")
+
+
 def test_the_first_line_says_what_was_measured_and_how(tmp_path):
     first, second = render(tmp_path, fake_data()).splitlines()[:2]
     assert first.startswith("python 3.11.7, 2 cores, load average 0.50 0.75 1.00")
