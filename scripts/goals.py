@@ -2120,12 +2120,8 @@ def parse_events(lines):
     does: a value spread over several lines — a forged line hidden inside another event, so
     that its hash sits in the chain without its prev ever being checked — is no event, and
     the lines are then parsed one by one, where it fails."""
-    joined = b",".join(lines)
-    try:
-        text = joined.decode("utf-8")
-    except UnicodeDecodeError:
-        text = None
-    if text is None or has_surrogate_escape(text):
+    text = batch_text(lines)
+    if text is None:
         return list(map(line_value, lines))
     # where each line starts and ends in the text, and the scanner called at each start, all in
     # C (map, accumulate): a loop in Python would cost ~0.4 µs a line more
@@ -2138,6 +2134,16 @@ def parse_events(lines):
     if list(map(_SECOND, scanned)) != list(map(sub, starts[1:], repeat(1))):
         return list(map(line_value, lines))
     return list(map(_FIRST, scanned))  # Replay.feed checks each is an event
+
+
+def batch_text(lines):
+    """The lines joined by "," as text, or None when they hold what only a line parsed alone
+    can tell (bytes no UTF-8 text holds, a lone surrogate's escape)."""
+    try:
+        text = b",".join(lines).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return None if has_surrogate_escape(text) else text
 
 
 def holds_a_listed_dict(value):
@@ -2164,18 +2170,13 @@ def parse_batch(lines):
     batch is otherwise parsed again by parse_events."""
     if False in map(bytes.startswith, lines, repeat(b'{"seq":')):
         return parse_events(lines), True
-    joined = b",".join(lines)
+    text = batch_text(lines)
+    if text is None:
+        return list(map(line_value, lines)), True
     try:
-        text = joined.decode("utf-8")
-    except UnicodeDecodeError:
-        return parse_events(lines), True
-    if has_surrogate_escape(text):
-        return parse_events(lines), True
-    try:
-        events = json.loads("[" + text + "]")
+        return json.loads("[" + text + "]"), False
     except (ValueError, RecursionError):
         return parse_events(lines), True
-    return events, False
 
 
 class Ledger:
