@@ -764,6 +764,57 @@ def test_lines_are_cleaned_as_their_text_is(lines):
     assert goals.clean_lines(lines) == goals.clean("\n".join(lines))
 
 
+FIELD_TEXT = st.text(st.sampled_from("ab →\t\n\r\x00\x1b\x7f\x85\u00a0\u2028\u202e"), max_size=5)
+
+
+@st.composite
+def replayed_runs(draw):
+    """verify_run events as a replay hands them to format_event: a UTC time, a hex digest, and
+    any text in the fields replay leaves unchecked, exits of every kind among them."""
+    ev = {"seq": draw(st.integers(1, 10**6)), "event": "verify_run",
+          "ts": f"2026-12-0{draw(st.integers(1, 9))}T0{draw(st.integers(0, 9))}:00:00.000000+00:00",
+          "id": draw(FIELD_TEXT), "cmd": draw(FIELD_TEXT), "cwd": draw(FIELD_TEXT),
+          "log": draw(FIELD_TEXT), "sha256": "ab" * 32,
+          "exit_code": draw(st.one_of(st.none(), st.integers(-3, 300))),
+          "signal": draw(st.one_of(st.none(), FIELD_TEXT)), "timed_out": draw(st.booleans()),
+          "error": draw(st.one_of(st.none(), FIELD_TEXT)),
+          "duration_s": draw(st.one_of(st.integers(0, 9), st.floats(0, 1e6))),
+          "bytes": draw(st.integers(0, 10**9))}
+    if draw(st.booleans()):
+        ev["interrupted"] = draw(st.one_of(st.none(), FIELD_TEXT))
+    return ev
+
+
+@given(ev=replayed_runs())
+@fuzz_settings(400)
+def test_a_history_line_is_its_fields_escaped(ev):
+    """format_event escapes its line once, whole, and a run's renderer gives its fields as they
+    are: the same line as each field escaped (one_line works a character at a time), and so
+    the same as clean() of it (log writes its lines without looking through them again)."""
+    o = goals.one_line
+    took = "" if ev["timed_out"] else f", {o(ev['duration_s'])} s"
+    if ev.get("interrupted"):
+        ended = f"interrupted by {o(ev['interrupted'])}"
+    elif ev["error"]:
+        ended = ("did not start: " if ev["exit_code"] is None else "") + o(ev["error"])
+    elif ev["timed_out"]:
+        ended = f"timed out after {o(ev['duration_s'])} s"
+    elif ev["signal"]:
+        ended = f"killed by {o(ev['signal'])}"
+    else:
+        ended = f"exit {o(ev['exit_code'])}"
+    want = (f"#{ev['seq']}  {goals.time_label(ev['ts'])}  {o(ev['id'])} run `{o(ev['cmd'])}` → "
+            f"{ended}{took}, {o(ev['bytes'])} bytes, sha256 {ev['sha256'][:16]}… · log "
+            f"{o(ev['log'])} · in {o(ev['cwd'])}")
+    line = goals.format_event(ev)
+    assert line == want
+    assert goals.clean_lines([line, line]) == line + "\n" + line
+    run = f"{ev['id']} run {goals.run_text(ev)} · log {ev['log']} · in {ev['cwd']}"
+    assert goals._log_verify_run(ev, ev["id"]) == run  # its fast path: run_text's words
+    assert goals.run_summary(ev) == o(goals.run_text(ev))
+    assert goals.describe_exit(ev) == o(goals.exit_words(ev)) == o(ended)
+
+
 # Regressions: inputs that once crashed the engine ###########################
 #
 # Deep nesting, lone surrogates, log/report on malformed lines, and wrongly typed fields behind
