@@ -1391,7 +1391,7 @@ def measure_all(a, rounds, events):
         s["starts"] = bench_starts(lab, rounds)
         s["hooks"] = bench_hooks(lab, rounds)
         s["large"] = bench_large(lab, (10_000, 100_000), (rounds, max(3, rounds // 2)))
-        s["ledger"] = bench_ledger(lab, events, max(3, rounds // 5))
+        s["ledger"] = bench_ledger(lab, events, max(5, rounds // 3))
         s["long_line"] = bench_long_line(lab, max(3, rounds // 3))
         s["sharing"] = {"skipped": "--no-sharing"}
         if not a.no_sharing:

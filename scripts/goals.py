@@ -55,7 +55,7 @@ import re
 import stat
 import sys
 import time
-from itertools import accumulate, compress, repeat
+from itertools import accumulate, chain, compress, repeat
 from operator import add, eq, itemgetter, methodcaller, not_, sub
 
 __version__ = "3.0.0"
@@ -1606,6 +1606,27 @@ def _fit(kind, ev):
                       "or of the wrong type)", "bad_event")
 
 
+def one_shape(kinds, events):
+    """The shape (its kind, keys and value types, as apply_event makes it) every event of a
+    batch has, or None: the batch's keys and value types flattened, in C, and compared with the
+    first event's repeated (replay of 100,000 real runs, bench.py section 4's ledger: 16.8 →
+    16.0 µs an event)."""
+    first, n = events[0], len(events)
+    if kinds.count(kinds[0]) != n or list(map(len, events)) != [len(first)] * n:
+        return None
+    keys, types = tuple(first), tuple(map(type, first.values()))
+    if (list(chain.from_iterable(events)) != list(keys) * n or
+            list(map(type, chain.from_iterable(map(dict.values, events)))) != list(types) * n):
+        return None
+    return kinds[0], keys, types
+
+
+def _same_columns(events, known):
+    """_same_dicts of every event of a batch, a column at a time."""
+    n = len(events)
+    return all(list(map(itemgetter(key), events)) == [value] * n for key, value in known)
+
+
 def _same_dicts(ev, known):
     for key, value in known:
         if ev[key] != value:
@@ -2413,10 +2434,16 @@ class Replay:
                 return None  # (a plan_created is fed: its shape, which holds lists, is never known)
             if not utc_times(list(map(_TS, events))):
                 return None
-            shapes = zip(kinds, map(tuple, events),
-                         map(tuple, map(map, repeat(type), map(dict.values, events))))
-            fits = [known is not None and (not known or _same_dicts(ev, known))
-                    for ev, known in zip(events, map(_FITTED.get, shapes))]
+            shape = one_shape(kinds, events)
+            if shape is not None:  # the common batch: one shape, looked up once
+                known = _FITTED.get(shape)
+                fits = [known is not None and (not known or _same_columns(events, known))]
+                fits *= len(events)
+            else:
+                shapes = zip(kinds, map(tuple, events),
+                             map(tuple, map(map, repeat(type), map(dict.values, events))))
+                fits = [known is not None and (not known or _same_dicts(ev, known))
+                        for ev, known in zip(events, map(_FITTED.get, shapes))]
             if not aligned and False in fits and any(map(holds_a_listed_dict, compress(
                     events, map(not_, fits)))):
                 return None

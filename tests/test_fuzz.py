@@ -764,6 +764,23 @@ def test_lines_are_cleaned_as_their_text_is(lines):
     assert goals.clean_lines(lines) == goals.clean("\n".join(lines))
 
 
+SHAPE_VALUES = st.one_of(st.none(), st.booleans(), st.integers(0, 2), st.floats(0, 1),
+                        st.sampled_from(["", "a"]), st.just({"k": "v"}), st.just([]))
+
+
+@given(events=st.lists(st.dictionaries(st.sampled_from(["seq", "a", "b", "c"]), SHAPE_VALUES,
+                                       max_size=4).map(lambda d: {"event": "k", **d}),
+                       min_size=1, max_size=5),
+       kinds=st.lists(st.sampled_from(["k", "j"]), min_size=5, max_size=5))
+@fuzz_settings(400)
+def test_a_batch_has_one_shape_only_when_each_of_its_events_has_it(events, kinds):
+    """Replay.vet looks a batch's shape up once when one_shape finds one: it must be each
+    event's own (its kind, its keys in order, its values' types), whatever the events hold."""
+    kinds = kinds[:len(events)]
+    shapes = {(kind, tuple(ev), tuple(map(type, ev.values()))) for kind, ev in zip(kinds, events)}
+    assert goals.one_shape(kinds, events) == (shapes.pop() if len(shapes) == 1 else None)
+
+
 FIELD_TEXT = st.text(st.sampled_from("ab →\t\n\r\x00\x1b\x7f\x85\u00a0\u2028\u202e"), max_size=5)
 
 
