@@ -396,6 +396,67 @@ def test_a_plan_worked_story_by_story_is_parsed_an_array_a_batch(fab, monkeypatc
     assert type(outcome) is bytes and outcome == replayed_line_by_line(data)
 
 
+class PassCounter(list):
+    """A plan's list of stories that counts the passes made over it."""
+    passes = 0
+
+    def __iter__(self):
+        PassCounter.passes += 1
+        return super().__iter__()
+
+
+def test_replaying_a_worked_plan_passes_over_its_stories_a_bounded_number_of_times(fab):
+    """Each start asks which stories are in progress; a pass over the plan for each made the
+    replay of a plan worked story by story quadratic in its stories (a 10,000-story plan of
+    100,000 events: 7.8 s where 0.9 s is linear). Counted in passes, not seconds: 600 stories
+    started twice each (a failed round, then a completed one) and a story added on the way pass
+    over the plan a handful of times, however many stories there are."""
+    make_plan(fab, 601)
+    assert fab("next").code == 0
+    assert fab("checkpoint", "--id", "G001", "--status", "failed", "--evidence", "no").code == 0
+    assert fab("next").code == 0
+    assert fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "ok").code == 0
+    assert fab("add", "--goal", "Later::found on the way").code == 0
+    events = ledger(fab.dir)
+    created, added = events[0], events[-1]
+    block = events[1:5]  # started, failed, started again, complete
+    entries = [created]
+    for i in range(1, 601):
+        entries += [dict(e, id=goals.story_id(i), **({"title": f"S{i}"} if "title" in e else {}))
+                    for e in block]
+        if i == 300:
+            entries.append(added)
+    lines = rechain(entries)
+    replay = goals.Replay()
+    replay.feed(lines[0], json.loads(lines[0]))
+    replay.plan["goals"] = PassCounter(replay.plan["goals"])
+    PassCounter.passes = 0
+    replay.feed_batch(lines[1:], goals.parse_events(lines[1:]))
+    assert [s["status"] for s in replay.plan["goals"]][-3:] == ["complete", "pending", "pending"]
+    assert [s["id"] for s in replay.plan["goals"]][-2:] == ["G602", "G601"]
+    assert 1 <= PassCounter.passes - 1 <= 8, PassCounter.passes  # (-1: the line above)
+
+
+def test_active_stories_are_in_plan_order_however_they_started(fab):
+    """Stories in progress are told in plan order — an added story after the others, before the
+    final one — whatever the order they started in."""
+    make_plan(fab, 5, "--parallel")
+    assert fab("add", "--goal", "Later::found on the way", "--after", "G001").code == 0
+    for agent in "abcd":
+        assert fab("next", "--agent", agent).code == 0
+    assert fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "ok",
+               "--agent", "a").code == 0
+    assert fab("next", "--agent", "a").code == 0  # the added G006, after G002–G004 started
+    plan = json.loads((Path(fab.dir) / "goals.json").read_bytes())
+    assert [s["id"] for s in goals.active_stories(plan)] == ["G002", "G003", "G004", "G006"]
+    assert fab("checkpoint", "--id", "G003", "--status", "complete", "--evidence", "ok",
+               "--agent", "c").code == 0
+    plan = json.loads((Path(fab.dir) / "goals.json").read_bytes())
+    assert [s["id"] for s in goals.active_stories(plan)] == ["G002", "G004", "G006"]
+    assert [line.split()[1] for line in fab("status").out.splitlines() if "▶" in line] == [
+        "G002", "G004", "G006"]
+
+
 def test_audit_of_many_batches_finds_what_a_scan_of_each_line_finds(fab, tmp_path):
     """audit checks a batch of events at once (secrets asked once per distinct text, logs found
     by set lookups, the trust scan passing over runs like the last clean one): over 300 runs in
