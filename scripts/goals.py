@@ -815,7 +815,7 @@ def stories_in(plan, status):
 # Which stories are in progress, known without a pass over the plan: a replay starts stories
 # thousands of times, and each start asks it (one story at a time; one an agent). A pass each
 # time made the replay quadratic in the stories (rebuild of a 10,000-story plan worked as agents
-# work it, 100,000 events, bench.py section 4: 7.8 → 0.9 s CPU). Held for the one plan last
+# work it, 100,000 events, bench.py section 4: 7.8 → 1.4 s CPU). Held for the one plan last
 # asked about (its list of stories, by identity): the ids that may be in progress. Every story in
 # progress is among them — a story starts only in _ev_story_started, which adds its id, and a
 # plan read or made anew is a new list, scanned once — and an id whose story has since moved on
