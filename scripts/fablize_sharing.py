@@ -1883,7 +1883,7 @@ def cmd_release(ctx, a):
         s.require_plan()
         plan = refresh_first(s)
         holder = engine.find_story(plan, a.id)["agent"]
-        s.commit("story_released", id=a.id, note=engine.masked_text("--note", a.note),
+        s.commit("story_released", id=a.id, note=engine.masked_text("--note", a.note, s.store.root),
                  agent=holder)
         publish(s, claim=True, fetch_first=False)
         plan = s.plan

@@ -3356,9 +3356,51 @@ def looks_secret(text, command=False):
     return pattern.search(text) is not None
 
 
-def masked_text(name, text):
-    """An agent's text as the plan keeps it: within the limit, its secrets masked."""
-    return mask(limit_text(name, text), command=True)
+def masked_text(name, text, root=None):
+    """An agent's text as the plan keeps it: within the limit, its secrets masked, and the
+    places of the machine under `root` shown relative to them (mask_places)."""
+    return mask_places(mask(limit_text(name, text), command=True), root)
+
+
+# Places: where this machine keeps the work and its user's files. Output names them (a
+# traceback's file, pytest's rootdir, a tool under the home folder) and so do an agent's commands
+# (`cd /home/alice/proj && pytest`); a plan that kept them would tell everyone who reads the
+# repository the machine's layout and its user's name. What the engine records of output, of
+# the harness and of an agent's words shows them as a shell would let one type them: the
+# repository's root as `.`, the home folder as `~`. A command the engine runs again (a frozen
+# check, a --run) is kept as given: it must run as written.
+def _places(key):
+    """(pattern, {place: shown}) for text of `kind` (str or bytes) under `root`, or None."""
+    kind, root = key
+    shown = {}
+    for path, name in ((root, "."), (os.environ.get("HOME"), "~")):
+        for p in (path, path and os.path.realpath(path)):
+            p = (p or "").rstrip("/")
+            if p.startswith("/") and p.count("/") >= 1 and len(p) > 1 and p not in shown:
+                shown[p] = name
+    if not shown:
+        return None
+    # a whole place only: not the end of a longer name (/root in /rootfs), nor inside a path
+    # (/root in /srv/root); the longest first, so a root inside the home folder is `.`
+    text = (r"(?<![\w.~/-])(?:" + "|".join(map(re.escape, sorted(shown, key=len, reverse=True)))
+            + r")(?![\w.-])")
+    if kind is bytes:
+        return (re.compile(text.encode("utf-8", "surrogateescape")),
+                {k.encode("utf-8", "surrogateescape"): v.encode() for k, v in shown.items()})
+    return re.compile(text), shown
+
+
+_PLACES = Lazy(_places)
+
+
+def mask_places(text, root):
+    """`text` (str or bytes) with the repository's root (`root`, when given) shown as `.` and
+    the home folder as `~`, wherever a whole one of them is named."""
+    places = _PLACES[type(text), root] if text else None
+    if places is None:
+        return text
+    pattern, shown = places
+    return pattern.sub(lambda m: shown[m.group(0)], text)
 
 
 def check_command(option, cmd):
@@ -3581,10 +3623,12 @@ def run_command(cmd, cwd, timeout, stream, log_path):
     draining = [False]
 
     def take(masked):
-        """One masked piece of output: to the log (until a write fails), then to the stream."""
+        """One masked piece of output (whole lines, but for the last): to the log (until a
+        write fails) with the machine's places shown as a plan may publish them, then as it is
+        to the stream (the terminal is no publication: `pwd` shows where it ran)."""
         if log_error[0] is None and masked:
             try:
-                write_all(log_fd, masked)
+                write_all(log_fd, mask_places(masked, cwd))
             except OSError as e:  # the run goes on; its record will say the log is short
                 log_error[0] = e
         if stream is not None and masked:
@@ -5030,6 +5074,8 @@ def cmd_checkpoint(ctx, a):
         ev["run"] = True
     commands = []
     with open_plan(ctx) as s:
+        for key in ("evidence", "verify_evidence"):  # (a --verify-cmd is a command: as given)
+            ev[key] = mask_places(ev[key], s.store.root)
         plan = s.require_plan()
         story = find_story(plan, a.id)
         checkpoint_gate(plan, story, ev)
@@ -5514,7 +5560,7 @@ def guard_verdict(ctx, payload, fingerprint):
         if reason is None or reason.startswith("fablize guard:"):
             return None, reason
         if not dup:  # a second registration of the guard answers the same, writes nothing
-            s.commit("guard_block", reason=reason,
+            s.commit("guard_block", reason=mask_places(reason, s.store.root),
                      fresh=payload.get("stop_hook_active") is not True,
                      **({"hook": fingerprint} if fingerprint else {}))
         return reason, None
@@ -5654,7 +5700,8 @@ def cmd_verdict(ctx, a):
     void = tree_changed_verdict(ctx, a)
     with open_plan(ctx) as s:
         s.require_plan()
-        fields = {"verdict": a.verdict, "evidence": masked_text("--evidence", a.evidence)}
+        fields = {"verdict": a.verdict,
+                  "evidence": masked_text("--evidence", a.evidence, s.store.root)}
         s.commit("verdict", id=a.id, agent=a.agent, **dict(fields, **(void or {})))
         plan = s.plan
     story = find_story(plan, a.id)
@@ -5702,7 +5749,7 @@ def session_start(ctx, a):
 def cmd_pause(ctx, a):
     with open_plan(ctx) as s:
         s.require_plan()
-        s.commit("paused", note=masked_text("--note", a.note))
+        s.commit("paused", note=masked_text("--note", a.note, s.store.root))
         plan = s.plan
     ctx.say(f"fablize: guard paused (event {plan['ledger']['seq']}) — the Stop hook lets the agent "
             f"stop until `{ctx.prog} unpause`.")
@@ -5749,9 +5796,11 @@ def cmd_observe(ctx, a):
                 return  # nothing to attribute it to, or not a verification
             code, ok, detail = observed_outcome(payload)
             tool = payload.get("tool_name")
-            s.commit("observed_run", id=active[0]["id"], cmd=mask(last_chars(cmd, 2000), True),
+            s.commit("observed_run", id=active[0]["id"],
+                     cmd=masked_text("command", last_chars(cmd, 2000), store.root),
                      exit_code=code, ok=ok, tool=tool if isinstance(tool, str) else a.hook_for,
-                     detail=mask(last_chars(detail or "", TAIL_CHARS), True))
+                     detail=masked_text("detail", last_chars(detail or "", TAIL_CHARS),
+                                        store.root))
     except FablizeError as e:  # never fail the agent's tool call over our bookkeeping
         sys.stderr.write("fablize observe: " + one_line(e.message) + "\n")
 

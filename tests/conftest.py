@@ -88,6 +88,7 @@ def project(tmp_path, monkeypatch):
     monkeypatch.setattr(goals, "invocation", lambda cwd=None: "goals.py")
     monkeypatch.setenv("PATH", os.environ.get("PATH", ""))  # whatever a test puts on it goes again
     goals._SECRETS.clear()  # made once a process: each test's environment has its own secrets
+    goals._PLACES.clear()  # and its own home folder
     return tmp_path
 
 

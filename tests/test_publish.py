@@ -12,7 +12,8 @@ import subprocess
 
 import pytest
 
-from conftest import ENGINE, ENGINE_PYTHON, SCRIPT, assert_refused, ledger, make_plan, state_files
+from conftest import (ENGINE, ENGINE_PYTHON, SCRIPT, assert_refused, copy_engine, ledger,
+                      make_plan, state_files)
 from test_trust import forge_fab
 from test_wiring import bash_failure, observe
 
@@ -118,6 +119,72 @@ def test_a_run_records_no_path_of_the_machine_and_no_environment_value(fab):
     assert all(re.fullmatch(r"sha256:[0-9a-f]{16}", v) for v in run["provenance"]["env"].values())
     assert str(fab.root) not in text and os.path.expanduser("~") + "/" not in text
     assert os.environ["PATH"] not in text and "PATH" in run["provenance"]["env"]
+
+
+def test_what_a_check_prints_of_the_machine_is_recorded_relative_to_the_root_and_home(
+        fab, monkeypatch, tmp_path_factory):
+    """A check's output names where it ran (pwd, a traceback's file, pytest's rootdir) and the
+    user's home folder: the log and the tail show the root as `.` and the home as `~`, whole
+    places only (a longer name that starts like one is another place); the terminal, which
+    publishes nothing, shows where it ran."""
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("HOME", str(home))
+    make_plan(fab, 1, "--verify", 'pwd; echo "$PWD/src/x.py:3 rootdir: $PWD"; '
+              'echo "$HOME/.cache/tool $HOME"; echo "${HOME}x/y ${PWD}2 /srv$HOME"; '
+              "python3 -c 'import os; raise SystemExit(os.getcwd())'; true")
+    start(fab)
+    r = fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "ran it")
+    assert r.code == 0, r
+    run = [e for e in ledger(fab.dir) if e["event"] == "verify_run"][-1]
+    log = (fab.dir / run["log"]).read_text()
+    assert log == (f".\n./src/x.py:3 rootdir: .\n~/.cache/tool ~\n{home}x/y {fab.root}2 /srv{home}"
+                   "\n.\n"), log
+    assert run["tail"] == log and run["bytes"] == len(log.encode())
+    assert f"│ {fab.root}\n" in r.out  # pwd, as it ran
+    assert f"{fab.root}/".encode() not in state_bytes(fab)
+    assert fab("audit", "--require-logs").code == 0
+
+
+def test_an_agents_command_evidence_and_note_name_no_place_of_the_machine(fab):
+    """What the harness saw the agent run (`cd /abs/path && pytest`) and what it reported, an
+    agent's evidence and notes: recorded with the root as `.`; a --verify-cmd the engine runs
+    is a command, kept as given, and its run matches it."""
+    root = str(fab.root)
+    make_plan(fab, 2)
+    start(fab)
+    observe(fab, bash_failure(fab.root, f"cd {root} && python3 -m pytest -q",
+                              error=f"Exit code 1\n{root}/tests/test_x.py:4: AssertionError"))
+    seen = [e for e in ledger(fab.dir) if e["event"] == "observed_run"]
+    assert seen[0]["cmd"] == "cd . && python3 -m pytest -q"
+    assert seen[0]["detail"] == "Exit code 1\n./tests/test_x.py:4: AssertionError"
+    r = fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence",
+            f"fixed {root}/cli.py", "--run", "--verify-cmd", f"test -d {root}")
+    assert r.code == 0, r
+    done = [e for e in ledger(fab.dir) if e["event"] == "checkpoint"][-1]
+    run = [e for e in ledger(fab.dir) if e["event"] == "verify_run"][-1]
+    assert done["evidence"] == "fixed ./cli.py"
+    assert done["verify_cmd"] == run["cmd"] == f"test -d {root}"
+    assert fab("pause", "--note", f"look at {root}/notes.md").code == 0
+    assert ledger(fab.dir)[-1]["note"] == "look at ./notes.md"
+
+
+def test_the_guards_reason_is_recorded_without_the_engines_place(fab, tmp_path_factory):
+    """The Stop hook tells the agent the command to run, with the engine's path when it lives
+    outside the repository; the ledger keeps that reason with the home folder as `~`."""
+    home = tmp_path_factory.mktemp("home")
+    engine = copy_engine(home / "tools")
+    make_plan(fab, 2)
+    start(fab)
+    p = subprocess.run([ENGINE_PYTHON, str(engine), "guard"], cwd=str(fab.root),
+                       input=json.dumps({"session_id": "s", "cwd": str(fab.root),
+                                         "hook_event_name": "Stop", "stop_hook_active": False}),
+                       capture_output=True, text=True, timeout=60,
+                       env=dict({k: v for k, v in os.environ.items()
+                                 if not k.startswith("FABLIZE_")}, HOME=str(home)))
+    assert p.returncode == 0 and str(engine) in json.loads(p.stdout)["reason"], p
+    block = ledger(fab.dir)[-1]
+    assert block["event"] == "guard_block" and "~/tools/goals.py checkpoint" in block["reason"]
+    assert str(home) not in block["reason"]
 
 
 def test_runs_of_an_older_engine_that_kept_values_compare_with_digests(fab):
