@@ -36,6 +36,7 @@ Stdlib only, Python 3.9+.
 """
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -232,6 +233,59 @@ def build_real(state, source, events, logs, snapshot=True):
     return b.finish(snapshot)
 
 
+def build_worked(state, source, events, logs):
+    """`--build-worked`: a ledger of about `events` events, a plan worked as agents work it, story
+    after story, each event one a real session recorded.
+
+    `source` is the state directory of that session (worked_plan): a plan of a story and its
+    final story, each worked through the hooks to completion. Its first story's events (from its
+    start to its completion: starts, observed runs, a guard block, runs, checkpoints) are
+    replayed for each of this plan's stories but the final one, whose own events come last; each
+    event is renumbered as the engine numbers it (seq; a run's after_seq as far behind it, its log
+    runs/<seq>-<story>.log; a checkpoint's runs the runs' new seqs) and names its story, and is
+    otherwise unchanged. The last `logs` runs get their log file, holding the real output."""
+    with open(os.path.join(source, goals.LEDGER), "rb") as f:
+        real = [json.loads(line) for line in f]
+    created = real[0]
+    work, final = created["stories"][0], created["stories"][-1]
+    last = max(i for i, e in enumerate(real) if e.get("id") == work["id"])
+    block, final_block = real[1:last + 1], real[last + 1:]
+    output = {}
+    for r in real:
+        if r["event"] == "verify_run":
+            with open(os.path.join(source, r["log"]), "rb") as f:
+                output[r["seq"]] = f.read()
+    stories = max(1, (events - 1 - len(final_block)) // len(block))
+    runs_of = [sum(e["event"] == "verify_run" for e in b) for b in (block, final_block)]
+    first_log = stories * runs_of[0] + runs_of[1] - logs  # the runs before it have no log
+    specs = [dict(work, id=goals.story_id(i)) for i in range(1, stories + 1)]
+    specs.append(dict(final, id=goals.story_id(stories + 1), after=[s["id"] for s in specs]))
+    b = Builder(state)
+    b.add("plan_created", dict(event_fields(created), stories=specs, count=len(specs)),
+          ts=created["ts"])
+    os.makedirs(os.path.join(state, goals.RUNS), exist_ok=True)
+    run = 0
+    for sid, events_of_story in ([(s["id"], block) for s in specs[:-1]] +
+                                 [(specs[-1]["id"], final_block)]):
+        renumbered = {}
+        for ev in events_of_story:
+            seq = renumbered[ev["seq"]] = b.seq + 1
+            fields = event_fields(ev)
+            if "id" in fields:
+                fields["id"] = sid
+            if ev["event"] == "verify_run":
+                fields["after_seq"] = seq - (ev["seq"] - ev["after_seq"])
+                fields["log"] = f"{goals.RUNS}/{seq}-{sid}.log"
+                if run >= first_log:
+                    with open(os.path.join(state, fields["log"]), "wb") as f:
+                        f.write(output[ev["seq"]])
+                run += 1
+            if "runs" in fields:
+                fields["runs"] = [renumbered[r] for r in fields["runs"]]
+            b.add(ev["event"], fields, ts=ev["ts"])
+    return b.finish()
+
+
 def build_main(a):
     """The hidden --build* commands: each builds a state in this (child) process."""
     if a.build:
@@ -240,6 +294,9 @@ def build_main(a):
     elif a.build_original:
         state, stories, active = a.build_original
         build_original(state, int(stories), active == "1")
+    elif a.build_worked:
+        state, source, events, logs = a.build_worked
+        build_worked(state, source, int(events), int(logs))
     else:
         state, source, events, logs, snapshot = a.build_real
         build_real(state, source, int(events), int(logs), snapshot == "1")
@@ -704,6 +761,33 @@ def real_runs(lab):
     return os.path.join(project, ".fablize")
 
 
+def ledger_commands(lab, state, rounds, what):
+    """audit, rebuild, log and report of the ledger in `state`, each right after a run of a bare
+    loop that parses and hashes the same lines: a machine whose speed drifts within a round (a
+    2-core machine others use) moves a command and its own loop run alike, and its rate is
+    taken against that run."""
+    ledger = os.path.join(state, goals.LEDGER)
+    loop = write(lab.path("bare_loop.py"), BARE_LOOP)
+
+    def no_backups():  # rebuild keeps the old snapshot as goals.json.<time>.bak
+        for name in os.listdir(state):
+            if name.endswith(".bak"):
+                os.remove(os.path.join(state, name))
+
+    variants = []
+    for cmd in LEDGER_COMMANDS:
+        variants += [Variant(LOOP_BEFORE[cmd], [PY, loop, ledger], lab.root),
+                     Variant(cmd, [PY, SCRIPT, "--dir", state, cmd], lab.root, reset=no_backups)]
+    say(f"{what}: audit, rebuild, log, report, {rounds} rounds")
+    return lab.measure(variants, rounds, cap=memory_cap())
+
+
+def audited(lab, state):
+    """What audit --json says of a ledger: its runs, and their logs found."""
+    return json.loads(lab.run([PY, SCRIPT, "--dir", state, "audit", "--json"], lab.root,
+                              capture=True).out)
+
+
 def bench_ledger(lab, events, rounds):
     """audit, rebuild, log and report of a long ledger of real-run events against a bare loop
     that parses and hashes the same lines; then status on it against status on the same plan
@@ -717,25 +801,9 @@ def bench_ledger(lab, events, rounds):
     say(f"ledger: building {events:,} events from {len(real)} real runs")
     child_build("--build-real", big, source, events, logs, 1)
     child_build("--build-real", small, source, 3, 1, 1)
-    ledger = os.path.join(big, goals.LEDGER)
-    size = os.path.getsize(ledger)
-    report = json.loads(lab.run([PY, SCRIPT, "--dir", big, "audit", "--json"], lab.root,
-                                capture=True).out)
-    loop = write(lab.path("bare_loop.py"), BARE_LOOP)
-
-    def no_backups():  # rebuild keeps the old snapshot as goals.json.<time>.bak
-        for name in os.listdir(big):
-            if name.endswith(".bak"):
-                os.remove(os.path.join(big, name))
-
-    # each command right after a run of the loop of its own, and its rate against that run: a
-    # machine whose speed drifts within a round (a 2-core machine others use) moves the two alike
-    variants = []
-    for cmd in LEDGER_COMMANDS:
-        variants += [Variant(LOOP_BEFORE[cmd], [PY, loop, ledger], lab.root),
-                     Variant(cmd, [PY, SCRIPT, "--dir", big, cmd], lab.root, reset=no_backups)]
-    say(f"ledger: audit, rebuild, log, report of {events:,} events, {rounds} rounds")
-    commands = lab.measure(variants, rounds, cap=memory_cap())
+    size = os.path.getsize(os.path.join(big, goals.LEDGER))
+    report = audited(lab, big)
+    commands = ledger_commands(lab, big, rounds, f"ledger of {events:,} events")
     say(f"ledger: status, {rounds} rounds")
     status = lab.measure([Variant("3 events", [PY, SCRIPT, "--dir", small, "status"], lab.root),
                           Variant("long", [PY, SCRIPT, "--dir", big, "status"], lab.root)],
@@ -744,6 +812,108 @@ def bench_ledger(lab, events, rounds):
             "real_line_bytes": [len(line) for line in real], "logs_written": logs,
             "logs_checked": report["run_count"] - report["missing_logs"],
             "rounds": rounds, "commands": commands, "status": status}
+
+
+WORKED_FILES = {
+    "calc.py": "def add(a, b):\n    return a - b\n",
+    "test_calc.py": 'from calc import add\n'
+                    'assert add(2, 3) == 5, f"add(2, 3) returned {add(2, 3)}, expected 5"\n'
+                    'print("test_calc: 1 passed")\n'}
+WORKED_CHECK = "python3 test_calc.py"
+WORKED_FAILURE = ("Exit code 1\nTraceback (most recent call last):\n  File \"test_calc.py\", "
+                  "line 2, in <module>\nAssertionError: add(2, 3) returned -1, expected 5")
+
+
+def worked_plan(lab):
+    """A plan worked as an agent works it under Claude Code's hooks, every step a real process,
+    in a fresh git repository holding a bug and its test: create (a frozen check on the story,
+    the test as the final gate), next; the agent runs the test twice (it fails: observed), tries
+    to stop (the Stop hook blocks), claims the story done (the engine runs the check: it fails,
+    the claim is refused), says it failed; round 2: fixes the bug, runs the test (observed),
+    completes (the check runs and passes); then the final story the same way. The fix is not
+    committed, as an agent leaves it. Returns the state directory."""
+    project = lab.path("worked")
+    os.makedirs(project)
+    lab.git("init", "-q", project)
+    for name, text in WORKED_FILES.items():
+        write(os.path.join(project, name), text)
+    lab.git("add", ".", cwd=project)
+    lab.git("commit", "-qm", "add() and its test", cwd=project)
+    transcript = write(os.path.join(lab.home, "worked.jsonl"),
+                       "".join(json.dumps(line) + "\n" for line in TRANSCRIPT))
+    hooks = hook_payloads(project, transcript)
+    ran = {"tool_input": {"command": WORKED_CHECK, "description": "Run the test"}}
+    payloads = {name: write(lab.path("payloads", f"worked-{name}.json"), json.dumps(payload))
+                for name, payload in (
+                    ("failed", dict(hooks["PostToolUse"], hook_event_name="PostToolUseFailure",
+                                    error=WORKED_FAILURE, **ran)),
+                    ("passed", dict(hooks["PostToolUse"], **ran, tool_response={
+                        "stdout": "test_calc: 1 passed\n", "stderr": "", "interrupted": False,
+                        "isImage": False})),
+                    ("stop", hooks["Stop"]))}
+
+    def step(*args, stdin=None, code=0):
+        r = lab.run([PY, SCRIPT, *args], project, env=lab.git_env, stdin=stdin, check=False)
+        if r.timed_out or r.code != code:
+            raise failed([PY, SCRIPT, *args], project, r)
+
+    step("create", "--brief", "Fix add() in calc.py", "--goal", "Fix add::add(2, 3) returns 5",
+         "--goal", "Verify::the tests pass", "--check", f"G001={WORKED_CHECK}",
+         "--verify", WORKED_CHECK)
+    step("next")
+    step("observe", stdin=payloads["failed"])
+    step("observe", stdin=payloads["failed"])
+    step("guard", stdin=payloads["stop"])
+    step("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "fixed add()",
+         code=1)
+    step("checkpoint", "--id", "G001", "--status", "failed", "--evidence",
+         "add() still subtracts: the test says add(2, 3) returned -1")
+    step("next")
+    write(os.path.join(project, "calc.py"), WORKED_FILES["calc.py"].replace("a - b", "a + b"))
+    step("observe", stdin=payloads["passed"])
+    step("checkpoint", "--id", "G001", "--status", "complete", "--evidence",
+         "add() adds; test_calc passes")
+    step("next")
+    step("observe", stdin=payloads["passed"])
+    step("checkpoint", "--id", "G002", "--status", "complete", "--evidence", "the suite is green")
+    return os.path.join(project, ".fablize")
+
+
+def bench_worked(lab, events, rounds):
+    """audit, rebuild, log and report of a plan worked as agents work it (worked_plan's session,
+    story after story) against the bare loop over the same file; then rebuild of a plan a tenth
+    its size, whose cost an event tells whether the replay stays linear in the stories."""
+    source = worked_plan(lab)
+    with open(os.path.join(source, goals.LEDGER), "rb") as f:
+        session = [json.loads(line) for line in f]
+    kinds = collections.Counter(e["event"] for e in session)
+    sizes = {}
+    for name, n in (("small", events // 10), ("big", events)):
+        state = sizes[name] = lab.path(f"worked-{name}", ".fablize")
+        say(f"worked plan: building {n:,} events from a real session of {len(session)}")
+        child_build("--build-worked", state, source, n, RUN_LOGS)
+    state = sizes["big"]
+    report = audited(lab, state)
+    commands = ledger_commands(lab, state, rounds, "worked plan")
+    say(f"worked plan: rebuild of a tenth of it, {rounds} rounds")
+    small = lab.measure([Variant("rebuild", [PY, SCRIPT, "--dir", sizes["small"], "rebuild"],
+                                 lab.root)], rounds)["rebuild"]
+    return {**{f"{key}_{name}": value for name, path in sizes.items()
+               for key, value in worked_size(path).items()},
+            "session": dict(kinds.most_common()),
+            "logs_written": min(RUN_LOGS, report["run_count"]), "run_count": report["run_count"],
+            "logs_checked": report["run_count"] - report["missing_logs"],
+            "rounds": rounds, "commands": commands, "rebuild_small": small}
+
+
+def worked_size(state):
+    """The events, stories and bytes of a plan's ledger."""
+    ledger = os.path.join(state, goals.LEDGER)
+    with open(ledger, "rb") as f:
+        events = sum(1 for _ in f)
+    with open(os.path.join(state, goals.SNAPSHOT), "rb") as f:
+        stories = len(goals.parse_snapshot(f.read(), whole=True)["goals"])
+    return {"events": events, "stories": stories, "bytes": os.path.getsize(ledger)}
 
 
 # 5. A long last line ##########################################################################
@@ -1207,6 +1377,32 @@ def rate(commands, name, key):
     return per_round(commands.get(LOOP_BEFORE[name], commands["bare loop"]), commands[name], key)
 
 
+def ledger_table(page, c, n):
+    """The table of a long ledger's commands and its bare loop (the median of all the loop's
+    runs)."""
+    loops = [c[name] for name in LOOP_BEFORE.values() if name in c]
+    loop = {key: [x for s in loops for x in s[key]] for key in ("cpu", "wall", "rss")}
+    names = ["bare loop", *LEDGER_COMMANDS]
+    page.table([f"{n:,} events", "CPU (wall)", "max RSS"],
+               [[name, took(loop if name == "bare loop" else c[name]),
+                 rss(loop if name == "bare loop" else c[name])] for name in names])
+    if len(loops) > 1:
+        page.figure("the bare loop runs before each command, and each command's rate is the "
+                    "loop's time in the run just before it over its own, a round at a time "
+                    "(the row above: the median of all of the loop's runs)")
+
+
+def ledger_rate(c, name, what, bar=0.6):
+    """`name` of `what` runs at R% of the bare loop's rate (with its bar, if any): its rounds
+    and max RSS."""
+    r_cpu, r_wall = rate(c, name, "cpu"), rate(c, name, "wall")
+    rounds = sorted(x / y for x, y in zip(c.get(LOOP_BEFORE[name], c["bare loop"])["cpu"],
+                                          c[name]["cpu"]))
+    judged = f", bar ≥ {bar:.0%}: {met(r_cpu >= bar)}" if bar is not None else ""
+    return (f"{name} of {what} runs at {r_cpu:.0%} of the bare loop's rate (wall {r_wall:.0%})"
+            f"{judged} (its rounds {rounds[0]:.0%}–{rounds[-1]:.0%}); max RSS {rss(c[name])}")
+
+
 def render_ledger(page, sec):
     n, size = sec["events"], sec["bytes"]
     page.heading(f"4. A long ledger of real-run events ({sec['rounds']} rounds)")
@@ -1218,23 +1414,9 @@ def render_ledger(page, sec):
                 f"written for the last {sec['logs_written']:,} runs, audit checked "
                 f"{sec['logs_checked']:,}")
     c = sec["commands"]
-    loops = [c[name] for name in LOOP_BEFORE.values() if name in c]
-    loop = {key: [x for s in loops for x in s[key]] for key in ("cpu", "wall", "rss")}
-    names = ["bare loop", *LEDGER_COMMANDS]
-    page.table([f"{n:,} events", "CPU (wall)", "max RSS"],
-               [[name, took(loop if name == "bare loop" else c[name]),
-                 rss(loop if name == "bare loop" else c[name])] for name in names])
-    if len(loops) > 1:
-        page.figure("the bare loop runs before each command, and each command's rate is the "
-                    "loop's time in the run just before it over its own, a round at a time "
-                    "(the row above: the median of all of the loop's runs)")
-    for name in names[1:]:  # audit's bar, and rebuild, log and report at the same rate
-        r_cpu, r_wall = rate(c, name, "cpu"), rate(c, name, "wall")
-        rounds = sorted(x / y for x, y in zip(c.get(LOOP_BEFORE[name], c["bare loop"])["cpu"],
-                                              c[name]["cpu"]))
-        line = (f"{name} of {n:,} real-run events runs at {r_cpu:.0%} of the bare loop's rate "
-                f"(wall {r_wall:.0%}), bar ≥ 60%: {met(r_cpu >= 0.6)} (its rounds "
-                f"{rounds[0]:.0%}–{rounds[-1]:.0%}); max RSS {rss(c[name])}")
+    ledger_table(page, c, n)
+    for name in LEDGER_COMMANDS:  # audit's bar, and rebuild, log and report at the same rate
+        line = ledger_rate(c, name, f"{n:,} real-run events")
         if name == "audit":
             line += f", bar ≤ 100 MiB at 1,000,000 events: {met(median(c[name]['rss']) <= 100)}"
         page.figure(line)
@@ -1243,6 +1425,29 @@ def render_ledger(page, sec):
     page.figure(f"status on a {n:,}-event ledger ÷ status on the same plan with 3 events: "
                 f"{times(s['long'], s['3 events'])}, bar ≤ 1.3: {met(r <= 1.3)}; "
                 f"{took(s['long'])} against {took(s['3 events'])}")
+
+
+def render_worked(page, sec):
+    n, size, stories = sec["events_big"], sec["bytes_big"], sec["stories_big"]
+    page.heading(f"4b. A plan worked as agents work it ({sec['rounds']} rounds)")
+    session = ", ".join(f"{count} {kind}" for kind, count in sec["session"].items())
+    page.figure(f"worked-plan ledger: {n:,} events, {stories:,} stories, {size / 1e6:,.0f} MB, "
+                f"mean line {size / n:,.0f} bytes: one real session under Claude Code's hooks "
+                f"({sum(sec['session'].values())} events: {session}), its first story's events "
+                f"replayed story after story; run logs written for the last "
+                f"{sec['logs_written']:,} of its {sec['run_count']:,} runs, audit checked "
+                f"{sec['logs_checked']:,}")
+    c = sec["commands"]
+    ledger_table(page, c, n)
+    for name in LEDGER_COMMANDS:
+        page.figure(ledger_rate(c, name, f"a {stories:,}-story plan worked as agents work it", None)
+                    + f" ({median(c[name]['rss']) * 1024 / stories:,.1f} KiB a story)")
+    small, big = sec["rebuild_small"], c["rebuild"]
+    ratio = (median(big["cpu"]) / n) / (median(small["cpu"]) / sec["events_small"])
+    page.figure(f"rebuild of the {stories:,}-story plan costs ×{ratio:.2f} an event what rebuild "
+                f"of one of {sec['stories_small']:,} stories ({sec['events_small']:,} events) "
+                f"costs: {took(big)} against {took(small)}, bar ≤ 1.5 (linear in the stories): "
+                f"{met(ratio <= 1.5)}")
 
 
 def render_long_line(page, sec):
@@ -1348,6 +1553,8 @@ def render(data, markdown=False):
     render_hooks(page, s["hooks"])
     render_large(page, s["large"])
     render_ledger(page, s["ledger"])
+    if "worked" in s:  # (a file saved before it was measured has none)
+        render_worked(page, s["worked"])
     render_long_line(page, s["long_line"])
     render_sharing(page, s["sharing"])
     render_huge(page, s["huge"])
@@ -1392,6 +1599,7 @@ def measure_all(a, rounds, events):
         s["hooks"] = bench_hooks(lab, rounds)
         s["large"] = bench_large(lab, (10_000, 100_000), (rounds, max(3, rounds // 2)))
         s["ledger"] = bench_ledger(lab, events, max(5, rounds // 3))
+        s["worked"] = bench_worked(lab, events, max(5, rounds // 3))
         s["long_line"] = bench_long_line(lab, max(3, rounds // 3))
         s["sharing"] = {"skipped": "--no-sharing"}
         if not a.no_sharing:
@@ -1427,8 +1635,9 @@ def main(argv=None):
                    help=argparse.SUPPRESS)
     p.add_argument("--build-original", nargs=3, help=argparse.SUPPRESS)
     p.add_argument("--build-real", nargs=5, help=argparse.SUPPRESS)
+    p.add_argument("--build-worked", nargs=4, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.build or a.build_original or a.build_real:
+    if a.build or a.build_original or a.build_real or a.build_worked:
         return build_main(a)
     if a.source:
         with open(a.source, encoding="utf-8") as f:

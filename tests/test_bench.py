@@ -81,6 +81,16 @@ def fake_data(original=True):
              "checkpoint": {"0": 100},
              "said": {"next exit 3": {"fablize: gave up publishing": exits3}} if exits3 else {}}
             for c, wall, exits3 in ((2, 10.0, 0), (8, 20.0, 4))]}
+    worked = {
+        "events_big": 1_000_000, "stories_big": 100_000, "bytes_big": 470_000_000,
+        "events_small": 100_000, "stories_small": 10_000, "bytes_small": 47_000_000,
+        "session": {"observed_run": 4, "story_started": 3, "verify_run": 3, "checkpoint": 3,
+                    "plan_created": 1, "guard_block": 1},
+        "logs_written": 10_000, "run_count": 200_000, "logs_checked": 10_000, "rounds": 3,
+        "commands": {"bare loop": flat(5000, 100.0), "audit": flat(20_000, 1200.0),
+                     "rebuild": flat(12_500, 1600.0), "log": flat(10_000, 900.0),
+                     "report": flat(16_000, 1200.0)},
+        "rebuild_small": flat(1000, 170.0)}
     huge = {"events": 10_000_000, "bytes": 12_000_000_000, "status": {"timeout": 1200.0},
             "rebuild": samples([100.0], rss=[40.0]), "stories": 1_000_000,
             "snapshot_bytes": 110_000_000, "audit": samples([50.0], rss=[2048.0])}
@@ -90,7 +100,7 @@ def fake_data(original=True):
         "platform": "linux", "rss_floor": 9.6, "load_end": [1.0, 1.0, 1.0]},
         "sections": {"starts": {"stories": 100, "rounds": 3, "groups": starts},
                      "hooks": {"rounds": 3, "groups": hooks}, "large": {"groups": large},
-                     "ledger": ledger,
+                     "ledger": ledger, "worked": worked,
                      "long_line": {"rounds": 3, "variants": {"8 MB": flat(100),
                                                              "32 MB": flat(220)}},
                      "sharing": sharing, "huge": huge}}
@@ -138,6 +148,26 @@ def test_each_long_ledger_command_is_rated_against_the_loop_run_just_before_it(t
     lines_with(out, "- audit of 1,000,000 real-run events runs at 67%")
     lines_with(out, "| bare loop | 4.00 s (wall 4.00 s) |")  # the median of its 12 runs
     lines_with(out, "the bare loop runs before each command")
+
+
+def test_a_worked_plan_is_rated_without_a_bar_and_held_to_linear_in_its_stories(tmp_path):
+    """A plan worked as agents work it has per-story work a bare loop has not: its rates are
+    printed, its bar is a replay linear in the stories (quadratic, a tenth of the plan would
+    cost a tenth as much an event)."""
+    data = fake_data()
+    out = render(tmp_path, data, "--markdown")
+    lines_with(out, "### 4b. A plan worked as agents work it (3 rounds)")
+    lines_with(out, "1,000,000 events, 100,000 stories, 470 MB", "(15 events: 4 observed_run, 3 "
+               "story_started", "the last 10,000 of its 200,000 runs, audit checked 10,000")
+    audit, = lines_with(out, "- audit of a 100,000-story plan worked as agents work it")
+    assert "runs at 25% of the bare loop's rate (wall 25%) (its rounds" in audit
+    assert "bar ≥" not in audit and "(12.3 KiB a story)" in audit
+    linear, = lines_with(out, "- rebuild of the 100,000-story plan costs ×1.25 an event")
+    assert "bar ≤ 1.5 (linear in the stories): met" in linear
+    data["sections"]["worked"]["rebuild_small"] = flat(125)  # what a quadratic replay gives
+    lines_with(render(tmp_path, data, "--markdown"), "costs ×10.00 an event", ": NOT met")
+    del data["sections"]["worked"]  # a file saved before the worked plan was measured
+    assert "4b." not in render(tmp_path, data, "--markdown")
 
 
 def test_the_first_line_says_what_was_measured_and_how(tmp_path):
