@@ -952,9 +952,14 @@ def summary(verdict, failures, report_md, trust=None, results=(), story_grades=N
                   f"_Fix:_ {engine.md_cell(f['fix'], 300)}")
     if failures:
         md.append("")
-    if story_grades:
+    if story_grades and len(story_grades) <= engine.GRADES_EACH:
         md += ["| Story | Grade |", "|---|---|"]
         md += [f"| {sid} | {grade} |" for sid, grade in story_grades.items()]
+        md.append("")
+    elif story_grades:  # a long plan: a row a grade (the report below has a row a story)
+        md += ["| Grade | Stories |", "|---|---:|"]
+        md += [f"| {grade} | {len(ids):,}{engine.few_ids(ids)} |"
+               for grade, ids in engine.grade_groups(story_grades)]
         md.append("")
     if trust is not None:
         tree = trust.get("tree")

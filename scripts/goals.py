@@ -4227,6 +4227,32 @@ def plan_json(plan):
             "stories": [story_json(plan, s) for s in plan["goals"]]}
 
 
+GRADES_EACH = 8  # up to this many stories, each story's grade is told; beyond, each grade's count
+
+
+def grade_groups(grades):
+    """[(grade, its stories' ids)] of {id: grade}, the most common grade first: how a plan of
+    thousands of stories tells its grades without a line of thousands of ids."""
+    groups = {}
+    for sid, grade in grades.items():
+        groups.setdefault(grade, []).append(sid)
+    return sorted(groups.items(), key=lambda g: -len(g[1]))
+
+
+def grades_line(grades):
+    """`grades: G001 witnessed, G002 claimed`, or by grade for a long plan: `grades: 9,998
+    witnessed, 2 claimed (G0042, G0077)` (the ids of a grade held by a few stories)."""
+    if len(grades) <= GRADES_EACH:
+        return "grades: " + ", ".join(f"{sid} {grade}" for sid, grade in grades.items())
+    return "grades: " + ", ".join(f"{len(ids):,} {grade}{few_ids(ids)}"
+                                  for grade, ids in grade_groups(grades))
+
+
+def few_ids(ids):
+    """` (G0042, G0077)` for a few stories, nothing for many."""
+    return f" ({', '.join(ids)})" if len(ids) <= GRADES_EACH else ""
+
+
 def md_cell(text, limit=120):
     text = one_line(last_chars(text or "", limit) if len(text or "") > limit else text or "")
     return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;").replace("`", "'")
@@ -5449,7 +5475,7 @@ def audit_and_judge(ctx, a):
     for line in trust.rerun_lines(results, review["tree"]) if results else ():
         ctx.say(line)
     if grades:
-        ctx.say("  grades: " + ", ".join(f"{sid} {grade}" for sid, grade in grades.items()))
+        ctx.say("  " + grades_line(grades))
     standing = [(s["id"], unaddressed_failure(s)) for s in stories_in(plan, "complete")]
     for sid, o in standing:
         if o is not None:

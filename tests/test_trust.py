@@ -16,9 +16,9 @@ import sys
 
 import pytest
 
-from conftest import (ROOT, SCRIPT, Result, assert_refused, copy_engine, encode, forge, git, goals,
-                      ledger, make_plan, raw_lines, rechain, run_cli, sha256_hex, state_files,
-                      write_lines)
+from conftest import (ROOT, SCRIPT, Result, assert_refused, complete, copy_engine, encode, forge,
+                      git, goals, ledger, make_plan, raw_lines, rechain, run_cli, sha256_hex,
+                      state_files, write_lines)
 
 BAR = ["audit", "--base", "main", "--require-complete", "--require-witnessed", "--rerun", "all"]
 CHECK_PY = "import sys\nsys.exit(0 if open('impl.txt').read().strip() == 'done' else 1)\n"
@@ -970,6 +970,31 @@ def test_a_run_without_provenance_is_counted_and_fails_require_clean_runs(fab):
     assert r.code == 0 and "1 run recorded no provenance" in r.out, r
     r = fab("audit", "--require-clean-runs")
     assert r.code == 1 and "cannot be shown to be clean" in r.err, r
+
+
+def test_a_long_plans_grades_are_told_by_grade_with_the_few_named(fab, tmp_path):
+    """Each story's grade, one by one, up to eight stories; a longer plan's by grade — a count
+    each, the ids of a grade few stories hold — in the audit's output and its job summary (a
+    10,000-story plan printed a line of 10,000 ids)."""
+    make_plan(fab, 12)
+    for i in range(1, 13):
+        sid = goals.story_id(i)
+        assert fab("next").code == 0
+        run = ["--run", "--verify-cmd", "true"] if i in (1, 4, 12) else []
+        assert fab("checkpoint", "--id", sid, "--status", "complete", "--evidence", "e", *run,
+                   *(["--verify-evidence", "ran it"] if i == 12 else [])).code == 0
+    summary = tmp_path / "summary.md"
+    r = fab("audit", "--summary", str(summary))
+    assert r.code == 0, r
+    assert "  grades: 9 claimed, 3 witnessed (G001, G004, G012)\n" in r.out, r.out
+    text = summary.read_text()
+    assert "| Grade | Stories |" in text and "| claimed | 9 |" in text, text
+    assert "| witnessed | 3 (G001, G004, G012) |" in text and "| Story | Grade |" not in text
+    make_plan(fab, 2, "--force")
+    complete(fab, "G001")
+    r = fab("audit", "--summary", str(summary))
+    assert "  grades: G001 claimed, G002 not done\n" in r.out, r.out
+    assert "| G001 | claimed |" in summary.read_text()
 
 
 def test_audit_help_states_the_trust_model_in_three_grades(fab):
