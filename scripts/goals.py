@@ -887,28 +887,32 @@ REOPENED_BECAUSE = {"checkpoint": "the earlier attempt did not achieve the objec
 
 
 def validate_graph(stories):
-    """Unknown ids and cycles in `after` are refused; returns nothing."""
+    """Unknown ids and cycles in `after` are refused; returns nothing. A walk with a stack of its
+    own, not a recursion: a chain of thousands of stories is a plan, not a crash."""
     deps = {s["id"]: s.get("after", ()) for s in stories}
     for sid, after in deps.items():
         for dep in after:
             if dep not in deps:
                 raise usage(f"{sid} depends on {one_line(dep)}, which is not in the plan.",
                             "unknown_dependency")
-    state = {}
-
-    def visit(sid, path):
-        state[sid] = "visiting"
-        for dep in deps[sid]:
-            if state.get(dep) == "visiting":
-                cycle = path[path.index(dep):] + [dep] if dep in path else [sid, dep]
+    done = set()
+    for first in deps:
+        if first in done:
+            continue
+        path, walks, on_path = [first], [iter(deps[first])], {first}
+        while walks:
+            dep = next(walks[-1], None)
+            if dep is None:  # every dependency of the story at the path's end is done
+                done.add(path[-1])
+                on_path.discard(path.pop())
+                walks.pop()
+            elif dep in on_path:
+                cycle = path[path.index(dep):] + [dep]
                 raise usage("dependency cycle: " + " → ".join(cycle), "dependency_cycle")
-            if dep not in state:
-                visit(dep, path + [dep])
-        state[sid] = "done"
-
-    for s in stories:
-        if s["id"] not in state:
-            visit(s["id"], [s["id"]])
+            elif dep not in done:
+                path.append(dep)
+                on_path.add(dep)
+                walks.append(iter(deps[dep]))
 
 
 def run_key(run):

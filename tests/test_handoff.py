@@ -341,6 +341,27 @@ def test_create_refuses_cycles_and_unknown_ids_and_writes_nothing(fab, extra, fr
     assert not (fab.dir / "goals.json").exists()
 
 
+def reversed_chain(n):
+    """--after options making each of n stories but the last two wait for the story after it."""
+    return [x for i in range(1, n - 1) for x in ("--after", f"G{i:03d}=G{i + 1:03d}")] + [
+        "--after", f"G{n - 1:03d}="]
+
+
+def test_a_chain_of_dependencies_deeper_than_pythons_recursion_is_a_plan(fab):
+    """1,200 stories each waiting for the next: the graph is walked with a stack of its own (a
+    recursion ended in a RecursionError traceback past about 1,000)."""
+    assert fab("create", "--brief", "b", *plan_args(1200), *reversed_chain(1200)).code == 0
+    r = fab("next", "--json")
+    assert r.code == 0 and r.json["story"]["id"] == "G1199", r
+
+
+def test_a_cycle_at_the_end_of_a_long_chain_is_named_from_where_it_closes(fab):
+    r = fab("create", "--brief", "b", *plan_args(1200), *reversed_chain(1200),
+            "--after", "G1199=G1150")
+    assert r.code == 2 and "dependency cycle: G1150 → G1151 → " in r.err, r
+    assert "G1198 → G1199 → G1150" in r.err and state_files(fab.dir) == {}
+
+
 def test_create_force_with_a_cycle_leaves_the_existing_plan_untouched(fab):
     make_plan(fab, 3)
     complete(fab, "G001")
