@@ -628,10 +628,16 @@ HOOK_PAYLOADS = {
 }
 
 
+# what each agent's harness sets for its hooks: the project's folder (Claude Code's
+# $CLAUDE_PROJECT_DIR, which hooks written by hand use; Gemini CLI sets it too, beside its own)
+HOOK_ENV = {"claude": ("CLAUDE_PROJECT_DIR",),
+            "gemini": ("GEMINI_PROJECT_DIR", "CLAUDE_PROJECT_DIR")}
+
+
 def hook_answer_problem(cmd, root, agent, role):
     """Why the hook command `cmd` does not answer as its agent needs, run exactly as the agent
-    runs it (a shell in the project, the payload on stdin) against an empty state directory —
-    so nothing of the real plan changes — or None."""
+    runs it (a shell in the project, the payload on stdin, the variables its harness sets)
+    against an empty state directory — so nothing of the real plan changes — or None."""
     import tempfile
     payload = dict(HOOK_PAYLOADS[role], session_id="fablize-doctor", cwd=root,
                    transcript_path=os.path.join(root, "fablize-doctor.jsonl"))
@@ -640,7 +646,8 @@ def hook_answer_problem(cmd, root, agent, role):
             code, out, err = engine.run_tool(
                 cmd, cwd=root, shell=True, timeout=30, what="doctor",
                 data=json.dumps(payload).encode(),
-                env={"FABLIZE_DIR": os.path.join(empty, engine.STATE_DIRNAME)})
+                env=dict({name: root for name in HOOK_ENV.get(agent, ())},
+                         FABLIZE_DIR=os.path.join(empty, engine.STATE_DIRNAME)))
         except FablizeError as e:
             return e.message
     said = one_line(engine.last_chars(err or out.decode("utf-8", "replace"), 200))

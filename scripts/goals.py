@@ -3377,21 +3377,40 @@ def _places(key):
     """(pattern, {place: shown}) for text of `kind` (str or bytes) under `root`, or None."""
     kind, root = key
     shown = {}
-    for path, name in ((root, "."), (os.environ.get("HOME"), "~")):
+    for path, name in ((root, "."), (logical_root(root), "."), (os.environ.get("HOME"), "~")):
         for p in (path, path and os.path.realpath(path)):
             p = (p or "").rstrip("/")
-            if p.startswith("/") and p.count("/") >= 1 and len(p) > 1 and p not in shown:
+            if p.startswith("/") and len(p) > 1 and p not in shown:
                 shown[p] = name
     if not shown:
         return None
-    # a whole place only: not the end of a longer name (/root in /rootfs), nor inside a path
-    # (/root in /srv/root); the longest first, so a root inside the home folder is `.`
-    text = (r"(?<![\w.~/-])(?:" + "|".join(map(re.escape, sorted(shown, key=len, reverse=True)))
-            + r")(?![\w.-])")
+    # a whole place only, the longest first (a root inside the home folder is `.`): not the end
+    # of a longer path (/root in /srv/root) but where a place starts — after a space, a quote, an
+    # `=`, a JSON escape (`\n/root`), a URL's `://`, a flag (`-I/root/include`) — and not the
+    # start of a longer name (/root in /rootfs, /root.bak, /root~), a sentence's stop aside
+    text = (r"(?:(?<![\w.~/-])|(?<=\\[nrt])|(?<=://)|(?<=(?<![^\s\"'=(])-[A-Za-z])|"
+            r"(?<=\\[nrt]-[A-Za-z]))(?:"
+            + "|".join(map(re.escape, sorted(shown, key=len, reverse=True)))
+            + r")(?![\w~-]|\.[\w-])")
     if kind is bytes:
         return (re.compile(text.encode("utf-8", "surrogateescape")),
                 {k.encode("utf-8", "surrogateescape"): v.encode() for k, v in shown.items()})
     return re.compile(text), shown
+
+
+def logical_root(root):
+    """`root` as the shell that started the engine names it ($PWD), where a symlink on the way
+    makes that differ from the real path the engine works with (a check's `pwd` says it so)."""
+    pwd = os.environ.get("PWD")
+    if not root or not pwd or not pwd.startswith("/"):
+        return None
+    rel = os.path.relpath(os.path.realpath(pwd), os.path.realpath(root))
+    if rel == ".":
+        return pwd
+    tail = "/" + rel
+    if rel.startswith("..") or not pwd.rstrip("/").endswith(tail):
+        return None
+    return pwd.rstrip("/")[:-len(tail)]
 
 
 _PLACES = Lazy(_places)
@@ -3407,6 +3426,12 @@ def mask_places(text, root):
     return pattern.sub(lambda m: shown[m.group(0)], text)
 
 
+def masked_tail(text, n, root):
+    """The last `n` characters of what the harness reported (a command, its output), its
+    secrets and places masked before it is cut, so that none is cut in half and kept."""
+    return last_chars(mask_places(mask(last_chars(text or "", 8 * n), True), root), n)
+
+
 def check_command(option, cmd):
     """A command the engine will run and record: never one that carries a secret, which the
     plan would publish and a re-run could not repeat masked."""
@@ -3416,6 +3441,9 @@ def check_command(option, cmd):
                     "it in the environment (the command sees it there) and leave it out of the "
                     "command.", "secret_in_command")
     return limit_text(option, cmd)
+
+
+_LAST_BREAK = re.compile(rb"[^\w./~:%+=@-][\w./~:%+=@-]*\Z")  # the last byte no token holds
 
 
 class Masker:
@@ -3429,7 +3457,11 @@ class Masker:
 
     def feed(self, chunk, final=False):
         data = self.carry + chunk
-        cut = len(data) if final or len(data) >= READ_CHUNK else data.rfind(b"\n") + 1
+        cut = len(data) if final else data.rfind(b"\n") + 1
+        if not cut and len(data) >= READ_CHUNK:  # a line too long to hold: cut it where no
+            # token or path goes on (a space, a quote), else whole
+            found = _LAST_BREAK.search(data, len(data) - READ_CHUNK // 16)
+            cut = found.start() + 1 if found else len(data)
         self.carry = data[cut:]
         block = data[:cut]
         if self.in_key or PRIVATE_KEY in block:
@@ -4633,7 +4665,7 @@ def guard_reason(cli, plan, payload, fingerprint=None):
         blocks = max(blocks - 1, 0)  # the other registration of the guard counted this stop
     if blocks >= limit:
         return (f"fablize guard: let the agent stop after {blocks} blocks in a row; the plan is "
-                "not finished — run `status`."), dup
+                f"not finished — `{human_command(cli)} status` says where it stands."), dup
     story = find_story(plan, action["id"])
     if action["kind"] == "finish":
         reason = (f"fablize: {story['id']} \"{defused_line(story['title'])}\" is still in "
@@ -4876,7 +4908,8 @@ def tree_changed_verdict(ctx, a):
     return {"verdict": "not-achieved", "tree": digest, "packet_seq": packet["seq"],
             "evidence": f"the working tree changed after the judge packet (event {packet['seq']}) "
                         f"— a judge must not change what it judges; its verdict ({a.verdict}) "
-                        f"is void. The judge's finding: {a.evidence}"}
+                        "is void. The judge's finding: "
+                        + masked_text("--evidence", a.evidence, ctx.store.root)}
 
 
 def parse_goal(value, number):
@@ -5296,17 +5329,17 @@ def cmd_verify(ctx, a):
 
 def cmd_decide(ctx, a):
     signature = prev = None
+    note = masked_text("--note", a.note, ctx.store.root)  # as the plan keeps it, and signed so
     if a.sign or a.signer:  # signed outside the lock, over the head the decision follows
         trust = room("trust", "decide --sign")
         trust.check_signer(a.sign, a.signer)
         with open_plan(ctx, exclusive=False) as s:
             plan = s.require_plan()
-        signature, prev = trust.sign(plan, a.id, a.decision, a.note, a.sign, a.signer)
+        signature, prev = trust.sign(plan, a.id, a.decision, note, a.sign, a.signer)
     with open_plan(ctx) as s:
         s.require_plan()
         signed = trust.signed_fields(s.plan, signature, prev) if signature else {}
-        s.commit("decision", id=a.id, decision=a.decision, note=limit_text("--note", a.note),
-                 **signed)
+        s.commit("decision", id=a.id, decision=a.decision, note=note, **signed)
         plan = s.plan
     story = find_story(plan, a.id)
     what = {"accept": "counts as done", "retry": "back to work, rounds reset",
@@ -5490,9 +5523,11 @@ def audit_and_judge(ctx, a):
         md = (trust.summary(verdict, failures, report_md, review, results, grades) if trust
               else f"## {verdict}\n\n" + report_md)
         write_summary(a.summary, None, md)
-    if failures:
-        error = FablizeError("audit: " + "; ".join(f"{f['message']} — {f['fix']}"
-                                                   for f in failures),
+    if failures:  # each gate's fix is said above (and under --json, in `failures`)
+        error = FablizeError("audit: " + (f"{failures[0]['message']} — {failures[0]['fix']}"
+                                          if len(failures) == 1 else
+                                          "; ".join(f["message"] for f in failures) +
+                                          " (the fix of each is said above)"),
                              failures[0]["code"], EXIT_REFUSED)
         error.summarised = True
         raise error
@@ -5826,11 +5861,9 @@ def cmd_observe(ctx, a):
                 return  # nothing to attribute it to, or not a verification
             code, ok, detail = observed_outcome(payload)
             tool = payload.get("tool_name")
-            s.commit("observed_run", id=active[0]["id"],
-                     cmd=masked_text("command", last_chars(cmd, 2000), store.root),
+            s.commit("observed_run", id=active[0]["id"], cmd=masked_tail(cmd, 2000, store.root),
                      exit_code=code, ok=ok, tool=tool if isinstance(tool, str) else a.hook_for,
-                     detail=masked_text("detail", last_chars(detail or "", TAIL_CHARS),
-                                        store.root))
+                     detail=masked_tail(detail, TAIL_CHARS, store.root))
     except FablizeError as e:  # never fail the agent's tool call over our bookkeeping
         sys.stderr.write("fablize observe: " + one_line(e.message) + "\n")
 

@@ -4,6 +4,7 @@ import fcntl
 import hashlib
 import json
 import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -759,6 +760,11 @@ def test_guard_blocks_at_most_the_bound_in_a_row_then_lets_go(fab, guard):
     for _ in range(2):
         msg = assert_allows(guard(active=True))
         assert "let the agent stop after 3 blocks in a row" in msg["systemMessage"]
+    said = re.search(r"— `(.+ status)` says where it stands\.$", msg["systemMessage"])
+    assert said, msg  # a whole command, for the human, run as printed from the project
+    p = subprocess.run(["sh", "-c", said.group(1)], cwd=str(fab.root), capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.startswith("fablize: 0/3 complete"), p
     # a fresh stop (not caused by a block) counts from 1 again
     assert "[guard block 1 of at most 3 in a row]" in blocked_reason(guard(active=False))
     assert "[guard block 2 of at most 3 in a row]" in blocked_reason(guard(active=True))

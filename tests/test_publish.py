@@ -187,6 +187,82 @@ def test_the_guards_reason_is_recorded_without_the_engines_place(fab, tmp_path_f
     assert str(home) not in block["reason"]
 
 
+def test_a_project_reached_through_a_symlink_is_recorded_as_dot_whichever_path_names_it(
+        fab, monkeypatch, tmp_path_factory):
+    """The engine works in the real path; a shell started from a symlinked one keeps that in
+    $PWD, and `pwd` prints it (macOS's /tmp is /private/tmp): both are the root."""
+    import goals
+    link = tmp_path_factory.mktemp("links") / "here"
+    link.symlink_to(fab.root)
+    (fab.root / "sub").mkdir()
+    monkeypatch.setenv("PWD", str(link / "sub"))  # the agent stands in a folder of it
+    assert goals.logical_root(str(fab.root)) == str(link)
+    monkeypatch.setenv("PWD", str(link))  # at its top: the check's shell keeps that $PWD
+    make_plan(fab, 1, "--verify", "pwd && cd sub && pwd && pwd -P")
+    start(fab)
+    assert fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e").code == 0
+    run = [e for e in ledger(fab.dir) if e["event"] == "verify_run"][-1]
+    assert (fab.dir / run["log"]).read_text() == ".\n./sub\n./sub\n"
+    assert str(link).encode() not in state_bytes(fab)
+
+
+def test_what_the_harness_reports_names_no_place_however_it_is_written(fab, monkeypatch,
+                                                                      tmp_path_factory):
+    """A passing call's output arrives as JSON (a line's path after a `\\n`), a flag holds a
+    path (`-I/root/include`), a URL (`file:///root`), a sentence ends with one; and a long
+    report is masked before it is cut, so a path is never kept cut in half."""
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("HOME", str(home))
+    root = str(fab.root)
+    make_plan(fab, 2)
+    start(fab)
+    out = (f"collected 1\n{root}/tests/test_x.py .\n\t{home}/.cache/x\n-I{root}/include "
+           f"file://{root}/x see {root}.\n")
+    observe(fab, {**bash_failure(fab.root, "python3 -m pytest -q"), "hook_event_name":
+                  "PostToolUse", "tool_response": {"stdout": out, "stderr": "",
+                                                   "interrupted": False}})
+    observe(fab, bash_failure(fab.root, "python3 -m pytest -q",
+                              error="Exit code 1\n" + f"{root}/x.py:1: E\n" * 200))
+    first, second = [e for e in ledger(fab.dir) if e["event"] == "observed_run"]
+    assert root not in first["detail"] and str(home) not in first["detail"], first
+    assert "./tests/test_x.py" in first["detail"] and "~/.cache/x" in first["detail"]
+    assert "-I./include file://./x see .." in first["detail"], first["detail"]
+    assert second["detail"].startswith("…") and root.split("/")[-1] not in second["detail"]
+    assert second["detail"].endswith("./x.py:1: E\n"), second["detail"]
+
+
+def test_a_line_too_long_to_hold_is_cut_where_no_path_or_token_goes_on(fab):
+    """Output is masked a line at a time; a line longer than a read is cut at a space or a
+    quote, not inside the path or the token that straddles the read."""
+    (fab.root / "end.txt").write_text(f"{fab.root}/f.py {TOKEN}")
+    make_plan(fab, 1, "--verify", "python3 -c \"print('x ' * 32760 + open('end.txt').read())\"")
+    start(fab)
+    assert fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e").code == 0
+    run = [e for e in ledger(fab.dir) if e["event"] == "verify_run"][-1]
+    log = (fab.dir / run["log"]).read_text()
+    assert log.endswith(" ./f.py ***\n") and len(log) == 2 * 32760 + len("./f.py ***\n"), log[-80:]
+
+
+def test_a_void_verdict_and_a_decision_note_are_recorded_masked(fab):
+    """The finding of a judge whose verdict the changed tree voided, and a human's decision
+    note (signed as recorded), carry no secret and no place of the machine."""
+    from test_trust import judged_in_review
+    judged_in_review(fab)
+    (fab.root / "app.py").write_text("print('fixed by the judge')\n")
+    r = fab("verdict", "--id", "G001", "achieved", "--agent", "judge", "--evidence",
+            f"saw {fab.root}/app.py with {TOKEN}")
+    assert r.code == 1 and "changed since the judge packet" in r.err, r
+    verdict = [e for e in ledger(fab.dir) if e["event"] == "verdict"][-1]
+    assert verdict["evidence"].endswith("The judge's finding: saw ./app.py with ***"), verdict
+    for _ in range(2):  # its rounds used: blocked, for a human to decide
+        assert fab("next").code == 0
+        assert fab("checkpoint", "--id", "G001", "--status", "failed", "--evidence", "no").code == 0
+    r = fab("decide", "--id", "G001", "retry", "--note", f"see {fab.root}/NOTES with {TOKEN}")
+    assert r.code == 0, r
+    assert ledger(fab.dir)[-1]["note"] == "see ./NOTES with ***"
+    assert TOKEN.encode() not in state_bytes(fab) and fab("audit").code == 0
+
+
 def test_runs_of_an_older_engine_that_kept_values_compare_with_digests(fab):
     import goals
     fablize_trust = goals.room("trust", "test")

@@ -377,6 +377,11 @@ def test_two_failed_gates_are_named_in_one_run_and_the_summaries_differ(project)
         action = project.action(REPORT=str(path), **settings)
         assert action.returncode in (1, 3), action
         summaries[name] = path.read_text()
+        if name == "failed":  # stdout says each gate with its fix; stderr, one line naming them
+            err = action.stderr.strip()
+            assert err.count("\n") == 0 and err.endswith("(the fix of each is said above)"), err
+            assert err.count("re-run failed") == 2 and "outside the work's scope" in err, err
+            assert action.stdout.count("— fix: ") == 3, action.stdout
     failed = summaries["failed"]
     assert failed.startswith("## ❌ audit failed: 3 gates said no — out_of_scope, rerun_failed, "
                              "rerun_failed")

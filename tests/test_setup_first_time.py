@@ -90,6 +90,22 @@ def test_doctor_runs_each_hook_and_fails_on_one_that_does_not_answer(tmp_path, h
     assert "fix: `" in r.stdout and "setup claude`" in r.stdout
 
 
+def test_doctor_passes_the_hooks_readme_shows_written_by_hand(tmp_path, home):
+    """README's by-hand settings use $CLAUDE_PROJECT_DIR, which Claude Code sets for its hooks:
+    doctor runs them as Claude Code does, with it set to the project."""
+    text = (conftest.ROOT / "README.md").read_text()
+    snippet = text[text.index("by hand, in `.claude/settings.json`"):]
+    snippet = snippet[snippet.index("```json") + 7:snippet.index("```\n", 7)]
+    assert "$CLAUDE_PROJECT_DIR/scripts/fablize.py" in snippet
+    root = project(tmp_path)
+    (root / ".claude").mkdir()
+    (root / ".claude" / "settings.json").write_text(snippet)
+    r = run(root, home, "doctor", "claude")
+    for hook in ("Stop", "SessionStart", "PostToolUse"):
+        assert f"✓ {hook} hook command: runs and answers as claude reads it" in r.stdout, r
+    assert "exits 2" not in r.stdout
+
+
 def test_doctor_names_a_repository_that_went_away_as_the_cause(tmp_path, home):
     root = project(tmp_path)
     assert run(root, home, "setup", "claude").returncode == 0
