@@ -145,22 +145,25 @@ def attribute_line(store):
 
 def uninstall(store):
     """Undo what install did (the .gitattributes line, this clone's driver config); returns
-    the files it changed."""
+    ([(the file it changed, what it did)], whether the config held the driver)."""
     top = engine.repo_root(store.root)
     if top is None:
-        return []
+        return [], False
     path = os.path.join(top, ".gitattributes")
     old = engine.read_plain(path)
-    kept = [x for x in old.splitlines(True) if x.rstrip(b"\r\n") != attribute_line(store).encode()]
+    line = attribute_line(store)
+    kept = [x for x in old.splitlines(True) if x.rstrip(b"\r\n") != line.encode()]
     changed = []
     if b"".join(kept) != old and not os.path.islink(path):
         if any(x.strip() for x in kept):
             engine.write_atomic(path, b"".join(kept))
+            changed.append((".gitattributes", f"`{line}` taken out"))
         else:
             os.unlink(path)
-        changed.append(".gitattributes")
-    engine.git(store.root, "config", "--remove-section", "merge.fablize", what="setup --remove")
-    return changed
+            changed.append((".gitattributes", "removed (it held only fablize's line)"))
+    code = engine.git(store.root, "config", "--remove-section", "merge.fablize",
+                      what="setup --remove")[0]
+    return changed, code == 0
 
 
 def install(store, cli):

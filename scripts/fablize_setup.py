@@ -279,6 +279,17 @@ def json_config_bytes(config):
     return (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
 
 
+def committed_as(root, rel, config):
+    """The bytes of `rel` as the last commit holds them, when they hold `config`: what
+    `setup --remove` puts back (setup writes JSON in its own layout; the file as it was
+    committed keeps the project's), else None."""
+    code, raw, _ = engine.git(root, "show", f"HEAD:{rel}", what="setup --remove")
+    try:
+        return raw if code == 0 and json.loads(raw) == config else None
+    except ValueError:
+        return None
+
+
 MAX_PROJECT_FILE = 1 << 20  # a settings or instructions file larger than this is not one
 
 
@@ -370,6 +381,8 @@ def setup_plan(root, agent, remove):
         new = merge_hooks(config, agent, cli, remove)
         if new != config:
             data = None if remove and not new and st is not None else json_config_bytes(new)
+            if remove and data is not None:
+                data = committed_as(root, hooks_rel, new) or data
             changes.append((hooks_rel, path, st, data,
                             "hooks " + ("removed" if remove else "registered") + ": " +
                             ", ".join(e for e, _, _, _ in hook_entries(agent, cli))))
@@ -591,7 +604,12 @@ def cmd_setup(ctx, a):
             pass
     merge = engine.room("merge", "setup")
     if a.remove:
-        done += merge.uninstall(ctx.store)
+        changed, driver = merge.uninstall(ctx.store)
+        for rel, what in changed:
+            ctx.say(f"fablize: {rel}: {what}")
+            done.append(rel)
+        if driver:
+            ctx.say("fablize: fablize's merge driver taken out of this clone's git config")
     elif merge.wanted(ctx.store):
         line, _ = merge.install(ctx.store, portable_command(root))
         ctx.say(f"fablize: .gitattributes: `{line}` (commit it) — git merges, rebases and "

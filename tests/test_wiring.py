@@ -189,6 +189,21 @@ def test_setup_remove_undoes_exactly_what_setup_did(repo, home):
     assert json.loads(after[repo / ".claude" / "settings.json"]) == \
         {"permissions": {"allow": ["Bash(ls)"]}}
     assert not (repo / ".fablize").exists()
+    assert "fablize: .gitattributes: removed (it held only fablize's line)" in out
+    assert "fablize: fablize's merge driver taken out of this clone's git config" in out
+
+
+def test_setup_remove_puts_back_a_committed_settings_file_byte_for_byte(repo, home):
+    """setup writes JSON in its own layout; --remove puts back the file as it was committed."""
+    settings = repo / ".claude" / "settings.json"
+    settings.parent.mkdir()
+    settings.write_text('{"permissions": {"allow": ["Bash(ls)"]}}\n')
+    git(repo, "add", ".claude")
+    git(repo, "commit", "-qm", "settings")
+    assert script(repo, home, "setup", "claude")[0] == 0
+    assert "SessionStart" in settings.read_text()
+    assert script(repo, home, "setup", "claude", "--remove")[0] == 0
+    assert settings.read_bytes() == b'{"permissions": {"allow": ["Bash(ls)"]}}\n'
 
 
 @pytest.mark.parametrize("agent, block_file, hooks_file, stop_event", [
