@@ -3443,6 +3443,16 @@ def check_command(option, cmd):
     return limit_text(option, cmd)
 
 
+def plan_text(name, text):
+    """The plan's own words (its brief, a story's title, objective, acceptance items) as typed:
+    never one that carries a secret, which masking would silently change."""
+    if looks_secret(text, command=True):
+        raise usage(f"{name} `{one_line(mask(text, command=True))}` holds what looks like a "
+                    "secret, and a plan is read by everyone who can read the repository: leave "
+                    "it out.", "secret_in_plan")
+    return limit_text(name, text)
+
+
 _LAST_BREAK = re.compile(rb"[^\w./~:%+=@-][\w./~:%+=@-]*\Z")  # the last byte no token holds
 
 
@@ -4351,7 +4361,9 @@ def render_report(plan, runs, total=None):
 # the fields of an event where a secret could have been recorded (an older engine masked none)
 SECRET_FIELDS = {"verify_run": ("cmd", "tail"), "observed_run": ("cmd", "detail"),
                  "checkpoint": ("evidence", "verify_cmd", "verify_evidence"),
-                 "verdict": ("evidence",), "paused": ("note",)}
+                 "verdict": ("evidence",), "paused": ("note",), "decision": ("note",),
+                 "story_released": ("note",), "guard_block": ("reason",),
+                 "plan_created": ("brief",)}
 MAX_SECRET_LINES = 20
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 _SHA256, _LOG = itemgetter("sha256"), itemgetter("log")
@@ -4916,8 +4928,8 @@ def parse_goal(value, number):
     if "::" not in value:
         raise usage(f"--goal format is 'title::objective' — invalid: {one_line(value)}", "bad_goal")
     title, objective = value.split("::", 1)
-    return {"id": story_id(number), "title": limit_text("a title", title.strip()),
-            "objective": limit_text("an objective", objective.strip()),
+    return {"id": story_id(number), "title": plan_text("a title", title.strip()),
+            "objective": plan_text("an objective", objective.strip()),
             "after": [], "checks": [], "accept": [], "judge": False}
 
 
@@ -4954,7 +4966,7 @@ def build_stories(a):
         sid, text = split_assignment("--accept", value)
         if blank(text):
             raise usage(f"--accept {sid}= needs the item's text.", "blank_item")
-        target("--accept", sid)["accept"].append(limit_text("an acceptance item", text))
+        target("--accept", sid)["accept"].append(plan_text("an acceptance item", text))
     for value in a.judge or []:
         for sid in ([s["id"] for s in specs] if value == "ALL" else parse_ids(value, "--judge")):
             target("--judge", sid)["judge"] = True
@@ -4990,7 +5002,7 @@ def cmd_create(ctx, a):
     store = ctx.store
     if not a.force and store.exists() and store.has_plan_files():
         raise refused(PLAN_EXISTS, "plan_exists")
-    limit_text("--brief", a.brief)
+    plan_text("--brief", a.brief)
     if blank(a.brief):
         raise usage("--brief must not be empty: it is the task every handoff starts from.",
                     "blank_brief")
@@ -5366,7 +5378,7 @@ def cmd_add(ctx, a):
             if blank(cmd):
                 raise usage("--check needs a command.", "blank_check")
             spec["checks"].append(check_command("--check", cmd))
-        spec["accept"] = [limit_text("an acceptance item", t) for t in a.accept if not blank(t)]
+        spec["accept"] = [plan_text("an acceptance item", t) for t in a.accept if not blank(t)]
         spec["judge"] = a.judge
         unverifiable = unverifiable_checks([spec], ctx.store.root)
         s.commit("story_added", story=spec, unverifiable=unverifiable)

@@ -285,6 +285,39 @@ def test_audit_fails_a_ledger_that_recorded_a_secret_by_hand_or_by_an_older_engi
     assert j["error"]["code"] == "secret_in_ledger" and j["secret_lines"] == [3]
 
 
+@pytest.mark.parametrize("kind, fields, line", [
+    ("decision", {"id": "G001", "decision": "retry", "note": f"key {TOKEN}"}, 4),
+    ("guard_block", {"reason": f"stop: {TOKEN}", "fresh": True}, 4),
+])
+def test_audit_flags_a_secret_in_a_note_or_a_reason_an_older_engine_kept(fab, kind, fields,
+                                                                          line):
+    make_plan(fab, 2)
+    start(fab)
+    assert fab("checkpoint", "--id", "G001", "--status", "failed", "--evidence", "no").code == 0
+    assert forge_fab(fab, event=kind, **fields).code == 0
+    j = fab("--json", "audit").json
+    assert j["error"]["code"] == "secret_in_ledger" and j["secret_lines"] == [line], j
+
+
+@pytest.mark.parametrize("args, name", [
+    (["create", "--brief", f"ship with {TOKEN}", "--goal", "a::b"], "--brief"),
+    (["create", "--brief", "b", "--goal", "Deploy::push with API_TOKEN=abc123456"],
+     "an objective"),
+    (["create", "--brief", "b", "--goal", "a::b", "--judge", "--accept", f"G001=uses {TOKEN}"],
+     "an acceptance item"),
+])
+def test_a_plan_whose_words_carry_a_secret_is_refused_and_nothing_is_written(fab, args, name):
+    r = assert_refused(fab, args, 2, f"{name} `", "holds what looks like a secret",
+                       error="secret_in_plan")
+    assert TOKEN not in r.err and "abc123456" not in r.err
+    assert not (fab.dir / "ledger.jsonl").exists()
+    make_plan(fab, 2)
+    before = state_bytes(fab)
+    assert_refused(fab, ["add", "--goal", f"Rotate {TOKEN}::now"], 2, "a title `Rotate ***`",
+                   error="secret_in_plan")
+    assert state_bytes(fab) == before
+
+
 # A run's log under faults ####################################################################
 
 
