@@ -1760,15 +1760,20 @@ def check_graph(plan):
     return plan
 
 
-def original_plan_fields(snap):
-    """The plan_created fields that carry an original goals.py plan's stories as they are."""
+def original_plan_fields(snap, root=None):
+    """The plan_created fields that carry an original goals.py plan's stories as they are, but
+    for what a plan may not publish (the original masked nothing): secrets masked, the places
+    of the machine shown relative to them (its files stay whole in the archive)."""
+    def kept(text):
+        return text if type(text) is not str else mask_places(mask(text, True), root)
     stories = []
     for i, g in enumerate(snap["goals"], 1):
-        stories.append({"id": story_id(i), "title": g["title"], "objective": g["objective"],
-                        "status": g["status"], "evidence": g.get("evidence"),
+        stories.append({"id": story_id(i), "title": kept(g["title"]),
+                        "objective": kept(g["objective"]), "status": g["status"],
+                        "evidence": kept(g.get("evidence")),
                         "after": [story_id(i - 1)] if i > 1 else []})
     stories[-1]["after"] = [s["id"] for s in stories[:-1]]
-    return {"brief": snap["brief"], "count": len(stories), "plan_id": new_plan_id(),
+    return {"brief": kept(snap["brief"]), "count": len(stories), "plan_id": new_plan_id(),
             "stories": stories, "options": {"rounds": DEFAULT_ROUNDS, "require_run": False},
             "imported_from": {"tool": "goals.py (original)"}}
 
@@ -2950,7 +2955,7 @@ class Transaction(Reading):
     def plan_from_original(self, snap):
         """Import for real: the original's files go to archive/, a chained ledger starts."""
         self.refuse_stripped_snapshot()
-        old = self.replace_plan(original_plan_fields(snap))
+        old = self.replace_plan(original_plan_fields(snap, self.store.root))
         self.store.warn(f"imported the plan written by the original goals.py; its files are "
                         f"kept in {old['path']}.")
         return self.plan
@@ -3304,8 +3309,15 @@ SECRET_SHAPES = (
     ("AKIA", r"[0-9A-Z]{16}"), *((f"xox{k}-", r"[\w-]{10,}") for k in "abprs"),
     ("sk-", r"(?:ant-)?[\w-]{20,}"), ("AIza", r"[\w-]{35}"), ("npm_", r"\w{36}"),
     ("glpat-", r"[\w-]{20}"), ("eyJ", r"[\w-]{10,}\.eyJ[\w-]{10,}\.[\w-]{10,}"))
-SECRET_ASSIGNMENT = (r"(?<![\w-])((?:[A-Za-z_]\w*)?(?i:" + SECRET_WORDS + r")\w*=)"
-                     r"(?:'[^']*'|\"[^\"]*\"|[^\s'\"]+)")
+# a shape's body never runs on into the next token's prefix (two tokens side by side are two)
+_NOT_A_PREFIX = "(?!" + "|".join(re.escape(prefix) for prefix, _ in SECRET_SHAPES) + ")"
+# an assignment to a name that says it is secret: an environment variable's (GITHUB_TOKEN,
+# SECRET_KEY_BASE: upper case, the word anywhere) or a name that ends with the word (api_key,
+# db_password) — not max_tokens, token_budget or password_min_length, whose values are not
+# secrets; nor a value the shell fills in ($GITHUB_TOKEN, ${{ secrets.X }})
+SECRET_ASSIGNMENT = (r"(?<![\w-])((?:[A-Z0-9_]*(?:" + SECRET_WORDS.upper()
+                     + r")[A-Z0-9_]*|(?:[A-Za-z_]\w*?)?(?i:" + SECRET_WORDS + r"))=)"
+                     r"(?!\$)(?:'[^']*'|\"[^\"]*\"|[^\s'\"]+)")
 MASK = "***"
 SHORT_TEXT = 48             # characters: below this, looks_secret skips its literal pre-scan
 PRIVATE_KEY = b"PRIVATE KEY-----"
@@ -3326,13 +3338,18 @@ def _secrets(key):
     kind, command = key
     values = secret_values()
     text = "|".join(([SECRET_ASSIGNMENT] if command else []) +
-                    [re.escape(prefix) + rest for prefix, rest in SECRET_SHAPES] +
+                    [re.escape(prefix) + tempered(rest) for prefix, rest in SECRET_SHAPES] +
                     [re.escape(v) for v in values])
     literals = [prefix for prefix, _ in SECRET_SHAPES] + values
     if kind is bytes:
         return (re.compile(text.encode("utf-8", "surrogateescape")),
                 None if command else [x.encode("utf-8", "surrogateescape") for x in literals])
     return re.compile(text), None if command else literals
+
+
+def tempered(body):
+    """A token shape's body whose characters each stop where another token begins."""
+    return re.sub(r"\[[^\]]*\]|\\w", lambda m: f"(?:{_NOT_A_PREFIX}{m.group(0)})", body)
 
 
 _SECRETS = Lazy(_secrets)  # (str or bytes, a command line?) -> (pattern, literals), once a run
@@ -3380,7 +3397,10 @@ def _places(key):
     for path, name in ((root, "."), (logical_root(root), "."), (os.environ.get("HOME"), "~")):
         for p in (path, path and os.path.realpath(path)):
             p = (p or "").rstrip("/")
-            if p.startswith("/") and len(p) > 1 and p not in shown:
+            # a home of one folder names no one (/root, CI's and containers' user): it stays,
+            # as it does on other machines in the output (`scp x web:/root/`, `-v /root:/x`)
+            if p.startswith("/") and p.count("/") >= (2 if name == "~" else 1) and (
+                    p not in shown):
                 shown[p] = name
     if not shown:
         return None
@@ -3423,13 +3443,23 @@ def mask_places(text, root):
     if places is None:
         return text
     pattern, shown = places
-    return pattern.sub(lambda m: shown[m.group(0)], text)
+    dot, slash = (".", "/") if type(text) is str else (b".", b"/")
+
+    def place(m):  # the root at a sentence's stop is `./.`: `..` would say its parent
+        name = shown[m.group(0)]
+        return name + slash if name == dot and m.string[m.end():m.end() + 1] == dot else name
+    return pattern.sub(place, text)
 
 
 def masked_tail(text, n, root):
     """The last `n` characters of what the harness reported (a command, its output), its
-    secrets and places masked before it is cut, so that none is cut in half and kept."""
-    return last_chars(mask_places(mask(last_chars(text or "", 8 * n), True), root), n)
+    secrets and places masked before it is cut, so that none is cut in half and kept: a long
+    text is first cut to its last 64·n characters at a space, without the word cut in half."""
+    text = text or ""
+    if len(text) > 64 * n:
+        text = text[-64 * n:]
+        text = text[min(i for i in (text.find(" "), text.find("\n"), len(text)) if i >= 0):]
+    return last_chars(mask_places(mask(text, True), root), n)
 
 
 def check_command(option, cmd):
@@ -3446,32 +3476,46 @@ def check_command(option, cmd):
 def plan_text(name, text):
     """The plan's own words (its brief, a story's title, objective, acceptance items) as typed:
     never one that carries a secret, which masking would silently change."""
-    if looks_secret(text, command=True):
-        raise usage(f"{name} `{one_line(mask(text, command=True))}` holds what looks like a "
-                    "secret, and a plan is read by everyone who can read the repository: leave "
-                    "it out.", "secret_in_plan")
+    if looks_secret(text):  # a token's shape or a secret's value; `max_tokens=…` is words
+        raise usage(f"{name} `{one_line(mask(text))}` holds what looks like a secret, and a "
+                    "plan is read by everyone who can read the repository: leave it out.",
+                    "secret_in_plan")
     return limit_text(name, text)
 
 
-_LAST_BREAK = re.compile(rb"[^\w./~:%+=@-][\w./~:%+=@-]*\Z")  # the last byte no token holds
+_LAST_BREAK = re.compile(rb"[^\w./~:%+=@\\-][\w./~:%+=@\\-]*\Z")  # the last byte no token holds
+HOLD = 4096  # bytes of a line too long to hold that wait for what follows them
 
 
 class Masker:
     """Masks a stream of output, a line at a time (a secret never spans lines; a line held
     back waits for its end, up to READ_CHUNK bytes); a private key's lines are dropped whole,
-    from its BEGIN line to its END line."""
+    from its BEGIN line to its END line. A line longer than that is cut where no token or place
+    (under `root`) goes on, its last HOLD bytes kept back for what follows them."""
 
-    def __init__(self):
+    def __init__(self, root=None):
         self.carry = b""
         self.in_key = False
+        self.root = root
+
+    def cut(self, data):
+        """Where to cut a line too long to hold: at a byte no token or path holds (a space, a
+        quote) near its end, else before any secret or place that goes on past that point."""
+        end = len(data) - HOLD
+        found = _LAST_BREAK.search(data, end - READ_CHUNK // 4, end)
+        if found:
+            return found.start() + 1
+        for pattern in (_SECRETS[bytes, False][0], (_PLACES[bytes, self.root] or [None])[0]):
+            for m in pattern.finditer(data) if pattern is not None else ():
+                if m.start() < end < m.end():
+                    end = m.start()
+        return end
 
     def feed(self, chunk, final=False):
         data = self.carry + chunk
         cut = len(data) if final else data.rfind(b"\n") + 1
-        if not cut and len(data) >= READ_CHUNK:  # a line too long to hold: cut it where no
-            # token or path goes on (a space, a quote), else whole
-            found = _LAST_BREAK.search(data, len(data) - READ_CHUNK // 16)
-            cut = found.start() + 1 if found else len(data)
+        if not cut and len(data) >= READ_CHUNK:
+            cut = self.cut(data)
         self.carry = data[cut:]
         block = data[:cut]
         if self.in_key or PRIVATE_KEY in block:
@@ -3651,7 +3695,7 @@ def run_command(cmd, cwd, timeout, stream, log_path):
     import codecs
     import subprocess
     import threading
-    masker = Masker()
+    masker = Masker(cwd)
     try:
         log_fd = open_state_file(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         log_error = [None]
@@ -4359,11 +4403,23 @@ def render_report(plan, runs, total=None):
 
 
 # the fields of an event where a secret could have been recorded (an older engine masked none)
-SECRET_FIELDS = {"verify_run": ("cmd", "tail"), "observed_run": ("cmd", "detail"),
-                 "checkpoint": ("evidence", "verify_cmd", "verify_evidence"),
-                 "verdict": ("evidence",), "paused": ("note",), "decision": ("note",),
-                 "story_released": ("note",), "guard_block": ("reason",),
-                 "plan_created": ("brief",)}
+SECRET_FIELDS = {"verify_run": ("cmd", "tail"), "observed_run": ("cmd", "detail", "tool"),
+                 "checkpoint": ("evidence", "verify_cmd", "verify_evidence", "agent?"),
+                 "verdict": ("evidence", "agent"), "paused": ("note",), "decision": ("note",),
+                 "story_released": ("note", "agent"), "guard_block": ("reason",),
+                 "story_started": ("agent",), "plan_created": ("brief",)}
+_STORY_TEXTS = ("title", "objective", "evidence")  # (and its checks and acceptance items)
+
+
+def story_texts(ev):
+    """The words of the stories an event holds (plan_created's, story_added's), and the plan's
+    scope: what a forger could hide a secret in besides the fields of SECRET_FIELDS."""
+    stories = ev["stories"] if ev["event"] == "plan_created" else [ev["story"]]
+    for story in stories:
+        yield from (story.get(key) for key in _STORY_TEXTS)
+        yield from story.get("checks") or ()
+        yield from story.get("accept") or ()
+    yield from ev.get("scope") or ()
 MAX_SECRET_LINES = 20
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 _SHA256, _LOG = itemgetter("sha256"), itemgetter("log")
@@ -4379,12 +4435,17 @@ def secret_seqs(groups, secret):
         if not group:
             continue
         texts = set()
-        for name in fields:  # text or None, each (replay checked)
-            texts.update(map(itemgetter(name), group))
+        for name in fields:  # text or None, each (replay checked); `name?` may be missing
+            texts.update(map(methodcaller("get", name[:-1]) if name.endswith("?") else
+                             itemgetter(name), group))
         flagged = {text for text in texts if text and secret(text)}
         if flagged:
-            seqs += [ev["seq"] for ev in group if any(ev[name] in flagged for name in fields)]
-    return sorted(seqs)
+            seqs += [ev["seq"] for ev in group
+                     if any(ev.get(name.rstrip("?")) in flagged for name in fields)]
+    for kind in ("plan_created", "story_added"):  # a few events, each read whole
+        seqs += [ev["seq"] for ev in groups.get(kind, ())
+                 if any(type(text) is str and secret(text) for text in story_texts(ev))]
+    return sorted(set(seqs))
 
 
 def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None, scan=None,
@@ -5013,7 +5074,7 @@ def cmd_create(ctx, a):
     fields = {"brief": a.brief, "count": len(specs), "plan_id": new_plan_id(), "stories": specs,
               "options": {"rounds": a.rounds, "require_run": a.require_run},
               "unverifiable": unverifiable}
-    scope = list(dict.fromkeys(scope_pattern(p) for p in a.scope))
+    scope = list(dict.fromkeys(scope_pattern(plan_text("--scope", p)) for p in a.scope))
     if scope:
         fields["scope"] = scope
     # judge the new plan before anything moves: a bad one must not archive the old one
@@ -5139,7 +5200,7 @@ def cmd_checkpoint(ctx, a):
     if a.run and not blank(a.verify_cmd):
         check_command("--verify-cmd", a.verify_cmd)
     ev = {"id": a.id, "status": a.status, "evidence": masked_text("--evidence", a.evidence),
-          "verify_cmd": masked_text("--verify-cmd", a.verify_cmd),
+          "verify_cmd": mask(limit_text("--verify-cmd", a.verify_cmd), command=True),
           "verify_evidence": masked_text("--verify-evidence", a.verify_evidence)}
     if a.agent is not None:
         ev["agent"] = a.agent
@@ -5874,7 +5935,8 @@ def cmd_observe(ctx, a):
             code, ok, detail = observed_outcome(payload)
             tool = payload.get("tool_name")
             s.commit("observed_run", id=active[0]["id"], cmd=masked_tail(cmd, 2000, store.root),
-                     exit_code=code, ok=ok, tool=tool if isinstance(tool, str) else a.hook_for,
+                     exit_code=code, ok=ok,
+                     tool=masked_tail(tool, 200, None) if isinstance(tool, str) else a.hook_for,
                      detail=masked_tail(detail, TAIL_CHARS, store.root))
     except FablizeError as e:  # never fail the agent's tool call over our bookkeeping
         sys.stderr.write("fablize observe: " + one_line(e.message) + "\n")
@@ -6014,6 +6076,9 @@ class Context:
         # every printed command runs as printed, from any directory of the project
         self.prog = self.cli = prog or invocation()
         self._store = None
+        agent = getattr(args, "agent", None)
+        if isinstance(agent, str):
+            plan_text("--agent", agent)  # a name the plan records: never a secret
 
     @property
     def store(self):
