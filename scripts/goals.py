@@ -3303,21 +3303,25 @@ def run_provenance(root, cmd):
 SECRET_WORDS = (r"token|secret|passw(?:or)?d|passphrase|credential|api_?key|access_?key|"
                 r"private_?key|auth_?key|signing_?key")
 # well-known token shapes, each by its literal prefix (what a quick scan looks for first) and
-# the rest of its pattern
+# the rest of its pattern; a prefix that ends words too (task-queue, AKIA in no word) must start
+# one here
 SECRET_SHAPES = (
     *((f"gh{k}_", r"[A-Za-z0-9]{30,}") for k in "pousr"), ("github_pat_", r"\w{20,}"),
     ("AKIA", r"[0-9A-Z]{16}"), *((f"xox{k}-", r"[\w-]{10,}") for k in "abprs"),
-    ("sk-", r"(?:ant-)?[\w-]{20,}"), ("AIza", r"[\w-]{35}"), ("npm_", r"\w{36}"),
+    ("sk-", r"(?:ant-)?[\w-]{20,}"), ("AIza", r"[\w-]{35}"), ("npm_", r"[A-Za-z0-9]{36}"),
     ("glpat-", r"[\w-]{20}"), ("eyJ", r"[\w-]{10,}\.eyJ[\w-]{10,}\.[\w-]{10,}"))
-# a shape's body never runs on into the next token's prefix (two tokens side by side are two)
+_WORD_START = ("sk-", "AKIA", "AIza", "npm_", "glpat-", "eyJ")
+# a shape's body is first tried stopping where another token begins (two tokens side by side
+# are two), then whole (a token that holds another's prefix is still one)
 _NOT_A_PREFIX = "(?!" + "|".join(re.escape(prefix) for prefix, _ in SECRET_SHAPES) + ")"
-# an assignment to a name that says it is secret: an environment variable's (GITHUB_TOKEN,
-# SECRET_KEY_BASE: upper case, the word anywhere) or a name that ends with the word (api_key,
-# db_password) — not max_tokens, token_budget or password_min_length, whose values are not
-# secrets; nor a value the shell fills in ($GITHUB_TOKEN, ${{ secrets.X }})
-SECRET_ASSIGNMENT = (r"(?<![\w-])((?:[A-Z0-9_]*(?:" + SECRET_WORDS.upper()
-                     + r")[A-Z0-9_]*|(?:[A-Za-z_]\w*?)?(?i:" + SECRET_WORDS + r"))=)"
-                     r"(?!\$)(?:'[^']*'|\"[^\"]*\"|[^\s'\"]+)")
+# an assignment to a name that says it is secret — it ends with the word (GITHUB_TOKEN,
+# db_password, AWS_SECRET_ACCESS_KEY) or holds SECRET (SECRET_KEY_BASE) — not max_tokens,
+# TOKENIZERS_PARALLELISM or password_min_length; nor a value the shell fills in ($GITHUB_TOKEN,
+# ${{ secrets.X }}), a comparison (token==x), a null (password=None) or what closes a call
+# after it. Linear: a word starts it, and one with no `=` in it fails at once.
+SECRET_ASSIGNMENT = (r"(?<![\w-])(?=\w*=)((?:\w*?(?i:" + SECRET_WORDS + r")|(?i:\w*secret\w*))=)"
+                     r"(?![=$]|(?:None|null|nil|true|false|True|False)\b)"
+                     r"(?:'[^']*'|\"[^\"]*\"|[^\s'\"(),;]+)")
 MASK = "***"
 SHORT_TEXT = 48             # characters: below this, looks_secret skips its literal pre-scan
 PRIVATE_KEY = b"PRIVATE KEY-----"
@@ -3337,9 +3341,12 @@ def _secrets(key):
     a scan for each finds at memory speed, where the pattern would cost ~20 ns a byte."""
     kind, command = key
     values = secret_values()
+    # a value also as JSON writes it (what the harness reports arrives as JSON text)
+    values += [json.dumps(v)[1:-1] for v in values if json.dumps(v)[1:-1] != v]
     text = "|".join(([SECRET_ASSIGNMENT] if command else []) +
-                    [re.escape(prefix) + tempered(rest) for prefix, rest in SECRET_SHAPES] +
-                    [re.escape(v) for v in values])
+                    [("(?<![\\w-])" if prefix in _WORD_START else "") + re.escape(prefix) +
+                     f"(?:{tempered(rest)}|{rest})" for prefix, rest in SECRET_SHAPES] +
+                    [re.escape(v) for v in sorted(values, key=len, reverse=True)])
     literals = [prefix for prefix, _ in SECRET_SHAPES] + values
     if kind is bytes:
         return (re.compile(text.encode("utf-8", "surrogateescape")),
@@ -3397,19 +3404,19 @@ def _places(key):
     for path, name in ((root, "."), (logical_root(root), "."), (os.environ.get("HOME"), "~")):
         for p in (path, path and os.path.realpath(path)):
             p = (p or "").rstrip("/")
-            # a home of one folder names no one (/root, CI's and containers' user): it stays,
-            # as it does on other machines in the output (`scp x web:/root/`, `-v /root:/x`)
-            if p.startswith("/") and p.count("/") >= (2 if name == "~" else 1) and (
-                    p not in shown):
+            # a place of one folder names no one (/root, CI's and containers' user; /app): it
+            # stays, as it does on other machines in the output (`scp x web:/root/`, GET /app/x)
+            if p.startswith("/") and p.count("/") >= 2 and p not in shown:
                 shown[p] = name
     if not shown:
         return None
     # a whole place only, the longest first (a root inside the home folder is `.`): not the end
     # of a longer path (/root in /srv/root) but where a place starts — after a space, a quote, an
-    # `=`, a JSON escape (`\n/root`), a URL's `://`, a flag (`-I/root/include`) — and not the
+    # `=`, a JSON escape (`\n/root`), a URL's `://`, a flag (`-I/root/include`), a terminal's
+    # colour (`\x1b[1m/root`) — and not the
     # start of a longer name (/root in /rootfs, /root.bak, /root~), a sentence's stop aside
     text = (r"(?:(?<![\w.~/-])|(?<=\\[nrt])|(?<=://)|(?<=(?<![^\s\"'=(])-[A-Za-z])|"
-            r"(?<=\\[nrt]-[A-Za-z]))(?:"
+            r"(?<=\\[nrt]-[A-Za-z])|(?<=[\d\[;][mK]))(?:"
             + "|".join(map(re.escape, sorted(shown, key=len, reverse=True)))
             + r")(?![\w~-]|\.[\w-])")
     if kind is bytes:
@@ -3500,16 +3507,17 @@ class Masker:
 
     def cut(self, data):
         """Where to cut a line too long to hold: at a byte no token or path holds (a space, a
-        quote) near its end, else before any secret or place that goes on past that point."""
+        quote) near its end, else there; moved back before a secret or a place that goes on
+        past it (a secret's value or a path may hold a space). What matches over more than
+        HOLD bytes is no token: cut through, so that the line held back stays short."""
         end = len(data) - HOLD
         found = _LAST_BREAK.search(data, end - READ_CHUNK // 4, end)
-        if found:
-            return found.start() + 1
+        cut = found.start() + 1 if found else end
         for pattern in (_SECRETS[bytes, False][0], (_PLACES[bytes, self.root] or [None])[0]):
             for m in pattern.finditer(data) if pattern is not None else ():
-                if m.start() < end < m.end():
-                    end = m.start()
-        return end
+                if m.start() < cut < m.end() and m.end() - m.start() <= HOLD:
+                    cut = m.start()
+        return cut
 
     def feed(self, chunk, final=False):
         data = self.carry + chunk

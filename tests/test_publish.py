@@ -82,7 +82,7 @@ def test_evidence_and_notes_are_recorded_masked(fab):
             "--evidence", f"pushed with API_TOKEN={TOKEN}, it worked")
     assert r.code == 0, r
     assert [e["evidence"] for e in ledger(fab.dir) if e["event"] == "checkpoint"] == \
-        ["pushed with API_TOKEN=*** it worked"]  # to the next space
+        ["pushed with API_TOKEN=***, it worked"]  # to the next space, comma or bracket
     assert fab("pause", "--note", f"waiting for {TOKEN}").code == 0
     assert TOKEN.encode() not in state_bytes(fab)
 
@@ -284,10 +284,19 @@ def test_a_verify_cmd_run_by_the_engine_may_name_the_home_folder(fab, monkeypatc
     ("n_tokens=len(x) and token_budget=2000", None),
     ("GITHUB_TOKEN=$GITHUB_TOKEN pytest", None),
     ("GH_TOKEN=${{ secrets.GH_TOKEN }} make", None),
+    ("TOKENIZERS_PARALLELISM=false MAX_TOKENS=10 PASSWORD_HASHERS=fast pytest", None),
+    ("def login(user, password=None) now compares token==expected", None),
+    ("checked the task-scheduler-retries-backoff path", None),
     # assignments of secrets, and two tokens side by side: masked
     ("DB_PASSWORD=hunter22 ./run", "DB_PASSWORD=*** ./run"),
     ("SECRET_KEY_BASE=abcdef123 rails s", "SECRET_KEY_BASE=*** rails s"),
     (TOKEN + "ghp_" + "B" * 36, "******"),
+    # a token that holds another's prefix is still one
+    ("ghp_a1b2c3d4e5eyJQQQQQQQQQQQQQQQQQQQQQQQ AKIAAKIAABCDEFGHIJKL", "*** ***"),
+    ("Bearer eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJ1dTEyMyIsInJlYWxtIjp7ImV5SiI6MX19.sig_abcdefghij",
+     "Bearer ***"),
+    ("AWS_SECRET_ACCESS_KEY=xyz123, SECRET_KEY_BASE=abc123)", "AWS_SECRET_ACCESS_KEY=***, "
+     "SECRET_KEY_BASE=***)"),
 ])
 def test_what_is_masked_is_a_secret_not_a_word_about_one(fab, text, kept):
     make_plan(fab, 2)
@@ -306,7 +315,9 @@ def test_a_home_of_one_folder_names_no_one_and_stays(fab, monkeypatch):
 
 
 @pytest.mark.parametrize("title", ["Split the max_tokens=4096 limit", "token-based auth",
-                                   "Fix the password reset flow", "Rotate API_KEY handling"])
+                                   "Fix the password reset flow", "Rotate API_KEY handling",
+                                   "Add task-queue-worker-retries module",
+                                   "Use npm_config_registry_for_private_packages_x"])
 def test_a_title_about_tokens_or_passwords_is_no_secret(fab, title):
     assert fab("create", "--brief", "b", "--goal", f"{title}::o", "--goal", "v::w").code == 0
 
@@ -326,7 +337,7 @@ def test_an_agent_a_tool_and_a_scope_that_carry_a_token_are_refused_or_masked(fa
 def test_a_token_across_a_long_lines_read_is_masked_whole(fab, monkeypatch):
     """A line longer than a read with nowhere to cut (no space, no quote): cut before the
     secret or the place that goes on past the point, never inside it."""
-    monkeypatch.setenv("DEPLOY_API_KEY", VALUE)
+    monkeypatch.setenv("DEPLOY_API_KEY", VALUE + "!x y")  # a value a space or `!` may cut
     (fab.root / "out.py").write_text(
         "import os, sys\n"
         f"sys.stdout.write(('x' * 57 + '-{TOKEN}-' + os.environ['DEPLOY_API_KEY']) * 3000 +"
@@ -338,6 +349,37 @@ def test_a_token_across_a_long_lines_read_is_masked_whole(fab, monkeypatch):
     log = (fab.dir / run["log"]).read_text()
     assert TOKEN not in log and VALUE not in log and "ghp_" not in log and "Q7r8" not in log
     assert log.count("-***-***") == 3000 and log.endswith("\\n./a.py"), log[-60:]
+
+
+def test_a_long_line_with_no_token_in_it_is_held_back_a_bounded_length(fab):
+    """A line of megabytes that a token's pattern matches whole (base64 after `sk-`) is no
+    token: it is cut through, and what is held back stays short (it grew with the line, and
+    every read scanned it all again)."""
+    import goals
+    masker = goals.Masker(str(fab.root))
+    data = b"sk-" + b"a-b_c" * (1 << 20)
+    held = 0
+    for i in range(0, len(data), 1 << 16):
+        masker.feed(data[i:i + (1 << 16)])
+        held = max(held, len(masker.carry))
+    assert held <= goals.HOLD + (1 << 16), held
+
+
+def test_a_coloured_path_and_a_secret_as_json_writes_it_are_masked(fab, monkeypatch):
+    """A terminal's colour before a path (pytest, gcc) and a secret with a quote or a backslash
+    in what the harness reports as JSON."""
+    monkeypatch.setenv("MY_API_TOKEN", 'Pa55\\word"X')
+    root = str(fab.root)
+    make_plan(fab, 2)
+    start(fab)
+    out = (f"\x1b[1m{root}/tests/a.py\x1b[0m F\n\x1b[01m\x1b[K{root}/x.c\x1b[m\n"
+           f"pw={os.environ['MY_API_TOKEN']}\n")
+    observe(fab, {**bash_failure(fab.root, "python3 -m pytest -q"), "hook_event_name":
+                  "PostToolUse", "tool_response": {"stdout": out, "stderr": "",
+                                                   "interrupted": False}})
+    detail = ledger(fab.dir)[-1]["detail"]
+    assert root not in detail and "Pa55" not in detail and "pw=***" in detail, detail
+    assert "./tests/a.py" in detail and "./x.c" in detail
 
 
 def test_an_original_plan_is_imported_with_its_secrets_and_places_masked(fab):
