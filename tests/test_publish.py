@@ -206,6 +206,12 @@ def test_a_project_reached_through_a_symlink_is_recorded_as_dot_whichever_path_n
     assert str(link).encode() not in state_bytes(fab)
 
 
+def pytest_printed(fab, out):
+    """Claude Code's PostToolUse payload for a Bash call of pytest that printed `out`."""
+    return dict(bash_failure(fab.root, "python3 -m pytest -q"), hook_event_name="PostToolUse",
+                tool_response={"stdout": out, "stderr": "", "interrupted": False})
+
+
 def test_what_the_harness_reports_names_no_place_however_it_is_written(fab, monkeypatch,
                                                                       tmp_path_factory):
     """A passing call's output arrives as JSON (a line's path after a `\\n`), a flag holds a
@@ -218,9 +224,7 @@ def test_what_the_harness_reports_names_no_place_however_it_is_written(fab, monk
     start(fab)
     out = (f"collected 1\n{root}/tests/test_x.py .\n\t{home}/.cache/x\n-I{root}/include "
            f"file://{root}/x see {root}.\n")
-    observe(fab, {**bash_failure(fab.root, "python3 -m pytest -q"), "hook_event_name":
-                  "PostToolUse", "tool_response": {"stdout": out, "stderr": "",
-                                                   "interrupted": False}})
+    observe(fab, pytest_printed(fab, out))
     observe(fab, bash_failure(fab.root, "python3 -m pytest -q",
                               error="Exit code 1\n" + f"{root}/x.py:1: E\n" * 200))
     first, second = [e for e in ledger(fab.dir) if e["event"] == "observed_run"]
@@ -374,9 +378,7 @@ def test_a_coloured_path_and_a_secret_as_json_writes_it_are_masked(fab, monkeypa
     start(fab)
     out = (f"\x1b[1m{root}/tests/a.py\x1b[0m F\n\x1b[01m\x1b[K{root}/x.c\x1b[m\n"
            f"pw={os.environ['MY_API_TOKEN']}\n")
-    observe(fab, {**bash_failure(fab.root, "python3 -m pytest -q"), "hook_event_name":
-                  "PostToolUse", "tool_response": {"stdout": out, "stderr": "",
-                                                   "interrupted": False}})
+    observe(fab, pytest_printed(fab, out))
     detail = ledger(fab.dir)[-1]["detail"]
     assert root not in detail and "Pa55" not in detail and "pw=***" in detail, detail
     assert "./tests/a.py" in detail and "./x.c" in detail
