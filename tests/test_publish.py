@@ -326,6 +326,15 @@ def test_a_title_about_tokens_or_passwords_is_no_secret(fab, title):
     assert fab("create", "--brief", "b", "--goal", f"{title}::o", "--goal", "v::w").code == 0
 
 
+def test_a_clean_name_is_cleared_by_its_literals_without_compiling_the_pattern(fab):
+    """`next --agent ann` asks whether the name looks secret: no token prefix and no secret's
+    value in it says no, before the pattern (~2.5 ms to compile) is ever made."""
+    import goals
+    goals._SECRETS.clear()
+    assert goals.plan_text("--agent", "ann") == "ann" and not goals._SECRETS
+    assert goals.looks_secret(f"ann {TOKEN}") and (str, False) in goals._SECRETS
+
+
 def test_an_agent_a_tool_and_a_scope_that_carry_a_token_are_refused_or_masked(fab):
     assert_refused(fab, ["create", "--brief", "b", "--goal", "a::b", "--scope", f"src/{TOKEN}"],
                    2, "--scope `src/***`", error="secret_in_plan")
