@@ -55,8 +55,8 @@ import re
 import stat
 import sys
 import time
-from itertools import accumulate, chain, compress, repeat
-from operator import add, eq, itemgetter, methodcaller, not_, sub
+from itertools import accumulate, compress, repeat
+from operator import add, eq, itemgetter, methodcaller, sub
 
 __version__ = "3.0.0"
 
@@ -1523,22 +1523,6 @@ def _log_plan_merged(ev, sid):
 # prev on every line). Replay checks each line against this table, so a re-chained line carrying
 # anything the engine would not have written is damage, named by its line.
 TIMESTAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}\+00:00\Z"  # what now_iso writes
-# TIMESTAMP for a batch of times at once: joined by newlines, with each digit 0, they are the
-# form repeated (no time holds a newline, or the join holds one more; each is then where the
-# form puts it), and each is in UTC — one pass of translate and one comparison, against a
-# match of the pattern each (vet of 100,000 real runs: 0.47 → 0.25 µs an event). A test holds
-# the two alike.
-_TIME_FORM, _TIME_DIGITS = "0000-00-00T00:00:00.000000+00:00\n", str.maketrans("123456789", "0" * 9)
-_TIME_ZONE = itemgetter(slice(26, None))
-
-
-def utc_times(times):
-    """Whether every text of the list `times` matches TIMESTAMP (a TypeError when one is no
-    text)."""
-    return (set(map(_TIME_ZONE, times)) <= {"+00:00"} and  # its digits, which translate hides
-            "\n".join(times).translate(_TIME_DIGITS) == (_TIME_FORM * len(times))[:-1])
-
-
 _EVENT_BASE = {"seq": int, "ts": str, "event": str, "prev": str}
 EVENTS = {
     "plan_created": (_ev_plan_created, {
@@ -1641,27 +1625,6 @@ def _fit(kind, ev):
     if where:
         raise damaged(f"malformed {kind} event ({where.lstrip('.')} is missing, unexpected "
                       "or of the wrong type)", "bad_event")
-
-
-def one_shape(kinds, events):
-    """The shape (its kind, keys and value types, as apply_event makes it) every event of a
-    batch has, or None: the batch's keys and value types flattened, in C, and compared with the
-    first event's repeated (replay of 100,000 real runs, bench.py section 4's ledger: 16.8 →
-    16.0 µs an event)."""
-    first, n = events[0], len(events)
-    if kinds.count(kinds[0]) != n or list(map(len, events)) != [len(first)] * n:
-        return None
-    keys, types = tuple(first), tuple(map(type, first.values()))
-    if (list(chain.from_iterable(events)) != list(keys) * n or
-            list(map(type, chain.from_iterable(map(dict.values, events)))) != list(types) * n):
-        return None
-    return kinds[0], keys, types
-
-
-def _same_columns(events, known):
-    """_same_dicts of every event of a batch, a column at a time."""
-    n = len(events)
-    return all(list(map(itemgetter(key), events)) == [value] * n for key, value in known)
 
 
 def _same_dicts(ev, known):
@@ -2227,39 +2190,6 @@ def batch_text(lines):
     return None if has_surrogate_escape(text) else text
 
 
-def holds_a_listed_dict(value):
-    """Whether a dict lies in a list anywhere inside the dict `value` (Replay.vet)."""
-    inside = [value]
-    while inside:
-        holder = inside.pop()
-        for item in holder.values() if type(holder) is dict else holder:
-            if type(item) is dict:
-                if type(holder) is list:
-                    return True
-                inside.append(item)
-            elif type(item) is list:
-                inside.append(item)
-    return False
-
-
-def parse_batch(lines):
-    """(events, aligned): the events of a batch, and whether each is known to be its own line's.
-    When every line starts with `{"seq":`, the batch is parsed as one JSON array, in one call of
-    json's decoder (its memo of keys then spans the batch: replay of 100,000 real-run events
-    ~0.6 µs an event less than parse_events), and `aligned` is False: that each value is its own
-    line's holds only once Replay.vet finds no dict in a list in any event (see there), and the
-    batch is otherwise parsed again by parse_events."""
-    if False in map(bytes.startswith, lines, repeat(b'{"seq":')):
-        return parse_events(lines), True
-    text = batch_text(lines)
-    if text is None:
-        return list(map(line_value, lines)), True
-    try:
-        return json.loads("[" + text + "]"), False
-    except (ValueError, RecursionError):
-        return parse_events(lines), True
-
-
 class Ledger:
     """ledger.jsonl: its tail read backwards (cost linear in what is read), its lines streamed
     forwards in batches (memory flat in its length), one event appended with one write."""
@@ -2404,7 +2334,6 @@ def not_an_event(lineno):
 
 
 _EVENT_KIND, _SEQ, _PREV, _TS = map(itemgetter, ("event", "seq", "prev", "ts"))
-_HEXDIGEST = methodcaller("hexdigest")
 # what a transition raises on an event it refuses: its refusal, or a field it cannot use
 _REFUSED_EVENT = (FablizeError, KeyError, TypeError, ValueError, AttributeError, IndexError,
                   RecursionError)
@@ -2447,89 +2376,6 @@ class Replay:
         self.seq, self.head = n, self.digest(line)
         return ev
 
-    def vet(self, lines, events, aligned=True):
-        """What feed checks of a batch before its transitions and that the plan plays no part
-        in — each line holds a dict with the next seq, the previous line's hash, a known kind
-        and a UTC time; a ledger starts with its plan — checked for the whole batch at once in
-        C (map, zip, list equality): (each line's hash, its kind, whether its shape is one
-        _FITTED knows fits), or None when a line fails, and feed then checks each line whole to
-        say which and why.
-        `aligned=False` (parse_batch's one array): None too when an event holds a dict in a
-        list — none of a shape _FITTED knows does, since none of those holds a list. A line
-        start, `{"seq":` after the join's comma, is outside any string (its quote would end
-        one, and `seq"` follow it) and no key, so only a dict in a list could be one inside an
-        event: without any, each line start starts an event of the array, the chain check holds
-        as many events as lines, and so each event is its own line's."""
-        try:
-            if set(map(type, events)) != {dict}:
-                return None
-            seqs = list(map(_SEQ, events))
-            if (seqs != list(range(self.seq + 1, self.seq + 1 + len(seqs))) or
-                    set(map(type, seqs)) != {int}):  # True == 1 too
-                return None
-            hashes = list(map(_HEXDIGEST, map(openssl_sha256(), lines)))
-            prevs = list(map(_PREV, events))
-            if prevs[0] != self.head or prevs[1:] != hashes[:-1]:
-                return None
-            kinds = list(map(_EVENT_KIND, events))
-            if not EVENTS.keys() >= set(kinds) or self.plan is None and kinds[0] != "plan_created":
-                return None  # (a plan_created is fed: its shape, which holds lists, is never known)
-            if not utc_times(list(map(_TS, events))):
-                return None
-            shape = one_shape(kinds, events)
-            if shape is not None:  # the common batch: one shape, looked up once
-                known = _FITTED.get(shape)
-                fits = [known is not None and (not known or _same_columns(events, known))]
-                fits *= len(events)
-            else:
-                shapes = zip(kinds, map(tuple, events),
-                             map(tuple, map(map, repeat(type), map(dict.values, events))))
-                fits = [known is not None and (not known or _same_dicts(ev, known))
-                        for ev, known in zip(events, map(_FITTED.get, shapes))]
-            if not aligned and False in fits and any(map(holds_a_listed_dict, compress(
-                    events, map(not_, fits)))):
-                return None
-            return hashes, kinds, fits
-        except (KeyError, TypeError):  # a missing key; an unhashable kind, a ts not text
-            return None
-
-    def feed_batch(self, lines, events, on_event=None, kinds=None, aligned=True):
-        """feed each line of a batch, then `on_event(self, line, ev)` (for `kinds` only, when
-        given). A batch that vet() passes sends each event whose shape is known to fit
-        straight to its transition; every other event goes through feed.
-        Damage is found at the same line with the same message either way, since every event
-        before it was checked whole (rebuild of 100,000 real-run events, the ledger of bench.py
-        section 4: 1.31 → 1.20 s CPU, with has_surrogate_escape's pattern). Returns the
-        events, parsed again line by line when `aligned` (see parse_batch) did not hold."""
-        vetted = self.vet(lines, events, aligned)
-        if vetted is None and not aligned:
-            events = parse_events(lines)
-            vetted = self.vet(lines, events)
-        if vetted is None:
-            for line, ev in zip(lines, events):
-                self.feed(line, ev)
-                if on_event is not None and (kinds is None or ev["event"] in kinds):
-                    on_event(self, line, ev)
-            return events
-        plan, seq, head = self.plan, self.seq, self.head  # held in locals between feeds
-        for line, ev, digest, kind, fits in zip(lines, events, *vetted):
-            if not fits:
-                self.plan, self.seq, self.head = plan, seq, head
-                self.feed(line, ev)
-                plan, seq, head = self.plan, self.seq, self.head
-            else:
-                seq += 1
-                try:
-                    plan = transition(plan, ev)
-                except _REFUSED_EVENT as e:
-                    raise refused_event(seq, ev, e)
-                head = digest
-            if on_event is not None and (kinds is None or kind in kinds):
-                self.plan, self.seq, self.head = plan, seq, head
-                on_event(self, line, ev)
-        self.plan, self.seq, self.head = plan, seq, head
-        return events
-
     def position(self):
         return {"seq": self.seq, "head": self.head}
 
@@ -2540,18 +2386,13 @@ def replay_all(ledger, end, on_event=None, kinds=None, on_batch=None):
     replayed: every one, or with `kinds` only those of these kinds; `on_batch(replay, events)`
     each batch of events, once all of them replayed."""
     replay = Replay(digest=fast_sha256())
-    feed, counts = replay.feed_batch, replay.counts
-    exact = 1  # batches to parse line by line: the first, whose shapes are not known yet
+    feed, counts = replay.feed, replay.counts
     for lines in ledger.batches(end):
-        if exact:
-            events, exact = parse_events(lines), exact - 1
-            feed(lines, events, on_event, kinds)
-        else:
-            parsed, aligned = parse_batch(lines)
-            events = feed(lines, parsed, on_event, kinds, aligned)
-            if events is not parsed:  # parsed twice: shapes not known (yet), or damage
-                exact = 8
-            del parsed
+        events = parse_events(lines)
+        for line, ev in zip(lines, events):
+            feed(line, ev)
+            if on_event is not None and (kinds is None or ev["event"] in kinds):
+                on_event(replay, line, ev)
         if on_batch is not None:
             on_batch(replay, events)
         counts.update(map(_EVENT_KIND, events))  # in C: every line is an event by now

@@ -322,9 +322,9 @@ def hide_a_line(lines, at, hidden=(b"[0", b"]")):
 
 @pytest.mark.parametrize("name", sorted(BATCH_FORGERIES))
 def test_a_batch_replays_as_its_lines_do_one_by_one(fab, name, monkeypatch):
-    """replay_all vets a batch of lines at once and sends each event of a shape known to fit
-    straight to its transition: whatever a line holds, it must end as feeding every line alone
-    would — the same plan, or the same damage named at the same line with the same words."""
+    """replay_all streams the ledger in batches, each scanned at once: whatever a line holds, it
+    must end as feeding every line alone would — the same plan, or the same damage named at the
+    same line with the same words."""
     entries, head = runs_of_one_plan(fab, 200)
     mutate, target = BATCH_FORGERIES[name], head + 136
     if mutate is not None:
@@ -349,51 +349,13 @@ def test_a_batch_replays_as_its_lines_do_one_by_one(fab, name, monkeypatch):
     data = b"".join(line + b"\n" for line in lines)
     assert sum(map(len, lines[:target])) > 1 << 16  # past the first batch, parsed line by line
     outcome = replayed_line_by_line(data)
-    fed, exact = [], []
-    monkeypatch.setattr(goals.Replay, "feed", lambda self, line, ev, feed=goals.Replay.feed:
-                        fed.append(line) or feed(self, line, ev))
-    monkeypatch.setattr(goals, "parse_events", lambda lines, parse=goals.parse_events:
-                        exact.append(len(lines)) or parse(lines))
     assert replayed_in_batches(data) == outcome
     assert (type(outcome) is bytes) == (name in ("none", "provenance dir changed",
                                                  "keys in another order")), outcome
-    if name == "none":  # the batch path did the work: a shape's first event alone was fed,
-        # and only the first batch, whose shapes were not known yet, was parsed line by line
-        assert len([line for line in fed if b'"verify_run"' in line]) <= 1, len(fed)
-        assert len(exact) == 1, exact
     if name.startswith("a line hidden"):
         assert f"line {target + 1}: not a ledger event" in outcome, outcome
     if name == "seq as text beside a line parsed alone":
         assert f"line {target + 1}: seq is '{target + 1}'" in outcome, outcome
-
-
-def test_a_plan_worked_story_by_story_is_parsed_an_array_a_batch(fab, monkeypatch):
-    """A ledger of a plan worked as agents work it — each story started, run, then completed by
-    a checkpoint that names its runs in a list — is parsed as one array a batch past the first,
-    and replays to what feeding each line alone makes."""
-    make_plan(fab, 300)
-    assert fab("next").code == 0
-    assert fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "ran it",
-               "--run", "--verify-cmd", "true").code == 0
-    events = ledger(fab.dir)
-    started, run, done = (next(e for e in events if e["event"] == kind)
-                          for kind in ("story_started", "verify_run", "checkpoint"))
-    assert done["runs"] == [run["seq"]], done
-    entries = events[:1]
-    for i in range(1, 300):
-        sid, seq = goals.story_id(i), len(entries) + 1
-        entries += [dict(started, id=sid, title=f"S{i}"),
-                    dict(run, id=sid, after_seq=seq, log="AUTO"),
-                    dict(done, id=sid, evidence=f"{sid} done", runs=[seq + 1])]
-    data = b"".join(line + b"\n" for line in rechain(entries))
-    assert len(data) > 2 * 65536 + len(data.split(b"\n")[0])
-    exact = []
-    monkeypatch.setattr(goals, "parse_events", lambda lines, parse=goals.parse_events:
-                        exact.append(len(lines)) or parse(lines))
-    outcome = replayed_in_batches(data)
-    assert len(exact) == 1, exact
-    monkeypatch.undo()
-    assert type(outcome) is bytes and outcome == replayed_line_by_line(data)
 
 
 class PassCounter(list):
@@ -431,7 +393,8 @@ def test_replaying_a_worked_plan_passes_over_its_stories_a_bounded_number_of_tim
     replay.feed(lines[0], json.loads(lines[0]))
     replay.plan["goals"] = PassCounter(replay.plan["goals"])
     PassCounter.passes = 0
-    replay.feed_batch(lines[1:], goals.parse_events(lines[1:]))
+    for line in lines[1:]:
+        replay.feed(line, json.loads(line))
     assert [s["status"] for s in replay.plan["goals"]][-3:] == ["complete", "pending", "pending"]
     assert [s["id"] for s in replay.plan["goals"]][-2:] == ["G602", "G601"]
     assert 1 <= PassCounter.passes - 1 <= 8, PassCounter.passes  # (-1: the line above)

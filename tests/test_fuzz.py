@@ -691,70 +691,6 @@ def test_generated_guard_payload_never_crashes_and_prints_at_most_a_hook_answer(
 
 # Properties: what a batch checks at once ###################################
 
-GOOD_TIME = "2026-12-01T20:21:09.245958+00:00"
-
-
-def near_times():
-    """Texts near a TIMESTAMP: a good one with characters replaced, inserted or removed."""
-    edit = st.tuples(st.integers(0, len(GOOD_TIME)), st.sampled_from(["replace", "insert",
-                                                                       "delete"]),
-                     st.sampled_from(list("0190+-:.TZ \n\u0663\uff11") + ["00", ""]))
-
-    def apply(edits):
-        text = GOOD_TIME
-        for at, how, char in edits:
-            if how == "replace":
-                text = text[:at] + char + text[at + 1:]
-            elif how == "insert":
-                text = text[:at] + char + text[at:]
-            else:
-                text = text[:at] + text[at + 1:]
-        return text
-    return st.lists(edit, max_size=3).map(apply)
-
-
-@given(times=st.lists(near_times(), max_size=5))
-@fuzz_settings(300)
-@example(times=[GOOD_TIME, GOOD_TIME[:-4] + "1:00"])  # another zone
-@example(times=[GOOD_TIME + "\n" + GOOD_TIME, ""])  # two times in one
-def test_a_batch_of_times_is_checked_as_the_pattern_checks_each(times):
-    """Replay.vet checks a batch's times at once (utc_times): exactly when TIMESTAMP matches
-    every one of them."""
-    pattern = re.compile(goals.TIMESTAMP, re.A)
-    assert goals.utc_times(times) == all(pattern.match(t) for t in times), times
-
-
-def event_like_values():
-    leaf = st.none() | st.booleans() | st.integers(-3, 3) | st.text(',{}[]":seq\\', max_size=5)
-    return st.recursive(leaf, lambda inner: st.lists(inner, max_size=3) | st.builds(
-        lambda rest, event: {"seq": 1, **rest} if event else rest,
-        st.dictionaries(st.sampled_from(["a", "seq", "b"]), inner, max_size=2), st.booleans()),
-        max_leaves=8)
-
-
-@given(values=st.lists(event_like_values(), min_size=1, max_size=4),
-       cuts=st.sets(st.integers(0, 30)))
-@fuzz_settings(150)
-def test_an_array_of_events_without_a_dict_in_a_list_is_its_lines_values(values, cuts):
-    """parse_batch parses a batch as one JSON array; Replay.vet takes its values as the lines'
-    only when no event holds a dict in a list. Lines cut from an array's text wherever
-    `,{"seq":` follows (between its values or inside a list of one) are each one value alone
-    whenever the array's values are as many, none holding a dict in a list."""
-    text = json.dumps(values, ensure_ascii=False, separators=(",", ":"))[1:-1].encode()
-    at = [m.start() for m in re.finditer(rb',(?=\{"seq":)', text)]
-    lines, start = [], 0
-    for i, k in enumerate(at):
-        if i in cuts:
-            lines.append(text[start:k])
-            start = k + 1
-    lines.append(text[start:])
-    assume(all(line.startswith(b'{"seq":') for line in lines))
-    events, aligned = goals.parse_batch(lines)
-    if (not aligned and len(events) == len(lines) and
-            all(type(ev) is dict and not goals.holds_a_listed_dict(ev) for ev in events)):
-        assert events == [json.loads(line) for line in lines], lines
-
-
 @given(lines=st.lists(st.text(st.sampled_from("ab →\t\n\r\x00\x1b\x7f\x85\u2028\u202e\ud800"),
                               max_size=6), max_size=4))
 @fuzz_settings(300)
@@ -762,23 +698,6 @@ def test_lines_are_cleaned_as_their_text_is(lines):
     """What is said is written through clean_lines, which checks each line before the text:
     the same text clean() makes of the lines joined."""
     assert goals.clean_lines(lines) == goals.clean("\n".join(lines))
-
-
-SHAPE_VALUES = st.one_of(st.none(), st.booleans(), st.integers(0, 2), st.floats(0, 1),
-                        st.sampled_from(["", "a"]), st.just({"k": "v"}), st.just([]))
-
-
-@given(events=st.lists(st.dictionaries(st.sampled_from(["seq", "a", "b", "c"]), SHAPE_VALUES,
-                                       max_size=4).map(lambda d: {"event": "k", **d}),
-                       min_size=1, max_size=5),
-       kinds=st.lists(st.sampled_from(["k", "j"]), min_size=5, max_size=5))
-@fuzz_settings(400)
-def test_a_batch_has_one_shape_only_when_each_of_its_events_has_it(events, kinds):
-    """Replay.vet looks a batch's shape up once when one_shape finds one: it must be each
-    event's own (its kind, its keys in order, its values' types), whatever the events hold."""
-    kinds = kinds[:len(events)]
-    shapes = {(kind, tuple(ev), tuple(map(type, ev.values()))) for kind, ev in zip(kinds, events)}
-    assert goals.one_shape(kinds, events) == (shapes.pop() if len(shapes) == 1 else None)
 
 
 FIELD_TEXT = st.text(st.sampled_from("ab →\t\n\r\x00\x1b\x7f\x85\u00a0\u2028\u202e"), max_size=5)
