@@ -1562,13 +1562,6 @@ EVENTS = {
                                       "lines": [str]}, _log_plan_merged),
 }
 EVENT_SPECS = {kind: dict(_EVENT_BASE, **fields) for kind, (_, fields, _) in EVENTS.items()}
-# event shapes (kind, keys, types of values) that fitted: () for a shape that holds no dict, else
-# its dict values as a fitting event held them, when every leaf in them is text or None (so
-# that an equal dict has the same keys and types: a str equals only a str)
-_FITTED = {}
-_FITTED_NESTED = set()  # (shape, the shapes of its dicts) that fitted
-
-
 def apply_event(plan, ev):
     """Check that `ev` is an event fablize writes and is legal in `plan`, and apply it (in
     place). Commands and every replay go through here. Raises FablizeError."""
@@ -1576,15 +1569,10 @@ def apply_event(plan, ev):
     entry = EVENTS.get(kind) if type(kind) is str else None
     if entry is None:
         raise damaged(f"unknown event {one_line(repr(kind))[:60]}", "unknown_event")
-    # events of one kind mostly share their keys and the types of their values: a shape that
-    # fitted once and holds no list fits again, so a long replay checks it once; a shape with
-    # dicts (a run's provenance) fits again when its dicts equal the last fitting ones, else
-    # by their shapes (audit of 100,000 real runs, bench.py section 4: 2.08 → 1.74 s CPU)
-    types = tuple(map(type, ev.values()))
-    shape = (kind, tuple(ev), types)
-    known = _FITTED.get(shape)
-    if known is None or (known and not _same_dicts(ev, known)):
-        fit_event(kind, ev, shape, types)
+    where = misfit(ev, EVENT_SPECS[kind])
+    if where:
+        raise damaged(f"malformed {kind} event ({where.lstrip('.')} is missing, unexpected "
+                      "or of the wrong type)", "bad_event")
     if not regex(TIMESTAMP, re.A).match(ev["ts"]):
         raise forged(f"ts {one_line(ev['ts'])[:40]!r} is not a UTC timestamp")
     if (plan is None) != (kind == "plan_created"):
@@ -1601,63 +1589,6 @@ def transition(plan, ev):
     return plan
 
 
-def fit_event(kind, ev, shape, types):
-    """The schema check of an event whose shape is not known to fit; a shape that fits is
-    remembered (with its nested dicts' shapes, when it has any, and when it holds no list)."""
-    if list in types or dict not in types:
-        _fit(kind, ev)
-        if list not in types and len(_FITTED) < 256:
-            _FITTED[shape] = ()
-        return
-    names = tuple(k for k, v in ev.items() if type(v) is dict)
-    nested = (shape, tuple(_dict_shape(ev[k]) for k in names))
-    if nested not in _FITTED_NESTED:
-        _fit(kind, ev)
-        if None not in nested[1] and len(_FITTED_NESTED) < 256:
-            _FITTED_NESTED.add(nested)
-    copies = [_text_copy(ev[k]) for k in names]  # copies: nothing that holds ev can change them
-    if None not in copies and (shape in _FITTED or len(_FITTED) < 256):
-        _FITTED[shape] = tuple(zip(names, copies))
-
-
-def _fit(kind, ev):
-    where = misfit(ev, EVENT_SPECS[kind])
-    if where:
-        raise damaged(f"malformed {kind} event ({where.lstrip('.')} is missing, unexpected "
-                      "or of the wrong type)", "bad_event")
-
-
-def _same_dicts(ev, known):
-    for key, value in known:
-        if ev[key] != value:
-            return False
-    return True
-
-
-def _text_copy(value):
-    """A copy of a dict whose every value (in its dicts too) is text or None, else None."""
-    copy = {}
-    for k, v in value.items():
-        if type(v) is dict:
-            v = _text_copy(v)
-            if v is None:
-                return None
-        elif type(v) is not str and v is not None:
-            return None
-        copy[k] = v
-    return copy
-
-
-def _dict_shape(value):
-    """A nested dict's keys and value types (a run's provenance, its environment), or None when
-    it holds a list: what the event shape memo compares."""
-    types = tuple(map(type, value.values()))
-    if list in types:
-        return None
-    if dict not in types:  # a leaf (a run's environment): no walk of its values
-        return tuple(value), types
-    inner = tuple(_dict_shape(v) for v in value.values() if type(v) is dict)
-    return None if None in inner else (tuple(value), types, inner)
 def format_event(ev):
     """One event of the ledger as a line of history (`log`): its number, its time and what its
     kind's renderer says of it (EVENTS, beside each transition). Only events a replay accepted
