@@ -689,16 +689,7 @@ def test_generated_guard_payload_never_crashes_and_prints_at_most_a_hook_answer(
         assert isinstance(answer.get("reason", answer.get("systemMessage")), str), r
 
 
-# Properties: what a batch checks at once ###################################
-
-@given(lines=st.lists(st.text(st.sampled_from("ab →\t\n\r\x00\x1b\x7f\x85\u2028\u202e\ud800"),
-                              max_size=6), max_size=4))
-@fuzz_settings(300)
-def test_lines_are_cleaned_as_their_text_is(lines):
-    """What is said is written through clean_lines, which checks each line before the text:
-    the same text clean() makes of the lines joined."""
-    assert goals.clean_lines(lines) == goals.clean("\n".join(lines))
-
+# Properties: what log writes ###############################################################
 
 FIELD_TEXT = st.text(st.sampled_from("ab →\t\n\r\x00\x1b\x7f\x85\u00a0\u2028\u202e"), max_size=5)
 
@@ -744,7 +735,7 @@ def test_a_history_line_is_its_fields_escaped(ev):
             f"{o(ev['log'])} · in {o(ev['cwd'])}")
     line = goals.format_event(ev)
     assert line == want
-    assert goals.clean_lines([line, line]) == line + "\n" + line
+    assert goals.clean(line + "\n" + line) == line + "\n" + line
     run = f"{ev['id']} run {goals.run_text(ev)} · log {ev['log']} · in {ev['cwd']}"
     assert goals._log_verify_run(ev, ev["id"]) == run  # its fast path: run_text's words
     assert goals.run_summary(ev) == o(goals.run_text(ev))
