@@ -631,7 +631,7 @@ def replay_run(plan, check=None, cmd="true", **change):
 @pytest.mark.parametrize("change", [{}, {"exit_code": 1}, {"exit_code": None}, {"timed_out": True},
                                     {"error": "spawn failed"}, {"interrupted": "SIGINT"}])
 def test_a_replayed_run_is_recorded_with_the_run_fields_and_the_verdict_of_run_passed(change):
-    """The verify_run transition writes its record as a dict display: its keys are RUN_SPEC's,
+    """The verify_run transition writes its record from RUN_FIELDS: its keys are RUN_SPEC's,
     in order, and its `ok` is run_passed's."""
     plan = replay_run(started_plan(), **change)
     record = plan["goals"][0]["last_run"]
