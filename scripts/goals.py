@@ -6187,8 +6187,8 @@ def command_in(argv):
 
 class Command:
     """One command as its builder declares it: its --help lines and the add_argument calls
-    argparse is given, kept, so that a plain command line is read without argparse
-    (quick_args) and argparse, built from the same calls, answers --help and every mistake."""
+    argparse is given, kept, so that only the command named is built (build_parser) and its
+    options can be listed (the docs' tests)."""
 
     def __init__(self, name, func, summary, details):
         self.name, self.summary, self.description = name, summary, f"{summary}: {details}"
@@ -6209,67 +6209,6 @@ def command_spec(name):
     made = []
     builder(lambda *fields: made.append(Command(*fields)) or made[-1])
     return made[0]
-
-
-# the options every command takes, as quick_args reads them: option -> (dest, kind, keywords)
-COMMON_OPTIONS = {"--dir": ("dir", "value", {}), "--json": ("json", "flag", {})}
-
-
-def quick_args(argv, name):
-    """What argparse would make of a plain command line, without importing it (a command starts
-    ~2 ms sooner): every option spelt out whole, each value apart from any leading "-", the
-    required ones given. None for anything else — --help, an abbreviation, a positional, a
-    value argparse might read otherwise, a mistake — and argparse reads it, from the same
-    declarations. A test holds the two to the same answer on generated command lines."""
-    if name is None:
-        return None
-    spec = command_spec(name)
-    table, values, required = dict(COMMON_OPTIONS), {"dir": None, "json": False}, set()
-    for names, options in spec.arguments:
-        if not names[0].startswith("--") or (type(options.get("default")) is str
-                                             and "type" in options):
-            return None  # argparse's own reading: a positional, a default it converts
-        action = options.get("action")
-        kind = (None if "nargs" in options else
-            {None: "value", "store_true": "flag", "append": "append"}.get(action))
-        dest = options.get("dest") or names[0][2:].replace("-", "_")
-        values[dest] = options.get("default", False if action == "store_true" else None)
-        if options.get("required"):
-            required.add(dest)
-        if kind is not None:  # an option read otherwise (`--judge [ID]`) is left to argparse
-            table.update((option, (dest, kind, options)) for option in names)
-    values.update(spec.defaults, command=name)
-    tokens, seen, given = iter(argv), False, set()
-    for token in tokens:
-        if token == name and not seen:
-            seen = True
-            continue
-        option, eq, inline = token.partition("=")
-        entry = table.get(option) if token.startswith("--") else None
-        if entry is None or not (seen or option in COMMON_OPTIONS):
-            return None
-        dest, kind, options = entry
-        if kind == "flag":
-            if eq:
-                return None
-            values[dest] = True
-            continue
-        value = inline if eq else next(tokens, None)
-        if not value or (not eq and value.startswith("-")):
-            return None  # argparse reads "" and "-x" its own way
-        if "type" in options:
-            try:
-                value = options["type"](value)
-            except (TypeError, ValueError, FablizeError):
-                return None  # argparse says so, after the mistakes it finds first
-        if "choices" in options and value not in options["choices"]:
-            return None
-        values[dest] = (values[dest] or []) + [value] if kind == "append" else value
-        given.add(dest)
-    if not seen or required - given:
-        return None
-    import types
-    return types.SimpleNamespace(**values)
 
 
 def better_usage_error(parser, message):
@@ -6441,7 +6380,7 @@ def main(argv=None):
         # usage errors and --help name the engine as it was started, runnable as printed
         prog = invocation()  # once a start: the usage line and every printed command use it
         name = command_in(argv)
-        args = quick_args(argv, name) or build_parser(name, prog).parse_args(argv)
+        args = build_parser(name, prog).parse_args(argv)
         command = args.command
         out.json = args.json and command != "guard"
         ctx = Context(args, out, prog)
