@@ -1,8 +1,8 @@
 @echo off
-rem fablize for cmd.exe and PowerShell: the same engine as bin/fablize, started by fablize.py.
+rem fablize for cmd.exe and PowerShell: the same engine as bin/fablize, started by goals.py.
 setlocal
 set "FABLIZE_SCRIPTS=%~dp0..\scripts"
-set "FABLIZE_CODE=import sys; sys.path.insert(0, sys.argv.pop(1)); import fablize; fablize.main('fablize')"
+set "FABLIZE_CODE=import sys; sys.path.insert(0, sys.argv.pop(1)); import goals; goals.main('fablize')"
 if defined FABLIZE_PYTHON (
   "%FABLIZE_PYTHON%" -I -S -c "%FABLIZE_CODE%" "%FABLIZE_SCRIPTS%" %*
   exit /b

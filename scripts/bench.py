@@ -9,7 +9,7 @@ A figure is a median; a ratio is the median of the per-round ratios, CPU first a
 parentheses: `×0.72 (wall ×0.80)`. CPU is the steadier of the two on a loaded machine; every bar
 is judged on it. The timed processes get this environment without PYTHONDONTWRITEBYTECODE (nor
 any other PYTHON* or FABLIZE_* variable), after the engine's bytecode is cached, so "cached"
-means cached. Large states are built with the engine's own transitions (goals.make_event), in a
+means cached. Large states are built with the engine's own transitions (model.make_event), in a
 child process, streaming to disk: the bench process stays small, and since a child's max RSS
 counts what it inherited at exec, every max RSS figure is the measured command's own.
 
@@ -56,7 +56,8 @@ LAUNCHER = os.path.join(HERE, "fablize.py")
 PLUGIN = os.path.join(REPO, "bin", "fablize")
 sys.path.insert(0, HERE)
 
-import goals  # noqa: E402  (the engine's own transitions build the states)
+import fablize_gate  # noqa: E402  (the engine's own transitions build the states)
+from fablize_gate import base, model, storage  # noqa: E402
 
 PY = sys.executable
 TS = "2026-01-01T00:00:00.000000+00:00"
@@ -70,7 +71,7 @@ NEEDS_ORIGINAL = "(needs --original DIR)"
 ORIGINAL_FILES = ("scripts/goals.py", "hooks/gate_stop.py", "hooks/gate_post_tool.py",
                   "hooks/gate_prompt.py", "hooks/router.sh", "hooks/finish-the-work.sh")
 # the installed command's start (`from fablize_gate import run; run()`), without installing it
-CACHED = f"import sys; sys.path.insert(0, {HERE!r}); import goals; goals.run()"
+CACHED = f"import sys; sys.path.insert(0, {HERE!r}); from fablize_gate import cli; cli.run()"
 GIT_ENV = {"GIT_AUTHOR_NAME": "bench", "GIT_AUTHOR_EMAIL": "bench@localhost",
            "GIT_COMMITTER_NAME": "bench", "GIT_COMMITTER_EMAIL": "bench@localhost",
            "GIT_CONFIG_NOSYSTEM": "1"}
@@ -118,7 +119,7 @@ def say(text):
 
 
 class Builder:
-    """A plan grown event by event through goals.make_event (the function every writing command
+    """A plan grown event by event through model.make_event (the function every writing command
     uses), each line written out as it is made (no fsync a line), the snapshot at the end as the
     engine writes it. Memory stays what the plan holds, whatever the ledger's length."""
 
@@ -126,19 +127,19 @@ class Builder:
         os.makedirs(state_dir, exist_ok=True)
         self.dir = state_dir
         self.plan = None
-        self.out = open(os.path.join(state_dir, goals.LEDGER), "wb", buffering=1 << 20)
+        self.out = open(os.path.join(state_dir, base.LEDGER), "wb", buffering=1 << 20)
 
     @property
     def seq(self):
         return self.plan["ledger"]["seq"] if self.plan else 0
 
     def add(self, kind, fields, ts=TS):
-        self.plan, _, line = goals.make_event(self.plan, kind, dict(fields), ts=ts)
+        self.plan, _, line = model.make_event(self.plan, kind, dict(fields), ts=ts)
         self.out.write(line)
         self.out.write(b"\n")
 
     def create(self, stories, checks=0):
-        specs = [{"id": goals.story_id(i), "title": f"story {i}", "objective": f"objective {i}",
+        specs = [{"id": base.story_id(i), "title": f"story {i}", "objective": f"objective {i}",
                   "after": [], "checks": ["true"] * checks, "accept": [], "judge": False}
                  for i in range(1, stories + 1)]
         specs[-1]["after"] = [s["id"] for s in specs[:-1]]
@@ -160,8 +161,8 @@ class Builder:
     def finish(self, snapshot=True):
         self.out.close()
         if snapshot:
-            with open(os.path.join(self.dir, goals.SNAPSHOT), "wb") as f:
-                f.write(goals.snapshot_bytes(self.plan))
+            with open(os.path.join(self.dir, base.SNAPSHOT), "wb") as f:
+                f.write(storage.snapshot_bytes(self.plan))
         return self.dir
 
 
@@ -180,7 +181,7 @@ def build_original(state, stories, active):
     it (goals.json with brief/created/goals, indent=1; one ledger line an event)."""
     os.makedirs(state, exist_ok=True)
     plan = {"brief": "bench", "created": TS, "goals": [
-        {"id": goals.story_id(i), "title": f"story {i}", "objective": f"objective {i}",
+        {"id": base.story_id(i), "title": f"story {i}", "objective": f"objective {i}",
          "status": "in_progress" if active and i == 1 else "pending", "evidence": None}
         for i in range(1, stories + 1)]}
     with open(os.path.join(state, "goals.json"), "w", encoding="utf-8") as f:
@@ -205,7 +206,7 @@ def build_real(state, source, events, logs, snapshot=True):
     verify_run events in turn, each renumbered as the engine numbers a run (seq, after_seq one
     before it, log runs/<seq>-<story>.log) and otherwise unchanged: the same provenance, sizes,
     digests and timestamps. The last `logs` runs get their log file, holding the real output."""
-    with open(os.path.join(source, goals.LEDGER), "rb") as f:
+    with open(os.path.join(source, base.LEDGER), "rb") as f:
         real = [json.loads(line) for line in f]
     created = next(e for e in real if e["event"] == "plan_created")
     started = next(e for e in real if e["event"] == "story_started")
@@ -217,7 +218,7 @@ def build_real(state, source, events, logs, snapshot=True):
     b = Builder(state)
     b.add("plan_created", event_fields(created), ts=created["ts"])
     b.add("story_started", event_fields(started), ts=started["ts"])
-    runs_dir = os.path.join(state, goals.RUNS)
+    runs_dir = os.path.join(state, base.RUNS)
     os.makedirs(runs_dir, exist_ok=True)
     first_log = events - logs + 1
     for i in range(events - 2):
@@ -225,7 +226,7 @@ def build_real(state, source, events, logs, snapshot=True):
         seq = b.seq + 1
         fields = event_fields(r)
         fields["after_seq"] = seq - 1
-        fields["log"] = f"{goals.RUNS}/{seq}-{r['id']}.log"
+        fields["log"] = f"{base.RUNS}/{seq}-{r['id']}.log"
         b.add("verify_run", fields, ts=r["ts"])
         if seq >= first_log:
             with open(os.path.join(state, fields["log"]), "wb") as f:
@@ -244,7 +245,7 @@ def build_worked(state, source, events, logs):
     event is renumbered as the engine numbers it (seq; a run's after_seq as far behind it, its log
     runs/<seq>-<story>.log; a checkpoint's runs the runs' new seqs) and names its story, and is
     otherwise unchanged. The last `logs` runs get their log file, holding the real output."""
-    with open(os.path.join(source, goals.LEDGER), "rb") as f:
+    with open(os.path.join(source, base.LEDGER), "rb") as f:
         real = [json.loads(line) for line in f]
     created = real[0]
     work, final = created["stories"][0], created["stories"][-1]
@@ -258,12 +259,12 @@ def build_worked(state, source, events, logs):
     stories = max(1, (events - 1 - len(final_block)) // len(block))
     runs_of = [sum(e["event"] == "verify_run" for e in b) for b in (block, final_block)]
     first_log = stories * runs_of[0] + runs_of[1] - logs  # the runs before it have no log
-    specs = [dict(work, id=goals.story_id(i)) for i in range(1, stories + 1)]
-    specs.append(dict(final, id=goals.story_id(stories + 1), after=[s["id"] for s in specs]))
+    specs = [dict(work, id=base.story_id(i)) for i in range(1, stories + 1)]
+    specs.append(dict(final, id=base.story_id(stories + 1), after=[s["id"] for s in specs]))
     b = Builder(state)
     b.add("plan_created", dict(event_fields(created), stories=specs, count=len(specs)),
           ts=created["ts"])
-    os.makedirs(os.path.join(state, goals.RUNS), exist_ok=True)
+    os.makedirs(os.path.join(state, base.RUNS), exist_ok=True)
     run = 0
     for sid, events_of_story in ([(s["id"], block) for s in specs[:-1]] +
                                  [(specs[-1]["id"], final_block)]):
@@ -275,7 +276,7 @@ def build_worked(state, source, events, logs):
                 fields["id"] = sid
             if ev["event"] == "verify_run":
                 fields["after_seq"] = seq - (ev["seq"] - ev["after_seq"])
-                fields["log"] = f"{goals.RUNS}/{seq}-{sid}.log"
+                fields["log"] = f"{base.RUNS}/{seq}-{sid}.log"
                 if run >= first_log:
                     with open(os.path.join(state, fields["log"]), "wb") as f:
                         f.write(output[ev["seq"]])
@@ -766,7 +767,7 @@ def ledger_commands(lab, state, rounds, what):
     loop that parses and hashes the same lines: a machine whose speed drifts within a round (a
     2-core machine others use) moves a command and its own loop run alike, and its rate is
     taken against that run."""
-    ledger = os.path.join(state, goals.LEDGER)
+    ledger = os.path.join(state, base.LEDGER)
     loop = write(lab.path("bare_loop.py"), BARE_LOOP)
 
     def no_backups():  # rebuild keeps the old snapshot as goals.json.<time>.bak
@@ -793,7 +794,7 @@ def bench_ledger(lab, events, rounds):
     that parses and hashes the same lines; then status on it against status on the same plan
     with three events."""
     source = real_runs(lab)
-    with open(os.path.join(source, goals.LEDGER), "rb") as f:
+    with open(os.path.join(source, base.LEDGER), "rb") as f:
         real = [line for line in f if b'"event":"verify_run"' in line]
     big = lab.path("ledger-big", ".fablize")
     small = lab.path("ledger-small", ".fablize")
@@ -801,7 +802,7 @@ def bench_ledger(lab, events, rounds):
     say(f"ledger: building {events:,} events from {len(real)} real runs")
     child_build("--build-real", big, source, events, logs, 1)
     child_build("--build-real", small, source, 3, 1, 1)
-    size = os.path.getsize(os.path.join(big, goals.LEDGER))
+    size = os.path.getsize(os.path.join(big, base.LEDGER))
     report = audited(lab, big)
     commands = ledger_commands(lab, big, rounds, f"ledger of {events:,} events")
     say(f"ledger: status, {rounds} rounds")
@@ -884,7 +885,7 @@ def bench_worked(lab, events, rounds):
     story after story) against the bare loop over the same file; then rebuild of a plan a tenth
     its size, whose cost an event tells whether the replay stays linear in the stories."""
     source = worked_plan(lab)
-    with open(os.path.join(source, goals.LEDGER), "rb") as f:
+    with open(os.path.join(source, base.LEDGER), "rb") as f:
         session = [json.loads(line) for line in f]
     kinds = collections.Counter(e["event"] for e in session)
     sizes = {}
@@ -908,11 +909,11 @@ def bench_worked(lab, events, rounds):
 
 def worked_size(state):
     """The events, stories and bytes of a plan's ledger."""
-    ledger = os.path.join(state, goals.LEDGER)
+    ledger = os.path.join(state, base.LEDGER)
     with open(ledger, "rb") as f:
         events = sum(1 for _ in f)
-    with open(os.path.join(state, goals.SNAPSHOT), "rb") as f:
-        stories = len(goals.parse_snapshot(f.read(), whole=True)["goals"])
+    with open(os.path.join(state, base.SNAPSHOT), "rb") as f:
+        stories = len(storage.parse_snapshot(f.read(), whole=True)["goals"])
     return {"events": events, "stories": stories, "bytes": os.path.getsize(ledger)}
 
 
@@ -927,7 +928,7 @@ def bench_long_line(lab, rounds):
     for mb in (8, 32):
         d = lab.path(f"line{mb}", ".fablize")
         os.makedirs(d)
-        with open(os.path.join(d, goals.LEDGER), "wb") as f:  # one oversized, unparsable line
+        with open(os.path.join(d, base.LEDGER), "wb") as f:  # one oversized, unparsable line
             f.write(b'{"seq":1,"event":"x","pad":"' + b"x" * (mb << 20) + b'"\n')
         variants.append(Variant(f"{mb} MB", [PY, SCRIPT, "--dir", d, "status"], lab.root, ok=(3,)))
     say(f"long last line, {rounds} rounds")
@@ -1122,11 +1123,11 @@ def bench_huge(lab, events, stories):
     state = lab.path("huge-ledger", ".fablize")
     say(f"huge: building {events:,} events")
     child_build("--build-real", state, source, events, 0, 0)
-    size = os.path.getsize(os.path.join(state, goals.LEDGER))
+    size = os.path.getsize(os.path.join(state, base.LEDGER))
 
     def no_snapshot():
         for name in os.listdir(state):
-            if name == goals.SNAPSHOT or name.endswith(".bak"):
+            if name == base.SNAPSHOT or name.endswith(".bak"):
                 os.remove(os.path.join(state, name))
 
     say("huge: status without goals.json")
@@ -1137,7 +1138,7 @@ def bench_huge(lab, events, stories):
     plan = lab.path("huge-plan", ".fablize")
     say(f"huge: building {stories:,} stories")
     child_build("--build", plan, stories, 0, 0)
-    plan_bytes = os.path.getsize(os.path.join(plan, goals.SNAPSHOT))
+    plan_bytes = os.path.getsize(os.path.join(plan, base.SNAPSHOT))
     say("huge: audit")
     audit = once(lab, [PY, SCRIPT, "--dir", plan, "audit"])
     return {"events": events, "bytes": size, "status": status, "rebuild": rebuild,
@@ -1587,7 +1588,8 @@ def measure_all(a, rounds, events):
     data = {"bench": FORMAT, "meta": {
         "python": sys.version.split()[0], "cores": os.cpu_count(),
         "load": list(os.getloadavg()), "rounds": rounds, "quick": a.quick,
-        "engine": goals.__version__, "original": original_version(original) if original else None,
+        "engine": fablize_gate.__version__,
+        "original": original_version(original) if original else None,
         "platform": sys.platform,
         # what any timed process inherits at exec from the spawner: the floor of max RSS
         "rss_floor": run_once(["true"], "/", timed_env()).rss}, "sections": {}}

@@ -9,8 +9,9 @@
   skill/fablize/                    what a skill installer should copy: SKILL.md on top and the
                                     engine's files, nothing else
 
-Every artifact holds the engine's files (ENGINE_FILES: scripts/goals.py, the launcher and the
-rooms beside it) byte for byte.
+Every artifact holds the engine's files (ENGINE_FILES: scripts/goals.py, the one way in, its
+package scripts/fablize_gate/, and scripts/fablize.py, which hooks written by 3.0 run) byte for
+byte; the wheel installs the package alone (`fablize` runs fablize_gate.cli:run).
 """
 
 import io
@@ -23,12 +24,14 @@ import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import goals  # noqa: E402
+import fablize_gate  # noqa: E402
 
-VERSION = goals.__version__
-# the engine: the core, the launcher that starts it with its bytecode cached, and its rooms
-ENGINE_FILES = ["scripts/goals.py", "scripts/fablize.py"] + [
-    "scripts/" + name for name in goals.ROOMS.values()]
+VERSION = fablize_gate.__version__
+# the engine: the entry, the launcher of hooks written by 3.0, and the package
+ENGINE_FILES = ["scripts/goals.py", "scripts/fablize.py"] + sorted(
+    "scripts/fablize_gate/" + name for name in os.listdir(os.path.join(ROOT, "scripts",
+                                                                        "fablize_gate"))
+    if name.endswith(".py"))
 # the plugin as Claude Code installs it: manifests, hooks, the judge agent, the skill, the engine
 PLUGIN_FILES = [".claude-plugin/plugin.json", ".claude-plugin/marketplace.json",
                 "hooks/hooks.json", "agents/fablize-judge.md", "bin/fablize", "bin/fablize.cmd",

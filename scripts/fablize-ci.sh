@@ -33,7 +33,8 @@ is_true() { [ "${1:-}" = "true" ]; }
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 work="$(mktemp -d "${RUNNER_TEMP:-${TMPDIR:-/tmp}}/fablize-engine.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
-cp "$here/goals.py" "$here"/fablize_*.py "$work/"
+cp -R "$here/goals.py" "$here/fablize_gate" "$work/"
+rm -rf "$work/fablize_gate/__pycache__"
 state="${FABLIZE_STATE:-.fablize}"
 report="${FABLIZE_REPORT:-${GITHUB_STEP_SUMMARY:-}}"
 

@@ -25,31 +25,63 @@ sys.path.insert(0, str(SCRIPT.parent))
 # first on PATH, it starts at once, where a version manager's shim (pyenv's) costs ~0.15 s a start
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
-import goals  # noqa: E402
+import fablize_gate  # noqa: E402  (the engine package beside goals.py)
+from fablize_gate import (audit, base, cli, commands, hooks, masking, merge, model,  # noqa: E402
+                          render, runs, setup, sharing, storage, trust)
 
-# The engine in a subprocess, started as the installed command and the plugin start it: imported,
-# its bytecode cached. Python compiles a script at every start (~55 ms, and the suite starts the
-# engine some 650 times); `python3 scripts/goals.py` itself is tested where it is the subject
-# (test_smoke, test_compat, test_wiring, test_cancel).
-ENGINE = [ENGINE_PYTHON, "-c", "import sys; sys.path.insert(0, sys.argv.pop(1)); import goals; "
-          "goals.run()", str(SCRIPT.parent)]
-# the cache written once here, even where PYTHONDONTWRITEBYTECODE is set (a changed goals.py is
-# recompiled by the import anyway: the cache records the source's mtime and size)
-subprocess.run([ENGINE_PYTHON, "-c", "import importlib.util, py_compile, sys; p = sys.argv[1]; "
-                "py_compile.compile(p, cfile=importlib.util.cache_from_source(p), doraise=True)",
-                str(SCRIPT)], check=True)
+MODULES = [fablize_gate, base, masking, model, storage, runs, render, audit, hooks, commands, cli,
+           setup, sharing, merge, trust]
 
 
-ENGINE_FILES = [SCRIPT, SCRIPT.parent / "fablize.py", *sorted(SCRIPT.parent.glob("fablize_*.py"))]
+class EngineView:
+    """The engine's modules as one namespace, for tests: `engine.misfit` is model.misfit,
+    `engine.main` cli.main. Setting a name (monkeypatch.setattr(engine, "invocation", ...))
+    sets it in every module that holds the same object, since each imports what it uses by
+    name; undoing it puts the old one back the same way. It has no __dict__ (monkeypatch would
+    read the old value from one)."""
+    __slots__ = ()
+
+    def __getattr__(self, name):
+        for module in MODULES:
+            if name in vars(module):
+                return vars(module)[name]
+        raise AttributeError(f"no engine module defines {name}")
+
+    def __setattr__(self, name, value):
+        old = getattr(self, name)
+        for module in MODULES:
+            if vars(module).get(name, value) is old:
+                setattr(module, name, value)
+
+    @staticmethod
+    def room(name, needed_by=None):
+        """A room's module: setup, sharing, merge or trust."""
+        return vars(fablize_gate)[name]
+
+
+engine = EngineView()
+
+# The engine in a subprocess, started as users start it: `python3 scripts/goals.py`, the package's
+# bytecode cached (written once here, even where PYTHONDONTWRITEBYTECODE is set: a changed module
+# is recompiled by the import anyway, the cache records the source's mtime and size).
+ENGINE = [ENGINE_PYTHON, str(SCRIPT)]
+subprocess.run([ENGINE_PYTHON, "-m", "compileall", "-q", str(SCRIPT.parent / "fablize_gate")],
+               check=True)
+
+
+ENGINE_DIR = SCRIPT.parent / "fablize_gate"
+# the engine's files: the entry, the launcher of hooks written by 3.0, and the package
+ENGINE_FILES = [SCRIPT, SCRIPT.parent / "fablize.py", *sorted(ENGINE_DIR.glob("*.py"))]
 
 
 def copy_engine(folder):
-    """The engine's files (the core, its launcher and its rooms) copied into `folder`, as a user
-    copies them into a repository or CI keeps its own copy; returns the copy of goals.py."""
+    """The engine (goals.py and its folder fablize_gate/, and fablize.py for hooks written by
+    3.0) copied into `folder`, as a user copies it into a repository or CI keeps its own copy;
+    returns the copy of goals.py."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "fablize_gate").mkdir(parents=True, exist_ok=True)
     for path in ENGINE_FILES:
-        shutil.copy(path, folder / path.name)
+        shutil.copy(path, folder / path.relative_to(SCRIPT.parent))
     return folder / "goals.py"
 
 
@@ -85,18 +117,18 @@ def project(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     # in-process, the engine names itself `goals.py` in what it prints; how it names itself when
     # really started (installed, plugin, script) is tested through subprocesses
-    monkeypatch.setattr(goals, "invocation", lambda cwd=None: "goals.py")
+    monkeypatch.setattr(engine, "invocation", lambda cwd=None: "goals.py")
     monkeypatch.setenv("PATH", os.environ.get("PATH", ""))  # whatever a test puts on it goes again
-    goals._SECRETS.clear()  # made once a process: each test's environment has its own secrets
-    goals._PLACES.clear()  # and its own home folder
+    engine._SECRETS.clear()  # made once a process: each test's environment has its own secrets
+    engine._PLACES.clear()  # and its own home folder
     return tmp_path
 
 
 @pytest.fixture
 def fab(project, capsys):
-    """fab("status", "--json") runs goals.main in-process; returns Result(code, out, err)."""
+    """fab("status", "--json") runs engine.main in-process; returns Result(code, out, err)."""
     def run(*args):
-        code = goals.main([str(a) for a in args])
+        code = engine.main([str(a) for a in args])
         captured = capsys.readouterr()
         return Result(code, captured.out, captured.err)
     run.dir = project / ".fablize"
@@ -182,7 +214,7 @@ def snapshot(state_dir):
     """goals.json, its stories with every field (the snapshot holds only those that differ from
     their defaults): what a test reads of a story."""
     snap = json.loads((Path(state_dir) / "goals.json").read_text(encoding="utf-8"))
-    snap["goals"] = [goals.touch(story) for story in snap["goals"]]
+    snap["goals"] = [engine.touch(story) for story in snap["goals"]]
     return snap
 
 
@@ -272,7 +304,7 @@ def forge(state_dir, **fields):
     """Append one event after the ledger's last line, with the next seq, a timestamp, the right
     prev and every field fablize writes for its kind; returns its seq."""
     lines = raw_lines(state_dir)
-    ev = {"seq": len(lines) + 1, "ts": goals.now_iso(), **fields,
+    ev = {"seq": len(lines) + 1, "ts": engine.now_iso(), **fields,
           "prev": sha256_hex(lines[-1]) if lines else "0" * 64}
     defaults = dict(FORGED_DEFAULTS.get(ev.get("event"), {}))
     if ev.get("event") == "verify_run":

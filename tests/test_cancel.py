@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-import goals
+from conftest import engine
 from conftest import SCRIPT, ledger
 
 pytestmark = pytest.mark.skipif(os.name == "nt", reason="POSIX signals and process groups")
@@ -44,7 +44,7 @@ def run_goals(root, *args):
     """The engine in-process (setting up and reading back need no real signals)."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = goals.main(["--dir", str(root / ".fablize"), *args])
+        code = engine.main(["--dir", str(root / ".fablize"), *args])
     return code, out.getvalue(), err.getvalue()
 
 
@@ -220,14 +220,14 @@ def test_ctrl_c_outside_a_run_exits_130_with_one_json_error(fab, monkeypatch):
     it arrives when the engine finds the lock held, and the lock is never given up on."""
     assert fab("create", "--brief", "b", "--goal", "A::a").code == 0
     monkeypatch.setenv("FABLIZE_LOCK_TIMEOUT", str(HANG_GUARD))
-    try_acquire = goals.Lock._try_acquire
+    try_acquire = engine.Lock._try_acquire
 
     def contended(lock):
         got = try_acquire(lock)
         if not got:
             _thread.interrupt_main()  # the user's Ctrl-C, while the engine waits
         return got
-    monkeypatch.setattr(goals.Lock, "_try_acquire", contended)
+    monkeypatch.setattr(engine.Lock, "_try_acquire", contended)
     fd = os.open(fab.dir / "lock", os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)

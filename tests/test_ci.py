@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (SCRIPT, complete, encode, goals, ledger, make_plan, raw_lines, rechain,
+from conftest import (SCRIPT, complete, encode, engine, ledger, make_plan, raw_lines, rechain,
                       run_cli, state_files, write_lines)
 
 ZERO = "0" * 64
@@ -86,7 +86,7 @@ def test_audit_trusts_an_untouched_ledger_and_prints_its_head(history):
     assert f"head: {head_of(fab.dir)}" in r.out
     j = fab("audit", "--json").json
     assert j["ok"] is True and j["command"] == "audit"
-    assert j["schema_version"] == goals.SCHEMA_VERSION
+    assert j["schema_version"] == engine.SCHEMA_VERSION
     assert j["event_count"] == 8 and j["head"] == head_of(fab.dir)
     assert j["torn_tail_bytes"] == 0 and j["complete"] is False and j["done"] == 1
     assert j["total"] == 3
@@ -294,7 +294,7 @@ def test_audit_catches_goals_json_edited_with_its_digest_recomputed(history):
     plan = json.loads(path.read_text())
     plan["goals"][1]["status"] = "complete"
     plan["goals"][1]["evidence"] = "it works"
-    plan["digest"] = goals.canonical_digest(plan)
+    plan["digest"] = engine.canonical_digest(plan)
     path.write_text(json.dumps(plan))
     r = fab("audit")
     assert_damaged(r, "goals.json disagrees with the replay of ledger.jsonl up to line 8",
@@ -507,7 +507,7 @@ def test_rebuild_replaces_a_damaged_snapshot_and_keeps_the_old_one(history, dama
 def test_rebuild_never_overwrites_an_earlier_backup(history, monkeypatch):
     fab = history
     frozen = time.gmtime()
-    monkeypatch.setattr(goals.time, "gmtime", lambda *a: frozen)  # all of it within one second
+    monkeypatch.setattr(engine.time, "gmtime", lambda *a: frozen)  # all of it within one second
     path = fab.dir / "goals.json"
     first = path.read_bytes()
     assert fab("rebuild").code == 0

@@ -7,15 +7,15 @@ import sys
 
 import pytest
 
-from conftest import SCRIPT, goals
+from conftest import SCRIPT, engine
 
 
 def read(argv):
     """What parsing gave, as a comparable value."""
     try:
-        ns = goals.build_parser(goals.command_in(argv)).parse_args(argv)
+        ns = engine.build_parser(engine.command_in(argv)).parse_args(argv)
         return ("ok", dict(vars(ns)))
-    except goals.FablizeError as e:
+    except engine.FablizeError as e:
         return ("error", e.code, str(e))
 
 

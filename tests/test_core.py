@@ -15,7 +15,7 @@ import pytest
 from conftest import (SCRIPT, assert_escaped, assert_refused, complete, git, ledger, make_plan,
                       rows, run_cli, start, state_files)
 
-import goals
+from conftest import engine
 
 # Invariants ##################################################################
 
@@ -406,7 +406,7 @@ def check_json(r, ok):
     assert r.out.endswith("\n") and r.out.count("\n") == 1, r
     obj = json.loads(r.out)
     assert isinstance(obj, dict), r
-    assert obj["schema_version"] == goals.SCHEMA_VERSION and obj["ok"] is ok, r
+    assert obj["schema_version"] == engine.SCHEMA_VERSION and obj["ok"] is ok, r
     if ok:
         assert r.code == 0 and "error" not in obj, r
     else:
@@ -537,7 +537,7 @@ def wired(fab):
 
 
 def test_json_cases_cover_every_command_but_the_hook():
-    assert set(JSON_CASES) == set(goals.command_names()) - {"guard", "observe"}
+    assert set(JSON_CASES) == set(engine.command_names()) - {"guard", "observe"}
 
 
 @pytest.mark.parametrize("position", ["after", "before"])
@@ -740,19 +740,19 @@ def test_undecodable_argv_bytes_are_accepted_by_the_real_process(project):
 def test_version_prints_the_version(fab):
     r = fab("--version")
     assert r.code == 0
-    assert r.out.strip() == f"fablize {goals.__version__}"
-    assert re.fullmatch(r"\d+\.\d+\.\d+", goals.__version__)
+    assert r.out.strip() == f"fablize {engine.__version__}"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", engine.__version__)
 
 
 def test_help_lists_every_command(fab):
     r = fab("--help")
     assert r.code == 0, r
     listed = set(re.findall(r"^\s{2,}([a-z][a-z-]+)\b", r.out, re.M))
-    assert set(goals.command_names()) <= listed, set(goals.command_names()) - listed
+    assert set(engine.command_names()) <= listed, set(engine.command_names()) - listed
     assert "Exit codes" in r.out
 
 
-@pytest.mark.parametrize("command", sorted(goals.command_names()))
+@pytest.mark.parametrize("command", sorted(engine.command_names()))
 def test_each_command_has_its_own_help(fab, command):
     r = fab(command, "--help")
     assert r.code == 0, r

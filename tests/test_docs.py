@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from conftest import ENGINE_FILES, ROOT, SCRIPT, goals
+from conftest import ENGINE_FILES, ROOT, SCRIPT, engine
 
 README = ROOT / "README.md"
 REFERENCE = ROOT / "docs" / "reference.md"
@@ -35,7 +35,7 @@ def read(path):
 
 def subparsers():
     """{command name: its parser}, from the full parser."""
-    return dict(goals.build_parser()._subparsers._group_actions[0].choices)
+    return dict(engine.build_parser()._subparsers._group_actions[0].choices)
 
 
 def options_of(parser):
@@ -148,9 +148,9 @@ def engine_error_codes():
     """{code: {exit codes}} for every error the engine can raise, read from its source:
     refused()/usage()/damaged() calls (their default code when they give none),
     FablizeError(...) calls, and `….code = "…"` reassignments (exit unknown: empty set)."""
-    helpers = {"refused": goals.EXIT_REFUSED, "usage": goals.EXIT_USAGE,
-               "damaged": goals.EXIT_DAMAGED, "line_error": goals.EXIT_DAMAGED}
-    defaults = {name: inspect.signature(getattr(goals, name)).parameters["code"].default
+    helpers = {"refused": engine.EXIT_REFUSED, "usage": engine.EXIT_USAGE,
+               "damaged": engine.EXIT_DAMAGED, "line_error": engine.EXIT_DAMAGED}
+    defaults = {name: inspect.signature(getattr(engine, name)).parameters["code"].default
                 for name in helpers}
     codes = {defaults[name]: {exit_code} for name, exit_code in helpers.items()}
     trees = [ast.parse(read(path)) for path in ENGINE_FILES]  # the core and its rooms
@@ -169,12 +169,12 @@ def engine_error_codes():
                     code = given.value
                 codes.setdefault(code, set()).add(helpers[name])
             elif name == "failure" and node.args and isinstance(node.args[0], ast.Constant):
-                codes.setdefault(node.args[0].value, set()).add(goals.EXIT_REFUSED)  # trust gate
+                codes.setdefault(node.args[0].value, set()).add(engine.EXIT_REFUSED)  # trust gate
             elif name == "FablizeError" and len(node.args) > 2 and \
                     isinstance(node.args[1], ast.Constant):
                 arg = node.args[2]
-                exit_code = getattr(goals, arg.id) if isinstance(arg, ast.Name) \
-                    else getattr(goals, arg.attr) if isinstance(arg, ast.Attribute) \
+                exit_code = getattr(engine, arg.id) if isinstance(arg, ast.Name) \
+                    else getattr(engine, arg.attr) if isinstance(arg, ast.Attribute) \
                     else arg.value
                 codes.setdefault(node.args[1].value, set()).add(exit_code)
         elif isinstance(node, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == "code"
@@ -182,7 +182,7 @@ def engine_error_codes():
                 any(isinstance(k, ast.Constant) and k.value == "fix" for k in node.keys):
             value = node.values[[getattr(k, "value", None) for k in node.keys].index("code")]
             if isinstance(value, ast.Constant):
-                codes.setdefault(value.value, set()).add(goals.EXIT_REFUSED)  # an audit gate
+                codes.setdefault(value.value, set()).add(engine.EXIT_REFUSED)  # an audit gate
         elif isinstance(node, ast.Assign) and len(node.targets) == 1 and \
                 isinstance(node.targets[0], ast.Attribute) and node.targets[0].attr == "code" \
                 and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
@@ -216,7 +216,7 @@ def front_matter(text):
 
 
 def test_every_command_and_option_has_help_text():
-    parser = goals.build_parser()
+    parser = engine.build_parser()
     sub = parser._subparsers._group_actions[0]
     for action in parser._actions:
         if not isinstance(action, argparse._SubParsersAction):
@@ -241,7 +241,7 @@ def test_every_command_has_a_readme_section_and_an_example():
 
 def test_every_option_of_every_command_is_in_the_readme():
     text = docs()
-    parsers = {"goals.py": goals.build_parser(), **subparsers()}
+    parsers = {"goals.py": engine.build_parser(), **subparsers()}
     missing = []
     for name, parser in parsers.items():
         for action in parser._actions:
@@ -294,10 +294,10 @@ def test_block_file_is_exactly_the_block_the_engine_installs():
     # the command `setup` writes for a project holding the script: it runs on every clone,
     # from any directory
     cli = 'python3 "$(git rev-parse --show-toplevel)/scripts/goals.py"'
-    expected = goals.room("setup").render_block(cli)
+    expected = engine.room("setup").render_block(cli)
     assert read(BLOCK) == expected, \
-        f"fablize-block.md drifted: regenerate it with goals.room('setup').render_block({cli!r})"
-    setup = goals.room("setup")
+        f"fablize-block.md drifted: regenerate it with engine.room('setup').render_block({cli!r})"
+    setup = engine.room("setup")
     assert expected.startswith(setup.BLOCK_BEGIN)
     assert expected.rstrip("\n").endswith(setup.BLOCK_END)
 
@@ -348,8 +348,8 @@ def test_every_error_code_the_engine_raises_is_in_the_readme_with_its_exit_code(
 
 def test_readme_exit_code_table_has_every_exit_code():
     table = section(docs(), "## Exit codes")
-    for code, word in ((goals.EXIT_OK, "done"), (goals.EXIT_REFUSED, "refused"),
-                       (goals.EXIT_USAGE, "usage"), (goals.EXIT_DAMAGED, "damaged")):
+    for code, word in ((engine.EXIT_OK, "done"), (engine.EXIT_REFUSED, "refused"),
+                       (engine.EXIT_USAGE, "usage"), (engine.EXIT_DAMAGED, "damaged")):
         assert re.search(r"^\| %d \| %s\b" % (code, word), table, re.M), \
             f"exit code {code} ({word}) missing from README's table"
 
@@ -368,16 +368,16 @@ def test_every_environment_variable_the_engine_reads_is_documented():
 def test_readme_names_every_ledger_event_status_and_state_file():
     text = docs()
     files = section(text, "## Files")
-    for event in goals.EVENTS:
+    for event in engine.EVENTS:
         assert f"`{event}`" in files, f"ledger event {event!r} missing from README"
     for field in ("seq", "ts", "event", "prev", "ledger", "digest"):
         assert f"`{field}`" in files, f"{field!r} missing from README's ledger/snapshot format"
-    for name in (goals.SNAPSHOT, goals.LEDGER, goals.LOCK, goals.RUNS, goals.ARCHIVE):
+    for name in (engine.SNAPSHOT, engine.LEDGER, engine.LOCK, engine.RUNS, engine.ARCHIVE):
         assert f"`{name}" in files, f"state file {name!r} missing from README's Files"
-    for status in goals.STATUSES:
-        assert f"`{goals.MARKS[status]} {status}`" in text or f"`{status}`" in text, status
+    for status in engine.STATUSES:
+        assert f"`{engine.MARKS[status]} {status}`" in text or f"`{status}`" in text, status
         if status != "accepted":
-            assert f"`{goals.MARKS[status]} {status}`" in text, f"mark of {status!r} not shown"
+            assert f"`{engine.MARKS[status]} {status}`" in text, f"mark of {status!r} not shown"
 
 
 def test_readme_documents_the_make_targets_and_the_version():
@@ -388,12 +388,12 @@ def test_readme_documents_the_make_targets_and_the_version():
         assert re.search(r"^%s:" % target, makefile, re.M), f"Makefile has no `{target}` target"
     assert "scripts/demo.sh" in text and "scripts/demo.sh" in makefile
     assert "vermin" in text and "vermin" in makefile
-    assert f"`fablize {goals.__version__}`" in text
+    assert f"`fablize {engine.__version__}`" in text
 
 
 def test_plugin_manifest_version_is_the_engine_version():
     manifest = json.loads(read(ROOT / ".claude-plugin" / "plugin.json"))
-    assert manifest["version"] == goals.__version__
+    assert manifest["version"] == engine.__version__
 
 
 # Recipes that must work as printed ##########################################
@@ -519,7 +519,7 @@ def test_readme_documents_every_json_field_the_commands_print(tmp_path, monkeypa
     seen = {}
 
     def run(*args):
-        goals.main(["--json", *args])
+        engine.main(["--json", *args])
         obj = json.loads(capsys.readouterr().out)
         for key, value in obj.items():
             seen.setdefault(key, set()).add(type(value).__name__)

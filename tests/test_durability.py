@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ENGINE, SCRIPT, complete, goals, ledger, make_plan, run_cli, state_files
+from conftest import ENGINE, SCRIPT, complete, engine, ledger, make_plan, run_cli, state_files
 
 DEPTH = max(1, int(os.environ.get("FABLIZE_TEST_DEPTH", "1") or "1"))
 NO_PLAN = "no plan"
@@ -74,9 +74,9 @@ def audit_ok(fab):
 def snapshot_is_whole(raw):
     """A goals.json written by the engine: valid JSON whose digest matches its content."""
     try:
-        goals.parse_snapshot(raw)
+        engine.parse_snapshot(raw)
         return True
-    except goals.FablizeError:
+    except engine.FablizeError:
         return False
 
 
@@ -89,13 +89,13 @@ def plan_args(n, brief="test plan"):
 
 # 1. Concurrency ##############################################################
 
-# One worker process: `nops` operations, each a call of goals.main (the entry point minus the
+# One worker process: `nops` operations, each a call of engine.main (the entry point minus the
 # interpreter start, which would cost 16 x 25 x ~200 ms here); every worker is a real process
 # contending for the real flock with the 15 others.
 WORKER = r"""
 import contextlib, io, json, random, sys
 sys.path.insert(0, sys.argv[1])
-import goals
+from fablize_gate import cli as engine
 agent, seed, nops, final = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 rng = random.Random(seed)
 held = None
@@ -107,7 +107,7 @@ sys.stdin.readline()  # the barrier: every worker starts its operations at the s
 def call(*args):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = goals.main(["--json", *args])
+        code = engine.main(["--json", *args])
     return code, json.loads(out.getvalue()), err.getvalue()
 
 for i in range(nops):
@@ -147,7 +147,7 @@ def test_concurrent_agents_lose_no_event_and_claim_no_story_twice(fab):
     """16 processes x 25 mixed operations on one plan: contiguous seq, valid chain, snapshot
     equal to replay, one event per state-changing success, no story claimed twice."""
     n_workers, n_ops, n_stories = 16, 25 * DEPTH, 40 * DEPTH
-    final = goals.story_id(n_stories)
+    final = engine.story_id(n_stories)
     r = fab(*plan_args(n_stories, "concurrency"), "--parallel", "--verify", "true")
     assert r.code == 0, r
     env = {k: v for k, v in os.environ.items() if not k.startswith("FABLIZE_")}
@@ -254,7 +254,7 @@ WRITERS = {
 
 # every writing command reaches every point of the commit protocol; only create --force
 # archives, so only it reaches after-archive-snapshot
-COMMIT_POINTS = [p for p in goals.CRASH_POINTS if p != "after-archive-snapshot"]
+COMMIT_POINTS = [p for p in engine.CRASH_POINTS if p != "after-archive-snapshot"]
 CRASH_CASES = [(cmd, point) for cmd in WRITERS for point in COMMIT_POINTS] + \
               [("create-force", "after-archive-snapshot")]
 # before the ledger line is written the change never happened; after it, it is durable and the
@@ -267,7 +267,7 @@ FORCE_OLD_AT = OLD_AT | {"after-ledger-write", "after-ledger-fsync"}
 
 
 def test_every_crash_point_is_exercised():
-    assert {p for _, p in CRASH_CASES} == set(goals.CRASH_POINTS)
+    assert {p for _, p in CRASH_CASES} == set(engine.CRASH_POINTS)
 
 
 def guard_payload(root):
@@ -314,20 +314,21 @@ def test_sigkill_at_crash_point_leaves_old_or_new_state(fab, monkeypatch, comman
     assert r.code == -signal.SIGKILL, f"{command} never reached {point}: {r}"
 
     # on disk right after the crash: the snapshot is the old one or a whole new one, never a mix
-    snap = fab.dir / goals.SNAPSHOT
+    snap = fab.dir / engine.SNAPSHOT
     if snap.exists():
         raw = snap.read_bytes()
-        assert raw == before_files.get(goals.SNAPSHOT) or snapshot_is_whole(raw)
-    old_ledger = before_files.get(goals.LEDGER, b"")
-    now_ledger = (fab.dir / goals.LEDGER).read_bytes() if (fab.dir / goals.LEDGER).exists() else b""
+        assert raw == before_files.get(engine.SNAPSHOT) or snapshot_is_whole(raw)
+    old_ledger = before_files.get(engine.LEDGER, b"")
+    path = fab.dir / engine.LEDGER
+    now_ledger = path.read_bytes() if path.exists() else b""
     if command == "create-force":
-        kept = [f.read_bytes() for f in (fab.dir / goals.ARCHIVE).glob("*/" + goals.LEDGER)]
+        kept = [f.read_bytes() for f in (fab.dir / engine.ARCHIVE).glob("*/" + engine.LEDGER)]
         assert now_ledger == old_ledger or old_ledger in kept, "create --force lost the old ledger"
     else:
         assert now_ledger.startswith(old_ledger)
         extra = now_ledger[len(old_ledger):]
         assert extra == b"" or (extra.count(b"\n") == 1 and extra.endswith(b"\n")
-                                and goals.parse_event(extra[:-1]) is not None)
+                                and engine.parse_event(extra[:-1]) is not None)
 
     # the next commands work without help, promptly: a stale lock would time out at once
     monkeypatch.setenv("FABLIZE_LOCK_TIMEOUT", "0")
@@ -433,7 +434,7 @@ def test_random_time_sigkill_never_leaves_mixed_state_or_stale_lock(fab, monkeyp
         p.wait(timeout=60)
         where = f"seed {seed}, iteration {i}, {args[0]}"
         after = view(fab)  # exits 0 without help, under a 0 s lock timeout
-        old_ledger, new_ledger = before[goals.LEDGER], (fab.dir / goals.LEDGER).read_bytes()
+        old_ledger, new_ledger = before[engine.LEDGER], (fab.dir / engine.LEDGER).read_bytes()
         assert new_ledger.startswith(old_ledger), where
         assert new_ledger[len(old_ledger):].count(b"\n") <= 1, where
         assert after[0] in (old[0], old[0] + 1), where
@@ -452,40 +453,40 @@ def checkpointed(fab):
     goals.json after it, the checkpoint's line without its newline)."""
     make_plan(fab, 3)
     assert fab("next").code == 0
-    snap_before = (fab.dir / goals.SNAPSHOT).read_bytes()
-    ledger_before = (fab.dir / goals.LEDGER).read_bytes()
+    snap_before = (fab.dir / engine.SNAPSHOT).read_bytes()
+    ledger_before = (fab.dir / engine.LEDGER).read_bytes()
     r = fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "did it")
     assert r.code == 0, r
-    snap_after = (fab.dir / goals.SNAPSHOT).read_bytes()
-    full = (fab.dir / goals.LEDGER).read_bytes()
+    snap_after = (fab.dir / engine.SNAPSHOT).read_bytes()
+    full = (fab.dir / engine.LEDGER).read_bytes()
     assert full.startswith(ledger_before) and full.endswith(b"\n")
     return snap_before, ledger_before, snap_after, full[len(ledger_before):-1]
 
 
 def test_torn_last_line_is_moved_aside_at_every_byte_offset(fab, checkpointed):
     snap_before, ledger_before, _, line = checkpointed
-    write_state(fab.dir, {goals.SNAPSHOT: snap_before, goals.LEDGER: ledger_before})
+    write_state(fab.dir, {engine.SNAPSHOT: snap_before, engine.LEDGER: ledger_before})
     old = view(fab)
     assert statuses(old)["G001"] == "in_progress"
-    broken = fab.dir / (goals.LEDGER + ".broken")
+    broken = fab.dir / (engine.LEDGER + ".broken")
     for cut in range(len(line) + 1):  # 0..len-1, and len: the whole line without its newline
         torn = line[:cut]
-        write_state(fab.dir, {goals.SNAPSHOT: snap_before, goals.LEDGER: ledger_before + torn})
+        write_state(fab.dir, {engine.SNAPSHOT: snap_before, engine.LEDGER: ledger_before + torn})
         r = fab("status", "--json")  # a reader sees past the torn line and writes nothing
         assert r.code == 0, (cut, r)
         assert view_of(r) == old, cut
-        assert (fab.dir / goals.LEDGER).read_bytes() == ledger_before + torn, cut
+        assert (fab.dir / engine.LEDGER).read_bytes() == ledger_before + torn, cut
         assert not broken.exists() or cut > 1, cut
         assert bool(cut) == ("torn last line" in json.dumps(r.json.get("warnings", []))), cut
         r = fab("next")  # a writer moves it aside: `next` re-shows G001 and writes nothing else
         assert r.code == 0, (cut, r)
-        assert (fab.dir / goals.LEDGER).read_bytes() == ledger_before, cut
-        assert (fab.dir / goals.SNAPSHOT).read_bytes() == snap_before, cut
+        assert (fab.dir / engine.LEDGER).read_bytes() == ledger_before, cut
+        assert (fab.dir / engine.SNAPSHOT).read_bytes() == snap_before, cut
         if cut == 0:
             assert not broken.exists() and "torn" not in r.err
         else:
             assert broken.read_bytes() == torn + b"\n", cut
-            assert "torn" in r.err and goals.LEDGER + ".broken" in r.err, (cut, r.err)
+            assert "torn" in r.err and engine.LEDGER + ".broken" in r.err, (cut, r.err)
         assert fab("audit").code == 0, cut
 
 
@@ -493,13 +494,14 @@ def test_damaged_last_line_that_the_snapshot_reflects_is_refused_and_nothing_mov
         fab, checkpointed):
     _, ledger_before, snap_after, line = checkpointed
     for cut in range(len(line) + 1):
-        write_state(fab.dir, {goals.SNAPSHOT: snap_after, goals.LEDGER: ledger_before + line[:cut]})
+        write_state(fab.dir, {engine.SNAPSHOT: snap_after,
+                              engine.LEDGER: ledger_before + line[:cut]})
         before = state_files(fab.dir)
         r = fab("status")
         assert r.code == 3, (cut, r)
-        assert "audit" in r.err and goals.LEDGER in r.err, (cut, r.err)
+        assert "audit" in r.err and engine.LEDGER in r.err, (cut, r.err)
         assert state_files(fab.dir) == before, cut
-        assert not (fab.dir / (goals.LEDGER + ".broken")).exists(), cut
+        assert not (fab.dir / (engine.LEDGER + ".broken")).exists(), cut
         r = fab("next")
         assert r.code == 3 and state_files(fab.dir) == before, (cut, r)
 
@@ -513,7 +515,7 @@ def six_lines(fab):
     complete(fab, "G001")
     complete(fab, "G002")
     assert fab("next").code == 0
-    data = (fab.dir / goals.LEDGER).read_bytes()
+    data = (fab.dir / engine.LEDGER).read_bytes()
     assert data.count(b"\n") == 6
     return data
 
@@ -525,7 +527,7 @@ def test_audit_names_the_damaged_middle_line_for_every_changed_byte(fab, six_lin
     line2 = lines[1]
     for i in range(len(line2)):
         bad = line2[:i] + (b"#" if line2[i:i + 1] != b"#" else b"%") + line2[i + 1:]
-        (fab.dir / goals.LEDGER).write_bytes(b"\n".join(lines[:1] + [bad] + lines[2:]))
+        (fab.dir / engine.LEDGER).write_bytes(b"\n".join(lines[:1] + [bad] + lines[2:]))
         before = state_files(fab.dir)
         r = fab("audit")
         assert r.code == 3, (i, r)
@@ -546,7 +548,7 @@ def test_edited_middle_line_breaks_the_chain_at_the_next_line_but_commands_read_
     assert ev["event"] == "story_started"
     edited = lines[1].replace(b'"round":1', b'"round":7')
     assert edited != lines[1]
-    (fab.dir / goals.LEDGER).write_bytes(b"\n".join(lines[:1] + [edited] + lines[2:]))
+    (fab.dir / engine.LEDGER).write_bytes(b"\n".join(lines[:1] + [edited] + lines[2:]))
     before = state_files(fab.dir)
     r = fab("audit")
     assert r.code == 3
@@ -557,7 +559,7 @@ def test_edited_middle_line_breaks_the_chain_at_the_next_line_but_commands_read_
     # only, in O(1), so damage in the middle is for `audit` to find; `status` still answers.
     assert fab("status").code == 0
     # a line that no longer parses is named itself
-    (fab.dir / goals.LEDGER).write_bytes(b"\n".join(lines[:1] + [lines[1][:-1]] + lines[2:]))
+    (fab.dir / engine.LEDGER).write_bytes(b"\n".join(lines[:1] + [lines[1][:-1]] + lines[2:]))
     r = fab("audit")
     assert r.code == 3 and "ledger.jsonl line 2: not a ledger event" in r.err, r.err
 
@@ -568,30 +570,30 @@ def test_edited_middle_line_breaks_the_chain_at_the_next_line_but_commands_read_
 def test_ledger_ahead_of_snapshot_is_rolled_forward(fab):
     make_plan(fab, 3)
     assert fab("next").code == 0
-    snap_old = (fab.dir / goals.SNAPSHOT).read_bytes()
+    snap_old = (fab.dir / engine.SNAPSHOT).read_bytes()
     r = fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "did it")
     assert r.code == 0
     new = view(fab)
-    snap_new = (fab.dir / goals.SNAPSHOT).read_bytes()
-    (fab.dir / goals.SNAPSHOT).write_bytes(snap_old)  # the crash between the two writes
+    snap_new = (fab.dir / engine.SNAPSHOT).read_bytes()
+    (fab.dir / engine.SNAPSHOT).write_bytes(snap_old)  # the crash between the two writes
     assert view(fab) == new  # a reader replays the newer event in memory and writes nothing
-    assert (fab.dir / goals.SNAPSHOT).read_bytes() == snap_old
+    assert (fab.dir / engine.SNAPSHOT).read_bytes() == snap_old
     assert fab("next").code == 0  # a writer rolls the snapshot forward, then starts G002
-    assert json.loads((fab.dir / goals.SNAPSHOT).read_bytes())["ledger"]["seq"] == \
+    assert json.loads((fab.dir / engine.SNAPSHOT).read_bytes())["ledger"]["seq"] == \
         json.loads(snap_new)["ledger"]["seq"] + 1
     assert audit_ok(fab)["snapshot"] == "in sync"
 
 
 def test_ledger_several_events_ahead_or_snapshot_missing_is_rolled_forward(fab):
     make_plan(fab, 3)
-    snap_first = (fab.dir / goals.SNAPSHOT).read_bytes()
+    snap_first = (fab.dir / engine.SNAPSHOT).read_bytes()
     complete(fab, "G001")
     assert fab("next").code == 0
     new = view(fab)
-    (fab.dir / goals.SNAPSHOT).write_bytes(snap_first)  # three events behind
+    (fab.dir / engine.SNAPSHOT).write_bytes(snap_first)  # three events behind
     assert view(fab) == new
     audit_ok(fab)
-    (fab.dir / goals.SNAPSHOT).unlink()  # crashed before the first snapshot was written
+    (fab.dir / engine.SNAPSHOT).unlink()  # crashed before the first snapshot was written
     assert view(fab) == new
     audit_ok(fab)
     r = fab("checkpoint", "--id", "G002", "--status", "complete", "--evidence", "ok")
@@ -606,7 +608,7 @@ def test_ledger_several_events_ahead_or_snapshot_missing_is_rolled_forward(fab):
 def held_lock(fab):
     make_plan(fab, 3)
     assert fab("next").code == 0
-    fd = os.open(str(fab.dir / goals.LOCK), os.O_RDWR)
+    fd = os.open(str(fab.dir / engine.LOCK), os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)
     yield fd
     os.close(fd)
@@ -643,7 +645,7 @@ def test_a_lock_let_go_is_taken_again_and_holds(fab):
     """A shared plan's writer lets its lock go while it waits out other writers, then takes the
     same lock again: it must hold again, as the first time."""
     make_plan(fab, 3)
-    lock = goals.Lock(str(fab.dir), [])
+    lock = engine.Lock(str(fab.dir), [])
     for _ in range(2):
         with lock:
             r = run_cli("next", cwd=fab.root, env={"FABLIZE_LOCK_TIMEOUT": "0.2"})
@@ -773,7 +775,7 @@ def test_short_ledger_write_is_exit_3_and_the_torn_line_is_moved_aside_next(fab,
 
     def short_write(fd, data):
         path = os.readlink(f"/proc/self/fd/{fd}")
-        if path.endswith(goals.LEDGER):
+        if path.endswith(engine.LEDGER):
             return real_write(fd, bytes(data)[:len(data) // 2])
         return real_write(fd, data)
 
@@ -781,14 +783,14 @@ def test_short_ledger_write_is_exit_3_and_the_torn_line_is_moved_aside_next(fab,
     r = fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "did it")
     monkeypatch.setattr(os, "write", real_write)
     assert r.code == 3 and "short write" in r.err, r
-    torn = (fab.dir / goals.LEDGER).read_bytes()[len(before[goals.LEDGER]):]
+    torn = (fab.dir / engine.LEDGER).read_bytes()[len(before[engine.LEDGER]):]
     assert torn and not torn.endswith(b"\n")
     r = fab("status")
     assert r.code == 0 and "torn" in r.err, r
     assert view(fab) == old
-    assert not (fab.dir / (goals.LEDGER + ".broken")).exists()  # a reader writes nothing
+    assert not (fab.dir / (engine.LEDGER + ".broken")).exists()  # a reader writes nothing
     r = fab("next")
     assert r.code == 0 and "torn" in r.err, r
-    assert (fab.dir / (goals.LEDGER + ".broken")).read_bytes() == torn + b"\n"
-    assert (fab.dir / goals.LEDGER).read_bytes() == before[goals.LEDGER]
+    assert (fab.dir / (engine.LEDGER + ".broken")).read_bytes() == torn + b"\n"
+    assert (fab.dir / engine.LEDGER).read_bytes() == before[engine.LEDGER]
     audit_ok(fab)

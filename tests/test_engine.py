@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (encode, git, goals, ledger, make_plan, raw_lines, rechain, run_cli,
+from conftest import (encode, git, engine, ledger, make_plan, raw_lines, rechain, run_cli,
                       sha256_hex, state_files, write_lines)
 
 
@@ -160,11 +160,11 @@ def test_a_version_1_snapshot_with_every_run_still_loads_and_is_rewritten(fab):
     snap = json.loads((fab.dir / "goals.json").read_bytes())
     # the format fablize 1 wrote: every run of the round, a digest over sorted keys
     runs = [e for e in ledger(fab.dir) if e["event"] == "verify_run"]
-    snap["goals"][0]["runs"] = [dict({k: e.get(k) for k in goals.RUN_FIELDS}, ok=True)
+    snap["goals"][0]["runs"] = [dict({k: e.get(k) for k in engine.RUN_FIELDS}, ok=True)
                                 for e in runs]
     snap["schema_version"] = 1
     snap.pop("digest")
-    snap["digest"] = goals.canonical_digest(snap)
+    snap["digest"] = engine.canonical_digest(snap)
     (fab.dir / "goals.json").write_text(json.dumps(snap))
     before = state_files(fab.dir)
     r = fab("status")
@@ -174,7 +174,7 @@ def test_a_version_1_snapshot_with_every_run_still_loads_and_is_rewritten(fab):
     assert r.code == 0 and "format of fablize 1" in r.out, r
     assert fab("next").code == 0  # a writer rewrites it from the ledger
     new = json.loads((fab.dir / "goals.json").read_bytes())
-    assert new["schema_version"] == goals.SNAPSHOT_VERSION and len(new["goals"][0]["runs"]) == 1
+    assert new["schema_version"] == engine.SNAPSHOT_VERSION and len(new["goals"][0]["runs"]) == 1
     assert fab("audit").json if False else fab("audit").code == 0
 
 
@@ -194,7 +194,7 @@ def test_readers_answer_while_a_writer_holds_the_lock(fab):
 
 
 def test_the_backward_tail_read_reads_each_byte_once():
-    class Counting(goals.MemoryLedger):
+    class Counting(engine.MemoryLedger):
         read_bytes = 0
 
         def read(self, start, size):
@@ -216,7 +216,7 @@ def test_the_backward_tail_read_reads_each_byte_once():
 def test_streaming_batches_hold_every_line_once():
     lines = [b'{"seq":%d}' % i + b"x" * (i * 37 % 5000) for i in range(3000)]
     data = b"".join(x + b"\n" for x in lines)
-    ledger = goals.MemoryLedger(data)
+    ledger = engine.MemoryLedger(data)
     got = [x for batch in ledger.batches(len(data), size=4096) for x in batch]
     assert got == lines
 
@@ -224,23 +224,23 @@ def test_streaming_batches_hold_every_line_once():
 def replayed_line_by_line(data):
     """What replay_all would say of `data`, told by feeding each line alone (Replay.feed: every
     check of every line, no batch): the plan's snapshot bytes, or the damage's message."""
-    replay = goals.Replay()
+    replay = engine.Replay()
     try:
         for line in data.split(b"\n")[:-1]:
-            replay.feed(line, goals.parse_events([line])[0])
-    except goals.FablizeError as e:
+            replay.feed(line, engine.parse_events([line])[0])
+    except engine.FablizeError as e:
         return e.message
     replay.plan["ledger"] = replay.position()
-    return goals.snapshot_bytes(replay.plan)
+    return engine.snapshot_bytes(replay.plan)
 
 
 def replayed_in_batches(data):
     try:
-        replay = goals.replay_all(goals.MemoryLedger(data), len(data))
-    except goals.FablizeError as e:
+        replay = engine.replay_all(engine.MemoryLedger(data), len(data))
+    except engine.FablizeError as e:
         return e.message
     replay.plan["ledger"] = replay.position()
-    return goals.snapshot_bytes(replay.plan)
+    return engine.snapshot_bytes(replay.plan)
 
 
 _ONE_RUN = []  # a plan with one real run, made once for every test that copies it
@@ -384,12 +384,12 @@ def test_replaying_a_worked_plan_passes_over_its_stories_a_bounded_number_of_tim
     block = events[1:5]  # started, failed, started again, complete
     entries = [created]
     for i in range(1, 601):
-        entries += [dict(e, id=goals.story_id(i), **({"title": f"S{i}"} if "title" in e else {}))
+        entries += [dict(e, id=engine.story_id(i), **({"title": f"S{i}"} if "title" in e else {}))
                     for e in block]
         if i == 300:
             entries.append(added)
     lines = rechain(entries)
-    replay = goals.Replay()
+    replay = engine.Replay()
     replay.feed(lines[0], json.loads(lines[0]))
     replay.plan["goals"] = PassCounter(replay.plan["goals"])
     PassCounter.passes = 0
@@ -411,11 +411,11 @@ def test_active_stories_are_in_plan_order_however_they_started(fab):
                "--agent", "a").code == 0
     assert fab("next", "--agent", "a").code == 0  # the added G006, after G002–G004 started
     plan = json.loads((Path(fab.dir) / "goals.json").read_bytes())
-    assert [s["id"] for s in goals.active_stories(plan)] == ["G002", "G003", "G004", "G006"]
+    assert [s["id"] for s in engine.active_stories(plan)] == ["G002", "G003", "G004", "G006"]
     assert fab("checkpoint", "--id", "G003", "--status", "complete", "--evidence", "ok",
                "--agent", "c").code == 0
     plan = json.loads((Path(fab.dir) / "goals.json").read_bytes())
-    assert [s["id"] for s in goals.active_stories(plan)] == ["G002", "G004", "G006"]
+    assert [s["id"] for s in engine.active_stories(plan)] == ["G002", "G004", "G006"]
     assert [line.split()[1] for line in fab("status").out.splitlines() if "▶" in line] == [
         "G002", "G004", "G006"]
 
@@ -432,7 +432,7 @@ def test_audit_of_many_batches_finds_what_a_scan_of_each_line_finds(fab, tmp_pat
         entries[head + i]["tail"] = f"token {token}\n"
     entries[head + 200]["provenance"]["dir"] = "elsewhere"
     entries[head + 250].update(git_dirty=True, tree="0" * 40)
-    entries[head + 260].update(bytes=0, sha256=goals.EMPTY_SHA256, error="no such program",
+    entries[head + 260].update(bytes=0, sha256=engine.EMPTY_SHA256, error="no such program",
                                exit_code=None)
     lines = rechain(entries)
     data = b"".join(line + b"\n" for line in lines)
@@ -443,10 +443,10 @@ def test_audit_of_many_batches_finds_what_a_scan_of_each_line_finds(fab, tmp_pat
         (runs_dir / ev["log"][5:]).write_bytes(b"" if i != 100 else b"edited\n")  # `true`
     for stray in ("notes.txt", "\u00b2-G001.log", "-G001.log"):  # named like no run's log
         (runs_dir / stray).write_bytes(b"x")
-    trust = goals.room("trust", "test")
+    trust = engine.room("trust", "test")
     batched, each = trust.Scan(str(fab.root), None), trust.Scan(str(fab.root), None)
-    report = goals.audit_ledger(data, None, runs_dir=str(runs_dir), scan=batched)
-    alone = goals.audit_ledger(data, None, runs_dir=str(runs_dir),
+    report = engine.audit_ledger(data, None, runs_dir=str(runs_dir), scan=batched)
+    alone = engine.audit_ledger(data, None, runs_dir=str(runs_dir),
                                scan=lambda n, h, ev: each(n, h, ev))  # no batch: line by line
     parsed = [json.loads(line) for line in lines]
     assert report["secret_lines"] == alone["secret_lines"] == [
@@ -455,7 +455,7 @@ def test_audit_of_many_batches_finds_what_a_scan_of_each_line_finds(fab, tmp_pat
     assert len(report["bad_logs"]) == 1 and f"line {head + 101}:" in report["bad_logs"][0].message
     assert report["missing_logs"] == alone["missing_logs"] == 300 - 4 - 1  # 4 logs, 1 logless
     assert [r["seq"] for r in report["recent_runs"]] == [r["seq"] for r in alone["recent_runs"]]
-    assert len(report["recent_runs"]) == goals.REPORT_RUNS
+    assert len(report["recent_runs"]) == engine.REPORT_RUNS
     for name in ("first", "decisions", "unclean", "flagged", "unrecorded", "dirty"):
         assert getattr(batched, name) == getattr(each, name), name
     assert [f["line"] for f in batched.flagged] == [head + 201]
@@ -472,14 +472,14 @@ def test_a_runs_record_holds_run_fields_in_their_order(fab):
     run = next(e for e in ledger(fab.dir) if e["event"] == "verify_run")
     plan = None
     for ev in ledger(fab.dir):
-        plan = goals.apply_event(plan, ev)
-    record = goals.lookup(plan, "G001")["last_run"]
-    assert tuple(record) == (*goals.RUN_FIELDS, "ok")
-    assert {k: record[k] for k in goals.RUN_FIELDS} == {k: run[k] for k in goals.RUN_FIELDS}
-    assert goals.lookup(plan, "G001")["runs"] == [record] and record["ok"] is True
+        plan = engine.apply_event(plan, ev)
+    record = engine.lookup(plan, "G001")["last_run"]
+    assert tuple(record) == (*engine.RUN_FIELDS, "ok")
+    assert {k: record[k] for k in engine.RUN_FIELDS} == {k: run[k] for k in engine.RUN_FIELDS}
+    assert engine.lookup(plan, "G001")["runs"] == [record] and record["ok"] is True
     run = dict(run, interrupted="SIGINT", seq=run["seq"] + 1, log=f"runs/{run['seq'] + 1}-G001.log")
-    record = goals.lookup(goals.apply_event(plan, run), "G001")["last_run"]
-    assert tuple(record) == (*goals.RUN_FIELDS, "interrupted", "ok") and record["ok"] is False
+    record = engine.lookup(engine.apply_event(plan, run), "G001")["last_run"]
+    assert tuple(record) == (*engine.RUN_FIELDS, "interrupted", "ok") and record["ok"] is False
 
 
 def test_json_done_is_a_count_and_complete_a_flag_in_every_command(fab):
@@ -488,7 +488,7 @@ def test_json_done_is_a_count_and_complete_a_flag_in_every_command(fab):
                                           "--evidence", "e", "--json"),
                fab("status", "--json"), fab("audit", "--json")]
     for r in results:
-        assert r.json["schema_version"] == goals.SCHEMA_VERSION == 2, r
+        assert r.json["schema_version"] == engine.SCHEMA_VERSION == 2, r
         assert type(r.json["done"]) is int and type(r.json["complete"]) is bool, r
         assert r.json["total"] == 2, r
     assert [r.json["done"] for r in results] == [0, 1, 1, 1]
@@ -553,7 +553,7 @@ def test_status_checkpoint_next_and_the_guard_give_the_same_next_action(fab):
 def resign(fab, plan):
     """goals.json rewritten as the engine writes it (its digest recomputed): a hand-made
     snapshot that passes the digest, as an agent could make one."""
-    (fab.dir / "goals.json").write_bytes(goals.snapshot_bytes(plan))
+    (fab.dir / "goals.json").write_bytes(engine.snapshot_bytes(plan))
 
 
 def test_a_last_line_that_is_no_event_is_damage_even_when_the_snapshot_names_its_hash(fab):
@@ -591,29 +591,29 @@ def test_a_snapshot_whose_stories_do_not_form_a_plan_is_damage(fab, edit, what):
 
 
 def test_the_shape_memo_never_lets_a_misfit_through_after_a_fit():
-    story = goals.new_story({"id": "G001", "title": "t", "objective": "o"})
-    spec = goals.STORY_SPEC
-    assert goals.misfit(dict(story), spec) is None  # fits, every nested field empty: memoised
-    assert goals.misfit(dict(story), spec) is None
+    story = engine.new_story({"id": "G001", "title": "t", "objective": "o"})
+    spec = engine.STORY_SPEC
+    assert engine.misfit(dict(story), spec) is None  # fits, every nested field empty: memoised
+    assert engine.misfit(dict(story), spec) is None
     run = {"seq": 1}  # a run missing most of its fields
-    assert goals.misfit(dict(story, runs=[run]), spec).startswith(".runs[0].")
-    assert goals.misfit(dict(story, last_run={}), spec).startswith(".last_run.")  # a falsy dict
-    assert goals.misfit(dict(story, round=0.0), spec) == ".round"  # same falsiness, other type
-    assert goals.misfit(dict(story, after=[1]), spec) == ".after[0]"
+    assert engine.misfit(dict(story, runs=[run]), spec).startswith(".runs[0].")
+    assert engine.misfit(dict(story, last_run={}), spec).startswith(".last_run.")  # a falsy dict
+    assert engine.misfit(dict(story, round=0.0), spec) == ".round"  # same falsiness, other type
+    assert engine.misfit(dict(story, after=[1]), spec) == ".after[0]"
     reordered = dict(reversed(list(story.items())))  # another key order is another shape
-    assert goals.misfit(reordered, spec) is None
-    assert goals.misfit(dict(reordered, judge=1), spec) == ".judge"
+    assert engine.misfit(reordered, spec) is None
+    assert engine.misfit(dict(reordered, judge=1), spec) == ".judge"
 
 
 def started_plan(checks=()):
     """A two-story plan built by the engine's own transitions, G001 started."""
-    specs = [{"id": goals.story_id(i), "title": "t", "objective": "o", "after": [], "checks": [],
+    specs = [{"id": engine.story_id(i), "title": "t", "objective": "o", "after": [], "checks": [],
               "accept": [], "judge": False} for i in (1, 2)]
     specs[0]["checks"], specs[1]["after"] = list(checks), ["G001"]
-    plan, _, _ = goals.make_event(None, "plan_created", {
+    plan, _, _ = engine.make_event(None, "plan_created", {
         "brief": "b", "count": 2, "plan_id": "p", "stories": specs, "unverifiable": [],
         "options": {"rounds": 3, "require_run": False}, "replaces": None})
-    plan, _, _ = goals.make_event(plan, "story_started", {"id": "G001", "title": "t", "round": 1,
+    plan, _, _ = engine.make_event(plan, "story_started", {"id": "G001", "title": "t", "round": 1,
                                                           "agent": None})
     return plan
 
@@ -625,7 +625,7 @@ def replay_run(plan, check=None, cmd="true", **change):
                 "sha256": "0" * 64, "tail": "", "log": f"runs/{seq}-G001.log",
                 "after_seq": seq - 1, "started": "2026-01-01T00:00:00.000000+00:00",
                 "git_head": None, "git_dirty": None}, **change)
-    return goals.make_event(plan, "verify_run", run)[0]
+    return engine.make_event(plan, "verify_run", run)[0]
 
 
 @pytest.mark.parametrize("change", [{}, {"exit_code": 1}, {"exit_code": None}, {"timed_out": True},
@@ -635,11 +635,11 @@ def test_a_replayed_run_is_recorded_with_the_run_fields_and_the_verdict_of_run_p
     in order, and its `ok` is run_passed's."""
     plan = replay_run(started_plan(), **change)
     record = plan["goals"][0]["last_run"]
-    assert tuple(record)[:len(goals.RUN_FIELDS)] == goals.RUN_FIELDS
-    assert set(record) - set(goals.RUN_FIELDS) == {"ok"} | set(change) & {"interrupted"}
-    assert record["ok"] is goals.run_passed(record) and record["ok"] is (not change)
+    assert tuple(record)[:len(engine.RUN_FIELDS)] == engine.RUN_FIELDS
+    assert set(record) - set(engine.RUN_FIELDS) == {"ok"} | set(change) & {"interrupted"}
+    assert record["ok"] is engine.run_passed(record) and record["ok"] is (not change)
     assert plan["goals"][0]["runs"] == [record]
-    assert goals.misfit(plan["goals"][0], goals.STORY_SPEC) is None
+    assert engine.misfit(plan["goals"][0], engine.STORY_SPEC) is None
 
 
 def test_a_run_again_moves_its_check_to_the_end_of_the_rounds_runs():
@@ -657,7 +657,7 @@ def test_the_snapshot_has_one_story_per_line_whatever_the_order_of_a_storys_keys
     make_plan(fab, 3)
     plan = json.loads((fab.dir / "goals.json").read_bytes())
     for keep in (plan, dict(plan, goals=[dict(reversed(list(s.items()))) for s in plan["goals"]])):
-        raw = goals.snapshot_bytes(keep)
+        raw = engine.snapshot_bytes(keep)
         lines = raw.split(b"\n")
         assert [json.loads(line.rstrip(b",")) for line in lines[1:4]] == keep["goals"], raw
-        assert goals.parse_snapshot(raw) == dict(keep, digest=raw[11:75].decode())
+        assert engine.parse_snapshot(raw) == dict(keep, digest=raw[11:75].decode())

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (assert_refused, complete, forge, goals, ledger, make_plan, raw_lines,
+from conftest import (assert_refused, complete, forge, engine, ledger, make_plan, raw_lines,
                       rechain, story, two_stories_second_active, write_lines)
 
 # Helpers ####################################################################
@@ -36,7 +36,7 @@ def edit_snapshot(state_dir, mutate):
     path = Path(state_dir) / "goals.json"
     snap = json.loads(path.read_text())
     mutate(snap)
-    snap["digest"] = goals.canonical_digest(snap)
+    snap["digest"] = engine.canonical_digest(snap)
     path.write_text(json.dumps(snap))
 
 
@@ -160,11 +160,11 @@ def test_appended_event_off_the_chain_is_refused_when_rolled_forward(fab, fault)
     assert fab("next").code == 0
     lines = raw_lines(fab.dir)
     seq = len(lines) + 1
-    ev = {"seq": seq + (1 if fault == "seq-gap" else 0), "ts": goals.now_iso(),
+    ev = {"seq": seq + (1 if fault == "seq-gap" else 0), "ts": engine.now_iso(),
           "event": "checkpoint", "id": "G001", "status": "complete", "evidence": "done",
           "verify_cmd": "", "verify_evidence": "",
-          "prev": goals.ZERO_HASH if fault == "prev" else goals.sha256_hex(lines[-1])}
-    write_lines(fab.dir, lines + [goals.dumps(ev).encode()])
+          "prev": engine.ZERO_HASH if fault == "prev" else engine.sha256_hex(lines[-1])}
+    write_lines(fab.dir, lines + [engine.dumps(ev).encode()])
     # one replay, one message: the commands rolling forward say what audit says
     code = "bad_seq" if fault == "seq-gap" else "broken_chain"
     message = f"ledger.jsonl line {seq}: " + (
@@ -195,7 +195,7 @@ def test_forged_checkpoint_with_a_matching_snapshot_is_caught_by_audit(fab):
 
     def reflect(snap):
         snap["goals"][1]["status"] = "complete"
-        snap["ledger"] = {"seq": seq, "head": goals.sha256_hex(raw_lines(fab.dir)[-1])}
+        snap["ledger"] = {"seq": seq, "head": engine.sha256_hex(raw_lines(fab.dir)[-1])}
 
     edit_snapshot(fab.dir, reflect)  # the tail and the snapshot now agree
     audit_fails(fab, code="bad_event", line=seq, message="G002 is not active (pending)")
@@ -214,8 +214,8 @@ def forged_passing_run(fab, log_bytes=None, after_seq=None):
         (fab.dir / log).write_bytes(log_bytes)
     forge(fab.dir, event="verify_run", id="G002", check=0, cmd="false", cwd=str(fab.root),
           exit_code=0, signal=None, timed_out=False, error=None, duration_s=0.1,
-          bytes=len(claimed), sha256=goals.sha256_hex(claimed), tail=claimed.decode(),
-          after_seq=started["seq"] if after_seq is None else after_seq, started=goals.now_iso(),
+          bytes=len(claimed), sha256=engine.sha256_hex(claimed), tail=claimed.decode(),
+          after_seq=started["seq"] if after_seq is None else after_seq, started=engine.now_iso(),
           git_head=None, git_dirty=None, log=log)
     forge(fab.dir, event="checkpoint", id="G002", status="complete", evidence="check passed",
           verify_cmd="", verify_evidence="", runs=[seq])

@@ -1,7 +1,7 @@
 """Bad-input fuzzing: generated goals.json / ledger content and generated command lines.
 
 Whatever the input, every command must
-  - never let an exception escape `goals.main` (no traceback),
+  - never let an exception escape `engine.main` (no traceback),
   - exit with a defined code: 0 done, 1 refused, 2 usage, 3 damaged,
   - print at most one `fablize: …` error line on stderr (text mode; `fablize: warning: …`
     lines may come before it), and print one exactly when it exits non-zero,
@@ -12,7 +12,7 @@ Commands run in-process. stdout/stderr are replaced by UTF-8 text streams over b
 (stdout strict, stderr backslashreplace — what a real process has), not io.StringIO, so text
 that a real terminal or pipe cannot encode fails here as it would for a user.
 
-Verification commands are never executed: `goals.run_command` is replaced by a stub that
+Verification commands are never executed: `engine.run_command` is replaced by a stub that
 records a run without starting a process (a generated string must never reach a shell).
 
 Nothing is steered away from: deep nesting, lone surrogates (as JSON escapes in state files,
@@ -37,7 +37,7 @@ import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import goals, rechain, state_files
+from conftest import engine, rechain, state_files
 
 try:
     DEPTH = max(1, int(os.environ.get("FABLIZE_TEST_DEPTH", "1")))
@@ -61,15 +61,15 @@ def fuzz_settings(examples):
 def _stub_run_command(cmd, cwd, timeout, stream, log_path):
     """Record a run without executing anything: `true` passes, everything else fails."""
     body = b"stub run of a generated command\n"
-    fd = goals.open_state_file(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    fd = engine.open_state_file(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
-        goals.write_all(fd, body)
+        engine.write_all(fd, body)
     finally:
         os.close(fd)
     ok = cmd == "true"
     return {"cmd": cmd, "cwd": cwd, "exit_code": 0 if ok else 1, "signal": None,
             "timed_out": False, "error": None, "duration_s": 0.0, "bytes": len(body),
-            "sha256": goals.sha256_hex(body), "tail": body.decode()}
+            "sha256": engine.sha256_hex(body), "tail": body.decode()}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -78,8 +78,8 @@ def sandbox():
         for var in ("FABLIZE_DIR", "FABLIZE_CRASH_AT", "FABLIZE_LOCK_TIMEOUT",
                     "GITHUB_STEP_SUMMARY", "FABLIZE_GUARD_MAX"):
             mp.delenv(var, raising=False)
-        mp.setattr(goals, "run_command", _stub_run_command)
-        mp.setattr(goals, "git_state", lambda root, state_dir: (None, None, None))
+        mp.setattr(engine, "run_command", _stub_run_command)
+        mp.setattr(engine, "git_state", lambda root, state_dir: (None, None, None))
         yield
 
 
@@ -93,28 +93,28 @@ class Outcome:
 
 
 class EngineCrash(AssertionError):
-    """An exception escaped goals.main: the property fails."""
+    """An exception escaped engine.main: the property fails."""
 
 
 def call(argv, cwd, stdin=b""):
-    """goals.main(argv) in `cwd`; any exception escaping it fails the property."""
+    """engine.main(argv) in `cwd`; any exception escaping it fails the property."""
     out_buf, err_buf = io.BytesIO(), io.BytesIO()
     out = io.TextIOWrapper(out_buf, encoding="utf-8", errors="strict", write_through=True)
     err = io.TextIOWrapper(err_buf, encoding="utf-8", errors="backslashreplace",
                            write_through=True)
-    old_cwd, old_stdin = os.getcwd(), goals.sys.stdin
+    old_cwd, old_stdin = os.getcwd(), engine.sys.stdin
     os.chdir(cwd)
-    goals.sys.stdin = io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8")
+    engine.sys.stdin = io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8")
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                code = goals.main(list(argv))
+                code = engine.main(list(argv))
             except BaseException as e:  # noqa: B902 - anything escaping main is the failure
                 tb = traceback.format_exc()
-                raise EngineCrash(f"exception escaped goals.main({argv!r}): {e!r}\n{tb}") from None
+                raise EngineCrash(f"exception escaped engine.main({argv!r}): {e!r}\n{tb}") from None
     finally:
         os.chdir(old_cwd)
-        goals.sys.stdin = old_stdin
+        engine.sys.stdin = old_stdin
     return Outcome(argv, code, out_buf.getvalue().decode("utf-8"),
                    err_buf.getvalue().decode("utf-8"))
 
@@ -132,7 +132,7 @@ def check_contract(r, json_mode, raw_output=False):
         assert r.out.endswith("\n") and r.out.count("\n") == 1, r
         obj = json.loads(r.out)
         assert isinstance(obj, dict), r
-        assert obj["schema_version"] == goals.SCHEMA_VERSION and obj["ok"] is (r.code == 0), r
+        assert obj["schema_version"] == engine.SCHEMA_VERSION and obj["ok"] is (r.code == 0), r
         if r.code:
             assert obj["error"]["exit"] == r.code, r
             assert isinstance(obj["error"]["code"], str) and obj["error"]["code"], r
@@ -309,7 +309,7 @@ def mutated(draw, base, max_mutations=3, keys=None):
 def with_digest(snapshot):
     if isinstance(snapshot, dict):
         try:
-            snapshot = dict(snapshot, digest=goals.canonical_digest(snapshot))
+            snapshot = dict(snapshot, digest=engine.canonical_digest(snapshot))
         except (UnicodeEncodeError, TypeError, ValueError):
             pass
     return snapshot
@@ -461,7 +461,7 @@ def test_generated_ledger_never_crashes_any_command(content, json_mode, drop_sna
 
 # Properties: command lines ##################################################
 
-COMMAND_NAMES = sorted(goals.command_names())
+COMMAND_NAMES = sorted(engine.command_names())
 KNOWN_FLAGS = ["--id", "--status", "--evidence", "--verify-cmd", "--verify-evidence", "--run",
                "--agent", "--brief", "--goal", "--force", "--check", "--verify", "--after",
                "--parallel", "--rounds", "--require-run", "--judge", "--accept", "--note",
@@ -625,7 +625,7 @@ def sandboxed(argv):
 def test_generated_command_lines_never_crash(argv):
     with project_copy() as root:
         r = call(argv, root)
-    hook = goals.command_in(argv) == "guard"  # a Stop hook's own output protocol
+    hook = engine.command_in(argv) == "guard"  # a Stop hook's own output protocol
     check_contract(r, "--json" in argv and not hook, raw_output=hook)
 
 
@@ -633,7 +633,7 @@ def test_generated_command_lines_never_crash(argv):
 @given(argv=command_lines())
 def test_generated_command_lines_with_json_print_exactly_one_object(argv):
     argv = argv if "--json" in argv else ["--json"] + argv
-    assume(goals.command_in(argv) != "guard")
+    assume(engine.command_in(argv) != "guard")
     with project_copy() as root:
         check_contract(call(argv, root), True)
 
@@ -718,7 +718,7 @@ def test_a_history_line_is_its_fields_escaped(ev):
     """format_event escapes its line once, whole, and a run's renderer gives its fields as they
     are: the same line as each field escaped (one_line works a character at a time), and so
     the same as clean() of it (log writes its lines without looking through them again)."""
-    o = goals.one_line
+    o = engine.one_line
     took = "" if ev["timed_out"] else f", {o(ev['duration_s'])} s"
     if ev.get("interrupted"):
         ended = f"interrupted by {o(ev['interrupted'])}"
@@ -730,16 +730,16 @@ def test_a_history_line_is_its_fields_escaped(ev):
         ended = f"killed by {o(ev['signal'])}"
     else:
         ended = f"exit {o(ev['exit_code'])}"
-    want = (f"#{ev['seq']}  {goals.time_label(ev['ts'])}  {o(ev['id'])} run `{o(ev['cmd'])}` → "
+    want = (f"#{ev['seq']}  {engine.time_label(ev['ts'])}  {o(ev['id'])} run `{o(ev['cmd'])}` → "
             f"{ended}{took}, {o(ev['bytes'])} bytes, sha256 {ev['sha256'][:16]}… · log "
             f"{o(ev['log'])} · in {o(ev['cwd'])}")
-    line = goals.format_event(ev)
+    line = engine.format_event(ev)
     assert line == want
-    assert goals.clean(line + "\n" + line) == line + "\n" + line
-    run = f"{ev['id']} run {goals.run_text(ev)} · log {ev['log']} · in {ev['cwd']}"
-    assert goals._log_verify_run(ev, ev["id"]) == run  # its fast path: run_text's words
-    assert goals.run_summary(ev) == o(goals.run_text(ev))
-    assert goals.describe_exit(ev) == o(goals.exit_words(ev)) == o(ended)
+    assert engine.clean(line + "\n" + line) == line + "\n" + line
+    run = f"{ev['id']} run {engine.run_text(ev)} · log {ev['log']} · in {ev['cwd']}"
+    assert engine._log_verify_run(ev, ev["id"]) == run  # its fast path: run_text's words
+    assert engine.run_summary(ev) == o(engine.run_text(ev))
+    assert engine.describe_exit(ev) == o(engine.exit_words(ev)) == o(ended)
 
 
 # Regressions: inputs that once crashed the engine ###########################
@@ -899,5 +899,5 @@ def test_guard_max_with_a_non_decimal_digit_falls_back_to_the_default(monkeypatc
     assert r.code == 0, r
     answer = json.loads(r.out)
     assert answer["decision"] == "block", r
-    assert f"[guard block 1 of at most {goals.DEFAULT_GUARD_MAX} in a row]" in answer["reason"], r
+    assert f"[guard block 1 of at most {engine.DEFAULT_GUARD_MAX} in a row]" in answer["reason"], r
 

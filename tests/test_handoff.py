@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-import goals
+from conftest import engine
 from conftest import ENGINE, assert_refused, complete, ledger, make_plan, run_cli, state_files
 
 HERE_MARK = "← you are here"
@@ -136,7 +136,7 @@ def handoff_of_story_40(fab):
     assert r.code == 0, r
     evidence = {10: PLAIN_2000, 38: "TRANSITIVE-G038-EVIDENCE", 39: HOSTILE_2000}
     for i in range(1, 40):
-        sid = goals.story_id(i)
+        sid = engine.story_id(i)
         r = fab("next")
         assert r.code == 0 and f"handoff — {sid} " in r.out, r
         args = ["checkpoint", "--id", sid, "--status", "complete",
@@ -155,11 +155,11 @@ def test_handoff_of_story_40_of_100_shows_a_30_line_window_with_footer_counts(fa
     out = handoff_of_story_40(fab)
     rows = map_rows(out)
     # the engine's rule: at most 10 stories before the current one, 30 rows in all
-    assert len(rows) == goals.MAP_WINDOW == 30
+    assert len(rows) == engine.MAP_WINDOW == 30
     assert rows[0][:3] == (30, "done", "G030")
     assert rows[-1][:3] == (59, "pending", "G059")
     assert [r[0] for r in rows] == list(range(30, 60))
-    assert [r[2] for r in rows] == [goals.story_id(i) for i in range(30, 60)]
+    assert [r[2] for r in rows] == [engine.story_id(i) for i in range(30, 60)]
     now = [r for r in rows if r[1] == "NOW"]
     assert len(now) == 1 and now[0][2] == "G040"
     assert out.count(HERE_MARK) == 1 and HERE_MARK in now[0][3]
@@ -236,11 +236,11 @@ def test_plan_map_window_is_30_rows_around_the_current_story_with_hidden_counts(
         fab, n, current, first, last, above, below):
     make_plan(fab, n, "--parallel")
     plan = snapshot(fab)
-    lines = goals.render_map(plan, plan["goals"][current - 1])
+    lines = engine.render_map(plan, plan["goals"][current - 1])
     out = "\n".join(lines)
     rows = map_rows(out)
     assert len(rows) == 30 and rows[0][0] == first and rows[-1][0] == last
-    assert [r[2] for r in rows if r[1] == "NOW"] == [goals.story_id(current)]
+    assert [r[2] for r in rows if r[1] == "NOW"] == [engine.story_id(current)]
     assert footer_counts(out) == [(above, below)]
     assert out.count(HERE_MARK) == 1
 
@@ -249,7 +249,7 @@ def test_plan_map_shows_every_story_and_no_footer_when_the_plan_fits(fab):
     make_plan(fab, 12)
     r = fab("next")
     rows = map_rows(r.out)
-    assert [x[2] for x in rows] == [goals.story_id(i) for i in range(1, 13)]
+    assert [x[2] for x in rows] == [engine.story_id(i) for i in range(1, 13)]
     assert footer_counts(r.out) == [] and "not shown" not in r.out
 
 
@@ -608,7 +608,7 @@ def test_eight_agents_racing_next_claim_eight_distinct_stories(fab):
             data = json.loads(out)
             assert data["ok"] and data["activated"], data
             claims[f"agent{i}"] = data["story"]["id"]
-        assert sorted(claims.values()) == [goals.story_id(i) for i in range(1, 9)]
+        assert sorted(claims.values()) == [engine.story_id(i) for i in range(1, 9)]
         st = status_json(fab)
         assert {sid: st[sid]["agent"] for sid in claims.values()} == \
             {sid: agent for agent, sid in claims.items()}

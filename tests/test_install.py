@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SCRIPT, complete, goals, make_plan, run_cli, state_files
+from conftest import ROOT, SCRIPT, complete, engine, make_plan, run_cli, state_files
 
 BEGIN, END = "<!-- fablize:begin -->", "<!-- fablize:end -->"
 CLI = f"python3 {SCRIPT}"
@@ -31,7 +31,7 @@ def clean_env(**extra):
 def expected_block():
     """fablize-block.md, with the command a clone of the project can run: the script installing
     it lives outside the project, so that is the `fablize` command, never an absolute path."""
-    return goals.room("setup").render_block("fablize")
+    return engine.room("setup").render_block("fablize")
 
 
 def test_install_block_creates_claude_md_at_the_repository_root(fab, monkeypatch):
@@ -221,7 +221,7 @@ def test_pip_install_gives_a_fablize_command_that_drives_a_plan_from_another_dir
         venv, tmp_path):
     """One test for the whole venv, so that even split across workers it is built once."""
     code, out, err = installed(venv, "--version", cwd=tmp_path)
-    assert code == 0 and out == f"fablize {goals.__version__}\n", (out, err)
+    assert code == 0 and out == f"fablize {engine.__version__}\n", (out, err)
 
     project = tmp_path / "elsewhere"
     (project / ".git").mkdir(parents=True)
@@ -256,13 +256,13 @@ def test_pip_install_gives_a_fablize_command_that_drives_a_plan_from_another_dir
                        capture_output=True, timeout=60)
     assert p.returncode == 0, p.stderr
     module, requires, files = json.loads(p.stdout)
-    assert Path(module).read_bytes() == SCRIPT.read_bytes()
-    assert not requires
+    package = Path(module).parent
+    assert package.name == "fablize_gate" and not requires
     payload = sorted(f for f in files if ".dist-info/" not in f and "__pycache__" not in f)
-    assert payload == ["../../../bin/fablize", "fablize_gate.py", "fablize_merge.py",
-                       "fablize_setup.py", "fablize_sharing.py", "fablize_trust.py"]
-    for room in payload[2:]:  # byte for byte
-        assert (Path(module).parent / room).read_bytes() == (SCRIPT.parent / room).read_bytes()
+    engine_files = sorted(p.name for p in (SCRIPT.parent / "fablize_gate").glob("*.py"))
+    assert payload == ["../../../bin/fablize"] + [f"fablize_gate/{n}" for n in engine_files]
+    for name in engine_files:  # byte for byte
+        assert (package / name).read_bytes() == (SCRIPT.parent / "fablize_gate" / name).read_bytes()
 
 
 def test_the_script_runs_without_installing_anything(tmp_path):
@@ -273,19 +273,22 @@ def test_the_script_runs_without_installing_anything(tmp_path):
         return subprocess.run([sys.executable, "-I", "-S", str(SCRIPT), *args], cwd=str(tmp_path),
                               env=clean_env(), capture_output=True, timeout=60)
     p = script("--version")
-    assert p.returncode == 0 and p.stdout == f"fablize {goals.__version__}\n".encode()
+    assert p.returncode == 0 and p.stdout == f"fablize {engine.__version__}\n".encode()
     assert script("create", "--brief", "b", "--goal", "A::a").returncode == 0
     p = script("status", "--json")
     assert p.returncode == 0 and json.loads(p.stdout)["total"] == 1
 
 
-def lone_copy(tmp_path, *rooms):
-    """A git project holding a copy of goals.py (and the rooms named) in its scripts/."""
+def lone_copy(tmp_path, *left_out, engine=True):
+    """A git project holding a copy of goals.py in its scripts/, with the engine's folder beside
+    it (less the files `left_out`) when `engine`."""
     project = tmp_path / "proj"
     (project / "scripts").mkdir(parents=True)
     subprocess.run(["git", "init", "-q", str(project)], check=True)
-    for name in ("goals.py", *rooms):
-        shutil.copy(SCRIPT.parent / name, project / "scripts" / name)
+    shutil.copy(SCRIPT, project / "scripts" / "goals.py")
+    if engine:
+        shutil.copytree(SCRIPT.parent / "fablize_gate", project / "scripts" / "fablize_gate",
+                        ignore=shutil.ignore_patterns("__pycache__", *left_out))
 
     def script(*args):
         return subprocess.run([sys.executable, "-I", "scripts/goals.py", *args], cwd=str(project),
@@ -293,28 +296,38 @@ def lone_copy(tmp_path, *rooms):
     return project, script
 
 
-def test_a_lone_copied_goals_py_runs_the_originals_commands_and_names_the_files_setup_needs(
+def test_a_goals_py_without_its_engine_says_what_to_copy_in_one_line_and_writes_nothing(
         tmp_path):
+    project, script = lone_copy(tmp_path, engine=False)
+    before = sorted(p.relative_to(project) for p in project.rglob("*") if ".git" not in p.parts)
+    for args in (("status",), ("create", "--brief", "b", "--goal", "A::a"), ("setup", "claude")):
+        r = script(*args)
+        assert r.returncode == 2 and r.stdout == "", r
+        assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.startswith("fablize: the engine's folder fablize_gate/ is not beside "
+                                   "goals.py"), r.stderr
+        assert ("cp -r FABLIZE/scripts/goals.py FABLIZE/scripts/fablize_gate scripts/"
+                in r.stderr), r.stderr
+    after = sorted(p.relative_to(project) for p in project.rglob("*") if ".git" not in p.parts)
+    assert after == before
+
+
+def test_a_copied_goals_py_and_its_folder_run_the_originals_commands(tmp_path):
     project, script = lone_copy(tmp_path)
     assert script("create", "--brief", "b", "--goal", "A::a", "--goal", "B::b").returncode == 0
     assert script("next").returncode == 0
     assert script("checkpoint", "--id", "G001", "--status", "complete",
                   "--evidence", "e").returncode == 0
     assert script("status").returncode == 0 and script("audit").returncode == 0
-    before = sorted(p.relative_to(project) for p in project.rglob("*") if ".git" not in p.parts)
-    r = script("setup", "claude")
-    assert r.returncode == 2 and r.stdout == "", r
-    assert r.stderr == ("fablize: setup needs fablize_setup.py, which is not beside goals.py here "
-                        "— copy goals.py, fablize.py and fablize_*.py from fablize's scripts/ "
-                        "folder together (README: Add it to your project).\n"), r.stderr
-    after = sorted(p.relative_to(project) for p in project.rglob("*") if ".git" not in p.parts)
-    assert after == before
 
 
 def test_setup_with_a_room_missing_writes_nothing(tmp_path):
-    project, script = lone_copy(tmp_path, "fablize_setup.py")  # fablize_merge.py left behind
+    project, script = lone_copy(tmp_path, "merge.py")  # a copy of the folder without merge.py
     r = script("setup", "claude")
-    assert r.returncode == 2 and "setup needs fablize_merge.py" in r.stderr, r
+    assert r.returncode == 2 and r.stdout == "", r
+    assert r.stderr == ("fablize: merge.py is missing from the engine's folder fablize_gate/ — "
+                        "copy goals.py and fablize_gate/ from fablize's scripts/ folder together "
+                        "(README: Add it to your project).\n"), r.stderr
     assert not (project / "CLAUDE.md").exists() and not (project / ".claude").exists()
     assert not (project / ".fablize").exists() and not (project / ".gitattributes").exists()
 
@@ -324,7 +337,7 @@ def test_setup_with_a_room_missing_writes_nothing(tmp_path):
 
 @pytest.fixture
 def no_fcntl(monkeypatch):
-    monkeypatch.setattr(goals, "flock_module", lambda: None)
+    monkeypatch.setattr(engine, "flock_module", lambda: None)
 
 
 def dead_pid():
@@ -338,12 +351,12 @@ def test_lock_fallback_is_an_owner_file_with_the_pid_removed_afterwards(fab, no_
     make_plan(fab, 2)
     owner = fab.dir / "lock.owner"
     seen = []
-    load = goals.Transaction.load
+    load = engine.Transaction.load
 
     def spy(self):
         seen.append(owner.read_text())
         return load(self)
-    monkeypatch.setattr(goals.Transaction, "load", spy)
+    monkeypatch.setattr(engine.Transaction, "load", spy)
     assert fab("next").code == 0
     assert seen == [str(os.getpid())]
     assert not owner.exists()
@@ -410,7 +423,7 @@ def run_on_console(monkeypatch, encoding, argv):
     with monkeypatch.context() as m:  # undone here, before capsys restores its own streams
         m.setattr(sys, "stdout", out)
         m.setattr(sys, "stderr", err)
-        code = goals.main(argv)
+        code = engine.main(argv)
         out.flush()
         err.flush()
     return code, out.buffer.getvalue(), err.buffer.getvalue()
@@ -451,18 +464,18 @@ def test_a_subprocess_with_a_non_utf8_io_encoding_prints_utf8(every_mark, encodi
 
 def test_version_prints_the_engine_version(fab):
     r = fab("--version")
-    assert r.code == 0 and r.out == f"fablize {goals.__version__}\n", r
-    assert re.fullmatch(r"\d+\.\d+\.\d+", goals.__version__)
+    assert r.code == 0 and r.out == f"fablize {engine.__version__}\n", r
+    assert re.fullmatch(r"\d+\.\d+\.\d+", engine.__version__)
 
 
 def test_help_lists_every_command_with_its_summary(fab):
     r = fab("--help")
     assert r.code == 0, r
     text = "".join(r.out.split())  # argparse may wrap (even after a hyphen); the words stay
-    parser = goals.build_parser()
+    parser = engine.build_parser()
     sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
     summaries = {c.dest: c.help for c in sub._choices_actions}
-    assert set(summaries) == set(goals.command_names())
+    assert set(summaries) == set(engine.command_names())
     for name, summary in summaries.items():
         assert summary and name + "".join(summary.split()) in text, name
 
@@ -470,7 +483,7 @@ def test_help_lists_every_command_with_its_summary(fab):
 def test_help_gives_each_command_exactly_one_line_at_80_columns(fab, monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")
     lines = fab("--help").out.splitlines()
-    for name in goals.command_names():
+    for name in engine.command_names():
         i = next(i for i, line in enumerate(lines) if line.split()[:1] == [name])
         assert len(lines[i].split()) > 1, f"{name}: summary not on its line"
         assert not lines[i + 1].startswith(" " * 8), f"{name}: summary wraps: {lines[i + 1]!r}"
@@ -488,7 +501,7 @@ def load_json(rel):
 def test_plugin_manifest_has_the_documented_fields():
     manifest = load_json(".claude-plugin/plugin.json")
     assert PLUGIN_NAME.match(manifest["name"])
-    assert manifest.get("version", goals.__version__) == goals.__version__
+    assert manifest.get("version", engine.__version__) == engine.__version__
     for key in ("commands", "agents", "skills", "hooks", "mcpServers"):
         paths = manifest.get(key, [])
         for path in [paths] if isinstance(paths, str) else paths:

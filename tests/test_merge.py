@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from conftest import git, git_env, goals, run_cli
+from conftest import git, git_env, engine, run_cli
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def test_two_branches_completing_different_plans_merge_and_both_audit_with_their
         # a pin of the plan the merge carried in holds, but the current plan is new to it: the
         # reviewer must accept it knowingly (its frozen checks are printed)
         carried_pin = pin is not None and not any(
-            goals.sha256_hex(x.encode()) == pin.split(":")[1]
+            engine.sha256_hex(x.encode()) == pin.split(":")[1]
             for x in (repo / ".fablize" / "ledger.jsonl").read_text().splitlines()[:6])
         if carried_pin:
             assert r.code == 1 and "--allow-new-plan" in r.err, (pin, r)

@@ -54,7 +54,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, rule,
                                  run_state_machine_as_test)
 
-from conftest import goals, snapshot, state_files
+from conftest import engine, snapshot, state_files
 
 DEPTH = max(1, int(os.environ.get("FABLIZE_TEST_DEPTH", "1") or 1))
 SHRINK = os.environ.get("FABLIZE_TEST_SHRINK", "") not in ("", "0")
@@ -564,13 +564,13 @@ class GoalEngineMachine(RuleBasedStateMachine):
         full = ["--dir", str(self.dir)] + (["--json"] if as_json else []) + argv
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = goals.main(full)
+            code = engine.main(full)
         obj = None
         if as_json:
             lines = out.getvalue().splitlines()
             self.check(len(lines) == 1, f"--json must print exactly one line: {out.getvalue()!r}")
             obj = json.loads(lines[0])
-            self.check(isinstance(obj, dict) and obj["schema_version"] == goals.SCHEMA_VERSION)
+            self.check(isinstance(obj, dict) and obj["schema_version"] == engine.SCHEMA_VERSION)
         run = Run(full, code, out.getvalue(), err.getvalue(), obj)
         self.log.append(f"{code} {' '.join(repr(a) if ' ' in a or not a else a for a in argv)}")
         return run

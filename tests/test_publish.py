@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from conftest import (ENGINE, ENGINE_PYTHON, SCRIPT, assert_refused, copy_engine, ledger,
+from conftest import (ENGINE, ENGINE_PYTHON, SCRIPT, assert_refused, copy_engine, engine, ledger,
                       make_plan, rechain, state_files, write_lines)
 from test_trust import forge_fab
 from test_wiring import bash_failure, observe
@@ -48,8 +48,7 @@ def test_a_check_that_prints_a_token_leaves_no_trace_of_it_in_the_state(fab, mon
 
 
 def goals_sha(data):
-    import goals
-    return goals.sha256_hex(data)
+    return engine.sha256_hex(data)
 
 
 def test_a_private_key_a_check_prints_is_dropped_from_begin_to_end(fab):
@@ -191,12 +190,11 @@ def test_a_project_reached_through_a_symlink_is_recorded_as_dot_whichever_path_n
         fab, monkeypatch, tmp_path_factory):
     """The engine works in the real path; a shell started from a symlinked one keeps that in
     $PWD, and `pwd` prints it (macOS's /tmp is /private/tmp): both are the root."""
-    import goals
     link = tmp_path_factory.mktemp("links") / "here"
     link.symlink_to(fab.root)
     (fab.root / "sub").mkdir()
     monkeypatch.setenv("PWD", str(link / "sub"))  # the agent stands in a folder of it
-    assert goals.logical_root(str(fab.root)) == str(link)
+    assert engine.logical_root(str(fab.root)) == str(link)
     monkeypatch.setenv("PWD", str(link))  # at its top: the check's shell keeps that $PWD
     make_plan(fab, 1, "--verify", "pwd && cd sub && pwd && pwd -P")
     start(fab)
@@ -326,15 +324,6 @@ def test_a_title_about_tokens_or_passwords_is_no_secret(fab, title):
     assert fab("create", "--brief", "b", "--goal", f"{title}::o", "--goal", "v::w").code == 0
 
 
-def test_a_clean_name_is_cleared_by_its_literals_without_compiling_the_pattern(fab):
-    """`next --agent ann` asks whether the name looks secret: no token prefix and no secret's
-    value in it says no, before the pattern (~2.5 ms to compile) is ever made."""
-    import goals
-    goals._SECRETS.clear()
-    assert goals.plan_text("--agent", "ann") == "ann" and not goals._SECRETS
-    assert goals.looks_secret(f"ann {TOKEN}") and (str, False) in goals._SECRETS
-
-
 def test_an_agent_a_tool_and_a_scope_that_carry_a_token_are_refused_or_masked(fab):
     assert_refused(fab, ["create", "--brief", "b", "--goal", "a::b", "--scope", f"src/{TOKEN}"],
                    2, "--scope `src/***`", error="secret_in_plan")
@@ -368,14 +357,13 @@ def test_a_long_line_with_no_token_in_it_is_held_back_a_bounded_length(fab):
     """A line of megabytes that a token's pattern matches whole (base64 after `sk-`) is no
     token: it is cut through, and what is held back stays short (it grew with the line, and
     every read scanned it all again)."""
-    import goals
-    masker = goals.Masker(str(fab.root))
+    masker = engine.Masker(str(fab.root))
     data = b"sk-" + b"a-b_c" * (1 << 20)
     held = 0
     for i in range(0, len(data), 1 << 16):
         masker.feed(data[i:i + (1 << 16)])
         held = max(held, len(masker.carry))
-    assert held <= goals.HOLD + (1 << 16), held
+    assert held <= engine.HOLD + (1 << 16), held
 
 
 def test_a_coloured_path_and_a_secret_as_json_writes_it_are_masked(fab, monkeypatch):
@@ -436,8 +424,7 @@ def test_audit_finds_a_secret_hidden_in_a_storys_words_or_an_agent(fab):
 
 
 def test_runs_of_an_older_engine_that_kept_values_compare_with_digests(fab):
-    import goals
-    fablize_trust = goals.room("trust", "test")
+    fablize_trust = engine.room("trust", "test")
     old = {"PATH": os.environ["PATH"], "LONG": "sha256:" + "ab" * 32}
     new = {"PATH": "sha256:" + goals_sha(os.environ["PATH"].encode())[:16],
            "LONG": "sha256:" + "ab" * 8}
@@ -504,7 +491,7 @@ def limited(size):
     return apply
 
 
-def engine(fab, *args, limit=None):
+def engine_in(fab, *args, limit=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith("FABLIZE_")}
     p = subprocess.run([*ENGINE, *args], cwd=str(fab.root), capture_output=True, text=True,
                        env=env, timeout=120, preexec_fn=limit and limited(limit))
@@ -515,7 +502,7 @@ def engine(fab, *args, limit=None):
 def test_a_full_disk_during_a_run_records_an_error_whose_log_matches_and_still_audits(fab):
     make_plan(fab, 1, "--verify", "python3 -c \"print('x' * 1000000)\"")
     start(fab)
-    p = engine(fab, "checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
+    p = engine_in(fab, "checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
                limit=200_000)  # the ledger and snapshot fit; the 1 MB log does not
     assert p.returncode == 1, p
     assert "its log could not be written whole" in p.stderr + p.stdout, p
@@ -533,7 +520,7 @@ def test_a_disk_too_full_for_the_ledger_records_nothing_and_says_so_in_one_line(
     make_plan(fab, 1, "--verify", "echo out")
     start(fab)
     before = (fab.dir / "ledger.jsonl").read_bytes()
-    p = engine(fab, "checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
+    p = engine_in(fab, "checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
                limit=2)  # not a byte more for any file: the run's record cannot be appended
     assert p.returncode == 3 and "I/O error" in p.stderr and p.stderr.count("\n") == 1, p
     assert (fab.dir / "ledger.jsonl").read_bytes() == before
@@ -545,40 +532,42 @@ def test_a_disk_too_full_for_the_ledger_records_nothing_and_says_so_in_one_line(
 # Ctrl-C at start-up ##########################################################################
 
 
-LAUNCHER = SCRIPT.parent / "fablize.py"
-
-
-def interrupted_at_start(*args):
-    """The launcher started as a hook starts it, a Ctrl-C arriving before the engine has read
-    its first argument (kept by the launcher's handler, answered by main)."""
-    code = ("import os, signal, sys, importlib.util as u; "
-            "spec = u.spec_from_file_location('launcher', sys.argv.pop(1)); "
-            "m = u.module_from_spec(spec); spec.loader.exec_module(m); "
-            "os.kill(os.getpid(), signal.SIGINT); m.main()")
-    return subprocess.run([ENGINE_PYTHON, "-c", code, str(LAUNCHER), *args],
+def interrupted_at_start(*args, entry=SCRIPT, during=None):
+    """goals.py (or `entry`) loaded as a process loads it, a Ctrl-C arriving before the engine
+    has read its first argument (kept by the entry's handler, answered by main); with
+    `during`, while that module of the engine is being imported instead."""
+    code = ("import os, signal, sys, importlib.util as u\n"
+            "spec = u.spec_from_file_location('entry', sys.argv.pop(1))\n"
+            "m = u.module_from_spec(spec); spec.loader.exec_module(m)\n"
+            "during = sys.argv.pop(1)\n"
+            "class Kill:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == during:\n"
+            "            os.kill(os.getpid(), signal.SIGINT)\n"
+            "if during:\n"
+            "    sys.meta_path.insert(0, Kill())\n"
+            "else:\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "m.main()\n")
+    return subprocess.run([ENGINE_PYTHON, "-c", code, str(entry), during or "", *args],
                           capture_output=True, text=True, timeout=60)
 
 
-def test_ctrl_c_while_the_engine_starts_is_one_line_and_exit_130(fab):
+@pytest.mark.parametrize("entry", ["goals.py", "fablize.py"])
+def test_ctrl_c_while_the_engine_starts_is_one_line_and_exit_130(fab, entry):
     make_plan(fab, 1)
-    p = interrupted_at_start("status")
+    p = interrupted_at_start("status", entry=SCRIPT.parent / entry)
     assert p.returncode == 130 and p.stdout == "", p
     assert p.stderr.startswith("fablize: interrupted by SIGINT") and p.stderr.count("\n") == 1, p
-    p = interrupted_at_start("--json", "status")
+    p = interrupted_at_start("--json", "status", entry=SCRIPT.parent / entry)
     assert p.returncode == 130 and p.stdout.count("\n") == 1, p
     assert json.loads(p.stdout)["error"]["code"] == "interrupted" and p.stderr == "", p
 
 
-def test_ctrl_c_during_the_engine_s_own_definitions_is_answered_too(fab):
+@pytest.mark.parametrize("module", ["fablize_gate", "fablize_gate.model", "fablize_gate.cli"])
+def test_ctrl_c_while_the_engine_s_modules_load_is_answered_too(fab, module):
     make_plan(fab, 1)
-    # the signal lands while goals.py's module code runs: its own handler keeps it
-    code = ("import os, signal, sys, runpy; sys.argv = [sys.argv[1], 'status']; "
-            "src = open(sys.argv[0]).read().replace('\\nimport collections\\n', "
-            "'\\nos_kill = __import__(\"os\").kill(__import__(\"os\").getpid(), 2)\\n"
-            "import collections\\n', 1); "
-            "exec(compile(src, sys.argv[0], 'exec'), {'__name__': '__main__'})")
-    p = subprocess.run([ENGINE_PYTHON, "-c", code, str(SCRIPT)], capture_output=True, text=True,
-                       timeout=60, cwd=str(fab.root))
+    p = interrupted_at_start("status", during=module)
     assert p.returncode == 130 and "Traceback" not in p.stderr, p
     assert p.stderr.startswith("fablize: interrupted by SIGINT"), p
 

@@ -4,7 +4,7 @@ the next step, the story in progress whole; `status` stays complete for a human.
 
 import pytest
 
-import goals
+from conftest import engine
 from conftest import make_plan
 
 
@@ -14,7 +14,7 @@ def half_done(fab, n, title="Story with a title of a realistic length"):
         goal_args += ["--goal", f"{title} {i}::objective {i}, a sentence or two of what to do"]
     assert fab("create", "--brief", f"a {n} story plan", *goal_args).code == 0
     for i in range(1, n // 2 + 1):
-        sid = goals.story_id(i)
+        sid = engine.story_id(i)
         assert fab("next").code == 0
         assert fab("checkpoint", "--id", sid, "--status", "complete",
                    "--evidence", f"did story {i}: the tests pass, the file changed").code == 0
@@ -28,12 +28,12 @@ def test_a_session_start_stays_short_and_flat_as_the_plan_grows(fab, n):
     assert len(out) <= 2000, (len(out), out)
     assert out.startswith(f"fablize: {n // 2}/{n} complete — a {n} story plan\n")
     assert f"  {n // 2} complete · 1 in progress · {n // 2 - 1} pending\n" in out
-    active = goals.story_id(n // 2 + 1)
+    active = engine.story_id(n // 2 + 1)
     assert f"=== fablize handoff — {active} " in out and "← you are here" in out
     assert out.rstrip("\n").splitlines()[-1].startswith("On completion: ")
     assert "G001 [complete]" not in out  # done stories are counted, not listed
     full = fab("status").out  # a human's status stays complete
-    assert full.count("[complete]") == n // 2 and f"{goals.story_id(n)} [pending]" in full
+    assert full.count("[complete]") == n // 2 and f"{engine.story_id(n)} [pending]" in full
 
 
 def test_a_session_start_names_what_a_human_or_a_judge_must_look_at(fab):
@@ -67,7 +67,7 @@ def test_a_long_title_or_many_dependencies_do_not_grow_it(fab):
     assert fab("create", "--brief", "b", "--parallel", *args).code == 0
     for i in range(1, 40):
         assert fab("next").code == 0
-        assert fab("checkpoint", "--id", goals.story_id(i), "--status", "complete",
+        assert fab("checkpoint", "--id", engine.story_id(i), "--status", "complete",
                    "--evidence", "e" * 400).code == 0
     assert fab("next").code == 0  # the final story: it waits for all 39
     out = fab("status", "--resume").out

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ENGINE, SCRIPT, assert_refused, git, goals, run_cli, state_files
+from conftest import ENGINE, SCRIPT, assert_refused, git, engine, run_cli, state_files
 
 GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
            "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid",
@@ -38,7 +38,7 @@ class Net:
             old = os.getcwd()
             os.chdir(path)
             try:
-                code = goals.main([str(a) for a in args])
+                code = engine.main([str(a) for a in args])
             finally:
                 os.chdir(old)
             out = capsys.readouterr()
@@ -243,7 +243,7 @@ def test_a_claim_lost_between_fetch_and_push_is_never_double_held_and_names_the_
     a, b = net.clone("a"), net.clone("b")
     plan_id = create(a, stories, "--parallel")
     assert b("sync").code == 0
-    sharing = goals.room("sharing")
+    sharing = engine.room("sharing")
     real = sharing.event_commits
     raced = []
 
@@ -335,7 +335,7 @@ class Races(list):
 def others_push_first(net, monkeypatch, other, times=None):
     """Before each of this process's next `times` pushes (None: all, until `raced.stop()`), the
     clone `other` (a real process) claims a story and publishes it: real races, lost."""
-    sharing = goals.room("sharing")
+    sharing = engine.room("sharing")
     real = sharing.event_commits
     raced = Races()
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import goals, run_cli, state_files
+from conftest import engine, run_cli, state_files
 from test_sharing import audit_ok, cli_env, create, git, ledger_lines, reject_pushes
 
 pytest_plugins = ["test_sharing"]  # its `net` fixture: a bare remote and its clones
@@ -431,8 +431,8 @@ def test_commits_written_as_loose_objects_and_by_fast_import_are_the_same_and_so
     assert a("next").code == 0
     assert a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
              "--run", "--verify-cmd", "echo both").code == 0
-    sharing = goals.room("sharing")
-    store = goals.Store(str(a.dir), True)
+    sharing = engine.room("sharing")
+    store = engine.Store(str(a.dir), True)
     cfg = sharing.share_config(store)
     lines = ledger_lines(a)
     first = git(net.remote, "rev-parse", f"refs/fablize/plans/{plan_id}~{len(lines) - 1}").strip()
@@ -472,7 +472,7 @@ def test_a_command_waiting_out_other_writers_frees_the_lock_for_the_other_agent_
                 sibling.append(run_cli("checkpoint", "--id", "G002", "--status", "complete",
                                        "--evidence", "y did it", "--agent", "y", cwd=a.root,
                                        env=dict(cli_env(net), FABLIZE_LOCK_TIMEOUT="0")))
-    monkeypatch.setattr(goals.room("sharing"), "time", Clock)
+    monkeypatch.setattr(engine.room("sharing"), "time", Clock)
     r = a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "x did it",
           "--agent", "x")
     assert r.code == 0 and "not published" not in r.err, r
@@ -681,4 +681,3 @@ def test_the_sharing_room_never_leaves_a_traceback_when_git_is_missing(net, monk
     for args in (["next"], ["sync"], ["status"]):
         r = a(*args)
         assert "Traceback" not in r.err and r.code in (0, 1, 3), (args, r)
-    assert goals  # the engine the room runs in

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from conftest import (ROOT, SCRIPT, Result, assert_refused, complete, copy_engine, encode, forge,
-                      git, goals, ledger, make_plan, raw_lines, rechain, run_cli, sha256_hex,
+                      git, engine, ledger, make_plan, raw_lines, rechain, run_cli, sha256_hex,
                       state_files, write_lines)
 
 BAR = ["audit", "--base", "main", "--require-complete", "--require-witnessed", "--rerun", "all"]
@@ -82,7 +82,7 @@ class Work:
             monkeypatch.delenv(var, raising=False)
 
     def agent(self, *args):
-        code = goals.main([str(a) for a in args])
+        code = engine.main([str(a) for a in args])
         out = self.capsys.readouterr()
         return Result(code, out.out, out.err)
 
@@ -108,7 +108,7 @@ class Work:
 
     def base_head(self):
         line = git(self.repo, "show", "main:.fablize/ledger.jsonl").rstrip("\n").split("\n")[-1]
-        return goals.sha256_hex(line.encode()), len(git(self.repo, "show", "main:.fablize/"
+        return engine.sha256_hex(line.encode()), len(git(self.repo, "show", "main:.fablize/"
                                                          "ledger.jsonl").rstrip("\n").split("\n"))
 
     def forge(self, **fields):
@@ -152,25 +152,25 @@ def test_witnessed_runs_record_their_provenance(work):
     work.honest()
     runs = [ev for ev in ledger(work.dir) if ev["event"] == "verify_run"]
     prov = runs[-1]["provenance"]
-    digest = "sha256:" + goals.sha256_hex(os.environ["PATH"].encode())[:16]
+    digest = "sha256:" + engine.sha256_hex(os.environ["PATH"].encode())[:16]
     assert prov["dir"] == "." and prov["env"]["PATH"] == digest  # a name and a digest, no value
     assert prov["program"] == "python3"  # its name: the path would name the machine
-    assert prov["program_sha256"] == goals.file_sha256(shutil.which("python3"))
+    assert prov["program_sha256"] == engine.file_sha256(shutil.which("python3"))
 
 
 # Attack 1: one forged line ###################################################
 
 
 def forged_plan_line(work, replaces):
-    return goals.dumps({
-        "seq": 1, "ts": goals.now_iso(), "event": "plan_created", "brief": "ship it", "count": 2,
+    return engine.dumps({
+        "seq": 1, "ts": engine.now_iso(), "event": "plan_created", "brief": "ship it", "count": 2,
         "plan_id": "forged", "imported_from": {"tool": "goals.py (original)"},
         "stories": [{"id": "G001", "title": "Build", "objective": "o", "status": "complete",
                      "evidence": "done", "after": []},
                     {"id": "G002", "title": "Verify", "objective": "o", "status": "complete",
                      "evidence": "done", "after": ["G001"]}],
         "options": {"rounds": 3, "require_run": False}, "replaces": replaces,
-        "prev": goals.ZERO_HASH}).encode("utf-8") + b"\n"
+        "prev": engine.ZERO_HASH}).encode("utf-8") + b"\n"
 
 
 def test_attack_one_forged_line_naming_the_pin_fails_the_ci_audit(work):
@@ -329,7 +329,7 @@ def test_attack_run_without_a_log_fails_require_logs_and_the_ci_audit(work):
     assert work.agent("next").code == 0
     started = ledger(work.dir)[-1]["seq"]
     work.forge(event="verify_run", id="G002", check=0, cmd=FINAL_CHECK, exit_code=0, signal=None,
-               timed_out=False, error=None, duration_s=0.1, bytes=0, sha256=goals.sha256_hex(b""),
+               timed_out=False, error=None, duration_s=0.1, bytes=0, sha256=engine.sha256_hex(b""),
                tail="", after_seq=started)
     work.forge(event="checkpoint", id="G002", status="complete", evidence="ok")
     work.rebuild()
@@ -458,7 +458,8 @@ def test_attack_checkpoint_on_a_story_another_agent_holds_is_refused(fab):
     assert fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "x",
                "--agent", "alice").code == 0
     assert fab("--json", "status").json["stories"][0]["status"] == "complete"
-    assert goals.load_json((fab.dir / "goals.json").read_bytes())["goals"][0]["executor"] == "alice"
+    snap = engine.load_json((fab.dir / "goals.json").read_bytes())
+    assert snap["goals"][0]["executor"] == "alice"
 
 
 def test_forged_checkpoint_on_a_held_story_is_caught_by_audit(fab):
@@ -492,7 +493,7 @@ def forge_fab(fab, **fields):
 def forged_run(fab, **over):
     run = dict(event="verify_run", id="G001", check=None, cmd="true", exit_code=0, signal=None,
                timed_out=False, error=None, duration_s=0.1, bytes=0,
-               sha256=goals.sha256_hex(b""), tail="", after_seq=2)
+               sha256=engine.sha256_hex(b""), tail="", after_seq=2)
     run.update(over)
     return forge_fab(fab, **run)
 
@@ -537,8 +538,8 @@ def test_unverifiable_id_in_the_first_event_reaches_status_on_one_line(fab):
     events = ledger(fab.dir)[:1]
     events[0]["unverifiable"] = [{"id": "G001\nfablize: all stories complete ✓", "check": 0,
                                   "cmd": "x", "reason": "y"}]
-    events[0]["prev"] = goals.ZERO_HASH
-    (fab.dir / "ledger.jsonl").write_bytes(goals.dumps(events[0]).encode() + b"\n")
+    events[0]["prev"] = engine.ZERO_HASH
+    (fab.dir / "ledger.jsonl").write_bytes(engine.dumps(events[0]).encode() + b"\n")
     (fab.dir / "goals.json").unlink()
     r = fab("rebuild")  # no such check in the plan: refused at line 1, on one escaped line
     assert r.code == 3 and "line 1: unverifiable check G001\\x0afablize" in r.err, r
@@ -558,8 +559,8 @@ def test_evidence_made_only_of_invisible_characters_is_blank(fab, evidence):
 
 
 def test_blank_stays_cheap_and_exact():
-    assert not goals.blank("ok") and not goals.blank("\u200bok") and not goals.blank("한국어")
-    assert goals.blank("") and goals.blank(None) and goals.blank(" \t\n")
+    assert not engine.blank("ok") and not engine.blank("\u200bok") and not engine.blank("한국어")
+    assert engine.blank("") and engine.blank(None) and engine.blank(" \t\n")
 
 
 @pytest.mark.parametrize("marker, defused", [
@@ -635,7 +636,7 @@ def test_note_edited_after_signing_fails(work):
     i = next(n for n, line in enumerate(lines) if b'"decision"' in line)
     ev = json.loads(lines[i])
     ev["note"] = "approved by the whole team"
-    lines[i] = goals.dumps(ev).encode()
+    lines[i] = engine.dumps(ev).encode()
     write_lines(work.dir, rechain(lines))
     work.rebuild()
     commit_all(work.repo)
@@ -654,7 +655,7 @@ def test_sign_and_signer_go_together(work):
 
 
 def test_decision_payload_is_the_documented_canonical_content():
-    raw = goals.room("trust").decision_payload("P", "G001", "accept", "ünïcode", "ab" * 32)
+    raw = engine.room("trust").decision_payload("P", "G001", "accept", "ünïcode", "ab" * 32)
     assert raw == ('{"decision":"accept","note":"ünïcode","plan":"P","prev":"' + "ab" * 32 +
                    '","story":"G001"}').encode("utf-8")
     readme = (ROOT / "README.md").read_text() + (ROOT / "docs" / "reference.md").read_text()
@@ -780,7 +781,8 @@ def test_action_runs_the_ci_script_with_every_input():
                       ("plan", "PLAN")):
         assert f"  {name}:" in text and f"FABLIZE_{var}: ${{{{ inputs.{name} }}}}" in text
     script = (ROOT / "scripts" / "fablize-ci.sh").read_text()
-    assert 'python3 -I "$work/goals.py"' in script and 'cp "$here/goals.py"' in script
+    assert 'python3 -I "$work/goals.py"' in script
+    assert 'cp -R "$here/goals.py" "$here/fablize_gate" "$work/"' in script
 
 
 def test_action_passes_the_honest_plan_and_writes_the_job_summary(work):
@@ -865,22 +867,22 @@ def test_corrupt_run_fields_give_one_line_or_one_json_object(fab, case):
     fab("next")
     base = dict(event="verify_run", id="G001", check=None, cmd="true", exit_code=0, signal=None,
                 timed_out=False, error=None, duration_s=0.1, bytes=0,
-                sha256=goals.sha256_hex(b""), tail="", log=None, after_seq=2)
+                sha256=engine.sha256_hex(b""), tail="", log=None, after_seq=2)
     lines = (fab.dir / "ledger.jsonl").read_bytes().split(b"\n")[:-1]
     if isinstance(CORRUPT[case], str):  # text no JSON encoder writes
-        line = goals.dumps(dict(base, seq=len(lines) + 1, ts=goals.now_iso(),
-                                prev=goals.sha256_hex(lines[-1]))).replace(
+        line = engine.dumps(dict(base, seq=len(lines) + 1, ts=engine.now_iso(),
+                                prev=engine.sha256_hex(lines[-1]))).replace(
             '"log":null', CORRUPT[case]).encode()
     else:
-        ev = dict(CORRUPT[case](base), seq=len(lines) + 1, ts=goals.now_iso(),
-                  prev=goals.sha256_hex(lines[-1]))
+        ev = dict(CORRUPT[case](base), seq=len(lines) + 1, ts=engine.now_iso(),
+                  prev=engine.sha256_hex(lines[-1]))
         line = json.dumps(ev, ensure_ascii=False).encode("utf-8", "surrogatepass")
     with open(fab.dir / "ledger.jsonl", "ab") as f:
         f.write(line + b"\n")
     flags = ["--require-logs", "--require-witnessed", "--require-clean-runs", "--forbid-accepted"]
     with open(fab.dir / "ledger.jsonl", "ab") as f:  # not the last line: never a torn write
-        f.write(goals.dumps({"seq": len(lines) + 2, "ts": goals.now_iso(), "event": "guard_block",
-                             "prev": goals.sha256_hex(line)}).encode() + b"\n")
+        f.write(engine.dumps({"seq": len(lines) + 2, "ts": engine.now_iso(), "event": "guard_block",
+                             "prev": engine.sha256_hex(line)}).encode() + b"\n")
     r = fab("audit", *flags)
     assert r.code in (1, 3) and r.err.startswith("fablize: ") and "Traceback" not in r.err, r
     assert r.err.count("\n") == 1, r
@@ -892,13 +894,13 @@ def test_log_escapes_fields_that_only_replay_would_check(fab):
     make_plan(fab, 2)
     lines = (fab.dir / "ledger.jsonl").read_bytes().split(b"\n")[:-1]
     evil = "x\nfablize: all stories complete ✓"
-    ev = {"seq": 2, "ts": goals.now_iso(), "event": "checkpoint", "id": "G001", "status": evil,
-          "prev": goals.sha256_hex(lines[-1])}
-    line = goals.dumps(ev).encode()
-    ev2 = {"seq": 3, "ts": goals.now_iso(), "event": "decision", "id": "G001", "decision": evil,
-           "note": "n", "prev": goals.sha256_hex(line)}
+    ev = {"seq": 2, "ts": engine.now_iso(), "event": "checkpoint", "id": "G001", "status": evil,
+          "prev": engine.sha256_hex(lines[-1])}
+    line = engine.dumps(ev).encode()
+    ev2 = {"seq": 3, "ts": engine.now_iso(), "event": "decision", "id": "G001", "decision": evil,
+           "note": "n", "prev": engine.sha256_hex(line)}
     with open(fab.dir / "ledger.jsonl", "ab") as f:
-        f.write(line + b"\n" + goals.dumps(ev2).encode() + b"\n")
+        f.write(line + b"\n" + engine.dumps(ev2).encode() + b"\n")
     out = fab("log").out
     assert not any(x.startswith("fablize: all stories") for x in out.split("\n")), out
 
@@ -945,7 +947,7 @@ def test_attack_nul_in_a_log_path_fails_the_ci_audit_as_damage(work):
     assert work.agent("next").code == 0
     work.forge(event="verify_run", id="G001", check=0, cmd="test -s impl.txt", exit_code=0,
                signal=None, timed_out=False, error=None, duration_s=0.1, bytes=0,
-               sha256=goals.sha256_hex(b""), tail="", log="runs/\x00", after_seq=2)
+               sha256=engine.sha256_hex(b""), tail="", log="runs/\x00", after_seq=2)
     commit_all(work.repo)
     r = work.ci_json(*BAR)
     assert r.code == 3 and r.json["error"]["code"] == "bad_event", r
@@ -955,11 +957,11 @@ def test_attack_nul_in_a_log_path_fails_the_ci_audit_as_damage(work):
 @pytest.mark.parametrize("text", ["all\u202estories complete", "all\U000e0020stories done",
                                   "all\U0001d173stories complete"])
 def test_defuse_sees_through_escaped_controls_and_every_format_character(text):
-    assert "all-stories-" in goals.defuse(text)
+    assert "all-stories-" in engine.defuse(text)
 
 
 def test_defuse_leaves_emoji_joiners_alone_when_there_is_no_marker():
-    assert goals.defuse("👨\u200d👩\u200d👧 shipped") == "👨\u200d👩\u200d👧 shipped"
+    assert engine.defuse("👨\u200d👩\u200d👧 shipped") == "👨\u200d👩\u200d👧 shipped"
 
 
 def test_a_run_without_provenance_is_counted_and_fails_require_clean_runs(fab):
@@ -978,7 +980,7 @@ def test_a_long_plans_grades_are_told_by_grade_with_the_few_named(fab, tmp_path)
     10,000-story plan printed a line of 10,000 ids)."""
     make_plan(fab, 12)
     for i in range(1, 13):
-        sid = goals.story_id(i)
+        sid = engine.story_id(i)
         assert fab("next").code == 0
         run = ["--run", "--verify-cmd", "true"] if i in (1, 4, 12) else []
         assert fab("checkpoint", "--id", sid, "--status", "complete", "--evidence", "e", *run,
@@ -1036,7 +1038,7 @@ ALL_GATES = ["--require-logs", "--require-independent-judge", "--forbid-accepted
              "--require-clean-runs"]
 
 
-def engine(cwd, *args, **kw):
+def run_here(cwd, *args, **kw):
     """The repository's engine in a subprocess, in `cwd`."""
     return run_cli(*args, cwd=cwd, **kw)
 
@@ -1052,10 +1054,10 @@ def ci(tmp_path):
     repo.mkdir()
     git(repo, "init", "-q", "-b", "main")
     (repo / "README").write_text("hi\n")
-    assert engine(repo, "create", "--brief", "make DONE", "--goal", "one::make DONE", "--goal",
+    assert run_here(repo, "create", "--brief", "make DONE", "--goal", "one::make DONE", "--goal",
                   "two::make DONE2", "--check", "G001=test -f DONE",
                   "--check", "G002=test -f DONE2").code == 0
-    assert engine(repo, "next").code == 0
+    assert run_here(repo, "next").code == 0
     git(repo, "add", "-A")
     git(repo, "commit", "-qm", "base")
     git(repo, "checkout", "-qb", "pr")
@@ -1073,10 +1075,10 @@ def trivial_plan(tmp_path):
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     git(scratch, "init", "-q")
-    assert engine(scratch, "create", "--brief", "swap", "--goal", "x::trivial",
+    assert run_here(scratch, "create", "--brief", "swap", "--goal", "x::trivial",
                   "--check", "G001=true").code == 0
-    assert engine(scratch, "next").code == 0
-    assert engine(scratch, "checkpoint", "--id", "G001", "--status", "complete",
+    assert run_here(scratch, "next").code == 0
+    assert run_here(scratch, "checkpoint", "--id", "G001", "--status", "complete",
                   "--evidence", "ok").code == 0
     return scratch / ".fablize"
 
@@ -1090,15 +1092,15 @@ def test_plan_merged_swallows_the_pinned_plan(ci, tmp_path):
     the plan is not new, the failing checks of main's plan are never re-run."""
     repo, audit = ci
     (tmp_path / "base.jsonl").write_bytes(base_ledger(repo))
-    assert engine(repo, "create", "--force", "--brief", "swap", "--goal", "x::trivial",
+    assert run_here(repo, "create", "--force", "--brief", "swap", "--goal", "x::trivial",
                   "--check", "G001=true").code == 0
-    assert engine(repo, "next").code == 0
-    assert engine(repo, "checkpoint", "--id", "G001", "--status", "complete",
+    assert run_here(repo, "next").code == 0
+    assert run_here(repo, "checkpoint", "--id", "G001", "--status", "complete",
                   "--evidence", "ok").code == 0
     led = repo / ".fablize" / "ledger.jsonl"
-    assert engine(repo, "merge-driver", os.devnull, str(led), str(tmp_path / "base.jsonl"),
+    assert run_here(repo, "merge-driver", os.devnull, str(led), str(tmp_path / "base.jsonl"),
                   ".fablize/ledger.jsonl").code == 0
-    assert engine(repo, "rebuild").code == 0
+    assert run_here(repo, "rebuild").code == 0
     for p in (repo / ".fablize").glob("goals.json.*.bak"):
         p.unlink()
     shutil.rmtree(repo / ".fablize" / "archive", ignore_errors=True)
@@ -1147,7 +1149,7 @@ def test_spliced_lines_put_the_pinned_line_into_a_new_plan(ci, tmp_path):
     for log in (state / "runs").iterdir():
         shutil.copy(log, repo / ".fablize" / "runs" / log.name)
     # each line must hold one value of its own: the splice is no event at line 1
-    r = engine(repo, "rebuild")
+    r = run_here(repo, "rebuild")
     assert r.code == 3 and "line 1: not a ledger event" in r.err, r
     for p in (repo / ".fablize").glob("goals.json*"):
         p.unlink()
@@ -1157,15 +1159,15 @@ def test_spliced_lines_put_the_pinned_line_into_a_new_plan(ci, tmp_path):
 
 def test_nul_in_a_frozen_check_is_one_line_not_a_traceback(tmp_path):
     git(tmp_path, "init", "-q")
-    assert engine(tmp_path, "create", "--brief", "b", "--goal", "x::y",
+    assert run_here(tmp_path, "create", "--brief", "b", "--goal", "x::y",
                   "--check", "G001=true").code == 0
     led = tmp_path / ".fablize" / "ledger.jsonl"
     ev = json.loads(led.read_bytes())
     ev["stories"][0]["checks"] = ["true\x00"]
     led.write_bytes(encode(ev) + b"\n")
-    r = engine(tmp_path, "rebuild")  # no argv holds a NUL: the replay refuses it, on one line
+    r = run_here(tmp_path, "rebuild")  # no argv holds a NUL: the replay refuses it, on one line
     assert r.code == 3 and "NUL" in r.err and r.err.count("\n") == 1, r
-    r = engine(tmp_path, "audit", "--rerun", "all", "--json")
+    r = run_here(tmp_path, "audit", "--rerun", "all", "--json")
     assert "Traceback" not in r.err and r.code == 3
     assert r.json["error"]["code"] == "bad_event"
 
@@ -1187,15 +1189,15 @@ def test_every_decision_is_verified_not_only_each_storys_last(ci, tmp_path):
     git(repo, "commit", "-qm", "signers")
     git(repo, "checkout", "-q", "pr")
     git(repo, "merge", "-q", "main")
-    assert engine(repo, "checkpoint", "--id", "G001", "--status", "blocked",
+    assert run_here(repo, "checkpoint", "--id", "G001", "--status", "blocked",
                   "--evidence", "stuck").code == 0
-    assert engine(repo, "decide", "--id", "G001", "retry", "--note", "agent's own").code == 0
-    assert engine(repo, "next").code == 0
-    assert engine(repo, "checkpoint", "--id", "G001", "--status", "blocked",
+    assert run_here(repo, "decide", "--id", "G001", "retry", "--note", "agent's own").code == 0
+    assert run_here(repo, "next").code == 0
+    assert run_here(repo, "checkpoint", "--id", "G001", "--status", "blocked",
                   "--evidence", "stuck again").code == 0
-    assert engine(repo, "decide", "--id", "G001", "accept", "--note", "human", "--sign",
+    assert run_here(repo, "decide", "--id", "G001", "accept", "--note", "human", "--sign",
                   str(keys / "h"), "--signer", "h@x").code == 0
-    r = engine(repo, "audit", "--allowed-signers", ".github/allowed_signers")
+    r = run_here(repo, "audit", "--allowed-signers", ".github/allowed_signers")
     assert r.code != 0, r.out  # failed before its fix
 
 
@@ -1204,10 +1206,10 @@ def test_base_ref_shadowed_by_a_tag_of_the_same_name(ci):
     comes before refs/heads/<name> and refs/remotes/<name>: a tag the agent pushed (fetched by a
     CI that fetches tags) moves the pin, and the allowed signers, to the agent's own commit."""
     repo, audit = ci
-    assert engine(repo, "create", "--force", "--brief", "swap", "--goal", "x::trivial",
+    assert run_here(repo, "create", "--force", "--brief", "swap", "--goal", "x::trivial",
                   "--check", "G001=true").code == 0
-    assert engine(repo, "next").code == 0
-    assert engine(repo, "checkpoint", "--id", "G001", "--status", "complete",
+    assert run_here(repo, "next").code == 0
+    assert run_here(repo, "checkpoint", "--id", "G001", "--status", "complete",
                   "--evidence", "ok").code == 0
     git(repo, "add", "-A")
     git(repo, "commit", "-qm", "attack")
@@ -1222,14 +1224,14 @@ def test_a_story_added_after_the_pin_cannot_make_the_final_check_pass_in_the_rer
     runs first in the re-run and can write what the final check tests: DONE2 is never
     committed, `test -f DONE2` fails on the tree, and CI passes — even the required check."""
     repo, audit = ci
-    assert engine(repo, "add", "--goal", "helper::prepare", "--check", "touch DONE2").code == 0
+    assert run_here(repo, "add", "--goal", "helper::prepare", "--check", "touch DONE2").code == 0
     (repo / "DONE").write_text("done\n")  # G001 is really done
     for sid in ("G001", "G003", "G002"):
         if sid != "G001":
-            assert engine(repo, "next").code == 0
+            assert run_here(repo, "next").code == 0
         git(repo, "add", "-A")  # each run on a clean tree: --require-clean-runs
         git(repo, "commit", "-qm", sid)
-        assert engine(repo, "checkpoint", "--id", sid, "--status", "complete",
+        assert run_here(repo, "checkpoint", "--id", sid, "--status", "complete",
                       "--evidence", "done").code == 0, sid
     (repo / "DONE2").unlink()  # the final story's check fails on what is committed
     r = audit("--require-check", "test -f DONE2", *ALL_GATES)
@@ -1244,9 +1246,9 @@ def check_py_branch(tmp_path, python):
     git(repo, "init", "-q", "-b", "main")
     (repo / "check.py").write_text("import sys\nsys.exit(open('impl.txt').read() != 'done\\n')\n")
     (repo / "impl.txt").write_text("todo\n")
-    assert engine(repo, "create", "--brief", "b", "--goal", "x::make impl.txt say done",
+    assert run_here(repo, "create", "--brief", "b", "--goal", "x::make impl.txt say done",
                   "--check", f"G001={python} check.py").code == 0
-    assert engine(repo, "next").code == 0
+    assert run_here(repo, "next").code == 0
     git(repo, "add", "-A")
     git(repo, "commit", "-qm", "base")
     git(repo, "checkout", "-qb", "pr")
@@ -1258,18 +1260,18 @@ def test_a_frozen_check_whose_file_the_branch_rewrote_is_named_and_can_fail_ci(t
     check.py to exit 0. audit --base names the file; --require-unchanged-checks fails it."""
     repo = check_py_branch(tmp_path, sys.executable)
     (repo / "check.py").write_text("raise SystemExit(0)\n")  # impl.txt still says todo
-    assert engine(repo, "checkpoint", "--id", "G001", "--status", "complete",
+    assert run_here(repo, "checkpoint", "--id", "G001", "--status", "complete",
                   "--evidence", "done").code == 0
     git(repo, "add", "-A")
     git(repo, "commit", "-qm", "pr")
-    r = engine(repo, "audit", "--base", "main", "--require-complete", "--rerun", "all")
+    r = run_here(repo, "audit", "--base", "main", "--require-complete", "--rerun", "all")
     assert r.code == 0 and "frozen checks name files this branch changed since the base " \
         "(review them): check.py" in r.out, r  # the rerun passes: only a reviewer sees it
-    r = engine(repo, "audit", "--base", "main", "--require-complete", "--rerun", "all",
+    r = run_here(repo, "audit", "--base", "main", "--require-complete", "--rerun", "all",
                "--require-unchanged-checks", "--json")
     assert r.code == 1 and r.json["error"]["code"] == "check_files_changed", r
     assert r.json["trust"]["check_files_changed"] == ["check.py"]
-    r = engine(repo, "audit", "--require-unchanged-checks")
+    r = run_here(repo, "audit", "--require-unchanged-checks")
     assert r.code == 2 and "give it too" in r.err, r
 
 
@@ -1280,7 +1282,7 @@ def test_a_frozen_check_file_swapped_for_a_symlink_out_of_the_tree_is_named(tmp_
     repo = check_py_branch(tmp_path, "python3")
     (repo / "check.py").unlink()
     os.symlink("/dev/null", repo / "check.py")  # impl.txt still says todo
-    assert engine(repo, "checkpoint", "--id", "G001", "--status", "complete",
+    assert run_here(repo, "checkpoint", "--id", "G001", "--status", "complete",
                   "--evidence", "done").code == 0
     git(repo, "add", "-A")
     git(repo, "commit", "-qm", "pr")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (SCRIPT, assert_refused, git, goals, ledger, make_plan, run_cli, snapshot,
+from conftest import (SCRIPT, assert_refused, git, engine, ledger, make_plan, run_cli, snapshot,
                       start, state_files, story)
 
 # What a test waits for is an event (a run's record, a process gone); these bound only a wait
@@ -459,7 +459,8 @@ def test_add_flags_an_unverifiable_check(fab):
 
 
 def forged_checkpoint(plan, sid, **extra):
-    ev = {"seq": plan["ledger"]["seq"] + 1, "ts": goals.now_iso(), "event": "checkpoint", "id": sid,
+    ev = {"seq": plan["ledger"]["seq"] + 1, "ts": engine.now_iso(), "event": "checkpoint",
+          "id": sid,
           "status": "complete", "evidence": "forged: it passed earlier", "verify_cmd": "",
           "verify_evidence": "", "prev": plan["ledger"]["head"]}
     ev.update(extra)
@@ -474,13 +475,13 @@ def test_green_run_from_an_earlier_round_does_not_complete_the_reopened_story(fa
     green = runs_of(fab, "G001")[-1]
     assert green["exit_code"] == 0
     # control: in round 1 that green run is fresh, so a completion backed by it would be legal
-    goals.apply_event(copy.deepcopy(snap(fab)), forged_checkpoint(snap(fab), "G001"))
+    engine.apply_event(copy.deepcopy(snap(fab)), forged_checkpoint(snap(fab), "G001"))
     ok(fab(*checkpoint(status="failed", evidence="not there yet")))
     (fab.root / "ok.flag").unlink()
     assert "round 2" in start(fab, "G001").out
     # the engine refuses a completion that only the round-1 run could back ...
-    with pytest.raises(goals.FablizeError) as e:
-        goals.apply_event(snap(fab), forged_checkpoint(snap(fab), "G001"))
+    with pytest.raises(engine.FablizeError) as e:
+        engine.apply_event(snap(fab), forged_checkpoint(snap(fab), "G001"))
     assert e.value.code == "verification_missing"
     assert "has no run since the story was activated" in e.value.message
     # ... and the CLI runs the check again, which now fails
@@ -495,8 +496,8 @@ def test_green_run_of_an_earlier_round_does_not_back_a_run_checkpoint(fab):
     ok(fab("verify", "--id", "G001", "--verify-cmd", "true"))
     ok(fab(*checkpoint(status="failed", evidence="not yet")))
     start(fab, "G001")
-    with pytest.raises(goals.FablizeError) as e:
-        goals.apply_event(snap(fab), forged_checkpoint(snap(fab), "G001", run=True,
+    with pytest.raises(engine.FablizeError) as e:
+        engine.apply_event(snap(fab), forged_checkpoint(snap(fab), "G001", run=True,
                                                        verify_cmd="true"))
     assert e.value.code == "verification_missing"
 
@@ -524,8 +525,8 @@ def test_run_that_started_before_the_latest_activation_does_not_count(fab):
     assert run["after_seq"] < started["seq"]
     s = story(fab.dir, "G001")
     assert s["status"] == "in_progress" and s["runs"] == [] and s["last_run"]["seq"] == run["seq"]
-    with pytest.raises(goals.FablizeError) as e:
-        goals.apply_event(snap(fab), forged_checkpoint(snap(fab), "G001"))
+    with pytest.raises(engine.FablizeError) as e:
+        engine.apply_event(snap(fab), forged_checkpoint(snap(fab), "G001"))
     assert e.value.code == "verification_missing"
 
 

@@ -4,7 +4,7 @@ reasons for failed and blocked stories, a project root given as --dir, and the w
 import json
 import re
 
-import goals
+from conftest import engine
 from conftest import assert_refused, complete, ledger, make_plan, snapshot, start
 
 
@@ -95,7 +95,7 @@ def test_a_snapshot_written_before_grades_still_loads_and_audits(fab):
                        separators=(",", ":"))[1:-1] + ',"goals":[\n'
             + ",\n".join(json.dumps(s, separators=(",", ":")) for s in plan["goals"])
             + "\n]}\n").encode()
-    path.write_bytes(b'{"digest":"' + goals.sha256_hex(body).encode() + b'",' + body)
+    path.write_bytes(b'{"digest":"' + engine.sha256_hex(body).encode() + b'",' + body)
     assert fab("audit").code == 0
     assert {sid: s["grade"] for sid, s in stories(fab).items()} == \
         {"G001": "claimed", "G002": "witnessed", "G003": None}

@@ -14,10 +14,10 @@ import pytest
 from conftest import (ENGINE_PYTHON, ROOT, SCRIPT, assert_refused, complete, copy_engine, git,
                       ledger, make_plan, run_cli, state_files)
 
-import goals
+from conftest import engine
 
 # what setup writes for a repository holding the engine: its launcher, with the bytecode cached
-PORTABLE = 'python3 -I -S "$(git rev-parse --show-toplevel)/scripts/fablize.py"'
+PORTABLE = 'python3 "$(git rev-parse --show-toplevel)/scripts/goals.py"'
 
 
 @pytest.fixture
@@ -60,11 +60,11 @@ def sh(command, cwd, home, stdin=None, **extra):
     return p.returncode, p.stdout, p.stderr
 
 
-def script(repo, home, *args, cwd=None, stdin=None, launcher=False):
-    """The repository's copy of the engine, run as a script (goals.py) or, with `launcher`, as
-    setup wires it (fablize.py, which imports it with its bytecode cached)."""
+def script(repo, home, *args, cwd=None, stdin=None, launcher=False, entry="goals.py"):
+    """The repository's copy of the engine, run as setup wires it (goals.py) or, with
+    `launcher`, as hooks written by 3.0 run it (`-I -S scripts/fablize.py`)."""
     start = ["-I", "-S", str(repo / "scripts" / "fablize.py")] if launcher else \
-        [str(repo / "scripts" / "goals.py")]
+        [str(repo / "scripts" / entry)]
     p = subprocess.run([ENGINE_PYTHON, *start, *args], cwd=str(cwd or repo), env=env_for(home),
                        input=stdin, capture_output=True, text=True, timeout=120)
     return p.returncode, p.stdout, p.stderr
@@ -130,7 +130,7 @@ def test_the_plugin_command_finds_python_without_python3_on_path(tmp_path, home)
     sh_path = shutil.which("sh")
     code, out, err = sh(f"{ROOT / 'bin' / 'fablize'} --version", tmp_path, home,
                         PATH=f"{only}{os.pathsep}{os.path.dirname(sh_path)}")
-    assert (code, out) == (0, f"fablize {goals.__version__}\n"), err
+    assert (code, out) == (0, f"fablize {engine.__version__}\n"), err
 
 
 def test_the_plugin_command_says_so_when_no_python_is_found(tmp_path, home):
@@ -144,9 +144,9 @@ def test_the_plugin_command_says_so_when_no_python_is_found(tmp_path, home):
 def test_a_script_outside_the_repository_prints_its_absolute_path(fab, monkeypatch):
     monkeypatch.undo()  # the real invocation(), not the harness's `goals.py`
     monkeypatch.chdir(fab.root)
-    assert goals.invocation(str(fab.root)) == f"python3 {SCRIPT}"
+    assert engine.invocation(str(fab.root)) == f"python3 {SCRIPT}"
     monkeypatch.setattr(sys, "argv", ["/somewhere/bin/fablize"])
-    assert goals.invocation(str(fab.root)) == "fablize"
+    assert engine.invocation(str(fab.root)) == "fablize"
 
 
 # setup and doctor ##########################################################
@@ -162,7 +162,7 @@ def test_setup_then_doctor_pass_and_setup_again_changes_no_file(repo, home):
     assert [h["command"] for g in settings["hooks"]["Stop"] for h in g["hooks"]] == \
         [f"{PORTABLE} guard"]
     assert str(repo) not in (repo / ".claude" / "settings.json").read_text()
-    assert (repo / ".fablize" / ".gitignore").read_text() == goals.STATE_GITIGNORE
+    assert (repo / ".fablize" / ".gitignore").read_text() == engine.STATE_GITIGNORE
     files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in repo.rglob("*")
              if p.is_file() and ".git" not in p.parts}
     code, out, err = script(repo, home, "setup", "claude")
@@ -216,10 +216,10 @@ def test_setup_wires_each_agent_and_removes_it_again(repo, home, agent, block_fi
                                                      stop_event):
     code, out, err = script(repo, home, "setup", agent)
     assert code == 0, err
-    assert goals.room("setup").BLOCK_BEGIN in (repo / block_file).read_text()
+    assert engine.room("setup").BLOCK_BEGIN in (repo / block_file).read_text()
     if hooks_file:
         config = json.loads((repo / hooks_file).read_text())
-        stops = goals.room("setup").our_hooks(config, stop_event)
+        stops = engine.room("setup").our_hooks(config, stop_event)
         assert len(stops) == 1 and stops[0][3]["command"].startswith(PORTABLE)
         if agent != "claude":
             assert f"--for {agent}" in stops[0][3]["command"]
@@ -254,7 +254,7 @@ def test_doctor_names_the_fix_for_a_missing_block(repo, home):
 def test_doctor_names_the_fix_when_the_blocks_command_does_not_run(repo, home):
     assert script(repo, home, "setup")[0] == 0
     engine = copy_engine(repo / "elsewhere")
-    (repo / "scripts" / "fablize.py").unlink()  # the block's path no longer exists
+    (repo / "scripts" / "goals.py").unlink()  # the block's path no longer exists
     p = subprocess.run([ENGINE_PYTHON, str(engine), "doctor"], cwd=str(repo), env=env_for(home),
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 1
@@ -287,8 +287,8 @@ def test_setup_migrates_the_original_fablize_block_to_exactly_one_block(repo, ho
     (repo / "CLAUDE.md").write_text("# Rules\n\n" + original + "\n## After\n")
     assert script(repo, home, "setup")[0] == 0
     text = (repo / "CLAUDE.md").read_text()
-    assert "FABLIZE:BEGIN" not in text and text.count(goals.room("setup").BLOCK_BEGIN) == 1
-    assert text.startswith("# Rules\n\n" + goals.room("setup").BLOCK_BEGIN)
+    assert "FABLIZE:BEGIN" not in text and text.count(engine.room("setup").BLOCK_BEGIN) == 1
+    assert text.startswith("# Rules\n\n" + engine.room("setup").BLOCK_BEGIN)
     assert text.endswith("\n## After\n")
 
 
@@ -297,7 +297,7 @@ def test_install_block_migrates_the_original_block_too(fab):
     target.write_text("<!-- FABLIZE:BEGIN v2 -->\nold\n<!-- FABLIZE:END -->\n")
     assert fab("install-block", "AGENTS.md").code == 0
     text = target.read_text()
-    assert "FABLIZE" not in text and text.count(goals.room("setup").BLOCK_BEGIN) == 1
+    assert "FABLIZE" not in text and text.count(engine.room("setup").BLOCK_BEGIN) == 1
 
 
 def test_setup_refuses_a_settings_file_that_is_not_json(repo, home):
@@ -640,7 +640,7 @@ def test_a_frozen_check_counts_as_a_verification_whatever_its_name(fab):
 
 def test_the_engine_writes_the_state_gitignore_when_it_creates_the_directory(fab):
     make_plan(fab, 2)
-    assert (fab.dir / ".gitignore").read_text() == goals.STATE_GITIGNORE
+    assert (fab.dir / ".gitignore").read_text() == engine.STATE_GITIGNORE
 
 
 def test_a_gitignore_of_the_users_own_is_left_alone(fab):
@@ -669,8 +669,9 @@ def test_readme_copy_the_engine_lines_run_as_shown(repo, home):
     for line in filter(None, lines):
         code, out, err = sh(line, repo, home)
         assert code == 0, (line, out, err)
-    assert sorted(p.name for p in (repo / "scripts").glob("*.py")) == sorted(
-        ["goals.py", "fablize.py", *(p.name for p in (ROOT / "scripts").glob("fablize_*.py"))])
+    assert sorted(p.name for p in (repo / "scripts").iterdir()) == ["fablize_gate", "goals.py"]
+    assert sorted(p.name for p in (repo / "scripts" / "fablize_gate").glob("*.py")) == sorted(
+        p.name for p in (ROOT / "scripts" / "fablize_gate").glob("*.py"))
 
 
 def test_readme_three_commands_run_as_shown_through_the_plugin_command(repo, home):
@@ -717,6 +718,6 @@ def test_the_committed_hooks_are_the_same_with_the_plugin_and_its_copy_steps_asi
     assert len(blocks) == 1  # counted once
     assert script(repo, home, "status", "--resume", "--plugin")[:2] == (0, "")
     # where the project's hook cannot run (its engine gone), the plugin's copy does the work
-    (repo / "scripts" / "fablize.py").unlink()
-    code, out, _ = script(repo, home, "guard", "--plugin", stdin=stop)
+    (repo / "scripts" / "goals.py").rename(repo / "scripts" / "moved.py")
+    code, out, _ = script(repo, home, "guard", "--plugin", stdin=stop, entry="moved.py")
     assert code == 0 and json.loads(out)["decision"] == "block"

@@ -17,10 +17,18 @@ import shutil
 import stat
 import sys
 
-# the engine that loaded this room (goals.room registers itself under this name first): one
-# engine module, never a second copy of goals.py, never one found on sys.path
-import fablize_engine as engine
-from fablize_engine import FablizeError, one_line, refused, usage
+from .base import (
+    DEFAULT_GUARD_MAX, DONE, FablizeError, last_chars, load_json, one_line, refused,
+    STATE_DIRNAME, STATE_GITIGNORE, usage)
+from .storage import (
+    file_to_write, fsync_dir, O_BINARY, O_CLOEXEC, O_NONBLOCK, read_state_file, user_file,
+    write_atomic, write_state_gitignore)
+from .runs import command_programs, git, merge_driver_missing, repo_root, run_tool
+from .render import human_command, invocation, repository_command
+from .cli import build_parser
+from . import merge
+from . import __version__
+
 
 BLOCK_BEGIN = "<!-- fablize:begin -->"
 BLOCK_END = "<!-- fablize:end -->"
@@ -70,16 +78,12 @@ OUR_HOOK = (r"(?:goals\.py|fablize(?:\.py)?)[\"']?((?:\s+--\S+)*)\s+"
 
 def portable_command(root):
     """The command written into files that get committed, so that it runs on every clone: the
-    repository's own copy of the engine when it has one (scripts/fablize.py, which starts
-    scripts/goals.py with its bytecode cached; a lone scripts/goals.py as a script) — then
-    teammates without the plugin or the installed command run the same thing — else this
-    engine's repository form when it lives there, else `fablize` (installed, or the plugin's)."""
-    scripts = os.path.join(root, "scripts")
-    if os.path.isfile(os.path.join(scripts, "goals.py")):
-        if os.path.isfile(os.path.join(scripts, engine.LAUNCHER)):
-            return engine.repository_command("scripts/" + engine.LAUNCHER)
-        return engine.repository_command("scripts/goals.py")
-    cmd = engine.invocation(root)
+    repository's own copy of the engine when it has one (scripts/goals.py) — then teammates
+    without the plugin or the installed command run the same thing — else this engine's
+    repository form when it lives there, else `fablize` (installed, or the plugin's)."""
+    if os.path.isfile(os.path.join(root, "scripts", "goals.py")):
+        return repository_command("scripts/goals.py")
+    cmd = invocation(root)
     return cmd if cmd == "fablize" or "$(git rev-parse" in cmd else "fablize"
 
 
@@ -142,7 +146,7 @@ def hook_entries(agent, cli):
                  dict(command("observe --for gemini", 30000), name="fablize-observe"))]
     if agent == "cursor":
         return [("stop", None, "guard", {"command": f"{cli} guard --for cursor",
-                                          "loop_limit": engine.DEFAULT_GUARD_MAX})]
+                                          "loop_limit": DEFAULT_GUARD_MAX})]
     return []
 
 
@@ -195,7 +199,7 @@ def runs_here(cmd, root):
     if interpreter_problem(cmd, root):
         return False
     m = re.search(r"\$\(git rev-parse --show-toplevel\)/([^\"'\s]+)", cmd)
-    top = engine.repo_root(root)
+    top = repo_root(root)
     return m is None or (top is not None and os.path.isfile(os.path.join(top, m.group(1))))
 
 
@@ -262,7 +266,7 @@ def read_json_config(path, quiet=False):
             return {}
         raise
     try:
-        data = engine.load_json(raw) if raw.strip() else {}
+        data = load_json(raw) if raw.strip() else {}
     except ValueError as e:
         if quiet:
             return {}
@@ -283,7 +287,7 @@ def committed_as(root, rel, config):
     """The bytes of `rel` as the last commit holds them, when they hold `config`: what
     `setup --remove` puts back (setup writes JSON in its own layout; the file as it was
     committed keeps the project's), else None."""
-    code, raw, _ = engine.git(root, "show", f"HEAD:{rel}", what="setup --remove")
+    code, raw, _ = git(root, "show", f"HEAD:{rel}", what="setup --remove")
     try:
         return raw if code == 0 and json.loads(raw) == config else None
     except ValueError:
@@ -297,7 +301,7 @@ def read_project_file(path):
     """The bytes of a project's settings or instructions file: never blocks on a FIFO, never
     reads an endless device, refuses what is not a regular file (it may follow a symlink the
     user made; setup refuses to write through one)."""
-    fd = os.open(path, os.O_RDONLY | engine.O_NONBLOCK | engine.O_CLOEXEC | engine.O_BINARY)
+    fd = os.open(path, os.O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_BINARY)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise refused(f"{path} is not a regular file.", "not_a_file")
@@ -320,7 +324,7 @@ def project_file(root, rel):
         folder = os.path.join(folder, part)
         if os.path.islink(folder):
             raise refused(f"{folder} is a symlink — refusing to write through it.", "symlink")
-    return path, engine.file_to_write(path)
+    return path, file_to_write(path)
 
 
 def project_text(path, st):
@@ -348,8 +352,8 @@ def put_project_file(path, st, data):
             pass
         return
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    engine.write_atomic(path, data, st.st_mode & 0o7777 if st else 0o644)
-    engine.fsync_dir(os.path.dirname(path))
+    write_atomic(path, data, st.st_mode & 0o7777 if st else 0o644)
+    fsync_dir(os.path.dirname(path))
 
 
 def setup_plan(root, agent, remove):
@@ -427,20 +431,20 @@ def block_problem(root, agent, prog):
 def command_runs(cli, root):
     """(ok, what it said) for `CLI --version`, run by a shell in the repository."""
     try:
-        code, out, err = engine.run_tool(f"{cli} --version", cwd=root, shell=True, timeout=30,
+        code, out, err = run_tool(f"{cli} --version", cwd=root, shell=True, timeout=30,
                                          what="doctor")
     except FablizeError as e:
         return False, e.message
     out = out.decode("utf-8", "replace").strip()
     if code == 0 and out.startswith("fablize "):
         return True, out
-    return False, f"exit {code}: " + one_line(engine.last_chars(err or out, 200))
+    return False, f"exit {code}: " + one_line(last_chars(err or out, 200))
 
 
 def interpreter_problem(cli, root):
     """Why the program at the front of `cli` does not resolve here, or None."""
     try:
-        programs = engine.command_programs(cli, root)
+        programs = command_programs(cli, root)
     except ValueError as e:
         return f"`{one_line(cli)}` does not parse ({e})"
     if not programs:
@@ -508,7 +512,7 @@ def install_block(text, block, remove=False):
 
 
 def cmd_install_block(ctx, a):
-    target, st = engine.user_file(ctx.store.root, a.file or os.path.join(ctx.store.root,
+    target, st = user_file(ctx.store.root, a.file or os.path.join(ctx.store.root,
                                                                         "CLAUDE.md"), a.outside)
     raw, text = project_text(target, st)
     new = install_block(text, render_block(portable_command(ctx.store.root)), a.remove)
@@ -527,16 +531,16 @@ def cmd_install_block(ctx, a):
         for path in (target, backup):
             if os.path.lexists(path):
                 os.unlink(path)
-        engine.fsync_dir(directory)
+        fsync_dir(directory)
         ctx.say(f"fablize: removed {target}: the fablize block was all it held")
         ctx.data.update(path=target, changed=True, backup=None, deleted=True)
         return
     if st is not None:
-        engine.write_atomic(backup, raw)
+        write_atomic(backup, raw)
     else:
         backup = None
-    engine.write_atomic(target, new.encode("utf-8"), st.st_mode & 0o7777 if st else 0o644)
-    engine.fsync_dir(directory)
+    write_atomic(target, new.encode("utf-8"), st.st_mode & 0o7777 if st else 0o644)
+    fsync_dir(directory)
     verb = "removed the fablize block from" if a.remove else "installed the fablize block in"
     note = migration_note(text, os.path.basename(target)) if not a.remove else ""
     ctx.say(f"fablize: {verb} {target}" + (f" (previous file kept as {backup})" if backup else "")
@@ -548,7 +552,7 @@ def block_created(backup):
     """Whether install-block created the file whose backup is `backup`: it never backed up an
     earlier file, or the only one it kept held nothing but a fablize block."""
     try:
-        prior = engine.read_state_file(backup)
+        prior = read_state_file(backup)
         if prior is None:
             return True
         text = prior.decode("utf-8")
@@ -572,9 +576,8 @@ LOAD_HOOKS = {
 
 def cmd_setup(ctx, a):
     root = ctx.store.root
-    engine.room("merge", "setup")  # every room setup uses, before it writes anything
     cli = portable_command(root)
-    if not a.remove and "$(git rev-parse" in cli and engine.repo_root(root) is None:
+    if not a.remove and "$(git rev-parse" in cli and repo_root(root) is None:
         raise refused(f"setup: {root} is not a git repository, and the hooks and the block find "
                       "the engine with `git rev-parse --show-toplevel`: every hook would fail "
                       "here — run `git init` first, then setup again (or install fablize, whose "
@@ -589,11 +592,11 @@ def cmd_setup(ctx, a):
     if not a.remove:
         if not ctx.store.exists():
             os.makedirs(ctx.store.dir, exist_ok=True)
-        if engine.write_state_gitignore(ctx.store.dir):
+        if write_state_gitignore(ctx.store.dir):
             ctx.say(f"fablize: {os.path.relpath(ignore, root)}: written — the lock, temporary and "
                     "torn-line files stay out of git")
             done.append(os.path.relpath(ignore, root))
-    elif (engine.read_state_file(ignore) == engine.STATE_GITIGNORE.encode()
+    elif (read_state_file(ignore) == STATE_GITIGNORE.encode()
           and not ctx.store.has_plan_files()):
         os.unlink(ignore)
         done.append(os.path.relpath(ignore, root))
@@ -602,7 +605,6 @@ def cmd_setup(ctx, a):
             os.rmdir(ctx.store.dir)
         except OSError:
             pass
-    merge = engine.room("merge", "setup")
     if a.remove:
         changed, driver = merge.uninstall(ctx.store)
         for rel, what in changed:
@@ -624,7 +626,7 @@ def cmd_setup(ctx, a):
         ctx.say(f"fablize: {a.agent} is already {'unwired' if a.remove else 'set up'} here; "
                 "nothing changed.")
     elif not a.remove:
-        human = engine.human_command(portable_command(root))
+        human = human_command(portable_command(root))
         if human != portable_command(root):
             ctx.say(f"fablize: in your own terminal, the plugin's bin/ is not on PATH (Claude "
                     f"Code's Bash tool has it): `alias fablize={human}` in your shell's profile "
@@ -661,16 +663,16 @@ def hook_answer_problem(cmd, root, agent, role):
                    transcript_path=os.path.join(root, "fablize-doctor.jsonl"))
     with tempfile.TemporaryDirectory() as empty:
         try:
-            code, out, err = engine.run_tool(
+            code, out, err = run_tool(
                 cmd, cwd=root, shell=True, timeout=30, what="doctor",
                 data=json.dumps(payload).encode(),
                 env=dict({name: root for name in HOOK_ENV.get(agent, ())},
-                         FABLIZE_DIR=os.path.join(empty, engine.STATE_DIRNAME)))
+                         FABLIZE_DIR=os.path.join(empty, STATE_DIRNAME)))
         except FablizeError as e:
             return e.message
-    said = one_line(engine.last_chars(err or out.decode("utf-8", "replace"), 200))
+    said = one_line(last_chars(err or out.decode("utf-8", "replace"), 200))
     if code != 0:
-        if "$(git rev-parse" in cmd and engine.repo_root(root) is None:
+        if "$(git rev-parse" in cmd and repo_root(root) is None:
             return (f"exits {code} here: this folder is not a git repository, and the command "
                     f"finds the engine with `git rev-parse` ({said})")
         if code == 127:
@@ -743,7 +745,7 @@ def doctor_findings(ctx, agent):
                          "detail": fine if problem is None else None})
 
     finding("engine", None, None,
-            f"fablize {engine.__version__} on Python {sys.version.split()[0]}")
+            f"fablize {__version__} on Python {sys.version.split()[0]}")
     problem, fix, cli = block_problem(root, agent, ctx.prog)
     finding("block", problem, fix, f"{AGENT_FILES[agent][0]} holds the current block")
     if cli:
@@ -752,7 +754,7 @@ def doctor_findings(ctx, agent):
         if bad and cli == "fablize" and agent == "claude" and plugin_enabled(root):
             ok, said = True, (f"not on this PATH, but Claude Code puts the {PLUGIN_NAME} "
                               "plugin's bin/ on its own")
-        outside = "$(git rev-parse" in cli and engine.repo_root(root) is None
+        outside = "$(git rev-parse" in cli and repo_root(root) is None
         finding("command",
                 None if ok else f"the block's command `{cli}` does not run here ({said})"
                 + (": this folder is not a git repository" if outside else ""),
@@ -792,37 +794,36 @@ def doctor_findings(ctx, agent):
                 finding(f"{event} hook command",
                         bad and f"`{one_line(cmd)}` {bad} (in {hooks_rel})", fix,
                         f"runs and answers as {agent} reads it")
-    merge = engine.room("merge", "doctor")
-    if merge.wanted(ctx.store) or engine.merge_driver_missing(root):
+    if merge.wanted(ctx.store) or merge_driver_missing(root):
         committed = merge.committed(ctx.store)
         finding("merge driver", (
             "this clone's git config lacks fablize's merge driver, which .gitattributes names: "
             "a merge of two branches' plans would leave conflict markers"
-            if engine.merge_driver_missing(root) else
+            if merge_driver_missing(root) else
             ".gitattributes does not name fablize's merge driver, and the plan is committed: a "
             "merge of two branches' plans would leave conflict markers" if committed else None),
             f"`{ctx.prog} install-merge` (or `{ctx.prog} setup {agent}`)",
             "not needed yet: no plan is committed")
-    elif engine.repo_root(root) is not None and os.path.isdir(os.path.join(
-            engine.repo_root(root), ".git")):
+    elif repo_root(root) is not None and os.path.isdir(os.path.join(
+            repo_root(root), ".git")):
         finding("merge driver", None, None,
                 "git merges committed plans by replay (.gitattributes and this clone's config)")
     if ctx.store.exists():
         try:
             with ctx.store.session(exclusive=False) as s:
                 plan = s.load()
-            done = sum(1 for x in plan["goals"] if x["status"] in engine.DONE) if plan else 0
+            done = sum(1 for x in plan["goals"] if x["status"] in DONE) if plan else 0
             finding("state", None, None, "no plan yet" if plan is None else
                     f"plan readable, {done}/{len(plan['goals'])} done")
         except FablizeError as e:
             finding("state", f"the plan cannot be read: {one_line(e.message)}",
                     f"`{ctx.prog} audit` says what is wrong; `{ctx.prog} rebuild` regenerates "
                     "goals.json from the ledger", None)
-        present = engine.read_state_file(os.path.join(ctx.store.dir, ".gitignore")) is not None
+        present = read_state_file(os.path.join(ctx.store.dir, ".gitignore")) is not None
         finding(".gitignore", None if present else
-                f"{engine.STATE_DIRNAME}/.gitignore is missing: the lock and temporary files "
+                f"{STATE_DIRNAME}/.gitignore is missing: the lock and temporary files "
                 "would be committed", f"`{ctx.prog} setup {agent}`",
-                f"{engine.STATE_DIRNAME}/.gitignore keeps local files out of git")
+                f"{STATE_DIRNAME}/.gitignore keeps local files out of git")
     return findings
 
 
@@ -832,7 +833,7 @@ def doctor_findings(ctx, agent):
 def command_table(prog):
     """[(command, summary, [(option, takes a value, choices, help)], positional choices)] of
     every command, read from the parser the engine itself uses: one source."""
-    parser = engine.build_parser(None, prog)
+    parser = build_parser(None, prog)
     sub = next(a for a in parser._actions if getattr(a, "choices", None) and
                isinstance(a.choices, dict))
     summaries = {a.dest: a.help or "" for a in sub._choices_actions}

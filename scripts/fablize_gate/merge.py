@@ -14,12 +14,14 @@ imported on its own.
 import os
 import re
 
-# the engine that loaded this room (goals.room registers itself under this name first): one
-# engine module, never a second copy of goals.py, never one found on sys.path
-import fablize_engine as engine
-from fablize_engine import LEDGER, RUNS, SNAPSHOT, damaged, one_line, refused
+from .base import damaged, LEDGER, load_json, one_line, refused, RUNS, SNAPSHOT
+from .model import is_original_snapshot, make_event, misfit, PLAN_SPEC
+from .storage import read_state_file, symlink_refusal, within, write_atomic
+from .runs import git, git_out, MERGE_ATTRIBUTE, merge_driver_missing, read_plain, repo_root
+from .audit import audit_ledger
 
-MERGE_ATTRIBUTE = engine.MERGE_ATTRIBUTE.decode()
+
+MERGE_ATTRIBUTE = MERGE_ATTRIBUTE.decode()
 
 
 def merge_ledgers(ours, theirs):
@@ -39,10 +41,10 @@ def merge_ledgers(ours, theirs):
         at = next(i for i, (x, y) in enumerate(zip(lo, lt), 1) if x != y)
         raise refused(f"both branches advanced the same plan differently (from event {at}); "
                       "keep one side: `git checkout --ours .fablize/` or `--theirs`.", "diverged")
-    mine, other = engine.audit_ledger(ours, None)["plan"], engine.audit_ledger(theirs, None)["plan"]
+    mine, other = audit_ledger(ours, None)["plan"], audit_ledger(theirs, None)["plan"]
     if (other["created"], other["plan_id"]) > (mine["created"], mine["plan_id"]):
         (mine, lo, ours), (other, lt, theirs) = (other, lt, theirs), (mine, lo, ours)
-    _, _, line = engine.make_event(mine, "plan_merged", {
+    _, _, line = make_event(mine, "plan_merged", {
         "plan_id": other["plan_id"], "events": len(lt), "head": other["ledger"]["head"],
         "lines": [x.decode("utf-8") for x in lt]})
     return ours + line + b"\n"
@@ -56,11 +58,11 @@ def merge_snapshots(ours, theirs, path=None):
     sides = []
     for raw in (ours, theirs):
         try:
-            snap = engine.load_json(raw)
+            snap = load_json(raw)
         except ValueError:
             snap = None
-        if (type(snap) is not dict or engine.is_original_snapshot(snap) or
-                engine.misfit(snap, engine.PLAN_SPEC) is not None):
+        if (type(snap) is not dict or is_original_snapshot(snap) or
+                misfit(snap, PLAN_SPEC) is not None):
             raise damaged(f"{SNAPSHOT}: one side is not a fablize snapshot.", "bad_snapshot")
         sides.append((snap["plan_id"], snap["ledger"]["seq"], snap["created"]))
     ko, kt = sides
@@ -83,7 +85,7 @@ def ledger_sides(ledger):
         return None
     sides = []
     for rev in ("HEAD", heads[0]):
-        code, out, _ = engine.git(".", "show", f"{rev}:{ledger}", what="merge-driver")
+        code, out, _ = git(".", "show", f"{rev}:{ledger}", what="merge-driver")
         sides.append(out if code == 0 else b"")
     return tuple(sides) if all(sides) else None
 
@@ -102,7 +104,7 @@ def merge_run_log(path, ours, theirs):
 
 
 def cmd_merge_driver(ctx, a):
-    ours, theirs = (engine.read_state_file(p) or b"" for p in (a.ours, a.theirs))
+    ours, theirs = (read_state_file(p) or b"" for p in (a.ours, a.theirs))
     name = os.path.basename(a.path or "")
     if ours == theirs:
         return
@@ -115,26 +117,26 @@ def cmd_merge_driver(ctx, a):
     else:
         raise refused(f"{one_line(a.path)}: both branches changed it and only {LEDGER} and "
                       f"{SNAPSHOT} merge by replay.", "conflict")
-    engine.write_atomic(a.ours, merged)
+    write_atomic(a.ours, merged)
     ctx.out.warn(f"merged {one_line(a.path)} by replay.")
 
 
 def wanted(store):
     """Whether `store` lies in a real git repository whose .gitattributes does not yet merge it
     with the driver, or whose clone lacks the driver's config: setup then installs it."""
-    top = engine.repo_root(store.root)
-    if top is None or not engine.within(os.path.realpath(store.dir), os.path.realpath(top)):
+    top = repo_root(store.root)
+    if top is None or not within(os.path.realpath(store.dir), os.path.realpath(top)):
         return False
-    if engine.git(store.root, "rev-parse", "--git-dir", what="setup")[0] != 0:
+    if git(store.root, "rev-parse", "--git-dir", what="setup")[0] != 0:
         return False  # a `.git` that is no repository: nothing git could merge
-    return (attribute_line(store).encode() not in engine.read_plain(
-        os.path.join(top, ".gitattributes")).splitlines() or engine.merge_driver_missing(top))
+    return (attribute_line(store).encode() not in read_plain(
+        os.path.join(top, ".gitattributes")).splitlines() or merge_driver_missing(top))
 
 
 def committed(store):
     """Whether the plan's ledger is tracked by git (committed, or staged to be)."""
     rel = os.path.relpath(store.path(LEDGER), store.root)
-    return engine.git(store.root, "ls-files", "--error-unmatch", "--", rel,
+    return git(store.root, "ls-files", "--error-unmatch", "--", rel,
                       what="doctor")[0] == 0
 
 
@@ -146,22 +148,22 @@ def attribute_line(store):
 def uninstall(store):
     """Undo what install did (the .gitattributes line, this clone's driver config); returns
     ([(the file it changed, what it did)], whether the config held the driver)."""
-    top = engine.repo_root(store.root)
+    top = repo_root(store.root)
     if top is None:
         return [], False
     path = os.path.join(top, ".gitattributes")
-    old = engine.read_plain(path)
+    old = read_plain(path)
     line = attribute_line(store)
     kept = [x for x in old.splitlines(True) if x.rstrip(b"\r\n") != line.encode()]
     changed = []
     if b"".join(kept) != old and not os.path.islink(path):
         if any(x.strip() for x in kept):
-            engine.write_atomic(path, b"".join(kept))
+            write_atomic(path, b"".join(kept))
             changed.append((".gitattributes", f"`{line}` taken out"))
         else:
             os.unlink(path)
             changed.append((".gitattributes", "removed (it held only fablize's line)"))
-    code = engine.git(store.root, "config", "--remove-section", "merge.fablize",
+    code = git(store.root, "config", "--remove-section", "merge.fablize",
                       what="setup --remove")[0]
     return changed, code == 0
 
@@ -170,7 +172,7 @@ def install(store, cli):
     """Wire `git merge` for the plans under `store`: the .gitattributes line (to commit) and the
     driver in this clone's git config. Returns (the line, the driver command)."""
     root = store.root
-    if engine.git(root, "rev-parse", "--git-dir", what="install-merge")[0] != 0:
+    if git(root, "rev-parse", "--git-dir", what="install-merge")[0] != 0:
         raise refused(f"{root} is not a git repository.", "no_git_repo")
     rel = os.path.relpath(store.dir, root).replace(os.sep, "/")
     if rel.startswith(".."):
@@ -179,14 +181,14 @@ def install(store, cli):
     line = attribute_line(store)
     path = os.path.join(root, ".gitattributes")
     if os.path.islink(path):
-        raise engine.symlink_refusal(path)
-    old = engine.read_state_file(path) or b""
+        raise symlink_refusal(path)
+    old = read_state_file(path) or b""
     if line.encode() not in old.splitlines():
-        engine.write_atomic(path, old + (b"" if not old or old.endswith(b"\n") else b"\n")
+        write_atomic(path, old + (b"" if not old or old.endswith(b"\n") else b"\n")
                             + line.encode() + b"\n")
     driver = f"{cli} merge-driver %O %A %B %P"
-    engine.git_out(root, "config", "merge.fablize.name", "fablize: plans merge by replay")
-    engine.git_out(root, "config", "merge.fablize.driver", driver)
+    git_out(root, "config", "merge.fablize.name", "fablize: plans merge by replay")
+    git_out(root, "config", "merge.fablize.driver", driver)
     return line, driver
 
 

@@ -43,11 +43,22 @@ import os
 import re
 import time
 
-# the engine that loaded this room (goals.room registers itself under this name first): one
-# engine module, never a second copy of goals.py, never one found on sys.path
-import fablize_engine as engine
-from fablize_engine import (ARCHIVE, LEDGER, RUNS, SHARE, SNAPSHOT, ZERO_HASH,
-                            FablizeError, damaged, dumps, one_line, parse_event, refused, usage)
+from .base import (
+    ARCHIVE, count_noun, damaged, dumps, EXIT_DAMAGED, FablizeError, id_arg, is_plan_id, LEDGER,
+    load_json, now_iso, one_line, PIN, PLAN_EXISTS, refused, RUNS, sha256_hex, SHARE, SNAPSHOT,
+    STATE_GITIGNORE, usage, ZERO_HASH)
+from .masking import masked_text
+from .model import (
+    active_stories, apply_event, find_story, misfit, parse_event, pick_ready, ready_stories,
+    TEXT, touch)
+from .storage import (
+    commit_start, crash_point, ensure_subdir, env_seconds, free_name, fsync_dir, link_or_copy,
+    O_BINARY, open_plan, open_state_file, read_state_file, require_state_dir, shown_path,
+    write_all, write_atomic)
+from .runs import git, repo_root
+from .render import invocation, plan_json, story_json
+from .audit import audit_ledger
+
 
 REJECTED = "rejected.jsonl"          # every local event set aside, with why (append-only)
 PENDING = "rejected.pending.json"    # those not acknowledged yet: said on every command
@@ -60,7 +71,7 @@ PUBLISHES = ("  it publishes, to everyone who can read {remote}: the plan, its e
              "relative to the repository and environment variables as names with digests — no "
              "absolute path of this machine, no variable's value.")
 REPLACED = "replaced.json"           # the last commit of a replaced plan holds this, no event
-SHARE_SPEC = {"remote": str, "plan_id": str, "seq": int, "head": str, "commit": engine.TEXT}
+SHARE_SPEC = {"remote": str, "plan_id": str, "seq": int, "head": str, "commit": TEXT}
 SAFE_LOG = r"runs/[\w.-]+\.log"
 REMOTE_NAME = r"[A-Za-z0-9][\w.-]*"
 COMMITTER = "fablize <fablize@localhost>"
@@ -96,7 +107,7 @@ GIT_LOCATION = ("GIT_DIR", "GIT_COMMON_DIR", "GIT_OBJECT_DIRECTORY", "GIT_WORK_T
 
 def unreachable(remote, detail):
     return FablizeError(f"the remote {one_line(remote)} cannot be reached "
-                        f"({one_line(detail)[:300]}).", "remote_unreachable", engine.EXIT_DAMAGED)
+                        f"({one_line(detail)[:300]}).", "remote_unreachable", EXIT_DAMAGED)
 
 
 def remote_failure(remote, err, what):
@@ -121,18 +132,18 @@ def git_dirs(store):
     GIT_DIR-style variable decides instead."""
     if any(name in os.environ for name in GIT_LOCATION):
         return None
-    top = engine.repo_root(store.root)
+    top = repo_root(store.root)
     if top is None:
         return None
     gitdir = os.path.join(top, ".git")
     if not os.path.isdir(gitdir):
-        raw = engine.read_state_file(gitdir) or b""
+        raw = read_state_file(gitdir) or b""
         if not raw.startswith(b"gitdir: "):
             return None
         gitdir = os.path.join(top, raw[8:].strip().decode("utf-8", "replace"))
     common = gitdir
     if os.path.isfile(os.path.join(gitdir, "commondir")):
-        raw = engine.read_state_file(os.path.join(gitdir, "commondir")) or b""
+        raw = read_state_file(os.path.join(gitdir, "commondir")) or b""
         common = os.path.join(gitdir, raw.strip().decode("utf-8", "replace"))
     return os.path.realpath(gitdir), os.path.realpath(common)
 
@@ -156,7 +167,7 @@ def git_call(store, *args, data=None):
     holds one for milliseconds, and this command holds the state lock) is removed, said, and
     the call made again: a kill must never leave a clone that fails at every command."""
     for attempt in range(8):
-        code, out, err = engine.git(store.root, *args, data=data, what="a shared plan")
+        code, out, err = git(store.root, *args, data=data, what="a shared plan")
         path = own_ref_lock(store, err) if code else None
         if path is None:
             return code, out, err
@@ -209,14 +220,14 @@ def remote_arg(store, remote):
     if not re.fullmatch(REMOTE_NAME, remote or ""):
         raise usage(f"--remote takes the name of a git remote (as `git remote` lists them), not "
                     f"{one_line(remote)!r}.", "bad_remote")
-    if engine.git(store.root, "remote", "get-url", remote, what="a shared plan")[0] != 0:
+    if git(store.root, "remote", "get-url", remote, what="a shared plan")[0] != 0:
         raise refused(f"{one_line(remote)} is not a git remote of {store.root} — add it with "
                       f"`git remote add {one_line(remote)} URL`.", "no_remote")
     return remote
 
 
 def plan_id_arg(plan_id):
-    if not engine.is_plan_id(plan_id):
+    if not is_plan_id(plan_id):
         raise usage(f"--plan takes a plan id (as `sync` lists them), not {one_line(plan_id)!r}.",
                     "bad_plan_id")
     return plan_id
@@ -224,7 +235,7 @@ def plan_id_arg(plan_id):
 
 def share_wait():
     """FABLIZE_SHARE_WAIT: how long a command waits out other writers, in seconds."""
-    return engine.env_seconds("FABLIZE_SHARE_WAIT", DEFAULT_WAIT)
+    return env_seconds("FABLIZE_SHARE_WAIT", DEFAULT_WAIT)
 
 
 def uniform():
@@ -245,18 +256,18 @@ def share_config(store):
     if not os.path.lexists(path):
         return None
     try:
-        cfg = engine.load_json(engine.read_state_file(path) or b"")
+        cfg = load_json(read_state_file(path) or b"")
     except ValueError:
         cfg = None
-    if (engine.misfit(cfg, SHARE_SPEC) is not None or not re.fullmatch(REMOTE_NAME, cfg["remote"])
-            or not engine.is_plan_id(cfg["plan_id"])):
+    if (misfit(cfg, SHARE_SPEC) is not None or not re.fullmatch(REMOTE_NAME, cfg["remote"])
+            or not is_plan_id(cfg["plan_id"])):
         raise damaged(f"{SHARE} is not a fablize share record — run `goals.py sync` after "
                       "removing it.", "bad_share")
     return cfg
 
 
 def save_share_config(store, cfg):
-    engine.write_atomic(store.path(SHARE), dumps(cfg).encode("utf-8") + b"\n", sweep=True)
+    write_atomic(store.path(SHARE), dumps(cfg).encode("utf-8") + b"\n", sweep=True)
 
 
 def tracking_ref(remote, plan_id):
@@ -265,7 +276,7 @@ def tracking_ref(remote, plan_id):
 
 def set_aside_record(line, reason, code, journal_id):
     return {"event": parse_event(line), "reason": reason, "code": code,
-            "rejected": engine.now_iso(), "key": engine.sha256_hex(line)[:16],
+            "rejected": now_iso(), "key": sha256_hex(line)[:16],
             "sync": journal_id}
 
 
@@ -275,7 +286,7 @@ def read_pending(store):
     if not os.path.lexists(path):
         return []
     try:
-        records = engine.load_json(engine.read_state_file(path) or b"")
+        records = load_json(read_state_file(path) or b"")
     except ValueError:
         records = None
     if not isinstance(records, list) or not all(isinstance(r, dict) and isinstance(
@@ -288,7 +299,7 @@ def read_pending(store):
 def write_pending(store, records):
     path = store.path(PENDING)
     if records:
-        engine.write_atomic(path, dumps(records).encode("utf-8") + b"\n", sweep=True)
+        write_atomic(path, dumps(records).encode("utf-8") + b"\n", sweep=True)
     elif os.path.lexists(path):
         os.unlink(path)
 
@@ -297,7 +308,7 @@ def keep_set_aside(store, records, recovering=False):
     """The events a sync set aside: appended to rejected.jsonl (their history, each once, even
     when an interrupted journal is applied again) and to the unacknowledged list."""
     path = store.path(REJECTED)
-    data = engine.read_state_file(path) if recovering else None
+    data = read_state_file(path) if recovering else None
     known = set()
     if data:
         for line in data.split(b"\n"):
@@ -306,11 +317,11 @@ def keep_set_aside(store, records, recovering=False):
                 known.add(rec.get("key"))
     new = [r for r in records if r["key"] not in known]
     if new:
-        fd = engine.open_state_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        fd = open_state_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         try:
             if data and not data.endswith(b"\n"):  # a kill tore the last append: it is redone
                 os.ftruncate(fd, data.rfind(b"\n") + 1)
-            engine.write_all(fd, b"".join(dumps(r).encode("utf-8") + b"\n" for r in new))
+            write_all(fd, b"".join(dumps(r).encode("utf-8") + b"\n" for r in new))
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -323,14 +334,14 @@ def keep_set_aside(store, records, recovering=False):
 
 def parse_event_record(line):
     try:
-        rec = engine.load_json(line) if line.strip() else None
+        rec = load_json(line) if line.strip() else None
     except ValueError:
         return None
     return rec if isinstance(rec, dict) else None
 
 
 def ack_command():
-    return f"`{engine.invocation()} sync --acknowledge`"
+    return f"`{invocation()} sync --acknowledge`"
 
 
 def said_event(ev):
@@ -411,7 +422,7 @@ def event_files(store, ev, line, where=None, sources=None):
     log = ev.get("log") if ev["event"] == "verify_run" else None
     if type(log) is str and re.fullmatch(SAFE_LOG, log):
         path = (sources or {}).get(log) or os.path.join(where or store.dir, log)
-        body = engine.read_state_file(path)
+        body = read_state_file(path)
         if body is None and where is None:
             body = stranded_log(store, ev)
         if body is not None:
@@ -430,8 +441,8 @@ def stranded_log(store, ev):
     except FileNotFoundError:
         return None
     for name in names:
-        body = engine.read_state_file(os.path.join(runs, name))
-        if body is not None and engine.sha256_hex(body) == ev.get("sha256"):
+        body = read_state_file(os.path.join(runs, name))
+        if body is not None and sha256_hex(body) == ev.get("sha256"):
             os.replace(os.path.join(runs, name), store.path(ev["log"]))
             store.warn(f"put back {ev['log']}, a run log an interrupted sync had left as "
                        f"{RUNS}/{name}.")
@@ -510,7 +521,7 @@ class Objects:
         if dirs is None:
             return None
         common = dirs[1]
-        config = (engine.read_state_file(os.path.join(common, "config")) or b"").lower()
+        config = (read_state_file(os.path.join(common, "config")) or b"").lower()
         if b"sharedrepository" in config or b"compatobjectformat" in config:
             return None
         if (len(commit) == 64) != bool(re.search(rb"objectformat\s*=\s*sha256", config)):
@@ -538,9 +549,9 @@ class Objects:
             return oid
         os.makedirs(folder, exist_ok=True)
         tmp = os.path.join(folder, f"tmp_obj_{os.getpid()}_{os.urandom(4).hex()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | engine.O_BINARY, 0o444)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_BINARY, 0o444)
         try:
-            engine.write_all(fd, zlib.compress(raw, 1))
+            write_all(fd, zlib.compress(raw, 1))
         finally:
             os.close(fd)
         try:
@@ -656,10 +667,10 @@ class Chain:
     def replacement(self, commit):
         sha, line, replaced, _ = commit
         try:
-            named = engine.load_json(replaced)
+            named = load_json(replaced)
         except ValueError:
             named = None
-        if line is not None or not isinstance(named, dict) or not engine.is_plan_id(
+        if line is not None or not isinstance(named, dict) or not is_plan_id(
                 named.get("plan_id")):
             raise self.foreign(sha)
         return named
@@ -684,11 +695,11 @@ def apply_shared_line(plan, line, seq, head, remote):
                       f"(found event {got}, or a broken hash chain) — its history was rewritten; "
                       "run `goals.py audit --remote` to see it.", "remote_history_rewritten")
     try:
-        plan = engine.apply_event(plan, ev)
+        plan = apply_event(plan, ev)
     except FablizeError as e:
         raise damaged(f"the shared plan on {remote}: event {seq} is not legal when replayed "
                       f"({e.message}).", "bad_remote_event")
-    plan["ledger"] = {"seq": seq, "head": engine.sha256_hex(line)}
+    plan["ledger"] = {"seq": seq, "head": sha256_hex(line)}
     return plan, ev
 
 
@@ -700,7 +711,7 @@ def checked_log(ev, log, remote):
     if not re.fullmatch(SAFE_LOG, name):
         raise damaged(f"the shared plan on {remote}: run log path {one_line(name)} is not under "
                       f"{RUNS}/.", "bad_remote_event")
-    if ev.get("sha256") is not None and engine.sha256_hex(log) != ev["sha256"]:
+    if ev.get("sha256") is not None and sha256_hex(log) != ev["sha256"]:
         raise damaged(f"the shared plan on {remote}: {name} does not match the sha256 its run "
                       "recorded.", "run_log_mismatch")
     return name
@@ -713,12 +724,12 @@ def write_run_log(store, ev, log, remote):
     if name is None:
         return
     path = store.path(name)
-    engine.ensure_subdir(store.path(RUNS))
+    ensure_subdir(store.path(RUNS))
     if os.path.lexists(path):
-        if engine.read_state_file(path) == log:
+        if read_state_file(path) == log:
             return
-        os.replace(path, engine.free_name(path + ".local"))
-    engine.write_atomic(path, log)
+        os.replace(path, free_name(path + ".local"))
+    write_atomic(path, log)
 
 
 def unpublished_lines(session, after_seq):
@@ -737,7 +748,7 @@ def unpublished_lines(session, after_seq):
 
 def replay(data):
     """The plan a ledger's bytes hold, replayed and checked (None for no lines)."""
-    return engine.audit_ledger(data, None)["plan"] if data else None
+    return audit_ledger(data, None)["plan"] if data else None
 
 
 # The journal: sync steps that change several files ############################################
@@ -782,10 +793,10 @@ class Journal:
 
     def stage_bytes(self, final, data):
         staged = str(len(self.logs))
-        fd = engine.open_state_file(os.path.join(self.stage_dir(), staged),
+        fd = open_state_file(os.path.join(self.stage_dir(), staged),
                                     os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
-            engine.write_all(fd, data)
+            write_all(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -793,7 +804,7 @@ class Journal:
 
     def stage_link(self, src, final):
         staged = str(len(self.logs))
-        engine.link_or_copy(src, os.path.join(self.stage_dir(), staged))
+        link_or_copy(src, os.path.join(self.stage_dir(), staged))
         self.logs.append([staged, final])
 
     def header(self):
@@ -804,23 +815,23 @@ class Journal:
 
     def write(self):
         if self.stage is not None:
-            engine.fsync_dir(self.store.path(self.stage))
-        engine.write_atomic(self.store.path(JOURNAL), dumps(self.header()).encode("utf-8")
+            fsync_dir(self.store.path(self.stage))
+        write_atomic(self.store.path(JOURNAL), dumps(self.header()).encode("utf-8")
                             + b"\n" + b"".join(x + b"\n" for x in self.lines), sweep=True)
-        engine.crash_point("sync-journal-written")
+        crash_point("sync-journal-written")
 
     @classmethod
     def read(cls, store):
-        raw = engine.read_state_file(store.path(JOURNAL))
+        raw = read_state_file(store.path(JOURNAL))
         if raw is None:
             return None
         first, _, rest = raw.partition(b"\n")
         try:
-            head = engine.load_json(first)
+            head = load_json(first)
         except ValueError:
             head = None
         if not isinstance(head, dict) or head.get("journal") != 1:
-            os.replace(store.path(JOURNAL), engine.free_name(store.path(JOURNAL + ".broken")))
+            os.replace(store.path(JOURNAL), free_name(store.path(JOURNAL + ".broken")))
             store.warn(f"{JOURNAL} was not a journal fablize wrote; it was moved to "
                        f"{JOURNAL}.broken and nothing was applied from it.")
             return None
@@ -837,27 +848,27 @@ class Journal:
         store = self.store
         current = session.plan
         if current is None or current["ledger"] != self.ledger:  # not swapped in yet
-            data = engine.read_state_file(store.path(LEDGER)) or b""
+            data = read_state_file(store.path(LEDGER)) or b""
             kept = data.split(b"\n")[:self.base["seq"]]
-            head = engine.sha256_hex(kept[-1]) if kept else ZERO_HASH
+            head = sha256_hex(kept[-1]) if kept else ZERO_HASH
             if len(kept) != self.base["seq"] or head != self.base["head"]:
                 self.discard("the ledger no longer starts with the lines it kept")
                 return
             if self.archive:
                 archive_files(store, self.archive)
-                engine.crash_point("sync-archived")
+                crash_point("sync-archived")
             data = b"".join(x + b"\n" for x in kept + self.lines)
             session.swap_ledger(data, plan if plan is not None else replay(data))
-        engine.crash_point("sync-ledger-swapped")
+        crash_point("sync-ledger-swapped")
         finals = set()
         for staged, final in self.logs:
             finals.add(final)
             src = store.path(os.path.join(self.stage or "", staged))
             if os.path.lexists(src):
                 if final.startswith(RUNS + "/"):
-                    engine.ensure_subdir(store.path(RUNS))
+                    ensure_subdir(store.path(RUNS))
                 os.replace(src, store.path(final))
-        engine.crash_point("sync-logs-placed")
+        crash_point("sync-logs-placed")
         for name in self.drop:
             if name not in finals and os.path.lexists(store.path(name)):
                 os.unlink(store.path(name))
@@ -865,16 +876,16 @@ class Journal:
             keep_set_aside(store, self.rejected, recovering)
             if not recovering:
                 say_set_aside(store, self.rejected)
-        engine.crash_point("sync-set-aside")
+        crash_point("sync-set-aside")
         save_share_config(store, self.share)
         session.share_unsaved = False
-        engine.crash_point("sync-share-saved")
+        crash_point("sync-share-saved")
         if self.restored and os.path.lexists(store.path(self.restored)):
             remove_tree(store.path(self.restored))
         self.finish()
 
     def discard(self, why):
-        os.replace(self.store.path(JOURNAL), engine.free_name(self.store.path(JOURNAL + ".broken")))
+        os.replace(self.store.path(JOURNAL), free_name(self.store.path(JOURNAL + ".broken")))
         self.store.warn(f"an interrupted sync could not be finished ({why}); its journal is kept "
                         f"as {JOURNAL}.broken and its staged files in {self.stage} — the plan is "
                         "as it was before that sync, and the next sync starts it again.")
@@ -884,7 +895,7 @@ class Journal:
             remove_tree(self.store.path(self.stage))
         if os.path.lexists(self.store.path(JOURNAL)):
             os.unlink(self.store.path(JOURNAL))
-        engine.fsync_dir(self.store.dir)
+        fsync_dir(self.store.dir)
 
 
 def remove_tree(path):
@@ -906,15 +917,15 @@ def archive_files(store, dest):
     """The current plan's files linked into `dest` (archive/<plan id>): its snapshot, ledger,
     torn lines and run logs. Links, not moves: the current plan stays whole until the journal
     swaps the new ledger in (its old logs go after). Done again, it adds what is missing."""
-    engine.ensure_subdir(store.path(ARCHIVE))
-    engine.ensure_subdir(store.path(dest))
+    ensure_subdir(store.path(ARCHIVE))
+    ensure_subdir(store.path(dest))
     for name in (SNAPSHOT, LEDGER, LEDGER + ".broken", *plan_logs(store)):
         src, dst = store.path(name), store.path(os.path.join(dest, name))
         if os.path.lexists(src) and not os.path.lexists(dst):
             if name.startswith(RUNS + "/"):
-                engine.ensure_subdir(store.path(os.path.join(dest, RUNS)))
-            engine.link_or_copy(src, dst)
-    engine.fsync_dir(store.path(dest))
+                ensure_subdir(store.path(os.path.join(dest, RUNS)))
+            link_or_copy(src, dst)
+    fsync_dir(store.path(dest))
 
 
 def finish_interrupted(store):
@@ -1014,7 +1025,7 @@ class Rebase:
     def __init__(self, session, cfg, tip, base_seq, incoming, local, replaced_by=None):
         store, remote = session.store, cfg["remote"]
         self.store, self.tip = store, tip
-        data = engine.read_state_file(store.path(LEDGER)) or b""
+        data = read_state_file(store.path(LEDGER)) or b""
         kept = data.split(b"\n")[:base_seq]
         plan = replay(b"".join(x + b"\n" for x in kept))
         seq, head = (base_seq, plan["ledger"]["head"]) if plan else (0, ZERO_HASH)
@@ -1055,7 +1066,7 @@ class Rebase:
                     ev["log"] = f"{RUNS}/{seq + 1}-{ev['id']}.log"
                 trial = json.loads(json.dumps(plan)) if plan is not None else None
                 try:
-                    trial = engine.apply_event(trial, ev)
+                    trial = apply_event(trial, ev)
                 except FablizeError as e:
                     why = (e.message, e.code)
             if why is not None:
@@ -1073,7 +1084,7 @@ class Rebase:
                 finals.add(ev["log"])
                 moved.append(old_log)
             new_line = dumps(ev).encode("utf-8")
-            seq, head = seq + 1, engine.sha256_hex(new_line)
+            seq, head = seq + 1, sha256_hex(new_line)
             trial["ledger"] = {"seq": seq, "head": head}
             plan = trial
             renumber[old] = seq
@@ -1131,7 +1142,7 @@ def follow_replacement(session, cfg, replaced):
     if plan is None or plan["plan_id"] != new_id:
         raise damaged(f"the shared plan {new_id} on {remote} does not hold plan {new_id}.",
                       "bad_remote_event")
-    journal.archive = os.path.relpath(engine.free_name(store.path(os.path.join(ARCHIVE, old_id))),
+    journal.archive = os.path.relpath(free_name(store.path(os.path.join(ARCHIVE, old_id))),
                                       store.dir)
     finals = {final for _, final in journal.logs}
     journal.drop = [name for name in plan_logs(store) + [LEDGER + ".broken"]
@@ -1287,7 +1298,7 @@ def sync_shared(session, cfg, fetch_first=True):
             keep_position(session, cfg)
             raise
         if won:
-            engine.crash_point("after-push")  # tests: published, not yet written here
+            crash_point("after-push")  # tests: published, not yet written here
             if rebase is not None:
                 rejected += rebase.apply(session, cfg, pushed=tip)
             else:
@@ -1339,7 +1350,7 @@ def ref_deleted(cfg, plan):
     held = plan["ledger"]["seq"] if plan else cfg["seq"]
     return damaged(f"{cfg['remote']} no longer holds {SHARED_REFS}{cfg['plan_id']}: the shared "
                    "plan's ref was deleted there. This clone keeps all "
-                   f"{engine.count_noun(held, 'event')} — "
+                   f"{count_noun(held, 'event')} — "
                    f"`share --remote {cfg['remote']}` publishes them again.",
                    "remote_history_rewritten")
 
@@ -1361,7 +1372,7 @@ def publish_replacement(session, cfg):
             where = store.path(folder)
         old_lines = []
         if where is not None:
-            data = engine.read_state_file(os.path.join(where, LEDGER)) or b""
+            data = read_state_file(os.path.join(where, LEDGER)) or b""
             old_lines = [x for x in data.split(b"\n") if (parse_event(x) or {}).get("seq", 0)
                          > cfg["seq"]]
         old_tip = write_commits(
@@ -1380,7 +1391,7 @@ def publish_replacement(session, cfg):
             wait.again()
             if cfg["plan_id"] != old_id:  # another command of this clone published it meanwhile
                 return
-        engine.crash_point("after-replaced-push")
+        crash_point("after-replaced-push")
     cfg.clear()
     cfg.update(new_config(remote, plan["plan_id"]))
     save_share_config(store, cfg)
@@ -1397,9 +1408,9 @@ def undo_replacement(session, cfg, folder):
                       f"{old_id} cannot be made current again here; the replacement stays "
                       "local — run `sync` to see the remote.", "plan_replaced")
     journal = Journal(store)
-    data = engine.read_state_file(store.path(os.path.join(folder, LEDGER)))
+    data = read_state_file(store.path(os.path.join(folder, LEDGER)))
     journal.lines = data.split(b"\n")[:-1]
-    journal.archive = os.path.relpath(engine.free_name(store.path(os.path.join(ARCHIVE, mine))),
+    journal.archive = os.path.relpath(free_name(store.path(os.path.join(ARCHIVE, mine))),
                                       store.dir)
     kept = []
     for name in plan_logs(store, folder) + [LEDGER + ".broken"]:
@@ -1424,7 +1435,7 @@ def undo_replacement(session, cfg, folder):
                       f"clone's `create --force`): this clone's replacement {mine} was not "
                       f"published — it is kept in {journal.archive}/ — and this clone follows "
                       f"{cfg['plan_id']} now.", "plan_replaced")
-    moved = engine.count_noun(session.plan["ledger"]["seq"] - before + len(taken), "new event")
+    moved = count_noun(session.plan["ledger"]["seq"] - before + len(taken), "new event")
     raise refused(f"plan {old_id} moved on {remote} since this clone last synced "
                   f"({moved}): the "
                   f"replacement {mine} was not published — it is kept in {journal.archive}/ and "
@@ -1437,7 +1448,7 @@ def others_active(plan, own):
     about): then the remote has almost surely moved since this clone's last command, and asking
     it first saves a push that would lose."""
     sid = own.get("id") if own else None
-    return any(story["id"] != sid for story in engine.active_stories(plan))
+    return any(story["id"] != sid for story in active_stories(plan))
 
 
 # The interface ################################################################################
@@ -1484,7 +1495,7 @@ def publish(session, claim=False, fetch_first=None):
         if mine["code"] == "plan_replaced":
             raise refused(f"this {ev['event']} was not published: {one_line(mine['reason'])} "
                           f"meanwhile (set aside in {REJECTED}).", "plan_replaced")
-        held = engine.find_story(session.plan, ev["id"]) if ev.get("id") else None
+        held = find_story(session.plan, ev["id"]) if ev.get("id") else None
         who = f" — agent {one_line(held['agent'])} holds it" if held and held["agent"] else ""
         raise refused(f"{one_line(ev.get('id') or ev['event'])} was taken on {cfg['remote']} "
                       f"meanwhile{who}; this {ev['event']} was not published "
@@ -1507,7 +1518,7 @@ def own_set_aside(session, own, rejected):
             return r
     if not getattr(session, "share_paused", False):
         return None
-    data = engine.read_state_file(session.store.path(LEDGER)) or b""
+    data = read_state_file(session.store.path(LEDGER)) or b""
     needle = b'"ts":"' + str(own.get("ts")).encode() + b'"'
     if any(same_event(parse_event(line) or {}, own) for line in data.split(b"\n")
            if needle in line):
@@ -1525,7 +1536,7 @@ def pull(session):
     newest events can tell: they are fetched first."""
     plan, cfg = session.plan, share_config(session.store)
     if (plan is not None and cfg is not None and plan["plan_id"] == cfg["plan_id"]
-            and not engine.active_stories(plan) and engine.pick_ready(plan) is not None):
+            and not active_stories(plan) and pick_ready(plan) is not None):
         return plan
     return publish(session, claim=True, fetch_first=True)
 
@@ -1538,11 +1549,11 @@ def claim(session, story, agent):
     if getattr(session, "share_busy", False):
         story = spread(session.plan, story)
     for attempt in range(CLAIM_ATTEMPTS):
-        engine.commit_start(session, engine.touch(story), agent)
+        commit_start(session, touch(story), agent)
         try:
             publish(session, claim=True, fetch_first=False)
             acknowledge(session.store, agent, claims_only=True)
-            return engine.find_story(session.plan, story["id"])
+            return find_story(session.plan, story["id"])
         except FablizeError as e:
             if e.code not in ("claim_lost", "plan_replaced"):
                 withdraw_claim(session)
@@ -1550,7 +1561,7 @@ def claim(session, story, agent):
             if attempt == CLAIM_ATTEMPTS - 1:
                 raise
             lost = e
-        ready = engine.ready_stories(session.plan)
+        ready = ready_stories(session.plan)
         if not ready:
             raise lost
         # the other writers just won the first ready story: a random one avoids a convoy
@@ -1568,7 +1579,7 @@ def spread(plan, story):
     one of the first 2 x (in progress + 1), fewer with any."""
     if story["status"] == "failed" or story.get("round"):
         return story
-    fresh = [s for s in engine.ready_stories(plan)
+    fresh = [s for s in ready_stories(plan)
              if s["status"] == "pending" and not s.get("round")]
     return fresh[int(uniform() * len(fresh))] if fresh else story
 
@@ -1583,7 +1594,7 @@ def withdraw_claim(session):
     if last is None or last["event"] != "story_started" or cfg is None or getattr(
             session, "share_unlocked", False):
         return
-    data = engine.read_state_file(session.store.path(LEDGER)) or b""
+    data = read_state_file(session.store.path(LEDGER)) or b""
     cut = data.rstrip(b"\n").rfind(b"\n") + 1
     ev = parse_event(data[cut:].rstrip(b"\n"))
     if ev is None or not same_event(ev, last):
@@ -1640,13 +1651,13 @@ def status(store, plan):
 def status_lines(info, prog):
     where = f"shared through {info['remote']} ({info['ref']})"
     if info.get("error"):
-        return [f"fablize: {where}: {engine.count_noun(info['ahead'], 'event')} not published yet; "
+        return [f"fablize: {where}: {count_noun(info['ahead'], 'event')} not published yet; "
                 "the remote cannot "
                 f"be reached now — {one_line(info['error'])}"]
     if info.get("problem"):
         return [f"fablize: {where}: {one_line(info['problem'])}"]
     if info["ahead"] or info["behind"]:
-        return [f"fablize: {where}: {engine.count_noun(info['ahead'], 'event')} ahead (not "
+        return [f"fablize: {where}: {count_noun(info['ahead'], 'event')} ahead (not "
                 "published), "
                 f"{info['behind'] if info['behind'] is not None else 'some'} behind — run "
                 f"`{prog} sync`."]
@@ -1662,7 +1673,7 @@ def shared_plan_refs(store, remote):
     for row in out.decode("utf-8", "replace").splitlines():
         sha, _, ref = row.partition("\t")
         plan_id = ref[len(SHARED_REFS):]
-        if engine.is_plan_id(plan_id):
+        if is_plan_id(plan_id):
             found[plan_id] = sha  # a ref no plan id names is someone else's, never a plan
     return found
 
@@ -1693,7 +1704,7 @@ def default_remote(store):
 
 
 SHARED_GITIGNORE = (b"# a shared plan: its history is in refs/fablize/, not the branch; only "
-                    b"its pin is committed\n*\n!" + engine.PIN.encode() + b"\n")
+                    b"its pin is committed\n*\n!" + PIN.encode() + b"\n")
 OLD_SHARED_GITIGNORE = b"# a shared plan: its history is in refs/fablize/, not the branch\n*\n"
 
 
@@ -1703,9 +1714,9 @@ def ignore_shared_dir(store):
     path = store.path(".gitignore")
     # the engine's own .gitignore (written with the directory, or an older one of a shared
     # plan) gives way; a user's stays
-    if not os.path.lexists(path) or engine.read_state_file(path) in (
-            engine.STATE_GITIGNORE.encode(), OLD_SHARED_GITIGNORE):
-        engine.write_atomic(path, SHARED_GITIGNORE)
+    if not os.path.lexists(path) or read_state_file(path) in (
+            STATE_GITIGNORE.encode(), OLD_SHARED_GITIGNORE):
+        write_atomic(path, SHARED_GITIGNORE)
 
 
 def pin_here(store, plan):
@@ -1721,7 +1732,7 @@ def pin_here(store, plan):
     record = {"plan_id": plan["plan_id"], "pin": f"{cfg['seq']}:{cfg['head']}",
               "scope": plan.get("scope") or []}
     ignore_shared_dir(store)
-    engine.write_atomic(store.path(engine.PIN), (dumps(record) + "\n").encode())
+    write_atomic(store.path(PIN), (dumps(record) + "\n").encode())
     return record
 
 
@@ -1748,14 +1759,14 @@ def start(store, remote):
         sync_shared(s, cfg)
         plan = s.plan
     line = (f"fablize: plan {plan['plan_id']} shared through {remote} "
-            f"({SHARED_REFS}{plan['plan_id']}, {engine.count_noun(cfg['seq'], 'event')}).")
+            f"({SHARED_REFS}{plan['plan_id']}, {count_noun(cfg['seq'], 'event')}).")
     if first:  # said once, when the plan first goes out
         line += "\n" + PUBLISHES.format(remote=remote)
     return {"remote": remote, "ref": SHARED_REFS + plan["plan_id"], "published": cfg["seq"]}, line
 
 
 def cmd_share(ctx, a):
-    engine.require_state_dir(ctx.store)
+    require_state_dir(ctx.store)
     share, line = start(ctx.store, remote_arg(ctx.store, a.remote))
     ctx.say(line)
     ctx.data.update(share=share)
@@ -1790,7 +1801,7 @@ def cmd_sync(ctx, a):
         with store.session() as s:
             s.load()
             if store.has_plan_files():
-                raise refused(engine.PLAN_EXISTS, "plan_exists")
+                raise refused(PLAN_EXISTS, "plan_exists")
             cfg = new_config(remote, plan_id)
             save_share_config(store, cfg)
             ignore_shared_dir(store)
@@ -1816,12 +1827,12 @@ def cmd_sync(ctx, a):
         pulled = 0 if replacing else plan["ledger"]["seq"] - before + len(rejected)
         sent = ahead - len(rejected)
     ctx.say(f"fablize: in sync with {cfg['remote']} — "
-            f"{engine.count_noun(plan['ledger']['seq'], 'event')} "
+            f"{count_noun(plan['ledger']['seq'], 'event')} "
             f"({SHARED_REFS}{cfg['plan_id']}): {pulled} pulled, {sent} published"
             + (f", {len(rejected)} set aside in {REJECTED}" if rejected else "") + ".")
     if pinned:
         ctx.data["pin"] = pinned
-        ctx.say(f"fablize: pinned {pinned['pin'][:24]}… in {engine.shown_path(store, engine.PIN)}"
+        ctx.say(f"fablize: pinned {pinned['pin'][:24]}… in {shown_path(store, PIN)}"
                 " — commit it with this branch: once merged, CI's `audit --remote --base` holds "
                 "the plan to it.")
     for r in seen:
@@ -1832,7 +1843,7 @@ def cmd_sync(ctx, a):
                            "events": plan["ledger"]["seq"], "pulled": pulled, "published": sent,
                            "rejected": [r["event"] for r in rejected],
                            "acknowledged": [r["event"] for r in seen]},
-                    plan=engine.plan_json(plan))
+                    plan=plan_json(plan))
 
 
 def remote_ledger(store, remote, plan_id):
@@ -1850,7 +1861,7 @@ def remote_ledger(store, remote, plan_id):
     if chain.replaced is not None:
         new = chain.replaced["plan_id"]
         store.warn(f"plan {plan_id} on {remote} was replaced by {new}: audited as it stood "
-                   f"then ({engine.count_noun(len(chain.events), 'event')}); `audit --remote "
+                   f"then ({count_noun(len(chain.events), 'event')}); `audit --remote "
                    f"{remote} --plan {new}` "
                    "audits the plan that replaced it.")
     return b"".join(line + b"\n" for _, line, _ in chain.events), logs
@@ -1879,17 +1890,17 @@ def refresh_first(session):
 
 
 def cmd_release(ctx, a):
-    with engine.open_plan(ctx) as s:
+    with open_plan(ctx) as s:
         s.require_plan()
         plan = refresh_first(s)
-        holder = engine.find_story(plan, a.id)["agent"]
-        s.commit("story_released", id=a.id, note=engine.masked_text("--note", a.note, s.store.root),
+        holder = find_story(plan, a.id)["agent"]
+        s.commit("story_released", id=a.id, note=masked_text("--note", a.note, s.store.root),
                  agent=holder)
         publish(s, claim=True, fetch_first=False)
         plan = s.plan
     ctx.say(f"fablize: {a.id} released from agent {one_line(holder or 'unnamed')} → pending (its "
             "round is given back; the release is recorded in the ledger).")
-    ctx.data.update(story=engine.story_json(plan, engine.find_story(plan, a.id)),
+    ctx.data.update(story=story_json(plan, find_story(plan, a.id)),
                     released_from=holder)
 
 
@@ -1911,14 +1922,14 @@ def add_sync(command):
                    help="mark the events set aside (rejected.jsonl) as seen: they stop being "
                         "said on every command")
     c.add_argument("--pin", action="store_true",
-                   help=f"write the plan's head as the remote holds it to {engine.PIN}, to be "
+                   help=f"write the plan's head as the remote holds it to {PIN}, to be "
                         "committed: merged, it is the pin CI's `audit --remote --base` holds")
 
 
 def add_release(command):
     c = command("release", cmd_release, "end a silent agent's claim on a story",
                 "recorded in the ledger; the story becomes ready again, its round given back")
-    c.add_argument("--id", required=True, type=engine.id_arg, help="the story, e.g. G001")
+    c.add_argument("--id", required=True, type=id_arg, help="the story, e.g. G001")
     c.add_argument("--note", required=True, help="why the claim ends (who decided, what was seen)")
 
 

@@ -38,11 +38,15 @@ import tempfile
 from itertools import repeat
 from operator import ne
 
-# the engine that loaded this room (goals.room registers itself under this name first): one
-# engine module, never a second copy of goals.py, never one found on sys.path
-import fablize_engine as engine
-from fablize_engine import (ARCHIVE, LEDGER, FablizeError, damaged, defused_line, last_chars,
-                            one_line, parse_event, refused, sha256_hex, usage)
+from .base import (
+    ARCHIVE, blank, count_noun, damaged, defused_line, DONE, FablizeError, last_chars, LEDGER,
+    one_line, PIN, refused, scope_pattern, sha256_hex, usage)
+from .model import is_final, latest_run, parse_event, run_passed, run_result, stories_in, touch
+from .storage import MemoryLedger, read_state_file, symlink_refusal, within
+from .runs import git, git_out, OUTPUT_BAR, repo_relative, repo_root, run_command, run_tool
+from .render import few_ids, grade_groups, GRADES_EACH, md_cell
+from .audit import audit_ledger
+
 
 SIGN_NAMESPACE = "fablize"
 MAX_LISTED = 10             # unclean runs named one a line in audit's text
@@ -116,8 +120,8 @@ def read_archived_ledger(store, replaced):
                       "verified.", "archive_unverified")
     for part in (ARCHIVE, rel):
         if os.path.islink(store.path(part)):
-            raise engine.symlink_refusal(store.path(part))
-    data = engine.read_state_file(store.path(os.path.join(rel, LEDGER)))
+            raise symlink_refusal(store.path(part))
+    data = read_state_file(store.path(os.path.join(rel, LEDGER)))
     if data is None:
         raise damaged(f"{rel}/{LEDGER}, the plan the current one replaces, is missing — the "
                       "replaced history cannot be verified.", "archive_unverified")
@@ -138,7 +142,7 @@ def verify_pin(store, scan, pin):
         rel, archived = read_archived_ledger(store, replaced)
         found = PinScan(pin)
         try:
-            report = engine.audit_ledger(archived, None, scan=found)
+            report = audit_ledger(archived, None, scan=found)
         except FablizeError as e:  # its own line numbers: say which ledger they are in
             raise damaged(f"{rel}/{LEDGER}, the plan the current one replaces, does not verify: "
                           f"{e.message}", "archive_unverified")
@@ -165,7 +169,7 @@ def git_show(root, ref, path, what):
     """The bytes of `path` (relative to the repository top) at `ref`, or None when the ref has
     no such file. An unknown ref is a usage error."""
     top, full = branch_ref(root, ref, what)
-    code, out, _ = engine.git(top, "cat-file", "blob", f"{full}:{path}", what=what)
+    code, out, _ = git(top, "cat-file", "blob", f"{full}:{path}", what=what)
     return out if code == 0 else None
 
 
@@ -174,15 +178,15 @@ def branch_ref(root, ref, what):
     unknown ref, a tag, a bare commit, an ambiguous name — is a usage error."""
     if not ref or ref.startswith("-") or "\x00" in ref:  # never an option to git
         raise usage(f"{what}: {one_line(ref)!r} is not a git ref.", "bad_ref")
-    top = engine.repo_root(root)
+    top = repo_root(root)
     if top is None:
         raise refused(f"{what}: {root} is not inside a git repository.", "not_a_repository")
-    code, _, _ = engine.git(top, "rev-parse", "--verify", "--quiet", ref + "^{commit}", what=what)
+    code, _, _ = git(top, "rev-parse", "--verify", "--quiet", ref + "^{commit}", what=what)
     if code != 0:
         raise usage(f"{what}: {one_line(ref)} is not a commit here (fetch it first?).", "bad_ref")
     # the ref as git resolves it: a tag the pull request pushed must not stand in for the base
     # branch (git prefers refs/tags/X to refs/heads/X and refs/remotes/X)
-    code, out, err = engine.git(top, "rev-parse", "--symbolic-full-name", ref, what=what)
+    code, out, err = git(top, "rev-parse", "--symbolic-full-name", ref, what=what)
     full = out.decode("utf-8", "replace").strip()
     if code != 0 or "ambiguous" in err or not (full.startswith("refs/heads/")
                                                or full.startswith("refs/remotes/")):
@@ -223,10 +227,10 @@ def changed_check_files(root, ref, plan):
     named = check_paths(plan, root, top)
     if not named:
         return []
-    code, out, _ = engine.git(top, "diff", "--name-only", "-z", full, "--", *named,
+    code, out, _ = git(top, "diff", "--name-only", "-z", full, "--", *named,
                               what="--base", env=LITERAL)
     changed = {x.decode("utf-8", "replace") for x in out.split(b"\0") if x} if code == 0 else set()
-    code, out, _ = engine.git(top, "ls-files", "-z", "--others", "--exclude-standard", "--",
+    code, out, _ = git(top, "ls-files", "-z", "--others", "--exclude-standard", "--",
                               *named, what="--base", env=LITERAL)
     if code == 0:
         changed |= {x.decode("utf-8", "replace") for x in out.split(b"\0") if x}
@@ -237,13 +241,13 @@ def base_pin(store, ref, shared=None):
     """(pin "SEQ:HASH" or None, what was read) from the ledger committed at `ref`: where it is,
     whether there is a plan, and that plan's scope (its plan_created's). A shared plan's ledger
     is not in the branch: its pin is the pin.json committed there (shared_pin)."""
-    top = engine.repo_root(store.root)
+    top = repo_root(store.root)
     rel = os.path.relpath(os.path.realpath(store.dir), top or "/").replace(os.sep, "/")
     if shared is not None:
         return shared_pin(store, ref, rel, shared["plan"])
     info = {"ref": ref, "path": f"{rel}/{LEDGER}", "plan": False, "scope": []}
     data = git_show(store.root, ref, f"{rel}/{LEDGER}", "--base")
-    committed = engine.MemoryLedger(data or b"")
+    committed = MemoryLedger(data or b"")
     end = committed.end()[0]
     last = committed.last(end) if end else None
     if not last:
@@ -261,7 +265,7 @@ def shared_pin(store, ref, rel, plan_id):
     (the plan, its head, its scope), committed and merged like any other file. Only the base's
     copy counts: a pull request's own pin.json is the next pin, once merged. A pin of another
     plan than the one CI names pins nothing (the plan is new)."""
-    info = {"ref": ref, "path": f"{rel}/{engine.PIN}", "plan": False, "scope": []}
+    info = {"ref": ref, "path": f"{rel}/{PIN}", "plan": False, "scope": []}
     data = git_show(store.root, ref, info["path"], "--base")
     if data is None:
         return None, info
@@ -302,7 +306,7 @@ def allowed_signers_file(store, signers, base):
         if not os.path.isfile(signers):
             raise usage(f"--allowed-signers: {one_line(signers)} does not exist.", "no_signers")
         return signers, None
-    top = engine.repo_root(store.root) or store.root
+    top = repo_root(store.root) or store.root
     rel = os.path.relpath(os.path.abspath(signers), top).replace(os.sep, "/")
     if rel.startswith(".."):
         raise usage("--allowed-signers with --base names a file inside the repository.",
@@ -327,7 +331,7 @@ def decision_payload(plan_id, sid, decision, note, prev):
 
 def check_signer(key, signer):
     """decide's --sign KEYFILE and --signer PRINCIPAL, before anything is read."""
-    if bool(key) != bool(signer) or (signer is not None and engine.blank(signer)):
+    if bool(key) != bool(signer) or (signer is not None and blank(signer)):
         raise usage("--sign KEYFILE and --signer PRINCIPAL go together.", "usage")
     if "\x00" in key or not os.path.isfile(key):
         raise usage(f"--sign: {one_line(key)} is not a key file.", "usage")
@@ -338,7 +342,7 @@ def sign(plan, sid, decision, note, key, signer):
     outside the lock."""
     prev = plan["ledger"]["head"]
     payload = decision_payload(plan["plan_id"], sid, decision, note, prev)
-    code, out, err = engine.run_tool(["ssh-keygen", "-q", "-Y", "sign", "-f", key, "-n",
+    code, out, err = run_tool(["ssh-keygen", "-q", "-Y", "sign", "-f", key, "-n",
                                       SIGN_NAMESPACE], data=payload, what="decide --sign")
     if code != 0 or b"BEGIN SSH SIGNATURE" not in out:
         raise refused(f"ssh-keygen could not sign the decision: {one_line(err)[:300]}",
@@ -360,7 +364,7 @@ def verify_signature(signers_path, plan_id, ev):
     """None when the decision's signature verifies for its signer, else why not."""
     sig = ev.get("signature")
     if (not isinstance(sig, dict) or not isinstance(sig.get("sig"), str) or
-            not isinstance(sig.get("signer"), str) or engine.blank(sig.get("signer"))):
+            not isinstance(sig.get("signer"), str) or blank(sig.get("signer"))):
         return "unsigned"
     payload = decision_payload(plan_id, ev.get("id"), ev.get("decision"), ev.get("note"),
                                ev.get("prev"))
@@ -368,7 +372,7 @@ def verify_signature(signers_path, plan_id, ev):
         path = os.path.join(tmp, "decision.sig")
         with open(path, "w", encoding="utf-8") as f:
             f.write(sig["sig"])
-        code, _, _ = engine.run_tool(["ssh-keygen", "-Y", "verify", "-f", signers_path, "-I",
+        code, _, _ = run_tool(["ssh-keygen", "-Y", "verify", "-f", signers_path, "-I",
                                       sig["signer"], "-n", SIGN_NAMESPACE, "-s", path],
                                      data=payload, what="audit --allowed-signers")
     return None if code == 0 else f"signature by {one_line(sig['signer'])} does not verify"
@@ -383,7 +387,7 @@ class Scan:
 
     def __init__(self, root, pin):
         self.pin = PinScan(pin) if pin is not None else None
-        self.here = engine.repo_relative(root)
+        self.here = repo_relative(root)
         self.first = None
         self.decisions = []  # every one: an unsigned decision before a signed one counts too
         self.added = []
@@ -474,21 +478,21 @@ def env_digests(env):
     if not isinstance(env, dict):
         return env
     return {k: v[:23] if isinstance(v, str) and v.startswith("sha256:") else
-            "sha256:" + engine.sha256_hex(str(v).encode("utf-8", "surrogateescape"))[:16]
+            "sha256:" + sha256_hex(str(v).encode("utf-8", "surrogateescape"))[:16]
             for k, v in env.items()}
 
 
 def witnessed_gaps(plan):
     """The completed stories that do not rest on their own frozen checks run by the engine."""
     gaps = []
-    for s in engine.stories_in(plan, "complete"):
+    for s in stories_in(plan, "complete"):
         if not s["checks"]:
             how = ("its pass was run ad hoc (--run)" if s["last_run"] and
                 s["last_run"]["check"] is None else "it has no frozen checks: its pass is claimed")
             gaps.append(f"{s['id']} ({how})")
             continue
         for i in range(len(s["checks"])):
-            run = engine.latest_run(s, check=i)
+            run = latest_run(s, check=i)
             if run is None or not run["ok"]:
                 gaps.append(f"{s['id']} (frozen check {i + 1} has no passing run of the engine's)")
                 break
@@ -528,7 +532,7 @@ def scope_of(plan, base, given):
     (--scope) wins; with --base, the scope of the plan as the base branch holds it (so a scope
     the branch declared after the pin does not count); else the plan's own."""
     if given:
-        return [engine.scope_pattern(p) for p in given], "CI"
+        return [scope_pattern(p) for p in given], "CI"
     if base is not None:
         scope = [p for p in base.get("scope") or () if isinstance(p, str)]
         return scope, (f"the plan on {base['ref']}" if scope else None)
@@ -539,7 +543,7 @@ def scope_of(plan, base, given):
 def branch_changes(top, full, state_rel):
     """[(path, deleted)] of the tracked files the branch's HEAD changed since `full` (the base),
     its state directory left out."""
-    code, out, err = engine.git(top, "diff", "--name-status", "-z", "--no-renames", full, "HEAD",
+    code, out, err = git(top, "diff", "--name-status", "-z", "--no-renames", full, "HEAD",
                                 what="--base")
     if code != 0:
         raise damaged(f"--base: git cannot compare HEAD with {one_line(full)} ({one_line(err)}).",
@@ -578,7 +582,7 @@ def build_tree(tree, with_branch=True):
     commit's files — tests, conftest.py, tool configuration, build files — and, `with_branch`,
     the branch's files the scope lets in, their bytes and modes as HEAD holds them."""
     folder = tempfile.mkdtemp(prefix="fablize-rerun-", dir=os.environ.get("RUNNER_TEMP") or None)
-    out = engine.git_out(tree["top"], "archive", "--format=tar", tree["base"], what="--rerun")
+    out = git_out(tree["top"], "archive", "--format=tar", tree["base"], what="--rerun")
     with tarfile.open(fileobj=io.BytesIO(out)) as tar:
         if hasattr(tarfile, "data_filter"):  # no member may land outside the folder
             tar.extractall(folder, filter="data")
@@ -590,12 +594,12 @@ def build_tree(tree, with_branch=True):
     kept = [path for path, deleted in tree["take"] if not deleted]
     modes = {}
     if kept:
-        listing = engine.git_out(tree["top"], "ls-tree", "-z", "HEAD", "--", *kept, env=LITERAL)
+        listing = git_out(tree["top"], "ls-tree", "-z", "HEAD", "--", *kept, env=LITERAL)
         for row in listing.split(b"\0"):
             if row:
                 meta, _, name = row.partition(b"\t")
                 modes[name.decode("utf-8", "surrogateescape")] = meta.split()[0]
-    blobs = engine.git_out(tree["top"], "cat-file", "--batch",
+    blobs = git_out(tree["top"], "cat-file", "--batch",
                            data="".join(f"HEAD:{p}\n" for p in kept).encode(
                                "utf-8", "surrogateescape"))
     pos = 0
@@ -633,16 +637,16 @@ def rerun(store, plan, trust, opts, timeout):
     one that passes there proves nothing about the work (vacuous)."""
     which = opts["rerun"] or "all"
     stories = plan["goals"][-1:] + (plan["goals"][:-1] if which == "all" else [])
-    stories = [engine.touch(story) for story in stories if story.get("checks")]
+    stories = [touch(story) for story in stories if story.get("checks")]
     tree = trust["tree"]
     results, logs = [], tempfile.mkdtemp(prefix="fablize-rerun-logs-")
 
     def run_all(story, root, kind):
         for i, cmd in enumerate(story["checks"]):
-            record = engine.run_command(cmd, root, timeout, None,
+            record = run_command(cmd, root, timeout, None,
                                         os.path.join(logs, f"{kind}-{story['id']}-{i}.log"))
             results.append({"id": story["id"], "check": i + 1, "cmd": cmd, "on": kind,
-                            "ok": engine.run_passed(record), "result": engine.run_result(record),
+                            "ok": run_passed(record), "result": run_result(record),
                             "tail": record["tail"]})
 
     try:
@@ -656,7 +660,7 @@ def rerun(store, plan, trust, opts, timeout):
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
         if ((opts["fail_to_pass"] or opts["require_fail_to_pass"]) and tree is not None and
-                stories and engine.is_final(plan, stories[0])):
+                stories and is_final(plan, stories[0])):
             folder = build_tree(tree, with_branch=False)
             try:
                 run_all(stories[0], os.path.join(folder, tree["root"]), "base")
@@ -671,9 +675,9 @@ def rerun(store, plan, trust, opts, timeout):
 
 
 def engine_inside(root):
-    here = os.path.realpath(os.path.abspath(engine.__file__))
-    top = os.path.realpath(engine.repo_root(root) or root)
-    return engine.within(here, top)
+    here = os.path.realpath(os.path.abspath(__file__))
+    top = os.path.realpath(repo_root(root) or root)
+    return within(here, top)
 
 
 def committed_trees(top, trees, state_rel, limit=200):
@@ -682,14 +686,14 @@ def committed_trees(top, trees, state_rel, limit=200):
     as it was tested is honest."""
     if not trees or top is None:
         return set()
-    code, out, _ = engine.git(top, "rev-list", f"--max-count={limit}", "HEAD")
+    code, out, _ = git(top, "rev-list", f"--max-count={limit}", "HEAD")
     commits = out.decode().split() if code == 0 else []
     paths = (["--", ".", ":(exclude,literal)" + state_rel] if not state_rel.startswith("..")
         else [])
     found = set()
     for tree in trees:
         for commit in commits:
-            if engine.git(top, "diff", "--quiet", tree, commit, *paths)[0] == 0:
+            if git(top, "diff", "--quiet", tree, commit, *paths)[0] == 0:
                 found.add(tree)
                 break
     return found
@@ -707,7 +711,7 @@ def review(store, plan, scan, pin, base, opts):
         trust["new_plan"] = trust["pin"]["new_plan"]
     elif base is not None:
         trust["new_plan"] = True  # nothing committed at the base: all of this plan is new
-    top = engine.repo_root(store.root)
+    top = repo_root(store.root)
     state_rel = os.path.relpath(os.path.realpath(store.dir), top or "/").replace(os.sep, "/")
     honest = committed_trees(top, {run["tree"] for run in scan.dirty if run.get("tree")},
                              state_rel)
@@ -721,7 +725,7 @@ def review(store, plan, scan, pin, base, opts):
     trust["decisions"] = scan.decisions
     last_decision = {ev["id"]: ev for ev in scan.decisions}
     trust["accepted"] = []
-    for s in engine.stories_in(plan, "accepted"):
+    for s in stories_in(plan, "accepted"):
         sig = last_decision.get(s["id"], {}).get("signature")
         trust["accepted"].append({"id": s["id"], "note": s["decision"]["note"],
                                   "signer": sig.get("signer") if isinstance(sig, dict) else None})
@@ -776,7 +780,7 @@ def lines(trust):
         out.append(f"  scope ({one_line(scope['from'])}): "
                    + ", ".join(map(one_line, scope["patterns"][:MAX_LISTED])))
     if trust["out_of_scope"]:
-        out.append(f"  the branch changed {engine.count_noun(len(trust['out_of_scope']), 'file')}"
+        out.append(f"  the branch changed {count_noun(len(trust['out_of_scope']), 'file')}"
                    " outside the scope, which the re-run did not take (review them): "
                    + ", ".join(map(one_line, trust["out_of_scope"][:MAX_LISTED])))
     if trust["imported"]:
@@ -789,10 +793,10 @@ def lines(trust):
         out.append(f"  run at line {run['line']} ({one_line(run['id'])} `{one_line(run['cmd'])}`): "
                    + "; ".join(run["why"]))
     if trust["runs_without_provenance"]:
-        out.append(f"  {engine.count_noun(trust['runs_without_provenance'], 'run')} recorded no "
+        out.append(f"  {count_noun(trust['runs_without_provenance'], 'run')} recorded no "
                    "provenance (an older engine's, or written by hand)")
     if trust["unclean_count"] > MAX_LISTED:
-        out.append(f"  … and {engine.count_noun(trust['unclean_count'] - MAX_LISTED, 'more run')} "
+        out.append(f"  … and {count_noun(trust['unclean_count'] - MAX_LISTED, 'more run')} "
                    "not clean (all of them under --json)")
     return out
 
@@ -842,7 +846,7 @@ def gates(store, plan, trust, opts):
             why = f"{one_line(base['ref'])} holds no plan to pin it to: all of this plan is new"
         found.append(failure("new_plan", why, "review its frozen checks (listed with the pin); "
                              "--allow-new-plan (the action's allow-new-plan) accepts it"))
-    final = engine.touch(plan["goals"][-1])
+    final = touch(plan["goals"][-1])
     for check in opts["require_check"]:
         if check not in final["checks"]:
             found.append(failure("required_check_missing", f"the final story {final['id']} does "
@@ -858,13 +862,13 @@ def gates(store, plan, trust, opts):
                                  "claimed stories drops --require-witnessed (the action's "
                                  "require-witnessed: false)"))
     if opts["require_clean_runs"] and trust["runs_without_provenance"]:
-        unrecorded = engine.count_noun(trust["runs_without_provenance"], "run")
+        unrecorded = count_noun(trust["runs_without_provenance"], "run")
         found.append(failure("unclean_runs", f"{unrecorded} "
                              "recorded no provenance, so they cannot be shown to be clean",
                              "run the checks again with this engine"))
     if opts["require_clean_runs"] and trust["unclean_runs"]:
         run = trust["unclean_runs"][0]
-        found.append(failure("unclean_runs", f"{engine.count_noun(trust['unclean_count'], 'run')} "
+        found.append(failure("unclean_runs", f"{count_noun(trust['unclean_count'], 'run')} "
                              f"not clean — line {run['line']}: " + "; ".join(run["why"]),
                              "run the checks again from the repository root, on a committed "
                              "tree, in one environment"))
@@ -912,8 +916,8 @@ def rerun_lines(results, tree):
     """What the re-run says: where it ran, a line per check, the tail of what a failure printed."""
     where = "here, in the checkout" if tree is None else (
         f"on {one_line(tree['base'])}'s tree with the branch's files inside the scope "
-        f"({engine.count_noun(len(tree['take']), 'file')} taken)")
-    out = [f"  re-run: {engine.count_noun(len(results), 'frozen check')}, {where}, recorded "
+        f"({count_noun(len(tree['take']), 'file')} taken)")
+    out = [f"  re-run: {count_noun(len(results), 'frozen check')}, {where}, recorded "
            "nowhere:"]
     for r in results:
         label = " (on the base alone)" if r["on"] == "base" else ""
@@ -923,7 +927,7 @@ def rerun_lines(results, tree):
                    f"`{one_line(r['cmd'])}` → {r['result']}")
         if r["tail"] and (not r["ok"] or r["on"] != "base"):
             tail = last_chars(r["tail"], 300).rstrip("\n").split("\n")
-            out += ["    " + engine.OUTPUT_BAR + one_line(x)
+            out += ["    " + OUTPUT_BAR + one_line(x)
                     for x in tail[-8 if not r["ok"] else -2:]]
     if tree is None:
         out.append("  (no scope known: the checks ran on the branch's own tests and tools)")
@@ -939,7 +943,7 @@ def grades(plan, results):
             passed.setdefault(r["id"], True)
             passed[r["id"]] = passed[r["id"]] and r["ok"]
     return {s["id"]: "re-witnessed" if passed.get(s["id"]) else
-            (s.get("grade") or ("not done" if s["status"] not in engine.DONE else "claimed"))
+            (s.get("grade") or ("not done" if s["status"] not in DONE else "claimed"))
             for s in plan["goals"]}
 
 
@@ -948,33 +952,33 @@ def summary(verdict, failures, report_md, trust=None, results=(), story_grades=N
     do, each story's grade, where the re-run ran and what it left out, then the report."""
     md = [f"## {verdict}", ""]
     for f in failures:
-        md.append(f"- **{f['code']}** — {engine.md_cell(f['message'], 400)}. "
-                  f"_Fix:_ {engine.md_cell(f['fix'], 300)}")
+        md.append(f"- **{f['code']}** — {md_cell(f['message'], 400)}. "
+                  f"_Fix:_ {md_cell(f['fix'], 300)}")
     if failures:
         md.append("")
-    if story_grades and len(story_grades) <= engine.GRADES_EACH:
+    if story_grades and len(story_grades) <= GRADES_EACH:
         md += ["| Story | Grade |", "|---|---|"]
         md += [f"| {sid} | {grade} |" for sid, grade in story_grades.items()]
         md.append("")
     elif story_grades:  # a long plan: a row a grade (the report below has a row a story)
         md += ["| Grade | Stories |", "|---|---:|"]
-        md += [f"| {grade} | {len(ids):,}{engine.few_ids(ids)} |"
-               for grade, ids in engine.grade_groups(story_grades)]
+        md += [f"| {grade} | {len(ids):,}{few_ids(ids)} |"
+               for grade, ids in grade_groups(story_grades)]
         md.append("")
     if trust is not None:
         tree = trust.get("tree")
         if results:
             md.append("Re-run " + ("in the checkout: no scope known, so the checks ran on the "
                                    "branch's own tests and tools." if tree is None else
-                                   f"on `{engine.md_cell(tree['base'])}`'s tree with the "
+                                   f"on `{md_cell(tree['base'])}`'s tree with the "
                                    f"branch's files inside the scope "
-                                   "(" + ", ".join(f"`{engine.md_cell(p)}`"
+                                   "(" + ", ".join(f"`{md_cell(p)}`"
                                                    for p in tree["scope"]) + ").")
                       )
             md.append("")
         if trust.get("out_of_scope"):
             md.append("Files the branch changed outside the scope (not taken for the re-run): "
-                      + ", ".join(f"`{engine.md_cell(p)}`" for p in trust["out_of_scope"][:50]))
+                      + ", ".join(f"`{md_cell(p)}`" for p in trust["out_of_scope"][:50]))
             md.append("")
     md.append(report_md)
     return "\n".join(md)

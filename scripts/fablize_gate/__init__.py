@@ -1,0 +1,47 @@
+"""fablize's engine: "done" is refused until it is shown.
+
+A task is split into stories (`create`). `next` activates one and prints the handoff a fresh
+session needs; `checkpoint` completes it only with evidence; the final story is a verification
+gate that needs the command that was run and its result, and the engine can run that command
+itself (`--run`, frozen checks), so a claimed pass cannot be faked. Stories that fail come back
+as a new round with what was missing; stories that cannot be done halt the plan until a human
+decides.
+
+Invariants, enforced in code (model) and re-checked by `audit` on every event:
+  1. a story is checkpointed only after `next` activated it;
+  2. `complete` needs non-blank evidence;
+  3. the final story completes only with verification: --verify-cmd and --verify-evidence, a
+     witnessed run (--run), or all its frozen checks passing in a run made after its latest
+     activation;
+  4. the state persists under .fablize/, so `status` resumes a dead session.
+
+Files (the state directory, normally .fablize/ at the repository root):
+  goals.json    snapshot of the plan; rewritten atomically; derivable from the ledger
+  ledger.jsonl  the source of truth: append-only, one event a line, hash-chained
+  lock          the lock file, never renamed
+  runs/         full output of verification runs the engine executed itself
+  archive/      plans replaced by `create --force`, kept whole
+
+Layers, each imported only by those after it (a room is imported by the command that needs it,
+when it needs it, so a start loads only what it runs):
+  base       constants, FablizeError (the one exception type), small helpers
+  masking    secrets and this machine's places, kept out of what is recorded
+  model      stories, events, transitions with their log lines, the gates, Replay (pure)
+  storage    discovery, files, lock, ledger, snapshot, transactions, streaming replay
+  runs       the one place processes start: git, tools, checks, provenance
+  render     handoff, status, plan map, report: text only
+  audit      the whole ledger replayed and judged
+  hooks      what an agent's harness runs (guard, observe)
+  commands   one function a command
+  cli        the parser, Output, Context and `main`, the one exit point
+Rooms, for what the original never had, use the layers below commands through the names their
+own docstrings list: setup (setup, doctor, install-block, completion), sharing (share, sync,
+release, create --remote, audit --remote), merge (merge-driver, install-merge) and trust
+(audit's --base/--since/--rerun and --require-* gates, decide --sign).
+
+scripts/goals.py, beside this folder, is the one way in: it loads this package by its path.
+Exit codes: 0 done, 1 refused, 2 usage, 3 damaged; 128 + N when signal N stopped a run.
+Stdlib only, Python 3.9+.
+"""
+
+__version__ = "3.0.0"

@@ -1,0 +1,758 @@
+"""The command line: the parser of every command, Output (text or --json), Context, and `main`,
+the one exit point.
+"""
+
+import _signal
+import os
+import re
+import sys
+
+from .base import (
+    clean, DECISIONS, DEFAULT_ROUNDS, DEFAULT_RUN_TIMEOUT, EXIT_DAMAGED, EXIT_OK,
+    EXIT_SIGNAL_BASE, EXIT_USAGE, FablizeError, fix_argv_text, HOOK_AGENTS, id_arg, json_text,
+    one_line, PIN, regex, SCHEMA_VERSION, SHARE, STATE_DIRNAME, usage, VERDICTS)
+from .storage import find_state_dir, project_state_dir, snapshot_damage, Store
+from .runs import merge_driver_missing, MERGE_QUIET, plan_text
+from .render import invocation
+from .commands import (
+    cmd_add, cmd_audit, cmd_checkpoint, cmd_create, cmd_decide, cmd_guard, cmd_judge_packet,
+    cmd_log, cmd_next, cmd_observe, cmd_pause, cmd_rebuild, cmd_report, cmd_status, cmd_unpause,
+    cmd_verdict, cmd_verify, setup_room, sharing_of, sharing_room)
+from . import __version__
+
+
+ROOM_COMMANDS = {"install-block": "setup", "setup": "setup", "doctor": "setup",
+                 "completion": "setup",
+                 "share": "sharing", "sync": "sharing", "release": "sharing",
+                 "merge-driver": "merge", "install-merge": "merge"}
+
+
+def colour_on(stream):
+    """Colour for a terminal only: never in a pipe or a file (nor --json, nor a hook's answer),
+    never with NO_COLOR set (no-color.org); FORCE_COLOR set (force-color.org) turns it on
+    anywhere, except as 0 or false."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    force = os.environ.get("FORCE_COLOR")
+    if force:
+        return force.lower() not in ("0", "false")
+    try:
+        return stream.isatty() and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+# what is painted, on a terminal: (pattern, SGR code) — marks, verdicts, headings, warnings
+PAINT = ((r"(?m)^(\s*)(✓|✅[^\n]*)", "32"), (r"(?m)^(\s*)(✗|■|❌[^\n]*)", "31"),
+         (r"(?m)^(\s*)(▶|⚠)", "33"), (r"(?m)^(\s*)(◇)", "34"),
+         (r"(?m)^()(=== fablize handoff[^\n]*|## [^\n]*)", "1"),
+         (r"(?m)^()(fablize: (?:warning:|⚠)[^\n]*)", "33"), (r"()(← you are here)", "1"))
+
+
+def paint(text, stream, error=False, allowed=True):
+    """`text` as `stream` shows it: coloured on a terminal (an error's line red), else as is
+    (and always as is where an agent reads it: `allowed` false)."""
+    if not allowed or not colour_on(stream):
+        return text
+    for pattern, code in PAINT:
+        text = regex(pattern).sub(lambda m: f"{m.group(1)}\x1b[{code}m{m.group(2)}\x1b[0m", text)
+    if error:
+        text = regex(r"(?m)^(fablize: (?!warning:)[^\n]*)").sub("\x1b[31m\\1\x1b[0m", text)
+    return text
+
+
+class Output:
+    """A command's result: the lines it says, its --json data, its warnings (storage's too).
+    Nothing below `main` prints, except the progress of a run while it runs; `main` renders the
+    rest once, as text or as the one JSON object."""
+
+    def __init__(self, json_mode):
+        self.json = json_mode
+        self.lines = []
+        self.data = {}
+        self.warnings = []
+        self.raw = None
+        self.colour = True  # false for what an agent's harness reads (a session start)
+
+    def say(self, text=""):
+        self.lines.append(text)
+
+    def warn(self, text):
+        self.warnings.append(text)
+
+    def stream(self):
+        """Where what must be seen now goes (a run starting, its output, its end): stdout in
+        text mode, stderr under --json (stdout carries only the JSON object)."""
+        return sys.stderr if self.json else sys.stdout
+
+    def progress(self, text):
+        stream = self.stream()
+        stream.write(clean(text) + "\n")
+        stream.flush()
+
+    def flush(self, escaped=False):
+        """Write the lines said so far now (text mode): a long answer streams, memory flat.
+        `escaped`: each line is one_line's already (format_event's), which clean() leaves as it
+        is, so they are not looked through again (log of 100,000 real runs: 0.66 → 0.22 µs a
+        line)."""
+        if self.lines and not self.json:
+            text = "\n".join(self.lines) if escaped else clean("\n".join(map(str, self.lines)))
+            sys.stdout.write(paint(text, sys.stdout) + "\n")
+            self.lines.clear()
+
+    def render(self, command, error, code):
+        """The command's result on stdout and stderr."""
+        if self.raw is not None:  # a hook's answer: exactly that object, or nothing
+            if self.raw:
+                sys.stdout.write(json_text(self.raw[0]) + "\n")
+            return
+        if self.json:
+            obj = {"schema_version": SCHEMA_VERSION, "ok": error is None, "command": command}
+            obj.update(self.data)
+            if self.warnings:
+                obj["warnings"] = self.warnings
+            if error is not None:
+                obj["error"] = {"code": error.code, "message": error.message, "exit": code}
+                if getattr(error, "commands", None):
+                    obj["error"]["commands"] = error.commands
+            sys.stdout.write(json_text(obj) + "\n")
+            return
+        if self.lines:
+            sys.stdout.write(paint(clean("\n".join(map(str, self.lines))), sys.stdout,
+                                   allowed=self.colour) + "\n")
+        err = [f"fablize: warning: {clean(text)}" for text in self.warnings]
+        if error is not None:
+            err.append("fablize: " + one_line(error.message))
+            err += ["  " + one_line(cmd) for cmd in getattr(error, "commands", None) or ()]
+        if err:
+            sys.stderr.write(paint("\n".join(err), sys.stderr, error is not None,
+                                   self.colour) + "\n")
+
+
+class Context:
+    def __init__(self, args, out, prog=None):
+        self.args = args
+        self.out = out
+        self.say = out.say
+        self.data = out.data
+        self.json = out.json
+        self.timeout = getattr(args, "timeout", None)
+        if self.timeout is None:
+            self.timeout = DEFAULT_RUN_TIMEOUT
+        elif not self.timeout > 0:
+            raise usage("--timeout must be a number of seconds > 0.")
+        # every printed command runs as printed, from any directory of the project
+        self.prog = self.cli = prog or invocation()
+        self._store = None
+        agent = getattr(args, "agent", None)
+        if isinstance(agent, str):
+            plan_text("--agent", agent)  # a name the plan records: never a secret
+
+    @property
+    def store(self):
+        if self._store is None:
+            path, discovered = find_state_dir(self.args.dir, os.getcwd())
+            if not discovered:
+                path = project_state_dir(path, self.out)
+            self.store = Store(path, discovered, self.out.warnings)
+        return self._store
+
+    @store.setter
+    def store(self, value):
+        """The state directory commands work in; a shared plan's publishes after each write."""
+        self._store = value
+        sharing = sharing_of(value)
+        if sharing is not None:
+            sharing.attach(value)
+        # not said where no branch merge can touch the plan (a shared plan lives in refs), by
+        # the commands that wire the driver, nor by audit (CI's copy of the engine is no clone)
+        if (sharing is None and getattr(self.args, "command", None) not in MERGE_QUIET
+                and merge_driver_missing(value.root)):
+            self.out.warn(f".gitattributes merges {STATE_DIRNAME}/ with fablize's merge driver, "
+                          "which this clone's git config does not have: a merge of two branches' "
+                          f"plans would leave conflict markers — `{self.prog} install-merge` "
+                          "(once in each clone; `setup` does it too).")
+
+    def emit_raw(self, obj):
+        """Hook output: exactly this object (or nothing), whatever --json says."""
+        self.out.raw = [obj] if obj is not None else []
+
+
+def add_create(command):
+    c = command("create", cmd_create, "create a plan of sequential stories",
+            "the last one is the verification gate; freeze the commands that prove a story with "
+            "--check and --verify")
+    c.add_argument("--brief", required=True, help="the task, in one line")
+    c.add_argument("--goal", action="append", default=[], metavar="TITLE::OBJECTIVE",
+                   help="a story, in order (repeat; the last is the final verification story)")
+    c.add_argument("--force", action="store_true",
+                   help="replace an existing plan (it is archived whole in archive/<plan id>/)")
+    c.add_argument("--check", action="append", default=[], metavar="ID=CMD",
+                   help="freeze an acceptance command for a story (repeatable); its completion "
+                        "runs it and needs exit 0")
+    c.add_argument("--verify", action="append", default=[], metavar="CMD",
+                   help="freeze a check on the final story (repeatable; same as --check on it)")
+    c.add_argument("--after", action="append", default=[], metavar="ID=IDS",
+                   help="explicit dependencies, e.g. G004=G001,G002; G003= means none "
+                        "(default: each story after the one before it)")
+    c.add_argument("--parallel", action="store_true",
+                   help="no default dependencies: every story but the final one is independent")
+    c.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, metavar="N",
+                   help=f"rounds a story may fail before it is blocked (default {DEFAULT_ROUNDS})")
+    c.add_argument("--require-run", action="store_true",
+                   help="the final story completes only on a run the engine witnessed")
+    c.add_argument("--judge", action="append", nargs="?", const="ALL", metavar="ID",
+                   help="require an independent judge's verdict: for every story, or for ID")
+    c.add_argument("--accept", action="append", default=[], metavar="ID=TEXT",
+                   help="an acceptance item for a judge to check on a story (repeatable)")
+    c.add_argument("--scope", action="append", default=[], metavar="PATH",
+                   help="a path the work may change (repeatable: a file, a folder, or a glob like "
+                        "src/** or *.py); CI's re-run takes only these from the branch, and the "
+                        "tests, tools and build files from the base")
+    c.add_argument("--remote", metavar="NAME",
+                   help="share the new plan through this git remote (see `share`)")
+
+
+def add_next(command):
+    c = command("next", cmd_next, "activate the next ready story, print its handoff",
+            'a story already in progress (for this agent) is printed again, never restarted')
+    c.add_argument("--agent", metavar="NAME",
+                   help="claim a ready story for this agent (one active story per agent)")
+
+
+def add_timeout(c):
+    c.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help=f"limit for each run; the whole process group is killed at expiry "
+                        f"(default {DEFAULT_RUN_TIMEOUT:g})")
+
+
+def add_checkpoint(command):
+    c = command("checkpoint", cmd_checkpoint, "record a story's result, with evidence",
+            "complete needs evidence, and the final story needs verification; frozen checks run "
+            "by themselves")
+    c.add_argument("--id", required=True, type=id_arg, help="the story, e.g. G001 (g1 works too)")
+    c.add_argument("--status", required=True, choices=["complete", "failed", "blocked"],
+                   help="complete (achieved), failed (not achieved: another round), blocked "
+                        "(cannot be achieved: a human decides)")
+    c.add_argument("--evidence", default="",
+                   help="what was done and what shows it; for failed what is missing, for blocked "
+                        "why (required for every status)")
+    c.add_argument("--verify-cmd", dest="verify_cmd", default="",
+                   help="the verification command that was run (final story)")
+    c.add_argument("--verify-evidence", dest="verify_evidence", default="",
+                   help="its result (final story; optional with --run)")
+    c.add_argument("--run", action="store_true",
+                   help="the engine runs --verify-cmd itself and records the run; only exit 0 "
+                        "passes")
+    add_timeout(c)
+    c.add_argument("--agent", metavar="NAME", help="the agent recording it (must hold the story)")
+
+
+def add_status(command):
+    c = command("status", cmd_status, "show the plan and what to do next",
+            "every story, what it waits for, and the next command (the first command when "
+            "resuming)")
+    c.add_argument("--resume", action="store_true",
+                   help="also print the handoff of each story in progress; print nothing when "
+                        "there is no plan (for SessionStart hooks)")
+    add_hook_for(c, "with --resume: answer")
+
+
+def add_verify(command):
+    c = command("verify", cmd_verify, "run a story's frozen checks now",
+            "the runs are recorded; the story's status does not change")
+    c.add_argument("--id", required=True, type=id_arg, help="the story, e.g. G001")
+    c.add_argument("--verify-cmd", dest="verify_cmd", default="",
+                   help="a command to run when the story has no frozen checks")
+    add_timeout(c)
+
+
+def add_decide(command):
+    c = command("decide", cmd_decide, "a human's call on a blocked, failed or in-review story",
+            "accept it, retry it, or amend its objective")
+    c.add_argument("--id", required=True, type=id_arg, help="the story, e.g. G001")
+    c.add_argument("decision", choices=DECISIONS,
+                   help="accept (counts as done), retry (back to work, rounds reset), amend "
+                        "(extend the objective, back to work)")
+    c.add_argument("--note", required=True, help="the reason, or the feedback or amendment")
+    c.add_argument("--sign", metavar="KEYFILE",
+                   help="sign the decision with this ssh key (ssh-keygen -Y sign -n fablize)")
+    c.add_argument("--signer", metavar="PRINCIPAL",
+                   help="the signer's principal, as listed in the allowed-signers file")
+
+
+def add_add(command):
+    c = command("add", cmd_add, "add a story before the final one",
+            'stories can be added until the final story starts')
+    c.add_argument("--goal", required=True, metavar="TITLE::OBJECTIVE", help="the new story")
+    c.add_argument("--check", action="append", default=[], metavar="CMD",
+                   help="freeze an acceptance command for it (repeatable)")
+    c.add_argument("--after", metavar="IDS",
+                   help="its dependencies, e.g. G001,G002; empty for none (default: the story "
+                        "before the final one)")
+    c.add_argument("--accept", action="append", default=[], metavar="TEXT",
+                   help="an acceptance item for a judge (repeatable)")
+    c.add_argument("--judge", action="store_true", help="require an independent judge's verdict")
+
+
+def add_audit(command):
+    c = command("audit", cmd_audit, "check that the whole ledger can be trusted",
+            "replay every line: hash chain, every field, every transition, the snapshot and the "
+            "run logs")
+    c.add_argument("--require-complete", action="store_true",
+                   help="exit 1 unless every story is complete or accepted")
+    c.add_argument("--since", metavar="[SEQ:]HASH",
+                   help="exit 3 unless the ledger still holds this earlier head "
+                        "(history only grew)")
+    c.add_argument("--require-independent-judge", action="store_true",
+                   help="exit 1 unless every verdict came from an agent other than the executor")
+    c.add_argument("--require-logs", action="store_true",
+                   help="exit 1 unless every verification run has its log present (and matching)")
+    add_audit_trust(c)
+
+
+TRUST_MODEL = """\
+Trust model — three grades of evidence:
+  claimed       text the agent typed (--evidence, --verify-cmd + --verify-evidence).
+  witnessed     the engine ran the command (--run, frozen checks) and recorded its exit
+                code, digest and log. It proves the command ran and what it printed, in
+                the agent's environment; not that the environment was honest.
+  re-witnessed  CI, with its own copy of the engine (python3 -I) and its own environment,
+                re-ran the plan's frozen checks on the committed tree (--rerun).
+The hash chain proves only that history after a pin grew, not who wrote it. Trust comes
+from what the agent cannot write: the base branch's committed ledger and archives (--base),
+CI's own re-run (--rerun), checks CI requires (--require-check) and a human's key
+(decide --sign, verified with --allowed-signers read from the base branch)."""
+
+
+def add_audit_trust(c):
+    c.epilog, c.raw_epilog = TRUST_MODEL, True
+    c.add_argument("--base", metavar="REF",
+                   help="take the pin from the ledger committed at this git ref (e.g. "
+                        "origin/main); "
+                        "files named by --allowed-signers are read from it too")
+    c.add_argument("--allow-new-plan", action="store_true",
+                   help="accept a plan created after the pin (its frozen checks are printed)")
+    c.add_argument("--allow-imported", action="store_true",
+                   help="accept a plan imported from the original goals.py format after the pin")
+    c.add_argument("--rerun", nargs="?", const="all", choices=["final", "all"],
+                   help="re-run the frozen checks (of all stories, or of the final one), recording "
+                        "nothing: with --base and a scope, on the base's tree with the branch's "
+                        "in-scope files; exit 1 if any fails")
+    c.add_argument("--scope", action="append", default=[], metavar="PATH",
+                   help="the paths the work may change, as CI gives them (repeatable; wins over "
+                        "the plan's): the re-run takes only these from the branch")
+    c.add_argument("--require-scope", action="store_true",
+                   help="exit 1 unless a scope is known (CI's, or the plan's as the base holds it)")
+    c.add_argument("--forbid-out-of-scope", action="store_true",
+                   help="with --base: exit 1 if the branch changed files outside the scope")
+    c.add_argument("--fail-to-pass", action="store_true",
+                   help="with --base: also run the final story's frozen checks on the base's tree "
+                        "alone; one that passes there is reported as vacuous")
+    c.add_argument("--require-fail-to-pass", action="store_true",
+                   help="with --base: exit 1 if a final check passes on the base's tree alone")
+    c.add_argument("--summary", metavar="FILE",
+                   help="append the verdict, every failed gate and the report to FILE as Markdown "
+                        "(a CI job summary), even when the ledger is damaged")
+    c.add_argument("--require-check", action="append", default=[], metavar="CMD",
+                   help="exit 1 unless the final story carries exactly this frozen check "
+                        "(repeatable; with --rerun it must pass)")
+    c.add_argument("--require-witnessed", action="store_true",
+                   help="exit 1 unless every completed story rests on its frozen checks run by "
+                        "the engine (not a claim, not an ad-hoc --run)")
+    c.add_argument("--require-clean-runs", action="store_true",
+                   help="exit 1 if a run was made outside the repository root, on a dirty tree, "
+                        "or under an environment different from the plan's first run")
+    c.add_argument("--allowed-signers", metavar="PATH",
+                   help="exit 1 unless every decision is signed (decide --sign) by a key in this "
+                        "ssh allowed-signers file")
+    c.add_argument("--forbid-accepted", action="store_true",
+                   help="exit 1 if any story was accepted by a decision instead of completed")
+    c.add_argument("--require-unchanged-checks", action="store_true",
+                   help="with --base: exit 1 if a file or folder a frozen check names differs "
+                        "from the base branch (a frozen `python3 check.py` is only as good as "
+                        "check.py)")
+    add_timeout(c)
+    c.add_argument("--remote", metavar="NAME",
+                   help="audit the shared plan as this git remote holds it (fetched; no local "
+                        "state needed)")
+    c.add_argument("--plan", metavar="ID",
+                   help="with --remote: which shared plan (default: the only one)")
+
+
+def add_rebuild(command):
+    command("rebuild", cmd_rebuild, "regenerate goals.json from the ledger",
+            'the old snapshot is kept beside it')
+
+
+def add_log(command):
+    c = command("log", cmd_log, "the plan's history, readable",
+            "every event of the ledger, checked as audit checks it")
+    c.add_argument("--id", type=id_arg, help="only this story's events, e.g. G001")
+
+
+def add_guard(command):
+    c = command("guard", cmd_guard, "Stop hook: no stopping while work is left",
+                "reads the hook JSON on stdin; never blocks on bad input, a busy lock or damaged "
+                "state")
+    add_hook_for(c, "answer")
+
+
+def add_report(command):
+    c = command("report", cmd_report, "a Markdown summary for a PR or CI job",
+            'progress, stories, the latest runs and the dependency graph')
+    c.add_argument("--out", metavar="FILE",
+                   help="write it here (default: append to $GITHUB_STEP_SUMMARY when set, else "
+                        "stdout)")
+    c.add_argument("--outside", action="store_true",
+                   help="--out may name a file outside the project (never through a symlink)")
+
+
+def add_judge_packet(command):
+    c = command("judge-packet", cmd_judge_packet, "what a judge needs to judge a story",
+            "the objective, the checklist and this round's evidence and runs")
+    c.add_argument("--id", required=True, type=id_arg, help="the story, e.g. G001")
+
+
+def add_verdict(command):
+    c = command("verdict", cmd_verdict, "a judge's verdict on a story in review",
+            "the judge must not be the story's executor")
+    c.add_argument("--id", required=True, type=id_arg, help="the story, e.g. G001")
+    c.add_argument("verdict", choices=VERDICTS,
+                   help="achieved (complete), not-achieved (another round with what is missing), "
+                        "unachievable (blocked: a human decides)")
+    c.add_argument("--evidence", required=True, help="what you checked and saw, or what is missing")
+    c.add_argument("--agent", required=True, help="who judged (must not be the executor)")
+
+
+def add_hook_for(c, what):
+    c.add_argument("--for", dest="hook_for", choices=HOOK_AGENTS, default="claude",
+                   help=f"{what} in this agent's hook protocol (default: claude)")
+    c.add_argument("--plugin", action="store_true",
+                   help="this registration is the fablize-gate plugin's: it does nothing where "
+                        "the project registers its own (each hook runs once)")
+
+
+def add_pause(command):
+    c = command("pause", cmd_pause, "let the Stop guard rest (recorded)",
+                "the agent may stop although the plan has work; recorded in the ledger")
+    c.add_argument("--note", help="why (shown in status and the history)")
+
+
+def add_unpause(command):
+    command("unpause", cmd_unpause, "turn the Stop guard back on", "recorded in the ledger")
+
+
+def add_observe(command):
+    c = command("observe", cmd_observe, "PostToolUse hook: note verification runs",
+                "records a verification command the agent ran and what its harness reported "
+                "(reads the hook JSON on stdin)")
+    add_hook_for(c, "read the payload")
+
+
+# The core's commands, by their builders; the rooms' (ROOM_COMMANDS) come from their rooms.
+COMMANDS = {"create": add_create, "next": add_next, "checkpoint": add_checkpoint,
+            "status": add_status, "verify": add_verify, "decide": add_decide, "add": add_add,
+            "audit": add_audit, "rebuild": add_rebuild, "log": add_log, "guard": add_guard,
+            "report": add_report, "judge-packet": add_judge_packet, "verdict": add_verdict,
+            "pause": add_pause, "unpause": add_unpause, "observe": add_observe}
+
+
+def command_names():
+    """Every command, as `--help` lists them: the core's, then the rooms'."""
+    return list(COMMANDS) + list(ROOM_COMMANDS)
+DIR_HELP = ("state directory (default: $FABLIZE_DIR, else .fablize/ found walking up to the "
+            "repository root); a project root means its .fablize/")
+JSON_HELP = "print exactly one JSON object to stdout"
+
+
+def command_in(argv):
+    """The subcommand named in argv, so that only its parser is built (argparse costs ~1 ms a
+    subcommand); None for --help, --version or anything unexpected."""
+    skip = False
+    for token in argv:
+        if skip:
+            skip = False
+        elif token == "--dir":
+            skip = True
+        elif token in COMMANDS or token in ROOM_COMMANDS:
+            return token
+        elif not (token == "--json" or token.startswith("--dir=")):
+            return None
+    return None
+
+
+class Command:
+    """One command as its builder declares it: its --help lines and the add_argument calls
+    argparse is given, kept, so that only the command named is built (build_parser) and its
+    options can be listed (the docs' tests)."""
+
+    def __init__(self, name, func, summary, details):
+        self.name, self.summary, self.description = name, summary, f"{summary}: {details}"
+        self.defaults = {"func": func}
+        self.arguments = []  # (option strings, add_argument's keywords)
+        self.epilog, self.raw_epilog = None, False
+
+    def add_argument(self, *names, **options):
+        self.arguments.append((names, options))
+
+    def set_defaults(self, **values):
+        self.defaults.update(values)
+
+
+def room_of(command):
+    """The room that declares `command` (ROOM_COMMANDS), imported when one of its commands runs."""
+    room = ROOM_COMMANDS[command]
+    if room == "setup":
+        return setup_room()
+    if room == "sharing":
+        return sharing_room()
+    from . import merge
+    return merge
+
+
+def command_spec(name):
+    """The Command `name` declares: the core's builder, or its room's (loaded for it)."""
+    builder = COMMANDS.get(name) or room_of(name).COMMANDS[name]
+    made = []
+    builder(lambda *fields: made.append(Command(*fields)) or made[-1])
+    return made[0]
+
+
+def better_usage_error(parser, message):
+    """argparse's complaint, with what was probably meant: an unknown command or choice gets
+    its nearest name (`chekpoint` → `checkpoint`) instead of the list of every one, and an
+    unknown option the nearest option of its command."""
+    import difflib
+    m = re.match(r"argument (\S+): invalid choice: '?(.*?)'? \(choose from (.*)\)\Z", message, re.S)
+    if m:
+        name, word = m.group(1), m.group(2)
+        choices = re.findall(r"[\w-]+", m.group(3))
+        close = difflib.get_close_matches(word, choices, 1, 0.7)
+        hint = f" — did you mean `{close[0]}`?" if close else ""
+        if name == "COMMAND":
+            return f"unknown command `{one_line(word)}`{hint}"
+        return message + hint  # the original's words, which scripts may read
+    m = re.match(r"unrecognized arguments: (.*)\Z", message, re.S)
+    if m:
+        options = set()  # the commands' own options: --dir or --help are seldom what was meant
+        for action in parser._actions:
+            for sub in (getattr(action, "choices", None) or {}).values():
+                if isinstance(sub, argparse_parser()):
+                    options.update(o for a in sub._actions for o in a.option_strings)
+        for word in m.group(1).split():
+            close = difflib.get_close_matches(word.split("=")[0],
+                                              sorted(options - {"--dir", "--json", "-h", "--help"}),
+                                              1, 0.7)
+            if word.startswith("-") and close:
+                return f"{message} — did you mean `{close[0]}`?"
+    return message
+
+
+def argparse_parser():
+    import argparse
+    return argparse.ArgumentParser
+
+
+# what --help shows a command (None: the engine's own --help) used for: whole command lines
+EXAMPLES = {
+    None: ['create --brief "Add --version" --goal "Flag::cli.py accepts --version" '
+           '--goal "Verify::the tests pass" --verify "python3 -m pytest -q"',
+           "next",
+           'checkpoint --id G001 --status complete --evidence "cli.py --version prints 1.0"',
+           "status", "audit"],
+    "create": ['--brief "Add --version" --goal "Flag::cli.py accepts --version" '
+               '--goal "Verify::the tests pass" --verify "python3 -m pytest -q"',
+               '--brief "Two parts" --parallel --goal "API::the endpoint answers" '
+               '--goal "UI::the page shows it" --goal "Verify::all tests pass" '
+               '--check "G001=python3 -m pytest -q tests/test_api.py" --verify "make test"'],
+    "checkpoint": ['--id G001 --status complete --evidence "tests/test_cli.py passes: 4 passed"',
+                   '--id G002 --status complete --evidence "the suite passes" --run '
+                   '--verify-cmd "python3 -m pytest -q"',
+                   '--id G001 --status failed --evidence "the parser rejects -V"',
+                   '--id G001 --status blocked --evidence "needs an API key nobody has"'],
+    "decide": ['--id G003 accept --note "the manual check is enough here"',
+               '--id G003 retry --note "use the fixture in tests/conftest.py"',
+               '--id G003 amend --note "only the CLI, not the GUI"'],
+    "audit": ["", "--require-complete --require-logs",
+              "--base origin/main --rerun --require-witnessed"],
+    "status": ["", "--resume"],
+}
+
+
+def examples(prog, name):
+    command = f"{prog} {name}" if name else prog
+    return "Examples:\n" + "\n".join(f"  {command} {line}".rstrip() for line in EXAMPLES[name])
+
+
+def build_parser(only=None, prog="goals.py"):
+    """The command-line parser: every command, or just `only`."""
+    import argparse
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise usage(f"{better_usage_error(self, message)} (see `{self.prog} --help`)")
+
+    common = Parser(add_help=False)
+    common.add_argument("--dir", default=argparse.SUPPRESS, metavar="PATH", help=DIR_HELP)
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help=JSON_HELP)
+
+    class Formatter(argparse.HelpFormatter):
+        def __init__(self, prog):
+            super().__init__(prog, max_help_position=30)
+            self._action_max_length = 20  # room for `install-block` and its line on one row
+
+        def _fill_text(self, text, width, indent):  # examples keep their lines
+            return text if "\n" in text else super()._fill_text(text, width, indent)
+
+    p = Parser(prog=prog, formatter_class=Formatter,
+               description="fablize goal engine: split a task into stories; "
+               "\"done\" is refused until evidence shows it.",
+               epilog=examples(prog, None) +
+               "\n\nExit codes: 0 done, 1 refused, 2 usage, 3 damaged state; 128+N interrupted"
+               "\nby signal N during a run (130 SIGINT, 143 SIGTERM, 129 SIGHUP), the run"
+               f"\nrecorded as interrupted. `{prog} COMMAND --help` shows a command's options.")
+    p.add_argument("--version", action="version", version=f"fablize {__version__}",
+                   help="print the version and exit")
+    p.add_argument("--dir", default=None, metavar="PATH", help=DIR_HELP)
+    p.add_argument("--json", action="store_true", default=False, help=JSON_HELP)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=Parser)
+    for name in command_names() if only is None else [only]:
+        # a command's summary is its line in `--help`, and its own --help starts with it
+        spec = command_spec(name)
+        epilog = spec.epilog
+        if name in EXAMPLES:
+            epilog = examples(prog, name) + (f"\n\n{epilog}" if epilog else "")
+        c = sub.add_parser(name, parents=[common], help=spec.summary,
+                           description=spec.description, epilog=epilog,
+                           formatter_class=(argparse.RawDescriptionHelpFormatter
+                                            if spec.raw_epilog else Formatter))
+        for names, options in spec.arguments:
+            c.add_argument(*names, **options)
+        c.set_defaults(**spec.defaults)
+    return p
+
+
+def utf8_streams():
+    """Marks like ✓ ▶ ■ must not crash a cp949 or cp1252 console: write UTF-8 regardless. A
+    stream started closed (None) writes to the null device: what it would say is lost, not the
+    exit code."""
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w", encoding="utf-8")
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w", encoding="utf-8")
+    for stream in (sys.stdout, sys.stderr):
+        encoding = (getattr(stream, "encoding", None) or "").lower()
+        encoding = encoding.replace("-", "").replace("_", "")
+        if encoding != "utf8" and hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(encoding="utf-8", errors="replace")
+            except (ValueError, OSError):
+                pass
+
+
+def answer_interrupts(interrupts):
+    """From here on, Ctrl-C raises KeyboardInterrupt, which `main` answers; one kept while the
+    process started (`interrupts`, the entry's list; None in-process) is raised now."""
+    if interrupts is not None:
+        _signal.signal(_signal.SIGINT, _signal.default_int_handler)
+        if interrupts:
+            raise KeyboardInterrupt
+
+
+def no_plan_commands(ctx):
+    """Under the original's refusal (kept to the byte: scripts read it), the one case it never
+    had: a fresh clone of a repository that pins a shared plan brings it in with `sync`."""
+    store = ctx._store
+    if store is not None and os.path.lexists(store.path(PIN)) and not os.path.lexists(
+            store.path(SHARE)):
+        return [f"{ctx.prog} sync"]
+    return None
+
+
+def keep_interrupts(interrupts):
+    if interrupts is not None:
+        _signal.signal(_signal.SIGINT, lambda signum, frame: None)
+
+
+def missing_module(e):
+    """The module of the engine's folder whose absence raised the ImportError `e`, or None."""
+    if (e.name or "").startswith("fablize_gate."):
+        return e.name.split(".")[-1]
+    m = re.match(r"cannot import name '(\w+)' from 'fablize_gate'", str(e))
+    return m.group(1) if m and e.name == "fablize_gate" else None
+
+
+def main(argv=None, interrupts=None):
+    """Run one command (`argv`, by default the process's) and return its exit code; the one
+    exit point. `interrupts`: the Ctrl-Cs the entry kept while the process started (a list),
+    when this is a whole process — then Ctrl-C is answered here in one line."""
+    argv = [fix_argv_text(x) for x in (sys.argv[1:] if argv is None else argv)]
+    utf8_streams()
+    out = Output("--json" in argv)
+    command = ctx = None
+    try:
+        answer_interrupts(interrupts)
+        # usage errors and --help name the engine as it was started, runnable as printed
+        prog = invocation()  # once a start: the usage line and every printed command use it
+        name = command_in(argv)
+        args = build_parser(name, prog).parse_args(argv)
+        command = args.command
+        out.json = args.json and command != "guard"
+        ctx = Context(args, out, prog)
+        args.func(ctx, args)
+        code, error = EXIT_OK, None
+    except FablizeError as e:
+        code, error = e.exit_code, e
+        if e.code == "no_plan" and ctx is not None and not getattr(e, "commands", None):
+            e.commands = no_plan_commands(ctx)
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
+        # a failure on what the snapshot holds is its damage; on a sound one, a genuine bug
+        error = snapshot_damage(ctx._store) if ctx is not None and ctx._store else None
+        if error is None:
+            raise e
+        code = error.exit_code
+    except ImportError as e:  # a copy of the engine's folder without one of its rooms
+        missing = missing_module(e)
+        if missing is None:
+            raise
+        code, error = EXIT_USAGE, FablizeError(
+            f"{missing}.py is missing from the engine's folder fablize_gate/ — copy "
+            "goals.py and fablize_gate/ from fablize's scripts/ folder together (README: Add it "
+            "to your project).", "room_missing", EXIT_USAGE)
+    except BrokenPipeError:  # the reader of a run's streamed output left
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except OSError as e:  # a failing disk, a full one, a permission: state stays old or new
+        code, error = EXIT_DAMAGED, FablizeError(f"I/O error: {e}", "io_error", EXIT_DAMAGED)
+    except KeyboardInterrupt:  # Ctrl-C outside a run: every write is whole or absent
+        error = FablizeError("interrupted by SIGINT; the state is as the last completed write "
+                             "left it.", exit_code=EXIT_SIGNAL_BASE + 2)
+        error.code = "interrupted"
+        code = error.exit_code
+    except SystemExit as e:  # --help and --version
+        return e.code if isinstance(e.code, int) else EXIT_OK
+    keep_interrupts(interrupts)  # the command is over: a Ctrl-C now changes nothing it did or says
+    try:
+        out.render(command, error, code)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `goals.py status | head`: the reader left; nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return code
+
+
+def run(interrupts=None):
+    """`main` as a whole process. It ends with os._exit: by then every write is fsynced and the
+    lock released, so the interpreter's teardown would only free memory, which costs a start
+    about 4 ms (more with a large plan loaded)."""
+    import gc
+    gc.disable()  # a short-lived process: what it allocates is freed on exit (a 10,000-story plan
+    # is some 10 ms of collections otherwise); reference counting still frees everything else
+    code = main(None, [] if interrupts is None else interrupts)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:  # None: started with that descriptor closed
+                stream.flush()
+        except (OSError, ValueError):  # a reader that left, a stream already closed
+            pass
+    os._exit(code)

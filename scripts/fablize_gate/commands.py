@@ -1,0 +1,1079 @@
+"""The commands: each opens the plan, lets the transitions judge the events it builds, and
+states the result once (ctx.say, ctx.data), rendered by cli.Output.
+"""
+
+import collections
+import os
+import sys
+import time
+from operator import itemgetter
+
+from .base import (
+    ARCHIVE, blank, clean, count_noun, count_stories, defuse, defused_line, DONE, EXIT_REFUSED,
+    EXIT_SIGNAL_BASE, FablizeError, has_marker_word, indent, last_chars, limit_text, MARKS,
+    new_plan_id, no_plan, now_iso, one_line, parse_ids, PLAN_EXISTS, refused, REPORT_RUNS,
+    RESUME_LISTED, RESUME_TITLE, RUNS, scope_pattern, SHARE, short, SNAPSHOT, split_assignment,
+    story_id, TAIL_CHARS, usage, ZERO_HASH)
+from .masking import mask, mask_places, masked_tail, masked_text
+from .model import (
+    accepted_ids, active_stories, apply_event, BASE_FIELDS, blocked_because, checkpoint_gate,
+    current_packet, done_count, find_story, format_event, guard_paused, latest_run, observed_of,
+    pick_ready, plan_done, round_label, rounds_left, run_passed, run_summary, stories_in, touch,
+    unaddressed_failure)
+from .storage import (
+    commit_start, find_state_dir, free_name, loose_snapshot, open_plan, read_state_file,
+    replay_all, require_state_dir, shown_path, Store, symlink_refusal, user_file, within,
+    write_atomic)
+from .runs import (
+    check_command, commit_runs, execute_runs, file_not_there_yet, plan_text, tree_state,
+    unverifiable_checks, unverifiable_label, verification_runs)
+from .render import (
+    done_line, grades_line, handoff_command, human_command, left_line, next_action, next_line,
+    plan_json, plan_summary, render_handoff, render_observed, render_report, render_resume,
+    status_details, story_json)
+from .audit import audit_ledger
+from .hooks import (
+    guard_answer, guard_reason, hook_fingerprint, is_verification, observed_outcome,
+    read_hook_stdin, shell_command_of)
+
+
+def sharing_room():
+    """The sharing room (share, sync, release, create --remote, audit --remote)."""
+    from . import sharing
+    return sharing
+
+
+def setup_room():
+    """The setup room (setup, doctor, install-block, completion; the plugin's hooks)."""
+    from . import setup
+    return setup
+
+
+def sharing_of(store):
+    """The sharing room when the plan in `store` is shared (its share.json: one lstat), else
+    None: a local plan never loads it."""
+    return sharing_room() if os.path.lexists(store.path(SHARE)) else None
+
+
+def stop_if_interrupted(ctx, records):
+    """After a run a signal cut short: record the runs (the interrupted one says so) when the
+    state can still be written, else remove their temp logs; then stop with exit 128 + N."""
+    hit = next((r for r in records if r.get("interrupted")), None)
+    if hit is None:
+        return
+    import signal
+    name, sid = hit["interrupted"], hit["id"]
+    try:
+        with open_plan(ctx) as s:
+            s.require_plan()
+            runs = commit_runs(s, records)
+        ctx.data["runs"] = runs
+        fate = (f"recorded as interrupted (event {runs[-1]['seq']}, log "
+                f"{shown_path(ctx.store, runs[-1]['log'])})")
+    except (FablizeError, OSError) as e:
+        for record in records:
+            if record.get("tmp_log") and os.path.lexists(record["tmp_log"]):
+                os.unlink(record["tmp_log"])
+        fate = (f"not recorded ({e.message if isinstance(e, FablizeError) else e}; its temp log "
+               "was removed)")
+    error = FablizeError(f"interrupted by {name}: `{one_line(hit['cmd'])}` was stopped (its "
+                         f"whole process group killed) and {fate}; {sid} is unchanged.",
+                         exit_code=EXIT_SIGNAL_BASE + getattr(signal, name, 0))
+    error.code = "interrupted"
+    raise error
+
+
+def record_judge_packet(ctx, sid):
+    """Record the working tree as the judge sees it first; a verdict compares against it."""
+    digest, count = tree_state(ctx.store.root, ctx.store.dir)
+    with open_plan(ctx) as s:
+        plan = s.require_plan()
+        if find_story(plan, sid)["status"] != "review":
+            return plan, None
+        s.commit("judge_packet", id=sid, tree=digest, files=count)
+        return s.plan, {"tree": digest, "files": count, "seq": s.last["seq"]}
+
+
+def tree_changed_verdict(ctx, a):
+    """The verdict event's fields when the tree changed since the judge packet: the judge's
+    finding goes back as not-achieved (a judge that fixed the work judged nothing); else None."""
+    with open_plan(ctx, exclusive=False) as s:
+        plan = s.require_plan()
+    packet = current_packet(find_story(plan, a.id))
+    if packet is None:
+        return None
+    digest, _ = tree_state(ctx.store.root, ctx.store.dir)
+    if digest == packet["tree"]:
+        return None
+    return {"verdict": "not-achieved", "tree": digest, "packet_seq": packet["seq"],
+            "evidence": f"the working tree changed after the judge packet (event {packet['seq']}) "
+                        f"— a judge must not change what it judges; its verdict ({a.verdict}) "
+                        "is void. The judge's finding: "
+                        + masked_text("--evidence", a.evidence, ctx.store.root)}
+
+
+def parse_goal(value, number):
+    if "::" not in value:
+        raise usage(f"--goal format is 'title::objective' — invalid: {one_line(value)}", "bad_goal")
+    title, objective = value.split("::", 1)
+    return {"id": story_id(number), "title": plan_text("a title", title.strip()),
+            "objective": plan_text("an objective", objective.strip()),
+            "after": [], "checks": [], "accept": [], "judge": False}
+
+
+def build_stories(a):
+    """The story list of `create` from its options; usage errors name the option."""
+    specs = [parse_goal(g, i) for i, g in enumerate(a.goal, 1)]
+    if not specs:
+        raise usage("at least one --goal is required.", "no_goals")
+    by_id = {s["id"]: s for s in specs}
+
+    def target(option, sid):
+        if sid not in by_id:
+            raise usage(f"{option} names {one_line(sid)}, which is not in the plan "
+                        f"({specs[0]['id']}–{specs[-1]['id']}).", "unknown_id")
+        return by_id[sid]
+
+    for i, spec in enumerate(specs[1:], 1):
+        spec["after"] = [] if a.parallel else [specs[i - 1]["id"]]
+    for value in a.after:
+        sid, deps = split_assignment("--after", value)
+        target("--after", sid)["after"] = parse_ids(deps, "--after")
+        for dep in by_id[sid]["after"]:
+            target("--after", dep)
+    for value in a.check:
+        sid, cmd = split_assignment("--check", value)
+        if blank(cmd):
+            raise usage(f"--check {sid}= needs a command.", "blank_check")
+        target("--check", sid)["checks"].append(check_command("--check", cmd))
+    for cmd in a.verify:
+        if blank(cmd):
+            raise usage("--verify needs a command.", "blank_check")
+        specs[-1]["checks"].append(check_command("--verify", cmd))
+    for value in a.accept:
+        sid, text = split_assignment("--accept", value)
+        if blank(text):
+            raise usage(f"--accept {sid}= needs the item's text.", "blank_item")
+        target("--accept", sid)["accept"].append(plan_text("an acceptance item", text))
+    for value in a.judge or []:
+        for sid in ([s["id"] for s in specs] if value == "ALL" else parse_ids(value, "--judge")):
+            target("--judge", sid)["judge"] = True
+    specs[-1]["after"] = [s["id"] for s in specs[:-1]]  # the gate waits for everything
+    return specs
+
+
+def say_unverifiable(ctx, found):
+    """What create and add say of frozen checks that cannot run yet: a program that is missing
+    here must be fixed now; a file not there yet is a test-first check, fine."""
+    later = [u for u in found if file_not_there_yet(u)]
+    now = [u for u in found if u not in later]
+    if now:
+        ctx.say(f"fablize: ⚠ {count_noun(len(now), 'frozen check')} cannot run here — fix the "
+                "command or install what it needs now: found at the gate, it costs the whole run:")
+    for u in now:
+        ctx.say(f"  {one_line(u['id'])} check {u['check'] + 1}: `{one_line(u['cmd'])}` — "
+                f"{one_line(u['reason'])}")
+    if later:
+        ctx.say(f"fablize: {count_noun(len(later), 'frozen check')} "
+                f"{'starts' if len(later) == 1 else 'start'} a file that does not exist yet — "
+                "fine for a test-first plan: a story writes it, and each check runs when its "
+                "own story completes:")
+    for u in later:
+        ctx.say(f"  {one_line(u['id'])} check {u['check'] + 1}: `{one_line(u['cmd'])}` — "
+                f"{one_line(u['reason'])} yet")
+
+
+def cmd_create(ctx, a):
+    """create: a plan from the command line, its checks flagged when they cannot run here (a
+    program missing now; a file a story will write, test-first), the previous plan archived
+    whole under --force, published with --remote; ends with the next step."""
+    store = ctx.store
+    if not a.force and store.exists() and store.has_plan_files():
+        raise refused(PLAN_EXISTS, "plan_exists")
+    plan_text("--brief", a.brief)
+    if blank(a.brief):
+        raise usage("--brief must not be empty: it is the task every handoff starts from.",
+                    "blank_brief")
+    sharing = sharing_room() if a.remote else None
+    remote = sharing.remote_arg(store, a.remote) if a.remote else None
+    specs = build_stories(a)
+    unverifiable = unverifiable_checks(specs, store.root)
+    fields = {"brief": a.brief, "count": len(specs), "plan_id": new_plan_id(), "stories": specs,
+              "options": {"rounds": a.rounds, "require_run": a.require_run},
+              "unverifiable": unverifiable}
+    scope = list(dict.fromkeys(scope_pattern(plan_text("--scope", p)) for p in a.scope))
+    if scope:
+        fields["scope"] = scope
+    # judge the new plan before anything moves: a bad one must not archive the old one
+    apply_event(None, dict(fields, seq=1, ts=now_iso(), event="plan_created", prev=ZERO_HASH,
+                           replaces=None))
+    store.create_dir()
+    with store.session() as s:
+        replaces = None
+        if store.has_plan_files():
+            if not a.force:
+                raise refused(PLAN_EXISTS, "plan_exists")
+            replaces = s.replace_plan(fields)
+        else:
+            s.commit("plan_created", **fields, replaces=None)
+        plan = s.plan
+    ctx.say(f"fablize: plan created — {count_stories(len(specs))}")
+    for story in plan["goals"]:
+        ctx.say(f"  {story['id']} {defused_line(story['title'])}: "
+                f"{defused_line(story['objective'])}")
+    if scope:
+        ctx.say("  scope: " + ", ".join(map(one_line, scope)) + " — the paths the work may change "
+                "(CI re-runs the checks with only these taken from the branch)")
+    if replaces:
+        ctx.say(f"fablize: the previous plan {replaces['plan_id']} is kept whole in "
+                f"{replaces['path']}/ (head {replaces['head']}).")
+    say_unverifiable(ctx, unverifiable)
+    ctx.data.update(plan=plan_json(plan), replaces=replaces)
+    if remote:  # the new plan's ledger published
+        share, line = sharing.start(store, remote)
+        ctx.say(line)
+        ctx.data.update(share=share)
+    action = next_action(ctx.prog, plan)
+    ctx.say(next_line(action))  # the last line: what to do now
+    ctx.data["next"] = action
+
+
+def stuck_error(ctx, plan, agent):
+    """Why `next` has nothing to hand out (the plan is not done): the plan's next action."""
+    action = next_action(ctx.prog, plan, agent)
+    if action["kind"] == "decide":
+        error = refused(action["text"], "halted")
+        error.commands = action["commands"]  # each whole on its own line, after the message
+        return error
+    if action["kind"] == "judge":
+        return refused(action["text"] + ".", "awaiting_review")
+    return refused(action["text"] + ".", "nothing_ready")
+
+
+def cmd_next(ctx, a):
+    """next: the story to work now, and its handoff. A story already in progress for this agent
+    is shown again, changing nothing; else the first ready one is activated (for a shared
+    plan, after pulling what other clones claimed); with nothing ready, why not and what
+    would unblock it."""
+    agent = a.agent
+    if agent is not None and blank(agent):
+        raise usage("--agent needs a name.")
+    with open_plan(ctx) as s:
+        plan = s.require_plan()
+        sharing = sharing_of(s.store)
+        if sharing is not None:
+            plan = sharing.pull(s)  # the claims other clones made
+        active = active_stories(plan)
+        held = [x for x in active if x["agent"] == agent] if agent is not None else active
+        reshown = bool(held)
+        if held:
+            story = held[0]  # the same caller gets its own story back; nothing is written
+        else:
+            story = pick_ready(plan)
+            if story is None:
+                if plan_done(plan):
+                    ctx.say(done_line(plan))
+                    ctx.data.update(plan_summary(plan), story=None, plan=plan_json(plan))
+                    return
+                raise stuck_error(ctx, plan, agent)
+            if sharing is not None:  # on the remote before it is handed out
+                story = sharing.claim(s, story, agent)
+            else:
+                commit_start(s, story, agent)
+                story = find_story(s.plan, story["id"])
+            plan = s.plan
+    lines = render_handoff(ctx.prog, plan, story, reshown)
+    for line in lines:
+        ctx.say(line)
+    ctx.data.update(plan_summary(plan), activated=not reshown, story=story_json(plan, story),
+                    handoff="\n".join(clean(x) for x in lines))
+
+
+def say_after_checkpoint(ctx, plan, story, agent=None):
+    """What a checkpoint or a verdict left; returns the next action it named (for `agent`,
+    when one checkpointed: never a story another agent holds)."""
+    sid, status = story["id"], story["status"]
+    if status == "failed":
+        left = count_noun(rounds_left(plan, story), "round")
+        ctx.say(f"fablize: {sid} → failed ({round_label(plan, story)}; {left} left) — "
+                f"`{ctx.prog} next` reopens it as round {story['round'] + 1} "
+                "with what was missing.")
+    elif status == "blocked":
+        ctx.say(f"fablize: {sid} → blocked — a human must decide.")
+    elif status == "review":
+        ctx.say(f"fablize: {sid} → review — an independent judge decides.")
+    else:
+        ctx.say(f"fablize: {sid} → {status}")
+    action = next_action(ctx.prog, plan, agent)
+    ctx.say(left_line(plan, action))
+    return action
+
+
+def reason_required(status):
+    """failed and blocked carry a reason: the next round reads it, or the human who decides."""
+    if status == "failed":
+        return refused("a failed checkpoint requires --evidence: what is missing (the next round "
+                       "is handed it).", "no_evidence")
+    return refused("a blocked checkpoint requires --evidence: why it cannot be done as specified "
+                   "(the human who decides is handed it).", "no_evidence")
+
+
+def cmd_checkpoint(ctx, a):
+    """checkpoint: record a story's result. In three steps, so that no lock is held while a
+    user's command runs: check the gate and decide what verifying the story runs (its frozen
+    checks, else --run's --verify-cmd); run those outside the lock, streaming their output;
+    then, under the lock again, record each run and the checkpoint that cites them — a failed
+    run stays recorded as evidence when the gate refuses the completion."""
+    if a.run and not blank(a.verify_cmd):
+        check_command("--verify-cmd", a.verify_cmd)
+    root = ctx.store.root  # (a --verify-cmd is a command: kept as given, but for secrets)
+    ev = {"id": a.id, "status": a.status,
+          "evidence": masked_text("--evidence", a.evidence, root),
+          "verify_cmd": mask(limit_text("--verify-cmd", a.verify_cmd), command=True),
+          "verify_evidence": masked_text("--verify-evidence", a.verify_evidence, root)}
+    if a.agent is not None:
+        ev["agent"] = a.agent
+    if a.run:
+        if blank(a.verify_cmd):
+            raise usage("--run needs --verify-cmd: the command the engine runs.")
+        ev["run"] = True
+    commands = []
+    with open_plan(ctx) as s:
+        plan = s.require_plan()
+        story = find_story(plan, a.id)
+        checkpoint_gate(plan, story, ev)
+        # here, not in the transition: ledgers written before this rule must still replay
+        if a.status != "complete" and blank(a.evidence):
+            raise reason_required(a.status)
+        if a.status == "complete":
+            commands, note = verification_runs(story, a.verify_cmd, a.run)
+            if note:
+                ctx.out.warn(note)
+            if story["checks"]:
+                ev.pop("run", None)  # the frozen checks are the run
+        if not commands:
+            s.commit("checkpoint", **ev)
+    runs = []
+    if commands:
+        records = execute_runs(ctx.store, a.id, commands, plan["ledger"]["seq"], ctx.timeout,
+                               ctx.out)
+        stop_if_interrupted(ctx, records)
+        with open_plan(ctx) as s:
+            s.require_plan()
+            runs = commit_runs(s, records)
+            ev["runs"] = [r["seq"] for r in runs]
+            ctx.data["runs"] = runs
+            try:
+                s.commit("checkpoint", **ev)
+            except FablizeError as e:
+                failed = [r for r in runs if not run_passed(r)]
+                if failed:
+                    r = failed[0]
+                    e.message += (f" The run is recorded (event {r['seq']}, log "
+                                  f"{shown_path(ctx.store, r['log'])}); "
+                                  f"{a.id} stays in progress: fix it and checkpoint again.")
+                    e.code = "verification_failed"
+                raise
+    plan = s.plan  # as the session left it: a shared plan's publish may have pulled events
+    story = find_story(plan, a.id)
+    say_observed(ctx, story)
+    # the next step is the last thing said, for the agent that checkpointed
+    action = say_after_checkpoint(ctx, plan, story, a.agent)
+    ctx.data.update(plan_summary(plan), story=story_json(plan, story), runs=runs, next=action)
+
+
+def render_status(prog, plan, share=()):
+    """What `status` says, whole, for a human: the plan's count and brief, a line per story
+    with its details, checks that cannot run here, a pause, the next step, the shared plan's
+    state, and how to pick up each story in progress."""
+    lines = [count_line(plan)]
+    goals = plan["goals"]
+    # titles that need no escaping and carry no marker word are shown as they are: checked in
+    # one pass over them all (a status of 100,000 stories renders in 50 ms, not 120)
+    titles = " ".join(map(str, map(itemgetter("title"), goals)))
+    plain = titles.isascii() and titles.isprintable() and not has_marker_word(titles)
+    say, marks, base = lines.append, MARKS, len(BASE_FIELDS)
+    for story in goals:
+        status = story["status"]
+        title = story["title"] if plain else defused_line(story["title"])
+        say(f"  {marks[status]} {story['id']} [{status}] {title}")
+        if len(story) > base:  # a story with only the original's fields has no details
+            lines += [f"      {detail}" for detail in status_details(plan, story)]
+    for u in plan["unverifiable"]:
+        lines.append(f"  {unverifiable_label(u)}: `{one_line(u['cmd'])}` — "
+                     f"{one_line(u['reason'])}{' yet' if file_not_there_yet(u) else ''}")
+    lines += paused_line(prog, plan)
+    action = next_action(prog, plan)
+    lines.append(next_line(action))
+    lines += share
+    for story in active_stories(plan):
+        lines.append("")
+        lines += render_resume(prog, plan, story)
+    return lines, action, guard_paused(plan)
+
+
+def render_session_start(prog, plan, share=()):
+    """What a session start hands a new session, bounded however large the plan: the count,
+    the stories by status, those a human or a judge must look at (a few), the next step, the
+    first story in progress with its whole handoff (a short map window, its latest
+    dependencies), a line for each other one; `status` for the rest."""
+    lines = [count_line(plan)]
+    counts = collections.Counter(s["status"] for s in plan["goals"])
+    lines.append("  " + " · ".join(f"{counts[status]} {word}" for status, word in
+                                   STATUS_WORDS.items() if counts[status]))
+    stuck = [s for s in plan["goals"] if s["status"] in ("failed", "blocked", "review")]
+    for story in stuck[:RESUME_LISTED]:
+        story = touch(story)
+        why = (f": {one_line(last_chars(blocked_because(story), 120))}"
+               if story["status"] == "blocked" else "")
+        lines.append(f"  {MARKS[story['status']]} {story['id']} [{story['status']}] "
+                     f"{one_line(short(story['title'], RESUME_TITLE))}{why}")
+    if len(stuck) > RESUME_LISTED:
+        lines.append(f"  … and {len(stuck) - RESUME_LISTED} more: `{prog} status` lists them")
+    if plan["unverifiable"]:
+        lines.append(f"  ⚠ {count_noun(len(plan['unverifiable']), 'frozen check')} cannot run "
+                     f"here yet: `{prog} status` lists them")
+    lines += paused_line(prog, plan)
+    action = next_action(prog, plan)
+    lines.append(next_line(action))
+    lines += share
+    active = active_stories(plan)
+    if active:
+        lines.append("")
+        lines += render_handoff(prog, plan, active[0], True, brief=True)
+    for story in active[1:RESUME_LISTED + 1]:
+        lines.append(f"Also in progress: {story['id']} "
+                     f"{one_line(short(story['title'], RESUME_TITLE))}"
+                     + (f" (agent {one_line(story['agent'])})" if story["agent"] else "")
+                     + f" — its handoff: {handoff_command(prog, story)}")
+    if len(active) > RESUME_LISTED + 1:
+        lines.append(f"… and {len(active) - RESUME_LISTED - 1} more in progress: "
+                     f"`{prog} status` lists them")
+    return lines
+
+
+# each status as a session start counts it, in the order it counts them
+STATUS_WORDS = {"complete": "complete", "accepted": "accepted", "in_progress": "in progress",
+                "review": "in review", "failed": "failed", "blocked": "blocked",
+                "pending": "pending"}
+
+
+def count_line(plan):
+    """The plan's first line: how much is done, and its brief."""
+    accepted = accepted_ids(plan)
+    # a human's accept is not a completion: with one, the count says `done`, never `complete`
+    counted = (f"done ({', '.join(accepted)} accepted by a human decision)" if accepted
+               else "complete")
+    return (f"fablize: {done_count(plan)}/{len(plan['goals'])} {counted} — "
+            f"{defused_line(plan['brief'])}")
+
+
+def paused_line(prog, plan):
+    paused = guard_paused(plan)
+    if not paused:
+        return []
+    return [f"  ⏸ guard paused since event {paused['seq']}"
+            f"{': ' + one_line(paused['note']) if paused['note'] else ''}"
+            f" — `{human_command(prog)} unpause` turns it back on"]
+
+
+def read_plan_and_share(store, imports=False):
+    """(plan or None, what a shared plan's remote says or None), read without the lock."""
+    with store.session(exclusive=False, imports=imports) as s:
+        plan = s.load()
+    sharing = sharing_of(store) if plan is not None else None
+    return plan, sharing and sharing.status(store, plan), sharing
+
+
+def cmd_status(ctx, a):
+    if a.resume:
+        return session_start(ctx, a)
+    require_state_dir(ctx.store)
+    plan, share, sharing = read_plan_and_share(ctx.store, imports=True)
+    if plan is None:
+        raise no_plan()
+    shared = sharing.status_lines(share, ctx.prog) if share else ()
+    lines, action, paused = render_status(ctx.prog, plan, share=shared)
+    ctx.out.lines += lines
+    if share:
+        ctx.data["share"] = share
+    if ctx.json:
+        ctx.data.update(plan_json(plan), next=action, paused=paused)
+
+
+def cmd_verify(ctx, a):
+    with open_plan(ctx) as s:
+        plan = s.require_plan()
+        commands, note = verification_runs(find_story(plan, a.id), a.verify_cmd, True)
+        if note:
+            ctx.out.warn(note)
+        if not commands:
+            raise refused(f"{a.id} has no frozen checks — give --verify-cmd to run a command.",
+                          "no_checks")
+        after_seq = plan["ledger"]["seq"]
+    records = execute_runs(ctx.store, a.id, commands, after_seq, ctx.timeout, ctx.out)
+    stop_if_interrupted(ctx, records)
+    with open_plan(ctx) as s:
+        s.require_plan()
+        runs = commit_runs(s, records)
+    ctx.data["runs"] = runs
+    failed = [r for r in runs if not run_passed(r)]
+    if failed:
+        raise refused(f"{a.id}: {len(failed)} of {count_noun(len(runs), 'check')} failed — first: "
+                      f"{run_summary(failed[0])} (log {shown_path(ctx.store, failed[0]['log'])}).",
+                      "verification_failed")
+    ctx.say(f"fablize: {a.id}: {'all ' if len(runs) > 1 else ''}{count_noun(len(runs), 'check')} "
+            "passed (status unchanged: "
+            f"{find_story(s.plan, a.id)['status']}).")
+
+
+def cmd_decide(ctx, a):
+    signature = prev = None
+    note = masked_text("--note", a.note, ctx.store.root)  # as the plan keeps it, and signed so
+    if a.sign or a.signer:  # signed outside the lock, over the head the decision follows
+        from . import trust
+        trust.check_signer(a.sign, a.signer)
+        with open_plan(ctx, exclusive=False) as s:
+            plan = s.require_plan()
+        signature, prev = trust.sign(plan, a.id, a.decision, note, a.sign, a.signer)
+    with open_plan(ctx) as s:
+        s.require_plan()
+        signed = trust.signed_fields(s.plan, signature, prev) if signature else {}
+        s.commit("decision", id=a.id, decision=a.decision, note=note, **signed)
+        plan = s.plan
+    story = find_story(plan, a.id)
+    what = {"accept": "counts as done", "retry": "back to work, rounds reset",
+            "amend": "objective amended, back to work"}[a.decision]
+    ctx.say(f"fablize: {a.id} → {story['status']} ({what}; decision recorded in the ledger).")
+    ctx.say(next_line(next_action(ctx.prog, plan)))
+    ctx.data.update(story=story_json(plan, story))
+
+
+def cmd_add(ctx, a):
+    with open_plan(ctx) as s:
+        plan = s.require_plan()
+        spec = parse_goal(a.goal, len(plan["goals"]) + 1)
+        if a.after is None:
+            spec["after"] = [plan["goals"][-2]["id"]] if len(plan["goals"]) > 1 else []
+        else:
+            spec["after"] = parse_ids(a.after, "--after")
+            for dep in spec["after"]:
+                find_story(plan, dep)
+                if dep == plan["goals"][-1]["id"]:
+                    raise usage(f"--after {dep}: a story cannot wait for the final story.",
+                                "dependency_cycle")
+        for cmd in a.check:
+            if blank(cmd):
+                raise usage("--check needs a command.", "blank_check")
+            spec["checks"].append(check_command("--check", cmd))
+        spec["accept"] = [plan_text("an acceptance item", t) for t in a.accept if not blank(t)]
+        spec["judge"] = a.judge
+        unverifiable = unverifiable_checks([spec], ctx.store.root)
+        s.commit("story_added", story=spec, unverifiable=unverifiable)
+        plan = s.plan
+    story = find_story(plan, spec["id"])
+    ctx.say(f"fablize: added {story['id']} {defused_line(story['title'])} — before the final story "
+            f"{plan['goals'][-1]['id']}" + (f", after {', '.join(story['after'])}"
+                                            if story["after"] else ""))
+    say_unverifiable(ctx, unverifiable)
+    ctx.data.update(story=story_json(plan, story))
+
+
+# audit's options that the trust room answers; --allow-* only relax its gates
+TRUST_OPTIONS = ("base", "since", "rerun", "require_check", "require_witnessed",
+                 "require_clean_runs", "allowed_signers", "forbid_accepted",
+                 "require_unchanged_checks", "scope", "require_scope", "forbid_out_of_scope",
+                 "fail_to_pass", "require_fail_to_pass", "allow_new_plan", "allow_imported")
+
+
+def cmd_audit(ctx, a):
+    """audit: replay the whole ledger (chain, every field, every transition, the snapshot, the
+    run logs), then, with the trust room, what CI can believe of it (the pin, the scope, a
+    re-run on the base's tree). Every gate that says no is named at once, the verdict first;
+    `--summary` writes the same for a CI job summary, also when the ledger is damaged."""
+    try:
+        audit_and_judge(ctx, a)
+    except FablizeError as e:
+        if a.summary and not getattr(e, "summarised", False):
+            write_summary(a.summary, f"❌ audit failed: {e.message}", "")
+        raise
+
+
+def audit_and_judge(ctx, a):
+    """The audit itself: replay the whole ledger (locally, or a shared plan as its remote holds
+    it) with the trust room's scan alongside; then the gates — independence, logs,
+    completeness, secrets, and the trust room's (pin, scope, required checks, witnesses,
+    signatures) — and the re-run on the base's tree; then one verdict, every failed gate with
+    its reason and fix, the grades, and the job summary. Exit 1 names the first gate."""
+    store = ctx.store
+    opts = {name: getattr(a, name) for name in TRUST_OPTIONS}
+    from . import trust  # a plain audit reports trust too
+    shared = {"plan": a.plan} if a.remote else None
+    pin, base = trust.pin_of(store, a.base, a.since, shared) if trust else (None, None)
+    scan = trust.Scan(store.root, pin) if trust else None
+    if a.remote:  # a shared plan as the remote holds it: no local state needed
+        # the plan CI names, else the one the base's pin names, else the remote's only plan
+        plan_id = a.plan or (base or {}).get("plan_id")
+        data, logs = sharing_room().audit_source(store, a.remote, plan_id)
+        report = audit_ledger(data, None, a.require_independent_judge, logs=logs, scan=scan)
+        report["snapshot"] = "none on a remote (its ledger is the whole of it)"
+    else:
+        with open_plan(ctx, exclusive=False) as s:
+            s.refuse_original()
+            for name in (RUNS, ARCHIVE):  # a planted link would have audit read another tree
+                if os.path.islink(s.store.path(name)):
+                    raise symlink_refusal(s.store.path(name))
+            snapshot = read_state_file(s.store.path(SNAPSHOT))  # before the ledger, as readers do
+            s.ledger.open()
+            report = audit_ledger(s.ledger, snapshot, a.require_independent_judge,
+                                  runs_dir=s.store.path(RUNS), scan=scan)
+    plan, recent = report.pop("plan"), report.pop("recent_runs")
+    bad_logs = report.pop("bad_logs")
+    if bad_logs:
+        raise bad_logs[0]
+    review = trust.review(store, plan, scan, pin, base, opts) if trust else None
+    missing_logs = report["missing_logs"]
+    accepted = accepted_ids(plan)
+    report.update(plan_summary(plan), brief=plan["brief"], accepted=accepted)
+    failures = []
+    if report["independence"]:
+        failures.append({"code": "judge_not_independent", "message": "a verdict was not given by "
+                         "an independent judge — " + "; ".join(report["independence"]),
+                         "fix": "an agent other than the executor judges the story again"})
+    if a.require_logs and missing_logs:
+        failures.append({"code": "missing_logs", "message":
+                         f"{count_noun(missing_logs, 'verification run log')} "
+                         f"{'is' if missing_logs == 1 else 'are'} missing, so "
+                         f"{'that run' if missing_logs == 1 else 'those runs'} cannot be shown to "
+                         "have happened", "fix": "commit .fablize/runs/"})
+    if report["secret_lines"]:
+        lines = report["secret_lines"]
+        failures.append({"code": "secret_in_ledger", "message":
+                         f"{count_noun(len(lines), 'event')} "
+                         "recorded what looks like a secret (line " + ", ".join(map(str, lines)) +
+                         ") — everyone who can read the plan can read it",
+                         "fix": "rotate that secret now: what was committed or shared stays in the "
+                         "repository's history"})
+    if a.require_complete and not report["complete"]:
+        left = [f"{x['id']} [{x['status']}]" for x in plan["goals"] if x["status"] not in DONE]
+        failures.append({"code": "incomplete", "message": "trusted but incomplete — "
+                         + ", ".join(left), "fix": "finish the plan: `next`, then `checkpoint`"})
+    if trust:
+        for warning in review["warnings"]:
+            ctx.out.warn(warning)
+        failures += trust.gates(store, plan, review, opts)
+    results = trust.rerun(store, plan, review, opts, ctx.timeout) if a.rerun or (
+        opts["fail_to_pass"] or opts["require_fail_to_pass"]) else []
+    if results:
+        failures += trust.rerun_failures(results, opts)
+    grades = trust.grades(plan, results) if trust else None
+    if review is not None:
+        report["trust"] = {k: v for k, v in review.items()
+                           if k not in ("decisions", "warnings", "tree")}
+        report["trust"]["tree"] = review["tree"] and {
+            k: review["tree"][k] for k in ("scope", "from", "left")}
+    if results:
+        report["rerun"] = results
+    report.update(grades=grades, failures=failures)
+    ctx.data.update(report)
+    ledger_line = (f"{count_noun(report['event_count'], 'event')}, hash chain intact, every event "
+                   f"one fablize writes and legal when replayed; snapshot {report['snapshot']}.")
+    rerun_passed = results and not any(f["code"] == "rerun_failed" for f in failures)
+    if failures:
+        verdict = (f"❌ audit failed: {count_noun(len(failures), 'gate')} said no — " +
+            ", ".join(f["code"] for f in failures))
+        ctx.say(f"fablize: {verdict}")
+        for f in failures:
+            ctx.say(f"  ✗ {f['code']}: {f['message']} — fix: {f['fix']}")
+        ctx.say(f"  ledger: {ledger_line}")
+    else:
+        verdict = ("✅ re-witnessed: every frozen check passed again; " if rerun_passed else
+                   "✅ ") + f"audit ok — {report['done']}/{report['total']} done"
+        if rerun_passed:
+            ctx.say(f"fablize: ✅ re-witnessed — {count_noun(len(results), 'frozen check')} "
+                    "passed again, run by this audit")
+        ctx.say(f"fablize: audit ok — {ledger_line}")
+    ctx.say(f"  head: {report['head']}   (keep it; `audit --since` proves later history only grew)")
+    ctx.say(f"  plan: {report['done']}/{report['total']} done — {defused_line(plan['brief'])}"
+            + (f" ({', '.join(accepted)} accepted by a human decision)" if accepted else ""))
+    if report["torn_tail_bytes"]:
+        ctx.say(f"  torn tail: {report['torn_tail_bytes']} bytes after the last event — a write "
+                "that "
+                "never completed; the next writing command moves it aside.")
+    if missing_logs:
+        ctx.say(f"  {count_noun(missing_logs, 'run log')} not present here (not committed?); their "
+                "digests are in the ledger.")
+    for line in trust.lines(review) if trust else ():
+        ctx.say(line)
+    for line in trust.rerun_lines(results, review["tree"]) if results else ():
+        ctx.say(line)
+    if grades:
+        ctx.say("  " + grades_line(grades))
+    standing = [(s["id"], unaddressed_failure(s)) for s in stories_in(plan, "complete")]
+    for sid, o in standing:
+        if o is not None:
+            ctx.say(f"  {sid}: the harness last saw `{one_line(last_chars(o['cmd'], 120))}` fail "
+                    f"(event {o.get('seq')}) before it was checkpointed")
+    if a.summary:
+        report_md = render_report(plan, recent)
+        md = (trust.summary(verdict, failures, report_md, review, results, grades) if trust
+              else f"## {verdict}\n\n" + report_md)
+        write_summary(a.summary, None, md)
+    if failures:  # each gate's fix is said above (and under --json, in `failures`)
+        error = FablizeError("audit: " + (f"{failures[0]['message']} — {failures[0]['fix']}"
+                                          if len(failures) == 1 else
+                                          "; ".join(f["message"] for f in failures) +
+                                          " (the fix of each is said above)"),
+                             failures[0]["code"], EXIT_REFUSED)
+        error.summarised = True
+        raise error
+
+
+def write_summary(path, verdict, markdown):
+    """Append a job summary (Markdown) to `path`: `verdict` alone when the audit could not go
+    further (a damaged ledger), else what the audit wrote."""
+    text = markdown if verdict is None else f"## {verdict}\n"
+    with open(path, "ab") as f:
+        if f.tell() > 0:
+            f.write(b"\n")
+        f.write(text.encode("utf-8") + b"\n")
+
+
+def cmd_rebuild(ctx, a):
+    with open_plan(ctx) as s:
+        s.refuse_original()
+        if s.ledger.open() is None:
+            raise no_plan()
+        old = loose_snapshot(s.store)
+        position = old.get("ledger") if old else None
+        # a last line the old snapshot reflects was acknowledged: damage, not a torn write
+        reflected = (position if isinstance(position, dict) and type(position.get("seq")) is int
+            else {"seq": 0})
+        end = s.cut_torn_tail({"ledger": reflected})
+        replay = replay_all(s.ledger, end)
+        plan = replay.plan
+        if plan is None:
+            raise no_plan()
+        plan["ledger"] = replay.position()
+        target = s.store.path(SNAPSHOT)
+        kept = None
+        if os.path.lexists(target):
+            kept = os.path.basename(free_name(
+                f"{target}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.bak"))
+            os.replace(target, s.store.path(kept))
+        s.save_snapshot(plan)
+    ctx.say(f"fablize: rebuilt {SNAPSHOT} from {count_noun(replay.seq, 'ledger event')}"
+            + (f"; the old one is kept as {kept}." if kept else "."))
+    ctx.data.update(event_count=replay.seq, kept=kept, plan=plan_json(plan))
+
+
+def cmd_log(ctx, a):
+    """log: every event, checked as audit checks it, a line each. The whole history is printed
+    as it is replayed, in batches (memory flat in the ledger's length; damage stops it at the
+    line it names); under --json, or for one story, it is gathered first."""
+    events = []
+    streaming = not ctx.json and a.id is None
+
+    def pick(replay, line, ev):
+        if (a.id is None or ev.get("id") == a.id or ev["event"] == "plan_created" or
+                (ev["event"] == "story_added" and ev["story"]["id"] == a.id)):
+            if ctx.json:
+                events.append(ev)
+            else:
+                ctx.say(format_event(ev))
+
+    def stream(replay, batch):  # the whole history as text: each batch said once it replayed,
+        # written every 512 lines or so, which the CPU's cache still holds as they are joined
+        # and encoded (log of 100,000 real runs, medians of 15: 1.29 → 1.25 s CPU against
+        # every 4,096)
+        said.extend(map(format_event, batch))
+        if len(said) >= 512:
+            ctx.out.flush(escaped=True)
+
+    with open_plan(ctx, exclusive=False) as s:
+        s.refuse_original()
+        if s.ledger.open() is None:
+            raise no_plan()
+        try:
+            said = ctx.out.lines
+            replay = (replay_all(s.ledger, s.good_end(None), on_batch=stream) if streaming else
+                      replay_all(s.ledger, s.good_end(None), pick))
+        except FablizeError:
+            ctx.out.lines.clear()  # what was not yet written stays unsaid: the damage is the news
+            raise
+    if replay.plan is None:
+        raise no_plan()
+    if a.id is not None:
+        find_story(replay.plan, a.id)
+    ctx.data["events"] = events
+
+
+def guard_verdict(ctx, payload, fingerprint):
+    """(reason to block or None, message for the user or None) for a Stop hook."""
+    if not hook_store(ctx, payload).exists():
+        return None, None
+    with ctx.store.session(exclusive=False) as s:
+        if guard_reason(ctx.cli, s.load(), payload, fingerprint)[0] is None:
+            return None, None  # most stops: decided without the lock, nothing written
+    with ctx.store.session() as s:
+        plan = s.load()
+        reason, dup = guard_reason(ctx.cli, plan, payload, fingerprint)
+        if reason is None or reason.startswith("fablize guard:"):
+            return None, reason
+        if not dup:  # a second registration of the guard answers the same, writes nothing
+            s.commit("guard_block", reason=mask_places(reason, s.store.root),
+                     fresh=payload.get("stop_hook_active") is not True,
+                     **({"hook": fingerprint} if fingerprint else {}))
+        return reason, None
+
+
+def steps_aside(a, root, role):
+    """Whether this is the plugin's copy of a hook (`--plugin`) in a project whose committed
+    settings register their own: then the project's runs, and this one answers nothing."""
+    return bool(getattr(a, "plugin", False)) and setup_room().registers(root, role)
+
+
+def cmd_guard(ctx, a):
+    raw, payload = read_hook_stdin()
+    if payload is None:
+        return  # empty or malformed input never blocks
+    if steps_aside(a, hook_store(ctx, payload).root, "guard"):
+        return ctx.emit_raw(None)
+    if a.hook_for == "cursor":  # Cursor counts its own follow-ups and says how the turn ended
+        if payload.get("status", "completed") != "completed":
+            return ctx.emit_raw(None)
+        count = payload.get("loop_count")
+        payload["stop_hook_active"] = isinstance(count, int) and count > 0
+    try:
+        reason, message = guard_verdict(ctx, payload, hook_fingerprint(raw, payload))
+    except FablizeError as e:  # damaged state or a busy lock: say so, never trap the agent
+        reason, message = None, f"fablize guard: {e.message}"
+    if reason:
+        ctx.emit_raw(guard_answer(a.hook_for, reason))
+    elif message and a.hook_for != "cursor":
+        ctx.emit_raw({"systemMessage": message})
+    else:
+        ctx.emit_raw({} if a.hook_for == "gemini" else None)  # Gemini CLI reads stdout as JSON
+
+
+def cmd_report(ctx, a):
+    with open_plan(ctx, exclusive=False) as s:
+        plan = s.require_plan()
+        runs = collections.deque(maxlen=REPORT_RUNS)
+        # the whole history, checked as audit does; the latest runs kept
+        replay = replay_all(s.ledger, s.good_end(None), lambda replay, line, ev: runs.append(ev),
+                            kinds={"verify_run"})
+    text = render_report(plan, list(runs), replay.counts["verify_run"])
+    target = a.out or os.environ.get("GITHUB_STEP_SUMMARY")
+    if target and within(os.path.abspath(target), ctx.store.dir):
+        raise usage(f"report --out {one_line(target)}: that is inside the state directory, whose "
+                    "files only fablize writes.", "usage")
+    if a.out:  # the user's file: in the project unless --outside, never through a symlink
+        target, st = user_file(ctx.store.root, a.out, a.outside)
+        write_atomic(target, text.encode("utf-8"), st.st_mode & 0o7777 if st else 0o644)
+    elif target:  # CI's job summary, where CI keeps it: appended to
+        with open(target, "ab+") as f:
+            if f.seek(0, os.SEEK_END) > 0:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")  # a heading must start its own line
+            f.write(text.encode("utf-8"))
+    if target:
+        ctx.say(f"fablize: report written to {target}")
+    else:
+        ctx.say(text)
+    ctx.data.update(markdown=text, path=target)
+
+
+def cmd_judge_packet(ctx, a):
+    """judge-packet: what an independent judge needs — the objective, a checklist of every
+    frozen check (with this round's witnessed run) and acceptance item, the executor's
+    evidence and runs, and the three verdict commands. For a story in review it also records
+    the working tree (record_judge_packet), so a verdict given after the judge changed it is
+    void; for any other story it is for reading only and offers no verdict."""
+    with open_plan(ctx, exclusive=False) as s:
+        plan = s.require_plan()
+    packet = None
+    if find_story(plan, a.id)["status"] == "review":
+        plan, packet = record_judge_packet(ctx, a.id)
+    story = find_story(plan, a.id)
+    items = [{"kind": "check", "text": cmd, "run": latest_run(story, check=i) or next(
+        (r for r in reversed(story["runs"]) if r["check"] == i), None)}
+        for i, cmd in enumerate(story["checks"])]
+    items += [{"kind": "item", "text": text} for text in story["accept"]]
+    lines = [f"=== fablize judge packet — {story['id']} {defused_line(story['title'])} "
+             f"[{story['status']}, round {story['round']}]",
+             "You are the judge. You did not do this work: judge the artifact itself, not anyone's "
+             "account of it.",
+             f"Objective: {defused_line(story['objective'])}"]
+    lines += [f"Amended: {one_line(x['note'])}" for x in story["amendments"]]
+    lines.append("Checklist — every item must be seen to pass:")
+    for n, item in enumerate(items, 1):
+        if item["kind"] == "check":
+            run = item["run"]
+            seen = f" — witnessed: {run_summary(run)}" if run else " — no run this round"
+            lines.append(f"  [ ] {n}. run `{one_line(item['text'])}`{seen}")
+        else:
+            lines.append(f"  [ ] {n}. {one_line(item['text'])}")
+    if not items:
+        lines.append("  [ ] 1. the objective above, as stated")
+    lines.append("Executor's evidence (this round):")
+    lines.append(indent(defuse(story["evidence"])) if not blank(story["evidence"])
+                 else "    (none)")
+    if story["runs"]:
+        lines.append("Witnessed runs (this round):")
+        for r in story["runs"]:
+            lines.append(f"  event {r['seq']}: {defuse(run_summary(r))} — output tail:")
+            lines.append(indent(defuse(last_chars(r["tail"])), "      "))
+    sid = story["id"]
+    instructions = [
+        "Go to the artifact (files, the running program, its output) and check every item.",
+        "An item without evidence you saw yourself is not passed. Ambiguous means not achieved.",
+        "Do not fix the work. Answer with exactly one verdict:"]
+    verdicts = [
+        f"{ctx.prog} verdict --id {sid} achieved --evidence \"<what you checked and saw>\" --agent "
+        "<you>",
+        f"{ctx.prog} verdict --id {sid} not-achieved --evidence \"<what is missing, not how to fix "
+        "it>\" --agent <you>",
+        f"{ctx.prog} verdict --id {sid} unachievable --evidence \"<why more rounds cannot help>\" "
+        "--agent <you>",
+    ]
+    if story["status"] != "review":  # a verdict on it would be refused: offer none
+        verdicts = []
+        instructions = [f"{sid} is {story['status']}, not in review: there is nothing to judge "
+                        "now, and a verdict would be refused. This packet is for reading only."]
+    lines += ["How to judge:"] + [f"  - {x}" for x in instructions] + [f"    {x}" for x in verdicts]
+    if packet:
+        lines.append(f"Working tree recorded (event {packet['seq']}: {packet['files']} files, "
+                     "sha256 "
+                     f"{packet['tree'][:16]}…): a verdict given after any change to it is void and "
+                     "goes back as not-achieved.")
+    for line in lines:
+        ctx.say(line)
+    ctx.data["packet"] = packet
+    ctx.data.update(id=sid, status=story["status"], round=story["round"],
+                    objective=story["objective"], amendments=story["amendments"],
+                    checklist=items, evidence=story["evidence"], runs=story["runs"],
+                    instructions=instructions, verdicts=verdicts)
+
+
+def cmd_verdict(ctx, a):
+    void = tree_changed_verdict(ctx, a)
+    with open_plan(ctx) as s:
+        s.require_plan()
+        fields = {"verdict": a.verdict,
+                  "evidence": masked_text("--evidence", a.evidence, s.store.root)}
+        s.commit("verdict", id=a.id, agent=a.agent, **dict(fields, **(void or {})))
+        plan = s.plan
+    story = find_story(plan, a.id)
+    ctx.data.update(story=story_json(plan, story))
+    if void:
+        raise refused(f"the working tree changed since the judge packet (event "
+                      f"{void['packet_seq']}): the verdict is refused and recorded as not-achieved "
+                      f"— {a.id} is {story['status']}; a judge must not change what it judges.",
+                      "tree_changed")
+    say_after_checkpoint(ctx, plan, story)
+
+
+def session_start(ctx, a):
+    """`status --resume` for a SessionStart hook: the plan and its active handoffs; one line for
+    a finished plan; nothing without a plan; one warning line, still exit 0, for a damaged one
+    (an exit 3 there is a message the agent never sees). Codex and Gemini CLI take it as JSON
+    context. Never coloured: an agent reads it."""
+    ctx.out.colour = False
+    if steps_aside(a, ctx.store.root, "status"):
+        return ctx.emit_raw({} if a.hook_for in ("codex", "gemini") else None)
+    lines = []
+    try:
+        plan, share, sharing = (read_plan_and_share(ctx.store, imports=True)
+            if ctx.store.exists() else (None, None, None))
+        if plan is not None and plan_done(plan):
+            lines.append(f"fablize: plan finished ({done_count(plan)}/{len(plan['goals'])} done) — "
+                         f"{defused_line(last_chars(plan['brief'], 200))}; nothing to resume.")
+        elif plan is not None:
+            lines = render_session_start(ctx.prog, plan,
+                                         sharing.status_lines(share, ctx.prog) if share else ())
+            if share:
+                ctx.data["share"] = share
+    except FablizeError as e:
+        lines.append(f"fablize: warning: the plan in {ctx.store.dir} cannot be read — "
+                     f"{one_line(e.message)} (`{ctx.prog} audit` says more).")
+    if a.hook_for in ("codex", "gemini"):
+        ctx.emit_raw({"hookSpecificOutput": {"hookEventName": "SessionStart",
+                                             "additionalContext": "\n".join(map(clean, lines))}}
+                     if lines else {})
+    else:
+        for line in lines:
+            ctx.say(line)
+
+
+def cmd_pause(ctx, a):
+    with open_plan(ctx) as s:
+        s.require_plan()
+        s.commit("paused", note=masked_text("--note", a.note, s.store.root))
+        plan = s.plan
+    ctx.say(f"fablize: guard paused (event {plan['ledger']['seq']}) — the Stop hook lets the agent "
+            f"stop until `{ctx.prog} unpause`.")
+    ctx.data.update(paused=guard_paused(plan))
+
+
+def cmd_unpause(ctx, a):
+    with open_plan(ctx) as s:
+        s.require_plan()
+        s.commit("unpaused")
+        plan = s.plan
+    ctx.say(f"fablize: guard on again (event {plan['ledger']['seq']}) — the Stop hook keeps the "
+            "agent at work while the plan has some.")
+    ctx.data.update(paused=None)
+
+
+def hook_store(ctx, payload):
+    """A hook runs wherever the agent's harness started it: the plan is the one of the
+    directory the payload names."""
+    cwd = payload.get("cwd")
+    if not isinstance(cwd, str) or "\x00" in cwd or not os.path.isdir(cwd):
+        cwd = os.getcwd()  # the payload's own, when it names a directory at all
+    if ctx.args.dir is None and not os.environ.get("FABLIZE_DIR"):
+        ctx.store = Store(*find_state_dir(None, cwd), ctx.out.warnings)
+    return ctx.store
+
+
+def cmd_observe(ctx, a):
+    raw, payload = read_hook_stdin()
+    ctx.emit_raw({} if a.hook_for == "gemini" else None)  # it only records; Gemini wants JSON
+    cmd = shell_command_of(payload) if payload else None
+    if cmd is None:
+        return
+    try:
+        store = hook_store(ctx, payload)
+        if steps_aside(a, store.root, "observe"):
+            return
+        if not store.exists():
+            return
+        with store.session() as s:
+            plan = s.load()
+            active = active_stories(plan) if plan else []
+            if len(active) != 1 or not is_verification(cmd, active[0]):
+                return  # nothing to attribute it to, or not a verification
+            code, ok, detail = observed_outcome(payload)
+            tool = payload.get("tool_name")
+            s.commit("observed_run", id=active[0]["id"], cmd=masked_tail(cmd, 2000, store.root),
+                     exit_code=code, ok=ok,
+                     tool=masked_tail(tool, 200, None) if isinstance(tool, str) else a.hook_for,
+                     detail=masked_tail(detail, TAIL_CHARS, store.root))
+    except FablizeError as e:  # never fail the agent's tool call over our bookkeeping
+        sys.stderr.write("fablize observe: " + one_line(e.message) + "\n")
+
+
+def say_observed(ctx, story):
+    """After a checkpoint: the observed runs of the round, and a failure left standing."""
+    seen = observed_of(story)
+    ctx.data["observed"] = seen
+    for line in render_observed(story):
+        ctx.say(line)
+    bad = unaddressed_failure(story)
+    if bad is not None and story["status"] in DONE + ("review",):
+        ctx.out.warn(f"{story['id']} was checkpointed while the harness last saw "
+                     f"`{one_line(bad['cmd'])}` "
+                     f"fail (event {bad.get('seq')}): `status`, `report` and `audit` show it "
+                     "to the reviewer.")

@@ -1,0 +1,246 @@
+"""What a plan must never keep: secrets (token shapes, secret assignments, this environment's
+secret values) and this machine's places (the repository's root, the home folder), masked in
+what the engine records and prints. Pure text; the environment is read where a command starts.
+"""
+
+import json
+import os
+import re
+
+from .base import fix_argv_text, last_chars, Lazy, limit_text, READ_CHUNK, regex
+
+
+# Secrets: whatever looks like one is masked before anything is written — a run's log and tail,
+# an observed command and what the harness said of it, a --run command, evidence — the way CI
+# systems mask theirs: the values of this environment's variables whose names say they are
+# secret, and well-known shapes of tokens; in a command line, also the value of an assignment
+# to such a name (`GITHUB_TOKEN=… pytest`). A committed plan, and a shared plan's refs, are read
+# by everyone who can read the repository.
+SECRET_WORDS = (r"token|secret|passw(?:or)?d|passphrase|credential|api_?key|access_?key|"
+                r"private_?key|auth_?key|signing_?key")
+# well-known token shapes, each by its literal prefix (what a quick scan looks for first) and
+# the rest of its pattern; a prefix that ends words too (task-queue, AKIA in no word) must start
+# one here
+SECRET_SHAPES = (
+    *((f"gh{k}_", r"[A-Za-z0-9]{30,}") for k in "pousr"), ("github_pat_", r"\w{20,}"),
+    ("AKIA", r"[0-9A-Z]{16}"), *((f"xox{k}-", r"[\w-]{10,}") for k in "abprs"),
+    ("sk-", r"(?:ant-)?[\w-]{20,}"), ("AIza", r"[\w-]{35}"), ("npm_", r"[A-Za-z0-9]{36}"),
+    ("glpat-", r"[\w-]{20}"), ("eyJ", r"[\w-]{10,}\.eyJ[\w-]{10,}\.[\w-]{10,}"))
+_WORD_START = ("sk-", "AKIA", "AIza", "npm_", "glpat-", "eyJ")
+# a shape's body is first tried stopping where another token begins (two tokens side by side
+# are two), then whole (a token that holds another's prefix is still one)
+_NOT_A_PREFIX = "(?!" + "|".join(re.escape(prefix) for prefix, _ in SECRET_SHAPES) + ")"
+# an assignment to a name that says it is secret — it ends with the word (GITHUB_TOKEN,
+# db_password, AWS_SECRET_ACCESS_KEY) or holds SECRET (SECRET_KEY_BASE) — not max_tokens,
+# TOKENIZERS_PARALLELISM or password_min_length; nor a value the shell fills in ($GITHUB_TOKEN,
+# ${{ secrets.X }}), a comparison (token==x), a null (password=None) or what closes a call
+# after it. Linear: a word starts it, and one with no `=` in it fails at once.
+SECRET_ASSIGNMENT = (r"(?<![\w-])(?=\w*=)((?:\w*?(?i:" + SECRET_WORDS + r")|(?i:\w*secret\w*))=)"
+                     r"(?![=$]|(?:None|null|nil|true|false|True|False)\b)"
+                     r"(?:'[^']*'|\"[^\"]*\"|[^\s'\"(),;]+)")
+MASK = "***"
+SHORT_TEXT = 48             # characters: below this, looks_secret skips its literal pre-scan
+PRIVATE_KEY = b"PRIVATE KEY-----"
+
+
+def secret_values():
+    """This environment's values of variables whose names say they are secret, longest first
+    (so that none is masked half)."""
+    names = regex("(?i)" + SECRET_WORDS)
+    values = {fix_argv_text(v) for k, v in os.environ.items() if len(v) >= 6 and names.search(k)}
+    # each also as JSON writes it (what the harness reports arrives as JSON text)
+    values |= {json.dumps(v)[1:-1] for v in values}
+    return sorted(values, key=len, reverse=True)
+
+
+def _secrets(key):
+    """(pattern, literals) of what is masked in text of `kind` (str or bytes): a text holding
+    none of the literals holds no secret (output, not a command: a name's case varies), which
+    a scan for each finds at memory speed, where the pattern would cost ~20 ns a byte."""
+    kind, command = key
+    text = "|".join(([SECRET_ASSIGNMENT] if command else []) +
+                    [("(?<![\\w-])" if prefix in _WORD_START else "") + re.escape(prefix) +
+                     f"(?:{tempered(rest)}|{rest})" for prefix, rest in SECRET_SHAPES] +
+                    [re.escape(v) for v in secret_values()])
+    if kind is bytes:
+        text = text.encode("utf-8", "surrogateescape")
+    return re.compile(text), None if command else secret_literals(kind)
+
+
+def secret_literals(kind):
+    """What a text of `kind` that holds a secret holds literally (not a command, whose names'
+    case varies): the shapes' prefixes and the secret values."""
+    literals = [prefix for prefix, _ in SECRET_SHAPES] + secret_values()
+    return literals if kind is str else [x.encode("utf-8", "surrogateescape") for x in literals]
+
+
+def tempered(body):
+    """A token shape's body whose characters each stop where another token begins."""
+    return re.sub(r"\[[^\]]*\]|\\w", lambda m: f"(?:{_NOT_A_PREFIX}{m.group(0)})", body)
+
+
+_SECRETS = Lazy(_secrets)  # (str or bytes, a command line?) -> (pattern, literals), once a run
+
+
+def mask(text, command=False):
+    """`text` (str or bytes) with every secret it holds replaced by ***; a `command` line's
+    assignments to a secret-looking name keep the name (`GITHUB_TOKEN=***`)."""
+    if not looks_secret(text, command):
+        return text
+    star = MASK.encode() if type(text) is bytes else MASK
+    return _SECRETS[type(text), command][0].sub(
+        lambda m: (m.lastindex and m.group(1) or star[:0]) + star, text)
+
+
+def looks_secret(text, command=False):
+    if not text:
+        return False
+    pattern, literals = _SECRETS[type(text), command]
+    # the pattern costs ~50 ns a character, a scan for each literal ~1 ns a character plus
+    # ~40 ns: on a short text (a command, a one-line tail) the pattern alone is cheaper
+    # (audit of 100,000 real runs, bench.py section 4: 2.13 → 2.03 s CPU with this threshold)
+    if literals is not None and len(text) > SHORT_TEXT and not any(x in text for x in literals):
+        return False
+    return pattern.search(text) is not None
+
+
+def masked_text(name, text, root=None):
+    """An agent's text as the plan keeps it: within the limit, its secrets masked, and the
+    places of the machine under `root` shown relative to them (mask_places)."""
+    return mask_places(mask(limit_text(name, text), command=True), root)
+
+
+# Places: where this machine keeps the work and its user's files. Output names them (a
+# traceback's file, pytest's rootdir, a tool under the home folder) and so do an agent's commands
+# (`cd /home/alice/proj && pytest`); a plan that kept them would tell everyone who reads the
+# repository the machine's layout and its user's name. What the engine records of output, of
+# the harness and of an agent's words shows them as a shell would let one type them: the
+# repository's root as `.`, the home folder as `~`. A command the engine runs again (a frozen
+# check, a --run) is kept as given: it must run as written.
+def _places(key):
+    """(pattern, {place: shown}) for text of `kind` (str or bytes) under `root`, or None."""
+    kind, root = key
+    shown = {}
+    for path, name in ((root, "."), (logical_root(root), "."), (os.environ.get("HOME"), "~")):
+        for p in (path, path and os.path.realpath(path)):
+            p = (p or "").rstrip("/")
+            # a place of one folder names no one (/root, CI's and containers' user; /app): it
+            # stays, as it does on other machines in the output (`scp x web:/root/`, GET /app/x)
+            if p.startswith("/") and p.count("/") >= 2 and p not in shown:
+                shown[p] = name
+    if not shown:
+        return None
+    # a whole place only, the longest first (a root inside the home folder is `.`): not the end
+    # of a longer path (/root in /srv/root) but where a place starts — after a space, a quote, an
+    # `=`, a JSON escape (`\n/root`), a URL's `://`, a flag (`-I/root/include`), a terminal's
+    # colour (`\x1b[1m/root`) — and not the start of a longer name (/root in /rootfs, /root.bak,
+    # /root~), a sentence's stop aside
+    text = (r"(?:(?<![\w.~/-])|(?<=\\[nrt])|(?<=://)|(?<=(?<![^\s\"'=(])-[A-Za-z])|"
+            r"(?<=\\[nrt]-[A-Za-z])|(?<=[\d\[;][mK]))(?:"
+            + "|".join(map(re.escape, sorted(shown, key=len, reverse=True)))
+            + r")(?![\w~-]|\.[\w-])")
+    if kind is bytes:
+        return (re.compile(text.encode("utf-8", "surrogateescape")),
+                {k.encode("utf-8", "surrogateescape"): v.encode() for k, v in shown.items()})
+    return re.compile(text), shown
+
+
+def logical_root(root):
+    """`root` as the shell that started the engine names it ($PWD), where a symlink on the way
+    makes that differ from the real path the engine works with (a check's `pwd` says it so)."""
+    pwd = os.environ.get("PWD")
+    if not root or not pwd or not pwd.startswith("/"):
+        return None
+    rel = os.path.relpath(os.path.realpath(pwd), os.path.realpath(root))
+    if rel == ".":
+        return pwd
+    tail = "/" + rel
+    if rel.startswith("..") or not pwd.rstrip("/").endswith(tail):
+        return None
+    return pwd.rstrip("/")[:-len(tail)]
+
+
+_PLACES = Lazy(_places)
+
+
+def mask_places(text, root):
+    """`text` (str or bytes) with the repository's root (`root`, when given) shown as `.` and
+    the home folder as `~`, wherever a whole one of them is named."""
+    places = _PLACES[type(text), root] if text else None
+    if places is None:
+        return text
+    pattern, shown = places
+    dot, slash = (".", "/") if type(text) is str else (b".", b"/")
+
+    def place(m):  # the root at a sentence's stop is `./.`: `..` would say its parent
+        name = shown[m.group(0)]
+        return name + slash if name == dot and m.string[m.end():m.end() + 1] == dot else name
+    return pattern.sub(place, text)
+
+
+def masked_tail(text, n, root):
+    """The last `n` characters of what the harness reported (a command, its output), its
+    secrets and places masked before it is cut, so that none is cut in half and kept: a long
+    text is first cut to its last 64·n characters at a space, without the word cut in half."""
+    text = text or ""
+    if len(text) > 64 * n:
+        text = text[-64 * n:]
+        text = text[min(i for i in (text.find(" "), text.find("\n"), len(text)) if i >= 0):]
+    return last_chars(mask_places(mask(text, True), root), n)
+
+
+_LAST_BREAK = re.compile(rb"[^\w./~:%+=@\\-][\w./~:%+=@\\-]*\Z")  # the last byte no token holds
+HOLD = 4096  # bytes of a line too long to hold that wait for what follows them
+
+
+class Masker:
+    """Masks a stream of output, a line at a time (a secret never spans lines; a line held
+    back waits for its end, up to READ_CHUNK bytes); a private key's lines are dropped whole,
+    from its BEGIN line to its END line. A line longer than that is cut where no token or place
+    (under `root`) goes on, its last HOLD bytes kept back for what follows them."""
+
+    def __init__(self, root=None):
+        self.carry = b""
+        self.in_key = False
+        self.root = root
+
+    def cut(self, data):
+        """Where to cut a line too long to hold: at a byte no token or path holds (a space, a
+        quote) near its end, else there; moved back before a secret or a place that goes on
+        past it (a secret's value or a path may hold a space). What matches over more than
+        HOLD bytes is no token: cut through, so that the line held back stays short."""
+        end = len(data) - HOLD
+        found = _LAST_BREAK.search(data, end - READ_CHUNK // 4, end)
+        cut = found.start() + 1 if found else end
+        for pattern in (_SECRETS[bytes, False][0], (_PLACES[bytes, self.root] or [None])[0]):
+            for m in pattern.finditer(data) if pattern is not None else ():
+                if m.start() < cut < m.end() and m.end() - m.start() <= HOLD:
+                    cut = m.start()
+        return cut
+
+    def feed(self, chunk, final=False):
+        data = self.carry + chunk
+        cut = len(data) if final else data.rfind(b"\n") + 1
+        if not cut and len(data) >= READ_CHUNK:
+            cut = self.cut(data)
+        self.carry = data[cut:]
+        block = data[:cut]
+        if self.in_key or PRIVATE_KEY in block:
+            block = self.keys(block)
+        return mask(block)
+
+    def keys(self, block):
+        out = []
+        for line in block.splitlines(True):
+            key = PRIVATE_KEY in line
+            if self.in_key:
+                if key and b"-----END" in line:
+                    self.in_key = False
+                    out.append(MASK.encode() + line[len(line.rstrip(b"\r\n")):])
+                continue
+            if key and b"-----BEGIN" in line:
+                self.in_key = b"-----END" not in line
+                line = (line[:line.index(b"-----BEGIN")] + MASK.encode() +
+                    line[len(line.rstrip(b"\r\n")):])
+            out.append(line)
+        return b"".join(out)

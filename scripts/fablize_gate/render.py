@@ -1,0 +1,493 @@
+"""Rendering: how the engine names itself, the handoff, status, the plan map, report. Text
+only: nothing here writes state.
+"""
+
+import os
+import re
+import sys
+
+from .base import (
+    blank, count_noun, count_stories, defuse, defused_line, DONE, indent, last_chars,
+    MAP_LABELS, MAP_LOOKBACK, MAP_WINDOW, MARKS, one_line, PYTHON, quote_arg, RESUME_CARRIED,
+    RESUME_MAP, RESUME_TAIL, RESUME_TITLE, short, STATUS_TABLE, TAIL_CHARS, time_label)
+from .model import (
+    _PRISTINE, accepted_ids, active_stories, blocked_because, DEFAULTS, describe_exit,
+    done_count, find_story, grade_detail, is_final, observed_of, observed_result, pick_ready,
+    plan_done, REOPENED_BECAUSE, round_failures, round_label, rounds_left, run_passed,
+    run_summary, stories_in, touch, unaddressed_failure, waits_for)
+from .runs import NOT_THERE, repo_root
+
+# the folder that holds goals.py and this package (scripts/ in a checkout or a copy)
+ENTRY_FOLDER = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+
+
+def invocation(cwd=None):
+    """The command that runs this engine, as every handoff, hook reason and block prints it:
+    `fablize` when started as the installed command or through the plugin's bin/fablize; else
+    goals.py, the one way in (beside this package, however the process was started), by its
+    place in the repository, found from wherever the shell stands (`git rev-parse`); else, for
+    a copy outside the repository, by its absolute path."""
+    name, ext = os.path.splitext(os.path.basename(sys.argv[0] or ""))
+    if name == "fablize" and ext.lower() != ".py":
+        return "fablize"
+    script = os.path.join(ENTRY_FOLDER, "goals.py")
+    root = repo_root(cwd or os.getcwd())
+    if root is not None:
+        try:
+            rel = os.path.relpath(script, root).replace(os.sep, "/")
+        except ValueError:  # another drive on Windows
+            rel = ".."
+        if not rel.startswith("..") and re.fullmatch(r"[\w./@+-]+", rel):
+            return repository_command(rel)
+    return f"{PYTHON} {quote_arg(script)}"
+
+
+def repository_command(rel):
+    """The command that runs the repository's goals.py `rel` from any directory of any clone,
+    with no absolute path: what setup commits."""
+    return f'{PYTHON} "$(git rev-parse --show-toplevel)/{rel}"'
+
+
+def checkpoint_command(prog, story, status, evidence):
+    """A whole checkpoint command line for `story` (its agent named, as the gate asks)."""
+    return (f"{prog} checkpoint --id {story['id']} --status {status} --evidence \"{evidence}\""
+            + (f" --agent {quote_arg(story['agent'])}" if story["agent"] else ""))
+
+
+def completion_command(prog, plan, story):
+    """The checkpoint that completes `story`, as its gate will accept it."""
+    cmd = checkpoint_command(prog, story, "complete", "<evidence>")
+    if story["checks"]:
+        return cmd
+    if is_final(plan, story):  # witnessed first: the engine runs it (SKILL.md: prefer --run)
+        return cmd + " --run --verify-cmd \"<command>\""
+    return cmd
+
+
+def handoff_command(prog, story):
+    """The command that prints `story`'s whole handoff again without changing anything."""
+    if story["agent"]:
+        return f"{prog} next --agent {quote_arg(story['agent'])}"
+    return f"{prog} next"
+
+
+def render_map(plan, story, lookback=MAP_LOOKBACK, window=MAP_WINDOW, title=None):
+    goals = plan["goals"]
+    n = len(goals)
+    idx = goals.index(story)
+    start = max(0, idx - lookback)
+    end = min(n, start + window)
+    start = max(0, end - window)
+    width = len(str(n))
+    lines = ["## Plan map — context only: work the NOW story; do not start later ones."]
+    for i in range(start, end):
+        s = goals[i]
+        label = "NOW" if s is story else MAP_LABELS[s["status"]]
+        name = s["title"] if title is None else short(s["title"], title)
+        line = f" {i + 1:>{width}}. [{label:<8}] {s['id']} {defused_line(name)}"
+        if s is story:
+            line += "   ← you are here"
+        elif s["status"] == "in_progress" and s.get("agent"):
+            line += f"   (agent {one_line(s['agent'])})"
+        lines.append(line)
+    if start or end < n:
+        lines.append(f"  … {start} earlier stories not shown above, "
+                     f"{n - end} later not shown below")
+    return lines
+
+
+def render_carried(plan, story, latest=None, chars=TAIL_CHARS, title=None):
+    """One block per direct dependency (the `latest` few, when given): its latest evidence and
+    run, their last `chars` characters, defused."""
+    lines = []
+    after = story["after"]
+    if latest is not None and len(after) > latest:
+        lines.append(f"## From {count_noun(len(after) - latest, 'earlier dependency')} — not "
+                     f"shown here; `next` prints the whole handoff")
+        after = after[-latest:]
+    for dep_id in after:
+        dep = find_story(plan, dep_id)
+        name = dep["title"] if title is None else short(dep["title"], title)
+        lines.append(f"## From {dep['id']} — {defused_line(name)} (direct dependency, "
+                     f"{MAP_LABELS[dep['status']]})")
+        if dep["decision"] and dep["status"] == "accepted":
+            lines.append("accepted by a human decision: "
+                         + defuse(last_chars(dep["decision"]["note"])))
+        if not blank(dep["evidence"]):
+            lines.append(f"evidence (last {chars} characters):")
+            lines.append(indent(defuse(last_chars(dep["evidence"], chars))))
+        run = dep["last_run"]
+        if run:
+            lines.append("verification run: " + defuse(run_summary(run)) + " — output tail:")
+            lines.append(indent(defuse(last_chars(run["tail"], chars)) or "(no output)"))
+    return lines
+
+
+def render_feedback(story):
+    fb = story["feedback"]
+    if not fb:
+        return []
+    source = {"checkpoint": "the failed checkpoint", "judge": "the judge",
+              "retry": "a human's retry", "amend": "a human's amendment"}
+    source = source.get(fb["source"], fb["source"])
+    lines = [f"## What was missing (round {fb['round']}, from {source})"]
+    lines.append(indent(defuse(last_chars(fb["text"]))) if not blank(fb["text"])
+                 else "    (no reason was given)")
+    for run in fb.get("runs", []):
+        lines.append(f"failed run `{defuse(one_line(run['cmd']))}` ({run['exit']}) — output tail:")
+        lines.append(indent(defuse(last_chars(run["tail"])) or "(no output)"))
+    return lines
+
+
+def render_round_failures(story, prefix):
+    failed = round_failures(story)
+    if not failed:
+        return []
+    lines = [f"⚠ {prefix}{count_noun(len(failed), 'run')} already failed in this round — fix what "
+             "they "
+             "show before the complete checkpoint:"]
+    for run in failed:
+        label = f"frozen check {run['check'] + 1}" if run["check"] is not None else "run"
+        lines.append(f"  {label} `{defuse(one_line(run['cmd']))}` ({describe_exit(run)}, event "
+                     f"{run['seq']}) — output tail:")
+        lines.append(indent(defuse(last_chars(run["tail"]).rstrip("\n")) or "(no output)",
+                            "      "))
+    return lines
+
+
+def render_observed(story):
+    seen = observed_of(story)
+    if not seen:
+        return []
+    lines = ["## Observed runs — what your harness reported about commands you ran (observed: "
+             "more than claimed, less than witnessed):"]
+    lines += [f"  event {o.get('seq')}: `{one_line(o['cmd'])}` → {observed_result(o)}"
+              for o in seen[-5:]]
+    return lines
+
+
+def render_handoff(prog, plan, story, reshown, brief=False):
+    """A story's handoff: what a fresh session needs to do it (`reshown`: it was already in
+    progress). `brief` (what a session start injects): a smaller map window and the latest
+    few direct dependencies, so that it stays short however large the plan."""
+    lines = [f"=== fablize handoff — {story['id']} {defused_line(story['title'])}",
+             f"Objective: {defused_line(story['objective'])}"]
+    for a in story["amendments"]:
+        lines.append(f"Amended ({a['ts'][:10]}): {one_line(a['note'])}")
+    if reshown:
+        lines.append(f"⚠ Resumed: this story was already in progress (round {story['round']}, "
+                     "started "
+                     f"{time_label(story['started_ts'])}). Continue it; do not restart it.")
+    elif story["round"] > 1:
+        fb = story["feedback"] or {}
+        lines.append(f"⚠ Reopened: {round_label(plan, story)} — "
+                     f"{REOPENED_BECAUSE.get(fb.get('source'), REOPENED_BECAUSE['checkpoint'])}; "
+                     "what was missing is below. Continue the work; do not restart it.")
+    if reshown:
+        lines += render_round_failures(story, "Resumed: ")
+    if reshown or story["round"] > 1:
+        lines.append("  Files from the earlier attempt exist only if that work was kept (committed "
+                     "or "
+                     "still in this working tree): check before relying on them.")
+    lines.append("Rule: work this story only. Produce evidence as you go.")
+    if is_final(plan, story):
+        if story["checks"]:
+            lines.append("★ Final story — its frozen checks must pass: the engine runs them at the "
+                         "complete checkpoint (verification gate).")
+        elif plan["options"]["require_run"]:
+            lines.append("★ Final story — this plan requires a witnessed run: the complete "
+                         "checkpoint needs --run --verify-cmd (the engine runs it; verification "
+                         "gate).")
+        else:
+            lines.append("★ Final story — the complete checkpoint requires verification: prefer "
+                         "--run --verify-cmd (witnessed: the engine runs it); --verify-cmd with "
+                         "--verify-evidence is recorded as claimed (verification gate).")
+    lines += (render_map(plan, story, *RESUME_MAP, title=RESUME_TITLE) if brief
+              else render_map(plan, story))
+    lines += (render_carried(plan, story, RESUME_CARRIED, RESUME_TAIL, RESUME_TITLE) if brief
+              else render_carried(plan, story))
+    lines += render_feedback(story)
+    if story["checks"]:
+        lines.append("## Frozen checks — the engine runs all of them at `complete`; no substitute "
+                     "command counts:")
+        flagged = {u["check"]: u["reason"] for u in plan["unverifiable"] if u["id"] == story["id"]}
+        for i, cmd in enumerate(story["checks"]):
+            note = ("" if i not in flagged else
+                    f"   (not there yet: {one_line(flagged[i])}; write it first)"
+                    if flagged[i].endswith(NOT_THERE) else
+                    f"   ⚠ cannot run here: {one_line(flagged[i])}")
+            lines.append(f"  {i + 1}. {one_line(cmd)}{note}")
+    if story["accept"]:
+        lines.append("## Acceptance items — a judge checks each one:")
+        lines += [f"  - {one_line(item)}" for item in story["accept"]]
+    if story["judge"]:
+        lines.append("Judged story: `complete` moves it to review; an independent judge decides.")
+    lines += render_observed(story)
+    lines.append("Not achieved yet: " + checkpoint_command(prog, story, "failed",
+                                                            "<what is missing>"))
+    lines.append("Impossible as specified: " + checkpoint_command(prog, story, "blocked", "<why>")
+                 + "   (then stop and ask a human)")
+    lines.append("On completion: " + completion_command(prog, plan, story))
+    if is_final(plan, story) and not story["checks"] and not plan["options"]["require_run"]:
+        lines.append("  (only if the engine cannot run it, a claimed completion: --verify-cmd "
+                     "\"<command>\" --verify-evidence \"<result>\" without --run)")
+    return lines
+
+
+def render_resume(prog, plan, story):
+    """What `status` shows of a story in progress: enough to pick it up after a crash."""
+    lines = [f"## Resume {story['id']} — {defused_line(story['title'])} (round {story['round']}, "
+             f"started {time_label(story['started_ts'])})",
+             f"Objective: {defused_line(story['objective'])}"]
+    lines += [f"Amended: {defused_line(a['note'])}" for a in story["amendments"]]
+    fb = story["feedback"]
+    if fb:
+        lines.append(f"What was missing last round (round {fb['round']}):")
+        lines.append(indent(defuse(last_chars(fb["text"], 300))) if not blank(fb["text"])
+                     else "    (no reason was recorded)")
+    lines += render_round_failures(story, "")
+    lines.append("Full handoff (plan map, dependencies' evidence, checks): "
+                 + handoff_command(prog, story))
+    lines.append(f"  or, for every story in progress: {prog} status --resume")
+    lines.append("Then: " + completion_command(prog, plan, story))
+    return lines
+
+
+def status_details(plan, story):
+    """The lines under a story in `status`: its round, holder, what it waits for, why it is
+    blocked, what its completion rests on, its amendments."""
+    if _PRISTINE.issuperset(story):  # untouched since `create`: at most what it waits for
+        waiting = waits_for(plan, story)
+        return ["waits for " + ", ".join(waiting)] if waiting else []
+    touch(story)
+    details = []
+    if story["status"] in DONE:
+        if story["round"] > 1:
+            details.append(f"done in round {story['round']}")
+    elif story["round"] > 1 or story["status"] in ("failed", "in_progress"):
+        details.append(f"{round_label(plan, story)}, "
+                       f"{count_noun(max(rounds_left(plan, story), 0), 'round')} left")
+    if story["status"] == "in_progress" and story["agent"]:
+        details.append(f"held by agent {one_line(story['agent'])}")
+    if story["status"] in ("pending", "failed"):
+        waiting = waits_for(plan, story)
+        if waiting:
+            details.append("waits for " + ", ".join(waiting))
+    if story["status"] == "blocked":
+        details.append("blocked: " + one_line(last_chars(blocked_because(story), 200)))
+    if story["status"] == "review":
+        details.append("awaiting an independent judge")
+    if story["status"] in ("accepted", "complete", "review") and grade_detail(story):
+        details.append(grade_detail(story))
+    for a in story["amendments"]:
+        details.append("amended: " + one_line(last_chars(a["note"], 200)))
+    bad = unaddressed_failure(story) if story["status"] in DONE + ("review",) else None
+    if bad is not None:
+        details.append(f"the harness last saw `{one_line(last_chars(bad['cmd'], 120))}` fail "
+                       f"(event {bad.get('seq')}) before it was checkpointed")
+    return details
+
+
+def next_action(prog, plan, agent=None):
+    """What to do now — the one answer `next`, `status`, `checkpoint`, `decide`, `verdict`, the
+    guard and every refusal give, so no two commands disagree and no suggested command is one a
+    gate then refuses. A dict: kind (done, finish, next, decide, judge, wait), id (the story),
+    cmd (the command line, runnable as printed) and text (one line)."""
+    if plan_done(plan):
+        return {"kind": "done", "id": None, "cmd": None, "text": done_line(plan)}
+    active = active_stories(plan)
+    mine = [s for s in active if agent is None or s["agent"] == agent]
+    if mine:
+        s = mine[0]
+        command = completion_command(prog, plan, s)
+        return {"kind": "finish", "id": s["id"], "cmd": command,
+                "text": f"finish {s['id']}, then `{command}`"}
+    ready = pick_ready(plan)
+    if ready is not None:
+        command = f"{prog} next" + (f" --agent {quote_arg(agent)}" if agent is not None else "")
+        return {"kind": "next", "id": ready["id"], "cmd": command,
+                "text": f"`{command}` (activates {ready['id']})"}
+    blocked = stories_in(plan, "blocked")
+    if blocked:
+        s = blocked[0]
+        commands = decide_commands(prog, s["id"])
+        reason = one_line(last_chars(blocked_because(s), 200))
+        return {"kind": "decide", "id": s["id"], "cmd": commands[0], "commands": commands,
+                "text": f"{s['id']} is blocked ({reason}) — the plan halts here: nothing that "
+                        "depends on it can start. A human must decide, with one of:"}
+    review = stories_in(plan, "review")
+    if review:
+        s = review[0]
+        command = f"{prog} judge-packet --id {s['id']}"
+        return {"kind": "judge", "id": s["id"], "cmd": command,
+                "text": f"{s['id']} awaits an independent judge: hand {s['id']} to the judge, who "
+                        f"runs `{command}`"}
+    held = ", ".join(f"{s['id']} ({one_line(s['agent'] or 'no agent')})" for s in active)
+    return {"kind": "wait", "id": None, "cmd": None,
+            "text": f"nothing is ready{' for agent ' + one_line(agent) if agent else ''}: in "
+                    f"progress {held}; the rest waits for them"}
+
+
+def hand_to_judge(prog, story):
+    sid = story["id"]
+    return (f"fablize: {sid} \"{defused_line(story['title'])}\" is in review — hand {sid} to the "
+            f"judge: start the fablize-judge agent (or another independent reviewer) on {sid}; it "
+            f"runs {prog} judge-packet --id {sid} and answers with a verdict. Do not judge "
+            "your own work.")
+
+
+def plan_summary(plan):
+    """The counts every command's --json carries: `done` is always a count."""
+    return {"done": done_count(plan), "total": len(plan["goals"]), "complete": plan_done(plan)}
+
+
+def left_line(plan, action):
+    """After a transition: what is left and what to do next (`action`): a line, and a line for
+    each of its alternative commands."""
+    if action["kind"] == "done":
+        return action["text"]
+    left = count_stories(len(plan["goals"]) - done_count(plan))
+    return with_commands(f"fablize: {left} left — next: {action['text']}", action)
+
+
+def next_line(action):
+    if action["kind"] == "done":
+        return action["text"]
+    return with_commands(f"fablize: next — {action['text']}", action)
+
+
+def with_commands(line, action):
+    """`line`, then each alternative command of `action` whole on its own line."""
+    return "\n".join([line] + [f"  {cmd}" for cmd in action.get("commands", ())])
+
+
+# what a human may decide of a story that needs one, each with what its note says
+DECISION_NOTES = (("accept", "<why it is acceptable as it is>"),
+                  ("retry", "<what the next attempt should do>"),
+                  ("amend", "<what changes in the objective>"))
+
+
+def decide_commands(prog, sid):
+    """What a human may run: in their own terminal, so the plugin's engine by its full path."""
+    return [f"{human_command(prog)} decide --id {sid} {decision} --note \"{note}\""
+            for decision, note in DECISION_NOTES]
+
+
+def human_command(prog):
+    """The engine as a person runs it in their own terminal: `prog`, except when it was started
+    through the plugin's bin/fablize, which is on the PATH of Claude Code's Bash tool only —
+    then that file, by its full path."""
+    if prog != "fablize":
+        return prog
+    top = os.path.dirname(ENTRY_FOLDER)
+    launcher = os.path.join(top, "bin", "fablize")
+    if os.path.isfile(os.path.join(top, ".claude-plugin", "plugin.json")) and os.path.isfile(
+            launcher):
+        return quote_arg(launcher)
+    return prog
+
+
+def done_line(plan):
+    accepted = [s["id"] for s in plan["goals"] if s["status"] == "accepted"]
+    if accepted:
+        return f"fablize: all stories done ✓ ({', '.join(accepted)} accepted by a human decision)"
+    return "fablize: all stories complete ✓"
+
+
+def story_json(plan, story):
+    """A story in --json: every field of STORY_FIELDS (defaults filled in), and what follows
+    from the plan: whether it is the final story, its rounds left, what it waits for."""
+    data = {key: story.get(key, default) for key, default in DEFAULTS.items()}
+    data.update(final=is_final(plan, story), rounds_left=rounds_left(plan, data),
+                waits_for=waits_for(plan, story))
+    return data
+
+
+def plan_json(plan):
+    return {"plan_id": plan["plan_id"], "brief": plan["brief"], "created": plan["created"],
+            "scope": plan.get("scope", []),
+            **plan_summary(plan), "accepted": accepted_ids(plan), "options": plan["options"],
+            "unverifiable": plan["unverifiable"], "ledger": plan["ledger"],
+            "stories": [story_json(plan, s) for s in plan["goals"]]}
+
+
+GRADES_EACH = 8  # up to this many stories, each story's grade is told; beyond, each grade's count
+
+
+def grade_groups(grades):
+    """[(grade, its stories' ids)] of {id: grade}, the most common grade first: how a plan of
+    thousands of stories tells its grades without a line of thousands of ids."""
+    groups = {}
+    for sid, grade in grades.items():
+        groups.setdefault(grade, []).append(sid)
+    return sorted(groups.items(), key=lambda g: -len(g[1]))
+
+
+def grades_line(grades):
+    """`grades: G001 witnessed, G002 claimed`, or by grade for a long plan: `grades: 9,998
+    witnessed, 2 claimed (G0042, G0077)` (the ids of a grade held by a few stories)."""
+    if len(grades) <= GRADES_EACH:
+        return "grades: " + ", ".join(f"{sid} {grade}" for sid, grade in grades.items())
+    return "grades: " + ", ".join(f"{len(ids):,} {grade}{few_ids(ids)}"
+                                  for grade, ids in grade_groups(grades))
+
+
+def few_ids(ids):
+    """` (G0042, G0077)` for a few stories, nothing for many."""
+    return f" ({', '.join(ids)})" if len(ids) <= GRADES_EACH else ""
+
+
+def md_cell(text, limit=120):
+    text = one_line(last_chars(text or "", limit) if len(text or "") > limit else text or "")
+    return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;").replace("`", "'")
+
+
+def render_report(plan, runs, total=None):
+    """`report`: a Markdown summary (progress, a row a story, the latest runs, the dependency
+    graph) for a pull request or a CI job summary."""
+    goals = [touch(s) for s in plan["goals"]]
+    done = done_count(plan)
+    filled = round(20 * done / len(goals))
+    lines = [f"# fablize report — {md_cell(plan['brief'], 200)}", "",
+             f"`{'█' * filled}{'░' * (20 - filled)}` **{done}/{len(goals)} done** "
+             f"({100 * done // len(goals)}%)" +
+             (" — " + done_line(plan)[len("fablize: "):] if plan_done(plan) else ""),
+             "", "| Story | Title | Status | Rounds | Evidence | Grade |",
+             "|---|---|---|---|---|---|"]
+    for s in goals:
+        evidence = md_cell(s["evidence"])
+        if s["status"] == "accepted" and s["decision"]:
+            evidence = "accepted by a human: " + md_cell(s["decision"]["note"], 100)
+        lines.append(f"| {s['id']} | {md_cell(s['title'], 80)} | {MARKS[s['status']]} "
+                     f"{s['status']} | {md_cell(str(s['round']))} | {evidence} | "
+                     f"{s['grade'] or ''} |")
+    if runs:
+        lines += ["", "## Verification runs", "",
+                  "| Event | Story | Command | Result | Duration | Output sha256 |",
+                  "|---|---|---|---|---|---|"]
+        if total and total > len(runs):
+            lines[-3] += f" — the latest {len(runs)} of {total} (`log` lists them all)"
+        for r in runs:
+            lines.append(f"| {md_cell(str(r['seq']))} | {md_cell(r['id'])} | "
+                         f"`{md_cell(r['cmd'], 80)}` | "
+                         f"{'pass' if run_passed(r) else 'FAIL'}: {md_cell(describe_exit(r))} | "
+                         f"{md_cell(str(r.get('duration_s')))} s | "
+                         f"`{md_cell(str(r.get('sha256'))[:16])}` |")
+    standing = [(s, unaddressed_failure(s)) for s in goals if s["status"] in DONE + ("review",)]
+    standing = [(s, o) for s, o in standing if o is not None]
+    if standing:
+        lines += ["", "## Failures the harness saw, left standing", ""]
+        lines += [f"- {s['id']}: the harness last saw `{md_cell(o['cmd'], 120)}` fail (event "
+                  f"{md_cell(str(o.get('seq')))}) before it was checkpointed" for s, o in standing]
+    lines += ["", "## Stories and dependencies", "", "```mermaid", "graph TD"]
+    for s in goals:
+        label = md_cell(s["title"], 40).replace('"', "#quot;")
+        lines.append(f"  {s['id']}[\"{s['id']} {label}\"]:::{s['status']}")
+    for s in goals:
+        for dep in s["after"]:
+            lines.append(f"  {dep} --> {s['id']}")
+    lines += [f"  classDef {k} fill:{row[2]}" for k, row in STATUS_TABLE.items()]
+    lines += ["```", "", "Ledger head: "
+                         f"`{plan['ledger']['seq']}:{md_cell(plan['ledger']['head'])}` "
+              f"(plan `{md_cell(plan['plan_id'])}`)", ""]
+    return "\n".join(lines)

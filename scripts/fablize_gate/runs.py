@@ -1,0 +1,623 @@
+"""The one place processes start: git and the other tools the engine runs, the checks it runs
+itself (run_command), their provenance, and which checks cannot be verified here.
+"""
+
+import os
+import re
+import stat
+import time
+
+from .base import (
+    _sha256, blank, clean, damaged, FablizeError, fix_argv_text, limit_text, now_iso, one_line,
+    READ_CHUNK, refused, RUNS, sha256_hex, TAIL_CHARS, usage)
+from .masking import looks_secret, mask, mask_places, Masker
+from .model import run_passed, run_result
+from .storage import ensure_subdir, fsync_dir, open_state_file, write_all
+
+
+# One policy for every program the engine and its rooms start (git, ssh-keygen, a shell for
+# doctor): one timeout, never a prompt for credentials, a missing program or a timeout as one
+# line. Like git-filter-repo's GitUtils: nothing else calls subprocess for a tool.
+TOOL_TIMEOUT = 120.0
+
+
+def run_tool(argv, cwd=None, data=None, what=None, timeout=TOOL_TIMEOUT, shell=False, env=None):
+    """(exit code, stdout bytes, stderr text) of a program; `data` is its stdin (else none),
+    `env` variables it gets besides this process's."""
+    import subprocess
+    env = dict(os.environ, GIT_TERMINAL_PROMPT="0", GIT_ASKPASS="", SSH_ASKPASS="", **(env or {}))
+    name = argv.split()[0] if shell else argv[0]
+    try:
+        p = subprocess.run(argv, cwd=cwd, input=data, capture_output=True, timeout=timeout,
+                           env=env, shell=shell,
+                           stdin=subprocess.DEVNULL if data is None else None)
+    except FileNotFoundError:
+        raise refused(f"{name} is not installed (or not on PATH): {what or name} needs it.",
+                      "tool_missing")
+    except subprocess.TimeoutExpired:
+        raise damaged(f"{name} took more than {timeout:g} s ({what or name}).", "tool_timeout")
+    except (OSError, ValueError) as e:  # ValueError: a NUL in an argument
+        raise damaged(f"{name} failed to run: {one_line(e)}", "io_error")
+    return p.returncode, p.stdout, p.stderr.decode("utf-8", "replace").strip()
+
+
+def git(root, *args, data=None, what=None, env=None):
+    """(exit code, stdout bytes, stderr text) of git in the repository at `root`."""
+    return run_tool(["git", "-C", root, *args], data=data, what=what or "this command", env=env)
+
+
+def git_out(root, *args, data=None, what=None, env=None):
+    """git's stdout; a failure is damage, with git's own reason."""
+    code, out, err = git(root, *args, data=data, what=what, env=env)
+    if code != 0:
+        raise damaged(f"git {args[0]} failed: {one_line(err)[:300]}", "git_failed")
+    return out
+
+
+def repo_root(start):
+    """The repository holding `start`: the nearest directory at or above it that holds `.git`
+    (a folder, or the file of a worktree or submodule), or None. The one root finder: no git
+    process, so every start can afford it."""
+    d = os.path.realpath(start)
+    while True:
+        if os.path.lexists(os.path.join(d, ".git")):
+            return d
+        parent = os.path.dirname(d)
+        if parent == d:
+            return None
+        d = parent
+
+
+def repo_relative(path):
+    """`path` relative to its repository ("." at the top), or None outside one."""
+    top = repo_root(path)
+    return (None if top is None else
+        os.path.relpath(os.path.realpath(path), top).replace(os.sep, "/"))
+
+
+MERGE_DRIVER = b'[merge "fablize"]'  # the git config section install-merge writes
+
+
+def merge_driver_missing(root):
+    """Whether the repository's committed .gitattributes names fablize's merge driver while
+    this clone's git config (its own, the user's, the global one) lacks it: a fresh clone,
+    whose merges would leave conflict markers in the plan. Read from the files, no git
+    process: every command can afford it."""
+    top = repo_root(root)
+    if top is None or MERGE_ATTRIBUTE not in (read_plain(os.path.join(top, ".gitattributes"))):
+        return False
+    git_dir = os.path.join(top, ".git")
+    if os.path.isfile(git_dir):  # a worktree or submodule: `gitdir: PATH`, maybe a commondir
+        link = read_plain(git_dir).decode("utf-8", "replace").partition("gitdir:")[2].strip()
+        git_dir = os.path.join(top, link)
+        common = read_plain(os.path.join(git_dir, "commondir")).decode("utf-8", "replace").strip()
+        git_dir = os.path.join(git_dir, common) if common else git_dir
+    home = os.path.expanduser("~")
+    xdg = os.environ.get("XDG_CONFIG_HOME") or os.path.join(home, ".config")
+    return not any(MERGE_DRIVER in read_plain(path) for path in (
+        os.path.join(git_dir, "config"), os.path.join(home, ".gitconfig"),
+        os.path.join(xdg, "git", "config")))
+
+
+MERGE_ATTRIBUTE = b"merge=fablize"
+MERGE_QUIET = ("install-merge", "setup", "merge-driver", "audit", "doctor")  # doctor: a finding
+
+
+def read_plain(path):
+    """A small file's bytes, or b"" when it cannot be read (a config, an attributes file)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(1 << 20)
+    except OSError:
+        return b""
+
+
+def git_state(root, state_dir):
+    """(HEAD, dirty, tree) of the repository at `root` as a run starts: the commit, whether the
+    working tree differs from it, and the id of the tree the working tree holds (what `git add
+    -A` would commit, the state directory left out, through an index of its own). The tree lets
+    audit tell a run made before its exact tree was committed — an honest run — from one made
+    on a tree that never was. (None, None, None) outside a repository."""
+    import shutil
+    import tempfile
+    try:
+        code, out, _ = git(root, "rev-parse", "HEAD", "--git-path", "index")
+        if code != 0:
+            return None, None, None
+        head, index = out.decode("utf-8", "surrogateescape").split("\n")[:2]
+        rel = os.path.relpath(state_dir, root).replace(os.sep, "/")
+        paths = [".", ":(exclude,literal)" + rel] if not rel.startswith("..") else ["."]
+        with tempfile.TemporaryDirectory(prefix="fablize-index-") as tmp:
+            own = {"GIT_INDEX_FILE": os.path.join(tmp, "index")}
+            try:  # the index's stat cache: a big tree is not hashed anew
+                shutil.copyfile(os.path.join(root, index), own["GIT_INDEX_FILE"])
+            except OSError:
+                pass
+            if git(root, "add", "-A", "--", *paths, env=own)[0] != 0:
+                return head, None, None
+            code, out, _ = git(root, "write-tree", env=own)
+        tree = out.decode().strip() if code == 0 else None
+        dirty = git(root, "diff", "--quiet", head, tree, "--", *paths)[0] != 0 if tree else None
+    except FablizeError:
+        return None, None, None
+    return head, dirty, tree
+
+
+def tree_state(root, state_dir):
+    """(sha256, file count) of the working tree at `root`: every tracked and untracked file
+    (git's ignore rules apply), by name, mode and content; the state directory is left out.
+    Outside git, every file under `root` but .git/ and the state directory."""
+    top = repo_root(root)
+    names, ignored = None, []
+    if top is not None:
+        code, out, _ = git(root, "ls-files", "-z", "--cached", "--others",
+                           "--exclude-per-directory=.gitignore", "--full-name", what="judge-packet")
+        if code == 0:
+            names = sorted(set(os.path.join(top, n.decode("utf-8", "surrogateescape"))
+                               for n in out.split(b"\0") if n))
+            # what .gitignore files hide counts by name (a new ignored file, or a .gitignore
+            # that hides itself, changes the tree too); folders once, not file by file
+            code, out, _ = git(root, "ls-files", "-z", "--others", "--ignored",
+                               "--exclude-per-directory=.gitignore", "--directory", "--full-name",
+                               what="judge-packet")
+            ignored = sorted(n.decode("utf-8", "surrogateescape") for n in out.split(b"\0")
+                             if n) if code == 0 else []
+    if names is None:
+        names = []
+        for d, subdirs, files in os.walk(root):
+            subdirs[:] = [x for x in subdirs if x != ".git"
+                          and os.path.join(d, x) != state_dir]
+            names += [os.path.join(d, f) for f in files]
+        names.sort()
+    digest, count = _sha256(), 0
+    state = os.path.join(os.path.abspath(state_dir), "")
+    for name in ignored if top is not None and names is not None else []:
+        if not os.path.join(top, name).startswith(state) and name != ".git/":
+            digest.update(f"ignored:{name}\n".encode("utf-8", "surrogateescape"))
+    for path in names:
+        if path.startswith(state):  # by its own path: a symlink into it is a file of the tree
+            continue
+        try:
+            st = os.lstat(path)
+        except OSError:
+            entry = "missing"
+        else:
+            if stat.S_ISLNK(st.st_mode):
+                entry = "link:" + os.readlink(path)
+            elif stat.S_ISREG(st.st_mode):
+                entry = f"{st.st_mode & 0o111:o}:{file_sha256(path)}"
+            else:
+                entry = "other"
+        rel = os.path.relpath(path, root)
+        digest.update(f"{rel}\0{entry}\n".encode("utf-8", "surrogateescape"))
+        count += 1
+    return digest.hexdigest(), count
+
+
+# variables that change what a witnessed command does, recorded with each run (a hint)
+WITNESS_ENV = ("PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEPATH",
+               "PYTHONNOUSERSITE", "PYTHONUSERBASE", "LD_PRELOAD", "LD_LIBRARY_PATH",
+               "DYLD_INSERT_LIBRARIES", "DYLD_LIBRARY_PATH", "MAKEFLAGS", "MAKEFILES",
+               "BASH_ENV", "ENV", "NODE_OPTIONS", "NODE_PATH", "PERL5OPT", "RUBYOPT")
+
+
+def command_program(cmd, root):
+    """The program a shell command line starts first, or None (a builtin, a variable, a line
+    that does not parse, a program that is nowhere)."""
+    try:
+        programs = command_programs(cmd, root)
+    except ValueError:
+        return None
+    return programs[0][1] or None if programs else None
+
+
+def file_sha256(path):
+    digest = _sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+def witness_env():
+    """The listed variables that are set, each by its name and a digest of its value: what the
+    audit compares between runs, and nothing that tells anyone what the value was."""
+    return {name: "sha256:" + sha256_hex(fix_argv_text(os.environ[name]).encode("utf-8"))[:16]
+            for name in WITNESS_ENV if name in os.environ}
+
+
+def run_provenance(root, cmd):
+    """Where and with what a witnessed run ran, as a plan may publish it: the folder relative to
+    the repository, the program by its name and the digest of its file, the environment by
+    names and digests — a hint for the reviewer (an agent with a shell can still lie about its
+    environment; only a re-witnessed run is proof)."""
+    program = command_program(cmd, root)
+    return {"dir": repo_relative(root), "program": program and os.path.basename(program),
+            "program_sha256": file_sha256(program) if program else None, "env": witness_env()}
+
+
+def check_command(option, cmd):
+    """A command the engine will run and record: never one that carries a secret, which the
+    plan would publish and a re-run could not repeat masked."""
+    if looks_secret(cmd, command=True):
+        raise usage(f"{option} `{one_line(mask(cmd, command=True))}` holds what looks like a "
+                    "secret, and a plan is read by everyone who can read the repository: keep "
+                    "it in the environment (the command sees it there) and leave it out of the "
+                    "command.", "secret_in_command")
+    return limit_text(option, cmd)
+
+
+def plan_text(name, text):
+    """The plan's own words (its brief, a story's title, objective, acceptance items) as typed:
+    never one that carries a secret, which masking would silently change."""
+    if looks_secret(text):  # a token's shape or a secret's value; `max_tokens=…` is words
+        raise usage(f"{name} `{one_line(mask(text))}` holds what looks like a secret, and a "
+                    "plan is read by everyone who can read the repository: leave it out.",
+                    "secret_in_plan")
+    return limit_text(name, text)
+
+
+_SHELL_BUILTINS = frozenset(
+    "! : . [ [[ alias bg break builtin case cd command continue declare do done echo elif else "
+    "esac eval exec exit export false fi for function getopts hash if in let local printf pwd "
+    "read readonly return set shift source test then time times trap true type ulimit umask "
+    "unalias unset until wait while { }".split())
+_PREFIX_WORDS = frozenset("! { if then elif else while until do exec time command builtin "
+                          "nohup env".split())
+
+
+def command_programs(cmd, root):
+    """[(word, its path)] for each program a shell command line starts (the first word, and the
+    first after each `;`, `&&`, `|`, …, past `VAR=value`, `exec`, `time`, `if`, …), found as the
+    shell would find it (PATH, or a path relative to `root`): None when it is nowhere, "" for a
+    builtin or a program named by a variable (nothing to look up). The one program finder: a
+    check that cannot run, a run's provenance and doctor's interpreter all read it. Raises
+    ValueError for a line the shell could not parse either."""
+    import shlex
+    import shutil
+    lexer = shlex.shlex(cmd, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    found, expect = [], True
+    for token in lexer:
+        if token and all(c in "();<>|&" for c in token):
+            expect = token in (";", "&&", "||", "|", "&", "(", "((")
+            continue
+        if not expect or token in _PREFIX_WORDS or re.fullmatch(r"[A-Za-z_]\w*=.*", token,
+                                                                  re.S | re.A):
+            continue
+        expect = False
+        if token in _SHELL_BUILTINS or "$" in token or "`" in token:
+            found.append((token, ""))
+        elif "/" in token:
+            path = os.path.abspath(token if os.path.isabs(token) else os.path.join(root, token))
+            found.append((token, path if os.path.exists(path) else None))
+        else:
+            where = shutil.which(token)
+            found.append((token, os.path.abspath(where) if where else None))
+    return found
+
+
+def unverifiable_reason(cmd, root):
+    """Why `cmd` cannot run here (a program not found), or None if it looks runnable."""
+    try:
+        programs = command_programs(cmd, root)
+    except ValueError as e:
+        return f"cannot parse the command ({e})"
+    for word, path in programs:
+        if path is None:
+            return f"{word}{NOT_THERE}" if "/" in word else f"{word} is not on PATH"
+    return None
+
+
+NOT_THERE = " does not exist"  # a check's file: a story may yet write it (test-first)
+
+
+def file_not_there_yet(u):
+    """Whether an unverifiable check only waits for its file (a story may write it)."""
+    return u["reason"].endswith(NOT_THERE)
+
+
+def unverifiable_label(u):
+    where = f"{one_line(u['id'])} check {u['check'] + 1}"
+    return (f"· {where} waits for its file" if file_not_there_yet(u)
+            else f"⚠ {where} cannot run here")
+
+
+def unverifiable_checks(stories, root):
+    found = []
+    for story in stories:
+        for i, cmd in enumerate(story.get("checks", [])):
+            reason = unverifiable_reason(cmd, root)
+            if reason:
+                found.append({"id": story["id"], "check": i, "cmd": cmd, "reason": reason})
+    return found
+
+
+def kill_group(proc):
+    import signal
+    try:
+        if os.name == "nt":  # no process groups: taskkill ends the whole tree under the shell
+            import subprocess
+            try:
+                subprocess.run(["taskkill", "/F", "/T", "/PID", str(proc.pid)],
+                               capture_output=True, stdin=subprocess.DEVNULL, timeout=30)
+            except subprocess.SubprocessError:
+                pass
+            proc.kill()
+        else:
+            os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+class RunInterrupted(BaseException):
+    """A stop signal during a run (not an Exception: no handler may swallow it)."""
+
+
+class StopSignals:
+    """SIGINT, SIGTERM and SIGHUP while a user's command runs: the first one stops the run (its
+    whole process group is killed) and is kept to be reported; nothing else is started."""
+
+    NAMES = ("SIGINT", "SIGTERM", "SIGHUP")
+
+    def __init__(self):
+        self.got = None
+        self.waiting = False
+        self.saved = {}
+
+    def __enter__(self):
+        import signal
+        import threading
+        if threading.current_thread() is not threading.main_thread():
+            return self  # only the main thread may set handlers; the caller's stay in force
+        for name in self.NAMES:
+            num = getattr(signal, name, None)
+            if num is not None:
+                try:
+                    self.saved[num] = signal.signal(num, self._handle)
+                except (ValueError, OSError):
+                    pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.got is None:
+            import signal
+            self.got = signal.Signals(signum).name
+            if self.waiting:
+                raise RunInterrupted()
+
+    def wait(self, proc, timeout):
+        """proc.wait(timeout), cut short (RunInterrupted) by a stop signal, even an earlier one."""
+        self.waiting = True
+        try:
+            if self.got is not None:
+                raise RunInterrupted()
+            return proc.wait(timeout=timeout)
+        finally:
+            self.waiting = False
+
+    def __exit__(self, *exc):
+        import signal
+        for num, old in self.saved.items():
+            signal.signal(num, old if old is not None else signal.SIG_DFL)
+        return False
+
+
+def run_command(cmd, cwd, timeout, stream, log_path):
+    """Run `cmd` through the shell in `cwd`, stdin closed, its output masked (secrets) and then
+    streamed (escaped) to `stream` and written whole to `log_path`. Returns the run's record,
+    whose size, digest and tail are read back from the log on disk: a log that could not be
+    written whole (a full disk, a read-only folder) makes the run an error, and the record
+    never claims more than the disk holds."""
+    import codecs
+    import subprocess
+    import threading
+    masker = Masker(cwd)
+    try:
+        log_fd = open_state_file(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        log_error = [None]
+    except OSError as e:
+        log_fd, log_error = None, [e]
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    # a child that escaped the process group may keep writing after the run is over: what it
+    # writes then belongs to no run, so the reader drops it once `finished` is set
+    guard = threading.Lock()
+    finished = [False]
+    at_start = [True]
+    # once the group is gone, what it wrote is in the pipe: the reader empties it and stops, so
+    # a child that escaped the group and keeps the pipe open costs no wait (where pipes can be
+    # polled; on Windows the reader waits for the end of the pipe, at most 5 s)
+    draining = [False]
+
+    def take(masked):
+        """One masked piece of output (whole lines, but for the last): to the log (until a
+        write fails) with the machine's places shown as a plan may publish them, then as it is
+        to the stream (the terminal is no publication: `pwd` shows where it ran)."""
+        if log_error[0] is None and masked:
+            try:
+                write_all(log_fd, mask_places(masked, cwd))
+            except OSError as e:  # the run goes on; its record will say the log is short
+                log_error[0] = e
+        if stream is not None and masked:
+            try:
+                piece, at_start[0] = quote_output(clean(decoder.decode(masked)), at_start[0])
+                stream.write(piece)
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+
+    def pump(pipe):
+        import select
+        poller = select.poll() if hasattr(select, "poll") else None  # poll: no descriptor limit
+        if poller is not None:
+            poller.register(pipe, select.POLLIN)
+        try:
+            while True:
+                if poller is not None and not poller.poll(0 if draining[0] else 50):
+                    if draining[0]:
+                        return
+                    continue
+                chunk = os.read(pipe, READ_CHUNK)
+                if not chunk:
+                    return
+                with guard:
+                    if finished[0]:
+                        return
+                    take(masker.feed(chunk))
+        except OSError:
+            return
+        finally:
+            os.close(pipe)  # the reader's own descriptor: never reused under another run
+
+    started = time.monotonic()
+    record = {"cmd": cmd, "cwd": repo_relative(cwd) or ".", "exit_code": None, "signal": None,
+              "timed_out": False, "error": None}
+    # Ctrl-C, an agent's tool timeout (SIGTERM) or a closed terminal must not leave the command
+    # running on its own in its new session: a stop signal kills its group like a timeout does
+    with StopSignals() as stop:
+        proc = None
+        if log_fd is None:
+            record["error"] = f"its log could not be written ({log_reason(log_error[0])})"
+        else:
+            try:
+                kwargs = ({"start_new_session": True} if os.name != "nt" else
+                    {"creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)})
+                proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        **kwargs)
+            except (OSError, ValueError) as e:  # ValueError: a NUL in the command
+                record["error"] = one_line(str(e))
+        if proc is not None:
+            reader = threading.Thread(target=pump, args=(os.dup(proc.stdout.fileno()),),
+                                      daemon=True)
+            proc.stdout.close()
+            reader.start()
+            try:
+                code = stop.wait(proc, timeout)
+            except subprocess.TimeoutExpired:
+                record["timed_out"] = True
+                kill_group(proc)
+                code = proc.wait()
+            except RunInterrupted:
+                kill_group(proc)
+                code = proc.wait()
+            # what it left behind is part of the check: stop it, then drain what was written
+            kill_group(proc)
+            draining[0] = True
+            reader.join(5)
+            if code < 0:
+                import signal
+                try:
+                    record["signal"] = signal.Signals(-code).name
+                except ValueError:
+                    record["signal"] = f"signal {-code}"
+            record["exit_code"] = code
+    if stop.got:
+        record["interrupted"] = stop.got
+    with guard:
+        finished[0] = True
+        take(masker.feed(b"", final=True))
+    if log_fd is not None:
+        try:
+            os.fsync(log_fd)
+        except OSError as e:
+            log_error[0] = log_error[0] or e
+        os.close(log_fd)
+    size, sha, tail = (log_on_disk(log_path) if log_fd is not None
+                       else (0, _sha256().hexdigest(), b""))
+    if log_error[0] is not None and record["error"] is None:
+        record["error"] = (f"its log could not be written whole ({log_reason(log_error[0])}; "
+                           f"{size:,} bytes kept): the run counts for nothing")
+    record.update(duration_s=round(time.monotonic() - started, 3), bytes=size, sha256=sha,
+                  tail=tail.decode("utf-8", "replace")[-TAIL_CHARS:])
+    if stream is not None and not at_start[0]:
+        stream.write("\n")
+    return record
+
+
+def log_reason(error):
+    return one_line(error.strerror or str(error)) if isinstance(error, OSError) else one_line(error)
+
+
+def log_on_disk(path):
+    """(size, sha256, last bytes) of the log as the disk holds it, read back."""
+    digest = _sha256()
+    size, tail = 0, b""
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(READ_CHUNK), b""):
+                digest.update(chunk)
+                size += len(chunk)
+                tail = (tail + chunk)[-4 * TAIL_CHARS:]
+    except OSError:
+        pass
+    return size, digest.hexdigest(), tail
+
+
+OUTPUT_BAR = "  │ "
+
+
+def quote_output(text, at_start):
+    """A command's streamed output, every line behind a bar, so that no line it prints can
+    pass for the engine's own; returns the text and whether the next chunk starts a line."""
+    if not text:
+        return "", at_start
+    quoted = (OUTPUT_BAR if at_start else "") + text.replace("\n", "\n" + OUTPUT_BAR)
+    if text.endswith("\n"):
+        return quoted[:-len(OUTPUT_BAR)], True
+    return quoted, False
+
+
+def verification_runs(story, verify_cmd, run):
+    """What verifying `story` runs — [(frozen check index, or None for --verify-cmd, command)] —
+    and what to say of a --verify-cmd that does not run: a story's frozen checks run whenever it
+    has any, and only they count; without them, --verify-cmd runs when `run` asks for it."""
+    if story["checks"]:
+        note = (None if blank(verify_cmd) or verify_cmd in story["checks"] else
+            f"{story['id']} has frozen checks: they run instead of --verify-cmd "
+            f"`{one_line(verify_cmd)}`.")
+        return list(enumerate(story["checks"])), note
+    return ([(None, verify_cmd)] if run and not blank(verify_cmd) else []), None
+
+
+def execute_runs(store, sid, commands, after_seq, timeout, out):
+    """Run each (check index, command) of story `sid` outside the lock, saying on `out` (an
+    Output) when each starts and ends; returns records ready to commit."""
+    runs_dir = ensure_subdir(store.path(RUNS))
+    head, dirty, tree = git_state(store.root, store.dir)
+    records = []
+    for check, cmd in commands:
+        label = f"frozen check {check + 1}" if check is not None else "verification"
+        out.progress(f"fablize: running {label} for {sid} in {store.root}: {one_line(cmd)}")
+        tmp_log = os.path.join(runs_dir, f".run-{os.getpid()}-{os.urandom(4).hex()}.log")
+        started = now_iso()
+        record = run_command(cmd, store.root, timeout, out.stream(), tmp_log)
+        record.update(cmd=mask(cmd, command=True), id=sid, check=check, after_seq=after_seq,
+                      started=started, git_head=head, git_dirty=dirty, tmp_log=tmp_log,
+                      provenance=run_provenance(store.root, cmd))
+        if tree:
+            record["tree"] = tree
+        out.progress(f"fablize: {label} {'passed' if run_passed(record) else 'FAILED'} — "
+                     f"{run_result(record)}")
+        records.append(record)
+        if record.get("interrupted"):
+            break  # a stop signal stops the whole command, not just this run
+    return records
+
+
+def commit_runs(session, records):
+    """Append verify_run events, naming each log runs/<seq>-<id>.log."""
+    committed = []
+    for record in records:
+        tmp_log = record.pop("tmp_log")
+        seq = session.plan["ledger"]["seq"] + 1
+        log_rel = f"{RUNS}/{seq}-{record['id']}.log"
+        if os.path.lexists(tmp_log):  # none when it could not be made: the run is an error
+            os.replace(tmp_log, session.store.path(log_rel))
+            fsync_dir(session.store.path(RUNS))  # the log is there before the record names it
+        record["log"] = log_rel
+        committed.append(session.commit("verify_run", **record))
+    return committed
