@@ -1,7 +1,7 @@
 """scripts/bench.py renders its figures from saved measurements alone (`--from`), README's
-performance section quotes lines it prints, and docs/performance.md is its output whole. Nothing here measures anything: the saved files are
-written by the tests, with made-up numbers chosen so that a median of per-round ratios and a
-ratio of medians differ."""
+performance section quotes lines it prints, and docs/performance.md is its output whole.
+Nothing here measures anything: the saved files are written by the tests, with made-up
+numbers chosen so that a median of per-round ratios and a ratio of medians differ."""
 
 import json
 import re

@@ -265,7 +265,8 @@ def test_every_option_of_every_command_is_in_the_readme():
                 if not isinstance(action, argparse._SubParsersAction):
                     assert re.search(r"`[^`\n]*\b%s\b" % re.escape(choice), text), \
                         f"the docs do not show `{name}` {action.dest} {choice!r}"
-    assert not missing, "options missing from README.md and docs/reference.md: " + ", ".join(missing)
+    assert not missing, \
+        "options missing from README.md and docs/reference.md: " + ", ".join(missing)
 
 
 def test_command_lines_in_every_document_use_only_real_commands_and_options():
@@ -418,7 +419,8 @@ def test_every_error_code_the_engine_raises_is_in_the_readme_with_its_exit_code(
     stale = sorted(set(readme) - set(engine))
     assert not stale, f"docs/reference.md lists error codes the engine never raises: {stale}"
     wrong = {c: (sorted(readme[c]), sorted(e)) for c, e in engine.items() if e and readme[c] != e}
-    assert not wrong, f"docs/reference.md's exit codes differ from the engine's (docs, engine): {wrong}"
+    assert not wrong, \
+        f"docs/reference.md's exit codes differ from the engine's (docs, engine): {wrong}"
 
 
 def test_readme_exit_code_table_has_every_exit_code():
@@ -446,7 +448,8 @@ def test_readme_names_every_ledger_event_status_and_state_file():
     for event in goals.EVENTS:
         assert f"`{event}`" in files, f"ledger event {event!r} missing from docs/reference.md"
     for field in ("seq", "ts", "event", "prev", "ledger", "digest"):
-        assert f"`{field}`" in files, f"{field!r} missing from docs/reference.md's ledger/snapshot format"
+        assert f"`{field}`" in files, \
+            f"{field!r} missing from docs/reference.md's ledger/snapshot format"
     for name in (goals.SNAPSHOT, goals.LEDGER, goals.LOCK, goals.RUNS, goals.ARCHIVE):
         assert f"`{name}" in files, f"state file {name!r} missing from docs/reference.md's Files"
     for status in goals.STATUSES:
