@@ -303,6 +303,18 @@ def test_readme_has_the_newcomers_sections_in_order_and_links_the_pages():
         assert f"]({page}" in read(README), f"README does not link {page}"
 
 
+def test_changelog_says_what_changed_without_benchmark_figures():
+    """Figures live in docs/performance.md, printed by the bench; the changelog only says what
+    changed for a user."""
+    from test_bench import FIGURE
+    text = read(ROOT / "CHANGELOG.md")
+    assert text.split("\n")[text.split("\n").index("## Unreleased") - 1] == "" and \
+        "`scripts/fablize_gate/`" in section(text, "## Unreleased")
+    tables = [line for line in text.split("\n") if line.startswith("|")]
+    figures = [line for line in text.split("\n") if FIGURE.search(line)]
+    assert not tables and not figures, f"CHANGELOG quotes bench figures: {tables + figures}"
+
+
 def markdown_links(text):
     """[(target)] of every Markdown link outside code (fenced blocks and code spans)."""
     prose = re.sub(r"`[^`\n]*`", "", FENCE.sub("", text))
@@ -323,7 +335,7 @@ def heading_anchors(text):
 
 def test_links_of_readme_and_docs_lead_to_files_and_headings_that_exist():
     broken = []
-    for path in [README, SKILL, *DOC_PAGES]:
+    for path in [README, KOREAN, SKILL, ROOT / "CHANGELOG.md", *DOC_PAGES]:
         for target in markdown_links(read(path)):
             if re.match(r"[a-z][a-z0-9+.-]*:", target):
                 continue  # https:, mailto:
