@@ -1,7 +1,7 @@
-"""scripts/bench.py renders its figures from saved measurements alone (`--from`), and README's
-performance section quotes lines it prints. Nothing here measures anything: the saved files are
-written by the tests, with made-up numbers chosen so that a median of per-round ratios and a
-ratio of medians differ."""
+"""scripts/bench.py renders its figures from saved measurements alone (`--from`), README's
+performance section quotes lines it prints, and docs/performance.md is its output whole.
+Nothing here measures anything: the saved files are written by the tests, with made-up
+numbers chosen so that a median of per-round ratios and a ratio of medians differ."""
 
 import json
 import re
@@ -15,6 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "scripts" / "bench.py"
 README = ROOT / "README.md"
 SAVED = ROOT / "docs" / "bench.json"
+PERFORMANCE = ROOT / "docs" / "performance.md"
+# docs/performance.md's one line above the output: the command that prints the rest
+REGENERATE = "python3 scripts/bench.py --from docs/bench.json --markdown"
 # a figure: a digit followed by a unit (ms, %, ×, MiB, MB, /s, s), or a ratio written ×N
 FIGURE = re.compile(r"\d\s?(?:ms\b|%|×|MiB\b|MB\b|/s\b|s\b)|×\s?\d")
 
@@ -240,15 +243,31 @@ def readme_performance_lines():
     return lines[start:end]
 
 
-def test_readme_quotes_only_figures_the_bench_prints_from_docs_bench_json():
+def saved_markdown():
+    """What `bench.py --from docs/bench.json --markdown` prints (skips without the saved run)."""
     if not SAVED.exists():
-        pytest.skip("docs/bench.json does not exist yet: README's figures cannot be checked "
+        pytest.skip("docs/bench.json does not exist yet: the figures cannot be checked "
                     "against a saved bench run (`scripts/bench.py --markdown --save "
                     "docs/bench.json` writes it)")
     r = subprocess.run([sys.executable, str(BENCH), "--from", str(SAVED), "--markdown"],
                        capture_output=True, text=True, encoding="utf-8", timeout=60)
     assert r.returncode == 0, r.stderr
-    printed = set(r.stdout.splitlines())
+    return r.stdout
+
+
+def test_docs_performance_md_is_the_bench_output_from_docs_bench_json():
+    """Generated, not hand-copied: one line naming the command, a blank line, its output."""
+    text = PERFORMANCE.read_text(encoding="utf-8")
+    header, blank, rest = text.split("\n", 2)
+    assert f"`{REGENERATE}`" in header and blank == "", \
+        "docs/performance.md must open with one line naming the command that prints it"
+    assert rest == saved_markdown(), (
+        "docs/performance.md is not what the bench prints from docs/bench.json: regenerate it "
+        f"(keep its first line, then a blank line, then `{REGENERATE}`'s output)")
+
+
+def test_readme_quotes_only_figures_the_bench_prints_from_docs_bench_json():
+    printed = set(saved_markdown().splitlines())
     figures = [line for line in readme_performance_lines() if FIGURE.search(line)]
     assert figures, "README's performance section quotes no figure"
     stray = [line for line in figures if line.rstrip() not in printed]

@@ -1,9 +1,14 @@
 """The documents cannot drift from the code.
 
-README.md, SKILL.md, fablize-block.md and the agent definitions are read against the
-engine itself: its parser (every command and option), its error codes (read from the
+README.md, docs/*.md, SKILL.md, fablize-block.md and the agent definitions are read against
+the engine itself: its parser (every command and option), its error codes (read from the
 source), its exit codes, environment variables, events, statuses and version. A command
-line in any document that names an option the engine does not have fails here.
+line in any document that names an option the engine does not have fails here. Each page
+holds what it is for: README is short (the quick start, setup, the CI recipe), and what it
+links to — docs/reference.md (every command, option, error code, variable, JSON field, the
+hooks by hand), docs/ci.md (the recipe in full, the action's inputs), docs/threat-model.md
+(the attack tables, each row naming a test that exists) — is held here to the same checks
+that held README when it carried all of it.
 """
 
 import argparse
@@ -24,9 +29,14 @@ README = ROOT / "README.md"
 REFERENCE = ROOT / "docs" / "reference.md"
 SKILL = ROOT / "SKILL.md"
 BLOCK = ROOT / "fablize-block.md"
+CI_PAGE = ROOT / "docs" / "ci.md"
+THREATS = ROOT / "docs" / "threat-model.md"
+KOREAN = ROOT / "README.ko.md"
+DOC_PAGES = sorted((ROOT / "docs").glob("*.md"))
 
 GLOBAL_OPTIONS = {"--dir": 1, "--json": 0, "--version": 0, "-h": 0, "--help": 0}
 SHELL_STOPS = {"|", "||", "&&", ";", ">", ">>", "2>&1"}
+FILE_COMMANDS = {"cp", "mv", "rm", "ls", "cat", "wc"}
 
 
 def read(path):
@@ -52,7 +62,7 @@ def section(text, heading):
     the same or a higher level."""
     level = len(heading) - len(heading.lstrip("#"))
     lines = text.split("\n")
-    assert heading in lines, f"README has no section {heading!r}"
+    assert heading in lines, f"no section {heading!r}"
     start = lines.index(heading) + 1
     fenced = False
     for end in range(start, len(lines)):
@@ -103,6 +113,9 @@ def invocations(text):
                  and re.match(r"-|[a-z]", toks[i + 1] if i + 1 < len(toks) else ""))
             if not prog:
                 continue
+            start = max([j + 1 for j in range(i) if toks[j] in SHELL_STOPS] or [0])
+            if toks[start] in FILE_COMMANDS:
+                continue  # `cp …/scripts/goals.py …` names the file, it does not run it
             args = []
             for t in toks[i + 1:]:
                 if t in SHELL_STOPS or t.startswith("#"):
@@ -191,10 +204,10 @@ def engine_error_codes():
 
 
 def readme_error_codes():
-    """{code: {exit codes}} from the README's error-code table."""
+    """{code: {exit codes}} from docs/reference.md's error-code table."""
     table = section(docs(), "### Error codes")
     rows = re.findall(r"^\| `([a-z_]+)` \| ([\d, ]+) \|", table, re.M)
-    assert rows, "README's error-code table has no rows"
+    assert rows, "docs/reference.md's error-code table has no rows"
     return {code: {int(x) for x in exits.split(",")} for code, exits in rows}
 
 
@@ -212,7 +225,7 @@ def front_matter(text):
     return fields
 
 
-# The parser: every command and option has help and is in the README ########
+# The parser: every command and option has help and is in the docs ##########
 
 
 def test_every_command_and_option_has_help_text():
@@ -235,8 +248,8 @@ def test_every_command_has_a_readme_section_and_an_example():
     text = docs()
     used = check_invocations(text, "README.md and docs/reference.md")
     for name in subparsers():
-        assert f"### `{name}`" in text.split("\n"), f"README has no section for `{name}`"
-        assert name in used, f"README has no example calling `goals.py {name}`"
+        assert f"### `{name}`" in text.split("\n"), f"docs/reference.md has no section for `{name}`"
+        assert name in used, f"the docs have no example calling `goals.py {name}`"
 
 
 def test_every_option_of_every_command_is_in_the_readme():
@@ -251,13 +264,88 @@ def test_every_option_of_every_command_is_in_the_readme():
             for choice in (action.choices or []) if not action.option_strings else []:
                 if not isinstance(action, argparse._SubParsersAction):
                     assert re.search(r"`[^`\n]*\b%s\b" % re.escape(choice), text), \
-                        f"README does not show `{name}` {action.dest} {choice!r}"
-    assert not missing, "options missing from README.md: " + ", ".join(missing)
+                        f"the docs do not show `{name}` {action.dest} {choice!r}"
+    assert not missing, \
+        "options missing from README.md and docs/reference.md: " + ", ".join(missing)
 
 
 def test_command_lines_in_every_document_use_only_real_commands_and_options():
-    for path in [README, SKILL, BLOCK, *sorted((ROOT / "agents").glob("*.md"))]:
+    for path in [README, SKILL, BLOCK, *DOC_PAGES, *sorted((ROOT / "agents").glob("*.md"))]:
         check_invocations(read(path), path.name)
+
+
+# The short README and the short skill (the issue's bar) #####################
+
+
+def test_readme_is_short_and_the_korean_one_is_as_short():
+    english = len(read(README).split("\n")) - 1  # `wc -l`: the newlines
+    korean = len(read(KOREAN).split("\n")) - 1
+    assert english <= 250, f"README.md has {english} lines; the bar is 250 (move detail to docs/)"
+    assert abs(korean - english) <= english // 10, \
+        f"README.ko.md has {korean} lines, README.md {english}: not within 10%"
+
+
+def test_skill_is_at_most_1000_words():
+    words = len(read(SKILL).split())  # `wc -w`
+    assert words <= 1000, f"SKILL.md has {words} words; the bar is 1,000 (details by link)"
+
+
+def test_readme_has_the_newcomers_sections_in_order_and_links_the_pages():
+    heads = [line for line in read(README).split("\n") if re.match(r"## ", line)]
+    fenced = [h for h in heads if h.startswith("## Plan map")]  # engine output in a block
+    heads = [h for h in heads if h not in fenced]
+    assert heads == ["## Add it to your project", "## Quick start",
+                     "## The three commands an agent runs", "## What `setup` writes",
+                     "## Sharing a plan across machines", "## CI", "## Limits",
+                     "## Performance", "## More"], heads
+    for page in ("docs/reference.md", "docs/ci.md", "docs/threat-model.md",
+                 "docs/performance.md", "SKILL.md", "CHANGELOG.md"):
+        assert f"]({page}" in read(README), f"README does not link {page}"
+
+
+def test_changelog_says_what_changed_without_benchmark_figures():
+    """Figures live in docs/performance.md, printed by the bench; the changelog only says what
+    changed for a user."""
+    from test_bench import FIGURE
+    text = read(ROOT / "CHANGELOG.md")
+    assert text.split("\n")[text.split("\n").index("## Unreleased") - 1] == "" and \
+        "`scripts/fablize_gate/`" in section(text, "## Unreleased")
+    tables = [line for line in text.split("\n") if line.startswith("|")]
+    figures = [line for line in text.split("\n") if FIGURE.search(line)]
+    assert not tables and not figures, f"CHANGELOG quotes bench figures: {tables + figures}"
+
+
+def markdown_links(text):
+    """[(target)] of every Markdown link outside code (fenced blocks and code spans)."""
+    prose = re.sub(r"`[^`\n]*`", "", FENCE.sub("", text))
+    return re.findall(r"\[[^\]]*\]\(([^)\s]+)\)", prose)
+
+
+def heading_anchors(text):
+    """GitHub's anchor of every heading outside fenced blocks (a repeat gets -1, -2, …)."""
+    found, seen = set(), {}
+    for line in FENCE.sub("", text).split("\n"):
+        m = re.fullmatch(r"#{1,6} (.+)", line)
+        if m:
+            base = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            found.add(base if base not in seen else f"{base}-{seen[base]}")
+            seen[base] = seen.get(base, 0) + 1
+    return found
+
+
+def test_links_of_readme_and_docs_lead_to_files_and_headings_that_exist():
+    broken = []
+    for path in [README, KOREAN, SKILL, ROOT / "CHANGELOG.md", *DOC_PAGES]:
+        for target in markdown_links(read(path)):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):
+                continue  # https:, mailto:
+            file, _, anchor = target.partition("#")
+            where = (path.parent / file).resolve() if file else path
+            if not where.exists():
+                broken.append(f"{path.name}: {target} (no file)")
+            elif anchor and where.suffix == ".md" and anchor not in heading_anchors(read(where)):
+                broken.append(f"{path.name}: {target} (no heading #{anchor})")
+    assert not broken, "links that lead nowhere: " + "; ".join(broken)
 
 
 def test_readme_quick_start_prints_what_the_engine_prints(fab):
@@ -339,11 +427,12 @@ def test_every_error_code_the_engine_raises_is_in_the_readme_with_its_exit_code(
     engine, readme = engine_error_codes(), readme_error_codes()
     assert len(engine) > 40, "reading the engine's error codes found too few"
     missing = sorted(set(engine) - set(readme))
-    assert not missing, f"error codes missing from README's table: {missing}"
+    assert not missing, f"error codes missing from docs/reference.md's table: {missing}"
     stale = sorted(set(readme) - set(engine))
-    assert not stale, f"README lists error codes the engine never raises: {stale}"
+    assert not stale, f"docs/reference.md lists error codes the engine never raises: {stale}"
     wrong = {c: (sorted(readme[c]), sorted(e)) for c, e in engine.items() if e and readme[c] != e}
-    assert not wrong, f"README exit codes differ from the engine's (readme, engine): {wrong}"
+    assert not wrong, \
+        f"docs/reference.md's exit codes differ from the engine's (docs, engine): {wrong}"
 
 
 def test_readme_exit_code_table_has_every_exit_code():
@@ -351,7 +440,7 @@ def test_readme_exit_code_table_has_every_exit_code():
     for code, word in ((engine.EXIT_OK, "done"), (engine.EXIT_REFUSED, "refused"),
                        (engine.EXIT_USAGE, "usage"), (engine.EXIT_DAMAGED, "damaged")):
         assert re.search(r"^\| %d \| %s\b" % (code, word), table, re.M), \
-            f"exit code {code} ({word}) missing from README's table"
+            f"exit code {code} ({word}) missing from docs/reference.md's table"
 
 
 def test_every_environment_variable_the_engine_reads_is_documented():
@@ -362,18 +451,19 @@ def test_every_environment_variable_the_engine_reads_is_documented():
             "GITHUB_STEP_SUMMARY"} <= names
     table = section(docs(), "## Environment variables")
     missing = sorted(n for n in names if f"`{n}`" not in table)
-    assert not missing, f"environment variables missing from README: {missing}"
+    assert not missing, f"environment variables missing from docs/reference.md: {missing}"
 
 
 def test_readme_names_every_ledger_event_status_and_state_file():
     text = docs()
     files = section(text, "## Files")
     for event in engine.EVENTS:
-        assert f"`{event}`" in files, f"ledger event {event!r} missing from README"
+        assert f"`{event}`" in files, f"ledger event {event!r} missing from docs/reference.md"
     for field in ("seq", "ts", "event", "prev", "ledger", "digest"):
-        assert f"`{field}`" in files, f"{field!r} missing from README's ledger/snapshot format"
+        assert f"`{field}`" in files, (
+            f"{field!r} missing from docs/reference.md's ledger/snapshot format")
     for name in (engine.SNAPSHOT, engine.LEDGER, engine.LOCK, engine.RUNS, engine.ARCHIVE):
-        assert f"`{name}" in files, f"state file {name!r} missing from README's Files"
+        assert f"`{name}" in files, f"state file {name!r} missing from docs/reference.md's Files"
     for status in engine.STATUSES:
         assert f"`{engine.MARKS[status]} {status}`" in text or f"`{status}`" in text, status
         if status != "accepted":
@@ -400,14 +490,15 @@ def test_plugin_manifest_version_is_the_engine_version():
 
 
 def readme_settings():
-    for block in fenced_blocks(read(README), "json"):
+    """The hooks written by hand, as docs/reference.md's "Wiring an agent" shows them."""
+    for block in fenced_blocks(section(read(REFERENCE), "## Wiring an agent"), "json"):
         try:
             data = json.loads(block)
         except ValueError:
             continue
         if isinstance(data, dict) and "hooks" in data:
             return data["hooks"]
-    pytest.fail("README has no settings.json snippet with hooks")
+    pytest.fail("docs/reference.md has no settings.json snippet with hooks")
 
 
 def hook_commands(hooks, event):
@@ -428,7 +519,8 @@ def test_readme_hooks_snippet_matches_the_plugin_hooks():
         program = r'(?:goals|fablize)\.py"|bin/fablize"'
         args = [[re.split(program, c, 1)[1].replace(" --plugin", "").strip()
                  for c in hook_commands(h, event)] for h in (readme, plugin)]
-        assert args[0] == args[1], f"{event}: README runs {args[0]}, the plugin {args[1]}"
+        assert args[0] == args[1], \
+            f"{event}: docs/reference.md runs {args[0]}, the plugin {args[1]}"
 
 
 def run_hook(command, cwd, payload=""):
@@ -466,36 +558,49 @@ def test_readme_hooks_snippet_blocks_a_stop_with_ready_work_and_allows_one_witho
 
 
 def test_readme_ci_recipe_uses_the_action_and_shows_its_steps_as_plain_commands():
-    text = read(README)
-    yaml_blocks = fenced_blocks(section(text, "## CI"), "yaml")
-    assert yaml_blocks, "README's CI section has no GitHub Actions job"
+    """README's CI section is the recipe as one job; docs/ci.md holds the same job, the same
+    steps as plain commands for any other CI, and every input of the action."""
+    yaml_blocks = fenced_blocks(section(read(README), "## CI"), "yaml")
+    assert len(yaml_blocks) == 1, "README's CI section holds the recipe as one GitHub Actions job"
     job = yaml_blocks[0]
     assert "/fablize@" in job and "scope:" in job and "required-checks:" in job
     assert "pip install pytest" in job  # the test tools the re-run needs, before it
-    plain = fenced_blocks(section(text, "## CI"), "sh")[0]
+    assert "job summary" in section(read(README), "## CI")
+    assert "](docs/ci.md)" in section(read(README), "## CI")
+    text = read(CI_PAGE)
+    assert fenced_blocks(text, "yaml")[0] == job, "docs/ci.md's job differs from README's"
+    plain = fenced_blocks(section(text, "## Any other CI"), "sh")[0]
     assert 'bash "$engine/scripts/fablize-ci.sh"' in plain and "FABLIZE_SCOPE=" in plain
     assert 'engine="$(mktemp -d)/fablize"' in plain  # no path that an unset variable empties
     # every input the action has is in the table, and every row is an input
     action = read(ROOT / "action.yml")
     inputs = re.findall(r"^  ([a-z-]+):\n    description", action, re.M)
-    rows = re.findall(r"^\| `([a-z-]+)`(?:, `([a-z-]+)`)? \|", section(text, "## CI"), re.M)
+    rows = re.findall(r"^\| `([a-z-]+)`(?:, `([a-z-]+)`)? \|",
+                      section(text, "## The action and its inputs"), re.M)
     assert sorted(x for row in rows for x in row if x) == sorted(inputs)
-    assert "job summary" in section(text, "## CI")
+    assert "job summary" in text
     assert "`.fablize/goals.json`" in text and "`.fablize/ledger.jsonl`" in text
 
 
-def test_readme_keeps_the_adversarial_and_benchmark_sections():
+def test_the_adversarial_and_benchmark_pages_are_kept():
+    """The threat model moved whole to docs/threat-model.md; README keeps its limits, a few
+    bench lines, and links to both."""
     lines = read(README).split("\n")
-    assert "## What it refuses, what it detects" in lines
-    assert "## Performance" in lines
+    assert "## Limits" in lines and "## Performance" in lines
+    assert "](docs/threat-model.md)" in section(read(README), "## Limits")
+    assert "](docs/performance.md)" in section(read(README), "## Performance")
+    threats = read(THREATS).split("\n")
+    for heading in ("## Attacks on the CI audit", "## Attacks from the tree",
+                    "## Limits, said plainly", "## Refused at the call, detected by `audit`"):
+        assert heading in threats, f"docs/threat-model.md has no section {heading!r}"
 
 
-def test_every_test_the_readme_tables_name_exists():
-    """The attack tables of "What it refuses, what it detects" name a test (or `test_x_*`, a
-    family) for every row and the files that hold them: a test renamed, merged or moved cannot
-    leave a row pointing nowhere."""
-    text = section(read(README), "## What it refuses, what it detects")
-    trust = text.split("### Attacks on the CI audit", 1)[1].split("### Limits", 1)[0]
+def test_every_test_the_threat_model_tables_name_exists():
+    """The attack tables of docs/threat-model.md name a test (or `test_x_*`, a family) for
+    every row and the files that hold them: a test renamed, merged or moved cannot leave a row
+    pointing nowhere."""
+    text = read(THREATS)
+    trust = text.split("## Attacks on the CI audit", 1)[1].split("## Limits", 1)[0]
     assert re.findall(r"`(test_[a-z0-9_]+)`", trust)
     tests = ROOT / "tests"
     defined = {name for path in tests.glob("test_*.py")
@@ -511,7 +616,7 @@ def test_every_test_the_readme_tables_name_exists():
 
 def test_readme_documents_every_json_field_the_commands_print(tmp_path, monkeypatch, capsys):
     """Walk a plan through every command with --json and collect the top-level fields: each is
-    a row of README's JSON table (one meaning, one type — the table says which)."""
+    a row of docs/reference.md's JSON table (one meaning, one type — the table says which)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / ".git").mkdir()
     for var in ("FABLIZE_DIR", "GITHUB_STEP_SUMMARY"):
@@ -544,6 +649,6 @@ def test_readme_documents_every_json_field_the_commands_print(tmp_path, monkeypa
     documented = set(re.findall(r"^\| ((?:`[\w_]+`(?:, )?)+) \|", table, re.M))
     names = {n for row in documented for n in re.findall(r"`([\w_]+)`", row)}
     missing = sorted(set(seen) - names)
-    assert not missing, f"JSON fields README's table does not document: {missing}"
+    assert not missing, f"JSON fields docs/reference.md's table does not document: {missing}"
     mixed = {k: v for k, v in seen.items() if len(v - {"NoneType"}) > 1}
     assert not mixed, f"fields with more than one type across commands: {mixed}"

@@ -1,14 +1,13 @@
-"""README.ko.md says what README.md says.
+"""README.ko.md is the same short README in Korean.
 
-The Korean README is a translation of the English one, and what the program prints or is
-typed into it is not translated: here the two are read against each other. Its fenced code
-blocks are README.md's, byte for byte and in order; every inline code span of README.md is in
-it; its headings have the same levels in the same order; its "Performance" section quotes the
-same benchmark lines (table rows and figure lines, verbatim) and every figure the English prose
-quotes; the two READMEs link to each other under their titles; and its links lead to files that
-exist and to headings that exist (GitHub's anchors). A change to README.md that is not carried
-into README.ko.md fails here, naming what drifted; the command lines test_docs holds README.md
-to are checked in the Korean one too.
+The Korean README gives the same five-minute start: the same sections, the same commands and
+the same links; the prose is translated freely, the commands never. Its fenced code blocks
+(every command to type, the quick start's transcript, the CI job) are README.md's, byte for
+byte and in order; every command README.md shows inline is in it; it links every page README.md
+links; its headings have the same levels in the same order; its "Performance" section quotes
+the same bench lines, verbatim; the two READMEs link to each other under their titles; and its
+links lead to files that exist and to headings that exist (GitHub's anchors). The tables and
+the wording are not held here: docs/ holds the detail, in English.
 """
 
 import re
@@ -18,7 +17,7 @@ from itertools import zip_longest
 
 from conftest import ROOT
 from test_bench import FIGURE
-from test_docs import check_invocations
+from test_docs import check_invocations, invocations
 
 README = ROOT / "README.md"
 KOREAN = ROOT / "README.ko.md"
@@ -172,19 +171,32 @@ def test_fenced_blocks_are_the_english_ones_byte_for_byte():
         f"README.md has {len(english)} fenced blocks, README.ko.md {len(korean)}"
 
 
-def test_every_inline_code_span_of_the_english_is_kept():
-    english, korean = Counter(code_spans(read(README))), Counter(code_spans(read(KOREAN)))
-    assert len(english) > 100, "reading README.md's code spans found too few"
-    missing = english - korean
-    assert not missing, ("code spans of README.md missing from README.ko.md (or there fewer "
-                         "times), to be kept exactly as in English: "
-                         + ", ".join(f"`{s}`" + (f" ×{n}" if n > 1 else "")
-                                     for s, n in sorted(missing.items())))
+def test_every_command_the_english_shows_inline_is_kept():
+    """The commands README.md names in running text (`fablize setup claude`, `decide …`), as
+    code spans, exactly as in English."""
+    def commands(text):
+        return {span for span in code_spans(text) if invocations(f"`{span}`")}
+    english, korean = commands(read(README)), commands(read(KOREAN))
+    assert len(english) >= 5, "reading README.md's inline commands found too few"
+    missing = sorted(english - korean)
+    assert not missing, ("commands README.md shows inline that README.ko.md does not, to be "
+                         "kept exactly as in English: " + ", ".join(f"`{s}`" for s in missing))
+
+
+def test_every_page_the_english_links_is_linked():
+    def pages(text):
+        return {target.split("#")[0] for target in LINK.findall(SPAN.sub("`…`", prose(text)))
+                if target.split("#")[0] and target.split("#")[0] != "README.ko.md"}
+    english, korean = pages(read(README)), pages(read(KOREAN)) - {"README.md"}
+    assert "docs/reference.md" in english, "reading README.md's links found too few"
+    assert english == korean, (f"pages README.md links and README.ko.md does not: "
+                               f"{sorted(english - korean)}; the other way: "
+                               f"{sorted(korean - english)}")
 
 
 def test_headings_have_the_same_levels_in_the_same_order():
     english, korean = outline(read(README)), outline(read(KOREAN))
-    assert len(english) > 10, "reading README.md's headings found too few"
+    assert len(english) >= 8, "reading README.md's headings found too few"
     levels = [[lvl for lvl, _, _ in heads] for heads in (english, korean)]
     counts = [dict(Counter("#" * lvl for lvl in lvls)) for lvls in levels]
     side_by_side = "\n".join(f"  {shown(en):<50} | {shown(ko)}"
@@ -199,9 +211,7 @@ def test_performance_section_quotes_the_same_bench_lines_and_figures():
     english, korean = performance(english_text, english_text), \
         performance(read(KOREAN), english_text)
     quoted = bench_lines(english)
-    assert any(line.startswith("|") for line in quoted) and \
-        any(not line.startswith("|") for line in quoted), \
-        "README.md's performance section quotes no bench table or no figure line"
+    assert quoted, "README.md's performance section quotes no bench line"
     assert bench_lines(korean) == quoted, (
         "the bench lines of README.ko.md's performance section differ from README.md's (table "
         "rows and figure lines are copied verbatim; refresh them with the English section):\n"

@@ -91,12 +91,13 @@ def test_doctor_runs_each_hook_and_fails_on_one_that_does_not_answer(tmp_path, h
 
 
 def test_doctor_passes_the_hooks_readme_shows_written_by_hand(tmp_path, home):
-    """README's by-hand settings use $CLAUDE_PROJECT_DIR, which Claude Code sets for its hooks:
-    doctor runs them as Claude Code does, with it set to the project."""
-    text = (conftest.ROOT / "README.md").read_text()
-    snippet = text[text.index("by hand, in `.claude/settings.json`"):]
+    """The by-hand settings (docs/reference.md, Wiring an agent) use $CLAUDE_PROJECT_DIR, which
+    Claude Code sets for its hooks: doctor runs them as Claude Code does, with it set to the
+    project."""
+    text = (conftest.ROOT / "docs" / "reference.md").read_text()
+    snippet = text[text.index("by hand, in\n  `.claude/settings.json`"):]
     snippet = snippet[snippet.index("```json") + 7:snippet.index("```\n", 7)]
-    assert "$CLAUDE_PROJECT_DIR/scripts/fablize.py" in snippet
+    assert "$CLAUDE_PROJECT_DIR/scripts/goals.py" in snippet
     root = project(tmp_path)
     (root / ".claude").mkdir()
     (root / ".claude" / "settings.json").write_text(snippet)
