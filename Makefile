@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # Files that must run on Python 3.9. vermin's `union-types` feature is not used: it
 # mistakes every bitwise `|` of os.O_* flags for a 3.10 union type. The engine has no
 # annotations, so there is no `X | Y` type for it to find.
-VERMIN_FILES := scripts/*.py
+VERMIN_FILES := scripts/*.py scripts/fablize_gate/*.py
 VERMIN_FLAGS := --no-tips --violations -t=3.9- --eval-annotations
 
 # three workers on two cores: most tests wait on a subprocess (git, the engine), and the suite
