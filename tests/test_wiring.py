@@ -18,6 +18,7 @@ from conftest import engine
 
 # what setup writes for a repository holding the engine: its launcher, with the bytecode cached
 PORTABLE = 'python3 "$(git rev-parse --show-toplevel)/scripts/goals.py"'
+HOOK = 'python3 -I -S "$(git rev-parse --show-toplevel)/scripts/goals.py"'  # hooks start it lean
 
 
 @pytest.fixture
@@ -160,7 +161,7 @@ def test_setup_then_doctor_pass_and_setup_again_changes_no_file(repo, home):
     assert f"`{PORTABLE} next`" in block and str(repo) not in block and str(home) not in block
     settings = json.loads((repo / ".claude" / "settings.json").read_text())
     assert [h["command"] for g in settings["hooks"]["Stop"] for h in g["hooks"]] == \
-        [f"{PORTABLE} guard"]
+        [f"{HOOK} guard"]
     assert str(repo) not in (repo / ".claude" / "settings.json").read_text()
     assert (repo / ".fablize" / ".gitignore").read_text() == engine.STATE_GITIGNORE
     files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in repo.rglob("*")
@@ -220,7 +221,7 @@ def test_setup_wires_each_agent_and_removes_it_again(repo, home, agent, block_fi
     if hooks_file:
         config = json.loads((repo / hooks_file).read_text())
         stops = engine.room("setup").our_hooks(config, stop_event)
-        assert len(stops) == 1 and stops[0][3]["command"].startswith(PORTABLE)
+        assert len(stops) == 1 and stops[0][3]["command"].startswith(HOOK)
         if agent != "claude":
             assert f"--for {agent}" in stops[0][3]["command"]
     assert script(repo, home, "setup", agent)[1].endswith("nothing changed.\n")

@@ -18,7 +18,7 @@ import stat
 import sys
 
 from .base import (
-    DEFAULT_GUARD_MAX, DONE, FablizeError, last_chars, load_json, one_line, refused,
+    DEFAULT_GUARD_MAX, DONE, FablizeError, last_chars, load_json, one_line, PYTHON, refused,
     STATE_DIRNAME, STATE_GITIGNORE, usage)
 from .storage import (
     file_to_write, fsync_dir, O_BINARY, O_CLOEXEC, O_NONBLOCK, read_state_file, user_file,
@@ -121,8 +121,17 @@ def cut_original_block(text):
     return text[:m.start()] + text[m.end():], m.start()
 
 
+def lean(cli):
+    """The command a hook runs: the repository's goals.py started lean (-I -S: no site, so no
+    .pth file and no site-packages runs before it; hooks run at every tool call), else `cli`."""
+    if cli.startswith(PYTHON + ' "$(git rev-parse'):
+        return PYTHON + " -I -S" + cli[len(PYTHON):]
+    return cli
+
+
 def hook_entries(agent, cli):
     """[(event, matcher, role, hook object)] that wire `agent` to the engine run as `cli`."""
+    cli = lean(cli)
     def command(args, timeout=30):
         return {"type": "command", "command": f"{cli} {args}", "timeout": timeout}
     if agent == "claude":
