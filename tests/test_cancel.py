@@ -16,8 +16,7 @@ import time
 
 import pytest
 
-from conftest import engine
-from conftest import SCRIPT, ledger
+from conftest import SCRIPT, engine, ledger
 
 pytestmark = pytest.mark.skipif(os.name == "nt", reason="POSIX signals and process groups")
 
@@ -238,3 +237,33 @@ def test_ctrl_c_outside_a_run_exits_130_with_one_json_error(fab, monkeypatch):
     assert r.json["error"] == {"code": "interrupted", "exit": 130, "message": "interrupted by "
                                "SIGINT; the state is as the last completed write left it."}
     assert len(ledger(fab.dir)) == 1
+
+
+# Ctrl-C while `python3 scripts/goals.py` starts ##############################################
+
+
+def test_ctrl_c_at_any_moment_of_the_start_never_prints_a_traceback_through_our_files(tmp_path):
+    """40 Ctrl-Cs, one a start, spread over the first 0.5 s of `python3 scripts/goals.py status`
+    (eight starts at a time; each moment is counted from its own spawn, so it falls wherever
+    that start happens to be: Python's own start-up, goals.py, the engine's imports, the
+    command, its exit): none is answered by a traceback through goals.py or the engine's folder.
+    Python's own start-up, before goals.py's first statement, is out of its reach."""
+    (tmp_path / ".git").mkdir()
+    assert subprocess.run([sys.executable, str(SCRIPT), "create", "--brief", "b", "--goal", "A::a"],
+                          cwd=str(tmp_path), env=env(), capture_output=True).returncode == 0
+    ours = (str(SCRIPT), str(SCRIPT.parent / "fablize_gate"))
+    answered = 0
+    for batch in range(5):  # eight starts at a time, each signalled at its own moment
+        procs = []
+        for i in range(8):
+            procs.append((spawn(tmp_path, "status"), time.monotonic(), 0.5 * (batch + 5 * i) / 40))
+        for p, spawned, delay in sorted(procs, key=lambda x: x[1] + x[2]):
+            time.sleep(max(0.0, spawned + delay - time.monotonic()))
+            p.send_signal(signal.SIGINT)
+        for p, _, _ in procs:
+            out, err = p.communicate(timeout=HANG_GUARD)
+            err = err.decode("utf-8", "replace")
+            if "Traceback" in err:
+                assert not any(f'File "{path}' in err for path in ours), err
+            answered += p.returncode == 130
+    assert answered, "no Ctrl-C landed while goals.py ran: the spread missed the start"
