@@ -10,7 +10,7 @@ from operator import eq, itemgetter, methodcaller
 from .base import (
     damaged, dumps, fast_sha256, LEDGER, load_json, no_plan, one_line, REPORT_RUNS, RUNS,
     SNAPSHOT, SNAPSHOT_VERSION)
-from .masking import looks_secret, SHORT_TEXT
+from .masking import looks_secret
 from .model import (
     _EVENT_KIND, _PREV, compact, find_story, is_original_snapshot, line_error, parse_event)
 from .storage import (
@@ -91,17 +91,7 @@ def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None,
     checked = 0
     digest = fast_sha256()
     recent = collections.deque(maxlen=REPORT_RUNS)  # the latest runs, for the summary
-    seen = {}  # short text -> looks secret: a run's command and tail mostly repeat run after run
-
-    def secret(text):
-        known = seen.get(text)
-        if known is None:
-            known = looks_secret(text)
-            if len(text) <= SHORT_TEXT:
-                if len(seen) >= 4096:
-                    seen.clear()
-                seen[text] = known
-        return known
+    secret = looks_secret
 
     # a run's log is runs/<seq>-<story>.log (replay checked): where it is looked for
     log_key = itemgetter(slice(len(RUNS) + 1, None)) if logs is None else None

@@ -22,15 +22,32 @@ from .masking import mask, mask_places
 # a key ending in "?" may be absent, and a key the spec does not name is never allowed.
 _N = type(None)
 TEXT = (str, _N)
-_COMPILED = {}
+
+
+class _Spec:
+    """A spec as a key of _COMPILED: by identity (specs are dicts and lists no code changes; the
+    key keeps its spec alive, so an id is never reused)."""
+    __slots__ = ("spec",)
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def __hash__(self):
+        return id(self.spec)
+
+    def __eq__(self, other):
+        return self.spec is other.spec
 
 
 def _compile(spec):
-    """The spec in the form misfit walks: type sets tested inline, only nested specs recurse.
-    Compiled on first use and kept (a command compiles only the specs it checks)."""
-    found = _COMPILED.get(id(spec))
-    if found is not None:
-        return found[0]
+    """The spec in the form misfit walks, compiled on first use and kept (_COMPILED: a command
+    compiles only the specs it checks)."""
+    return _COMPILED[_Spec(spec)]
+
+
+def _compiled(key):
+    """_compile's work: type sets tested inline, only nested specs recurse."""
+    spec = key.spec
     if type(spec) is type:
         c = ("t", frozenset((spec,)))
     elif type(spec) is tuple and all(type(x) is type for x in spec):
@@ -59,8 +76,10 @@ def _compile(spec):
                     sub_c = rest[0] if len(rest) == 1 else ("a", rest)
                 nested.append((key, sub_c, none_ok))
         c = ("d", frozenset(required), frozenset(allowed), tuple(plain), tuple(nested))
-    _COMPILED[id(spec)] = (c, spec)  # the spec is kept alive so its id is never reused
     return c
+
+
+_COMPILED = Lazy(_compiled)
 
 
 def misfit(value, spec):
