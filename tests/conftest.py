@@ -119,8 +119,6 @@ def project(tmp_path, monkeypatch):
     # really started (installed, plugin, script) is tested through subprocesses
     monkeypatch.setattr(engine, "invocation", lambda cwd=None: "goals.py")
     monkeypatch.setenv("PATH", os.environ.get("PATH", ""))  # whatever a test puts on it goes again
-    engine._SECRETS.clear()  # made once a process: each test's environment has its own secrets
-    engine._PLACES.clear()  # and its own home folder
     return tmp_path
 
 

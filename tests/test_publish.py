@@ -194,7 +194,7 @@ def test_a_project_reached_through_a_symlink_is_recorded_as_dot_whichever_path_n
     link.symlink_to(fab.root)
     (fab.root / "sub").mkdir()
     monkeypatch.setenv("PWD", str(link / "sub"))  # the agent stands in a folder of it
-    assert engine.logical_root(str(fab.root)) == str(link)
+    assert engine.logical_root(str(fab.root), str(link / "sub")) == str(link)
     monkeypatch.setenv("PWD", str(link))  # at its top: the check's shell keeps that $PWD
     make_plan(fab, 1, "--verify", "pwd && cd sub && pwd && pwd -P")
     start(fab)

@@ -11,6 +11,7 @@ from .base import (
     clean, DECISIONS, DEFAULT_ROUNDS, DEFAULT_RUN_TIMEOUT, EXIT_DAMAGED, EXIT_OK,
     EXIT_SIGNAL_BASE, EXIT_USAGE, FablizeError, fix_argv_text, HOOK_AGENTS, id_arg, json_text,
     one_line, PIN, regex, SCHEMA_VERSION, SHARE, STATE_DIRNAME, usage, VERDICTS)
+from .masking import use_environment
 from .storage import find_state_dir, project_state_dir, snapshot_damage, Store
 from .runs import merge_driver_missing, MERGE_QUIET, plan_text
 from .render import invocation
@@ -693,6 +694,7 @@ def main(argv=None, interrupts=None):
     command = ctx = None
     try:
         answer_interrupts(interrupts)
+        use_environment(os.environ)  # the secrets and places masking keeps out of the plan
         # usage errors and --help name the engine as it was started, runnable as printed
         prog = invocation()  # once a start: the usage line and every printed command use it
         name = command_in(argv)

@@ -43,34 +43,50 @@ SHORT_TEXT = 48             # characters: below this, looks_secret skips its lit
 PRIVATE_KEY = b"PRIVATE KEY-----"
 
 
-def secret_values():
-    """This environment's values of variables whose names say they are secret, longest first
-    (so that none is masked half)."""
-    names = regex("(?i)" + SECRET_WORDS)
-    values = {fix_argv_text(v) for k, v in os.environ.items() if len(v) >= 6 and names.search(k)}
-    # each also as JSON writes it (what the harness reports arrives as JSON text)
-    values |= {json.dumps(v)[1:-1] for v in values}
-    return sorted(values, key=len, reverse=True)
+class Environment:
+    """What masking takes from the environment a command runs in, read once where the command
+    starts (use_environment, from cli.main) and part of every cached pattern's key: a command
+    that runs in another environment (a test's) gets patterns of its own, none made behind its
+    back. `secrets`: the values of variables whose names say they are secret, longest first (so
+    that none is masked half), each also as JSON writes it (what the harness reports arrives as
+    JSON text); `home` and `pwd`: the home folder and the shell's name of the current one."""
+    __slots__ = ("secrets", "home", "pwd")
+
+    def __init__(self, environ):
+        names = regex("(?i)" + SECRET_WORDS)
+        values = {fix_argv_text(v) for k, v in environ.items() if len(v) >= 6 and names.search(k)}
+        values |= {json.dumps(v)[1:-1] for v in values}
+        self.secrets = tuple(sorted(values, key=len, reverse=True))
+        self.home, self.pwd = environ.get("HOME"), environ.get("PWD")
+
+
+ENVIRONMENT = Environment({})  # the one the command runs in, set by use_environment
+
+
+def use_environment(environ):
+    """Mask what `environ` holds from here on (cli.main calls it as each command starts)."""
+    global ENVIRONMENT
+    ENVIRONMENT = Environment(environ)
 
 
 def _secrets(key):
     """(pattern, literals) of what is masked in text of `kind` (str or bytes): a text holding
     none of the literals holds no secret (output, not a command: a name's case varies), which
     a scan for each finds at memory speed, where the pattern would cost ~20 ns a byte."""
-    kind, command = key
+    kind, command, values = key
     text = "|".join(([SECRET_ASSIGNMENT] if command else []) +
                     [("(?<![\\w-])" if prefix in _WORD_START else "") + re.escape(prefix) +
                      f"(?:{tempered(rest)}|{rest})" for prefix, rest in SECRET_SHAPES] +
-                    [re.escape(v) for v in secret_values()])
+                    [re.escape(v) for v in values])
     if kind is bytes:
         text = text.encode("utf-8", "surrogateescape")
-    return re.compile(text), None if command else secret_literals(kind)
+    return re.compile(text), None if command else secret_literals(kind, values)
 
 
-def secret_literals(kind):
+def secret_literals(kind, values):
     """What a text of `kind` that holds a secret holds literally (not a command, whose names'
-    case varies): the shapes' prefixes and the secret values."""
-    literals = [prefix for prefix, _ in SECRET_SHAPES] + secret_values()
+    case varies): the shapes' prefixes and the secret `values`."""
+    literals = [prefix for prefix, _ in SECRET_SHAPES] + list(values)
     return literals if kind is str else [x.encode("utf-8", "surrogateescape") for x in literals]
 
 
@@ -79,7 +95,13 @@ def tempered(body):
     return re.sub(r"\[[^\]]*\]|\\w", lambda m: f"(?:{_NOT_A_PREFIX}{m.group(0)})", body)
 
 
-_SECRETS = Lazy(_secrets)  # (str or bytes, a command line?) -> (pattern, literals), once a run
+# (str or bytes, a command line?, the secret values) -> (pattern, literals)
+_SECRETS = Lazy(_secrets)
+
+
+def secrets_of(kind, command=False):
+    """(pattern, literals) of what is masked in text of `kind` in the command's environment."""
+    return _SECRETS[kind, command, ENVIRONMENT.secrets]
 
 
 def mask(text, command=False):
@@ -88,14 +110,14 @@ def mask(text, command=False):
     if not looks_secret(text, command):
         return text
     star = MASK.encode() if type(text) is bytes else MASK
-    return _SECRETS[type(text), command][0].sub(
+    return secrets_of(type(text), command)[0].sub(
         lambda m: (m.lastindex and m.group(1) or star[:0]) + star, text)
 
 
 def looks_secret(text, command=False):
     if not text:
         return False
-    pattern, literals = _SECRETS[type(text), command]
+    pattern, literals = secrets_of(type(text), command)
     # the pattern costs ~50 ns a character, a scan for each literal ~1 ns a character plus
     # ~40 ns: on a short text (a command, a one-line tail) the pattern alone is cheaper
     # (audit of 100,000 real runs, bench.py section 4: 2.13 → 2.03 s CPU with this threshold)
@@ -119,9 +141,9 @@ def masked_text(name, text, root=None):
 # check, a --run) is kept as given: it must run as written.
 def _places(key):
     """(pattern, {place: shown}) for text of `kind` (str or bytes) under `root`, or None."""
-    kind, root = key
+    kind, root, home, pwd = key
     shown = {}
-    for path, name in ((root, "."), (logical_root(root), "."), (os.environ.get("HOME"), "~")):
+    for path, name in ((root, "."), (logical_root(root, pwd), "."), (home, "~")):
         for p in (path, path and os.path.realpath(path)):
             p = (p or "").rstrip("/")
             # a place of one folder names no one (/root, CI's and containers' user; /app): it
@@ -145,10 +167,10 @@ def _places(key):
     return re.compile(text), shown
 
 
-def logical_root(root):
-    """`root` as the shell that started the engine names it ($PWD), where a symlink on the way
-    makes that differ from the real path the engine works with (a check's `pwd` says it so)."""
-    pwd = os.environ.get("PWD")
+def logical_root(root, pwd):
+    """`root` as the shell that started the engine names it (`pwd`, its $PWD), where a symlink
+    on the way makes that differ from the real path the engine works with (a check's `pwd`
+    says it so)."""
     if not root or not pwd or not pwd.startswith("/"):
         return None
     rel = os.path.relpath(os.path.realpath(pwd), os.path.realpath(root))
@@ -160,13 +182,19 @@ def logical_root(root):
     return pwd.rstrip("/")[:-len(tail)]
 
 
-_PLACES = Lazy(_places)
+_PLACES = Lazy(_places)  # (str or bytes, root, home, pwd) -> (pattern, shown) or None
+
+
+def places_of(kind, root):
+    """(pattern, {place: shown}) of the places masked in text of `kind` under `root`, in the
+    command's environment, or None."""
+    return _PLACES[kind, root, ENVIRONMENT.home, ENVIRONMENT.pwd]
 
 
 def mask_places(text, root):
     """`text` (str or bytes) with the repository's root (`root`, when given) shown as `.` and
     the home folder as `~`, wherever a whole one of them is named."""
-    places = _PLACES[type(text), root] if text else None
+    places = places_of(type(text), root) if text else None
     if places is None:
         return text
     pattern, shown = places
@@ -212,7 +240,7 @@ class Masker:
         end = len(data) - HOLD
         found = _LAST_BREAK.search(data, end - READ_CHUNK // 4, end)
         cut = found.start() + 1 if found else end
-        for pattern in (_SECRETS[bytes, False][0], (_PLACES[bytes, self.root] or [None])[0]):
+        for pattern in (secrets_of(bytes)[0], (places_of(bytes, self.root) or [None])[0]):
             for m in pattern.finditer(data) if pattern is not None else ():
                 if m.start() < cut < m.end() and m.end() - m.start() <= HOLD:
                     cut = m.start()
