@@ -869,6 +869,8 @@ def worked_plan(lab):
          "add() still subtracts: the test says add(2, 3) returned -1")
     step("next")
     write(os.path.join(project, "calc.py"), WORKED_FILES["calc.py"].replace("a - b", "a + b"))
+    # the fix has the old file's size and may have its mtime: Python would keep the old bytecode
+    shutil.rmtree(os.path.join(project, "__pycache__"), ignore_errors=True)
     step("observe", stdin=payloads["passed"])
     step("checkpoint", "--id", "G001", "--status", "complete", "--evidence",
          "add() adds; test_calc passes")

@@ -406,136 +406,165 @@ class StopSignals:
         return False
 
 
-def run_command(cmd, cwd, timeout, stream, log_path):
-    """Run `cmd` through the shell in `cwd`, stdin closed, its output masked (secrets) and then
-    streamed (escaped) to `stream` and written whole to `log_path`. Returns the run's record,
-    whose size, digest and tail are read back from the log on disk: a log that could not be
-    written whole (a full disk, a read-only folder) makes the run an error, and the record
-    never claims more than the disk holds."""
-    import codecs
-    import subprocess
-    import threading
-    masker = Masker(cwd)
-    try:
-        log_fd = open_state_file(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        log_error = [None]
-    except OSError as e:
-        log_fd, log_error = None, [e]
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    # a child that escaped the process group may keep writing after the run is over: what it
-    # writes then belongs to no run, so the reader drops it once `finished` is set
-    guard = threading.Lock()
-    finished = [False]
-    at_start = [True]
-    # once the group is gone, what it wrote is in the pipe: the reader empties it and stops, so
-    # a child that escaped the group and keeps the pipe open costs no wait (where pipes can be
-    # polled; on Windows the reader waits for the end of the pipe, at most 5 s)
-    draining = [False]
+class Run:
+    """One command the engine runs, in named steps: `start` it in a session of its own,
+    `wait` for it (a timeout or a stop signal kills its whole group), then `finish`: its output,
+    pumped from the pipe by a reader thread as it comes, masked (secrets) and then streamed
+    (escaped) to `stream` and written whole to `log_path`; the record's size, digest and tail
+    are read back from the log on disk."""
 
-    def take(masked):
+    def __init__(self, cmd, cwd, stream, log_path):
+        import codecs
+        import threading
+        self.cwd, self.stream, self.log_path = cwd, stream, log_path
+        self.masker = Masker(cwd)
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.log_fd, self.log_error = None, None
+        try:
+            self.log_fd = open_state_file(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        except OSError as e:
+            self.log_error = e
+        # a child that escaped the process group may keep writing after the run is over: what
+        # it writes then belongs to no run, so the reader drops it once `finished` is set
+        self.guard = threading.Lock()
+        self.finished = False
+        self.at_start = True  # whether the next piece streamed starts a line
+        # once the group is gone, what it wrote is in the pipe: the reader empties it and stops,
+        # so a child that escaped the group and keeps the pipe open costs no wait (where pipes
+        # can be polled; on Windows the reader waits for the end of the pipe, at most 5 s)
+        self.draining = False
+        self.started = time.monotonic()
+        self.record = {"cmd": cmd, "cwd": repo_relative(cwd) or ".", "exit_code": None,
+                       "signal": None, "timed_out": False, "error": None}
+
+    def take(self, masked):
         """One masked piece of output (whole lines, but for the last): to the log (until a
         write fails) with the machine's places shown as a plan may publish them, then as it is
         to the stream (the terminal is no publication: `pwd` shows where it ran)."""
-        if log_error[0] is None and masked:
+        if self.log_error is None and masked:
             try:
-                write_all(log_fd, mask_places(masked, cwd))
+                write_all(self.log_fd, mask_places(masked, self.cwd))
             except OSError as e:  # the run goes on; its record will say the log is short
-                log_error[0] = e
-        if stream is not None and masked:
+                self.log_error = e
+        if self.stream is not None and masked:
             try:
-                piece, at_start[0] = quote_output(clean(decoder.decode(masked)), at_start[0])
-                stream.write(piece)
-                stream.flush()
+                piece, self.at_start = quote_output(clean(self.decoder.decode(masked)),
+                                                    self.at_start)
+                self.stream.write(piece)
+                self.stream.flush()
             except (OSError, ValueError):
                 pass
 
-    def pump(pipe):
+    def pump(self, pipe):
+        """The reader thread: the pipe's output, a chunk at a time, until it ends, the run is
+        over, or (draining) nothing more is there."""
         import select
         poller = select.poll() if hasattr(select, "poll") else None  # poll: no descriptor limit
         if poller is not None:
             poller.register(pipe, select.POLLIN)
         try:
             while True:
-                if poller is not None and not poller.poll(0 if draining[0] else 50):
-                    if draining[0]:
+                if poller is not None and not poller.poll(0 if self.draining else 50):
+                    if self.draining:
                         return
                     continue
                 chunk = os.read(pipe, READ_CHUNK)
                 if not chunk:
                     return
-                with guard:
-                    if finished[0]:
+                with self.guard:
+                    if self.finished:
                         return
-                    take(masker.feed(chunk))
+                    self.take(self.masker.feed(chunk))
         except OSError:
             return
         finally:
             os.close(pipe)  # the reader's own descriptor: never reused under another run
 
-    started = time.monotonic()
-    record = {"cmd": cmd, "cwd": repo_relative(cwd) or ".", "exit_code": None, "signal": None,
-              "timed_out": False, "error": None}
-    # Ctrl-C, an agent's tool timeout (SIGTERM) or a closed terminal must not leave the command
-    # running on its own in its new session: a stop signal kills its group like a timeout does
-    with StopSignals() as stop:
-        proc = None
-        if log_fd is None:
-            record["error"] = f"its log could not be written ({log_reason(log_error[0])})"
-        else:
-            try:
-                kwargs = ({"start_new_session": True} if os.name != "nt" else
-                    {"creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)})
-                proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        **kwargs)
-            except (OSError, ValueError) as e:  # ValueError: a NUL in the command
-                record["error"] = one_line(str(e))
-        if proc is not None:
-            reader = threading.Thread(target=pump, args=(os.dup(proc.stdout.fileno()),),
-                                      daemon=True)
-            proc.stdout.close()
-            reader.start()
-            try:
-                code = stop.wait(proc, timeout)
-            except subprocess.TimeoutExpired:
-                record["timed_out"] = True
-                kill_group(proc)
-                code = proc.wait()
-            except RunInterrupted:
-                kill_group(proc)
-                code = proc.wait()
-            # what it left behind is part of the check: stop it, then drain what was written
-            kill_group(proc)
-            draining[0] = True
-            reader.join(5)
-            if code < 0:
-                import signal
-                try:
-                    record["signal"] = signal.Signals(-code).name
-                except ValueError:
-                    record["signal"] = f"signal {-code}"
-            record["exit_code"] = code
-    if stop.got:
-        record["interrupted"] = stop.got
-    with guard:
-        finished[0] = True
-        take(masker.feed(b"", final=True))
-    if log_fd is not None:
+    def start(self):
+        """The process, in a new session (its own process group), stdin closed, stdout and
+        stderr one pipe; None when it cannot start (the record says why)."""
+        import subprocess
+        if self.log_fd is None:
+            self.record["error"] = f"its log could not be written ({log_reason(self.log_error)})"
+            return None
         try:
-            os.fsync(log_fd)
-        except OSError as e:
-            log_error[0] = log_error[0] or e
-        os.close(log_fd)
-    size, sha, tail = (log_on_disk(log_path) if log_fd is not None
-                       else (0, _sha256().hexdigest(), b""))
-    if log_error[0] is not None and record["error"] is None:
-        record["error"] = (f"its log could not be written whole ({log_reason(log_error[0])}; "
-                           f"{size:,} bytes kept): the run counts for nothing")
-    record.update(duration_s=round(time.monotonic() - started, 3), bytes=size, sha256=sha,
-                  tail=tail.decode("utf-8", "replace")[-TAIL_CHARS:])
-    if stream is not None and not at_start[0]:
-        stream.write("\n")
-    return record
+            kwargs = ({"start_new_session": True} if os.name != "nt" else
+                {"creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)})
+            return subprocess.Popen(self.record["cmd"], shell=True, cwd=self.cwd,
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, **kwargs)
+        except (OSError, ValueError) as e:  # ValueError: a NUL in the command
+            self.record["error"] = one_line(str(e))
+            return None
+
+    def wait(self, proc, stop, timeout):
+        """Pump its output while it runs; a timeout or a stop signal kills its group, and so
+        does its end (what it left behind is part of the check); then drain the pipe."""
+        import subprocess
+        import threading
+        reader = threading.Thread(target=self.pump, args=(os.dup(proc.stdout.fileno()),),
+                                  daemon=True)
+        proc.stdout.close()
+        reader.start()
+        try:
+            code = stop.wait(proc, timeout)
+        except subprocess.TimeoutExpired:
+            self.record["timed_out"] = True
+            kill_group(proc)
+            code = proc.wait()
+        except RunInterrupted:
+            kill_group(proc)
+            code = proc.wait()
+        kill_group(proc)
+        self.draining = True
+        reader.join(5)
+        if code < 0:
+            import signal
+            try:
+                self.record["signal"] = signal.Signals(-code).name
+            except ValueError:
+                self.record["signal"] = f"signal {-code}"
+        self.record["exit_code"] = code
+
+    def finish(self):
+        """The record, once what was left of the output is written and the log read back: a
+        log that could not be written whole (a full disk, a read-only folder) makes the run an
+        error, and the record never claims more than the disk holds."""
+        with self.guard:
+            self.finished = True
+            self.take(self.masker.feed(b"", final=True))
+        if self.log_fd is not None:
+            try:
+                os.fsync(self.log_fd)
+            except OSError as e:
+                self.log_error = self.log_error or e
+            os.close(self.log_fd)
+        size, sha, tail = (log_on_disk(self.log_path) if self.log_fd is not None
+                           else (0, _sha256().hexdigest(), b""))
+        record = self.record
+        if self.log_error is not None and record["error"] is None:
+            record["error"] = (f"its log could not be written whole "
+                               f"({log_reason(self.log_error)}; {size:,} bytes kept): the run "
+                               "counts for nothing")
+        record.update(duration_s=round(time.monotonic() - self.started, 3), bytes=size,
+                      sha256=sha, tail=tail.decode("utf-8", "replace")[-TAIL_CHARS:])
+        if self.stream is not None and not self.at_start:
+            self.stream.write("\n")
+        return record
+
+
+def run_command(cmd, cwd, timeout, stream, log_path):
+    """Run `cmd` through the shell in `cwd` (Run): its record. Ctrl-C, an agent's tool timeout
+    (SIGTERM) or a closed terminal must not leave the command running on its own in its new
+    session: a stop signal kills its group as a timeout does, and the record says so."""
+    run = Run(cmd, cwd, stream, log_path)
+    with StopSignals() as stop:
+        proc = run.start()
+        if proc is not None:
+            run.wait(proc, stop, timeout)
+    if stop.got:
+        run.record["interrupted"] = stop.got
+    return run.finish()
 
 
 def log_reason(error):
