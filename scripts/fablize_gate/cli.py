@@ -133,6 +133,7 @@ class Output:
 class Context:
     def __init__(self, args, out, prog=None):
         self.args = args
+        self.build_parser = build_parser  # for a room that reads the command table (completion)
         self.out = out
         self.say = out.say
         self.data = out.data

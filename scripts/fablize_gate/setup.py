@@ -25,7 +25,6 @@ from .storage import (
     write_atomic, write_state_gitignore)
 from .runs import command_programs, git, merge_driver_missing, repo_root, run_tool
 from .render import human_command, invocation, repository_command
-from .cli import build_parser
 from . import merge
 from . import __version__
 
@@ -839,10 +838,9 @@ def doctor_findings(ctx, agent):
 # Shell completion, generated from the command table ###########################################
 
 
-def command_table(prog):
+def command_table(parser):
     """[(command, summary, [(option, takes a value, choices, help)], positional choices)] of
-    every command, read from the parser the engine itself uses: one source."""
-    parser = build_parser(None, prog)
+    every command, read from `parser`, the one the engine itself uses: one source."""
     sub = next(a for a in parser._actions if getattr(a, "choices", None) and
                isinstance(a.choices, dict))
     summaries = {a.dest: a.help or "" for a in sub._choices_actions}
@@ -957,7 +955,7 @@ def cmd_completion(ctx, a):
     if not re.fullmatch(r"[\w.-]+", a.name or ""):
         raise usage(f"--name {one_line(a.name)!r} is not a command's name: one word of "
                     "letters, digits, ., - and _.", "bad_name")
-    script = COMPLETIONS[a.shell](a.name, command_table(a.name))
+    script = COMPLETIONS[a.shell](a.name, command_table(ctx.build_parser(None, a.name)))
     ctx.say(script.rstrip("\n"))
     ctx.data.update(shell=a.shell, script=script)
 
