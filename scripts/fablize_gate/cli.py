@@ -10,15 +10,15 @@ import sys
 from .base import (
     clean, DECISIONS, DEFAULT_ROUNDS, DEFAULT_RUN_TIMEOUT, EXIT_DAMAGED, EXIT_OK,
     EXIT_SIGNAL_BASE, EXIT_USAGE, FablizeError, fix_argv_text, HOOK_AGENTS, id_arg, json_text,
-    one_line, PIN, regex, SCHEMA_VERSION, SHARE, STATE_DIRNAME, usage, VERDICTS)
+    one_line, PIN, regex, SCHEMA_VERSION, SHARE, usage, VERDICTS)
 from .masking import use_environment
 from .storage import find_state_dir, project_state_dir, snapshot_damage, Store
-from .runs import merge_driver_missing, MERGE_QUIET, plan_text
+from .runs import plan_text
 from .render import invocation
 from .commands import (
     cmd_add, cmd_audit, cmd_checkpoint, cmd_create, cmd_decide, cmd_guard, cmd_judge_packet,
     cmd_log, cmd_next, cmd_observe, cmd_pause, cmd_rebuild, cmd_report, cmd_status, cmd_unpause,
-    cmd_verdict, cmd_verify, setup_room, sharing_of, sharing_room)
+    cmd_verdict, cmd_verify, setup_room, sharing_room, store_opened)
 from . import __version__
 
 
@@ -161,19 +161,9 @@ class Context:
 
     @store.setter
     def store(self, value):
-        """The state directory commands work in; a shared plan's publishes after each write."""
+        """The state directory commands work in (store_opened says what opening it does)."""
         self._store = value
-        sharing = sharing_of(value)
-        if sharing is not None:
-            sharing.attach(value)
-        # not said where no branch merge can touch the plan (a shared plan lives in refs), by
-        # the commands that wire the driver, nor by audit (CI's copy of the engine is no clone)
-        if (sharing is None and getattr(self.args, "command", None) not in MERGE_QUIET
-                and merge_driver_missing(value.root)):
-            self.out.warn(f".gitattributes merges {STATE_DIRNAME}/ with fablize's merge driver, "
-                          "which this clone's git config does not have: a merge of two branches' "
-                          f"plans would leave conflict markers — `{self.prog} install-merge` "
-                          "(once in each clone; `setup` does it too).")
+        store_opened(self, value)
 
     def emit_raw(self, obj):
         """Hook output: exactly this object (or nothing), whatever --json says."""

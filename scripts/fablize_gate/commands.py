@@ -13,7 +13,7 @@ from .base import (
     EXIT_SIGNAL_BASE, FablizeError, has_marker_word, indent, last_chars, limit_text, MARKS,
     new_plan_id, no_plan, now_iso, one_line, parse_ids, PLAN_EXISTS, refused, REPORT_RUNS,
     RESUME_LISTED, RESUME_TITLE, RUNS, scope_pattern, SHARE, short, SNAPSHOT, split_assignment,
-    story_id, TAIL_CHARS, usage, ZERO_HASH)
+    STATE_DIRNAME, story_id, TAIL_CHARS, usage, ZERO_HASH)
 from .masking import mask, mask_places, masked_tail, masked_text
 from .model import (
     accepted_ids, active_stories, apply_event, BASE_FIELDS, blocked_because, checkpoint_gate,
@@ -25,8 +25,9 @@ from .storage import (
     replay_all, require_state_dir, shown_path, Store, symlink_refusal, user_file, within,
     write_atomic)
 from .runs import (
-    check_command, commit_runs, execute_runs, file_not_there_yet, plan_text, tree_state,
-    unverifiable_checks, unverifiable_label, verification_runs)
+    check_command, commit_runs, execute_runs, file_not_there_yet, merge_driver_missing,
+    MERGE_QUIET, plan_text, tree_state, unverifiable_checks, unverifiable_label,
+    verification_runs)
 from .render import (
     done_line, grades_line, handoff_command, human_command, left_line, next_action, next_line,
     plan_json, plan_summary, render_handoff, render_observed, render_report, render_resume,
@@ -47,6 +48,23 @@ def setup_room():
     """The setup room (setup, doctor, install-block, completion; the plugin's hooks)."""
     from . import setup
     return setup
+
+
+def store_opened(ctx, store):
+    """What every command does as it opens the state directory `store`: a shared plan's store
+    publishes after each write (the sharing room attaches to it); a clone whose git config lacks
+    the merge driver that .gitattributes names is warned — not where no branch merge can touch
+    the plan (a shared plan lives in refs), by the commands that wire the driver, nor by audit
+    (CI's copy of the engine is no clone). Read from files, no git process."""
+    sharing = sharing_of(store)
+    if sharing is not None:
+        sharing.attach(store)
+    elif (getattr(ctx.args, "command", None) not in MERGE_QUIET
+          and merge_driver_missing(store.root)):
+        ctx.out.warn(f".gitattributes merges {STATE_DIRNAME}/ with fablize's merge driver, "
+                     "which this clone's git config does not have: a merge of two branches' "
+                     f"plans would leave conflict markers — `{ctx.prog} install-merge` (once in "
+                     "each clone; `setup` does it too).")
 
 
 def sharing_of(store):
