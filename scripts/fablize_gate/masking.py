@@ -39,7 +39,6 @@ SECRET_ASSIGNMENT = (r"(?<![\w-])(?=\w*=)((?:\w*?(?i:" + SECRET_WORDS + r")|(?i:
                      r"(?![=$]|(?:None|null|nil|true|false|True|False)\b)"
                      r"(?:'[^']*'|\"[^\"]*\"|[^\s'\"(),;]+)")
 MASK = "***"
-SHORT_TEXT = 48             # characters: below this, looks_secret skips its literal pre-scan
 PRIVATE_KEY = b"PRIVATE KEY-----"
 
 
@@ -47,17 +46,27 @@ class Environment:
     """What masking takes from the environment a command runs in, read once where the command
     starts (use_environment, from cli.main) and part of every cached pattern's key: a command
     that runs in another environment (a test's) gets patterns of its own, none made behind its
-    back. `secrets`: the values of variables whose names say they are secret, longest first (so
-    that none is masked half), each also as JSON writes it (what the harness reports arrives as
-    JSON text); `home` and `pwd`: the home folder and the shell's name of the current one."""
-    __slots__ = ("secrets", "home", "pwd")
+    back. `home` and `pwd`: the home folder and the shell's name of the current one; `secrets`
+    (found when first asked: a command that masks no secret never compiles SECRET_WORDS): the
+    values of variables whose names say they are secret."""
+    __slots__ = ("environ", "home", "pwd", "_secrets")
 
     def __init__(self, environ):
-        names = regex("(?i)" + SECRET_WORDS)
-        values = {fix_argv_text(v) for k, v in environ.items() if len(v) >= 6 and names.search(k)}
-        values |= {json.dumps(v)[1:-1] for v in values}
-        self.secrets = tuple(sorted(values, key=len, reverse=True))
+        self.environ = dict(environ)
         self.home, self.pwd = environ.get("HOME"), environ.get("PWD")
+        self._secrets = None
+
+    @property
+    def secrets(self):
+        """Longest first (so that none is masked half), each also as JSON writes it (what the
+        harness reports arrives as JSON text)."""
+        if self._secrets is None:
+            names = regex("(?i)" + SECRET_WORDS)
+            values = {fix_argv_text(v) for k, v in self.environ.items()
+                      if len(v) >= 6 and names.search(k)}
+            values |= {json.dumps(v)[1:-1] for v in values}
+            self._secrets = tuple(sorted(values, key=len, reverse=True))
+        return self._secrets
 
 
 ENVIRONMENT = Environment({})  # the one the command runs in, set by use_environment
@@ -70,9 +79,8 @@ def use_environment(environ):
 
 
 def _secrets(key):
-    """(pattern, literals) of what is masked in text of `kind` (str or bytes): a text holding
-    none of the literals holds no secret (output, not a command: a name's case varies), which
-    a scan for each finds at memory speed, where the pattern would cost ~20 ns a byte."""
+    """The pattern of what is masked in text of `kind` (str or bytes), in a command line or
+    not, for the secret `values`."""
     kind, command, values = key
     text = "|".join(([SECRET_ASSIGNMENT] if command else []) +
                     [("(?<![\\w-])" if prefix in _WORD_START else "") + re.escape(prefix) +
@@ -80,12 +88,13 @@ def _secrets(key):
                     [re.escape(v) for v in values])
     if kind is bytes:
         text = text.encode("utf-8", "surrogateescape")
-    return re.compile(text), None if command else secret_literals(kind, values)
+    return re.compile(text)
 
 
-def secret_literals(kind, values):
-    """What a text of `kind` that holds a secret holds literally (not a command, whose names'
-    case varies): the shapes' prefixes and the secret `values`."""
+def secret_literals(key):
+    """What a text of `kind` that holds a secret holds literally: the shapes' prefixes and the
+    secret `values` (a command's assignment aside, which holds `=`)."""
+    kind, values = key
     literals = [prefix for prefix, _ in SECRET_SHAPES] + list(values)
     return literals if kind is str else [x.encode("utf-8", "surrogateescape") for x in literals]
 
@@ -95,12 +104,12 @@ def tempered(body):
     return re.sub(r"\[[^\]]*\]|\\w", lambda m: f"(?:{_NOT_A_PREFIX}{m.group(0)})", body)
 
 
-# (str or bytes, a command line?, the secret values) -> (pattern, literals)
-_SECRETS = Lazy(_secrets)
+_SECRETS = Lazy(_secrets)  # (str or bytes, a command line?, the secret values) -> pattern
+_LITERALS = Lazy(secret_literals)  # (str or bytes, the secret values) -> literals
 
 
 def secrets_of(kind, command=False):
-    """(pattern, literals) of what is masked in text of `kind` in the command's environment."""
+    """The pattern of what is masked in text of `kind` in the command's environment."""
     return _SECRETS[kind, command, ENVIRONMENT.secrets]
 
 
@@ -110,20 +119,25 @@ def mask(text, command=False):
     if not looks_secret(text, command):
         return text
     star = MASK.encode() if type(text) is bytes else MASK
-    return secrets_of(type(text), command)[0].sub(
+    return secrets_of(type(text), command).sub(
         lambda m: (m.lastindex and m.group(1) or star[:0]) + star, text)
 
 
 def looks_secret(text, command=False):
+    """Whether `text` (str or bytes; a command line's, with `command`) holds a secret. All the
+    pattern finds starts with a literal — a token shape's prefix, a secret value — or, in a
+    command, is an assignment, which holds `=`: a text with none of them is cleared by a scan,
+    without the pattern, whose compile costs a command 6.5 ms here (a loaded 2-core machine;
+    the observe hook after `pytest -q`, with the parser's width below: x0.95 CPU, medians of
+    15 side by side). The environment's secret values are read once a command (Environment),
+    so the scan reads no environment."""
     if not text:
         return False
-    pattern, literals = secrets_of(type(text), command)
-    # the pattern costs ~50 ns a character, a scan for each literal ~1 ns a character plus
-    # ~40 ns: on a short text (a command, a one-line tail) the pattern alone is cheaper
-    # (audit of 100,000 real runs, bench.py section 4: 2.13 → 2.03 s CPU with this threshold)
-    if literals is not None and len(text) > SHORT_TEXT and not any(x in text for x in literals):
+    kind = type(text)
+    if (not (command and (b"=" if kind is bytes else "=") in text) and
+            not any(x in text for x in _LITERALS[kind, ENVIRONMENT.secrets])):
         return False
-    return pattern.search(text) is not None
+    return secrets_of(kind, command).search(text) is not None
 
 
 def masked_text(name, text, root=None):
@@ -240,7 +254,7 @@ class Masker:
         end = len(data) - HOLD
         found = _LAST_BREAK.search(data, end - READ_CHUNK // 4, end)
         cut = found.start() + 1 if found else end
-        for pattern in (secrets_of(bytes)[0], (places_of(bytes, self.root) or [None])[0]):
+        for pattern in (secrets_of(bytes), (places_of(bytes, self.root) or [None])[0]):
             for m in pattern.finditer(data) if pattern is not None else ():
                 if m.start() < cut < m.end() and m.end() - m.start() <= HOLD:
                     cut = m.start()
