@@ -7,8 +7,9 @@ plans: the one created later stays current and the other's whole ledger is carri
 appended `plan_merged` event, replayed by audit, so both audit with their pins. The snapshot of
 the current plan is then one event behind: the next command rolls it forward.
 
-Interface: COMMANDS (merge-driver, install-merge). Loaded by the engine (goals.room), never
-imported on its own.
+Interface: COMMANDS (merge-driver, install-merge), merge_ledgers, merge_snapshots.
+Imported by the commands that run it (cli.room_of, commands), when they run; what it
+uses of the engine's layers is the names it imports from them, listed at its top.
 """
 
 import os

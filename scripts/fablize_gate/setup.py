@@ -7,7 +7,8 @@ What setup writes is meant to be committed: it names the engine by a command tha
 directory of any clone and holds no absolute path.
 
 Interface: COMMANDS (setup, doctor, install-block), render_block(cli), BLOCK_BEGIN/BLOCK_END.
-Loaded by the engine (goals.room), never imported on its own.
+Imported by the commands that run it (cli.room_of, commands), when they run; what it
+uses of the engine's layers is the names it imports from them, listed at its top.
 """
 
 import json

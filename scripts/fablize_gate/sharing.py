@@ -35,7 +35,8 @@ Interface (for the engine's commands):
   status(store, plan), status_lines(info, prog)   what `status` says of a shared plan
   audit_source(store, remote, plan_id)      (ledger bytes, run logs) as the remote holds them
   COMMANDS                 share, sync, release
-Loaded by the engine (goals.room), never imported on its own.
+Imported by the commands that run it (cli.room_of, commands), when they run; what it
+uses of the engine's layers is the names it imports from them, listed at its top.
 """
 
 import json

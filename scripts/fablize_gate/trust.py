@@ -25,7 +25,8 @@ Interface (for the engine's `audit` and `decide`):
   summary(...)                     the Markdown a CI job summary shows
   check_signer(key, signer), sign(plan, sid, decision, note, key, signer),
   signed_fields(plan, signature, prev)
-Loaded by the engine (goals.room), never imported on its own.
+Imported by the commands that run it (cli.room_of, commands), when they run; what it
+uses of the engine's layers is the names it imports from them, listed at its top.
 """
 
 import io
