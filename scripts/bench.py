@@ -317,11 +317,11 @@ def cache_engine():
     them), should the engine change while the bench runs."""
     import importlib.util
     import py_compile
-    for name in sorted(os.listdir(HERE)):
-        if name in ("goals.py", "fablize.py") or re.fullmatch(r"fablize_\w+\.py", name):
-            path = os.path.join(HERE, name)
-            py_compile.compile(path, cfile=importlib.util.cache_from_source(path), doraise=True,
-                               invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP)
+    package = os.path.join(HERE, "fablize_gate")
+    for path in sorted(os.path.join(package, name) for name in os.listdir(package)
+                       if name.endswith(".py")):
+        py_compile.compile(path, cfile=importlib.util.cache_from_source(path), doraise=True,
+                           invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP)
 
 
 def timed_env():

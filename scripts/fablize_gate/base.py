@@ -18,7 +18,6 @@ RUNS = "runs"
 ARCHIVE = "archive"
 SHARE = "share.json"        # marks a shared plan (the sharing room's record)
 PIN = "pin.json"            # a shared plan's pin, committed for CI's --base (sync --pin)
-LAUNCHER = "fablize.py"     # beside this file: starts it with its bytecode cached
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_DAMAGED = 0, 1, 2, 3
 EXIT_SIGNAL_BASE = 128      # interrupted by signal N: exit 128 + N, as a shell reports it
 
