@@ -623,37 +623,76 @@ def audit_and_judge(ctx, a):
     completeness, secrets, and the trust room's (pin, scope, required checks, witnesses,
     signatures) — and the re-run on the base's tree; then one verdict, every failed gate with
     its reason and fix, the grades, and the job summary. Exit 1 names the first gate."""
-    store = ctx.store
+    from . import trust
     opts = {name: getattr(a, name) for name in TRUST_OPTIONS}
-    from . import trust  # a plain audit reports trust too
     shared = {"plan": a.plan} if a.remote else None
-    pin, base = trust.pin_of(store, a.base, a.since, shared) if trust else (None, None)
-    scan = trust.Scan(store.root, pin) if trust else None
-    if a.remote:  # a shared plan as the remote holds it: no local state needed
-        # the plan CI names, else the one the base's pin names, else the remote's only plan
-        plan_id = a.plan or (base or {}).get("plan_id")
-        data, logs = sharing_room().audit_source(store, a.remote, plan_id)
-        report = audit_ledger(data, None, a.require_independent_judge, logs=logs, scan=scan)
-        report["snapshot"] = "none on a remote (its ledger is the whole of it)"
-    else:
-        with open_plan(ctx, exclusive=False) as s:
-            s.refuse_original()
-            for name in (RUNS, ARCHIVE):  # a planted link would have audit read another tree
-                if os.path.islink(s.store.path(name)):
-                    raise symlink_refusal(s.store.path(name))
-            snapshot = read_state_file(s.store.path(SNAPSHOT))  # before the ledger, as readers do
-            s.ledger.open()
-            report = audit_ledger(s.ledger, snapshot, a.require_independent_judge,
-                                  runs_dir=s.store.path(RUNS), scan=scan)
+    pin, base = trust.pin_of(ctx.store, a.base, a.since, shared)
+    scan = trust.Scan(ctx.store.root, pin)
+    report = audited(ctx, a, scan, base)
     plan, recent = report.pop("plan"), report.pop("recent_runs")
     bad_logs = report.pop("bad_logs")
     if bad_logs:
         raise bad_logs[0]
-    review = trust.review(store, plan, scan, pin, base, opts) if trust else None
-    missing_logs = report["missing_logs"]
-    accepted = accepted_ids(plan)
-    report.update(plan_summary(plan), brief=plan["brief"], accepted=accepted)
+    review = trust.review(ctx.store, plan, scan, pin, base, opts)
+    report.update(plan_summary(plan), brief=plan["brief"], accepted=accepted_ids(plan))
+    failures = audit_failures(report, plan, a)
+    for warning in review["warnings"]:
+        ctx.out.warn(warning)
+    failures += trust.gates(ctx.store, plan, review, opts)
+    results = trust.rerun(ctx.store, plan, review, opts, ctx.timeout) if a.rerun or (
+        opts["fail_to_pass"] or opts["require_fail_to_pass"]) else []
+    if results:
+        failures += trust.rerun_failures(results, opts)
+    grades = trust.grades(plan, results)
+    report["trust"] = {k: v for k, v in review.items()
+                       if k not in ("decisions", "warnings", "tree")}
+    report["trust"]["tree"] = review["tree"] and {
+        k: review["tree"][k] for k in ("scope", "from", "left")}
+    if results:
+        report["rerun"] = results
+    report.update(grades=grades, failures=failures)
+    ctx.data.update(report)
+    verdict = say_audit(ctx, report, plan, failures, results, review, grades)
+    if a.summary:
+        write_summary(a.summary, None, trust.summary(verdict, failures,
+                                                     render_report(plan, recent), review,
+                                                     results, grades))
+    if failures:  # each gate's fix is said above (and under --json, in `failures`)
+        error = FablizeError("audit: " + (f"{failures[0]['message']} — {failures[0]['fix']}"
+                                          if len(failures) == 1 else
+                                          "; ".join(f["message"] for f in failures) +
+                                          " (the fix of each is said above)"),
+                             failures[0]["code"], EXIT_REFUSED)
+        error.summarised = True
+        raise error
+
+
+def audited(ctx, a, scan, base):
+    """audit_ledger's report of the plan: a shared plan as its remote holds it (no local state
+    needed), else the local state directory's, read as readers read it."""
+    if a.remote:
+        # the plan CI names, else the one the base's pin names, else the remote's only plan
+        plan_id = a.plan or (base or {}).get("plan_id")
+        data, logs = sharing_room().audit_source(ctx.store, a.remote, plan_id)
+        report = audit_ledger(data, None, a.require_independent_judge, logs=logs, scan=scan)
+        report["snapshot"] = "none on a remote (its ledger is the whole of it)"
+        return report
+    with open_plan(ctx, exclusive=False) as s:
+        s.refuse_original()
+        for name in (RUNS, ARCHIVE):  # a planted link would have audit read another tree
+            if os.path.islink(s.store.path(name)):
+                raise symlink_refusal(s.store.path(name))
+        snapshot = read_state_file(s.store.path(SNAPSHOT))  # before the ledger, as readers do
+        s.ledger.open()
+        return audit_ledger(s.ledger, snapshot, a.require_independent_judge,
+                            runs_dir=s.store.path(RUNS), scan=scan)
+
+
+def audit_failures(report, plan, a):
+    """The engine's own gates (the trust room's come after): a verdict not independent, run
+    logs missing (--require-logs), a secret recorded, a plan not complete (--require-complete)."""
     failures = []
+    missing_logs = report["missing_logs"]
     if report["independence"]:
         failures.append({"code": "judge_not_independent", "message": "a verdict was not given by "
                          "an independent judge — " + "; ".join(report["independence"]),
@@ -676,24 +715,14 @@ def audit_and_judge(ctx, a):
         left = [f"{x['id']} [{x['status']}]" for x in plan["goals"] if x["status"] not in DONE]
         failures.append({"code": "incomplete", "message": "trusted but incomplete — "
                          + ", ".join(left), "fix": "finish the plan: `next`, then `checkpoint`"})
-    if trust:
-        for warning in review["warnings"]:
-            ctx.out.warn(warning)
-        failures += trust.gates(store, plan, review, opts)
-    results = trust.rerun(store, plan, review, opts, ctx.timeout) if a.rerun or (
-        opts["fail_to_pass"] or opts["require_fail_to_pass"]) else []
-    if results:
-        failures += trust.rerun_failures(results, opts)
-    grades = trust.grades(plan, results) if trust else None
-    if review is not None:
-        report["trust"] = {k: v for k, v in review.items()
-                           if k not in ("decisions", "warnings", "tree")}
-        report["trust"]["tree"] = review["tree"] and {
-            k: review["tree"][k] for k in ("scope", "from", "left")}
-    if results:
-        report["rerun"] = results
-    report.update(grades=grades, failures=failures)
-    ctx.data.update(report)
+    return failures
+
+
+def say_audit(ctx, report, plan, failures, results, review, grades):
+    """What audit says: its verdict (returned, for the job summary), every failed gate with its
+    fix, the ledger, the head to keep, the plan, the trust room's findings, the re-run, the
+    grades, and completed stories whose last observed run failed."""
+    from . import trust
     ledger_line = (f"{count_noun(report['event_count'], 'event')}, hash chain intact, every event "
                    f"one fablize writes and legal when replayed; snapshot {report['snapshot']}.")
     rerun_passed = results and not any(f["code"] == "rerun_failed" for f in failures)
@@ -712,39 +741,28 @@ def audit_and_judge(ctx, a):
                     "passed again, run by this audit")
         ctx.say(f"fablize: audit ok — {ledger_line}")
     ctx.say(f"  head: {report['head']}   (keep it; `audit --since` proves later history only grew)")
+    accepted = report["accepted"]
     ctx.say(f"  plan: {report['done']}/{report['total']} done — {defused_line(plan['brief'])}"
             + (f" ({', '.join(accepted)} accepted by a human decision)" if accepted else ""))
     if report["torn_tail_bytes"]:
         ctx.say(f"  torn tail: {report['torn_tail_bytes']} bytes after the last event — a write "
-                "that "
-                "never completed; the next writing command moves it aside.")
+                "that never completed; the next writing command moves it aside.")
+    missing_logs = report["missing_logs"]
     if missing_logs:
         ctx.say(f"  {count_noun(missing_logs, 'run log')} not present here (not committed?); their "
                 "digests are in the ledger.")
-    for line in trust.lines(review) if trust else ():
+    for line in trust.lines(review):
         ctx.say(line)
     for line in trust.rerun_lines(results, review["tree"]) if results else ():
         ctx.say(line)
     if grades:
         ctx.say("  " + grades_line(grades))
-    standing = [(s["id"], unaddressed_failure(s)) for s in stories_in(plan, "complete")]
-    for sid, o in standing:
+    for s in stories_in(plan, "complete"):
+        o = unaddressed_failure(s)
         if o is not None:
-            ctx.say(f"  {sid}: the harness last saw `{one_line(last_chars(o['cmd'], 120))}` fail "
-                    f"(event {o.get('seq')}) before it was checkpointed")
-    if a.summary:
-        report_md = render_report(plan, recent)
-        md = (trust.summary(verdict, failures, report_md, review, results, grades) if trust
-              else f"## {verdict}\n\n" + report_md)
-        write_summary(a.summary, None, md)
-    if failures:  # each gate's fix is said above (and under --json, in `failures`)
-        error = FablizeError("audit: " + (f"{failures[0]['message']} — {failures[0]['fix']}"
-                                          if len(failures) == 1 else
-                                          "; ".join(f["message"] for f in failures) +
-                                          " (the fix of each is said above)"),
-                             failures[0]["code"], EXIT_REFUSED)
-        error.summarised = True
-        raise error
+            ctx.say(f"  {s['id']}: the harness last saw `{one_line(last_chars(o['cmd'], 120))}` "
+                    f"fail (event {o.get('seq')}) before it was checkpointed")
+    return verdict
 
 
 def write_summary(path, verdict, markdown):
