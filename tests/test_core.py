@@ -25,7 +25,7 @@ def test_checkpoint_refuses_a_story_that_is_already_complete(fab):
     complete(fab, "G001")
     assert_refused(fab,
                    ["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "again"], 1,
-                   "G001 is not active (complete) — activate it with `next` first.",
+                   "G001 is not active (complete) — it is already done; nothing to do for it",
                    error="not_active")
     assert_refused(fab, ["checkpoint", "--id", "G001", "--status", "failed", "--evidence", "undo"],
                    1, "G001 is not active (complete)", error="not_active")

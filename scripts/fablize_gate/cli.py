@@ -255,6 +255,8 @@ def add_status(command):
     c.add_argument("--resume", action="store_true",
                    help="also print the handoff of each story in progress; print nothing when "
                         "there is no plan (for SessionStart hooks)")
+    c.add_argument("--agent", metavar="NAME",
+                   help="the next step for this agent: its own story, never another agent's")
     add_hook_for(c, "with --resume: answer")
 
 
@@ -660,14 +662,39 @@ def answer_interrupts(interrupts):
             raise KeyboardInterrupt
 
 
-def no_plan_commands(ctx):
-    """Under the original's refusal (kept to the byte: scripts read it), the one case it never
-    had: a fresh clone of a repository that pins a shared plan brings it in with `sync`."""
+def no_plan_advice(ctx, error):
+    """After the original's refusal (its words first: scripts match them), the one case it
+    never had: a fresh clone of a shared plan — the branch pins it, or the remote shares one
+    (asked only here, on the way out, of the remote `sync` would use) — brings it in with
+    `sync`; `create` would start a second plan."""
     store = ctx._store
-    if store is not None and os.path.lexists(store.path(PIN)) and not os.path.lexists(
-            store.path(SHARE)):
-        return [f"{ctx.prog} sync"]
-    return None
+    if store is None or os.path.lexists(store.path(SHARE)):
+        return
+    where = "this repository pins a shared plan" if os.path.lexists(store.path(PIN)) else None
+    if where is None:
+        where = remote_sharing(store.root)
+    if where is not None:
+        error.message = (f"{error.message[:-1]}, or, as {where} this clone has not brought in "
+                         "yet, `sync` it:")
+        error.commands = [f"{ctx.prog} sync"]
+
+
+def remote_sharing(root):
+    """"origin shares a plan" when the remote `sync` would use shares one, else None (no
+    repository, no such remote, or it cannot be reached: the original's advice stands)."""
+    from .runs import git, repo_root
+    if repo_root(root) is None:
+        return None
+    try:
+        code, out, _ = git(root, "remote")
+        names = out.decode("utf-8", "replace").split() if code == 0 else []
+        remote = "origin" if "origin" in names else names[0] if len(names) == 1 else None
+        if remote is None:
+            return None
+        code, out, _ = git(root, "ls-remote", remote, "refs/fablize/plans/*")
+    except (FablizeError, OSError):  # no git, or a remote that does not answer in time
+        return None
+    return f"{remote} shares a plan" if code == 0 and out.strip() else None
 
 
 def keep_interrupts(interrupts):
@@ -705,7 +732,7 @@ def main(argv=None, interrupts=None):
     except FablizeError as e:
         code, error = e.exit_code, e
         if e.code == "no_plan" and ctx is not None and not getattr(e, "commands", None):
-            e.commands = no_plan_commands(ctx)
+            no_plan_advice(ctx, e)
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
         # a failure on what the snapshot holds is its damage; on a sound one, a genuine bug
         error = snapshot_damage(ctx._store) if ctx is not None and ctx._store else None

@@ -11,13 +11,14 @@ from operator import itemgetter
 from .base import (
     ARCHIVE, blank, clean, count_noun, count_stories, defuse, defused_line, DONE, EXIT_REFUSED,
     EXIT_SIGNAL_BASE, FablizeError, has_marker_word, indent, last_chars, limit_text, MARKS,
-    new_plan_id, no_plan, now_iso, one_line, parse_ids, PLAN_EXISTS, refused, REPORT_RUNS,
-    RESUME_LISTED, RESUME_TITLE, RUNS, scope_pattern, SHARE, short, SNAPSHOT, split_assignment,
-    story_id, TAIL_CHARS, usage, ZERO_HASH)
+    new_plan_id, no_plan, now_iso, one_line, parse_ids, PLAN_EXISTS, refused,
+    REPORT_RUNS, RESUME_LISTED, RESUME_TITLE, RUNS, scope_pattern, SHARE, short, SNAPSHOT,
+    split_assignment, story_id, TAIL_CHARS, usage, ZERO_HASH)
 from .masking import mask, mask_places, masked_tail, masked_text
 from .model import (
     accepted_ids, active_stories, apply_event, BASE_FIELDS, blocked_because, checkpoint_gate,
-    current_packet, done_count, find_story, format_event, guard_paused, latest_run, observed_of,
+    claimed_final, current_packet, done_count, find_story, format_event, guard_paused, latest_run,
+    observed_of,
     pick_ready, plan_done, round_label, rounds_left, run_passed, run_summary, stories_in, touch,
     unaddressed_failure)
 from .storage import (
@@ -28,9 +29,9 @@ from .runs import (
     check_command, commit_runs, execute_runs, file_not_there_yet, plan_text, tree_state,
     unverifiable_checks, unverifiable_label, verification_runs)
 from .render import (
-    done_line, grades_line, handoff_command, human_command, left_line, next_action, next_line,
-    plan_json, plan_summary, render_handoff, render_observed, render_report, render_resume,
-    status_details, story_json)
+    completion_command, done_line, grades_line, handoff_command, human_command, left_line,
+    next_action, next_line, plan_json, plan_summary, render_handoff, render_observed,
+    render_report, render_resume, status_details, story_json)
 from .audit import audit_ledger
 from .hooks import (
     guard_answer, guard_reason, hook_fingerprint, is_verification, observed_outcome,
@@ -309,6 +310,21 @@ def say_after_checkpoint(ctx, plan, story, agent=None):
     return action
 
 
+def advise_not_active(ctx, plan, error, agent):
+    """The whole command of the step a not-active refusal names, on its own line; in a clone of
+    a shared plan, whose copy may be behind what another clone recorded, `sync` first."""
+    step = getattr(error, "step", ("status",))
+    if step[0] == "finish":
+        error.commands = [completion_command(ctx.prog, plan, find_story(plan, step[1]))]
+    elif step[0] != "next":
+        error.commands = [f"{ctx.prog} status"]
+    elif sharing_of(ctx.store) is not None:
+        error.message += (" This clone's copy of the shared plan may be behind what another "
+                          "clone recorded: sync it first.")
+        error.commands = [f"{ctx.prog} sync"]
+    # else the original's line, to the byte (scripts match it): `next` is the step it names
+
+
 def reason_required(status):
     """failed and blocked carry a reason: the next round reads it, or the human who decides."""
     if status == "failed":
@@ -341,7 +357,12 @@ def cmd_checkpoint(ctx, a):
     with open_plan(ctx) as s:
         plan = s.require_plan()
         story = find_story(plan, a.id)
-        checkpoint_gate(plan, story, ev)
+        try:
+            checkpoint_gate(plan, story, ev)
+        except FablizeError as e:
+            if e.code == "not_active":
+                advise_not_active(ctx, plan, e, a.agent)
+            raise
         # here, not in the transition: ledgers written before this rule must still replay
         if a.status != "complete" and blank(a.evidence):
             raise reason_required(a.status)
@@ -382,7 +403,7 @@ def cmd_checkpoint(ctx, a):
     ctx.data.update(plan_summary(plan), story=story_json(plan, story), runs=runs, next=action)
 
 
-def render_status(prog, plan, share=()):
+def render_status(prog, plan, share=(), agent=None):
     """What `status` says, whole, for a human: the plan's count and brief, a line per story
     with its details, checks that cannot run here, a pause, the next step, the shared plan's
     state, and how to pick up each story in progress."""
@@ -403,7 +424,10 @@ def render_status(prog, plan, share=()):
         lines.append(f"  {unverifiable_label(u)}: `{one_line(u['cmd'])}` — "
                      f"{one_line(u['reason'])}{' yet' if file_not_there_yet(u) else ''}")
     lines += paused_line(prog, plan)
-    action = next_action(prog, plan)
+    claimed = claimed_final(plan)
+    if claimed:
+        lines.append("  " + claimed)
+    action = next_action(prog, plan, agent)  # the step of the agent asking: never another's
     lines.append(next_line(action))
     lines += share
     for story in active_stories(plan):
@@ -493,7 +517,7 @@ def cmd_status(ctx, a):
     if plan is None:
         raise no_plan()
     shared = sharing.status_lines(share, ctx.prog) if share else ()
-    lines, action, paused = render_status(ctx.prog, plan, share=shared)
+    lines, action, paused = render_status(ctx.prog, plan, share=shared, agent=a.agent)
     ctx.out.lines += lines
     if share:
         ctx.data["share"] = share
@@ -709,6 +733,10 @@ def audit_and_judge(ctx, a):
         ctx.say(line)
     if grades:
         ctx.say("  " + grades_line(grades))
+    claimed = claimed_final(plan)
+    if claimed:  # a warning, not a failure: the strict recipe's --require-witnessed fails it
+        ctx.say("  " + claimed)
+        ctx.data["claimed_final"] = plan["goals"][-1]["id"]
     standing = [(s["id"], unaddressed_failure(s)) for s in stories_in(plan, "complete")]
     for sid, o in standing:
         if o is not None:

@@ -268,6 +268,20 @@ def is_final(plan, story):
     return plan["goals"][-1]["id"] == story["id"]
 
 
+def claimed_final(plan):
+    """One line when the final story is complete on a verification only claimed (typed, not run
+    by the engine), else None: `status` and a plain `audit` say it, as a warning (the strict
+    recipe's --require-witnessed fails it)."""
+    final = plan["goals"][-1]
+    if final["status"] != "complete" or touch(final)["grade"] != "claimed":
+        return None
+    cmd = final.get("verify_cmd")
+    return (f"⚠ final verification only claimed: {final['id']}'s "
+            + (f"`{one_line(last_chars(cmd, 120))}` " if cmd else "")
+            + "was typed in, not run by the engine (`audit --require-witnessed` fails it; "
+            "`checkpoint --run` or a frozen check witnesses it).")
+
+
 def waits_for(plan, story):
     """The direct dependencies of `story` that are not done yet."""
     after = story.get("after", ())
@@ -674,15 +688,46 @@ def verification_gap(plan, story, ev):
                        "run_required")
     if blank(ev.get("verify_cmd")) or blank(ev.get("verify_evidence")):
         return refused("the final story cannot complete without --verify-cmd and --verify-evidence "
-                       "(verification gate).", "verification_gate")
+                       "(verification gate). Witnessed is stronger than typed: --run --verify-cmd "
+                       "CMD has the engine run it (or the story's frozen checks run by "
+                       "themselves); a --verify-evidence you type is only claimed.",
+                       "verification_gate")
     return None
+
+
+def not_active(plan, story, agent=None):
+    """The refusal of a checkpoint on a story that is not in progress: the original's opening
+    (`G00X is not active (STATUS)`, which scripts match), then what is true of this story and
+    the one step that fits it. `.step` names that step for the command line to print whole:
+    ("status",), ("finish", id) or ("next",)."""
+    sid, status = story["id"], story["status"]
+    head = f"{sid} is not active ({status})"
+    if status in DONE:
+        error = refused(f"{head} — it is already done; nothing to do for it (`status` shows "
+                        "what is next).", "not_active")
+        error.step = ("status",)
+        return error
+    if status in ("blocked", "review"):
+        who = "a human decides it" if status == "blocked" else "its judge decides it"
+        error = refused(f"{head} — {who}; `status` names how.", "not_active")
+        error.step = ("status",)
+        return error
+    mine = [s for s in active_stories(plan) if agent is None or s["agent"] == agent]
+    if mine:
+        other = mine[0]["id"]
+        error = refused(f"{head} — {other} is in progress: finish {other} first (`next` would "
+                        f"hand out {other} again).", "not_active")
+        error.step = ("finish", other)
+        return error
+    error = refused(f"{head} — activate it with `next` first.", "not_active")
+    error.step = ("next",)
+    return error
 
 
 def checkpoint_gate(plan, story, ev):
     """The checks a checkpoint must pass before anything runs (the original's order)."""
     if story["status"] != "in_progress":
-        raise refused(f"{story['id']} is not active ({story['status']}) — activate it with `next` "
-                      "first.", "not_active")
+        raise not_active(plan, story, ev.get("agent"))
     agent = ev.get("agent")
     _refuse_blank_agent(agent)
     if story["agent"] is not None and agent != story["agent"]:
