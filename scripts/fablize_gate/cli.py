@@ -10,7 +10,7 @@ import sys
 from .base import (
     clean, DECISIONS, DEFAULT_ROUNDS, DEFAULT_RUN_TIMEOUT, EXIT_DAMAGED, EXIT_OK,
     EXIT_SIGNAL_BASE, EXIT_USAGE, FablizeError, fix_argv_text, HOOK_AGENTS, id_arg, json_text,
-    one_line, PIN, regex, SCHEMA_VERSION, SHARE, STATE_DIRNAME, usage, VERDICTS)
+    one_line, PIN, quote_arg, regex, SCHEMA_VERSION, SHARE, STATE_DIRNAME, usage, VERDICTS)
 from .storage import find_state_dir, project_state_dir, snapshot_damage, Store
 from .runs import merge_driver_missing, MERGE_QUIET, plan_text
 from .render import invocation
@@ -697,6 +697,27 @@ def remote_sharing(root):
     return f"{remote} shares a plan" if code == 0 and out.strip() else None
 
 
+def cwd_gone():
+    """The error of a command started in a directory that was deleted (or moved away) since,
+    naming the nearest folder that is still there; None when the directory is there."""
+    try:
+        os.getcwd()
+        return None
+    except FileNotFoundError:
+        pass
+    where = os.environ.get("PWD") or ""
+    parent = os.path.dirname(where) if os.path.isabs(where) else ""
+    while parent and not os.path.isdir(parent):
+        parent = os.path.dirname(parent)
+    error = FablizeError(f"the working directory {where or ''} no longer exists (deleted or "
+                         "moved away): change to the project's folder and run the command again"
+                         + (f"; the nearest folder still there is {parent}:" if parent else "."),
+                         "cwd_gone", EXIT_DAMAGED)
+    if parent:
+        error.commands = [f"cd {quote_arg(parent)}"]
+    return error
+
+
 def keep_interrupts(interrupts):
     if interrupts is not None:
         _signal.signal(_signal.SIGINT, lambda signum, frame: None)
@@ -733,6 +754,8 @@ def main(argv=None, interrupts=None):
         code, error = e.exit_code, e
         if e.code == "no_plan" and ctx is not None and not getattr(e, "commands", None):
             no_plan_advice(ctx, e)
+        if getattr(e, "run_next", None) and not getattr(e, "commands", None):
+            e.commands = [f"{ctx.prog if ctx is not None else invocation()} {e.run_next}"]
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
         # a failure on what the snapshot holds is its damage; on a sound one, a genuine bug
         error = snapshot_damage(ctx._store) if ctx is not None and ctx._store else None
@@ -751,7 +774,8 @@ def main(argv=None, interrupts=None):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
     except OSError as e:  # a failing disk, a full one, a permission: state stays old or new
-        code, error = EXIT_DAMAGED, FablizeError(f"I/O error: {e}", "io_error", EXIT_DAMAGED)
+        code, error = EXIT_DAMAGED, cwd_gone() or FablizeError(f"I/O error: {e}", "io_error",
+                                                               EXIT_DAMAGED)
     except KeyboardInterrupt:  # Ctrl-C outside a run: every write is whole or absent
         error = FablizeError("interrupted by SIGINT; the state is as the last completed write "
                              "left it.", exit_code=EXIT_SIGNAL_BASE + 2)

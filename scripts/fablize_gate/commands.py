@@ -10,7 +10,7 @@ from operator import itemgetter
 
 from .base import (
     ARCHIVE, blank, clean, count_noun, count_stories, defuse, defused_line, DONE, EXIT_REFUSED,
-    EXIT_SIGNAL_BASE, FablizeError, has_marker_word, indent, last_chars, limit_text, MARKS,
+    EXIT_SIGNAL_BASE, FablizeError, has_marker_word, indent, last_chars, LEDGER, limit_text, MARKS,
     new_plan_id, no_plan, now_iso, one_line, parse_ids, PLAN_EXISTS, refused,
     REPORT_RUNS, RESUME_LISTED, RESUME_TITLE, RUNS, scope_pattern, SHARE, short, SNAPSHOT,
     split_assignment, story_id, TAIL_CHARS, usage, ZERO_HASH)
@@ -18,9 +18,8 @@ from .masking import mask, mask_places, masked_tail, masked_text
 from .model import (
     accepted_ids, active_stories, apply_event, BASE_FIELDS, blocked_because, checkpoint_gate,
     claimed_final, current_packet, done_count, find_story, format_event, guard_paused, latest_run,
-    observed_of,
-    pick_ready, plan_done, round_label, rounds_left, run_passed, run_summary, stories_in, touch,
-    unaddressed_failure)
+    not_an_event, observed_of, parse_event, pick_ready, plan_done, round_label, rounds_left,
+    run_passed, run_summary, stories_in, touch, unaddressed_failure)
 from .storage import (
     commit_start, find_state_dir, free_name, loose_snapshot, open_plan, read_state_file,
     replay_all, require_state_dir, shown_path, Store, symlink_refusal, user_file, within,
@@ -649,8 +648,14 @@ def audit_and_judge(ctx, a):
                     raise symlink_refusal(s.store.path(name))
             snapshot = read_state_file(s.store.path(SNAPSHOT))  # before the ledger, as readers do
             s.ledger.open()
-            report = audit_ledger(s.ledger, snapshot, a.require_independent_judge,
-                                  runs_dir=s.store.path(RUNS), scan=scan)
+            try:
+                report = audit_ledger(s.ledger, snapshot, a.require_independent_judge,
+                                      runs_dir=s.store.path(RUNS), scan=scan)
+            except FablizeError as e:
+                lineno = getattr(e, "lineno", None)
+                if e.code == "bad_line" and lineno and last_line_alone_damaged(s.ledger):
+                    raise not_an_event(lineno, last=True) from None  # rebuild sets it aside
+                raise
     plan, recent = report.pop("plan"), report.pop("recent_runs")
     bad_logs = report.pop("bad_logs")
     if bad_logs:
@@ -768,6 +773,10 @@ def write_summary(path, verdict, markdown):
 
 
 def cmd_rebuild(ctx, a):
+    """rebuild: goals.json regenerated from the ledger, the old one kept. The way out of every
+    snapshot that is not the ledger's, and of a last line that is no event (kept in
+    ledger.jsonl.broken, said); a ledger with no event leaves no plan, said with the old
+    snapshot's name, for a human to start again."""
     with open_plan(ctx) as s:
         s.refuse_original()
         if s.ledger.open() is None:
@@ -777,22 +786,68 @@ def cmd_rebuild(ctx, a):
         # a last line the old snapshot reflects was acknowledged: damage, not a torn write
         reflected = (position if isinstance(position, dict) and type(position.get("seq")) is int
             else {"seq": 0})
-        end = s.cut_torn_tail({"ledger": reflected})
+        try:
+            end = s.cut_torn_tail({"ledger": reflected})
+        except FablizeError as e:
+            if getattr(e, "run_next", None) != "rebuild":
+                raise
+            # the step that message named: the damaged event is set aside, said, not dropped
+            end = s.cut_torn_tail({"ledger": {"seq": 0}})
+            ctx.out.warn(f"event {reflected['seq']}, which the old snapshot reflected, was "
+                         f"damaged; its bytes are kept in {LEDGER}.broken.")
+        end = set_aside_last_line(ctx, s, end, reflected["seq"])
         replay = replay_all(s.ledger, end)
         plan = replay.plan
-        if plan is None:
-            raise no_plan()
-        plan["ledger"] = replay.position()
         target = s.store.path(SNAPSHOT)
         kept = None
-        if os.path.lexists(target):
-            kept = os.path.basename(free_name(
-                f"{target}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.bak"))
-            os.replace(target, s.store.path(kept))
+        if plan is not None or old is not None:
+            if os.path.lexists(target):
+                kept = os.path.basename(free_name(
+                    f"{target}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.bak"))
+                os.replace(target, s.store.path(kept))
+        if plan is None:
+            if kept is None:
+                raise no_plan()
+            ctx.say(f"fablize: {LEDGER} holds no event: the plan's history is gone, so there is "
+                    f"no plan to rebuild; the old {SNAPSHOT} is kept as {kept} (it lists the "
+                    "stories). A human starts again:")
+            ctx.say(f"  {ctx.prog} create --brief \"<brief>\" --goal \"<title>::<objective>\"")
+            ctx.data.update(event_count=0, kept=kept, plan=None)
+            return
+        plan["ledger"] = replay.position()
         s.save_snapshot(plan)
     ctx.say(f"fablize: rebuilt {SNAPSHOT} from {count_noun(replay.seq, 'ledger event')}"
             + (f"; the old one is kept as {kept}." if kept else "."))
     ctx.data.update(event_count=replay.seq, kept=kept, plan=plan_json(plan))
+
+
+def last_line_alone_damaged(ledger):
+    """Whether the ledger's last whole line, and only it, is no event."""
+    end = ledger.end()[0]
+    if not end:
+        return False
+    offset, line = next(ledger.backward(end))
+    prev = ledger.last(offset) if offset else None
+    return parse_event(line) is None and (prev is None or parse_event(prev) is not None)
+
+
+def set_aside_last_line(ctx, s, end, reflected):
+    """rebuild's repair of a whole last line that is no event (a hand edit, a merge's conflict
+    marker) when the line before it is one and no snapshot reflects it: moved to
+    ledger.jsonl.broken, said. Returns the ledger's end after it."""
+    if not end:
+        return end
+    offset, line = next(s.ledger.backward(end))
+    if parse_event(line) is not None:
+        return end
+    prev = s.ledger.last(offset) if offset else None
+    prev_ev = parse_event(prev) if prev is not None else None
+    if (prev is not None and prev_ev is None) or (prev_ev["seq"] if prev_ev else 0) < reflected:
+        return end  # more than the last line is damaged, or it was acknowledged: audit says it
+    s.ledger.cut(offset, line)
+    ctx.out.warn(f"{LEDGER}: its last line was no ledger event ({len(line)} bytes); it was moved "
+                 f"to {LEDGER}.broken.")
+    return offset
 
 
 def cmd_log(ctx, a):

@@ -12,7 +12,7 @@ from .base import (
     DEFAULT_ROUNDS, defused_line, DONE, dumps, EXIT_DAMAGED, FablizeError, forged, is_plan_id,
     last_chars, Lazy, LEDGER, load_json, new_plan_id, now_iso, OBSERVED_KEEP, one_line,
     ORIGINAL_STATUSES, refused, regex, RUNS, scope_pattern, sha256_hex, SNAPSHOT,
-    SNAPSHOT_VERSION, STATUSES, story_id, TAIL_CHARS, usage, VERDICTS, ZERO_HASH)
+    SNAPSHOT_VERSION, STATUSES, story_id, TAIL_CHARS, usage, VERDICTS, with_step, ZERO_HASH)
 from .masking import mask, mask_places
 
 
@@ -213,9 +213,8 @@ def touch(story):
     if len(story) < len(DEFAULTS):
         where = misfit(story, STORY_SPEC)
         if where is not None:
-            raise damaged(f"{SNAPSHOT}: not a fablize snapshot (story {one_line(story['id'])}"
-                          f"{where} is missing, unexpected or of the wrong type) — run `audit`.",
-                          "bad_snapshot")
+            raise not_a_snapshot(f"story {one_line(story['id'])}{where} is missing, unexpected "
+                                 "or of the wrong type")
         for key, value in DEFAULTS.items():
             if key not in story and key != "grade":
                 story[key] = list(value) if type(value) is list else value
@@ -1155,9 +1154,7 @@ def validate_snapshot(plan, whole=True):
     story for it); audit and rebuild check everything, and so does a command that failed on
     what a story holds (snapshot_damage), so a hand-made snapshot is exit 3, never a
     traceback."""
-    def bad(what):
-        return damaged(f"{SNAPSHOT}: not a fablize snapshot ({what}) — run `audit`.",
-                       "bad_snapshot")
+    bad = not_a_snapshot
     if type(plan) is not dict:
         raise bad("top level is not an object")
     original = is_original_snapshot(plan)
@@ -1186,12 +1183,10 @@ def check_graph(plan):
     goals = plan["goals"]
     ids = set(map(itemgetter("id"), goals))
     if len(ids) != len(goals):
-        raise damaged(f"{SNAPSHOT}: not a fablize snapshot (two stories have the same id) — run "
-                      "`audit`.", "bad_snapshot")
+        raise not_a_snapshot("two stories have the same id")
     for i, story in enumerate(goals):
         if not ids.issuperset(story.get("after", ())):
-            raise damaged(f"{SNAPSHOT}: not a fablize snapshot (goals[{i}].after names a story "
-                          "that is not in the plan) — run `audit`.", "bad_snapshot")
+            raise not_a_snapshot(f"goals[{i}].after names a story that is not in the plan")
     return plan
 
 
@@ -1242,14 +1237,30 @@ def line_value(line):
         return None
 
 
+def not_a_snapshot(what):
+    """goals.json is no snapshot this engine writes: the ledger is the source of truth, and
+    `rebuild` regenerates the snapshot from it."""
+    return with_step(damaged(f"{SNAPSHOT}: not a fablize snapshot ({what}) — `rebuild` "
+                             "regenerates it from the ledger (the old one is kept as a .bak):",
+                             "bad_snapshot"), "rebuild")
+
+
 def line_error(lineno, what, code="bad_event"):
     """Damage at one ledger line: every message about a line starts the same way."""
-    return FablizeError(f"{LEDGER} line {lineno}: {what}", code, EXIT_DAMAGED)
+    error = FablizeError(f"{LEDGER} line {lineno}: {what}", code, EXIT_DAMAGED)
+    error.lineno = lineno
+    return error
 
 
-def not_an_event(lineno):
+def not_an_event(lineno, last=False):
+    if last or lineno == "at the end":  # acknowledged, so damage; rebuild sets it aside, said
+        return with_step(line_error(
+            lineno, "not a ledger event (unparsable, or no seq/event) — damaged or edited; "
+            f"`rebuild` moves it to {LEDGER}.broken and regenerates the snapshot from the events "
+            "before it:", "bad_line"), "rebuild")
     return line_error(lineno, "not a ledger event (unparsable, or no seq/event) — damaged or "
-                      "edited.", "bad_line")
+                      f"edited (if the ledger was committed, `git diff -- {LEDGER}` in its "
+                      "folder shows the edit).", "bad_line")
 
 
 _EVENT_KIND, _SEQ, _PREV, _TS = map(itemgetter, ("event", "seq", "prev", "ts"))
