@@ -776,6 +776,12 @@ def main(argv=None, interrupts=None):
     except OSError as e:  # a failing disk, a full one, a permission: state stays old or new
         code, error = EXIT_DAMAGED, cwd_gone() or FablizeError(f"I/O error: {e}", "io_error",
                                                                EXIT_DAMAGED)
+        recorded = ctx._store.recorded if ctx is not None and ctx._store is not None else ()
+        if recorded and error.code == "io_error":  # what is durable stays: never a blind retry
+            seq, kind = recorded[-1]
+            error.message += (f" — after event {seq} ({kind}) was recorded in the ledger, which "
+                              "stands: `status` shows what is recorded before anything is run "
+                              "again.")
     except KeyboardInterrupt:  # Ctrl-C outside a run: every write is whole or absent
         error = FablizeError("interrupted by SIGINT; the state is as the last completed write "
                              "left it.", exit_code=EXIT_SIGNAL_BASE + 2)

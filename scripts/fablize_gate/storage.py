@@ -212,6 +212,16 @@ def file_to_write(path):
     return st
 
 
+def unwrite(fd, n):
+    """Take back the last `n` bytes appended to `fd` (an fsync failed: they were never
+    durable). Best effort: if that fails too, the line stays, and the error said stands."""
+    try:
+        os.ftruncate(fd, os.fstat(fd).st_size - n)
+        os.fsync(fd)
+    except OSError:
+        pass
+
+
 def write_atomic(path, data, mode=0o644, sweep=False):
     """Replace `path` with `data` whole: a temp file in the same directory, fsync, rename, fsync
     the directory. With `sweep`, temp files a killed writer left are removed first (the caller
@@ -541,7 +551,13 @@ class Ledger:
             raise damaged(f"short write to {LEDGER} ({n} of {len(line) + 1} bytes); the next "
                           "command moves the torn line aside.", "io_error")
         crash_point("after-ledger-write")
-        os.fsync(fd)
+        try:
+            os.fsync(fd)
+        except OSError:
+            # not durable, so not recorded: the line goes again, so that no later command
+            # takes as acknowledged what this one reports as failed
+            unwrite(fd, n)
+            raise
         crash_point("after-ledger-fsync")
 
     def cut(self, end, torn):
@@ -706,6 +722,7 @@ class Store:
         self.discovered = discovered
         self.warnings = [] if warnings is None else warnings
         self.after_commit = []
+        self.recorded = []  # (seq, event) of each event made durable by this command
 
     def path(self, name):
         return os.path.join(self.dir, name)
@@ -962,7 +979,13 @@ class Transaction(Reading):
         try:
             if exc[0] is None and self.last is not None:
                 for step in self.store.after_commit:
-                    step(self)
+                    try:
+                        step(self)
+                    except OSError as e:  # the events are recorded: what is left is said
+                        self.store.warn(
+                            f"the events are recorded here, but what follows a write could not "
+                            f"be finished ({e.strerror or e}); the next command (or `sync`) "
+                            "finishes it.")
         finally:
             self.ledger.close()
             self.lock.__exit__(*exc)
@@ -1003,8 +1026,23 @@ class Transaction(Reading):
         """Append one event (checked by apply_event first) and save the snapshot."""
         plan, line = self.prepare(kind, fields)
         self.ledger.append(line, self.ledger.open(create=True))
-        self.settle(plan)
+        self.recorded(plan, kind)
         return self.last
+
+    def recorded(self, plan, kind):
+        """The event is durable: from here it is recorded, whatever fails after. A snapshot that
+        cannot be written (a full disk) is said, not failed: the ledger is ahead of it, and the
+        next command rolls it forward."""
+        self.store.recorded.append((plan["ledger"]["seq"], kind))
+        try:
+            self.settle(plan)
+        except OSError as e:
+            self.plan = plan
+            if not getattr(self, "unsaved", False):
+                self.unsaved = True
+                self.store.warn(f"event {plan['ledger']['seq']} ({kind}) is recorded in {LEDGER}, "
+                                f"but {SNAPSHOT} could not be written ({e.strerror or e}); the "
+                                "next command brings it up to date from the ledger.")
 
     def prepare(self, kind, fields):
         plan, self.last, line = make_event(self.plan, kind, fields)
@@ -1064,8 +1102,12 @@ class Transaction(Reading):
         if os.path.lexists(store.path(SNAPSHOT)):
             os.unlink(store.path(SNAPSHOT))
         os.replace(staged, store.path(LEDGER))
-        fsync_dir(store.dir)
-        self.settle(plan)
+        try:
+            fsync_dir(store.dir)
+        except OSError as e:  # the rename is done and seen: the new plan is the current one
+            store.warn(f"event 1 (plan_created) is recorded in {LEDGER}, but its folder could "
+                       f"not be synced to disk ({e.strerror or e}).")
+        self.recorded(plan, "plan_created")
 
     def archive_current(self):
         """Copy the current plan into archive/<plan id>/, its run logs too (hard links: a
