@@ -22,6 +22,13 @@ GATE = ("the final story cannot complete without --verify-cmd and --verify-evide
 RULE = "Rule: work this story only. Produce evidence as you go."
 
 
+def refused_opening(r, code, message):
+    """The original's refusal as its opening words (scripts match them), then what this engine
+    adds on the same line."""
+    assert r.code == code and r.out == "", r
+    assert r.err.startswith(f"fablize: {message}") and r.err.count("\n") == 1, r
+
+
 def refused_with(r, code, message):
     """The original's refusal: exactly one stderr line `fablize: <message>`, nothing on stdout."""
     assert r.code == code, r
@@ -103,12 +110,12 @@ def test_script_written_for_the_original_cli_runs_unchanged(project):
     assert any(line.startswith("★ Final story — ") for line in lines), r
     assert any(line.startswith(f'On completion: python3 {SCRIPT} checkpoint --id G003 '
                                '--status complete --evidence "<evidence>"') for line in lines), r
-    refused_with(run("checkpoint", "--id", "G003", "--status", "complete", "--evidence", "ran"),
-                 1, GATE)
-    refused_with(run("checkpoint", "--id", "G003", "--status", "complete", "--evidence", "ran",
-                     "--verify-cmd", "pytest -q"), 1, GATE)
-    refused_with(run("checkpoint", "--id", "G003", "--status", "complete", "--evidence", "ran",
-                     "--verify-evidence", "12 passed"), 1, GATE)
+    refused_opening(run("checkpoint", "--id", "G003", "--status", "complete", "--evidence",
+                        "ran"), 1, GATE)
+    refused_opening(run("checkpoint", "--id", "G003", "--status", "complete", "--evidence", "ran",
+                        "--verify-cmd", "pytest -q"), 1, GATE)
+    refused_opening(run("checkpoint", "--id", "G003", "--status", "complete", "--evidence", "ran",
+                        "--verify-evidence", "12 passed"), 1, GATE)
     r = run("checkpoint", "--id", "G003", "--status", "complete", "--evidence", "suite ran",
             "--verify-cmd", "pytest -q", "--verify-evidence", "12 passed")
     assert r.code == 0, r
@@ -325,15 +332,17 @@ def test_an_imported_plan_continues_with_next_and_checkpoint(fab):
     assert r.code == 0, r
     assert r.out.startswith("=== fablize handoff — G002 Server\n")
     assert "evidence 1" in r.out                # the imported evidence is carried over
-    refused_with(fab("checkpoint", "--id", "G003", "--status", "complete", "--evidence", "e"), 1,
-                 "G003 is not active (pending) — activate it with `next` first.")
+    r = fab("checkpoint", "--id", "G003", "--status", "complete", "--evidence", "e")
+    assert r.code == 1 and r.out == "", r  # the original's opening, then the step that fits
+    assert r.err.startswith("fablize: G003 is not active (pending) — G002 is in progress: "
+                            "finish G002 first"), r
     r = fab("checkpoint", "--id", "G002", "--status", "complete", "--evidence", "API works")
     assert r.code == 0 and r.out.startswith("fablize: G002 → complete\n"), r
     r = fab("next")
     assert r.code == 0 and r.out.startswith("=== fablize handoff — G003 Verify\n"), r
     assert "★ Final story — " in r.out
-    refused_with(fab("checkpoint", "--id", "G003", "--status", "complete", "--evidence", "e"), 1,
-                 GATE)
+    refused_opening(fab("checkpoint", "--id", "G003", "--status", "complete", "--evidence", "e"),
+                    1, GATE)
     r = fab("checkpoint", "--id", "G003", "--status", "complete", "--evidence", "ran",
             "--verify-cmd", "make test", "--verify-evidence", "ok")
     assert r.code == 0 and r.out.splitlines()[-1] == "fablize: all stories complete ✓", r

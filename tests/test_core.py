@@ -25,7 +25,7 @@ def test_checkpoint_refuses_a_story_that_is_already_complete(fab):
     complete(fab, "G001")
     assert_refused(fab,
                    ["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "again"], 1,
-                   "G001 is not active (complete) — activate it with `next` first.",
+                   "G001 is not active (complete) — it is already done; nothing to do for it",
                    error="not_active")
     assert_refused(fab, ["checkpoint", "--id", "G001", "--status", "failed", "--evidence", "undo"],
                    1, "G001 is not active (complete)", error="not_active")
@@ -577,7 +577,8 @@ def test_json_on_a_damaged_snapshot_is_one_object_with_exit_3(fab):
     make_plan(fab, 2)
     (fab.dir / "goals.json").write_bytes(b"{")
     obj = check_json(fab("status", "--json"), ok=False)
-    assert obj["error"] == {"code": "bad_snapshot", "message": obj["error"]["message"], "exit": 3}
+    assert obj["error"] == {"code": "bad_snapshot", "message": obj["error"]["message"], "exit": 3,
+                            "commands": ["goals.py rebuild"]}  # the way out, whole
 
 
 # A damaged goals.json is exit 3, one line, nothing changed ###################
@@ -622,6 +623,13 @@ COMMANDS_ON_PLAN = [
 ]
 
 
+def one_message(err):
+    """One `fablize: ` line, then at most the one command of the step it names, indented."""
+    lines = err.splitlines()
+    return (err.startswith("fablize: ") and err.endswith("\n") and len(lines) <= 2
+            and all(x.startswith("  ") for x in lines[1:]))
+
+
 @pytest.mark.parametrize("damage", sorted(BAD_SNAPSHOTS))
 def test_a_damaged_snapshot_is_refused_with_exit_3_and_changes_nothing(fab, damage):
     make_plan(fab, 2)
@@ -631,7 +639,7 @@ def test_a_damaged_snapshot_is_refused_with_exit_3_and_changes_nothing(fab, dama
     for args in COMMANDS_ON_PLAN:
         r = fab(*args)
         assert r.code == 3, (args, r)
-        assert r.err.startswith("fablize: ") and r.err.count("\n") == 1, (args, r)
+        assert one_message(r.err), (args, r)
         assert "Traceback" not in r.err and r.out == "", (args, r)
         assert state_files(fab.dir) == before, args
 
@@ -641,7 +649,8 @@ def test_a_hand_edited_status_names_the_digest_and_the_way_out(fab):
     path = fab.dir / "goals.json"
     path.write_bytes(path.read_bytes().replace(b'"status":"pending"', b'"status":"complete"', 1))
     r = fab("status")
-    assert r.code == 3 and "goals.json" in r.err and "digest" in r.err and "audit" in r.err, r
+    assert r.code == 3 and "goals.json" in r.err and "digest" in r.err, r
+    assert r.err.splitlines()[1] == "  goals.py rebuild", r  # the way out, whole
     assert fab("status", "--json").json["error"]["code"] == "snapshot_edited"
 
 
@@ -654,7 +663,7 @@ def test_a_damaged_snapshot_gives_no_traceback_in_the_real_process(project, dama
     before = state_files(project / ".fablize")
     r = run_cli("next", cwd=project)
     assert r.code == 3, r
-    assert r.err.startswith("fablize: ") and r.err.count("\n") == 1 and "Traceback" not in r.err, r
+    assert one_message(r.err) and "Traceback" not in r.err, r
     assert state_files(project / ".fablize") == before
 
 

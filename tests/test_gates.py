@@ -43,11 +43,24 @@ def test_checkpoint_refuses_a_story_that_next_did_not_activate(fab, setup, sid, 
     elif setup == "first-failed":
         start(fab, "G001")
         assert fab("checkpoint", "--id", "G001", "--status", "failed", "--evidence", "no").code == 0
+    # the original's opening, then what is true of the story and the one step that fits it
+    step = {"fresh": "activate it with `next` first.",
+            "first-active": "G001 is in progress: finish G001 first",
+            "first-done": "it is already done; nothing to do for it",
+            "first-failed": "activate it with `next` first."}[setup]
+    command = {"fresh": "next", "first-active": "checkpoint --id G001 --status complete",
+               "first-done": "status", "first-failed": "next"}[setup]
     for outcome in ("complete", "failed", "blocked"):  # no checkpoint of any kind
-        assert_refused(fab, ["checkpoint", "--id", sid, "--status", outcome, "--evidence",
-                             "done, honest"], 1,
-                       f"{sid} is not active ({status}) — activate it with `next` first.",
-                       error="not_active")
+        r = assert_refused(fab, ["checkpoint", "--id", sid, "--status", outcome, "--evidence",
+                                 "done, honest"], 1,
+                           f"{sid} is not active ({status}) — {step}", error="not_active")
+        lines = r.err.splitlines()
+        if command == "next":  # the original's line to the byte: it names its step
+            assert len(lines) == 1, r
+            continue
+        assert len(lines) == 2 and command in lines[1], r  # the step's whole command
+        j = fab("--json", "checkpoint", "--id", sid, "--status", outcome, "--evidence", "e")
+        assert [command in c for c in j.json["error"]["commands"]] == [True], j
 
 
 @pytest.mark.parametrize("evidence", ["", " ", "   \t ", "\n", "\n\n\r\n", "\u3000\u2003\u00a0",
@@ -84,6 +97,37 @@ def test_final_story_refuses_completion_without_verification(fab, verification):
     r = fab("checkpoint", "--id", "G002", "--status", "complete", "--evidence", "done",
             "--verify-cmd", "pytest -q", "--verify-evidence", "12 passed")
     assert r.code == 0 and "all stories complete ✓" in r.out, r
+
+
+def test_the_final_gate_names_the_witnessed_way_after_the_original_line(fab):
+    two_stories_second_active(fab)
+    r = assert_refused(fab, ["checkpoint", "--id", "G002", "--status", "complete", "--evidence",
+                             "all done"], 1, error="verification_gate")
+    line = r.err.splitlines()[0]
+    assert line.startswith("fablize: " + GATE), r  # the original's words first: scripts match
+    assert "--run --verify-cmd" in line and "frozen checks" in line, r
+
+
+def test_a_final_verification_only_claimed_is_said_by_status_and_plain_audit(fab):
+    two_stories_second_active(fab)
+    r = fab("checkpoint", "--id", "G002", "--status", "complete", "--evidence", "done",
+            "--verify-cmd", "pytest -q", "--verify-evidence", "5 passed")
+    assert r.code == 0, r
+    warning = "⚠ final verification only claimed: G002's `pytest -q` was typed in"
+    status = fab("status")
+    assert status.code == 0 and status.out.count(warning) == 1, status
+    audit = fab("audit")
+    assert audit.code == 0 and "audit ok" in audit.out, audit  # a warning, not a failure
+    assert audit.out.count(warning) == 1, audit
+    assert fab("--json", "audit").json["claimed_final"] == "G002"
+
+
+def test_a_witnessed_final_verification_is_not_called_claimed(fab):
+    two_stories_second_active(fab)
+    r = fab("checkpoint", "--id", "G002", "--status", "complete", "--evidence", "done", "--run",
+            "--verify-cmd", "true")
+    assert r.code == 0, r
+    assert "only claimed" not in fab("status").out + fab("audit").out
 
 
 @pytest.mark.parametrize("substitute", [
@@ -236,3 +280,19 @@ def test_checkpoint_refuses_another_agents_story(fab):
     assert_refused(fab, ["next", "--agent", "mallory"], 1,
                    "nothing is ready for agent mallory: in progress G001 (alice)",
                    error="nothing_ready")
+
+
+def test_an_agent_is_never_handed_another_agents_story(fab):
+    """bob's status names alice's story as hers and hands bob his own step, never her
+    checkpoint: the skill says never to take over another agent's story."""
+    make_plan(fab, 3, "--after", "G002=")  # G002 ready beside G001
+    assert fab("next", "--agent", "alice").code == 0
+    alices = "--agent alice"
+    plain = fab("status")
+    nxt = next(line for line in plain.out.splitlines() if line.startswith("fablize: next — "))
+    assert alices not in nxt and "G001 is agent alice's" in nxt, plain
+    assert "next --agent <your name>" in nxt, plain
+    bob = fab("--json", "status", "--agent", "bob").json["next"]
+    assert bob["kind"] == "next" and bob["cmd"].endswith("next --agent bob"), bob
+    alice = fab("--json", "status", "--agent", "alice").json["next"]
+    assert alice["kind"] == "finish" and alice["cmd"].endswith(alices), alice

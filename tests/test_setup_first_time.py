@@ -114,7 +114,10 @@ def test_doctor_names_a_repository_that_went_away_as_the_cause(tmp_path, home):
     r = run(root, home, "doctor", "claude")
     assert r.returncode == 1, r
     assert "exits 2 here: this folder is not a git repository" in r.stdout
-    assert "fix: `git init`, then" in r.stdout
+    # every hook shares the one fix: it is said once, the others point at it
+    assert r.stdout.count("fix: `git init`, then") == 1, r
+    assert r.stdout.count("— fix: the same as ") >= 2, r
+    assert "each said once above" in r.stderr and r.stderr.count("`git init`") == 1, r
 
 
 def test_doctor_without_an_agent_checks_the_agents_wired_here(tmp_path, home):

@@ -205,6 +205,19 @@ def test_a_plan_continues_on_a_fresh_clone_with_git_clone_and_sync(net):
     assert a("status", "--json").json["stories"][1]["status"] == "in_progress"
 
 
+def test_a_checkpoint_on_a_stale_copy_of_a_shared_plan_is_told_to_sync(net):
+    a, b = net.clone("a"), net.clone("b")
+    create(a, 3)
+    assert b("sync").code == 0
+    assert a("next").code == 0  # published: b's copy still says G001 is pending
+    r = assert_refused(b, ["checkpoint", "--id", "G001", "--status", "complete", "--evidence",
+                           "done"], 1, "G001 is not active (pending)", "sync it first",
+                       error="not_active")
+    assert r.err.splitlines()[-1].strip().endswith(" sync"), r
+    assert b("sync").code == 0  # the step named works: b now sees G001 in progress
+    assert b("status", "--json").json["stories"][0]["status"] == "in_progress"
+
+
 def test_sync_on_a_clone_refuses_a_local_plan_and_a_remote_without_plans(net):
     a = net.clone("a")
     assert_refused(a, ["sync"], 1, "shares no plans")
@@ -605,8 +618,21 @@ def test_a_fresh_clone_of_a_repository_pinning_a_shared_plan_is_told_to_sync(net
     git(fresh.root, "checkout", "-q", "main")
     assert (fresh.dir / "pin.json").exists() and not (fresh.dir / "ledger.jsonl").exists()
     r = fresh("status")
-    assert r.code == 1 and r.err.splitlines()[0] == "fablize: no plan — run `create` first.", r
+    assert r.code == 1 and r.err.startswith("fablize: no plan — run `create` first"), r
+    assert "this repository pins a shared plan" in r.err.splitlines()[0], r
     assert r.err.splitlines()[1].strip().endswith(" sync"), r
+    assert fresh("sync").code == 0 and fresh("status").code == 0
+
+
+def test_a_fresh_clone_of_a_shared_plan_is_told_the_remote_shares_one_and_to_sync(net):
+    create(net.clone("alice"), 2)
+    fresh = net.clone("fresh")  # main holds nothing of the plan: it lives in refs/fablize/
+    assert not fresh.dir.exists()
+    r = fresh("next")
+    assert r.code == 1 and r.err.startswith("fablize: no plan — run `create` first"), r
+    assert "origin shares a plan this clone has not brought in yet" in r.err, r
+    assert r.err.splitlines()[1].strip().endswith(" sync") and len(r.err.splitlines()) == 2, r
+    assert fresh("--json", "status").json["error"]["commands"][0].endswith(" sync")
     assert fresh("sync").code == 0 and fresh("status").code == 0
 
 

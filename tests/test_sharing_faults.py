@@ -681,3 +681,28 @@ def test_the_sharing_room_never_leaves_a_traceback_when_git_is_missing(net, monk
     for args in (["next"], ["sync"], ["status"]):
         r = a(*args)
         assert "Traceback" not in r.err and r.code in (0, 1, 3), (args, r)
+
+
+def test_a_full_disk_after_a_shared_checkpoint_is_published_says_recorded_not_failed(
+        net, monkeypatch):
+    """The issue's shared checkpoint on a full disk: the line is durable and pushed, then this
+    clone's share record cannot be written. The checkpoint is recorded (exit 0), says what
+    could not be done, and the next sync finishes it without publishing twice."""
+    a = net.clone("a")
+    create(a, 2)
+    assert a("next").code == 0
+    room = engine.room("sharing")
+    real = room.save_share_config
+
+    def full(store, cfg):
+        raise OSError(28, os.strerror(28))
+
+    monkeypatch.setattr(room, "save_share_config", full)
+    r = a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "did it")
+    monkeypatch.setattr(room, "save_share_config", real)
+    assert r.code == 0 and "G001 → complete" in r.out, r
+    assert "the events are recorded here" in r.err and "No space left" in r.err, r
+    assert a("sync").code == 0
+    plan_id = a("status", "--json").json["plan_id"]
+    assert [x.rstrip(b"\n") for x in net.remote_lines(plan_id)] == ledger_lines(a)  # each once
+    audit_ok(a)

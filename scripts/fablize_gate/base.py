@@ -82,6 +82,13 @@ class FablizeError(Exception):
         self.exit_code = exit_code
 
 
+def with_step(error, command):
+    """`error`, naming the one runnable next step: `command` is the engine's subcommand and its
+    arguments, which the command line prints whole, as the engine was started."""
+    error.run_next = command
+    return error
+
+
 def refused(message, code="refused"):
     return FablizeError(message, code, EXIT_REFUSED)
 

@@ -10,7 +10,7 @@ import sys
 from .base import (
     clean, DECISIONS, DEFAULT_ROUNDS, DEFAULT_RUN_TIMEOUT, EXIT_DAMAGED, EXIT_OK,
     EXIT_SIGNAL_BASE, EXIT_USAGE, FablizeError, fix_argv_text, HOOK_AGENTS, id_arg, json_text,
-    one_line, PIN, regex, SCHEMA_VERSION, SHARE, usage, VERDICTS)
+    one_line, PIN, quote_arg, regex, SCHEMA_VERSION, SHARE, usage, VERDICTS)
 from .masking import use_environment
 from .storage import find_state_dir, project_state_dir, snapshot_damage, Store
 from .runs import plan_text
@@ -247,6 +247,8 @@ def add_status(command):
     c.add_argument("--resume", action="store_true",
                    help="also print the handoff of each story in progress; print nothing when "
                         "there is no plan (for SessionStart hooks)")
+    c.add_argument("--agent", metavar="NAME",
+                   help="the next step for this agent: its own story, never another agent's")
     add_hook_for(c, "with --resume: answer")
 
 
@@ -674,14 +676,60 @@ def answer_interrupts(interrupts):
             raise KeyboardInterrupt
 
 
-def no_plan_commands(ctx):
-    """Under the original's refusal (kept to the byte: scripts read it), the one case it never
-    had: a fresh clone of a repository that pins a shared plan brings it in with `sync`."""
+def no_plan_advice(ctx, error):
+    """After the original's refusal (its words first: scripts match them), the one case it
+    never had: a fresh clone of a shared plan — the branch pins it, or the remote shares one
+    (asked only here, on the way out, of the remote `sync` would use) — brings it in with
+    `sync`; `create` would start a second plan."""
     store = ctx._store
-    if store is not None and os.path.lexists(store.path(PIN)) and not os.path.lexists(
-            store.path(SHARE)):
-        return [f"{ctx.prog} sync"]
-    return None
+    if store is None or os.path.lexists(store.path(SHARE)):
+        return
+    where = "this repository pins a shared plan" if os.path.lexists(store.path(PIN)) else None
+    if where is None:
+        where = remote_sharing(store.root)
+    if where is not None:
+        error.message = (f"{error.message[:-1]}, or, as {where} this clone has not brought in "
+                         "yet, `sync` it:")
+        error.commands = [f"{ctx.prog} sync"]
+
+
+def remote_sharing(root):
+    """"origin shares a plan" when the remote `sync` would use shares one, else None (no
+    repository, no such remote, or it cannot be reached: the original's advice stands)."""
+    from .runs import git, repo_root
+    if repo_root(root) is None:
+        return None
+    try:
+        code, out, _ = git(root, "remote")
+        names = out.decode("utf-8", "replace").split() if code == 0 else []
+        remote = "origin" if "origin" in names else names[0] if len(names) == 1 else None
+        if remote is None:
+            return None
+        code, out, _ = git(root, "ls-remote", remote, "refs/fablize/plans/*")
+    except (FablizeError, OSError):  # no git, or a remote that does not answer in time
+        return None
+    return f"{remote} shares a plan" if code == 0 and out.strip() else None
+
+
+def cwd_gone():
+    """The error of a command started in a directory that was deleted (or moved away) since,
+    naming the nearest folder that is still there; None when the directory is there."""
+    try:
+        os.getcwd()
+        return None
+    except FileNotFoundError:
+        pass
+    where = os.environ.get("PWD") or ""
+    parent = os.path.dirname(where) if os.path.isabs(where) else ""
+    while parent and not os.path.isdir(parent):
+        parent = os.path.dirname(parent)
+    error = FablizeError(f"the working directory {where or ''} no longer exists (deleted or "
+                         "moved away): change to the project's folder and run the command again"
+                         + (f"; the nearest folder still there is {parent}:" if parent else "."),
+                         "cwd_gone", EXIT_DAMAGED)
+    if parent:
+        error.commands = [f"cd {quote_arg(parent)}"]
+    return error
 
 
 def keep_interrupts(interrupts):
@@ -720,7 +768,9 @@ def main(argv=None, interrupts=None):
     except FablizeError as e:
         code, error = e.exit_code, e
         if e.code == "no_plan" and ctx is not None and not getattr(e, "commands", None):
-            e.commands = no_plan_commands(ctx)
+            no_plan_advice(ctx, e)
+        if getattr(e, "run_next", None) and not getattr(e, "commands", None):
+            e.commands = [f"{ctx.prog if ctx is not None else invocation()} {e.run_next}"]
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
         # a failure on what the snapshot holds is its damage; on a sound one, a genuine bug
         error = snapshot_damage(ctx._store) if ctx is not None and ctx._store else None
@@ -739,7 +789,14 @@ def main(argv=None, interrupts=None):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
     except OSError as e:  # a failing disk, a full one, a permission: state stays old or new
-        code, error = EXIT_DAMAGED, FablizeError(f"I/O error: {e}", "io_error", EXIT_DAMAGED)
+        code, error = EXIT_DAMAGED, cwd_gone() or FablizeError(f"I/O error: {e}", "io_error",
+                                                               EXIT_DAMAGED)
+        recorded = ctx._store.recorded if ctx is not None and ctx._store is not None else ()
+        if recorded and error.code == "io_error":  # what is durable stays: never a blind retry
+            seq, kind = recorded[-1]
+            error.message += (f" — after event {seq} ({kind}) was recorded in the ledger, which "
+                              "stands: `status` shows what is recorded before anything is run "
+                              "again.")
     except KeyboardInterrupt:  # Ctrl-C outside a run: every write is whole or absent
         error = FablizeError("interrupted by SIGINT; the state is as the last completed write "
                              "left it.", exit_code=EXIT_SIGNAL_BASE + 2)

@@ -10,16 +10,16 @@ from operator import itemgetter
 
 from .base import (
     ARCHIVE, blank, clean, count_noun, count_stories, defuse, defused_line, DONE, EXIT_REFUSED,
-    EXIT_SIGNAL_BASE, FablizeError, has_marker_word, indent, last_chars, limit_text, MARKS,
-    new_plan_id, no_plan, now_iso, one_line, parse_ids, PLAN_EXISTS, refused, REPORT_RUNS,
-    RESUME_LISTED, RESUME_TITLE, RUNS, scope_pattern, SHARE, short, SNAPSHOT, split_assignment,
-    STATE_DIRNAME, story_id, TAIL_CHARS, usage, ZERO_HASH)
+    EXIT_SIGNAL_BASE, FablizeError, has_marker_word, indent, last_chars, LEDGER, limit_text,
+    MARKS, new_plan_id, no_plan, now_iso, one_line, parse_ids, PLAN_EXISTS, refused,
+    REPORT_RUNS, RESUME_LISTED, RESUME_TITLE, RUNS, scope_pattern, SHARE, short, SNAPSHOT,
+    split_assignment, STATE_DIRNAME, story_id, TAIL_CHARS, usage, ZERO_HASH)
 from .masking import mask, mask_places, masked_tail, masked_text
 from .model import (
     accepted_ids, active_stories, apply_event, BASE_FIELDS, blocked_because, checkpoint_gate,
-    current_packet, done_count, find_story, format_event, guard_paused, latest_run, observed_of,
-    pick_ready, plan_done, round_label, rounds_left, run_passed, run_summary, stories_in, touch,
-    unaddressed_failure)
+    claimed_final, current_packet, done_count, find_story, format_event, guard_paused,
+    latest_run, not_an_event, observed_of, parse_event, pick_ready, plan_done, round_label,
+    rounds_left, run_passed, run_summary, stories_in, touch, unaddressed_failure)
 from .storage import (
     commit_start, find_state_dir, free_name, loose_snapshot, open_plan, read_state_file,
     replay_all, require_state_dir, shown_path, Store, symlink_refusal, user_file, within,
@@ -29,9 +29,9 @@ from .runs import (
     MERGE_QUIET, plan_text, tree_state, unverifiable_checks, unverifiable_label,
     verification_runs)
 from .render import (
-    done_line, grades_line, handoff_command, human_command, left_line, next_action, next_line,
-    plan_json, plan_summary, render_handoff, render_observed, render_report, render_resume,
-    status_details, story_json)
+    completion_command, done_line, grades_line, handoff_command, human_command, left_line,
+    next_action, next_line, plan_json, plan_summary, render_handoff, render_observed,
+    render_report, render_resume, status_details, story_json)
 from .audit import audit_ledger
 from .hooks import (
     guard_answer, guard_reason, hook_fingerprint, is_verification, observed_outcome,
@@ -327,6 +327,21 @@ def say_after_checkpoint(ctx, plan, story, agent=None):
     return action
 
 
+def advise_not_active(ctx, plan, error, agent):
+    """The whole command of the step a not-active refusal names, on its own line; in a clone of
+    a shared plan, whose copy may be behind what another clone recorded, `sync` first."""
+    step = getattr(error, "step", ("status",))
+    if step[0] == "finish":
+        error.commands = [completion_command(ctx.prog, plan, find_story(plan, step[1]))]
+    elif step[0] != "next":
+        error.commands = [f"{ctx.prog} status"]
+    elif sharing_of(ctx.store) is not None:
+        error.message += (" This clone's copy of the shared plan may be behind what another "
+                          "clone recorded: sync it first.")
+        error.commands = [f"{ctx.prog} sync"]
+    # else the original's line, to the byte (scripts match it): `next` is the step it names
+
+
 def reason_required(status):
     """failed and blocked carry a reason: the next round reads it, or the human who decides."""
     if status == "failed":
@@ -359,7 +374,12 @@ def cmd_checkpoint(ctx, a):
     with open_plan(ctx) as s:
         plan = s.require_plan()
         story = find_story(plan, a.id)
-        checkpoint_gate(plan, story, ev)
+        try:
+            checkpoint_gate(plan, story, ev)
+        except FablizeError as e:
+            if e.code == "not_active":
+                advise_not_active(ctx, plan, e, a.agent)
+            raise
         # here, not in the transition: ledgers written before this rule must still replay
         if a.status != "complete" and blank(a.evidence):
             raise reason_required(a.status)
@@ -400,7 +420,7 @@ def cmd_checkpoint(ctx, a):
     ctx.data.update(plan_summary(plan), story=story_json(plan, story), runs=runs, next=action)
 
 
-def render_status(prog, plan, share=()):
+def render_status(prog, plan, share=(), agent=None):
     """What `status` says, whole, for a human: the plan's count and brief, a line per story
     with its details, checks that cannot run here, a pause, the next step, the shared plan's
     state, and how to pick up each story in progress."""
@@ -421,7 +441,10 @@ def render_status(prog, plan, share=()):
         lines.append(f"  {unverifiable_label(u)}: `{one_line(u['cmd'])}` — "
                      f"{one_line(u['reason'])}{' yet' if file_not_there_yet(u) else ''}")
     lines += paused_line(prog, plan)
-    action = next_action(prog, plan)
+    claimed = claimed_final(plan)
+    if claimed:
+        lines.append("  " + claimed)
+    action = next_action(prog, plan, agent)  # the step of the agent asking: never another's
     lines.append(next_line(action))
     lines += share
     for story in active_stories(plan):
@@ -511,7 +534,7 @@ def cmd_status(ctx, a):
     if plan is None:
         raise no_plan()
     shared = sharing.status_lines(share, ctx.prog) if share else ()
-    lines, action, paused = render_status(ctx.prog, plan, share=shared)
+    lines, action, paused = render_status(ctx.prog, plan, share=shared, agent=a.agent)
     ctx.out.lines += lines
     if share:
         ctx.data["share"] = share
@@ -684,8 +707,14 @@ def audited(ctx, a, scan, base):
                 raise symlink_refusal(s.store.path(name))
         snapshot = read_state_file(s.store.path(SNAPSHOT))  # before the ledger, as readers do
         s.ledger.open()
-        return audit_ledger(s.ledger, snapshot, a.require_independent_judge,
-                            runs_dir=s.store.path(RUNS), scan=scan)
+        try:
+            return audit_ledger(s.ledger, snapshot, a.require_independent_judge,
+                                runs_dir=s.store.path(RUNS), scan=scan)
+        except FablizeError as e:
+            lineno = getattr(e, "lineno", None)
+            if e.code == "bad_line" and lineno and last_line_alone_damaged(s.ledger):
+                raise not_an_event(lineno, last=True) from None  # rebuild sets it aside
+            raise
 
 
 def audit_failures(report, plan, a):
@@ -757,6 +786,10 @@ def say_audit(ctx, report, plan, failures, results, review, grades):
         ctx.say(line)
     if grades:
         ctx.say("  " + grades_line(grades))
+    claimed = claimed_final(plan)
+    if claimed:  # a warning, not a failure: the strict recipe's --require-witnessed fails it
+        ctx.say("  " + claimed)
+        ctx.data["claimed_final"] = plan["goals"][-1]["id"]
     for s in stories_in(plan, "complete"):
         o = unaddressed_failure(s)
         if o is not None:
@@ -776,6 +809,10 @@ def write_summary(path, verdict, markdown):
 
 
 def cmd_rebuild(ctx, a):
+    """rebuild: goals.json regenerated from the ledger, the old one kept. The way out of every
+    snapshot that is not the ledger's, and of a last line that is no event (kept in
+    ledger.jsonl.broken, said); a ledger with no event leaves no plan, said with the old
+    snapshot's name, for a human to start again."""
     with open_plan(ctx) as s:
         s.refuse_original()
         if s.ledger.open() is None:
@@ -785,22 +822,68 @@ def cmd_rebuild(ctx, a):
         # a last line the old snapshot reflects was acknowledged: damage, not a torn write
         reflected = (position if isinstance(position, dict) and type(position.get("seq")) is int
             else {"seq": 0})
-        end = s.cut_torn_tail({"ledger": reflected})
+        try:
+            end = s.cut_torn_tail({"ledger": reflected})
+        except FablizeError as e:
+            if getattr(e, "run_next", None) != "rebuild":
+                raise
+            # the step that message named: the damaged event is set aside, said, not dropped
+            end = s.cut_torn_tail({"ledger": {"seq": 0}})
+            ctx.out.warn(f"event {reflected['seq']}, which the old snapshot reflected, was "
+                         f"damaged; its bytes are kept in {LEDGER}.broken.")
+        end = set_aside_last_line(ctx, s, end, reflected["seq"])
         replay = replay_all(s.ledger, end)
         plan = replay.plan
-        if plan is None:
-            raise no_plan()
-        plan["ledger"] = replay.position()
         target = s.store.path(SNAPSHOT)
         kept = None
-        if os.path.lexists(target):
-            kept = os.path.basename(free_name(
-                f"{target}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.bak"))
-            os.replace(target, s.store.path(kept))
+        if plan is not None or old is not None:
+            if os.path.lexists(target):
+                kept = os.path.basename(free_name(
+                    f"{target}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.bak"))
+                os.replace(target, s.store.path(kept))
+        if plan is None:
+            if kept is None:
+                raise no_plan()
+            ctx.say(f"fablize: {LEDGER} holds no event: the plan's history is gone, so there is "
+                    f"no plan to rebuild; the old {SNAPSHOT} is kept as {kept} (it lists the "
+                    "stories). A human starts again:")
+            ctx.say(f"  {ctx.prog} create --brief \"<brief>\" --goal \"<title>::<objective>\"")
+            ctx.data.update(event_count=0, kept=kept, plan=None)
+            return
+        plan["ledger"] = replay.position()
         s.save_snapshot(plan)
     ctx.say(f"fablize: rebuilt {SNAPSHOT} from {count_noun(replay.seq, 'ledger event')}"
             + (f"; the old one is kept as {kept}." if kept else "."))
     ctx.data.update(event_count=replay.seq, kept=kept, plan=plan_json(plan))
+
+
+def last_line_alone_damaged(ledger):
+    """Whether the ledger's last whole line, and only it, is no event."""
+    end = ledger.end()[0]
+    if not end:
+        return False
+    offset, line = next(ledger.backward(end))
+    prev = ledger.last(offset) if offset else None
+    return parse_event(line) is None and (prev is None or parse_event(prev) is not None)
+
+
+def set_aside_last_line(ctx, s, end, reflected):
+    """rebuild's repair of a whole last line that is no event (a hand edit, a merge's conflict
+    marker) when the line before it is one and no snapshot reflects it: moved to
+    ledger.jsonl.broken, said. Returns the ledger's end after it."""
+    if not end:
+        return end
+    offset, line = next(s.ledger.backward(end))
+    if parse_event(line) is not None:
+        return end
+    prev = s.ledger.last(offset) if offset else None
+    prev_ev = parse_event(prev) if prev is not None else None
+    if (prev is not None and prev_ev is None) or (prev_ev["seq"] if prev_ev else 0) < reflected:
+        return end  # more than the last line is damaged, or it was acknowledged: audit says it
+    s.ledger.cut(offset, line)
+    ctx.out.warn(f"{LEDGER}: its last line was no ledger event ({len(line)} bytes); it was moved "
+                 f"to {LEDGER}.broken.")
+    return offset
 
 
 def cmd_log(ctx, a):

@@ -12,7 +12,7 @@ from .base import (
     DEFAULT_ROUNDS, defused_line, DONE, dumps, EXIT_DAMAGED, FablizeError, forged, is_plan_id,
     last_chars, Lazy, LEDGER, load_json, new_plan_id, now_iso, OBSERVED_KEEP, one_line,
     ORIGINAL_STATUSES, refused, regex, RUNS, scope_pattern, sha256_hex, SNAPSHOT,
-    SNAPSHOT_VERSION, STATUSES, story_id, TAIL_CHARS, usage, VERDICTS, ZERO_HASH)
+    SNAPSHOT_VERSION, STATUSES, story_id, TAIL_CHARS, usage, VERDICTS, with_step, ZERO_HASH)
 from .masking import mask, mask_places
 
 
@@ -232,9 +232,8 @@ def touch(story):
     if len(story) < len(DEFAULTS):
         where = misfit(story, STORY_SPEC)
         if where is not None:
-            raise damaged(f"{SNAPSHOT}: not a fablize snapshot (story {one_line(story['id'])}"
-                          f"{where} is missing, unexpected or of the wrong type) — run `audit`.",
-                          "bad_snapshot")
+            raise not_a_snapshot(f"story {one_line(story['id'])}{where} is missing, unexpected "
+                                 "or of the wrong type")
         for key, value in DEFAULTS.items():
             if key not in story and key != "grade":
                 story[key] = list(value) if type(value) is list else value
@@ -285,6 +284,20 @@ def plan_ids(plan):
 
 def is_final(plan, story):
     return plan["goals"][-1]["id"] == story["id"]
+
+
+def claimed_final(plan):
+    """One line when the final story is complete on a verification only claimed (typed, not run
+    by the engine), else None: `status` and a plain `audit` say it, as a warning (the strict
+    recipe's --require-witnessed fails it)."""
+    final = plan["goals"][-1]
+    if final["status"] != "complete" or touch(final)["grade"] != "claimed":
+        return None
+    cmd = final.get("verify_cmd")
+    return (f"⚠ final verification only claimed: {final['id']}'s "
+            + (f"`{one_line(last_chars(cmd, 120))}` " if cmd else "")
+            + "was typed in, not run by the engine (`audit --require-witnessed` fails it; "
+            "`checkpoint --run` or a frozen check witnesses it).")
 
 
 def waits_for(plan, story):
@@ -693,15 +706,46 @@ def verification_gap(plan, story, ev):
                        "run_required")
     if blank(ev.get("verify_cmd")) or blank(ev.get("verify_evidence")):
         return refused("the final story cannot complete without --verify-cmd and --verify-evidence "
-                       "(verification gate).", "verification_gate")
+                       "(verification gate). Witnessed is stronger than typed: --run --verify-cmd "
+                       "CMD has the engine run it (or the story's frozen checks run by "
+                       "themselves); a --verify-evidence you type is only claimed.",
+                       "verification_gate")
     return None
+
+
+def not_active(plan, story, agent=None):
+    """The refusal of a checkpoint on a story that is not in progress: the original's opening
+    (`G00X is not active (STATUS)`, which scripts match), then what is true of this story and
+    the one step that fits it. `.step` names that step for the command line to print whole:
+    ("status",), ("finish", id) or ("next",)."""
+    sid, status = story["id"], story["status"]
+    head = f"{sid} is not active ({status})"
+    if status in DONE:
+        error = refused(f"{head} — it is already done; nothing to do for it (`status` shows "
+                        "what is next).", "not_active")
+        error.step = ("status",)
+        return error
+    if status in ("blocked", "review"):
+        who = "a human decides it" if status == "blocked" else "its judge decides it"
+        error = refused(f"{head} — {who}; `status` names how.", "not_active")
+        error.step = ("status",)
+        return error
+    mine = [s for s in active_stories(plan) if agent is None or s["agent"] == agent]
+    if mine:
+        other = mine[0]["id"]
+        error = refused(f"{head} — {other} is in progress: finish {other} first (`next` would "
+                        f"hand out {other} again).", "not_active")
+        error.step = ("finish", other)
+        return error
+    error = refused(f"{head} — activate it with `next` first.", "not_active")
+    error.step = ("next",)
+    return error
 
 
 def checkpoint_gate(plan, story, ev):
     """The checks a checkpoint must pass before anything runs (the original's order)."""
     if story["status"] != "in_progress":
-        raise refused(f"{story['id']} is not active ({story['status']}) — activate it with `next` "
-                      "first.", "not_active")
+        raise not_active(plan, story, ev.get("agent"))
     agent = ev.get("agent")
     _refuse_blank_agent(agent)
     if story["agent"] is not None and agent != story["agent"]:
@@ -1129,9 +1173,7 @@ def validate_snapshot(plan, whole=True):
     story for it); audit and rebuild check everything, and so does a command that failed on
     what a story holds (snapshot_damage), so a hand-made snapshot is exit 3, never a
     traceback."""
-    def bad(what):
-        return damaged(f"{SNAPSHOT}: not a fablize snapshot ({what}) — run `audit`.",
-                       "bad_snapshot")
+    bad = not_a_snapshot
     if type(plan) is not dict:
         raise bad("top level is not an object")
     original = is_original_snapshot(plan)
@@ -1160,12 +1202,10 @@ def check_graph(plan):
     goals = plan["goals"]
     ids = set(map(itemgetter("id"), goals))
     if len(ids) != len(goals):
-        raise damaged(f"{SNAPSHOT}: not a fablize snapshot (two stories have the same id) — run "
-                      "`audit`.", "bad_snapshot")
+        raise not_a_snapshot("two stories have the same id")
     for i, story in enumerate(goals):
         if not ids.issuperset(story.get("after", ())):
-            raise damaged(f"{SNAPSHOT}: not a fablize snapshot (goals[{i}].after names a story "
-                          "that is not in the plan) — run `audit`.", "bad_snapshot")
+            raise not_a_snapshot(f"goals[{i}].after names a story that is not in the plan")
     return plan
 
 
@@ -1216,14 +1256,30 @@ def line_value(line):
         return None
 
 
+def not_a_snapshot(what):
+    """goals.json is no snapshot this engine writes: the ledger is the source of truth, and
+    `rebuild` regenerates the snapshot from it."""
+    return with_step(damaged(f"{SNAPSHOT}: not a fablize snapshot ({what}) — `rebuild` "
+                             "regenerates it from the ledger (the old one is kept as a .bak):",
+                             "bad_snapshot"), "rebuild")
+
+
 def line_error(lineno, what, code="bad_event"):
     """Damage at one ledger line: every message about a line starts the same way."""
-    return FablizeError(f"{LEDGER} line {lineno}: {what}", code, EXIT_DAMAGED)
+    error = FablizeError(f"{LEDGER} line {lineno}: {what}", code, EXIT_DAMAGED)
+    error.lineno = lineno
+    return error
 
 
-def not_an_event(lineno):
+def not_an_event(lineno, last=False):
+    if last or lineno == "at the end":  # acknowledged, so damage; rebuild sets it aside, said
+        return with_step(line_error(
+            lineno, "not a ledger event (unparsable, or no seq/event) — damaged or edited; "
+            f"`rebuild` moves it to {LEDGER}.broken and regenerates the snapshot from the events "
+            "before it:", "bad_line"), "rebuild")
     return line_error(lineno, "not a ledger event (unparsable, or no seq/event) — damaged or "
-                      "edited.", "bad_line")
+                      f"edited (if the ledger was committed, `git diff -- {LEDGER}` in its "
+                      "folder shows the edit).", "bad_line")
 
 
 _EVENT_KIND, _SEQ, _PREV, _TS = map(itemgetter, ("event", "seq", "prev", "ts"))

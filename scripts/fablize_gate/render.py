@@ -296,17 +296,22 @@ def next_action(prog, plan, agent=None):
     if plan_done(plan):
         return {"kind": "done", "id": None, "cmd": None, "text": done_line(plan)}
     active = active_stories(plan)
-    mine = [s for s in active if agent is None or s["agent"] == agent]
+    # never another agent's story: an unnamed caller is handed only stories no agent holds
+    mine = [s for s in active if s["agent"] == agent]
     if mine:
         s = mine[0]
         command = completion_command(prog, plan, s)
         return {"kind": "finish", "id": s["id"], "cmd": command,
                 "text": f"finish {s['id']}, then `{command}`"}
+    held = [s for s in active if s["agent"] is not None]
     ready = pick_ready(plan)
     if ready is not None:
-        command = f"{prog} next" + (f" --agent {quote_arg(agent)}" if agent is not None else "")
+        # `next` without --agent would hand an unnamed caller the story an agent holds
+        name = quote_arg(agent) if agent is not None else "<your name>" if held else None
+        command = f"{prog} next" + (f" --agent {name}" if name else "")
+        others = "" if agent is not None or not held else f"; {others_line(held)}"
         return {"kind": "next", "id": ready["id"], "cmd": command,
-                "text": f"`{command}` (activates {ready['id']})"}
+                "text": f"`{command}` (activates {ready['id']}){others}"}
     blocked = stories_in(plan, "blocked")
     if blocked:
         s = blocked[0]
@@ -326,6 +331,14 @@ def next_action(prog, plan, agent=None):
     return {"kind": "wait", "id": None, "cmd": None,
             "text": f"nothing is ready{' for agent ' + one_line(agent) if agent else ''}: in "
                     f"progress {held}; the rest waits for them"}
+
+
+def others_line(held):
+    """The stories agents hold, said as theirs: each agent finishes its own."""
+    said = ", ".join(f"{s['id']} is agent {one_line(s['agent'])}'s" for s in held[:3])
+    more = f" (and {len(held) - 3} more)" if len(held) > 3 else ""
+    return (f"{said}{more}: only its agent finishes it (`status --agent NAME` gives an agent its "
+            "own step)")
 
 
 def hand_to_judge(prog, story):

@@ -92,8 +92,9 @@ def command_missing(cli):
     command that must be installed (or come with the plugin)."""
     if cli == "fablize" and shutil.which("fablize") is None:
         return ("the wiring runs `fablize`, which is not on PATH here: install it (README: Add it "
-                "to your project — pipx, uv tool or the plugin), or copy scripts/goals.py into "
-                "this repository and run setup again with that copy")
+                "to your project — pipx, uv tool or the plugin), or copy scripts/goals.py and "
+                "scripts/fablize_gate/ (together) into this repository and run setup again with "
+                "that copy")
     return None
 
 
@@ -729,17 +730,26 @@ def cmd_doctor(ctx, a):
     findings = []
     for agent in agents:
         findings += [dict(f, agent=agent) for f in doctor_findings(ctx, agent)]
+    said = {}  # each fix is said once: a problem that shares one points at it
     for agent in agents:
         if len(agents) > 1:
             ctx.say(f"fablize: doctor — {agent}")
         for c in (f for f in findings if f["agent"] == agent):
-            ctx.say(f"  ✓ {c['item']}: {c['detail']}" if c["ok"] else
-                    f"  ✗ {c['item']}: {c['problem']} — fix: {c['fix']}")
+            if c["ok"]:
+                ctx.say(f"  ✓ {c['item']}: {c['detail']}")
+            elif c["fix"] in said:
+                ctx.say(f"  ✗ {c['item']}: {c['problem']} — fix: the same as {said[c['fix']]}'s")
+            else:
+                said[c["fix"]] = c["item"]
+                ctx.say(f"  ✗ {c['item']}: {c['problem']} — fix: {c['fix']}")
     ctx.data.update(agent=agents[0] if len(agents) == 1 else agents, findings=findings)
     problems = [c for c in findings if not c["ok"]]
     if problems:
+        fixes = list(dict.fromkeys(c["fix"] for c in problems))
         raise refused(f"doctor: {len(problems)} problem{'s' if len(problems) > 1 else ''} — "
-                      f"{problems[0]['problem']}; fix: {problems[0]['fix']}", "doctor_problems")
+                      + (f"{problems[0]['problem']}; fix: {fixes[0]}" if len(problems) == 1 else
+                         f"{len(fixes)} fix{'es' if len(fixes) > 1 else ''}, each said once "
+                         f"above; the first: {fixes[0]}"), "doctor_problems")
     ctx.say(f"fablize: doctor — {', '.join(agents)} {'is' if len(agents) == 1 else 'are'} wired "
             "and the state is healthy.")
 

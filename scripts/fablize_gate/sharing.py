@@ -47,7 +47,7 @@ import time
 from .base import (
     ARCHIVE, count_noun, damaged, dumps, EXIT_DAMAGED, FablizeError, id_arg, is_plan_id, LEDGER,
     load_json, now_iso, one_line, PIN, PLAN_EXISTS, refused, RUNS, sha256_hex, SHARE, SNAPSHOT,
-    STATE_GITIGNORE, usage, ZERO_HASH)
+    STATE_GITIGNORE, usage, with_step, ZERO_HASH)
 from .masking import masked_text
 from .model import (
     active_stories, apply_event, find_story, misfit, parse_event, pick_ready, ready_stories,
@@ -262,9 +262,34 @@ def share_config(store):
         cfg = None
     if (misfit(cfg, SHARE_SPEC) is not None or not re.fullmatch(REMOTE_NAME, cfg["remote"])
             or not is_plan_id(cfg["plan_id"])):
-        raise damaged(f"{SHARE} is not a fablize share record — run `goals.py sync` after "
-                      "removing it.", "bad_share")
+        remote = guessed_remote(store)
+        raise with_step(damaged(f"{SHARE} is not a fablize share record — `share --remote "
+                                f"{remote}` reconnects this clone to the shared plan (the damaged "
+                                f"record is kept as {SHARE}.broken):", "bad_share"),
+                        f"share --remote {remote}")
     return cfg
+
+
+def guessed_remote(store):
+    """The remote a damaged share record most likely named: `sync`'s default, else NAME."""
+    try:
+        return default_remote(store)
+    except FablizeError:
+        return "NAME"
+
+
+def set_aside_share(store):
+    """`share` over a damaged share record: kept as share.json.broken (never committed), said,
+    then written anew."""
+    path = store.path(SHARE)
+    try:
+        share_config(store)
+    except FablizeError as e:
+        if e.code != "bad_share":
+            raise
+        os.replace(path, path + ".broken")
+        store.warn(f"{SHARE} was not a fablize share record; it is kept as {SHARE}.broken and "
+                   "written anew.")
 
 
 def save_share_config(store, cfg):
@@ -1743,6 +1768,7 @@ def start(store, remote):
     it."""
     with store.session() as s:
         plan = s.require_plan()
+        set_aside_share(store)
         cfg = share_config(store)
         if cfg is not None and cfg["plan_id"] == plan["plan_id"] and cfg["remote"] != remote:
             raise refused(f"this plan is already shared through {cfg['remote']}.", "already_shared")

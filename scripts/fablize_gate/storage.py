@@ -14,7 +14,7 @@ from .base import (
     ARCHIVE, damaged, DEFAULT_LOCK_TIMEOUT, dumps, FablizeError, fast_sha256,
     has_surrogate_escape, is_plan_id, LEDGER, load_json, LOCK, no_plan, one_line, READ_CHUNK,
     refused, RUNS, sha256_hex, SNAPSHOT, SNAPSHOT_VERSION, STATE_DIRNAME, STATE_GITIGNORE,
-    usage, ZERO_HASH)
+    usage, with_step, ZERO_HASH)
 from .model import (
     _EVENT_KIND, check_graph, compact, is_original_snapshot, line_error, line_value, make_event,
     not_an_event, original_plan_fields, parse_event, Replay, validate_snapshot)
@@ -210,6 +210,16 @@ def file_to_write(path):
     if not stat.S_ISREG(st.st_mode):
         raise refused(f"{path} is not a regular file.", "not_a_file")
     return st
+
+
+def unwrite(fd, n):
+    """Take back the last `n` bytes appended to `fd` (an fsync failed: they were never
+    durable). Best effort: if that fails too, the line stays, and the error said stands."""
+    try:
+        os.ftruncate(fd, os.fstat(fd).st_size - n)
+        os.fsync(fd)
+    except OSError:
+        pass
 
 
 def write_atomic(path, data, mode=0o644, sweep=False):
@@ -541,7 +551,13 @@ class Ledger:
             raise damaged(f"short write to {LEDGER} ({n} of {len(line) + 1} bytes); the next "
                           "command moves the torn line aside.", "io_error")
         crash_point("after-ledger-write")
-        os.fsync(fd)
+        try:
+            os.fsync(fd)
+        except OSError:
+            # not durable, so not recorded: the line goes again, so that no later command
+            # takes as acknowledged what this one reports as failed
+            unwrite(fd, n)
+            raise
         crash_point("after-ledger-fsync")
 
     def cut(self, end, torn):
@@ -627,8 +643,8 @@ def parse_snapshot(raw, whole=False):
         snap = load_json(raw)
     except ValueError as e:
         what = "empty" if not raw.strip() else f"not valid JSON ({e})"
-        raise damaged(f"{SNAPSHOT} is {what} — run `audit`; `rebuild` regenerates it from the "
-                      "ledger.", "bad_snapshot")
+        raise with_step(damaged(f"{SNAPSHOT} is {what} — {REBUILD_STEP}", "bad_snapshot"),
+                        "rebuild")
     validate_snapshot(snap, whole)
     if is_original_snapshot(snap):
         return snap
@@ -638,16 +654,25 @@ def parse_snapshot(raw, whole=False):
     else:
         good = snap.get("digest") == canonical_digest(snap)  # version 1's digest
     if not good:
-        raise damaged(f"{SNAPSHOT} was changed outside fablize (its digest does not match) — run "
-                      "`audit`; `rebuild` regenerates it from the ledger.", "snapshot_edited")
+        raise with_step(damaged(f"{SNAPSHOT} was changed outside fablize (its digest does not "
+                                f"match) — {REBUILD_STEP}", "snapshot_edited"), "rebuild")
     return snap
 
 
+# the step out of a snapshot that is not the ledger's: the ledger is the source of truth
+REBUILD_STEP = "`rebuild` regenerates it from the ledger (the old one is kept as a .bak):"
+
+
 def position_error(snap_seq, ledger_seq):
-    """The snapshot reflects an event the ledger does not hold (one message, for every reader)."""
+    """The snapshot reflects an event the ledger does not hold (one message, for every reader):
+    the ledger lost lines. Restoring it is the human's call; `rebuild` is the way out that
+    keeps what the ledger still holds."""
     where = "is empty" if not ledger_seq else f"ends at event {ledger_seq}"
-    return damaged(f"{SNAPSHOT} reflects event {snap_seq} but {LEDGER} {where} — run `audit`.",
-                   "disagree")
+    return with_step(damaged(
+        f"{SNAPSHOT} reflects event {snap_seq} but {LEDGER} {where}: the ledger lost events. "
+        f"If it was committed, `git checkout -- {STATE_DIRNAME}/` restores both files as last "
+        f"committed; else `rebuild` makes {SNAPSHOT} match the ledger (the old one is kept as a "
+        ".bak):", "disagree"), "rebuild")
 
 
 def snapshot_damage(store):
@@ -676,9 +701,9 @@ def loose_snapshot(store):
 
 
 def stripped_snapshot_error():
-    return damaged(f"{SNAPSHOT} lost its ledger position and digest but {LEDGER} is hash-chained: "
-                   "it was edited by hand — run `audit`; `rebuild` regenerates it from the "
-                   "ledger.", "snapshot_edited")
+    return with_step(damaged(f"{SNAPSHOT} lost its ledger position and digest but {LEDGER} is "
+                             f"hash-chained: it was edited by hand — {REBUILD_STEP}",
+                             "snapshot_edited"), "rebuild")
 
 
 def legacy_refusal():
@@ -697,6 +722,7 @@ class Store:
         self.discovered = discovered
         self.warnings = [] if warnings is None else warnings
         self.after_commit = []
+        self.recorded = []  # (seq, event) of each event made durable by this command
 
     def path(self, name):
         return os.path.join(self.dir, name)
@@ -814,9 +840,9 @@ class Reading:
             if found is None or found[0] < snap_seq:
                 raise position_error(snap_seq, found[0] if found else 0)
             if not found[2] and sha256_hex(found[1]) != snap["ledger"]["head"]:
-                raise damaged(f"{SNAPSHOT} and {LEDGER} disagree at event {snap_seq} (line "
-                              f"{snap_seq} is not the one the snapshot reflects) — run `audit`.",
-                              "disagree")
+                raise with_step(damaged(
+                    f"{SNAPSHOT} and {LEDGER} disagree at event {snap_seq} (line {snap_seq} is not "
+                    f"the one the snapshot reflects) — {REBUILD_STEP}", "disagree"), "rebuild")
         self.plan = snap
         if newer:
             self.plan = self.roll_forward(snap, newer[::-1])
@@ -856,10 +882,16 @@ class Reading:
         prev = ledger.last(end) if end else None
         prev_ev = parse_event(prev) if prev is not None else None
         if prev_ev is None and end:
-            raise damaged(f"{LEDGER}: the last two lines are damaged — run `audit`.", "bad_line")
+            raise damaged(f"{LEDGER}: the last two lines are damaged — not a torn write, so not "
+                          f"repaired: restore {LEDGER} (`git checkout -- {STATE_DIRNAME}/` when "
+                          "it was committed); a human decides.", "bad_line")
         if (prev_ev["seq"] if prev_ev else 0) < snap_seq:
-            raise line_error(snap_seq, f"the last line is damaged but {SNAPSHOT} reflects event "
-                             f"{snap_seq} — run `audit`.", "bad_line")
+            raise with_step(line_error(
+                snap_seq, f"the last line is damaged but {SNAPSHOT} reflects event {snap_seq}: "
+                f"an acknowledged event was damaged. If it was committed, `git checkout -- "
+                f"{STATE_DIRNAME}/` restores both files; else `rebuild` keeps the events before it "
+                f"(the damaged line goes to {LEDGER}.broken, the old snapshot to a .bak):",
+                "bad_line"), "rebuild")
         return end, torn
 
     def roll_forward(self, plan, events):
@@ -947,7 +979,13 @@ class Transaction(Reading):
         try:
             if exc[0] is None and self.last is not None:
                 for step in self.store.after_commit:
-                    step(self)
+                    try:
+                        step(self)
+                    except OSError as e:  # the events are recorded: what is left is said
+                        self.store.warn(
+                            f"the events are recorded here, but what follows a write could not "
+                            f"be finished ({e.strerror or e}); the next command (or `sync`) "
+                            "finishes it.")
         finally:
             self.ledger.close()
             self.lock.__exit__(*exc)
@@ -988,8 +1026,23 @@ class Transaction(Reading):
         """Append one event (checked by apply_event first) and save the snapshot."""
         plan, line = self.prepare(kind, fields)
         self.ledger.append(line, self.ledger.open(create=True))
-        self.settle(plan)
+        self.recorded(plan, kind)
         return self.last
+
+    def recorded(self, plan, kind):
+        """The event is durable: from here it is recorded, whatever fails after. A snapshot that
+        cannot be written (a full disk) is said, not failed: the ledger is ahead of it, and the
+        next command rolls it forward."""
+        self.store.recorded.append((plan["ledger"]["seq"], kind))
+        try:
+            self.settle(plan)
+        except OSError as e:
+            self.plan = plan
+            if not getattr(self, "unsaved", False):
+                self.unsaved = True
+                self.store.warn(f"event {plan['ledger']['seq']} ({kind}) is recorded in {LEDGER}, "
+                                f"but {SNAPSHOT} could not be written ({e.strerror or e}); the "
+                                "next command brings it up to date from the ledger.")
 
     def prepare(self, kind, fields):
         plan, self.last, line = make_event(self.plan, kind, fields)
@@ -1049,8 +1102,12 @@ class Transaction(Reading):
         if os.path.lexists(store.path(SNAPSHOT)):
             os.unlink(store.path(SNAPSHOT))
         os.replace(staged, store.path(LEDGER))
-        fsync_dir(store.dir)
-        self.settle(plan)
+        try:
+            fsync_dir(store.dir)
+        except OSError as e:  # the rename is done and seen: the new plan is the current one
+            store.warn(f"event 1 (plan_created) is recorded in {LEDGER}, but its folder could "
+                       f"not be synced to disk ({e.strerror or e}).")
+        self.recorded(plan, "plan_created")
 
     def archive_current(self):
         """Copy the current plan into archive/<plan id>/, its run logs too (hard links: a
