@@ -94,9 +94,10 @@ class Project:
         shutil.copytree(origin_with_the_plan(check, verify, scope, files), self.origin,
                         symlinks=True)
 
-    def agent(self, cheat=None, fix=False):
+    def agent(self, cheat=None, fix=False, after=None):
         """The agent's branch `pr`: `cheat(tree)` changes the tree, the plan is completed (each
-        checkpoint runs the frozen checks in that tree), all of it committed and pushed."""
+        checkpoint runs the frozen checks in that tree), `after(tree)` changes it again (what an
+        agent commits need not be what its engine saw), all of it committed and pushed."""
         tree = self.top / "agent"
         git(self.top, "clone", "-q", str(self.origin), str(tree))
         git(tree, "checkout", "-q", "-b", "pr")
@@ -109,6 +110,8 @@ class Project:
             r = engine(tree, self.home, "checkpoint", "--id", sid, "--status", "complete",
                        "--evidence", "the tests pass")
             assert r.returncode == 0, r  # the cheat works in the agent's own tree
+        if after:
+            after(tree)
         git(tree, "add", "-A")
         git(tree, "commit", "-qm", "the work")
         git(tree, "push", "-q", "origin", "pr")
@@ -201,14 +204,38 @@ def test_attack_tool_configuration_that_deselects_the_failing_test(project, name
     fails_ci(project)
 
 
+def exit_0_at_interpreter_exit(tree):
+    """In-scope package code the tests import: after pytest has printed `1 failed`, the process
+    exits 0 (the code under test is the bug, untouched)."""
+    (tree / "src" / "calc.py").write_text(BUGGY)
+    (tree / "src" / "__init__.py").write_text("import atexit\nimport os\n\n"
+                                              "atexit.register(os._exit, 0)\n")
+
+
+def test_attack_in_scope_package_code_that_forces_exit_0_fails_by_the_runners_report(project):
+    project.agent(fix=True, after=exit_0_at_interpreter_exit)
+    action, strictest = fails_ci(project, "exit 0 but pytest reported 1 failed")
+    assert "exit 0 but pytest reported 1 failed" in strictest.stderr
+    assert "(pytest: 1 failed, 1 passed)" in action.stdout  # the evidence, in the CI summary
+
+
+def unfixed_with(name, text):
+    """Committed after the agent's own runs passed on the fix (its engine now reads the runner's
+    summary, so a shadow that prints none no longer passes there): the bug back, and `name`."""
+    def cheat(tree):
+        (tree / "src" / "calc.py").write_text(BUGGY)
+        (tree / name).write_text(text)
+    return cheat
+
+
 def test_attack_a_root_pytest_py_that_shadows_pytest_under_python_m(project):
-    project.agent(lambda t: (t / "pytest.py").write_text("import sys\n\nsys.exit(0)\n"))
+    project.agent(fix=True, after=unfixed_with("pytest.py", "import sys\n\nsys.exit(0)\n"))
     fails_ci(project)
 
 
 def test_attack_a_root_unittest_py_that_shadows_unittest_under_python_m(tmp_path):
     project = Project(tmp_path, check=f"{PY} -m unittest -q tests.test_calc")
-    project.agent(lambda t: (t / "unittest.py").write_text("import sys\n\nsys.exit(0)\n"))
+    project.agent(fix=True, after=unfixed_with("unittest.py", "import sys\n\nsys.exit(0)\n"))
     fails_ci(project)
 
 

@@ -976,6 +976,12 @@ def summary(verdict, failures, report_md, trust=None, results=(), story_grades=N
                                                    for p in tree["scope"]) + ").")
                       )
             md.append("")
+            for r in results:  # each check with its runner's own counts: the evidence
+                mark = ("✓" if r["ok"] != (r["on"] == "base") else "✗")
+                md.append(f"- {mark} {r['id']} check {r['check']}"
+                          f"{' (on the base alone)' if r['on'] == 'base' else ''} "
+                          f"`{md_cell(r['cmd'], 120)}` → {md_cell(r['result'], 200)}")
+            md.append("")
         if trust.get("out_of_scope"):
             md.append("Files the branch changed outside the scope (not taken for the re-run): "
                       + ", ".join(f"`{md_cell(p)}`" for p in trust["out_of_scope"][:50]))
