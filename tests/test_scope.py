@@ -257,7 +257,7 @@ def test_attack_a_dist_info_entry_point_that_loads_a_pytest_plugin(tmp_path):
 def test_attack_a_dist_info_inside_the_scope_is_never_taken(tmp_path):
     """Even where the scope covers it, installed-package metadata is not the work."""
     project = Project(tmp_path, check=PYTEST_PLUGINS + " tests",
-                      scope=("src/", "*.py", "*.dist-info/**"))
+                      scope=("src/", "evil_plugin.py", "evil-1.0.dist-info/"))
     project.agent(plant_pytest_plugin)
     action = project.action()
     assert action.returncode == 1 and "re-run failed" in action.stderr, action
@@ -367,18 +367,19 @@ def test_a_scope_the_branch_declares_after_the_pin_does_not_count(tmp_path):
         (tree / "tests" / "test_calc.py").write_text(TEST.replace("add(2, 3), 5", "add(2, 3), -1"))
         assert engine(tree, project.home, "create", "--force", "--brief", "add adds", "--goal",
                       "fix::sum", "--goal", "verify::pass", "--check", f"G001={PYTEST} tests",
-                      "--verify", f"{PYTEST} tests", "--scope", "tests/").returncode == 0
+                      "--verify", f"{PYTEST} tests", "--scope", "src/").returncode == 0
     project.agent(cheat)
     action = project.action(ALLOW_NEW_PLAN="true")
     assert action.returncode == 1 and "no scope is known" in action.stderr, action
 
 
 def test_the_scope_ci_gives_wins_over_the_plans(tmp_path):
-    project = Project(tmp_path, scope=("src/", "tests/"))  # a human's mistake on main
-    project.agent(lambda t: (t / "tests" / "test_calc.py").write_text(
-        TEST.replace("add(2, 3), 5", "add(2, 3), -1")))
-    assert project.action().returncode == 0  # the plan's scope let the edited test in
-    action = project.action(SCOPE="src/\n")
+    project = Project(tmp_path, scope=("src/",))
+    project.agent(fix=True)
+    action = project.action(SCOPE="src/calc.py\n")
+    assert action.returncode == 0, action
+    assert "scope (CI): src/calc.py" in action.stdout, action  # not the plan's src/
+    action = project.action(SCOPE="docs/\n")  # CI's scope leaves the fix out: the bug is tested
     assert action.returncode == 1 and "re-run failed" in action.stderr, action
 
 
@@ -421,3 +422,68 @@ def test_two_failed_gates_are_named_in_one_run_and_the_summaries_differ(project)
     assert project_ok.action(REPORT=str(path)).returncode == 0
     assert path.read_text().startswith("## ✅ re-witnessed")
     assert len({summaries["failed"][:40], summaries["damaged"][:40], path.read_text()[:40]}) == 3
+
+
+# Scopes that say what they mean ###########################################################
+
+
+@pytest.fixture
+def layout(tmp_path):
+    """A repository of README's layout: src/calc.py, tests/test_calc.py, committed."""
+    repo, home = tmp_path / "repo", tmp_path / "home"
+    home.mkdir()
+    git(tmp_path, "init", "-q", "-b", "main", str(repo))
+    (repo / "src").mkdir()
+    (repo / "src" / "calc.py").write_text(BUGGY)
+    (repo / "tests").mkdir()
+    (repo / "tests" / "test_calc.py").write_text(TEST)
+    (repo / "check.py").write_text("import sys\n")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "code")
+    return repo, home
+
+
+def create_with_scope(repo, home, *scopes, check=PYTEST + " tests"):
+    args = ["create", "--brief", "b", "--goal", "fix::it", "--verify", check]
+    for scope in scopes:
+        args += ["--scope", scope]
+    return engine(repo, home, *args)
+
+
+@pytest.mark.parametrize("scope, why", [
+    (".", "takes the whole tree"), ("*", "takes the whole tree"), ("**", "takes the whole tree"),
+    ("**/*", "takes the whole tree"), ("*.py", "takes every such file"),
+    ("**/*.py", "takes every such file"), ("tests/", "takes tests/test_calc.py, a test"),
+    ("tests/*.py", "takes tests/test_calc.py, a test the checks collect"), ("lib/**", "matches no file of the tree"),
+])
+def test_a_scope_that_takes_everything_nothing_or_the_tests_is_refused_at_create(layout, scope,
+                                                                                  why):
+    repo, home = layout
+    p = create_with_scope(repo, home, "src/", scope)
+    assert p.returncode == 2, p
+    assert p.stderr.count("\n") == 1 and f"--scope {scope!r} {why}" in p.stderr, p
+    assert "name the folder or the files the work changes (src/" in p.stderr, p
+    assert not (repo / ".fablize").exists()
+
+
+def test_a_scope_that_takes_the_script_a_frozen_check_runs_is_refused(layout):
+    repo, home = layout
+    p = create_with_scope(repo, home, "check.py", check="python3 check.py")
+    assert p.returncode == 2 and "takes check.py, which a frozen check runs" in p.stderr, p
+
+
+@pytest.mark.parametrize("scopes", [("src/",), ("src/calc.py",), ("src/*.py",),
+                                    ("cli.py",), ("src/**", "docs/guide.md")])
+def test_narrow_scopes_are_accepted_even_a_file_the_work_will_create(layout, scopes):
+    repo, home = layout
+    p = create_with_scope(repo, home, *scopes)
+    assert p.returncode == 0, p
+
+
+def test_ci_scope_that_takes_the_tests_is_refused_by_the_action_and_the_audit(project):
+    project.agent(fix=True)
+    action = project.action(scope="tests/\n")
+    assert action.returncode == 2, action
+    assert "--scope 'tests/' takes tests/" in action.stderr, action
+    strictest = project.strictest("--scope", "*")
+    assert strictest.returncode == 2 and "takes the whole tree" in strictest.stderr, strictest

@@ -207,8 +207,9 @@ def add_create(command):
                    help="an acceptance item for a judge to check on a story (repeatable)")
     c.add_argument("--scope", action="append", default=[], metavar="PATH",
                    help="a path the work may change (repeatable: a file, a folder, or a glob like "
-                        "src/** or *.py); CI's re-run takes only these from the branch, and the "
-                        "tests, tools and build files from the base")
+                        "src/** or src/*.py; never the whole tree, nor the tests); CI's re-run "
+                        "takes only these from the branch, and the tests, tools and build files "
+                        "from the base")
     c.add_argument("--remote", metavar="NAME",
                    help="share the new plan through this git remote (see `share`)")
 

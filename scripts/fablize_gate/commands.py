@@ -203,6 +203,8 @@ def cmd_create(ctx, a):
               "unverifiable": unverifiable}
     scope = list(dict.fromkeys(scope_pattern(plan_text("--scope", p)) for p in a.scope))
     if scope:
+        from . import trust
+        trust.check_scope(scope, store.root, specs)
         fields["scope"] = scope
     # judge the new plan before anything moves: a bad one must not archive the old one
     apply_event(None, dict(fields, seq=1, ts=now_iso(), event="plan_created", prev=ZERO_HASH,

@@ -527,6 +527,57 @@ def scope_matcher(patterns):
         any(g.match(path) for g in globs))
 
 
+# what a test runner collects (a test file, a tests/ folder, conftest.py) and what a check runs
+# (a script it names): a scope that takes them lets the branch write the judge
+TEST_PATH = re.compile(r"(^|/)(tests?|__tests__|spec)/|(^|/)(test_[^/]*\.py|[^/]*_test\.(py|go)"
+                       r"|[^/]*\.(test|spec)\.[cm]?[jt]sx?|conftest\.py)\Z")
+SCRIPT = re.compile(r"\.(py|sh|bash|js|mjs|cjs|ts|rb|pl|go|rs)\Z")
+NARROWER = "name the folder or the files the work changes (src/, src/calc.py, src/**/*.py)"
+
+
+def scope_refusal(pattern, files, named):
+    """Why `pattern` says more than the work may change, or None: it takes the whole tree
+    (`.`, `*`, `**`) or every file of a kind at the top (`*.py`), matches no file of the tree
+    (`files`, None when unknown; a literal path may name a file the work will create), or takes
+    a test the checks collect or a file a frozen check names (`named`)."""
+    bare = pattern.rstrip("/")
+    if re.fullmatch(r"[.*/]*", bare):
+        return "takes the whole tree, the tests and their configuration with it"
+    if re.fullmatch(r"(\*\*/)?\*[^/*?\[]*", bare):
+        return "takes every such file from the top down, the tests' own files with it"
+    if files is None:
+        return None
+    inside = scope_matcher([pattern])
+    taken = [f for f in files if inside(f)]
+    if not taken and any(c in pattern for c in "*?["):
+        return "matches no file of the tree"
+    for path in named:
+        if SCRIPT.search(path) and inside(path):
+            return f"takes {path}, which a frozen check runs"
+    tests = [f for f in taken if TEST_PATH.search(f)]
+    if tests:
+        return f"takes {tests[0]}, a test the checks collect"
+    return None
+
+
+def check_scope(patterns, root, stories, option="--scope"):
+    """Usage error, in one line naming a narrower form, for a scope that says more than the work
+    may change (scope_refusal), judged against the repository's files at `root` and the files the
+    `stories`' frozen checks name."""
+    top = repo_root(root)
+    files = None
+    if top is not None:
+        code, out, _ = git(top, "ls-files", "-z", "--cached", "--others", "--exclude-standard",
+                           what=option)
+        if code == 0:
+            files = [x.decode("utf-8", "surrogateescape") for x in out.split(b"\0") if x]
+    named = check_paths({"goals": stories}, root, top) if top is not None else []
+    for pattern in patterns:
+        why = scope_refusal(pattern, files, named)
+        if why:
+            raise usage(f"{option} {one_line(pattern)!r} {why}: {NARROWER}.", "broad_scope")
+
+
 def scope_of(plan, base, given):
     """(patterns, where they come from) of the work's scope, or ([], None): the scope CI gives
     (--scope) wins; with --base, the scope of the plan as the base branch holds it (so a scope
@@ -737,6 +788,8 @@ def review(store, plan, scan, pin, base, opts):
                                  for x in scan.added]
                                 if trust["pin"] and not trust["new_plan"] else [])
     scope, source = scope_of(plan, base, opts["scope"])
+    if opts["scope"]:  # CI's own: judged as create judges the plan's
+        check_scope(scope, store.root, plan["goals"])
     trust["scope"] = {"patterns": scope, "from": source}
     trust["tree"] = (tree_plan(store, plan, base, opts) if opts["rerun"] or opts["fail_to_pass"]
         or opts["require_fail_to_pass"] or opts["forbid_out_of_scope"] else None)
