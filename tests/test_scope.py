@@ -454,7 +454,8 @@ def create_with_scope(repo, home, *scopes, check=PYTEST + " tests"):
     (".", "takes the whole tree"), ("*", "takes the whole tree"), ("**", "takes the whole tree"),
     ("**/*", "takes the whole tree"), ("*.py", "takes every such file"),
     ("**/*.py", "takes every such file"), ("tests/", "takes tests/test_calc.py, a test"),
-    ("tests/*.py", "takes tests/test_calc.py, a test the checks collect"), ("lib/**", "matches no file of the tree"),
+    ("tests/*.py", "takes tests/test_calc.py, a test the checks collect"),
+    ("lib/**", "matches no file of the tree"),
 ])
 def test_a_scope_that_takes_everything_nothing_or_the_tests_is_refused_at_create(layout, scope,
                                                                                   why):
