@@ -67,6 +67,7 @@ def origin_with_the_plan(check, verify, scope, files):
         (human / "tests" / "test_calc.py").write_text(TEST)
         (human / ".gitignore").write_text("__pycache__/\n")
         for rel, text in (files or {}).items():
+            (human / rel).parent.mkdir(parents=True, exist_ok=True)
             (human / rel).write_text(text)
         args = ["create", "--brief", "add adds", "--goal", "fix::add returns the sum",
                 "--goal", "verify::the tests pass", "--check", f"G001={check}",
@@ -130,7 +131,10 @@ class Project:
         if not action.exists():
             shutil.copytree(ROOT / "scripts", action / "scripts",
                             ignore=shutil.ignore_patterns("__pycache__"))
-        env = dict(git_env(self.home), FABLIZE_BASE="origin/main", GITHUB_ACTION_PATH=str(action))
+        self.scratch = self.top / "runner-temp"  # where the re-run's trees go: emptied after
+        self.scratch.mkdir(exist_ok=True)
+        env = dict(git_env(self.home), FABLIZE_BASE="origin/main", GITHUB_ACTION_PATH=str(action),
+                   RUNNER_TEMP=str(self.scratch))
         env.update({f"FABLIZE_{k.upper()}": v for k, v in settings.items()})
         p = subprocess.run(["bash", str(action / "scripts" / "fablize-ci.sh")], cwd=str(ci),
                            capture_output=True, text=True, env=env)
@@ -488,3 +492,58 @@ def test_ci_scope_that_takes_the_tests_is_refused_by_the_action_and_the_audit(pr
     assert "--scope 'tests/' takes tests/" in action.stderr, action
     strictest = project.strictest("--scope", "*")
     assert strictest.returncode == 2 and "takes the whole tree" in strictest.stderr, strictest
+
+
+# The harness comes from the base, whatever the scope says ##################################
+
+DESELECT_THE_BUG = ("def pytest_collection_modifyitems(config, items):\n"
+                    "    items[:] = [i for i in items if 'add' not in i.name]\n")
+
+
+def test_attack_a_conftest_inside_the_scoped_folder_that_deselects_the_failing_test(tmp_path):
+    """Scope src/, README's layout; the check collects from the top, so pytest loads src/'s
+    conftest.py, whose hook keeps only the passing test: `1 passed`, exit 0."""
+    project = Project(tmp_path, check=PYTEST)
+    project.agent(lambda t: (t / "src" / "conftest.py").write_text(DESELECT_THE_BUG))
+    action, strictest = fails_ci(project)
+    assert "test harness, which always comes from the base" in strictest.stdout, strictest
+    assert "scope or the test harness — src/conftest.py" in strictest.stderr, strictest
+
+
+def test_attack_a_conftest_inside_the_scoped_folder_that_sets_the_exit_status_to_0(tmp_path):
+    project = Project(tmp_path, check=PYTEST)
+
+    def cheat(tree):
+        (tree / "src" / "calc.py").write_text(BUGGY)
+        (tree / "src" / "conftest.py").write_text(
+            "def pytest_sessionfinish(session, exitstatus):\n    session.exitstatus = 0\n")
+    project.agent(fix=True, after=cheat)  # the agent's own engine refuses it first
+    fails_ci(project)
+
+
+# Honest work passes #######################################################################
+
+
+def test_export_ignore_on_the_base_does_not_drop_the_tests_from_the_rerun(tmp_path):
+    project = Project(tmp_path, files={".gitattributes": "tests/ export-ignore\n"})
+    project.agent(fix=True)
+    action = project.action()
+    assert action.returncode == 0 and "(pytest: 2 passed)" in action.stdout, action
+    assert project.strictest("--require-fail-to-pass").returncode == 0
+
+
+@pytest.mark.parametrize("becomes", ["file", "symlink"])
+def test_an_in_scope_folder_that_becomes_a_file_or_a_symlink_passes(tmp_path, becomes):
+    project = Project(tmp_path, files={"src/data/table.txt": "1\n"})
+
+    def change(tree):
+        shutil.rmtree(tree / "src" / "data")
+        if becomes == "file":
+            (tree / "src" / "data").write_text("1\n")
+        else:
+            (tree / "src" / "data").symlink_to("calc.py")
+    project.agent(fix=True, after=change)
+    action = project.action()
+    assert action.returncode == 0, action
+    assert list(project.scratch.iterdir()) == []  # every scratch tree removed
+    assert project.strictest().returncode == 0

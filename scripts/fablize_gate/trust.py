@@ -28,12 +28,10 @@ Interface (for the engine's `audit` and `decide`):
 Loaded by the engine (goals.room), never imported on its own.
 """
 
-import io
 import json
 import os
 import re
 import shutil
-import tarfile
 import tempfile
 from itertools import repeat
 from operator import ne
@@ -55,6 +53,15 @@ MAX_LISTED = 10             # unclean runs named one a line in audit's text
 ARTEFACT = (r"(^|/)(__pycache__|[^/]+\.(egg-info|dist-info))(/|$)"
             r"|\.(pyc|pyo|pyd|so|dylib|dll|o|a|class|jar|whl|egg|pth)$")
 LITERAL = {"GIT_LITERAL_PATHSPECS": "1"}  # a file named `:!tests` is a file, not a pathspec
+# the files that configure or extend a test run, never taken from the branch whatever the scope
+# says (issue 34): a conftest.py at any depth, the runners' and build tools' configuration, the
+# interpreter's start-up hooks, a module that shadows a runner under `python -m`
+HARNESS = (r"(^|/)(conftest\.py|pytest\.ini|pyproject\.toml|setup\.cfg|setup\.py|tox\.ini"
+           r"|noxfile\.py|sitecustomize\.py|usercustomize\.py|pytest\.py|unittest\.py"
+           r"|[Mm]akefile|GNUmakefile|[^/]*\.mk|package\.json|\.npmrc|\.yarnrc(\.yml)?"
+           r"|(jest|vitest|vite|babel|mocha|karma|ava)\.config\.[^/]*|\.babelrc[^/]*"
+           r"|\.mocharc[^/]*|\.coveragerc|\.pytest\.ini|\.cargo/config(\.toml)?)\Z"
+           r"|(^|/)\.cargo/")
 
 
 def parse_pin(text):
@@ -618,56 +625,93 @@ def tree_plan(store, plan, base, opts):
     top, full = branch_ref(store.root, base["ref"], "--base")
     state_rel = os.path.relpath(os.path.realpath(store.dir), top).replace(os.sep, "/")
     inside = scope_matcher(scope)
-    take, left = [], []
+    # a script the frozen checks run is the base's (a data file they name may be the work)
+    named = {p for p in check_paths(plan, store.root, top) if SCRIPT.search(p)}
+    take, left, harness = [], [], []
     for path, deleted in branch_changes(top, full, state_rel):
-        if inside(path) and not re.search(ARTEFACT, path):
+        if inside(path) and (re.search(HARNESS, path) or path in named):
+            harness.append(path)
+        elif inside(path) and not re.search(ARTEFACT, path):
             take.append((path, deleted))
         else:
             left.append(path)
-    return {"top": top, "base": full, "take": take, "left": left, "scope": scope,
-            "from": source, "root": os.path.relpath(os.path.realpath(store.root), top)}
+    return {"top": top, "base": full, "take": take, "left": left + harness, "harness": harness,
+            "scope": scope, "from": source,
+            "root": os.path.relpath(os.path.realpath(store.root), top)}
 
 
 def build_tree(tree, with_branch=True):
     """A folder outside the checkout (in $RUNNER_TEMP or the temporary folder) holding the base
     commit's files — tests, conftest.py, tool configuration, build files — and, `with_branch`,
-    the branch's files the scope lets in, their bytes and modes as HEAD holds them."""
+    the branch's files the scope lets in: every tracked file, its bytes and mode as the commit
+    holds it (never through `git archive`, whose export-ignore and export-subst rules would
+    drop or rewrite files). Removed again if it cannot be built whole."""
     folder = tempfile.mkdtemp(prefix="fablize-rerun-", dir=os.environ.get("RUNNER_TEMP") or None)
-    out = git_out(tree["top"], "archive", "--format=tar", tree["base"], what="--rerun")
-    with tarfile.open(fileobj=io.BytesIO(out)) as tar:
-        if hasattr(tarfile, "data_filter"):  # no member may land outside the folder
-            tar.extractall(folder, filter="data")
-        else:
-            tar.extractall(folder, members=[m for m in tar.getmembers()
-                                            if not (m.name.startswith("/") or ".." in m.name)])
-    if not with_branch or not tree["take"]:
-        return folder
-    kept = [path for path, deleted in tree["take"] if not deleted]
-    modes = {}
-    if kept:
-        listing = git_out(tree["top"], "ls-tree", "-z", "HEAD", "--", *kept, env=LITERAL)
+    try:
+        listing = git_out(tree["top"], "ls-tree", "-r", "-z", "--full-tree", tree["base"],
+                          what="--rerun")
+        entries = []
         for row in listing.split(b"\0"):
             if row:
                 meta, _, name = row.partition(b"\t")
-                modes[name.decode("utf-8", "surrogateescape")] = meta.split()[0]
-    blobs = git_out(tree["top"], "cat-file", "--batch",
-                           data="".join(f"HEAD:{p}\n" for p in kept).encode(
-                               "utf-8", "surrogateescape"))
+                mode, kind, _ = meta.split()
+                if kind == b"blob":  # a submodule's commit is no file of this tree
+                    entries.append((name.decode("utf-8", "surrogateescape"), mode))
+        write_blobs(tree["top"], folder, tree["base"], entries)
+        if with_branch and tree["take"]:
+            kept = [path for path, deleted in tree["take"] if not deleted]
+            modes = {}
+            if kept:
+                listing = git_out(tree["top"], "ls-tree", "-z", "HEAD", "--", *kept, env=LITERAL)
+                for row in listing.split(b"\0"):
+                    if row:
+                        meta, _, name = row.partition(b"\t")
+                        modes[name.decode("utf-8", "surrogateescape")] = meta.split()[0]
+            for path, deleted in tree["take"]:
+                if deleted:
+                    clear(folder, path)
+            write_blobs(tree["top"], folder, "HEAD",
+                        [(path, modes.get(path, b"100644")) for path in kept])
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return folder
+
+
+def clear(folder, path):
+    """Whatever stands at `path` in the scratch tree (a file, a link, a folder) taken away."""
+    target = os.path.join(folder, *path.split("/"))
+    if os.path.isdir(target) and not os.path.islink(target):
+        shutil.rmtree(target)
+    elif os.path.lexists(target):
+        os.unlink(target)
+
+
+def write_blobs(top, folder, commit, entries):
+    """Each (path, mode) of `commit` written into `folder`: a file with its bytes and its
+    executable bit, a symlink only where it stays inside the tree; whatever stood in the way (a
+    folder that became a file, a file that became a folder, a link) taken away first."""
+    if not entries:
+        return
+    blobs = git_out(top, "cat-file", "--batch", data="".join(
+        f"{commit}:{path}\n" for path, _ in entries).encode("utf-8", "surrogateescape"))
     pos = 0
-    for path, deleted in tree["take"]:
-        target = os.path.join(folder, *path.split("/"))
-        if deleted:
-            if os.path.lexists(target) and not os.path.isdir(target):
-                os.unlink(target)
-            continue
+    for path, mode in entries:
         end = blobs.index(b"\n", pos)
         header, pos = blobs[pos:end].split(), end + 1
-        size = int(header[2]) if len(header) == 3 else 0
+        if len(header) != 3:
+            continue  # `<name> missing`: no content follows, nothing to write
+        size = int(header[2])
         data, pos = blobs[pos:pos + size], pos + size + 1
+        parts = path.split("/")
+        for i in range(1, len(parts)):  # a parent that is a file or a link now: a folder again
+            parent = os.path.join(folder, *parts[:i])
+            if os.path.lexists(parent) and (os.path.islink(parent) or
+                                            not os.path.isdir(parent)):
+                os.unlink(parent)
+        target = os.path.join(folder, *parts)
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        if os.path.lexists(target):
-            os.unlink(target)
-        mode = modes.get(path, b"100644")
+        clear(folder, path)
         if mode == b"120000":  # a symlink: only one that stays inside the tree
             link = data.decode("utf-8", "surrogateescape")
             if not os.path.isabs(link) and not os.path.normpath(
@@ -677,7 +721,6 @@ def build_tree(tree, with_branch=True):
         with open(target, "wb") as f:
             f.write(data)
         os.chmod(target, 0o755 if mode == b"100755" else 0o644)
-    return folder
 
 
 def rerun(store, plan, trust, opts, timeout):
@@ -794,6 +837,7 @@ def review(store, plan, scan, pin, base, opts):
     trust["tree"] = (tree_plan(store, plan, base, opts) if opts["rerun"] or opts["fail_to_pass"]
         or opts["require_fail_to_pass"] or opts["forbid_out_of_scope"] else None)
     trust["out_of_scope"] = trust["tree"]["left"] if trust["tree"] else []
+    trust["harness"] = trust["tree"]["harness"] if trust["tree"] else []
     trust["engine_inside_tree"] = engine_inside(store.root)
     ci = base is not None or os.environ.get("CI", "").lower() in ("1", "true", "yes")
     trust["warnings"] = ["the engine running this audit lies inside the tree it audits: a pull "
@@ -836,6 +880,10 @@ def lines(trust):
         out.append(f"  the branch changed {count_noun(len(trust['out_of_scope']), 'file')}"
                    " outside the scope, which the re-run did not take (review them): "
                    + ", ".join(map(one_line, trust["out_of_scope"][:MAX_LISTED])))
+    if trust["harness"]:
+        out.append("  of them inside the scope but the test harness, which always comes from the "
+                   "base (conftest.py, runner and build configuration, what a check runs): "
+                   + ", ".join(map(one_line, trust["harness"][:MAX_LISTED])))
     if trust["imported"]:
         out.append("  imported from the original goals.py: its first event is not the engine's own")
     for item in trust["accepted"]:
@@ -885,7 +933,8 @@ def gates(store, plan, trust, opts):
             "take those changes out of the branch, or have a human change the checks on the base"))
     if opts["forbid_out_of_scope"] and trust["out_of_scope"]:
         found.append(failure(
-            "out_of_scope", "the branch changed files outside the work's scope — "
+            "out_of_scope", "the branch changed files outside the work's scope"
+            + (" or the test harness" if trust["harness"] else "") + " — "
             + ", ".join(map(one_line, trust["out_of_scope"][:MAX_LISTED])),
             "take them out of the branch, or widen the scope on the base (`create --scope`)"))
     if trust["new_plan"] and not opts["allow_new_plan"]:
@@ -1038,6 +1087,10 @@ def summary(verdict, failures, report_md, trust=None, results=(), story_grades=N
         if trust.get("out_of_scope"):
             md.append("Files the branch changed outside the scope (not taken for the re-run): "
                       + ", ".join(f"`{md_cell(p)}`" for p in trust["out_of_scope"][:50]))
+            if trust.get("harness"):
+                md.append("")
+                md.append("Of them inside the scope but the test harness, always the base's: "
+                          + ", ".join(f"`{md_cell(p)}`" for p in trust["harness"][:50]))
             md.append("")
     md.append(report_md)
     return "\n".join(md)
