@@ -616,7 +616,10 @@ def audit_and_judge(ctx, a):
     if a.remote:  # a shared plan as the remote holds it: no local state needed
         # the plan CI names, else the one the base's pin names, else the remote's only plan
         plan_id = a.plan or (base or {}).get("plan_id")
-        data, logs = sharing_room().audit_source(store, a.remote, plan_id)
+        named_by = ("--plan" if a.plan else f"the pin on {base['ref']}" if plan_id else None)
+        data, logs, which = sharing_room().audit_source(store, a.remote, plan_id, named_by)
+        # pinned: CI named the plan, or the base's pin did; else the tree under audit chose it
+        which["pinned"] = base is not None and base.get("plan_id") == which["plan_id"]
         report = audit_ledger(data, None, a.require_independent_judge, logs=logs, scan=scan)
         report["snapshot"] = "none on a remote (its ledger is the whole of it)"
     else:
@@ -630,6 +633,8 @@ def audit_and_judge(ctx, a):
             report = audit_ledger(s.ledger, snapshot, a.require_independent_judge,
                                   runs_dir=s.store.path(RUNS), scan=scan)
     plan, recent = report.pop("plan"), report.pop("recent_runs")
+    if a.remote:
+        report["remote_plan"] = which
     bad_logs = report.pop("bad_logs")
     if bad_logs:
         raise bad_logs[0]
@@ -698,6 +703,11 @@ def audit_and_judge(ctx, a):
     ctx.say(f"  head: {report['head']}   (keep it; `audit --since` proves later history only grew)")
     ctx.say(f"  plan: {report['done']}/{report['total']} done — {defused_line(plan['brief'])}"
             + (f" ({', '.join(accepted)} accepted by a human decision)" if accepted else ""))
+    if a.remote:
+        ctx.say(f"  shared plan: {which['plan_id']} as {one_line(which['remote'])} holds it, "
+                f"named by {one_line(which['named_by'])}" + ("" if which["pinned"] else
+                " — unpinned: nothing the pull request cannot write chose it (give --base, "
+                "whose pin names the plan)"))
     if report["torn_tail_bytes"]:
         ctx.say(f"  torn tail: {report['torn_tail_bytes']} bytes after the last event — a write "
                 "that "
