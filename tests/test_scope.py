@@ -70,8 +70,9 @@ def origin_with_the_plan(check, verify, scope, files):
             (human / rel).parent.mkdir(parents=True, exist_ok=True)
             (human / rel).write_text(text)
         args = ["create", "--brief", "add adds", "--goal", "fix::add returns the sum",
-                "--goal", "verify::the tests pass", "--check", f"G001={check}",
-                "--verify", verify or check]
+                "--goal", "verify::the tests pass", "--check", f"G001={check}"]
+        for final in (verify if isinstance(verify, tuple) else (verify or check,)):
+            args += ["--verify", final]
         for path in scope:
             args += ["--scope", path]
         assert engine(human, home, *args).returncode == 0
@@ -547,3 +548,29 @@ def test_an_in_scope_folder_that_becomes_a_file_or_a_symlink_passes(tmp_path, be
     assert action.returncode == 0, action
     assert list(project.scratch.iterdir()) == []  # every scratch tree removed
     assert project.strictest().returncode == 0
+
+
+# One fresh tree per check #################################################################
+
+WRITE_CONFTEST = (f"{PY} -c \"open('tests/conftest.py', 'w').write("
+                  "'def pytest_collection_modifyitems(config, items):\\n"
+                  "    items[:] = [i for i in items if \\'add\\' not in i.name]\\n')\"")
+
+
+def test_attack_a_check_that_writes_a_conftest_the_next_check_loads(tmp_path):
+    """The final story's first check (exit 0, no runner read) writes tests/conftest.py into the
+    tree it runs in; the required pytest check after it would load it and see `1 passed`."""
+    project = Project(tmp_path, check=WRITE_CONFTEST, verify=(WRITE_CONFTEST, PYTEST + " tests"))
+    project.agent(after=lambda t: (t / "tests" / "conftest.py").unlink())
+    fails_ci(project)
+    assert list(project.scratch.iterdir()) == []
+
+
+def test_the_checks_ci_requires_run_first_each_in_a_tree_of_its_own(tmp_path):
+    project = Project(tmp_path, check=WRITE_CONFTEST, verify=(WRITE_CONFTEST, PYTEST + " tests"))
+    project.agent(fix=True, after=lambda t: (t / "tests" / "conftest.py").unlink())
+    strictest = project.strictest("--require-check", PYTEST + " tests")
+    assert strictest.returncode == 0, strictest
+    ran = [line for line in strictest.stdout.split("\n") if line.startswith("    ✓ G")]
+    assert [line.split(" `")[0] for line in ran] == [
+        "    ✓ G002 check 2", "    ✓ G002 check 1", "    ✓ G001 check 1"], strictest.stdout

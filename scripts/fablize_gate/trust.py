@@ -725,41 +725,44 @@ def write_blobs(top, folder, commit, entries):
 
 def rerun(store, plan, trust, opts, timeout):
     """The frozen checks run again by CI, recording nothing: the re-witnessed grade. With a
-    scope and a base, each story's checks run in a fresh tree of their own (build_tree), the
-    final story's first, so no story's checks can write what another's read; else in the
-    checkout. With `fail_to_pass`, the final story's checks run on the base's tree alone too:
-    one that passes there proves nothing about the work (vacuous)."""
+    scope and a base, every check runs in a fresh tree of its own (build_tree), so no check can
+    write what another reads: first, alone, the checks CI requires (--require-check), then the
+    final story's others, then every other story's; else in the checkout. With `fail_to_pass`,
+    the final story's checks run on the base's tree alone too, each in its own: one that passes
+    there proves nothing about the work (vacuous)."""
     which = opts["rerun"] or "all"
     stories = plan["goals"][-1:] + (plan["goals"][:-1] if which == "all" else [])
     stories = [touch(story) for story in stories if story.get("checks")]
+    final = stories[0] if stories and is_final(plan, stories[0]) else None
+    required = [i for i, cmd in enumerate(final["checks"]) if cmd in opts["require_check"]
+                ] if final is not None else []
+    order = [(final, i) for i in required] + [
+        (story, i) for story in stories for i in range(len(story["checks"]))
+        if not (story is final and i in required)]
     tree = trust["tree"]
     results, logs = [], tempfile.mkdtemp(prefix="fablize-rerun-logs-")
 
-    def run_all(story, root, kind):
-        for i, cmd in enumerate(story["checks"]):
+    def run_one(story, i, kind):
+        cmd = story["checks"][i]
+        folder = None if tree is None else build_tree(tree, with_branch=kind == "tree")
+        try:
+            root = store.root if folder is None else os.path.join(folder, tree["root"])
             record = run_command(cmd, root, timeout, None,
-                                        os.path.join(logs, f"{kind}-{story['id']}-{i}.log"))
-            results.append({"id": story["id"], "check": i + 1, "cmd": cmd, "on": kind,
-                            "ok": run_passed(record), "result": run_result(record),
-                            "tail": record["tail"]})
+                                 os.path.join(logs, f"{kind}-{story['id']}-{i}.log"))
+        finally:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+        results.append({"id": story["id"], "check": i + 1, "cmd": cmd, "on": kind,
+                        "ok": run_passed(record), "result": run_result(record),
+                        "tail": record["tail"]})
 
     try:
-        for story in stories:
-            if tree is None:
-                run_all(story, store.root, "checkout")
-                continue
-            folder = build_tree(tree)
-            try:
-                run_all(story, os.path.join(folder, tree["root"]), "tree")
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
+        for story, i in order:
+            run_one(story, i, "checkout" if tree is None else "tree")
         if ((opts["fail_to_pass"] or opts["require_fail_to_pass"]) and tree is not None and
-                stories and is_final(plan, stories[0])):
-            folder = build_tree(tree, with_branch=False)
-            try:
-                run_all(stories[0], os.path.join(folder, tree["root"]), "base")
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
+                final is not None):
+            for i in range(len(final["checks"])):
+                run_one(final, i, "base")
     finally:
         shutil.rmtree(logs, ignore_errors=True)
     return results
