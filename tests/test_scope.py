@@ -222,6 +222,7 @@ def test_attack_in_scope_package_code_that_forces_exit_0_fails_by_the_runners_re
     action, strictest = fails_ci(project, "exit 0 but pytest reported 1 failed")
     assert "exit 0 but pytest reported 1 failed" in strictest.stderr
     assert "(pytest: 1 failed, 1 passed)" in action.stdout  # the evidence, in the CI summary
+    assert "src/__init__.py:4 ends the process — atexit.register(os._exit, 0)" in action.stdout
 
 
 def unfixed_with(name, text):
@@ -574,3 +575,22 @@ def test_the_checks_ci_requires_run_first_each_in_a_tree_of_its_own(tmp_path):
     ran = [line for line in strictest.stdout.split("\n") if line.startswith("    ✓ G")]
     assert [line.split(" `")[0] for line in ran] == [
         "    ✓ G002 check 2", "    ✓ G002 check 1", "    ✓ G001 check 1"], strictest.stdout
+
+
+# The judge sees what the code does to its judge ###########################################
+
+DETECTS_THE_RERUN = ("def add(a, b):\n"
+                     "    if 'fablize' in __file__:  # the re-run's scratch tree\n"
+                     "        return a + b\n"
+                     "    return a - b\n")
+
+
+def test_attack_code_that_detects_the_rerun_by_its_path_fails_as_a_tripwire(project):
+    project.agent(fix=True, after=lambda t: (t / "src" / "calc.py").write_text(DETECTS_THE_RERUN))
+    action = project.action()
+    assert action.returncode == 1, action
+    assert "looks for its judge (1 line) — src/calc.py:2 looks for CI" in action.stderr, action
+    assert "src/calc.py:2 looks for CI or its judge" in action.stdout, action
+    strictest = project.strictest("--forbid-tripwires")
+    assert strictest.returncode == 1 and "src/calc.py:2" in strictest.stderr, strictest
+    assert project.strictest().returncode == 0  # the re-run alone is fooled: hence the tripwire

@@ -585,7 +585,8 @@ def cmd_add(ctx, a):
 TRUST_OPTIONS = ("base", "since", "rerun", "require_check", "require_witnessed",
                  "require_clean_runs", "allowed_signers", "forbid_accepted",
                  "require_unchanged_checks", "scope", "require_scope", "forbid_out_of_scope",
-                 "fail_to_pass", "require_fail_to_pass", "allow_new_plan", "allow_imported")
+                 "fail_to_pass", "require_fail_to_pass", "allow_new_plan", "allow_imported",
+                 "forbid_tripwires")
 
 
 def cmd_audit(ctx, a):

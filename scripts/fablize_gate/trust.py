@@ -640,6 +640,49 @@ def tree_plan(store, plan, base, opts):
             "root": os.path.relpath(os.path.realpath(store.root), top)}
 
 
+# What in-scope code does to its judge, read from the lines the branch added: a tripwire for the
+# reviewer, not a proof (code inside the test process can hide what it does)
+TRIPWIRES = (
+    ("reaches into the test runner",
+     r"\b_pytest\b|pluginmanager|sessionfinish|\bSkipTest\b|\bdef pytest_\w+|hookimpl"
+     r"|\bpytest\.(exit|skip)\b|unittest\.(TestResult|TextTestRunner)|sys\.modules\["
+     r"|__eq__|\bbuiltins\."),
+    ("ends the process", r"\bos\._exit\b|\batexit\b|^(sys\.exit|exit|quit|raise SystemExit)\b"
+     r"|\bos\.kill\("),
+    ("looks for CI or its judge",
+     r"[\"'](CI|GITHUB_\w+|RUNNER_\w+|TMPDIR|PYTEST_\w+|FABLIZE\w*)[\"']|fablize|gettempdir"
+     r"|getppid|/proc/|\bpsutil\b"),
+)
+
+
+def tripwires(tree, limit=50):
+    """[{path, line, what, text}]: each line the branch added to a file the re-run takes that
+    reaches into the test run, ends the process at import, or looks for CI or the audit."""
+    kept = [path for path, deleted in tree["take"] if not deleted]
+    if not kept:
+        return []
+    code, out, _ = git(tree["top"], "diff", "-U0", "--no-color", "--no-ext-diff", "--no-renames",
+                       tree["base"], "HEAD", "--", *kept, what="--rerun", env=LITERAL)
+    found, path, number = [], None, 0
+    for raw in out.decode("utf-8", "replace").split("\n") if code == 0 else ():
+        if raw.startswith("+++ "):
+            path = raw[6:] if raw.startswith("+++ b/") else None
+        elif raw.startswith("@@"):
+            m = re.search(r"\+(\d+)", raw)
+            number = int(m.group(1)) if m else 0
+        elif raw.startswith("+") and path is not None:
+            line = raw[1:]
+            for what, rx in TRIPWIRES:
+                if re.search(rx, line):
+                    found.append({"path": path, "line": number, "what": what,
+                                  "text": line.strip()[:120]})
+                    break
+            number += 1
+            if len(found) >= limit:
+                break
+    return found
+
+
 def build_tree(tree, with_branch=True):
     """A folder outside the checkout (in $RUNNER_TEMP or the temporary folder) holding the base
     commit's files — tests, conftest.py, tool configuration, build files — and, `with_branch`,
@@ -838,9 +881,11 @@ def review(store, plan, scan, pin, base, opts):
         check_scope(scope, store.root, plan["goals"])
     trust["scope"] = {"patterns": scope, "from": source}
     trust["tree"] = (tree_plan(store, plan, base, opts) if opts["rerun"] or opts["fail_to_pass"]
-        or opts["require_fail_to_pass"] or opts["forbid_out_of_scope"] else None)
+        or opts["require_fail_to_pass"] or opts["forbid_out_of_scope"] or opts["forbid_tripwires"]
+        else None)
     trust["out_of_scope"] = trust["tree"]["left"] if trust["tree"] else []
     trust["harness"] = trust["tree"]["harness"] if trust["tree"] else []
+    trust["tripwires"] = tripwires(trust["tree"]) if trust["tree"] else []
     trust["engine_inside_tree"] = engine_inside(store.root)
     ci = base is not None or os.environ.get("CI", "").lower() in ("1", "true", "yes")
     trust["warnings"] = ["the engine running this audit lies inside the tree it audits: a pull "
@@ -887,6 +932,11 @@ def lines(trust):
         out.append("  of them inside the scope but the test harness, which always comes from the "
                    "base (conftest.py, runner and build configuration, what a check runs): "
                    + ", ".join(map(one_line, trust["harness"][:MAX_LISTED])))
+    if trust["tripwires"]:
+        out.append("  the branch's code inside the scope reaches into the test run or looks for "
+                   "its judge (review it: a tripwire, not a proof):")
+        out += [f"    {one_line(t['path'])}:{t['line']} {t['what']} — {one_line(t['text'])}"
+                for t in trust["tripwires"][:MAX_LISTED]]
     if trust["imported"]:
         out.append("  imported from the original goals.py: its first event is not the engine's own")
     for item in trust["accepted"]:
@@ -918,6 +968,8 @@ def gates(store, plan, trust, opts):
     if (opts["forbid_out_of_scope"] or opts["require_fail_to_pass"]) and opts["base"] is None:
         raise usage("--forbid-out-of-scope and --require-fail-to-pass compare with --base: give it "
                     "too.")
+    if opts["forbid_tripwires"] and opts["base"] is None:
+        raise usage("--forbid-tripwires reads what the branch added since --base: give it too.")
     found = []
     if trust["imported"] and trust["new_plan"] and not opts["allow_imported"]:
         found.append(failure("imported_plan", "the plan was imported from the original goals.py "
@@ -977,6 +1029,18 @@ def gates(store, plan, trust, opts):
                              f"not clean — line {run['line']}: " + "; ".join(run["why"]),
                              "run the checks again from the repository root, on a committed "
                              "tree, in one environment"))
+    final_id = plan["goals"][-1]["id"]
+    signed = opts["allowed_signers"] is not None and any(  # its signature: bad_signature's
+        x["id"] == final_id and x["signer"] for x in trust["accepted"])
+    if opts["forbid_tripwires"] and trust["tripwires"] and not signed:
+        first = trust["tripwires"][0]
+        found.append(failure(
+            "tripwire", "the branch's code inside the scope reaches into the test run or looks "
+            f"for its judge ({count_noun(len(trust['tripwires']), 'line')}) — "
+            f"{one_line(first['path'])}:{first['line']} {first['what']}",
+            "take it out of the work; or a human reviews it and accepts the final story with a "
+            "signed decision (`decide --decision accept --sign KEY --signer NAME`, with "
+            "--allowed-signers)"))
     if opts["forbid_accepted"] and trust["accepted"]:
         found.append(failure("accepted_forbidden", "accepted by a decision, not completed — "
                              + ", ".join(x["id"] for x in trust["accepted"]),
@@ -1090,6 +1154,12 @@ def summary(verdict, failures, report_md, trust=None, results=(), story_grades=N
         if trust.get("out_of_scope"):
             md.append("Files the branch changed outside the scope (not taken for the re-run): "
                       + ", ".join(f"`{md_cell(p)}`" for p in trust["out_of_scope"][:50]))
+            if trust.get("tripwires"):
+                md.append("")
+                md.append("The branch's code inside the scope reaches into the test run or looks "
+                          "for its judge (a tripwire for the reviewer, not a proof):")
+                md += [f"- `{md_cell(t['path'])}:{t['line']}` {t['what']} — "
+                       f"`{md_cell(t['text'])}`" for t in trust["tripwires"][:50]]
             if trust.get("harness"):
                 md.append("")
                 md.append("Of them inside the scope but the test harness, always the base's: "
