@@ -15,6 +15,8 @@
 #   FABLIZE_REQUIRED_CHECKS  frozen checks the final story must carry, one command a line
 #   FABLIZE_FAIL_TO_PASS     true: fail a final check that already passes on the base alone
 #   FABLIZE_FORBID_OUT_OF_SCOPE  true: fail a branch that changed files outside the scope
+#   FABLIZE_FORBID_TRIPWIRES     true (default): fail in-scope code that reaches into the test
+#                                run or looks for CI or the audit (unless a signed accept)
 #   FABLIZE_REQUIRE_WITNESSED    true (default): every completed story rests on engine runs
 #   FABLIZE_ALLOWED_SIGNERS  path of an ssh allowed-signers file (read from the base ref)
 #   FABLIZE_ALLOW_NEW_PLAN   true: accept a plan created after the pin
@@ -60,6 +62,7 @@ while IFS= read -r check; do
 done <<< "${FABLIZE_REQUIRED_CHECKS:-}"
 if is_true "${FABLIZE_FAIL_TO_PASS:-false}"; then args+=(--require-fail-to-pass); fi
 if is_true "${FABLIZE_FORBID_OUT_OF_SCOPE:-false}"; then args+=(--forbid-out-of-scope); fi
+if [ -n "${FABLIZE_BASE:-}" ] && is_true "${FABLIZE_FORBID_TRIPWIRES:-true}"; then args+=(--forbid-tripwires); fi
 if [ -n "${FABLIZE_ALLOWED_SIGNERS:-}" ]; then args+=(--allowed-signers "$FABLIZE_ALLOWED_SIGNERS"); fi
 if is_true "${FABLIZE_ALLOW_NEW_PLAN:-false}"; then args+=(--allow-new-plan); fi
 if [ -n "${FABLIZE_REMOTE:-}" ]; then

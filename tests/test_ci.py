@@ -857,7 +857,8 @@ def test_report_has_progress_stories_runs_head_and_dependency_graph(reported):
     assert table_rows(md, RUN_HEADER) == [
         [str(ev["seq"]), ev["id"], f"`{ev['cmd']}`", result, f"{ev['duration_s']} s",
          f"`{ev['sha256'][:16]}`"]
-        for ev, result in zip(runs, ["pass: exit 0", "FAIL: exit 4"])]
+        for ev, result in zip(runs, ["pass: exit 0 (exit code only)",
+                                     "FAIL: exit 4 (exit code only)"])]
     assert f"Ledger head: `{head_of(fab.dir)}`" in md
     graph = md.split("```mermaid\n", 1)[1].split("```", 1)[0]
     assert graph.startswith("graph TD\n")
@@ -917,7 +918,7 @@ def test_report_user_text_cannot_break_its_tables(fab):
     assert all(len(row) == 6 for row in stories)
     assert stories[0][2] == "✓ complete" and stories[0][3] == "1"
     runs = table_rows(md, RUN_HEADER)
-    assert len(runs) == 1 and len(runs[0]) == 6 and runs[0][3] == "pass: exit 0"
+    assert len(runs) == 1 and len(runs[0]) == 6 and runs[0][3] == "pass: exit 0 (exit code only)"
     assert "<script>" not in md
     graph = md.split("```mermaid\n", 1)[1].split("```", 1)[0]
     assert set(re.findall(r"^  (\S+) --> (\S+)$", graph, re.M)) == {("G001", "G002")}

@@ -465,7 +465,8 @@ def test_audit_of_many_batches_finds_what_a_scan_of_each_line_finds(fab, tmp_pat
 def test_a_runs_record_holds_run_fields_in_their_order(fab):
     """The verify_run transition writes a run's record out key by key (a dict display, cheaper
     than a comprehension over RUN_FIELDS): its keys must be RUN_FIELDS, in their order, then
-    its verdict; an interrupted run's record says so before the verdict."""
+    its runner's report (issue 34: optional, absent from older runs), then its verdict; an
+    interrupted run's record says so before the report."""
     make_plan(fab, 2, "--check", "G001=true")
     assert fab("next").code == 0
     assert fab("verify", "--id", "G001").code == 0
@@ -474,12 +475,13 @@ def test_a_runs_record_holds_run_fields_in_their_order(fab):
     for ev in ledger(fab.dir):
         plan = engine.apply_event(plan, ev)
     record = engine.lookup(plan, "G001")["last_run"]
-    assert tuple(record) == (*engine.RUN_FIELDS, "ok")
+    assert tuple(record) == (*engine.RUN_FIELDS, "report", "ok")
     assert {k: record[k] for k in engine.RUN_FIELDS} == {k: run[k] for k in engine.RUN_FIELDS}
     assert engine.lookup(plan, "G001")["runs"] == [record] and record["ok"] is True
     run = dict(run, interrupted="SIGINT", seq=run["seq"] + 1, log=f"runs/{run['seq'] + 1}-G001.log")
     record = engine.lookup(engine.apply_event(plan, run), "G001")["last_run"]
-    assert tuple(record) == (*engine.RUN_FIELDS, "interrupted", "ok") and record["ok"] is False
+    assert tuple(record) == (*engine.RUN_FIELDS, "interrupted", "report", "ok")
+    assert record["ok"] is False
 
 
 def test_json_done_is_a_count_and_complete_a_flag_in_every_command(fab):

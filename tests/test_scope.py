@@ -67,10 +67,12 @@ def origin_with_the_plan(check, verify, scope, files):
         (human / "tests" / "test_calc.py").write_text(TEST)
         (human / ".gitignore").write_text("__pycache__/\n")
         for rel, text in (files or {}).items():
+            (human / rel).parent.mkdir(parents=True, exist_ok=True)
             (human / rel).write_text(text)
         args = ["create", "--brief", "add adds", "--goal", "fix::add returns the sum",
-                "--goal", "verify::the tests pass", "--check", f"G001={check}",
-                "--verify", verify or check]
+                "--goal", "verify::the tests pass", "--check", f"G001={check}"]
+        for final in (verify if isinstance(verify, tuple) else (verify or check,)):
+            args += ["--verify", final]
         for path in scope:
             args += ["--scope", path]
         assert engine(human, home, *args).returncode == 0
@@ -94,9 +96,10 @@ class Project:
         shutil.copytree(origin_with_the_plan(check, verify, scope, files), self.origin,
                         symlinks=True)
 
-    def agent(self, cheat=None, fix=False):
+    def agent(self, cheat=None, fix=False, after=None):
         """The agent's branch `pr`: `cheat(tree)` changes the tree, the plan is completed (each
-        checkpoint runs the frozen checks in that tree), all of it committed and pushed."""
+        checkpoint runs the frozen checks in that tree), `after(tree)` changes it again (what an
+        agent commits need not be what its engine saw), all of it committed and pushed."""
         tree = self.top / "agent"
         git(self.top, "clone", "-q", str(self.origin), str(tree))
         git(tree, "checkout", "-q", "-b", "pr")
@@ -109,6 +112,8 @@ class Project:
             r = engine(tree, self.home, "checkpoint", "--id", sid, "--status", "complete",
                        "--evidence", "the tests pass")
             assert r.returncode == 0, r  # the cheat works in the agent's own tree
+        if after:
+            after(tree)
         git(tree, "add", "-A")
         git(tree, "commit", "-qm", "the work")
         git(tree, "push", "-q", "origin", "pr")
@@ -127,7 +132,10 @@ class Project:
         if not action.exists():
             shutil.copytree(ROOT / "scripts", action / "scripts",
                             ignore=shutil.ignore_patterns("__pycache__"))
-        env = dict(git_env(self.home), FABLIZE_BASE="origin/main", GITHUB_ACTION_PATH=str(action))
+        self.scratch = self.top / "runner-temp"  # where the re-run's trees go: emptied after
+        self.scratch.mkdir(exist_ok=True)
+        env = dict(git_env(self.home), FABLIZE_BASE="origin/main", GITHUB_ACTION_PATH=str(action),
+                   RUNNER_TEMP=str(self.scratch))
         env.update({f"FABLIZE_{k.upper()}": v for k, v in settings.items()})
         p = subprocess.run(["bash", str(action / "scripts" / "fablize-ci.sh")], cwd=str(ci),
                            capture_output=True, text=True, env=env)
@@ -201,14 +209,39 @@ def test_attack_tool_configuration_that_deselects_the_failing_test(project, name
     fails_ci(project)
 
 
+def exit_0_at_interpreter_exit(tree):
+    """In-scope package code the tests import: after pytest has printed `1 failed`, the process
+    exits 0 (the code under test is the bug, untouched)."""
+    (tree / "src" / "calc.py").write_text(BUGGY)
+    (tree / "src" / "__init__.py").write_text("import atexit\nimport os\n\n"
+                                              "atexit.register(os._exit, 0)\n")
+
+
+def test_attack_in_scope_package_code_that_forces_exit_0_fails_by_the_runners_report(project):
+    project.agent(fix=True, after=exit_0_at_interpreter_exit)
+    action, strictest = fails_ci(project, "exit 0 but pytest reported 1 failed")
+    assert "exit 0 but pytest reported 1 failed" in strictest.stderr
+    assert "(pytest: 1 failed, 1 passed)" in action.stdout  # the evidence, in the CI summary
+    assert "src/__init__.py:4 ends the process — atexit.register(os._exit, 0)" in action.stdout
+
+
+def unfixed_with(name, text):
+    """Committed after the agent's own runs passed on the fix (its engine now reads the runner's
+    summary, so a shadow that prints none no longer passes there): the bug back, and `name`."""
+    def cheat(tree):
+        (tree / "src" / "calc.py").write_text(BUGGY)
+        (tree / name).write_text(text)
+    return cheat
+
+
 def test_attack_a_root_pytest_py_that_shadows_pytest_under_python_m(project):
-    project.agent(lambda t: (t / "pytest.py").write_text("import sys\n\nsys.exit(0)\n"))
+    project.agent(fix=True, after=unfixed_with("pytest.py", "import sys\n\nsys.exit(0)\n"))
     fails_ci(project)
 
 
 def test_attack_a_root_unittest_py_that_shadows_unittest_under_python_m(tmp_path):
     project = Project(tmp_path, check=f"{PY} -m unittest -q tests.test_calc")
-    project.agent(lambda t: (t / "unittest.py").write_text("import sys\n\nsys.exit(0)\n"))
+    project.agent(fix=True, after=unfixed_with("unittest.py", "import sys\n\nsys.exit(0)\n"))
     fails_ci(project)
 
 
@@ -230,7 +263,7 @@ def test_attack_a_dist_info_entry_point_that_loads_a_pytest_plugin(tmp_path):
 def test_attack_a_dist_info_inside_the_scope_is_never_taken(tmp_path):
     """Even where the scope covers it, installed-package metadata is not the work."""
     project = Project(tmp_path, check=PYTEST_PLUGINS + " tests",
-                      scope=("src/", "*.py", "*.dist-info/**"))
+                      scope=("src/", "evil_plugin.py", "evil-1.0.dist-info/"))
     project.agent(plant_pytest_plugin)
     action = project.action()
     assert action.returncode == 1 and "re-run failed" in action.stderr, action
@@ -340,18 +373,19 @@ def test_a_scope_the_branch_declares_after_the_pin_does_not_count(tmp_path):
         (tree / "tests" / "test_calc.py").write_text(TEST.replace("add(2, 3), 5", "add(2, 3), -1"))
         assert engine(tree, project.home, "create", "--force", "--brief", "add adds", "--goal",
                       "fix::sum", "--goal", "verify::pass", "--check", f"G001={PYTEST} tests",
-                      "--verify", f"{PYTEST} tests", "--scope", "tests/").returncode == 0
+                      "--verify", f"{PYTEST} tests", "--scope", "src/").returncode == 0
     project.agent(cheat)
     action = project.action(ALLOW_NEW_PLAN="true")
     assert action.returncode == 1 and "no scope is known" in action.stderr, action
 
 
 def test_the_scope_ci_gives_wins_over_the_plans(tmp_path):
-    project = Project(tmp_path, scope=("src/", "tests/"))  # a human's mistake on main
-    project.agent(lambda t: (t / "tests" / "test_calc.py").write_text(
-        TEST.replace("add(2, 3), 5", "add(2, 3), -1")))
-    assert project.action().returncode == 0  # the plan's scope let the edited test in
-    action = project.action(SCOPE="src/\n")
+    project = Project(tmp_path, scope=("src/",))
+    project.agent(fix=True)
+    action = project.action(SCOPE="src/calc.py\n")
+    assert action.returncode == 0, action
+    assert "scope (CI): src/calc.py" in action.stdout, action  # not the plan's src/
+    action = project.action(SCOPE="docs/\n")  # CI's scope leaves the fix out: the bug is tested
     assert action.returncode == 1 and "re-run failed" in action.stderr, action
 
 
@@ -394,3 +428,169 @@ def test_two_failed_gates_are_named_in_one_run_and_the_summaries_differ(project)
     assert project_ok.action(REPORT=str(path)).returncode == 0
     assert path.read_text().startswith("## ✅ re-witnessed")
     assert len({summaries["failed"][:40], summaries["damaged"][:40], path.read_text()[:40]}) == 3
+
+
+# Scopes that say what they mean ###########################################################
+
+
+@pytest.fixture
+def layout(tmp_path):
+    """A repository of README's layout: src/calc.py, tests/test_calc.py, committed."""
+    repo, home = tmp_path / "repo", tmp_path / "home"
+    home.mkdir()
+    git(tmp_path, "init", "-q", "-b", "main", str(repo))
+    (repo / "src").mkdir()
+    (repo / "src" / "calc.py").write_text(BUGGY)
+    (repo / "tests").mkdir()
+    (repo / "tests" / "test_calc.py").write_text(TEST)
+    (repo / "check.py").write_text("import sys\n")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "code")
+    return repo, home
+
+
+def create_with_scope(repo, home, *scopes, check=PYTEST + " tests"):
+    args = ["create", "--brief", "b", "--goal", "fix::it", "--verify", check]
+    for scope in scopes:
+        args += ["--scope", scope]
+    return engine(repo, home, *args)
+
+
+@pytest.mark.parametrize("scope, why", [
+    (".", "takes the whole tree"), ("*", "takes the whole tree"), ("**", "takes the whole tree"),
+    ("**/*", "takes the whole tree"), ("*.py", "takes every such file"),
+    ("**/*.py", "takes every such file"), ("tests/", "takes tests/test_calc.py, a test"),
+    ("tests/*.py", "takes tests/test_calc.py, a test the checks collect"),
+    ("lib/**", "matches no file of the tree"),
+])
+def test_a_scope_that_takes_everything_nothing_or_the_tests_is_refused_at_create(layout, scope,
+                                                                                  why):
+    repo, home = layout
+    p = create_with_scope(repo, home, "src/", scope)
+    assert p.returncode == 2, p
+    assert p.stderr.count("\n") == 1 and f"--scope {scope!r} {why}" in p.stderr, p
+    assert "name the folder or the files the work changes (src/" in p.stderr, p
+    assert not (repo / ".fablize").exists()
+
+
+def test_a_scope_that_takes_the_script_a_frozen_check_runs_is_refused(layout):
+    repo, home = layout
+    p = create_with_scope(repo, home, "check.py", check="python3 check.py")
+    assert p.returncode == 2 and "takes check.py, which a frozen check runs" in p.stderr, p
+
+
+@pytest.mark.parametrize("scopes", [("src/",), ("src/calc.py",), ("src/*.py",),
+                                    ("cli.py",), ("src/**", "docs/guide.md")])
+def test_narrow_scopes_are_accepted_even_a_file_the_work_will_create(layout, scopes):
+    repo, home = layout
+    p = create_with_scope(repo, home, *scopes)
+    assert p.returncode == 0, p
+
+
+def test_ci_scope_that_takes_the_tests_is_refused_by_the_action_and_the_audit(project):
+    project.agent(fix=True)
+    action = project.action(scope="tests/\n")
+    assert action.returncode == 2, action
+    assert "--scope 'tests/' takes tests/" in action.stderr, action
+    strictest = project.strictest("--scope", "*")
+    assert strictest.returncode == 2 and "takes the whole tree" in strictest.stderr, strictest
+
+
+# The harness comes from the base, whatever the scope says ##################################
+
+DESELECT_THE_BUG = ("def pytest_collection_modifyitems(config, items):\n"
+                    "    items[:] = [i for i in items if 'add' not in i.name]\n")
+
+
+def test_attack_a_conftest_inside_the_scoped_folder_that_deselects_the_failing_test(tmp_path):
+    """Scope src/, README's layout; the check collects from the top, so pytest loads src/'s
+    conftest.py, whose hook keeps only the passing test: `1 passed`, exit 0."""
+    project = Project(tmp_path, check=PYTEST)
+    project.agent(lambda t: (t / "src" / "conftest.py").write_text(DESELECT_THE_BUG))
+    action, strictest = fails_ci(project)
+    assert "test harness, which always comes from the base" in strictest.stdout, strictest
+    assert "scope or the test harness — src/conftest.py" in strictest.stderr, strictest
+
+
+def test_attack_a_conftest_inside_the_scoped_folder_that_sets_the_exit_status_to_0(tmp_path):
+    project = Project(tmp_path, check=PYTEST)
+
+    def cheat(tree):
+        (tree / "src" / "calc.py").write_text(BUGGY)
+        (tree / "src" / "conftest.py").write_text(
+            "def pytest_sessionfinish(session, exitstatus):\n    session.exitstatus = 0\n")
+    project.agent(fix=True, after=cheat)  # the agent's own engine refuses it first
+    fails_ci(project)
+
+
+# Honest work passes #######################################################################
+
+
+def test_export_ignore_on_the_base_does_not_drop_the_tests_from_the_rerun(tmp_path):
+    project = Project(tmp_path, files={".gitattributes": "tests/ export-ignore\n"})
+    project.agent(fix=True)
+    action = project.action()
+    assert action.returncode == 0 and "(pytest: 2 passed)" in action.stdout, action
+    assert project.strictest("--require-fail-to-pass").returncode == 0
+
+
+@pytest.mark.parametrize("becomes", ["file", "symlink"])
+def test_an_in_scope_folder_that_becomes_a_file_or_a_symlink_passes(tmp_path, becomes):
+    project = Project(tmp_path, files={"src/data/table.txt": "1\n"})
+
+    def change(tree):
+        shutil.rmtree(tree / "src" / "data")
+        if becomes == "file":
+            (tree / "src" / "data").write_text("1\n")
+        else:
+            (tree / "src" / "data").symlink_to("calc.py")
+    project.agent(fix=True, after=change)
+    action = project.action()
+    assert action.returncode == 0, action
+    assert list(project.scratch.iterdir()) == []  # every scratch tree removed
+    assert project.strictest().returncode == 0
+
+
+# One fresh tree per check #################################################################
+
+WRITE_CONFTEST = (f"{PY} -c \"open('tests/conftest.py', 'w').write("
+                  "'def pytest_collection_modifyitems(config, items):\\n"
+                  "    items[:] = [i for i in items if \\'add\\' not in i.name]\\n')\"")
+
+
+def test_attack_a_check_that_writes_a_conftest_the_next_check_loads(tmp_path):
+    """The final story's first check (exit 0, no runner read) writes tests/conftest.py into the
+    tree it runs in; the required pytest check after it would load it and see `1 passed`."""
+    project = Project(tmp_path, check=WRITE_CONFTEST, verify=(WRITE_CONFTEST, PYTEST + " tests"))
+    project.agent(after=lambda t: (t / "tests" / "conftest.py").unlink())
+    fails_ci(project)
+    assert list(project.scratch.iterdir()) == []
+
+
+def test_the_checks_ci_requires_run_first_each_in_a_tree_of_its_own(tmp_path):
+    project = Project(tmp_path, check=WRITE_CONFTEST, verify=(WRITE_CONFTEST, PYTEST + " tests"))
+    project.agent(fix=True, after=lambda t: (t / "tests" / "conftest.py").unlink())
+    strictest = project.strictest("--require-check", PYTEST + " tests")
+    assert strictest.returncode == 0, strictest
+    ran = [line for line in strictest.stdout.split("\n") if line.startswith("    ✓ G")]
+    assert [line.split(" `")[0] for line in ran] == [
+        "    ✓ G002 check 2", "    ✓ G002 check 1", "    ✓ G001 check 1"], strictest.stdout
+
+
+# The judge sees what the code does to its judge ###########################################
+
+DETECTS_THE_RERUN = ("def add(a, b):\n"
+                     "    if 'fablize' in __file__:  # the re-run's scratch tree\n"
+                     "        return a + b\n"
+                     "    return a - b\n")
+
+
+def test_attack_code_that_detects_the_rerun_by_its_path_fails_as_a_tripwire(project):
+    project.agent(fix=True, after=lambda t: (t / "src" / "calc.py").write_text(DETECTS_THE_RERUN))
+    action = project.action()
+    assert action.returncode == 1, action
+    assert "looks for its judge (1 line) — src/calc.py:2 looks for CI" in action.stderr, action
+    assert "src/calc.py:2 looks for CI or its judge" in action.stdout, action
+    strictest = project.strictest("--forbid-tripwires")
+    assert strictest.returncode == 1 and "src/calc.py:2" in strictest.stderr, strictest
+    assert project.strictest().returncode == 0  # the re-run alone is fooled: hence the tripwire

@@ -749,3 +749,22 @@ def test_a_damaged_share_record_is_exit_3_not_a_guess(net):
         share.write_text(bad)
         r = assert_refused(a, ["next"], 3, "share.json is not a fablize share record")
         assert "Traceback" not in r.err
+
+
+def test_a_bare_audit_remote_names_the_plan_it_read_and_says_it_is_unpinned(net):
+    """Issue 34: without --plan or --base, the tree under audit (the pull request's) chose the
+    plan: audit says which, and how, and that nothing pins it."""
+    a, plan_id, _ = pinned_on_main(net)
+    r = a("audit", "--remote", "origin")
+    assert r.code == 0, r
+    assert (f"shared plan: {plan_id} as origin holds it, named by this tree's share.json — "
+            "unpinned") in r.out, r
+    ci = net.clone("ci")
+    r = ci("audit", "--remote", "origin", "--json")
+    assert r.json["remote_plan"] == {"plan_id": plan_id, "remote": "origin", "pinned": False,
+                                     "named_by": "the only plan origin shares"}, r
+    r = ci("audit", "--remote", "origin", "--base", "origin/main")
+    assert r.code == 0 and "named by the pin on origin/main" in r.out, r
+    assert "unpinned" not in r.out
+    r = ci("audit", "--remote", "origin", "--plan", plan_id, "--json")
+    assert r.json["remote_plan"]["named_by"] == "--plan" and not r.json["remote_plan"]["pinned"]

@@ -417,7 +417,7 @@ def scope_pattern(text):
     if (not path or "\x00" in path or path.startswith("/") or re.match(r"[A-Za-z]:", path) or
             ".." in path.split("/")):
         raise usage(f"--scope {one_line(text)!r}: a path of the repository, relative to its top "
-                    "(a file, a folder or a glob like src/** or *.py).", "bad_scope")
+                    "(a file, a folder or a glob like src/** or src/*.py).", "bad_scope")
     return path.rstrip("/") + ("/" if path.endswith("/") else "")
 
 

@@ -199,8 +199,9 @@ def add_create(command):
                    help="an acceptance item for a judge to check on a story (repeatable)")
     c.add_argument("--scope", action="append", default=[], metavar="PATH",
                    help="a path the work may change (repeatable: a file, a folder, or a glob like "
-                        "src/** or *.py); CI's re-run takes only these from the branch, and the "
-                        "tests, tools and build files from the base")
+                        "src/** or src/*.py; never the whole tree, nor the tests); CI's re-run "
+                        "takes only these from the branch, and the tests, tools and build files "
+                        "from the base")
     c.add_argument("--remote", metavar="NAME",
                    help="share the new plan through this git remote (see `share`)")
 
@@ -360,6 +361,10 @@ def add_audit_trust(c):
     c.add_argument("--allowed-signers", metavar="PATH",
                    help="exit 1 unless every decision is signed (decide --sign) by a key in this "
                         "ssh allowed-signers file")
+    c.add_argument("--forbid-tripwires", action="store_true",
+                   help="with --base and a scope: exit 1 if the branch's code inside the scope "
+                        "reaches into the test run or looks for CI or the audit, unless the final "
+                        "story was accepted by a decision signed by an --allowed-signers key")
     c.add_argument("--forbid-accepted", action="store_true",
                    help="exit 1 if any story was accepted by a decision instead of completed")
     c.add_argument("--require-unchanged-checks", action="store_true",

@@ -221,6 +221,8 @@ def cmd_create(ctx, a):
               "unverifiable": unverifiable}
     scope = list(dict.fromkeys(scope_pattern(plan_text("--scope", p)) for p in a.scope))
     if scope:
+        from . import trust
+        trust.check_scope(scope, store.root, specs)
         fields["scope"] = scope
     # judge the new plan before anything moves: a bad one must not archive the old one
     apply_event(None, dict(fields, seq=1, ts=now_iso(), event="plan_created", prev=ZERO_HASH,
@@ -624,7 +626,8 @@ def cmd_add(ctx, a):
 TRUST_OPTIONS = ("base", "since", "rerun", "require_check", "require_witnessed",
                  "require_clean_runs", "allowed_signers", "forbid_accepted",
                  "require_unchanged_checks", "scope", "require_scope", "forbid_out_of_scope",
-                 "fail_to_pass", "require_fail_to_pass", "allow_new_plan", "allow_imported")
+                 "fail_to_pass", "require_fail_to_pass", "allow_new_plan", "allow_imported",
+                 "forbid_tripwires")
 
 
 def cmd_audit(ctx, a):
@@ -696,9 +699,13 @@ def audited(ctx, a, scan, base):
     if a.remote:
         # the plan CI names, else the one the base's pin names, else the remote's only plan
         plan_id = a.plan or (base or {}).get("plan_id")
-        data, logs = sharing_room().audit_source(ctx.store, a.remote, plan_id)
+        named_by = ("--plan" if a.plan else f"the pin on {base['ref']}" if plan_id else None)
+        data, logs, which = sharing_room().audit_source(ctx.store, a.remote, plan_id, named_by)
+        # pinned: CI named the plan, or the base's pin did; else the tree under audit chose it
+        which["pinned"] = base is not None and base.get("plan_id") == which["plan_id"]
         report = audit_ledger(data, None, a.require_independent_judge, logs=logs, scan=scan)
         report["snapshot"] = "none on a remote (its ledger is the whole of it)"
+        report["remote_plan"] = which
         return report
     with open_plan(ctx, exclusive=False) as s:
         s.refuse_original()
@@ -773,6 +780,12 @@ def say_audit(ctx, report, plan, failures, results, review, grades):
     accepted = report["accepted"]
     ctx.say(f"  plan: {report['done']}/{report['total']} done — {defused_line(plan['brief'])}"
             + (f" ({', '.join(accepted)} accepted by a human decision)" if accepted else ""))
+    which = report.get("remote_plan")
+    if which is not None:
+        ctx.say(f"  shared plan: {which['plan_id']} as {one_line(which['remote'])} holds it, "
+                f"named by {one_line(which['named_by'])}" + ("" if which["pinned"] else
+                " — unpinned: nothing the pull request cannot write chose it (give --base, "
+                "whose pin names the plan)"))
     if report["torn_tail_bytes"]:
         ctx.say(f"  torn tail: {report['torn_tail_bytes']} bytes after the last event — a write "
                 "that never completed; the next writing command moves it aside.")

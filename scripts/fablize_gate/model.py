@@ -150,13 +150,19 @@ def _misfit(value, c):
 
 # A run as the snapshot keeps it: the latest run of each frozen check (or --run command) in the
 # story's current round, which is all the gates read; every other run lives only in the ledger.
+# What a test runner's own summary said (runs.runner_report), or null: a runner the engine does
+# not read. Optional: a run recorded before the engine read summaries has none.
+REPORT_SPEC = {"runner": str, "passed": int, "failed": int, "errors": int, "skipped": int,
+               "missing?": [str]}
 RUN_SPEC = {"seq": int, "check": (int, _N), "cmd": str, "exit_code": (int, _N), "signal": TEXT,
             "timed_out": bool, "error": TEXT, "duration_s": (int, float, _N), "bytes": (int, _N),
-            "sha256": TEXT, "tail": TEXT, "log": TEXT, "ok": bool, "interrupted?": TEXT}
+            "sha256": TEXT, "tail": TEXT, "log": TEXT, "ok": bool, "interrupted?": TEXT,
+            "report?": (REPORT_SPEC, _N)}
 
 
-# a run's own fields, as its verify_run event carries them (`interrupted` only when it was)
-RUN_FIELDS = tuple(k for k in RUN_SPEC if k not in ("ok", "interrupted?"))
+# a run's own fields, as its verify_run event carries them (`interrupted` only when it was,
+# `report` only from an engine that reads runners' summaries)
+RUN_FIELDS = tuple(k for k in RUN_SPEC if k not in ("ok", "interrupted?", "report?"))
 NOTE_SPEC = {"note": str, "seq": int, "ts": str}
 FEEDBACK_SPEC = {"source": str, "round": int, "text": TEXT,
                  "runs": [{"cmd": str, "exit": str, "tail": TEXT}]}
@@ -464,7 +470,43 @@ def latest_run(story, check=None, cmd=None):
 
 def run_passed(run):
     return (run.get("exit_code") == 0 and not run.get("timed_out") and not run.get("error")
-        and not run.get("interrupted"))
+        and not run.get("interrupted") and report_refusal(run) is None)
+
+
+def report_refusal(run):
+    """Why the run's test runner disagrees with a pass, by its own summary, or None: it printed
+    none (stopped before it, or told to be silent), a test failed or errored, or none ran."""
+    report = run.get("report")
+    if not report:
+        return None
+    if report.get("missing"):
+        return (f"no {' or '.join(report['missing'])} summary in its output"
+                + (" (pytest prints none under -qq or -p no:terminal)"
+                   if "pytest" in report["missing"] else ""))
+    bad = [f"{report['failed']} failed"] if report["failed"] else []
+    bad += [f"{report['errors']} error" + ("s" if report["errors"] != 1 else "")
+            ] if report["errors"] else []
+    if bad:
+        return f"{report['runner']} reported " + ", ".join(bad)
+    if not report["passed"]:
+        return f"{report['runner']} ran no test"
+    return None
+
+
+def run_evidence(run):
+    """What the run's runner counted, as its evidence: `pytest: 12 passed, 1 skipped`; `exit code
+    only` for a command whose runner the engine does not read; "" for a run recorded before the
+    engine read summaries."""
+    if "report" not in run:
+        return ""
+    report = run["report"]
+    if not report:
+        return "exit code only"
+    counts = [f"{report[k]} {k if k != 'errors' or report[k] != 1 else 'error'}"
+              for k in ("failed", "errors", "passed", "skipped") if report[k]]
+    if report.get("missing"):
+        counts.append("no summary from " + " or ".join(report["missing"]))
+    return f"{report['runner']}: " + (", ".join(counts) or "no test")
 
 
 def describe_exit(run):
@@ -482,7 +524,8 @@ def exit_words(run):
         return f"timed out after {run.get('duration_s')} s"
     if run.get("signal"):
         return f"killed by {run['signal']}"
-    return f"exit {run.get('exit_code')}"
+    refusal = report_refusal(run) if run.get("exit_code") == 0 else None
+    return f"exit 0 but {refusal}" if refusal else f"exit {run.get('exit_code')}"
 
 
 def derived_grade(story):
@@ -511,7 +554,10 @@ def grade_detail(story):
                                          if decision.get("signer") else " (unsigned)")
                 + ": " + one_line(last_chars(decision["note"], 200)))
     judged = story["judged_by"]
+    evidence = [] if grade == "accepted" else list(dict.fromkeys(
+        e for e in map(run_evidence, story["runs"]) if e))
     return GRADE_WORDS.get(grade, one_line(grade)) + (
+        f" — {one_line('; '.join(evidence))}" if evidence else "") + (
         f"; judged {one_line(judged['verdict'])} by {one_line(judged['agent'])}"
         if judged and story["status"] == "complete" else "")
 
@@ -846,6 +892,12 @@ def _ev_verify_run(plan, ev):
     record = {key: ev[key] for key in RUN_FIELDS}
     if ev.get("interrupted"):  # only then: replayed old runs stay as their snapshots hold them
         record["interrupted"] = ev["interrupted"]
+    if "report" in ev:
+        report = ev["report"]
+        if report is not None and min(report[k] for k in (
+                "passed", "failed", "errors", "skipped")) < 0:
+            raise forged("a run's test counts are out of range")
+        record["report"] = report
     record["ok"] = run_passed(record)
     story["last_run"] = record
     # fresh evidence only: a run counts for the round in which it started; per check (or --run
@@ -860,7 +912,8 @@ def _ev_verify_run(plan, ev):
 
 
 def _log_verify_run(ev, sid):
-    if not (ev["error"] or ev["timed_out"] or ev["signal"] or ev.get("interrupted")):
+    if not (ev["error"] or ev["timed_out"] or ev["signal"] or ev.get("interrupted")
+            or "report" in ev):
         # a run that exited, the common case: run_text's words in one string (log of 100,000
         # real runs: 3.7 → 3.1 µs a line; test_a_history_line_is_its_fields_escaped holds the
         # two together)
@@ -1099,7 +1152,8 @@ EVENTS = {
         "signal": TEXT, "timed_out": bool, "error": TEXT, "duration_s": (int, float),
         "bytes": int, "sha256": str, "tail": str, "log": str, "after_seq": int, "started": str,
         "git_head": TEXT, "git_dirty": (bool, _N), "interrupted?": str,
-        "provenance?": (PROVENANCE_SPEC, _N), "tree?": str}, _log_verify_run),
+        "provenance?": (PROVENANCE_SPEC, _N), "tree?": str, "report?": (REPORT_SPEC, _N)},
+        _log_verify_run),
     "decision": (_ev_decision, {"id": str, "decision": str, "note": str,
                                 "signature?": ({"signer": str, "sig": str}, _N)}, _log_decision),
     "story_added": (_ev_story_added, {"story": STORY_EVENT_SPEC,
@@ -1344,4 +1398,6 @@ def run_result(run):
 
 def run_words(run):
     took = "" if run.get("timed_out") else f", {run.get('duration_s')} s"
-    return f"{exit_words(run)}{took}, {run.get('bytes')} bytes"
+    evidence = run_evidence(run)
+    evidence = f" ({evidence})" if evidence else ""
+    return f"{exit_words(run)}{evidence}{took}, {run.get('bytes')} bytes"

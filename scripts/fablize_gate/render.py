@@ -14,7 +14,7 @@ from .model import (
     _PRISTINE, accepted_ids, active_stories, blocked_because, DEFAULTS, describe_exit,
     done_count, find_story, grade_detail, is_final, observed_of, observed_result, pick_ready,
     plan_done, REOPENED_BECAUSE, round_failures, round_label, rounds_left, run_passed,
-    run_summary, stories_in, touch, unaddressed_failure, waits_for)
+    run_evidence, run_summary, stories_in, touch, unaddressed_failure, waits_for)
 from .runs import NOT_THERE, repo_root
 
 # the folder that holds goals.py and this package (scripts/ in a checkout or a copy)
@@ -483,7 +483,8 @@ def render_report(plan, runs, total=None):
         for r in runs:
             lines.append(f"| {md_cell(str(r['seq']))} | {md_cell(r['id'])} | "
                          f"`{md_cell(r['cmd'], 80)}` | "
-                         f"{'pass' if run_passed(r) else 'FAIL'}: {md_cell(describe_exit(r))} | "
+                         f"{'pass' if run_passed(r) else 'FAIL'}: {md_cell(describe_exit(r))}"
+                         f"{md_cell(' (' + run_evidence(r) + ')') if run_evidence(r) else ''} | "
                          f"{md_cell(str(r.get('duration_s')))} s | "
                          f"`{md_cell(str(r.get('sha256'))[:16])}` |")
     standing = [(s, unaddressed_failure(s)) for s in goals if s["status"] in DONE + ("review",)]

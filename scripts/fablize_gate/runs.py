@@ -547,7 +547,9 @@ class Run:
                                f"({log_reason(self.log_error)}; {size:,} bytes kept): the run "
                                "counts for nothing")
         record.update(duration_s=round(time.monotonic() - self.started, 3), bytes=size,
-                      sha256=sha, tail=tail.decode("utf-8", "replace")[-TAIL_CHARS:])
+                      sha256=sha, tail=tail.decode("utf-8", "replace")[-TAIL_CHARS:],
+                      report=(runner_report(record["cmd"], self.log_path)
+                              if self.log_fd is not None else None))
         if self.stream is not None and not self.at_start:
             self.stream.write("\n")
         return record
@@ -650,3 +652,176 @@ def commit_runs(session, records):
         record["log"] = log_rel
         committed.append(session.commit("verify_run", **record))
     return committed
+
+
+# The runner must agree: a check passes only when its exit code and its test runner's own summary
+# agree (tests ran, none failed). An exit code alone is what a conftest.py, a plugin or an
+# `os._exit(0)` can set; a runner's summary is what SWE-bench reads. Only runners whose summary
+# can be read reliably are recognised; any other command is judged by its exit code only.
+RUNNER_WRAPPERS = frozenset("env nohup time nice timeout xvfb-run npx yarn pnpm bunx bun uv "
+                            "poetry pdm hatch run exec command".split())
+_PYTHON = re.compile(r"(python[\d.]*|pypy[\d.]*|py|coverage)\Z")
+_DIRECT = {"pytest": "pytest", "py.test": "pytest", "jest": "jest", "vitest": "vitest"}
+
+
+def test_runners(cmd):
+    """The test runners a shell command line starts whose summary the engine reads, in order,
+    each once: pytest (also `python -m pytest`), unittest (`python -m unittest`), go (`go test`),
+    cargo (`cargo test`), node (`node --test`), jest, vitest. [] for any other command."""
+    import shlex
+    lexer = shlex.shlex(cmd, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    segments, words = [], []
+    try:
+        for token in lexer:
+            if token and all(c in "();<>|&" for c in token):
+                segments.append(words)
+                words = []
+            else:
+                words.append(token)
+    except ValueError:
+        return []
+    segments.append(words)
+    found = []
+    for words in segments:
+        rest = [w for w in words if not re.fullmatch(r"[A-Za-z_]\w*=.*", w, re.S | re.A)]
+        while rest and (rest[0] in RUNNER_WRAPPERS or rest[0].startswith("-")
+                        or rest[0].isdigit() or rest[0] in _PREFIX_WORDS):
+            rest = rest[1:]
+        if not rest:
+            continue
+        name, args = os.path.basename(rest[0]), rest[1:]
+        runner = _DIRECT.get(name)
+        if _PYTHON.match(name) and "-m" in args[:-1]:
+            runner = {"pytest": "pytest", "unittest": "unittest"}.get(args[args.index("-m") + 1])
+        elif name == "go" and [a for a in args if not a.startswith("-")][:1] == ["test"]:
+            runner = "go"
+        elif name == "cargo" and [a for a in args if a[:1] not in "-+"][:1] == ["test"]:
+            runner = "cargo"
+        elif name == "node":
+            runner = "node" if "--test" in args else next(
+                (_DIRECT[os.path.basename(a)] for a in args
+                 if _DIRECT.get(os.path.basename(a)) in ("jest", "vitest")), None)
+        if runner and runner not in found:
+            found.append(runner)
+    return found
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+_PYTEST_LINE = re.compile(r"=* ?((?:\d+ \w+(?:, )?)+|no tests ran) in \d+(?:\.\d+)?s"
+                          r"(?: \(\d+:\d\d:\d\d\))? ?=*\Z")
+_UNITTEST_RAN = re.compile(r"Ran (\d+) tests? in ")
+_UNITTEST_END = re.compile(r"(OK|FAILED|NO TESTS RAN)(?: \((.*)\))?\Z")
+_GO_LINE = re.compile(r"(ok|FAIL)\s+\S+\s+(.*)\Z")
+_CARGO_LINE = re.compile(r"test result: \w+\. (\d+) passed; (\d+) failed; (\d+) ignored;")
+_NODE_LINE = re.compile(r"[#\u2139] (tests|pass|fail|cancelled|skipped|todo) (\d+)\Z")
+_JEST_LINE = re.compile(r"(Tests|Test Suites):\s+(.*\d+ total)\Z")
+_VITEST_LINE = re.compile(r"(Tests|Test Files)\s+(.*)\(\d+\)\Z")
+_COUNT = re.compile(r"(\d+) ([a-z]+(?: [a-z]+)?)")
+
+
+def runner_counts(runner, lines):
+    """{passed, failed, errors, skipped} summed over every summary `runner` printed in `lines`
+    (the run's output, escape sequences already taken out), or None when it printed none. For
+    `go test` the counts are packages (its summary without -v names no single test)."""
+    counts, seen = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}, False
+    ran = None
+
+    def add(**more):
+        for key, n in more.items():
+            counts[key] += n
+
+    for line in lines:
+        line = line.strip()
+        if runner == "pytest":
+            m = _PYTEST_LINE.match(line)
+            if m:
+                seen = True
+                items = {w: int(n) for n, w in _COUNT.findall(m.group(1))}
+                add(passed=items.get("passed", 0) + items.get("xpassed", 0),
+                    failed=items.get("failed", 0),
+                    errors=items.get("error", 0) + items.get("errors", 0),
+                    skipped=items.get("skipped", 0) + items.get("xfailed", 0))
+        elif runner == "unittest":
+            m = _UNITTEST_RAN.match(line)
+            if m:
+                ran = int(m.group(1))
+                continue
+            m = _UNITTEST_END.match(line) if ran is not None else None
+            if m:
+                seen = True
+                items = {w.strip(): int(n)
+                         for w, n in re.findall(r"([a-z ]+)=(\d+)", m.group(2) or "")}
+                failed = items.get("failures", 0) + items.get("unexpected successes", 0)
+                errors, skipped = items.get("errors", 0), (items.get("skipped", 0)
+                                                           + items.get("expected failures", 0))
+                add(passed=max(ran - failed - errors - skipped, 0), failed=failed,
+                    errors=errors, skipped=skipped)
+                ran = None
+        elif runner == "go":
+            m = _GO_LINE.match(line)
+            if m and (m.group(1) == "FAIL" or "no tests to run" not in m.group(2)):
+                seen = True
+                if m.group(1) == "ok":
+                    add(passed=1)
+                elif "build failed" in m.group(2) or "setup failed" in m.group(2):
+                    add(errors=1)
+                else:
+                    add(failed=1)
+        elif runner == "cargo":
+            m = _CARGO_LINE.match(line)
+            if m:
+                seen = True
+                add(passed=int(m.group(1)), failed=int(m.group(2)), skipped=int(m.group(3)))
+        elif runner == "node":
+            m = _NODE_LINE.match(line)
+            if m:
+                seen = seen or m.group(1) == "tests"
+                n = int(m.group(2))
+                add(**{"pass": {"passed": n}, "fail": {"failed": n}, "cancelled": {"errors": n},
+                       "skipped": {"skipped": n}, "todo": {"skipped": n}}.get(m.group(1), {}))
+        elif runner in ("jest", "vitest"):
+            m = (_JEST_LINE if runner == "jest" else _VITEST_LINE).match(line)
+            if m:
+                items = {w: int(n) for n, w in _COUNT.findall(m.group(2))}
+                if m.group(1) == "Tests":
+                    seen = True
+                    add(passed=items.get("passed", 0), failed=items.get("failed", 0),
+                        skipped=items.get("skipped", 0) + items.get("todo", 0))
+                else:  # a suite or file that failed without a failing test did not load
+                    counts["suite_failed"] = counts.get("suite_failed", 0) + items.get("failed", 0)
+    suites = counts.pop("suite_failed", 0)
+    if suites and not counts["failed"]:
+        counts["errors"] += suites
+        seen = True
+    return counts if seen else None
+
+
+def runner_report(cmd, log_path):
+    """What the runners `cmd` starts reported in the run's log: {runner, passed, failed, errors,
+    skipped, and `missing`: the runners that printed no summary}, or None (no runner the engine
+    reads: the exit code is all there is)."""
+    runners = test_runners(cmd)
+    if not runners:
+        return None
+
+    def lines():  # streamed, once a runner: a long log is never held whole
+        try:
+            with open(log_path, "rb") as f:
+                for raw in f:
+                    yield _ANSI.sub("", raw.decode("utf-8", "replace"))
+        except OSError:
+            return
+
+    report = {"runner": "+".join(runners), "passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    missing = []
+    for runner in runners:
+        counts = runner_counts(runner, lines())
+        if counts is None:
+            missing.append(runner)
+            continue
+        for key, n in counts.items():
+            report[key] += n
+    if missing:
+        report["missing"] = missing
+    return report

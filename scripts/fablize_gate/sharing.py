@@ -33,7 +33,7 @@ Interface (for the engine's commands):
   claim(session, story, agent)  `next`'s story_started, on the remote before it is handed out
   start(store, remote)     share the plan (`share`, `create --remote`)
   status(store, plan), status_lines(info, prog)   what `status` says of a shared plan
-  audit_source(store, remote, plan_id)      (ledger bytes, run logs) as the remote holds them
+  audit_source(store, remote, plan_id, named_by)  (ledger bytes, run logs, which plan)
   COMMANDS                 share, sync, release
 Imported by the commands that run it (cli.room_of, commands), when they run; what it
 uses of the engine's layers is the names it imports from them, listed at its top.
@@ -1894,21 +1894,25 @@ def remote_ledger(store, remote, plan_id):
     return b"".join(line + b"\n" for _, line, _ in chain.events), logs
 
 
-def audit_source(store, remote, plan_id):
-    """audit --remote: (ledger bytes, run logs) of the plan as the remote holds it."""
+def audit_source(store, remote, plan_id, named_by=None):
+    """audit --remote: (ledger bytes, run logs, which plan: {plan_id, remote, named_by}) of the
+    plan as the remote holds it. `named_by` says who named `plan_id` (--plan, the base's pin);
+    without one, the tree's own share.json or the remote's only plan names it — the tree is the
+    pull request's, so that plan is unpinned, and said so."""
     remote = remote_arg(store, remote)
     plan_id = plan_id and plan_id_arg(plan_id)
     if plan_id is None:
         cfg = share_config(store) if store.exists() else None
         if cfg is not None and cfg["remote"] == remote:
-            plan_id = cfg["plan_id"]
+            plan_id, named_by = cfg["plan_id"], "this tree's share.json"
         else:
             plans = live_plans(store, remote, shared_plan_refs(store, remote))
             if len(plans) != 1:
                 raise refused(f"{remote} shares {len(plans) or 'no'} plans — say which with "
                               "--plan ID.", "which_plan")
-            plan_id = next(iter(plans))
-    return remote_ledger(store, remote, plan_id)
+            plan_id, named_by = next(iter(plans)), f"the only plan {remote} shares"
+    data, logs = remote_ledger(store, remote, plan_id)
+    return data, logs, {"plan_id": plan_id, "remote": remote, "named_by": named_by}
 
 
 def refresh_first(session):

@@ -29,12 +29,10 @@ Imported by the commands that run it (cli.room_of, commands), when they run; wha
 uses of the engine's layers is the names it imports from them, listed at its top.
 """
 
-import io
 import json
 import os
 import re
 import shutil
-import tarfile
 import tempfile
 from itertools import repeat
 from operator import ne
@@ -56,6 +54,15 @@ MAX_LISTED = 10             # unclean runs named one a line in audit's text
 ARTEFACT = (r"(^|/)(__pycache__|[^/]+\.(egg-info|dist-info))(/|$)"
             r"|\.(pyc|pyo|pyd|so|dylib|dll|o|a|class|jar|whl|egg|pth)$")
 LITERAL = {"GIT_LITERAL_PATHSPECS": "1"}  # a file named `:!tests` is a file, not a pathspec
+# the files that configure or extend a test run, never taken from the branch whatever the scope
+# says (issue 34): a conftest.py at any depth, the runners' and build tools' configuration, the
+# interpreter's start-up hooks, a module that shadows a runner under `python -m`
+HARNESS = (r"(^|/)(conftest\.py|pytest\.ini|pyproject\.toml|setup\.cfg|setup\.py|tox\.ini"
+           r"|noxfile\.py|sitecustomize\.py|usercustomize\.py|pytest\.py|unittest\.py"
+           r"|[Mm]akefile|GNUmakefile|[^/]*\.mk|package\.json|\.npmrc|\.yarnrc(\.yml)?"
+           r"|(jest|vitest|vite|babel|mocha|karma|ava)\.config\.[^/]*|\.babelrc[^/]*"
+           r"|\.mocharc[^/]*|\.coveragerc|\.pytest\.ini|\.cargo/config(\.toml)?)\Z"
+           r"|(^|/)\.cargo/")
 
 
 def parse_pin(text):
@@ -528,6 +535,57 @@ def scope_matcher(patterns):
         any(g.match(path) for g in globs))
 
 
+# what a test runner collects (a test file, a tests/ folder, conftest.py) and what a check runs
+# (a script it names): a scope that takes them lets the branch write the judge
+TEST_PATH = re.compile(r"(^|/)(tests?|__tests__|spec)/|(^|/)(test_[^/]*\.py|[^/]*_test\.(py|go)"
+                       r"|[^/]*\.(test|spec)\.[cm]?[jt]sx?|conftest\.py)\Z")
+SCRIPT = re.compile(r"\.(py|sh|bash|js|mjs|cjs|ts|rb|pl|go|rs)\Z")
+NARROWER = "name the folder or the files the work changes (src/, src/calc.py, src/**/*.py)"
+
+
+def scope_refusal(pattern, files, named):
+    """Why `pattern` says more than the work may change, or None: it takes the whole tree
+    (`.`, `*`, `**`) or every file of a kind at the top (`*.py`), matches no file of the tree
+    (`files`, None when unknown; a literal path may name a file the work will create), or takes
+    a test the checks collect or a file a frozen check names (`named`)."""
+    bare = pattern.rstrip("/")
+    if re.fullmatch(r"[.*/]*", bare):
+        return "takes the whole tree, the tests and their configuration with it"
+    if re.fullmatch(r"(\*\*/)?\*[^/*?\[]*", bare):
+        return "takes every such file from the top down, the tests' own files with it"
+    if files is None:
+        return None
+    inside = scope_matcher([pattern])
+    taken = [f for f in files if inside(f)]
+    if not taken and any(c in pattern for c in "*?["):
+        return "matches no file of the tree"
+    for path in named:
+        if SCRIPT.search(path) and inside(path):
+            return f"takes {path}, which a frozen check runs"
+    tests = [f for f in taken if TEST_PATH.search(f)]
+    if tests:
+        return f"takes {tests[0]}, a test the checks collect"
+    return None
+
+
+def check_scope(patterns, root, stories, option="--scope"):
+    """Usage error, in one line naming a narrower form, for a scope that says more than the work
+    may change (scope_refusal), judged against the repository's files at `root` and the files the
+    `stories`' frozen checks name."""
+    top = repo_root(root)
+    files = None
+    if top is not None:
+        code, out, _ = git(top, "ls-files", "-z", "--cached", "--others", "--exclude-standard",
+                           what=option)
+        if code == 0:
+            files = [x.decode("utf-8", "surrogateescape") for x in out.split(b"\0") if x]
+    named = check_paths({"goals": stories}, root, top) if top is not None else []
+    for pattern in patterns:
+        why = scope_refusal(pattern, files, named)
+        if why:
+            raise usage(f"{option} {one_line(pattern)!r} {why}: {NARROWER}.", "broad_scope")
+
+
 def scope_of(plan, base, given):
     """(patterns, where they come from) of the work's scope, or ([], None): the scope CI gives
     (--scope) wins; with --base, the scope of the plan as the base branch holds it (so a scope
@@ -568,56 +626,136 @@ def tree_plan(store, plan, base, opts):
     top, full = branch_ref(store.root, base["ref"], "--base")
     state_rel = os.path.relpath(os.path.realpath(store.dir), top).replace(os.sep, "/")
     inside = scope_matcher(scope)
-    take, left = [], []
+    # a script the frozen checks run is the base's (a data file they name may be the work)
+    named = {p for p in check_paths(plan, store.root, top) if SCRIPT.search(p)}
+    take, left, harness = [], [], []
     for path, deleted in branch_changes(top, full, state_rel):
-        if inside(path) and not re.search(ARTEFACT, path):
+        if inside(path) and (re.search(HARNESS, path) or path in named):
+            harness.append(path)
+        elif inside(path) and not re.search(ARTEFACT, path):
             take.append((path, deleted))
         else:
             left.append(path)
-    return {"top": top, "base": full, "take": take, "left": left, "scope": scope,
-            "from": source, "root": os.path.relpath(os.path.realpath(store.root), top)}
+    return {"top": top, "base": full, "take": take, "left": left + harness, "harness": harness,
+            "scope": scope, "from": source,
+            "root": os.path.relpath(os.path.realpath(store.root), top)}
+
+
+# What in-scope code does to its judge, read from the lines the branch added: a tripwire for the
+# reviewer, not a proof (code inside the test process can hide what it does)
+TRIPWIRES = (
+    ("reaches into the test runner",
+     r"\b_pytest\b|pluginmanager|sessionfinish|\bSkipTest\b|\bdef pytest_\w+|hookimpl"
+     r"|\bpytest\.(exit|skip)\b|unittest\.(TestResult|TextTestRunner)|sys\.modules\["
+     r"|__eq__|\bbuiltins\."),
+    ("ends the process", r"\bos\._exit\b|\batexit\b|^(sys\.exit|exit|quit|raise SystemExit)\b"
+     r"|\bos\.kill\("),
+    ("looks for CI or its judge",
+     r"[\"'](CI|GITHUB_\w+|RUNNER_\w+|TMPDIR|PYTEST_\w+|FABLIZE\w*)[\"']|fablize|gettempdir"
+     r"|getppid|/proc/|\bpsutil\b"),
+)
+
+
+def tripwires(tree, limit=50):
+    """[{path, line, what, text}]: each line the branch added to a file the re-run takes that
+    reaches into the test run, ends the process at import, or looks for CI or the audit."""
+    kept = [path for path, deleted in tree["take"] if not deleted]
+    if not kept:
+        return []
+    code, out, _ = git(tree["top"], "diff", "-U0", "--no-color", "--no-ext-diff", "--no-renames",
+                       tree["base"], "HEAD", "--", *kept, what="--rerun", env=LITERAL)
+    found, path, number = [], None, 0
+    for raw in out.decode("utf-8", "replace").split("\n") if code == 0 else ():
+        if raw.startswith("+++ "):
+            path = raw[6:] if raw.startswith("+++ b/") else None
+        elif raw.startswith("@@"):
+            m = re.search(r"\+(\d+)", raw)
+            number = int(m.group(1)) if m else 0
+        elif raw.startswith("+") and path is not None:
+            line = raw[1:]
+            for what, rx in TRIPWIRES:
+                if re.search(rx, line):
+                    found.append({"path": path, "line": number, "what": what,
+                                  "text": line.strip()[:120]})
+                    break
+            number += 1
+            if len(found) >= limit:
+                break
+    return found
 
 
 def build_tree(tree, with_branch=True):
     """A folder outside the checkout (in $RUNNER_TEMP or the temporary folder) holding the base
     commit's files — tests, conftest.py, tool configuration, build files — and, `with_branch`,
-    the branch's files the scope lets in, their bytes and modes as HEAD holds them."""
+    the branch's files the scope lets in: every tracked file, its bytes and mode as the commit
+    holds it (never through `git archive`, whose export-ignore and export-subst rules would
+    drop or rewrite files). Removed again if it cannot be built whole."""
     folder = tempfile.mkdtemp(prefix="fablize-rerun-", dir=os.environ.get("RUNNER_TEMP") or None)
-    out = git_out(tree["top"], "archive", "--format=tar", tree["base"], what="--rerun")
-    with tarfile.open(fileobj=io.BytesIO(out)) as tar:
-        if hasattr(tarfile, "data_filter"):  # no member may land outside the folder
-            tar.extractall(folder, filter="data")
-        else:
-            tar.extractall(folder, members=[m for m in tar.getmembers()
-                                            if not (m.name.startswith("/") or ".." in m.name)])
-    if not with_branch or not tree["take"]:
-        return folder
-    kept = [path for path, deleted in tree["take"] if not deleted]
-    modes = {}
-    if kept:
-        listing = git_out(tree["top"], "ls-tree", "-z", "HEAD", "--", *kept, env=LITERAL)
+    try:
+        listing = git_out(tree["top"], "ls-tree", "-r", "-z", "--full-tree", tree["base"],
+                          what="--rerun")
+        entries = []
         for row in listing.split(b"\0"):
             if row:
                 meta, _, name = row.partition(b"\t")
-                modes[name.decode("utf-8", "surrogateescape")] = meta.split()[0]
-    blobs = git_out(tree["top"], "cat-file", "--batch",
-                           data="".join(f"HEAD:{p}\n" for p in kept).encode(
-                               "utf-8", "surrogateescape"))
+                mode, kind, _ = meta.split()
+                if kind == b"blob":  # a submodule's commit is no file of this tree
+                    entries.append((name.decode("utf-8", "surrogateescape"), mode))
+        write_blobs(tree["top"], folder, tree["base"], entries)
+        if with_branch and tree["take"]:
+            kept = [path for path, deleted in tree["take"] if not deleted]
+            modes = {}
+            if kept:
+                listing = git_out(tree["top"], "ls-tree", "-z", "HEAD", "--", *kept, env=LITERAL)
+                for row in listing.split(b"\0"):
+                    if row:
+                        meta, _, name = row.partition(b"\t")
+                        modes[name.decode("utf-8", "surrogateescape")] = meta.split()[0]
+            for path, deleted in tree["take"]:
+                if deleted:
+                    clear(folder, path)
+            write_blobs(tree["top"], folder, "HEAD",
+                        [(path, modes.get(path, b"100644")) for path in kept])
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return folder
+
+
+def clear(folder, path):
+    """Whatever stands at `path` in the scratch tree (a file, a link, a folder) taken away."""
+    target = os.path.join(folder, *path.split("/"))
+    if os.path.isdir(target) and not os.path.islink(target):
+        shutil.rmtree(target)
+    elif os.path.lexists(target):
+        os.unlink(target)
+
+
+def write_blobs(top, folder, commit, entries):
+    """Each (path, mode) of `commit` written into `folder`: a file with its bytes and its
+    executable bit, a symlink only where it stays inside the tree; whatever stood in the way (a
+    folder that became a file, a file that became a folder, a link) taken away first."""
+    if not entries:
+        return
+    blobs = git_out(top, "cat-file", "--batch", data="".join(
+        f"{commit}:{path}\n" for path, _ in entries).encode("utf-8", "surrogateescape"))
     pos = 0
-    for path, deleted in tree["take"]:
-        target = os.path.join(folder, *path.split("/"))
-        if deleted:
-            if os.path.lexists(target) and not os.path.isdir(target):
-                os.unlink(target)
-            continue
+    for path, mode in entries:
         end = blobs.index(b"\n", pos)
         header, pos = blobs[pos:end].split(), end + 1
-        size = int(header[2]) if len(header) == 3 else 0
+        if len(header) != 3:
+            continue  # `<name> missing`: no content follows, nothing to write
+        size = int(header[2])
         data, pos = blobs[pos:pos + size], pos + size + 1
+        parts = path.split("/")
+        for i in range(1, len(parts)):  # a parent that is a file or a link now: a folder again
+            parent = os.path.join(folder, *parts[:i])
+            if os.path.lexists(parent) and (os.path.islink(parent) or
+                                            not os.path.isdir(parent)):
+                os.unlink(parent)
+        target = os.path.join(folder, *parts)
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        if os.path.lexists(target):
-            os.unlink(target)
-        mode = modes.get(path, b"100644")
+        clear(folder, path)
         if mode == b"120000":  # a symlink: only one that stays inside the tree
             link = data.decode("utf-8", "surrogateescape")
             if not os.path.isabs(link) and not os.path.normpath(
@@ -627,46 +765,48 @@ def build_tree(tree, with_branch=True):
         with open(target, "wb") as f:
             f.write(data)
         os.chmod(target, 0o755 if mode == b"100755" else 0o644)
-    return folder
 
 
 def rerun(store, plan, trust, opts, timeout):
     """The frozen checks run again by CI, recording nothing: the re-witnessed grade. With a
-    scope and a base, each story's checks run in a fresh tree of their own (build_tree), the
-    final story's first, so no story's checks can write what another's read; else in the
-    checkout. With `fail_to_pass`, the final story's checks run on the base's tree alone too:
-    one that passes there proves nothing about the work (vacuous)."""
+    scope and a base, every check runs in a fresh tree of its own (build_tree), so no check can
+    write what another reads: first, alone, the checks CI requires (--require-check), then the
+    final story's others, then every other story's; else in the checkout. With `fail_to_pass`,
+    the final story's checks run on the base's tree alone too, each in its own: one that passes
+    there proves nothing about the work (vacuous)."""
     which = opts["rerun"] or "all"
     stories = plan["goals"][-1:] + (plan["goals"][:-1] if which == "all" else [])
     stories = [touch(story) for story in stories if story.get("checks")]
+    final = stories[0] if stories and is_final(plan, stories[0]) else None
+    required = [i for i, cmd in enumerate(final["checks"]) if cmd in opts["require_check"]
+                ] if final is not None else []
+    order = [(final, i) for i in required] + [
+        (story, i) for story in stories for i in range(len(story["checks"]))
+        if not (story is final and i in required)]
     tree = trust["tree"]
     results, logs = [], tempfile.mkdtemp(prefix="fablize-rerun-logs-")
 
-    def run_all(story, root, kind):
-        for i, cmd in enumerate(story["checks"]):
+    def run_one(story, i, kind):
+        cmd = story["checks"][i]
+        folder = None if tree is None else build_tree(tree, with_branch=kind == "tree")
+        try:
+            root = store.root if folder is None else os.path.join(folder, tree["root"])
             record = run_command(cmd, root, timeout, None,
-                                        os.path.join(logs, f"{kind}-{story['id']}-{i}.log"))
-            results.append({"id": story["id"], "check": i + 1, "cmd": cmd, "on": kind,
-                            "ok": run_passed(record), "result": run_result(record),
-                            "tail": record["tail"]})
+                                 os.path.join(logs, f"{kind}-{story['id']}-{i}.log"))
+        finally:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+        results.append({"id": story["id"], "check": i + 1, "cmd": cmd, "on": kind,
+                        "ok": run_passed(record), "result": run_result(record),
+                        "tail": record["tail"]})
 
     try:
-        for story in stories:
-            if tree is None:
-                run_all(story, store.root, "checkout")
-                continue
-            folder = build_tree(tree)
-            try:
-                run_all(story, os.path.join(folder, tree["root"]), "tree")
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
+        for story, i in order:
+            run_one(story, i, "checkout" if tree is None else "tree")
         if ((opts["fail_to_pass"] or opts["require_fail_to_pass"]) and tree is not None and
-                stories and is_final(plan, stories[0])):
-            folder = build_tree(tree, with_branch=False)
-            try:
-                run_all(stories[0], os.path.join(folder, tree["root"]), "base")
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
+                final is not None):
+            for i in range(len(final["checks"])):
+                run_one(final, i, "base")
     finally:
         shutil.rmtree(logs, ignore_errors=True)
     return results
@@ -738,10 +878,15 @@ def review(store, plan, scan, pin, base, opts):
                                  for x in scan.added]
                                 if trust["pin"] and not trust["new_plan"] else [])
     scope, source = scope_of(plan, base, opts["scope"])
+    if opts["scope"]:  # CI's own: judged as create judges the plan's
+        check_scope(scope, store.root, plan["goals"])
     trust["scope"] = {"patterns": scope, "from": source}
     trust["tree"] = (tree_plan(store, plan, base, opts) if opts["rerun"] or opts["fail_to_pass"]
-        or opts["require_fail_to_pass"] or opts["forbid_out_of_scope"] else None)
+        or opts["require_fail_to_pass"] or opts["forbid_out_of_scope"] or opts["forbid_tripwires"]
+        else None)
     trust["out_of_scope"] = trust["tree"]["left"] if trust["tree"] else []
+    trust["harness"] = trust["tree"]["harness"] if trust["tree"] else []
+    trust["tripwires"] = tripwires(trust["tree"]) if trust["tree"] else []
     trust["engine_inside_tree"] = engine_inside(store.root)
     ci = base is not None or os.environ.get("CI", "").lower() in ("1", "true", "yes")
     trust["warnings"] = ["the engine running this audit lies inside the tree it audits: a pull "
@@ -784,6 +929,15 @@ def lines(trust):
         out.append(f"  the branch changed {count_noun(len(trust['out_of_scope']), 'file')}"
                    " outside the scope, which the re-run did not take (review them): "
                    + ", ".join(map(one_line, trust["out_of_scope"][:MAX_LISTED])))
+    if trust["harness"]:
+        out.append("  of them inside the scope but the test harness, which always comes from the "
+                   "base (conftest.py, runner and build configuration, what a check runs): "
+                   + ", ".join(map(one_line, trust["harness"][:MAX_LISTED])))
+    if trust["tripwires"]:
+        out.append("  the branch's code inside the scope reaches into the test run or looks for "
+                   "its judge (review it: a tripwire, not a proof):")
+        out += [f"    {one_line(t['path'])}:{t['line']} {t['what']} — {one_line(t['text'])}"
+                for t in trust["tripwires"][:MAX_LISTED]]
     if trust["imported"]:
         out.append("  imported from the original goals.py: its first event is not the engine's own")
     for item in trust["accepted"]:
@@ -815,6 +969,8 @@ def gates(store, plan, trust, opts):
     if (opts["forbid_out_of_scope"] or opts["require_fail_to_pass"]) and opts["base"] is None:
         raise usage("--forbid-out-of-scope and --require-fail-to-pass compare with --base: give it "
                     "too.")
+    if opts["forbid_tripwires"] and opts["base"] is None:
+        raise usage("--forbid-tripwires reads what the branch added since --base: give it too.")
     found = []
     if trust["imported"] and trust["new_plan"] and not opts["allow_imported"]:
         found.append(failure("imported_plan", "the plan was imported from the original goals.py "
@@ -833,7 +989,8 @@ def gates(store, plan, trust, opts):
             "take those changes out of the branch, or have a human change the checks on the base"))
     if opts["forbid_out_of_scope"] and trust["out_of_scope"]:
         found.append(failure(
-            "out_of_scope", "the branch changed files outside the work's scope — "
+            "out_of_scope", "the branch changed files outside the work's scope"
+            + (" or the test harness" if trust["harness"] else "") + " — "
             + ", ".join(map(one_line, trust["out_of_scope"][:MAX_LISTED])),
             "take them out of the branch, or widen the scope on the base (`create --scope`)"))
     if trust["new_plan"] and not opts["allow_new_plan"]:
@@ -873,6 +1030,18 @@ def gates(store, plan, trust, opts):
                              f"not clean — line {run['line']}: " + "; ".join(run["why"]),
                              "run the checks again from the repository root, on a committed "
                              "tree, in one environment"))
+    final_id = plan["goals"][-1]["id"]
+    signed = opts["allowed_signers"] is not None and any(  # its signature: bad_signature's
+        x["id"] == final_id and x["signer"] for x in trust["accepted"])
+    if opts["forbid_tripwires"] and trust["tripwires"] and not signed:
+        first = trust["tripwires"][0]
+        found.append(failure(
+            "tripwire", "the branch's code inside the scope reaches into the test run or looks "
+            f"for its judge ({count_noun(len(trust['tripwires']), 'line')}) — "
+            f"{one_line(first['path'])}:{first['line']} {first['what']}",
+            "take it out of the work; or a human reviews it and accepts the final story with a "
+            "signed decision (`decide --decision accept --sign KEY --signer NAME`, with "
+            "--allowed-signers)"))
     if opts["forbid_accepted"] and trust["accepted"]:
         found.append(failure("accepted_forbidden", "accepted by a decision, not completed — "
                              + ", ".join(x["id"] for x in trust["accepted"]),
@@ -977,9 +1146,25 @@ def summary(verdict, failures, report_md, trust=None, results=(), story_grades=N
                                                    for p in tree["scope"]) + ").")
                       )
             md.append("")
+            for r in results:  # each check with its runner's own counts: the evidence
+                mark = ("✓" if r["ok"] != (r["on"] == "base") else "✗")
+                md.append(f"- {mark} {r['id']} check {r['check']}"
+                          f"{' (on the base alone)' if r['on'] == 'base' else ''} "
+                          f"`{md_cell(r['cmd'], 120)}` → {md_cell(r['result'], 200)}")
+            md.append("")
         if trust.get("out_of_scope"):
             md.append("Files the branch changed outside the scope (not taken for the re-run): "
                       + ", ".join(f"`{md_cell(p)}`" for p in trust["out_of_scope"][:50]))
+            if trust.get("tripwires"):
+                md.append("")
+                md.append("The branch's code inside the scope reaches into the test run or looks "
+                          "for its judge (a tripwire for the reviewer, not a proof):")
+                md += [f"- `{md_cell(t['path'])}:{t['line']}` {t['what']} — "
+                       f"`{md_cell(t['text'])}`" for t in trust["tripwires"][:50]]
+            if trust.get("harness"):
+                md.append("")
+                md.append("Of them inside the scope but the test harness, always the base's: "
+                          + ", ".join(f"`{md_cell(p)}`" for p in trust["harness"][:50]))
             md.append("")
     md.append(report_md)
     return "\n".join(md)
