@@ -125,7 +125,7 @@ class Project:
         git(ci, "checkout", "-q", "pr")
         return ci
 
-    def action(self, **settings):
+    def action(self, env_extra=None, **settings):
         """The action's recipe: scripts/fablize-ci.sh from the action's own checkout."""
         ci = self.ci_clone() if not (self.top / "ci").exists() else self.top / "ci"
         action = self.top / "action"
@@ -137,6 +137,7 @@ class Project:
         env = dict(git_env(self.home), FABLIZE_BASE="origin/main", GITHUB_ACTION_PATH=str(action),
                    RUNNER_TEMP=str(self.scratch))
         env.update({f"FABLIZE_{k.upper()}": v for k, v in settings.items()})
+        env.update(env_extra or {})
         p = subprocess.run(["bash", str(action / "scripts" / "fablize-ci.sh")], cwd=str(ci),
                            capture_output=True, text=True, env=env)
         return p
@@ -594,3 +595,56 @@ def test_attack_code_that_detects_the_rerun_by_its_path_fails_as_a_tripwire(proj
     strictest = project.strictest("--forbid-tripwires")
     assert strictest.returncode == 1 and "src/calc.py:2" in strictest.stderr, strictest
     assert project.strictest().returncode == 0  # the re-run alone is fooled: hence the tripwire
+
+
+
+# Nothing from the branch runs before the verdict ##########################################
+
+
+def test_attack_ci_tmpdir_inside_the_checkout_finds_the_branchs_root_configuration(tmp_path):
+    """A self-hosted runner's TMPDIR inside the checkout: from a scratch tree there, pytest's
+    upward search would find the branch's root pytest.ini and conftest.py (not taken, but
+    there). The re-run moves its trees out, and says so."""
+    project = Project(tmp_path)
+
+    def cheat(tree):
+        (tree / "pytest.ini").write_text("[pytest]\n")
+        (tree / "conftest.py").write_text(DESELECT_THE_BUG)
+    project.agent(cheat)
+    ci = project.ci_clone()
+    (ci / ".tmp").mkdir()
+    env = {"RUNNER_TEMP": "", "TMPDIR": str(ci / ".tmp")}
+    action = project.action(env_extra=env)
+    assert action.returncode == 1 and "re-run failed" in action.stderr, action
+    assert f"the temporary folder {ci / '.tmp'} lies inside the checkout" in action.stderr
+    assert list((ci / ".tmp").iterdir()) == []
+
+
+def readme_install_step():
+    """The step of README's CI recipe that installs the test tools, as README shows it."""
+    text = (ROOT / "README.md").read_text()
+    return next(line.split("run:", 1)[1].split("#")[0].strip() for line in text.split("\n")
+                if "run:" in line and "pip install" in line)
+
+
+def test_attack_a_committed_pip_package_does_not_run_in_readmes_install_step(project):
+    """`python3 -m pip` in the checkout would import the branch's pip/ first: README's step
+    keeps the checkout off sys.path (python3 -I), so nothing of the branch runs before the
+    verdict."""
+    def cheat(tree):
+        (tree / "pip").mkdir()
+        (tree / "pip" / "__init__.py").write_text("")
+        (tree / "pip" / "__main__.py").write_text(
+            "open('POISONED', 'w').write('the branch ran')\n")
+    project.agent(fix=True, after=cheat)
+    ci = project.ci_clone()
+    step = readme_install_step()
+    assert step.startswith("python3 -I -m pip install"), step
+    p = subprocess.run(step, shell=True, cwd=str(ci), capture_output=True, text=True,
+                       env=dict(git_env(project.home), PIP_NO_INDEX="1",
+                                PIP_DISABLE_PIP_VERSION_CHECK="1"))
+    assert p.returncode == 0, p  # pytest is installed here already: pip says so
+    assert not (ci / "POISONED").exists()
+    assert subprocess.run(step.replace("-I ", ""), shell=True, cwd=str(ci), capture_output=True,
+                          env=git_env(project.home)).returncode == 0
+    assert (ci / "POISONED").exists()  # the same step without -I runs the branch's code

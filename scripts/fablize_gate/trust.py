@@ -635,9 +635,26 @@ def tree_plan(store, plan, base, opts):
             take.append((path, deleted))
         else:
             left.append(path)
+    scratch, moved = scratch_folder(top)
     return {"top": top, "base": full, "take": take, "left": left + harness, "harness": harness,
-            "scope": scope, "from": source,
+            "scope": scope, "from": source, "scratch": scratch, "scratch_moved": moved,
             "root": os.path.relpath(os.path.realpath(store.root), top)}
+
+
+def scratch_folder(top):
+    """(where the re-run's trees go, the temporary folder it refused or None): $RUNNER_TEMP or
+    the temporary folder, never inside the checkout — there, a runner's upward search for its
+    configuration (pytest.ini, conftest.py) would find the branch's; a self-hosted runner's
+    TMPDIR inside the checkout is moved out, to the checkout's parent, and said so."""
+    wanted = os.environ.get("RUNNER_TEMP") or tempfile.gettempdir()
+    if not within(os.path.realpath(wanted), os.path.realpath(top)):
+        return wanted, None
+    for other in ("/tmp", os.path.dirname(os.path.realpath(top))):
+        if os.path.isdir(other) and not within(os.path.realpath(other), os.path.realpath(top)):
+            return other, wanted
+    raise refused(f"the temporary folder {wanted} lies inside the checkout, and no folder outside "
+                  "it is at hand for the re-run's trees: set TMPDIR (or RUNNER_TEMP) outside it.",
+                  "scratch_inside")
 
 
 # What in-scope code does to its judge, read from the lines the branch added: a tripwire for the
@@ -689,7 +706,7 @@ def build_tree(tree, with_branch=True):
     the branch's files the scope lets in: every tracked file, its bytes and mode as the commit
     holds it (never through `git archive`, whose export-ignore and export-subst rules would
     drop or rewrite files). Removed again if it cannot be built whole."""
-    folder = tempfile.mkdtemp(prefix="fablize-rerun-", dir=os.environ.get("RUNNER_TEMP") or None)
+    folder = tempfile.mkdtemp(prefix="fablize-rerun-", dir=tree["scratch"])
     try:
         listing = git_out(tree["top"], "ls-tree", "-r", "-z", "--full-tree", tree["base"],
                           what="--rerun")
@@ -783,7 +800,9 @@ def rerun(store, plan, trust, opts, timeout):
         (story, i) for story in stories for i in range(len(story["checks"]))
         if not (story is final and i in required)]
     tree = trust["tree"]
-    results, logs = [], tempfile.mkdtemp(prefix="fablize-rerun-logs-")
+    results = []
+    logs = tempfile.mkdtemp(prefix="fablize-rerun-logs-",
+                            dir=tree["scratch"] if tree is not None else None)
 
     def run_one(story, i, kind):
         cmd = story["checks"][i]
@@ -891,6 +910,11 @@ def review(store, plan, scan, pin, base, opts):
     trust["warnings"] = ["the engine running this audit lies inside the tree it audits: a pull "
                          "request can change it — run a copy kept outside the tree, with "
                          "python3 -I."] if trust["engine_inside_tree"] and ci else []
+    if trust["tree"] and trust["tree"]["scratch_moved"]:
+        trust["warnings"].append(
+            f"the temporary folder {trust['tree']['scratch_moved']} lies inside the checkout, "
+            "where a test runner's upward search would find the branch's configuration: the "
+            f"re-run's trees go to {trust['tree']['scratch']} instead.")
     return trust
 
 
