@@ -648,3 +648,68 @@ def test_attack_a_committed_pip_package_does_not_run_in_readmes_install_step(pro
     assert subprocess.run(step.replace("-I ", ""), shell=True, cwd=str(ci), capture_output=True,
                           env=git_env(project.home)).returncode == 0
     assert (ci / "POISONED").exists()  # the same step without -I runs the branch's code
+
+
+# The policy comes from the base ###########################################################
+
+POLICY = {".fablize/policy.json": '{"scope": ["src/"], "forbid_out_of_scope": true, '
+                                  '"fail_to_pass": true}\n',
+          ".github/workflows/fablize.yml": "on: [pull_request]\n# uses: owner/fablize@sha\n"}
+
+
+def test_the_policy_on_the_base_wins_over_a_workflow_the_pull_request_loosened(tmp_path):
+    """The pull request's copy of the workflow is what GitHub runs: here it gives a scope of its
+    own and drops forbid-out-of-scope. The policy committed on the base still decides."""
+    project = Project(tmp_path, files=POLICY)
+    project.agent(fix=True, after=lambda t: (t / "tests" / "test_calc.py").write_text(
+        TEST.replace("add(2, 3), 5", "add(2, 3), 5 or 1")))
+    action = project.action(scope="src/calc.py\ndocs/\n", forbid_out_of_scope="false")
+    assert action.returncode == 1, action
+    assert "out_of_scope" in action.stdout and "tests/test_calc.py" in action.stderr, action
+    assert "scope (the policy on origin/main): src/" in action.stdout, action
+    assert "policy: .fablize/policy.json as the base holds it" in action.stdout
+
+
+def test_honest_work_passes_under_the_bases_policy(tmp_path):
+    project = Project(tmp_path, files=POLICY)
+    project.agent(fix=True)
+    action = project.action(scope="")
+    assert action.returncode == 0, action
+    assert "✓ fails, as it should" in action.stdout  # the policy's fail-to-pass ran
+
+
+@pytest.mark.parametrize("path, text", [
+    (".fablize/policy.json", '{"scope": ["src/"]}\n'),
+    (".github/workflows/fablize.yml", "on: [pull_request]\n# uses: owner/fablize@sha, scope: *\n"),
+], ids=["policy", "workflow"])
+def test_a_pull_request_that_changes_the_policy_or_its_workflow_fails_naming_it(tmp_path, path,
+                                                                                 text):
+    project = Project(tmp_path, files=POLICY)
+    project.agent(fix=True, after=lambda t: (t / path).write_text(text))
+    action = project.action()
+    assert action.returncode == 1, action
+    assert f"the branch changes the audit's own policy — {path}" in action.stderr, action
+    strictest = project.strictest()
+    assert strictest.returncode == 1 and "policy_changed" in strictest.stdout, strictest
+
+
+def ci_page_policy_block():
+    """docs/ci.md's block that writes the policy on main, as it shows it."""
+    text = (ROOT / "docs" / "ci.md").read_text()
+    part = text.split("## The policy, from the base", 1)[1].split("\n## ", 1)[0]
+    return part.split("```sh\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_policy_block_of_the_ci_page_runs_as_shown_and_the_audit_reads_it(tmp_path):
+    project = Project(tmp_path)
+    human = tmp_path / "human"
+    git(tmp_path, "clone", "-q", str(project.origin), str(human))
+    p = subprocess.run(["bash", "-c", ci_page_policy_block()], cwd=str(human),
+                       capture_output=True, text=True, env=git_env(project.home))
+    assert p.returncode == 0, p
+    git(human, "push", "-q", "origin", "main")
+    project.agent(fix=True)
+    action = project.action()
+    # the page's policy names cli.py (README's quick start): this tree has none, so the scope
+    # matches no file the branch changed and the fix is not taken: red, by the base's policy
+    assert action.returncode == 1 and "scope (the policy on origin/main): cli.py" in action.stdout

@@ -613,6 +613,9 @@ def audit_and_judge(ctx, a):
     from . import trust  # a plain audit reports trust too
     shared = {"plan": a.plan} if a.remote else None
     pin, base = trust.pin_of(store, a.base, a.since, shared) if trust else (None, None)
+    policy = trust.base_policy(store, a.base) if a.base else None
+    if policy:  # CI's policy, as the base holds it: the workflow's inputs cannot loosen it
+        opts = trust.apply_policy(opts, policy)
     scan = trust.Scan(store.root, pin) if trust else None
     if a.remote:  # a shared plan as the remote holds it: no local state needed
         # the plan CI names, else the one the base's pin names, else the remote's only plan

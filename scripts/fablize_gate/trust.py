@@ -304,6 +304,78 @@ def pin_of(store, base, since, shared=None):
     return base_pin(store, base, shared)
 
 
+# CI's policy, committed on the base branch (issue 34): what the workflow's inputs say, read from
+# where the pull request cannot write it. A pull request that edits its workflow cannot loosen
+# it; one that changes it, or the workflow that runs the audit, fails the audit.
+POLICY = "policy.json"
+POLICY_KEYS = {"scope": list, "required_checks": list, "fail_to_pass": bool,
+               "forbid_out_of_scope": bool, "forbid_tripwires": bool, "allowed_signers": str}
+
+
+def policy_path(store):
+    top = repo_root(store.root) or store.root
+    return os.path.relpath(os.path.realpath(store.path(POLICY)), top).replace(os.sep, "/")
+
+
+def base_policy(store, ref):
+    """The policy committed on `ref` ({…, path, ref}), or None when it holds none; a policy that
+    is not one is damage (exit 3): CI must not run on a policy it cannot read."""
+    path = policy_path(store)
+    raw = git_show(store.root, ref, path, "--base")
+    if raw is None:
+        return None
+    try:
+        policy = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        policy = None
+    bad = not isinstance(policy, dict) or any(
+        key not in POLICY_KEYS or type(value) is not POLICY_KEYS[key] or (
+            type(value) is list and not all(isinstance(x, str) for x in value))
+        for key, value in policy.items())
+    if bad:
+        raise damaged(f"{path} on {one_line(ref)} is not a policy: a JSON object of "
+                      + ", ".join(POLICY_KEYS) + ".", "bad_policy")
+    return dict(policy, path=path, ref=ref)
+
+
+def apply_policy(opts, policy):
+    """audit's options tightened by the base's policy: its scope wins over the one CI gives, its
+    required checks are added, and its gates are on whatever the workflow says."""
+    opts = dict(opts, policy=policy)
+    if policy.get("scope"):
+        opts.update(scope=policy["scope"], require_scope=True,
+                    scope_from=f"the policy on {policy['ref']}")
+    opts["require_check"] = list(dict.fromkeys(opts["require_check"]
+                                               + policy.get("required_checks", [])))
+    for flag, key in (("require_fail_to_pass", "fail_to_pass"),
+                      ("forbid_out_of_scope", "forbid_out_of_scope"),
+                      ("forbid_tripwires", "forbid_tripwires")):
+        opts[flag] = opts[flag] or policy.get(key, False)
+    if policy.get("allowed_signers") and opts["allowed_signers"] is None:
+        opts["allowed_signers"] = policy["allowed_signers"]
+    return opts
+
+
+def policy_changes(store, ref):
+    """The files of the audit's own policy the branch changed since `ref`: the policy file, and
+    the workflow that runs the audit (GitHub's GITHUB_WORKFLOW_REF names it; else every workflow
+    under .github/workflows/ that names fablize, on either side)."""
+    top, full = branch_ref(store.root, ref, "--base")
+    code, out, _ = git(top, "diff", "--name-only", "-z", full, "HEAD", "--",
+                       policy_path(store), ".github/workflows", what="--base", env=LITERAL)
+    names = ([x.decode("utf-8", "surrogateescape") for x in out.split(b"\0") if x]
+             if code == 0 else [])
+    ours = os.environ.get("GITHUB_WORKFLOW_REF", "").split("@")[0]
+    changed = []
+    for name in names:
+        if name == policy_path(store) or (ours and ours.endswith("/" + name)):
+            changed.append(name)
+        elif not ours and any(b"fablize" in (git_show(store.root, side, name, "--base") or b"")
+                              for side in (ref, "HEAD")):
+            changed.append(name)
+    return changed
+
+
 def allowed_signers_file(store, signers, base):
     """Path of the allowed-signers file to verify with: read from `base`'s ref when given, so a
     pull request cannot add its own key. Returns (path, temporary directory or None)."""
@@ -585,12 +657,13 @@ def check_scope(patterns, root, stories, option="--scope"):
             raise usage(f"{option} {one_line(pattern)!r} {why}: {NARROWER}.", "broad_scope")
 
 
-def scope_of(plan, base, given):
-    """(patterns, where they come from) of the work's scope, or ([], None): the scope CI gives
-    (--scope) wins; with --base, the scope of the plan as the base branch holds it (so a scope
-    the branch declared after the pin does not count); else the plan's own."""
+def scope_of(plan, base, given, given_from="CI"):
+    """(patterns, where they come from) of the work's scope, or ([], None): the scope of the
+    policy on the base, else the one CI gives (--scope), wins; with --base, the scope of the plan
+    as the base branch holds it (so a scope the branch declared after the pin does not count);
+    else the plan's own."""
     if given:
-        return [scope_pattern(p) for p in given], "CI"
+        return [scope_pattern(p) for p in given], given_from
     if base is not None:
         scope = [p for p in base.get("scope") or () if isinstance(p, str)]
         return scope, (f"the plan on {base['ref']}" if scope else None)
@@ -619,7 +692,7 @@ def tree_plan(store, plan, base, opts):
     """How the re-run builds its tree: None to run in the checkout (no scope, or no --base);
     else {top, base commit, the branch's files it takes, those it leaves (outside the scope, or
     artefacts), the state directory's and the root's place}."""
-    scope, source = scope_of(plan, base, opts["scope"])
+    scope, source = scope_of(plan, base, opts["scope"], opts.get("scope_from", "CI"))
     if base is None or not scope:
         return None
     top, full = branch_ref(store.root, base["ref"], "--base")
@@ -895,7 +968,7 @@ def review(store, plan, scan, pin, base, opts):
     trust["added_after_pin"] = ([{"id": x["id"], "title": x["title"], "checks": x.get("checks", [])}
                                  for x in scan.added]
                                 if trust["pin"] and not trust["new_plan"] else [])
-    scope, source = scope_of(plan, base, opts["scope"])
+    scope, source = scope_of(plan, base, opts["scope"], opts.get("scope_from", "CI"))
     if opts["scope"]:  # CI's own: judged as create judges the plan's
         check_scope(scope, store.root, plan["goals"])
     trust["scope"] = {"patterns": scope, "from": source}
@@ -906,6 +979,9 @@ def review(store, plan, scan, pin, base, opts):
     trust["harness"] = trust["tree"]["harness"] if trust["tree"] else []
     trust["tripwires"] = tripwires(trust["tree"]) if trust["tree"] else []
     trust["engine_inside_tree"] = engine_inside(store.root)
+    policy = opts.get("policy")
+    trust["policy"] = policy and {k: v for k, v in policy.items() if k != "ref"}
+    trust["policy_changed"] = policy_changes(store, base["ref"]) if base is not None else []
     ci = base is not None or os.environ.get("CI", "").lower() in ("1", "true", "yes")
     trust["warnings"] = ["the engine running this audit lies inside the tree it audits: a pull "
                          "request can change it — run a copy kept outside the tree, with "
@@ -944,6 +1020,8 @@ def lines(trust):
                 out.append(f"    {item['id']} check {i}: {one_line(cmd)}")
         if not trust["frozen_checks"]:
             out.append("    (none: every completion in it is claimed)")
+    if trust["policy"]:
+        out.append(f"  policy: {one_line(trust['policy']['path'])} as the base holds it")
     scope = trust["scope"]
     if scope["patterns"]:
         out.append(f"  scope ({one_line(scope['from'])}): "
@@ -995,6 +1073,12 @@ def gates(store, plan, trust, opts):
     if opts["forbid_tripwires"] and opts["base"] is None:
         raise usage("--forbid-tripwires reads what the branch added since --base: give it too.")
     found = []
+    if trust["policy_changed"]:
+        found.append(failure(
+            "policy_changed", "the branch changes the audit's own policy — "
+            + ", ".join(map(one_line, trust["policy_changed"][:MAX_LISTED])),
+            "take those changes out of the pull request: a human changes the policy and the "
+            "workflow on the base branch (protect .github/ and the policy with CODEOWNERS)"))
     if trust["imported"] and trust["new_plan"] and not opts["allow_imported"]:
         found.append(failure("imported_plan", "the plan was imported from the original goals.py "
                              "format — nothing shows it was made by the engine",
