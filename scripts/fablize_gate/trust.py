@@ -732,16 +732,16 @@ def scratch_folder(top):
 
 # What in-scope code does to its judge, read from the lines the branch added: a tripwire for the
 # reviewer, not a proof (code inside the test process can hide what it does)
+# (what honest code writes too — tempfile.gettempdir(), an __eq__, sys.modules[__name__] — is left
+# out: a tripwire that fires on honest work teaches reviewers to ignore it)
 TRIPWIRES = (
     ("reaches into the test runner",
      r"\b_pytest\b|pluginmanager|sessionfinish|\bSkipTest\b|\bdef pytest_\w+|hookimpl"
-     r"|\bpytest\.(exit|skip)\b|unittest\.(TestResult|TextTestRunner)|sys\.modules\["
-     r"|__eq__|\bbuiltins\."),
-    ("ends the process", r"\bos\._exit\b|\batexit\b|^(sys\.exit|exit|quit|raise SystemExit)\b"
-     r"|\bos\.kill\("),
+     r"|\bpytest\.(exit|skip)\b|unittest\.(TestResult|TextTestRunner)"
+     r"|sys\.modules\[[\"'](_?pytest|unittest)"),
+    ("ends the process", r"\bos\._exit\b|\batexit\b|^(sys\.exit|exit|quit|raise SystemExit)\b"),
     ("looks for CI or its judge",
-     r"[\"'](CI|GITHUB_\w+|RUNNER_\w+|TMPDIR|PYTEST_\w+|FABLIZE\w*)[\"']|fablize|gettempdir"
-     r"|getppid|/proc/|\bpsutil\b"),
+     r"[\"'](CI|GITHUB_\w+|RUNNER_\w+|PYTEST_\w+|FABLIZE\w*)[\"']|fablize|getppid"),
 )
 
 
