@@ -12,6 +12,7 @@ request must pass both.
 """
 
 import atexit
+import json
 import py_compile
 import shlex
 import shutil
@@ -713,3 +714,22 @@ def test_the_policy_block_of_the_ci_page_runs_as_shown_and_the_audit_reads_it(tm
     # the page's policy names cli.py (README's quick start): this tree has none, so the scope
     # matches no file the branch changed and the fix is not taken: red, by the base's policy
     assert action.returncode == 1 and "scope (the policy on origin/main): cli.py" in action.stdout
+
+
+def test_the_judge_packet_and_the_report_list_the_tripwires_since_the_base(project):
+    tree = project.agent(fix=True, after=lambda t: (t / "src" / "calc.py").write_text(
+        DETECTS_THE_RERUN))
+    (tree / "src" / "late.py").write_text("import os\nos._exit(0)\n")  # not even committed
+    packet = engine(tree, project.home, "judge-packet", "--id", "G002", "--base", "origin/main")
+    assert packet.returncode == 0, packet
+    assert "src/calc.py:2 looks for CI or its judge — if 'fablize' in __file__:" in packet.stdout
+    assert "src/late.py:2 ends the process — os._exit(0)" in packet.stdout, packet
+    report = engine(tree, project.home, "report", "--base", "origin/main", "--out", "r.md")
+    assert report.returncode == 0, report
+    text = (tree / "r.md").read_text()
+    assert "## Tripwires" in text and "- `src/calc.py:2` looks for CI or its judge" in text, text
+    (tree / "src" / "late.py").unlink()
+    (tree / "src" / "calc.py").write_text(FIXED)
+    packet = engine(tree, project.home, "--json", "judge-packet", "--id", "G002", "--base",
+                    "origin/main")
+    assert json.loads(packet.stdout)["tripwires"] == [], packet

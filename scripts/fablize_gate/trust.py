@@ -745,14 +745,24 @@ TRIPWIRES = (
 )
 
 
-def tripwires(tree, limit=50):
+def wire_of(line):
+    """The kind of tripwire a line of code is, or None."""
+    for what, rx in TRIPWIRES:
+        if re.search(rx, line):
+            return what
+    return None
+
+
+def tripwires(tree, limit=50, head="HEAD"):
     """[{path, line, what, text}]: each line the branch added to a file the re-run takes that
-    reaches into the test run, ends the process at import, or looks for CI or the audit."""
+    reaches into the test run, ends the process at import, or looks for CI or the audit;
+    `head` None reads the working tree instead of HEAD (a judge's, an agent's report)."""
     kept = [path for path, deleted in tree["take"] if not deleted]
     if not kept:
         return []
     code, out, _ = git(tree["top"], "diff", "-U0", "--no-color", "--no-ext-diff", "--no-renames",
-                       tree["base"], "HEAD", "--", *kept, what="--rerun", env=LITERAL)
+                       tree["base"], *([head] if head else []), "--", *kept, what="--rerun",
+                       env=LITERAL)
     found, path, number = [], None, 0
     for raw in out.decode("utf-8", "replace").split("\n") if code == 0 else ():
         if raw.startswith("+++ "):
@@ -761,16 +771,72 @@ def tripwires(tree, limit=50):
             m = re.search(r"\+(\d+)", raw)
             number = int(m.group(1)) if m else 0
         elif raw.startswith("+") and path is not None:
-            line = raw[1:]
-            for what, rx in TRIPWIRES:
-                if re.search(rx, line):
-                    found.append({"path": path, "line": number, "what": what,
-                                  "text": line.strip()[:120]})
-                    break
+            what = wire_of(raw[1:])
+            if what:
+                found.append({"path": path, "line": number, "what": what,
+                              "text": raw[1:].strip()[:120]})
             number += 1
             if len(found) >= limit:
                 break
     return found
+
+
+def tripwires_since(store, plan, ref, limit=50):
+    """The tripwires of the work in this working tree since `ref` (committed or not, new files
+    too), inside the plan's scope (every file without one), the state directory, artefacts and
+    the harness left out: what `judge-packet --base` and `report --base` show."""
+    top, full = branch_ref(store.root, ref, "--base")
+    state_rel = os.path.relpath(os.path.realpath(store.dir), top).replace(os.sep, "/")
+    scope = [p for p in plan.get("scope") or () if isinstance(p, str)]
+    inside = scope_matcher(scope) if scope else (lambda path: True)
+
+    def kept(path):
+        return (inside(path) and path != state_rel and not path.startswith(state_rel + "/")
+                and not re.search(ARTEFACT, path) and not re.search(HARNESS, path))
+
+    code, out, _ = git(top, "diff", "--name-only", "-z", "--no-renames", full, what="--base",
+                       env=LITERAL)
+    tracked = ([x.decode("utf-8", "surrogateescape") for x in out.split(b"\0") if x]
+               if code == 0 else [])
+    found = tripwires({"top": top, "base": full, "take": [
+        (path, not os.path.lexists(os.path.join(top, path))) for path in tracked if kept(path)]},
+        limit, head=None)
+    code, out, _ = git(top, "ls-files", "-z", "--others", "--exclude-standard", what="--base")
+    for path in sorted(x.decode("utf-8", "surrogateescape") for x in out.split(b"\0") if x):
+        if not kept(path) or len(found) >= limit:
+            continue
+        try:
+            with open(os.path.join(top, path), "rb") as f:
+                text = f.read(1 << 20).decode("utf-8", "replace")
+        except OSError:
+            continue
+        for number, line in enumerate(text.split("\n"), 1):
+            what = wire_of(line)
+            if what:
+                found.append({"path": path, "line": number, "what": what,
+                              "text": line.strip()[:120]})
+    return found[:limit]
+
+
+def tripwire_md(wires, base):
+    """The report's section on the tripwires since `base`."""
+    if not wires:
+        return (f"\n## Tripwires\n\nNone since `{md_cell(base)}`: no line of the work reaches "
+                "into the test run or looks for its judge.\n")
+    return ("\n## Tripwires\n\nThe work's code reaches into the test run or looks for its judge "
+            "(a tripwire for the reviewer, not a proof):\n\n"
+            + "".join(f"- `{md_cell(t['path'])}:{t['line']}` {t['what']} — "
+                      f"`{md_cell(t['text'])}`\n" for t in wires))
+
+
+def tripwire_lines(wires):
+    """What judge-packet and report say of the tripwires, a line each."""
+    if not wires:
+        return []
+    return (["The work's code reaches into the test run or looks for its judge (a tripwire for "
+             "the reviewer, not a proof):"]
+            + [f"  {one_line(t['path'])}:{t['line']} {t['what']} — {one_line(t['text'])}"
+               for t in wires[:MAX_LISTED]])
 
 
 def build_tree(tree, with_branch=True):
