@@ -12,6 +12,7 @@ request must pass both.
 """
 
 import atexit
+import json
 import py_compile
 import shlex
 import shutil
@@ -125,7 +126,7 @@ class Project:
         git(ci, "checkout", "-q", "pr")
         return ci
 
-    def action(self, **settings):
+    def action(self, env_extra=None, **settings):
         """The action's recipe: scripts/fablize-ci.sh from the action's own checkout."""
         ci = self.ci_clone() if not (self.top / "ci").exists() else self.top / "ci"
         action = self.top / "action"
@@ -137,6 +138,7 @@ class Project:
         env = dict(git_env(self.home), FABLIZE_BASE="origin/main", GITHUB_ACTION_PATH=str(action),
                    RUNNER_TEMP=str(self.scratch))
         env.update({f"FABLIZE_{k.upper()}": v for k, v in settings.items()})
+        env.update(env_extra or {})
         p = subprocess.run(["bash", str(action / "scripts" / "fablize-ci.sh")], cwd=str(ci),
                            capture_output=True, text=True, env=env)
         return p
@@ -594,3 +596,140 @@ def test_attack_code_that_detects_the_rerun_by_its_path_fails_as_a_tripwire(proj
     strictest = project.strictest("--forbid-tripwires")
     assert strictest.returncode == 1 and "src/calc.py:2" in strictest.stderr, strictest
     assert project.strictest().returncode == 0  # the re-run alone is fooled: hence the tripwire
+
+
+
+# Nothing from the branch runs before the verdict ##########################################
+
+
+def test_attack_ci_tmpdir_inside_the_checkout_finds_the_branchs_root_configuration(tmp_path):
+    """A self-hosted runner's TMPDIR inside the checkout: from a scratch tree there, pytest's
+    upward search would find the branch's root pytest.ini and conftest.py (not taken, but
+    there). The re-run moves its trees out, and says so."""
+    project = Project(tmp_path)
+
+    def cheat(tree):
+        (tree / "pytest.ini").write_text("[pytest]\n")
+        (tree / "conftest.py").write_text(DESELECT_THE_BUG)
+    project.agent(cheat)
+    ci = project.ci_clone()
+    (ci / ".tmp").mkdir()
+    env = {"RUNNER_TEMP": "", "TMPDIR": str(ci / ".tmp")}
+    action = project.action(env_extra=env)
+    assert action.returncode == 1 and "re-run failed" in action.stderr, action
+    assert f"the temporary folder {ci / '.tmp'} lies inside the checkout" in action.stderr
+    assert list((ci / ".tmp").iterdir()) == []
+
+
+def readme_install_step():
+    """The step of README's CI recipe that installs the test tools, as README shows it."""
+    text = (ROOT / "README.md").read_text()
+    return next(line.split("run:", 1)[1].split("#")[0].strip() for line in text.split("\n")
+                if "run:" in line and "pip install" in line)
+
+
+def test_attack_a_committed_pip_package_does_not_run_in_readmes_install_step(project):
+    """`python3 -m pip` in the checkout would import the branch's pip/ first: README's step
+    keeps the checkout off sys.path (python3 -I), so nothing of the branch runs before the
+    verdict."""
+    def cheat(tree):
+        (tree / "pip").mkdir()
+        (tree / "pip" / "__init__.py").write_text("")
+        (tree / "pip" / "__main__.py").write_text(
+            "open('POISONED', 'w').write('the branch ran')\n")
+    project.agent(fix=True, after=cheat)
+    ci = project.ci_clone()
+    step = readme_install_step()
+    assert step.startswith("python3 -I -m pip install"), step
+    p = subprocess.run(step, shell=True, cwd=str(ci), capture_output=True, text=True,
+                       env=dict(git_env(project.home), PIP_NO_INDEX="1",
+                                PIP_DISABLE_PIP_VERSION_CHECK="1"))
+    assert p.returncode == 0, p  # pytest is installed here already: pip says so
+    assert not (ci / "POISONED").exists()
+    assert subprocess.run(step.replace("-I ", ""), shell=True, cwd=str(ci), capture_output=True,
+                          env=git_env(project.home)).returncode == 0
+    assert (ci / "POISONED").exists()  # the same step without -I runs the branch's code
+
+
+# The policy comes from the base ###########################################################
+
+POLICY = {".fablize/policy.json": '{"scope": ["src/"], "forbid_out_of_scope": true, '
+                                  '"fail_to_pass": true}\n',
+          ".github/workflows/fablize.yml": "on: [pull_request]\n# uses: owner/fablize@sha\n"}
+
+
+def test_the_policy_on_the_base_wins_over_a_workflow_the_pull_request_loosened(tmp_path):
+    """The pull request's copy of the workflow is what GitHub runs: here it gives a scope of its
+    own and drops forbid-out-of-scope. The policy committed on the base still decides."""
+    project = Project(tmp_path, files=POLICY)
+    project.agent(fix=True, after=lambda t: (t / "tests" / "test_calc.py").write_text(
+        TEST.replace("add(2, 3), 5", "add(2, 3), 5 or 1")))
+    action = project.action(scope="src/calc.py\ndocs/\n", forbid_out_of_scope="false")
+    assert action.returncode == 1, action
+    assert "out_of_scope" in action.stdout and "tests/test_calc.py" in action.stderr, action
+    assert "scope (the policy on origin/main): src/" in action.stdout, action
+    assert "policy: .fablize/policy.json as the base holds it" in action.stdout
+
+
+def test_honest_work_passes_under_the_bases_policy(tmp_path):
+    project = Project(tmp_path, files=POLICY)
+    project.agent(fix=True)
+    action = project.action(scope="")
+    assert action.returncode == 0, action
+    assert "✓ fails, as it should" in action.stdout  # the policy's fail-to-pass ran
+
+
+@pytest.mark.parametrize("path, text", [
+    (".fablize/policy.json", '{"scope": ["src/"]}\n'),
+    (".github/workflows/fablize.yml", "on: [pull_request]\n# uses: owner/fablize@sha, scope: *\n"),
+], ids=["policy", "workflow"])
+def test_a_pull_request_that_changes_the_policy_or_its_workflow_fails_naming_it(tmp_path, path,
+                                                                                 text):
+    project = Project(tmp_path, files=POLICY)
+    project.agent(fix=True, after=lambda t: (t / path).write_text(text))
+    action = project.action()
+    assert action.returncode == 1, action
+    assert f"the branch changes the audit's own policy — {path}" in action.stderr, action
+    strictest = project.strictest()
+    assert strictest.returncode == 1 and "policy_changed" in strictest.stdout, strictest
+
+
+def ci_page_policy_block():
+    """docs/ci.md's block that writes the policy on main, as it shows it."""
+    text = (ROOT / "docs" / "ci.md").read_text()
+    part = text.split("## The policy, from the base", 1)[1].split("\n## ", 1)[0]
+    return part.split("```sh\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_policy_block_of_the_ci_page_runs_as_shown_and_the_audit_reads_it(tmp_path):
+    project = Project(tmp_path)
+    human = tmp_path / "human"
+    git(tmp_path, "clone", "-q", str(project.origin), str(human))
+    p = subprocess.run(["bash", "-c", ci_page_policy_block()], cwd=str(human),
+                       capture_output=True, text=True, env=git_env(project.home))
+    assert p.returncode == 0, p
+    git(human, "push", "-q", "origin", "main")
+    project.agent(fix=True)
+    action = project.action()
+    # the page's policy names cli.py (README's quick start): this tree has none, so the scope
+    # matches no file the branch changed and the fix is not taken: red, by the base's policy
+    assert action.returncode == 1 and "scope (the policy on origin/main): cli.py" in action.stdout
+
+
+def test_the_judge_packet_and_the_report_list_the_tripwires_since_the_base(project):
+    tree = project.agent(fix=True, after=lambda t: (t / "src" / "calc.py").write_text(
+        DETECTS_THE_RERUN))
+    (tree / "src" / "late.py").write_text("import os\nos._exit(0)\n")  # not even committed
+    packet = engine(tree, project.home, "judge-packet", "--id", "G002", "--base", "origin/main")
+    assert packet.returncode == 0, packet
+    assert "src/calc.py:2 looks for CI or its judge — if 'fablize' in __file__:" in packet.stdout
+    assert "src/late.py:2 ends the process — os._exit(0)" in packet.stdout, packet
+    report = engine(tree, project.home, "report", "--base", "origin/main", "--out", "r.md")
+    assert report.returncode == 0, report
+    text = (tree / "r.md").read_text()
+    assert "## Tripwires" in text and "- `src/calc.py:2` looks for CI or its judge" in text, text
+    (tree / "src" / "late.py").unlink()
+    (tree / "src" / "calc.py").write_text(FIXED)
+    packet = engine(tree, project.home, "--json", "judge-packet", "--id", "G002", "--base",
+                    "origin/main")
+    assert json.loads(packet.stdout)["tripwires"] == [], packet

@@ -405,12 +405,20 @@ def add_report(command):
                         "stdout)")
     c.add_argument("--outside", action="store_true",
                    help="--out may name a file outside the project (never through a symlink)")
+    add_tripwire_base(c)
 
 
 def add_judge_packet(command):
     c = command("judge-packet", cmd_judge_packet, "what a judge needs to judge a story",
             "the objective, the checklist and this round's evidence and runs")
     c.add_argument("--id", required=True, type=id_arg, help="the story, e.g. G001")
+    add_tripwire_base(c)
+
+
+def add_tripwire_base(c):
+    c.add_argument("--base", metavar="REF",
+                   help="list the work's lines since this git ref (e.g. origin/main) that reach "
+                        "into the test run or look for CI or the audit (tripwires)")
 
 
 def add_verdict(command):

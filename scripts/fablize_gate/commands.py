@@ -653,6 +653,9 @@ def audit_and_judge(ctx, a):
     opts = {name: getattr(a, name) for name in TRUST_OPTIONS}
     shared = {"plan": a.plan} if a.remote else None
     pin, base = trust.pin_of(ctx.store, a.base, a.since, shared)
+    policy = trust.base_policy(ctx.store, a.base) if a.base else None
+    if policy:  # CI's policy, as the base holds it: the workflow's inputs cannot loosen it
+        opts = trust.apply_policy(opts, policy)
     scan = trust.Scan(ctx.store.root, pin)
     report = audited(ctx, a, scan, base)
     plan, recent = report.pop("plan"), report.pop("recent_runs")
@@ -996,6 +999,11 @@ def cmd_report(ctx, a):
         replay = replay_all(s.ledger, s.good_end(None), lambda replay, line, ev: runs.append(ev),
                             kinds={"verify_run"})
     text = render_report(plan, list(runs), replay.counts["verify_run"])
+    wires = None
+    if a.base:  # what the work's code does to its judge, since the base
+        from . import trust
+        wires = trust.tripwires_since(ctx.store, plan, a.base)
+        text += trust.tripwire_md(wires, a.base)
     target = a.out or os.environ.get("GITHUB_STEP_SUMMARY")
     if target and within(os.path.abspath(target), ctx.store.dir):
         raise usage(f"report --out {one_line(target)}: that is inside the state directory, whose "
@@ -1015,6 +1023,8 @@ def cmd_report(ctx, a):
     else:
         ctx.say(text)
     ctx.data.update(markdown=text, path=target)
+    if wires is not None:
+        ctx.data["tripwires"] = wires
 
 
 def cmd_judge_packet(ctx, a):
@@ -1057,6 +1067,13 @@ def cmd_judge_packet(ctx, a):
         for r in story["runs"]:
             lines.append(f"  event {r['seq']}: {defuse(run_summary(r))} — output tail:")
             lines.append(indent(defuse(last_chars(r["tail"])), "      "))
+    wires = None
+    if a.base:  # what the work's code does to its judge, since the base
+        from . import trust
+        wires = trust.tripwires_since(ctx.store, plan, a.base)
+        lines += trust.tripwire_lines(wires) or [
+            f"Tripwires since {one_line(a.base)}: none (no line of the work reaches into the test "
+            "run or looks for its judge)."]
     sid = story["id"]
     instructions = [
         "Go to the artifact (files, the running program, its output) and check every item.",
@@ -1087,6 +1104,8 @@ def cmd_judge_packet(ctx, a):
                     objective=story["objective"], amendments=story["amendments"],
                     checklist=items, evidence=story["evidence"], runs=story["runs"],
                     instructions=instructions, verdicts=verdicts)
+    if wires is not None:
+        ctx.data["tripwires"] = wires
 
 
 def cmd_verdict(ctx, a):

@@ -8,8 +8,8 @@ import stat
 import time
 
 from .base import (
-    _sha256, blank, clean, damaged, FablizeError, fix_argv_text, limit_text, now_iso, one_line,
-    READ_CHUNK, refused, RUNS, sha256_hex, TAIL_CHARS, usage)
+    _sha256, blank, clean, damaged, FablizeError, fix_argv_text, Lazy, limit_text, now_iso,
+    one_line, READ_CHUNK, refused, RUNS, sha256_hex, TAIL_CHARS, usage)
 from .masking import looks_secret, mask, mask_places, Masker
 from .model import run_passed, run_result
 from .storage import ensure_subdir, fsync_dir, open_state_file, write_all
@@ -660,7 +660,8 @@ def commit_runs(session, records):
 # can be read reliably are recognised; any other command is judged by its exit code only.
 RUNNER_WRAPPERS = frozenset("env nohup time nice timeout xvfb-run npx yarn pnpm bunx bun uv "
                             "poetry pdm hatch run exec command".split())
-_PYTHON = re.compile(r"(python[\d.]*|pypy[\d.]*|py|coverage)\Z")
+_PYTHON = r"(python[\d.]*|pypy[\d.]*|py|coverage)\Z"
+_RX = Lazy(re.compile)  # compiled on first use: most commands never read a runner's summary
 _DIRECT = {"pytest": "pytest", "py.test": "pytest", "jest": "jest", "vitest": "vitest"}
 
 
@@ -692,7 +693,7 @@ def test_runners(cmd):
             continue
         name, args = os.path.basename(rest[0]), rest[1:]
         runner = _DIRECT.get(name)
-        if _PYTHON.match(name) and "-m" in args[:-1]:
+        if _RX[_PYTHON].match(name) and "-m" in args[:-1]:
             runner = {"pytest": "pytest", "unittest": "unittest"}.get(args[args.index("-m") + 1])
         elif name == "go" and [a for a in args if not a.startswith("-")][:1] == ["test"]:
             runner = "go"
@@ -707,17 +708,17 @@ def test_runners(cmd):
     return found
 
 
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-_PYTEST_LINE = re.compile(r"=* ?((?:\d+ \w+(?:, )?)+|no tests ran) in \d+(?:\.\d+)?s"
-                          r"(?: \(\d+:\d\d:\d\d\))? ?=*\Z")
-_UNITTEST_RAN = re.compile(r"Ran (\d+) tests? in ")
-_UNITTEST_END = re.compile(r"(OK|FAILED|NO TESTS RAN)(?: \((.*)\))?\Z")
-_GO_LINE = re.compile(r"(ok|FAIL)\s+\S+\s+(.*)\Z")
-_CARGO_LINE = re.compile(r"test result: \w+\. (\d+) passed; (\d+) failed; (\d+) ignored;")
-_NODE_LINE = re.compile(r"[#\u2139] (tests|pass|fail|cancelled|skipped|todo) (\d+)\Z")
-_JEST_LINE = re.compile(r"(Tests|Test Suites):\s+(.*\d+ total)\Z")
-_VITEST_LINE = re.compile(r"(Tests|Test Files)\s+(.*)\(\d+\)\Z")
-_COUNT = re.compile(r"(\d+) ([a-z]+(?: [a-z]+)?)")
+_ANSI = r"\x1b\[[0-9;?]*[A-Za-z]"
+_PYTEST_LINE = (r"=* ?((?:\d+ \w+(?:, )?)+|no tests ran) in \d+(?:\.\d+)?s"
+                r"(?: \(\d+:\d\d:\d\d\))? ?=*\Z")
+_UNITTEST_RAN = r"Ran (\d+) tests? in "
+_UNITTEST_END = r"(OK|FAILED|NO TESTS RAN)(?: \((.*)\))?\Z"
+_GO_LINE = r"(ok|FAIL)\s+\S+\s+(.*)\Z"
+_CARGO_LINE = r"test result: \w+\. (\d+) passed; (\d+) failed; (\d+) ignored;"
+_NODE_LINE = r"[#\u2139] (tests|pass|fail|cancelled|skipped|todo) (\d+)\Z"
+_JEST_LINE = r"(Tests|Test Suites):\s+(.*\d+ total)\Z"
+_VITEST_LINE = r"(Tests|Test Files)\s+(.*)\(\d+\)\Z"
+_COUNT = r"(\d+) ([a-z]+(?: [a-z]+)?)"
 
 
 def runner_counts(runner, lines):
@@ -734,20 +735,20 @@ def runner_counts(runner, lines):
     for line in lines:
         line = line.strip()
         if runner == "pytest":
-            m = _PYTEST_LINE.match(line)
+            m = _RX[_PYTEST_LINE].match(line)
             if m:
                 seen = True
-                items = {w: int(n) for n, w in _COUNT.findall(m.group(1))}
+                items = {w: int(n) for n, w in _RX[_COUNT].findall(m.group(1))}
                 add(passed=items.get("passed", 0) + items.get("xpassed", 0),
                     failed=items.get("failed", 0),
                     errors=items.get("error", 0) + items.get("errors", 0),
                     skipped=items.get("skipped", 0) + items.get("xfailed", 0))
         elif runner == "unittest":
-            m = _UNITTEST_RAN.match(line)
+            m = _RX[_UNITTEST_RAN].match(line)
             if m:
                 ran = int(m.group(1))
                 continue
-            m = _UNITTEST_END.match(line) if ran is not None else None
+            m = _RX[_UNITTEST_END].match(line) if ran is not None else None
             if m:
                 seen = True
                 items = {w.strip(): int(n)
@@ -759,7 +760,7 @@ def runner_counts(runner, lines):
                     errors=errors, skipped=skipped)
                 ran = None
         elif runner == "go":
-            m = _GO_LINE.match(line)
+            m = _RX[_GO_LINE].match(line)
             if m and (m.group(1) == "FAIL" or "no tests to run" not in m.group(2)):
                 seen = True
                 if m.group(1) == "ok":
@@ -769,21 +770,21 @@ def runner_counts(runner, lines):
                 else:
                     add(failed=1)
         elif runner == "cargo":
-            m = _CARGO_LINE.match(line)
+            m = _RX[_CARGO_LINE].match(line)
             if m:
                 seen = True
                 add(passed=int(m.group(1)), failed=int(m.group(2)), skipped=int(m.group(3)))
         elif runner == "node":
-            m = _NODE_LINE.match(line)
+            m = _RX[_NODE_LINE].match(line)
             if m:
                 seen = seen or m.group(1) == "tests"
                 n = int(m.group(2))
                 add(**{"pass": {"passed": n}, "fail": {"failed": n}, "cancelled": {"errors": n},
                        "skipped": {"skipped": n}, "todo": {"skipped": n}}.get(m.group(1), {}))
         elif runner in ("jest", "vitest"):
-            m = (_JEST_LINE if runner == "jest" else _VITEST_LINE).match(line)
+            m = _RX[_JEST_LINE if runner == "jest" else _VITEST_LINE].match(line)
             if m:
-                items = {w: int(n) for n, w in _COUNT.findall(m.group(2))}
+                items = {w: int(n) for n, w in _RX[_COUNT].findall(m.group(2))}
                 if m.group(1) == "Tests":
                     seen = True
                     add(passed=items.get("passed", 0), failed=items.get("failed", 0),
@@ -809,7 +810,7 @@ def runner_report(cmd, log_path):
         try:
             with open(log_path, "rb") as f:
                 for raw in f:
-                    yield _ANSI.sub("", raw.decode("utf-8", "replace"))
+                    yield _RX[_ANSI].sub("", raw.decode("utf-8", "replace"))
         except OSError:
             return
 

@@ -305,6 +305,78 @@ def pin_of(store, base, since, shared=None):
     return base_pin(store, base, shared)
 
 
+# CI's policy, committed on the base branch (issue 34): what the workflow's inputs say, read from
+# where the pull request cannot write it. A pull request that edits its workflow cannot loosen
+# it; one that changes it, or the workflow that runs the audit, fails the audit.
+POLICY = "policy.json"
+POLICY_KEYS = {"scope": list, "required_checks": list, "fail_to_pass": bool,
+               "forbid_out_of_scope": bool, "forbid_tripwires": bool, "allowed_signers": str}
+
+
+def policy_path(store):
+    top = repo_root(store.root) or store.root
+    return os.path.relpath(os.path.realpath(store.path(POLICY)), top).replace(os.sep, "/")
+
+
+def base_policy(store, ref):
+    """The policy committed on `ref` ({…, path, ref}), or None when it holds none; a policy that
+    is not one is damage (exit 3): CI must not run on a policy it cannot read."""
+    path = policy_path(store)
+    raw = git_show(store.root, ref, path, "--base")
+    if raw is None:
+        return None
+    try:
+        policy = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        policy = None
+    bad = not isinstance(policy, dict) or any(
+        key not in POLICY_KEYS or type(value) is not POLICY_KEYS[key] or (
+            type(value) is list and not all(isinstance(x, str) for x in value))
+        for key, value in policy.items())
+    if bad:
+        raise damaged(f"{path} on {one_line(ref)} is not a policy: a JSON object of "
+                      + ", ".join(POLICY_KEYS) + ".", "bad_policy")
+    return dict(policy, path=path, ref=ref)
+
+
+def apply_policy(opts, policy):
+    """audit's options tightened by the base's policy: its scope wins over the one CI gives, its
+    required checks are added, and its gates are on whatever the workflow says."""
+    opts = dict(opts, policy=policy)
+    if policy.get("scope"):
+        opts.update(scope=policy["scope"], require_scope=True,
+                    scope_from=f"the policy on {policy['ref']}")
+    opts["require_check"] = list(dict.fromkeys(opts["require_check"]
+                                               + policy.get("required_checks", [])))
+    for flag, key in (("require_fail_to_pass", "fail_to_pass"),
+                      ("forbid_out_of_scope", "forbid_out_of_scope"),
+                      ("forbid_tripwires", "forbid_tripwires")):
+        opts[flag] = opts[flag] or policy.get(key, False)
+    if policy.get("allowed_signers") and opts["allowed_signers"] is None:
+        opts["allowed_signers"] = policy["allowed_signers"]
+    return opts
+
+
+def policy_changes(store, ref):
+    """The files of the audit's own policy the branch changed since `ref`: the policy file, and
+    the workflow that runs the audit (GitHub's GITHUB_WORKFLOW_REF names it; else every workflow
+    under .github/workflows/ that names fablize, on either side)."""
+    top, full = branch_ref(store.root, ref, "--base")
+    code, out, _ = git(top, "diff", "--name-only", "-z", full, "HEAD", "--",
+                       policy_path(store), ".github/workflows", what="--base", env=LITERAL)
+    names = ([x.decode("utf-8", "surrogateescape") for x in out.split(b"\0") if x]
+             if code == 0 else [])
+    ours = os.environ.get("GITHUB_WORKFLOW_REF", "").split("@")[0]
+    changed = []
+    for name in names:
+        if name == policy_path(store) or (ours and ours.endswith("/" + name)):
+            changed.append(name)
+        elif not ours and any(b"fablize" in (git_show(store.root, side, name, "--base") or b"")
+                              for side in (ref, "HEAD")):
+            changed.append(name)
+    return changed
+
+
 def allowed_signers_file(store, signers, base):
     """Path of the allowed-signers file to verify with: read from `base`'s ref when given, so a
     pull request cannot add its own key. Returns (path, temporary directory or None)."""
@@ -586,12 +658,13 @@ def check_scope(patterns, root, stories, option="--scope"):
             raise usage(f"{option} {one_line(pattern)!r} {why}: {NARROWER}.", "broad_scope")
 
 
-def scope_of(plan, base, given):
-    """(patterns, where they come from) of the work's scope, or ([], None): the scope CI gives
-    (--scope) wins; with --base, the scope of the plan as the base branch holds it (so a scope
-    the branch declared after the pin does not count); else the plan's own."""
+def scope_of(plan, base, given, given_from="CI"):
+    """(patterns, where they come from) of the work's scope, or ([], None): the scope of the
+    policy on the base, else the one CI gives (--scope), wins; with --base, the scope of the plan
+    as the base branch holds it (so a scope the branch declared after the pin does not count);
+    else the plan's own."""
     if given:
-        return [scope_pattern(p) for p in given], "CI"
+        return [scope_pattern(p) for p in given], given_from
     if base is not None:
         scope = [p for p in base.get("scope") or () if isinstance(p, str)]
         return scope, (f"the plan on {base['ref']}" if scope else None)
@@ -620,7 +693,7 @@ def tree_plan(store, plan, base, opts):
     """How the re-run builds its tree: None to run in the checkout (no scope, or no --base);
     else {top, base commit, the branch's files it takes, those it leaves (outside the scope, or
     artefacts), the state directory's and the root's place}."""
-    scope, source = scope_of(plan, base, opts["scope"])
+    scope, source = scope_of(plan, base, opts["scope"], opts.get("scope_from", "CI"))
     if base is None or not scope:
         return None
     top, full = branch_ref(store.root, base["ref"], "--base")
@@ -636,34 +709,61 @@ def tree_plan(store, plan, base, opts):
             take.append((path, deleted))
         else:
             left.append(path)
+    scratch, moved = scratch_folder(top)
     return {"top": top, "base": full, "take": take, "left": left + harness, "harness": harness,
-            "scope": scope, "from": source,
+            "scope": scope, "from": source, "scratch": scratch, "scratch_moved": moved,
             "root": os.path.relpath(os.path.realpath(store.root), top)}
+
+
+def scratch_folder(top):
+    """(where the re-run's trees go, the temporary folder it refused or None): $RUNNER_TEMP or
+    the temporary folder, never inside the checkout — there, a runner's upward search for its
+    configuration (pytest.ini, conftest.py) would find the branch's; a self-hosted runner's
+    TMPDIR inside the checkout is moved out, to the checkout's parent, and said so."""
+    wanted = os.environ.get("RUNNER_TEMP") or tempfile.gettempdir()
+    if not within(os.path.realpath(wanted), os.path.realpath(top)):
+        return wanted, None
+    for other in ("/tmp", os.path.dirname(os.path.realpath(top))):
+        if os.path.isdir(other) and not within(os.path.realpath(other), os.path.realpath(top)):
+            return other, wanted
+    raise refused(f"the temporary folder {wanted} lies inside the checkout, and no folder outside "
+                  "it is at hand for the re-run's trees: set TMPDIR (or RUNNER_TEMP) outside it.",
+                  "scratch_inside")
 
 
 # What in-scope code does to its judge, read from the lines the branch added: a tripwire for the
 # reviewer, not a proof (code inside the test process can hide what it does)
+# (what honest code writes too — tempfile.gettempdir(), an __eq__, sys.modules[__name__] — is left
+# out: a tripwire that fires on honest work teaches reviewers to ignore it)
 TRIPWIRES = (
     ("reaches into the test runner",
      r"\b_pytest\b|pluginmanager|sessionfinish|\bSkipTest\b|\bdef pytest_\w+|hookimpl"
-     r"|\bpytest\.(exit|skip)\b|unittest\.(TestResult|TextTestRunner)|sys\.modules\["
-     r"|__eq__|\bbuiltins\."),
-    ("ends the process", r"\bos\._exit\b|\batexit\b|^(sys\.exit|exit|quit|raise SystemExit)\b"
-     r"|\bos\.kill\("),
+     r"|\bpytest\.(exit|skip)\b|unittest\.(TestResult|TextTestRunner)"
+     r"|sys\.modules\[[\"'](_?pytest|unittest)"),
+    ("ends the process", r"\bos\._exit\b|\batexit\b|^(sys\.exit|exit|quit|raise SystemExit)\b"),
     ("looks for CI or its judge",
-     r"[\"'](CI|GITHUB_\w+|RUNNER_\w+|TMPDIR|PYTEST_\w+|FABLIZE\w*)[\"']|fablize|gettempdir"
-     r"|getppid|/proc/|\bpsutil\b"),
+     r"[\"'](CI|GITHUB_\w+|RUNNER_\w+|PYTEST_\w+|FABLIZE\w*)[\"']|fablize|getppid"),
 )
 
 
-def tripwires(tree, limit=50):
+def wire_of(line):
+    """The kind of tripwire a line of code is, or None."""
+    for what, rx in TRIPWIRES:
+        if re.search(rx, line):
+            return what
+    return None
+
+
+def tripwires(tree, limit=50, head="HEAD"):
     """[{path, line, what, text}]: each line the branch added to a file the re-run takes that
-    reaches into the test run, ends the process at import, or looks for CI or the audit."""
+    reaches into the test run, ends the process at import, or looks for CI or the audit;
+    `head` None reads the working tree instead of HEAD (a judge's, an agent's report)."""
     kept = [path for path, deleted in tree["take"] if not deleted]
     if not kept:
         return []
     code, out, _ = git(tree["top"], "diff", "-U0", "--no-color", "--no-ext-diff", "--no-renames",
-                       tree["base"], "HEAD", "--", *kept, what="--rerun", env=LITERAL)
+                       tree["base"], *([head] if head else []), "--", *kept, what="--rerun",
+                       env=LITERAL)
     found, path, number = [], None, 0
     for raw in out.decode("utf-8", "replace").split("\n") if code == 0 else ():
         if raw.startswith("+++ "):
@@ -672,16 +772,72 @@ def tripwires(tree, limit=50):
             m = re.search(r"\+(\d+)", raw)
             number = int(m.group(1)) if m else 0
         elif raw.startswith("+") and path is not None:
-            line = raw[1:]
-            for what, rx in TRIPWIRES:
-                if re.search(rx, line):
-                    found.append({"path": path, "line": number, "what": what,
-                                  "text": line.strip()[:120]})
-                    break
+            what = wire_of(raw[1:])
+            if what:
+                found.append({"path": path, "line": number, "what": what,
+                              "text": raw[1:].strip()[:120]})
             number += 1
             if len(found) >= limit:
                 break
     return found
+
+
+def tripwires_since(store, plan, ref, limit=50):
+    """The tripwires of the work in this working tree since `ref` (committed or not, new files
+    too), inside the plan's scope (every file without one), the state directory, artefacts and
+    the harness left out: what `judge-packet --base` and `report --base` show."""
+    top, full = branch_ref(store.root, ref, "--base")
+    state_rel = os.path.relpath(os.path.realpath(store.dir), top).replace(os.sep, "/")
+    scope = [p for p in plan.get("scope") or () if isinstance(p, str)]
+    inside = scope_matcher(scope) if scope else (lambda path: True)
+
+    def kept(path):
+        return (inside(path) and path != state_rel and not path.startswith(state_rel + "/")
+                and not re.search(ARTEFACT, path) and not re.search(HARNESS, path))
+
+    code, out, _ = git(top, "diff", "--name-only", "-z", "--no-renames", full, what="--base",
+                       env=LITERAL)
+    tracked = ([x.decode("utf-8", "surrogateescape") for x in out.split(b"\0") if x]
+               if code == 0 else [])
+    found = tripwires({"top": top, "base": full, "take": [
+        (path, not os.path.lexists(os.path.join(top, path))) for path in tracked if kept(path)]},
+        limit, head=None)
+    code, out, _ = git(top, "ls-files", "-z", "--others", "--exclude-standard", what="--base")
+    for path in sorted(x.decode("utf-8", "surrogateescape") for x in out.split(b"\0") if x):
+        if not kept(path) or len(found) >= limit:
+            continue
+        try:
+            with open(os.path.join(top, path), "rb") as f:
+                text = f.read(1 << 20).decode("utf-8", "replace")
+        except OSError:
+            continue
+        for number, line in enumerate(text.split("\n"), 1):
+            what = wire_of(line)
+            if what:
+                found.append({"path": path, "line": number, "what": what,
+                              "text": line.strip()[:120]})
+    return found[:limit]
+
+
+def tripwire_md(wires, base):
+    """The report's section on the tripwires since `base`."""
+    if not wires:
+        return (f"\n## Tripwires\n\nNone since `{md_cell(base)}`: no line of the work reaches "
+                "into the test run or looks for its judge.\n")
+    return ("\n## Tripwires\n\nThe work's code reaches into the test run or looks for its judge "
+            "(a tripwire for the reviewer, not a proof):\n\n"
+            + "".join(f"- `{md_cell(t['path'])}:{t['line']}` {t['what']} — "
+                      f"`{md_cell(t['text'])}`\n" for t in wires))
+
+
+def tripwire_lines(wires):
+    """What judge-packet and report say of the tripwires, a line each."""
+    if not wires:
+        return []
+    return (["The work's code reaches into the test run or looks for its judge (a tripwire for "
+             "the reviewer, not a proof):"]
+            + [f"  {one_line(t['path'])}:{t['line']} {t['what']} — {one_line(t['text'])}"
+               for t in wires[:MAX_LISTED]])
 
 
 def build_tree(tree, with_branch=True):
@@ -690,7 +846,7 @@ def build_tree(tree, with_branch=True):
     the branch's files the scope lets in: every tracked file, its bytes and mode as the commit
     holds it (never through `git archive`, whose export-ignore and export-subst rules would
     drop or rewrite files). Removed again if it cannot be built whole."""
-    folder = tempfile.mkdtemp(prefix="fablize-rerun-", dir=os.environ.get("RUNNER_TEMP") or None)
+    folder = tempfile.mkdtemp(prefix="fablize-rerun-", dir=tree["scratch"])
     try:
         listing = git_out(tree["top"], "ls-tree", "-r", "-z", "--full-tree", tree["base"],
                           what="--rerun")
@@ -784,7 +940,9 @@ def rerun(store, plan, trust, opts, timeout):
         (story, i) for story in stories for i in range(len(story["checks"]))
         if not (story is final and i in required)]
     tree = trust["tree"]
-    results, logs = [], tempfile.mkdtemp(prefix="fablize-rerun-logs-")
+    results = []
+    logs = tempfile.mkdtemp(prefix="fablize-rerun-logs-",
+                            dir=tree["scratch"] if tree is not None else None)
 
     def run_one(story, i, kind):
         cmd = story["checks"][i]
@@ -877,7 +1035,7 @@ def review(store, plan, scan, pin, base, opts):
     trust["added_after_pin"] = ([{"id": x["id"], "title": x["title"], "checks": x.get("checks", [])}
                                  for x in scan.added]
                                 if trust["pin"] and not trust["new_plan"] else [])
-    scope, source = scope_of(plan, base, opts["scope"])
+    scope, source = scope_of(plan, base, opts["scope"], opts.get("scope_from", "CI"))
     if opts["scope"]:  # CI's own: judged as create judges the plan's
         check_scope(scope, store.root, plan["goals"])
     trust["scope"] = {"patterns": scope, "from": source}
@@ -888,10 +1046,18 @@ def review(store, plan, scan, pin, base, opts):
     trust["harness"] = trust["tree"]["harness"] if trust["tree"] else []
     trust["tripwires"] = tripwires(trust["tree"]) if trust["tree"] else []
     trust["engine_inside_tree"] = engine_inside(store.root)
+    policy = opts.get("policy")
+    trust["policy"] = policy and {k: v for k, v in policy.items() if k != "ref"}
+    trust["policy_changed"] = policy_changes(store, base["ref"]) if base is not None else []
     ci = base is not None or os.environ.get("CI", "").lower() in ("1", "true", "yes")
     trust["warnings"] = ["the engine running this audit lies inside the tree it audits: a pull "
                          "request can change it — run a copy kept outside the tree, with "
                          "python3 -I."] if trust["engine_inside_tree"] and ci else []
+    if trust["tree"] and trust["tree"]["scratch_moved"]:
+        trust["warnings"].append(
+            f"the temporary folder {trust['tree']['scratch_moved']} lies inside the checkout, "
+            "where a test runner's upward search would find the branch's configuration: the "
+            f"re-run's trees go to {trust['tree']['scratch']} instead.")
     return trust
 
 
@@ -921,6 +1087,8 @@ def lines(trust):
                 out.append(f"    {item['id']} check {i}: {one_line(cmd)}")
         if not trust["frozen_checks"]:
             out.append("    (none: every completion in it is claimed)")
+    if trust["policy"]:
+        out.append(f"  policy: {one_line(trust['policy']['path'])} as the base holds it")
     scope = trust["scope"]
     if scope["patterns"]:
         out.append(f"  scope ({one_line(scope['from'])}): "
@@ -972,6 +1140,12 @@ def gates(store, plan, trust, opts):
     if opts["forbid_tripwires"] and opts["base"] is None:
         raise usage("--forbid-tripwires reads what the branch added since --base: give it too.")
     found = []
+    if trust["policy_changed"]:
+        found.append(failure(
+            "policy_changed", "the branch changes the audit's own policy — "
+            + ", ".join(map(one_line, trust["policy_changed"][:MAX_LISTED])),
+            "take those changes out of the pull request: a human changes the policy and the "
+            "workflow on the base branch (protect .github/ and the policy with CODEOWNERS)"))
     if trust["imported"] and trust["new_plan"] and not opts["allow_imported"]:
         found.append(failure("imported_plan", "the plan was imported from the original goals.py "
                              "format — nothing shows it was made by the engine",
