@@ -12,7 +12,7 @@ from .base import (
     EXIT_SIGNAL_BASE, EXIT_USAGE, FablizeError, fix_argv_text, HOOK_AGENTS, id_arg, json_text,
     one_line, PIN, quote_arg, regex, SCHEMA_VERSION, SHARE, STATE_DIRNAME, usage, VERDICTS)
 from .storage import find_state_dir, project_state_dir, snapshot_damage, Store
-from .runs import merge_driver_missing, MERGE_QUIET, plan_text
+from .runs import end_orphaned_runs, merge_driver_missing, MERGE_QUIET, plan_text
 from .render import invocation
 from .commands import (
     cmd_add, cmd_audit, cmd_checkpoint, cmd_create, cmd_decide, cmd_guard, cmd_judge_packet,
@@ -155,6 +155,7 @@ class Context:
             if not discovered:
                 path = project_state_dir(path, self.out)
             self.store = Store(path, discovered, self.out.warnings)
+            self._store.on_lock.append(end_orphaned_runs)
         return self._store
 
     @store.setter

@@ -139,13 +139,24 @@ def render_feedback(story):
     return lines
 
 
-def render_round_failures(story, prefix):
+def render_round_failures(story, prefix, prog="goals.py"):
+    """This round's runs that did not pass: those a signal interrupted (nothing to fix: run it
+    again), then those that failed (fix what they show)."""
     failed = round_failures(story)
+    stopped = [r for r in failed if r.get("interrupted")]
+    failed = [r for r in failed if not r.get("interrupted")]
+    lines = []
+    for run in stopped:
+        label = f"frozen check {run['check'] + 1}" if run["check"] is not None else "run"
+        again = f"{prog} verify --id {story['id']}" + (
+            f" --verify-cmd {quote_arg(run['cmd'])}" if run["check"] is None else "")
+        lines.append(f"⚠ {prefix}{label} `{defuse(one_line(run['cmd']))}` was interrupted "
+                     f"({describe_exit(run)}, event {run['seq']}) — nothing to fix: run it "
+                     f"again: {again}")
     if not failed:
-        return []
-    lines = [f"⚠ {prefix}{count_noun(len(failed), 'run')} already failed in this round — fix what "
-             "they "
-             "show before the complete checkpoint:"]
+        return lines
+    lines.append(f"⚠ {prefix}{count_noun(len(failed), 'run')} already failed in this round — "
+                 "fix what they show before the complete checkpoint:")
     for run in failed:
         label = f"frozen check {run['check'] + 1}" if run["check"] is not None else "run"
         lines.append(f"  {label} `{defuse(one_line(run['cmd']))}` ({describe_exit(run)}, event "
@@ -184,7 +195,7 @@ def render_handoff(prog, plan, story, reshown, brief=False):
                      f"{REOPENED_BECAUSE.get(fb.get('source'), REOPENED_BECAUSE['checkpoint'])}; "
                      "what was missing is below. Continue the work; do not restart it.")
     if reshown:
-        lines += render_round_failures(story, "Resumed: ")
+        lines += render_round_failures(story, "Resumed: ", prog)
     if reshown or story["round"] > 1:
         lines.append("  Files from the earlier attempt exist only if that work was kept (committed "
                      "or "
@@ -245,7 +256,7 @@ def render_resume(prog, plan, story):
         lines.append(f"What was missing last round (round {fb['round']}):")
         lines.append(indent(defuse(last_chars(fb["text"], 300))) if not blank(fb["text"])
                      else "    (no reason was recorded)")
-    lines += render_round_failures(story, "")
+    lines += render_round_failures(story, "", prog)
     lines.append("Full handoff (plan map, dependencies' evidence, checks): "
                  + handoff_command(prog, story))
     lines.append(f"  or, for every story in progress: {prog} status --resume")

@@ -406,7 +406,124 @@ class StopSignals:
         return False
 
 
-def run_command(cmd, cwd, timeout, stream, log_path):
+# A run in flight: runs/.inflight/<pid of its group>.json while it runs, so that a run whose
+# engine died (kill -9) is found — its group ended by the next command that takes the lock, and
+# said by `status` meanwhile. `runs/.*` is never committed; a folder of its own keeps the look
+# one listdir of a few names, however many logs runs/ holds.
+INFLIGHT = ".inflight"
+
+
+def note_inflight(runs_dir, pgid, cmd, story, check, log_path):
+    try:
+        from .storage import write_atomic
+        path = os.path.join(ensure_subdir(os.path.join(runs_dir, INFLIGHT)), f"{pgid}.json")
+        note = {"engine": os.getpid(), "pgid": pgid, "id": story, "check": check,
+                "cmd": mask(cmd, command=True), "started": now_iso(),
+                "log": os.path.basename(log_path)}
+        write_atomic(path, json_bytes(note))
+    except (OSError, FablizeError):  # a full disk, a planted link: the run goes on unnoted
+        return None
+    return path
+
+
+def json_bytes(obj):
+    import json
+    return json.dumps(obj, ensure_ascii=False).encode("utf-8")
+
+
+def inflight_runs(store):
+    """[(record, its engine alive)] of each run noted in flight, oldest first."""
+    import json
+    folder = os.path.join(store.path(RUNS), INFLIGHT)
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".json"))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        try:
+            with open(os.path.join(folder, name), "rb") as f:
+                rec = json.loads(f.read(1 << 16))
+            engine, pgid = int(rec["engine"]), int(rec["pgid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a half-written note: its engine is writing it now, or it is no note
+        rec.update(engine=engine, pgid=pgid, path=os.path.join(folder, name))
+        found.append((rec, process_alive(engine)))
+    return found
+
+
+def process_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return not is_zombie(pid)
+
+
+def is_zombie(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def group_members(pgid):
+    """Pids of the live processes in process group `pgid` that are in its session too (the run's
+    group leads its own session), or None where /proc cannot tell."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[2] == str(pgid) and fields[3] == str(pgid) and fields[0] not in ("Z", "X"):
+            members.append(int(entry))
+    return members
+
+
+def end_orphaned_runs(store):
+    """Under the lock: each run noted in flight whose engine died — what is left of its process
+    group is ended (only the group that leads its own session: a reused pgid is left alone),
+    its temp log removed (the run counts for nothing), and said."""
+    import signal
+    for rec, alive in inflight_runs(store):
+        if alive:
+            continue
+        pgid, what = rec["pgid"], f"`{one_line(str(rec.get('cmd')))}`"
+        members = group_members(pgid)
+        if members is None:
+            fate = (f"whether its process group {pgid} is still running cannot be told here; "
+                    f"`kill -9 -{pgid}` ends it if it is")
+        elif not members:
+            fate = "nothing of it was still running"
+        else:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+                fate = f"what was left of it ({len(members)} process(es), group {pgid}) was ended"
+            except OSError as e:
+                fate = (f"its process group {pgid} could not be ended ({e.strerror}): "
+                        f"`kill -9 -{pgid}` ends it")
+        log = str(rec.get("log", ""))
+        for path in ([store.path(os.path.join(RUNS, log))] if re.fullmatch(
+                r"\.run-[\w-]+\.log", log) else []) + [rec["path"]]:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        store.warn(f"a run of {what} for {one_line(str(rec.get('id')))} was in flight when its "
+                   f"engine (pid {rec['engine']}) died; {fate}. It recorded nothing: run it "
+                   "again.")
+
+
+def run_command(cmd, cwd, timeout, stream, log_path, story=None, check=None):
     """Run `cmd` through the shell in `cwd`, stdin closed, its output masked (secrets) and then
     streamed (escaped) to `stream` and written whole to `log_path`. Returns the run's record,
     whose size, digest and tail are read back from the log on disk: a log that could not be
@@ -490,6 +607,10 @@ def run_command(cmd, cwd, timeout, stream, log_path):
                                         **kwargs)
             except (OSError, ValueError) as e:  # ValueError: a NUL in the command
                 record["error"] = one_line(str(e))
+        inflight = None
+        if proc is not None and os.name != "nt":
+            inflight = note_inflight(os.path.dirname(log_path), proc.pid, cmd, story, check,
+                                     log_path)
         if proc is not None:
             reader = threading.Thread(target=pump, args=(os.dup(proc.stdout.fileno()),),
                                       daemon=True)
@@ -515,6 +636,11 @@ def run_command(cmd, cwd, timeout, stream, log_path):
                 except ValueError:
                     record["signal"] = f"signal {-code}"
             record["exit_code"] = code
+        if inflight is not None:  # the group is gone: the run is no longer in flight
+            try:
+                os.unlink(inflight)
+            except OSError:
+                pass
     if stop.got:
         record["interrupted"] = stop.got
     with guard:
@@ -594,7 +720,7 @@ def execute_runs(store, sid, commands, after_seq, timeout, out):
         out.progress(f"fablize: running {label} for {sid} in {store.root}: {one_line(cmd)}")
         tmp_log = os.path.join(runs_dir, f".run-{os.getpid()}-{os.urandom(4).hex()}.log")
         started = now_iso()
-        record = run_command(cmd, store.root, timeout, out.stream(), tmp_log)
+        record = run_command(cmd, store.root, timeout, out.stream(), tmp_log, sid, check)
         record.update(cmd=mask(cmd, command=True), id=sid, check=check, after_seq=after_seq,
                       started=started, git_head=head, git_dirty=dirty, tmp_log=tmp_log,
                       provenance=run_provenance(store.root, cmd))
