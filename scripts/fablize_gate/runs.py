@@ -426,6 +426,15 @@ def note_inflight(runs_dir, pgid, cmd, story, check, log_path):
     return path
 
 
+def forget_inflight(path):
+    """The note gone, and its folder with the last one (runs/ holds what a plan keeps)."""
+    for remove, target in ((os.unlink, path), (os.rmdir, os.path.dirname(path))):
+        try:
+            remove(target)
+        except OSError:  # another run's note is there: the folder stays for it
+            pass
+
+
 def json_bytes(obj):
     import json
     return json.dumps(obj, ensure_ascii=False).encode("utf-8")
@@ -512,12 +521,12 @@ def end_orphaned_runs(store):
                 fate = (f"its process group {pgid} could not be ended ({e.strerror}): "
                         f"`kill -9 -{pgid}` ends it")
         log = str(rec.get("log", ""))
-        for path in ([store.path(os.path.join(RUNS, log))] if re.fullmatch(
-                r"\.run-[\w-]+\.log", log) else []) + [rec["path"]]:
+        if re.fullmatch(r"\.run-[\w-]+\.log", log):
             try:
-                os.unlink(path)
+                os.unlink(store.path(os.path.join(RUNS, log)))
             except OSError:
                 pass
+        forget_inflight(rec["path"])
         store.warn(f"a run of {what} for {one_line(str(rec.get('id')))} was in flight when its "
                    f"engine (pid {rec['engine']}) died; {fate}. It recorded nothing: run it "
                    "again.")
@@ -637,10 +646,7 @@ def run_command(cmd, cwd, timeout, stream, log_path, story=None, check=None):
                     record["signal"] = f"signal {-code}"
             record["exit_code"] = code
         if inflight is not None:  # the group is gone: the run is no longer in flight
-            try:
-                os.unlink(inflight)
-            except OSError:
-                pass
+            forget_inflight(inflight)
     if stop.got:
         record["interrupted"] = stop.got
     with guard:
