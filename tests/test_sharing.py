@@ -386,6 +386,7 @@ def test_a_push_the_remote_refuses_says_gits_reason_at_once_and_keeps_the_work(n
           "--agent", "x")
     assert r.code == 0 and "not published" in r.err and "pre-receive hook declined" in r.err, r
     assert "busy" in r.err and "cannot be reached" not in r.err, r
+    assert r.err.lower().count("the events are kept here") == 1, r  # said once
     assert (net.remote / "rejects-left").read_text().strip() == "-1"  # one push, not retried
     assert a("status", "--json").json["share"]["ahead"] == 1
     before = state_files(a.dir)

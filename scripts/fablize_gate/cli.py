@@ -120,6 +120,9 @@ class Output:
         if self.lines:
             sys.stdout.write(paint(clean("\n".join(map(str, self.lines))), sys.stdout,
                                    allowed=self.colour) + "\n")
+        # stdout whole before stderr: a CI log that merges the two shows what the error points
+        # at ("said above") above it, not after it
+        sys.stdout.flush()
         err = [f"fablize: warning: {clean(text)}" for text in self.warnings]
         if error is not None:
             err.append("fablize: " + one_line(error.message))

@@ -532,6 +532,10 @@ def end_orphaned_runs(store):
                    "again.")
 
 
+ECHO_HEAD = 16000   # characters of a run's output the terminal is shown as they come
+ECHO_TAIL = 4000    # and of its end, once it is over
+
+
 def run_command(cmd, cwd, timeout, stream, log_path, story=None, check=None):
     """Run `cmd` through the shell in `cwd`, stdin closed, its output masked (secrets) and then
     streamed (escaped) to `stream` and written whole to `log_path`. Returns the run's record,
@@ -558,6 +562,19 @@ def run_command(cmd, cwd, timeout, stream, log_path, story=None, check=None):
     # polled; on Windows the reader waits for the end of the pipe, at most 5 s)
     draining = [False]
 
+    # the terminal is shown the output's first ECHO_HEAD characters as they come and, once the
+    # run is over, its last ECHO_TAIL, with a count of what was left out between: the log keeps
+    # all of it (a 300 KB line would otherwise flood an agent's context)
+    echoed, held, left_out = [0], [""], [0]
+
+    def echo(text):
+        try:
+            piece, at_start[0] = quote_output(text, at_start[0])
+            stream.write(piece)
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
     def take(masked):
         """One masked piece of output (whole lines, but for the last): to the log (until a
         write fails) with the machine's places shown as a plan may publish them, then as it is
@@ -568,12 +585,26 @@ def run_command(cmd, cwd, timeout, stream, log_path, story=None, check=None):
             except OSError as e:  # the run goes on; its record will say the log is short
                 log_error[0] = e
         if stream is not None and masked:
-            try:
-                piece, at_start[0] = quote_output(clean(decoder.decode(masked)), at_start[0])
-                stream.write(piece)
-                stream.flush()
-            except (OSError, ValueError):
-                pass
+            text = clean(decoder.decode(masked))
+            room = ECHO_HEAD - echoed[0]
+            if room > 0:
+                echo(text[:room])
+                echoed[0] += min(room, len(text))
+                text = text[room:]
+            if text:
+                held[0] += text
+                if len(held[0]) > ECHO_TAIL:
+                    left_out[0] += len(held[0]) - ECHO_TAIL
+                    held[0] = held[0][-ECHO_TAIL:]
+
+    def echo_end():
+        if stream is None:
+            return
+        if left_out[0]:
+            echo(("" if at_start[0] else "\n") + f"… {left_out[0]:,} characters not shown here "
+                 "(the run's log keeps all) …\n")
+        if held[0]:
+            echo(held[0])
 
     def pump(pipe):
         import select
@@ -652,6 +683,7 @@ def run_command(cmd, cwd, timeout, stream, log_path, story=None, check=None):
     with guard:
         finished[0] = True
         take(masker.feed(b"", final=True))
+        echo_end()
     if log_fd is not None:
         try:
             os.fsync(log_fd)

@@ -1511,7 +1511,8 @@ def publish(session, claim=False, fetch_first=None):
     except FablizeError as e:
         if claim or e.code not in TOLERATED:
             raise
-        store.warn(f"not published: {e.message} The events are kept here; the next command "
+        said = e.message.rstrip(".").replace("; the events are kept here", "")  # said once:
+        store.warn(f"not published: {said}. The events are kept here; the next command "
                    "or `sync` publishes them.")
         return session.plan
     mine = own_set_aside(session, own, rejected)
