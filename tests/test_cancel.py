@@ -255,6 +255,10 @@ def test_ctrl_c_outside_a_run_exits_130_with_one_json_error(fab, monkeypatch):
     it arrives when the engine finds the lock held, and the lock is never given up on."""
     assert fab("create", "--brief", "b", "--goal", "A::a").code == 0
     monkeypatch.setenv("FABLIZE_LOCK_TIMEOUT", str(HANG_GUARD))
+    # interrupt_main does nothing where SIGINT is ignored — a suite started in the background
+    # (`make test &`) inherits SIG_IGN — or handled by something an earlier test left: the
+    # handler Python answers Ctrl-C with, for this test
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try_acquire = engine.Lock._try_acquire
 
     def contended(lock):
@@ -269,6 +273,7 @@ def test_ctrl_c_outside_a_run_exits_130_with_one_json_error(fab, monkeypatch):
         r = fab("--json", "next")
     finally:
         os.close(fd)
+        signal.signal(signal.SIGINT, previous)
     assert r.code == 130, r
     assert r.json["error"] == {"code": "interrupted", "exit": 130, "message": "interrupted by "
                                "SIGINT; the state is as the last completed write left it."}

@@ -636,9 +636,13 @@ def git_daemon(net):
     port = probe.getsockname()[1]
     probe.close()
     (net.remote / "git-daemon-export-ok").write_text("")
+    # `git daemon` is git starting git-daemon as its child, which forks one per connection:
+    # in a session of their own, so that the whole group is ended, not just `git` (killing only
+    # it left git-daemon running with parent 1)
     proc = subprocess.Popen(["git", "daemon", "--enable=receive-pack", "--reuseaddr",
                              "--listen=127.0.0.1", f"--port={port}", f"--base-path={net.tmp}",
-                             str(net.tmp)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                             str(net.tmp)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
     try:
         for _ in range(200):  # until it answers (bounded by tries, not by a clock)
             if proc.poll() is not None:
@@ -652,12 +656,47 @@ def git_daemon(net):
             pytest.skip("git daemon never answered on 127.0.0.1")
         yield f"git://127.0.0.1:{port}/remote.git"
     finally:
-        proc.kill()
-        proc.wait()
+        end_group(proc)
+
+
+def end_group(proc):
+    """Kill `proc`'s whole process group and wait until none of it is left (bounded by tries:
+    the kernel delivers a kill at once, reaping by init may lag a little)."""
+    import signal
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    for _ in range(500):
+        if not group_members(proc.pid):
+            return
+        time.sleep(0.01)
+    pytest.fail(f"process group {proc.pid} outlived its kill: {group_members(proc.pid)}")
+
+
+def group_members(pgid):
+    """Live pids of process group `pgid` (where /proc tells; elsewhere, none known)."""
+    return engine.group_members(pgid) or []
 
 
 def test_a_plan_shared_through_a_git_daemon_works_the_whole_round(net, git_daemon):
     two_clones_share_a_plan(net, git_daemon)
+
+
+def test_the_git_daemon_fixture_leaves_no_process_behind(net):
+    """What the issue saw: `git daemon` processes left with parent 1 after the sharing tests."""
+    gen = git_daemon.__wrapped__(net)
+    url = next(gen)
+    a = net.at(net.tmp / "a")
+    git(net.tmp, "clone", "-q", url, str(a.root))  # a connection: git-daemon forked for it
+    pgid = None
+    for frame_proc in gen.gi_frame.f_locals.values():
+        if isinstance(frame_proc, subprocess.Popen):
+            pgid = frame_proc.pid
+    assert pgid is not None and group_members(pgid), "the daemon's group is running"
+    gen.close()  # the fixture's teardown
+    assert group_members(pgid) == []
 
 
 def test_a_push_refused_by_a_hook_behind_a_git_daemon_is_said_at_once(net, git_daemon):
