@@ -750,3 +750,33 @@ def test_a_damaged_share_record_is_exit_3_not_a_guess(net):
         share.write_text(bad)
         r = assert_refused(a, ["next"], 3, "share.json is not a fablize share record")
         assert "Traceback" not in r.err
+
+
+def test_sharing_a_plan_changes_no_committed_file_and_another_clones_pull_stays_clean(net):
+    """The issue's reproducer: main commits .fablize/.gitignore; alice shares a plan, commits
+    with `git commit -a` and pushes; bob, who shares the same plan, pulls. Nothing the branch
+    commits was edited, so the pull neither aborts nor brings a change to it."""
+    a = net.clone("alice")
+    a.dir.mkdir()
+    (a.dir / ".gitignore").write_text(engine.STATE_GITIGNORE)
+    (a.root / "README").write_text("x\n")
+    git(a.root, "add", "README", ".fablize/.gitignore")
+    git(a.root, "commit", "-q", "-m", "start")
+    git(a.root, "push", "-q", "origin", "HEAD:main")
+    b = net.clone("bob")
+    git(b.root, "checkout", "-q", "main")
+    r = a("create", "--brief", "shared plan", "--goal", "S1::o", "--goal", "S2::p",
+          "--remote", "origin")
+    assert r.code == 0 and "no committed file changes" in r.out, r
+    assert r.out.count("info/exclude") == 1, r  # said once
+    assert (a.dir / ".gitignore").read_text() == engine.STATE_GITIGNORE  # left as committed
+    assert git(a.root, "status", "--porcelain", "--untracked-files=all").split() == []
+    (a.root / "README").write_text("y\n")
+    git(a.root, "commit", "-q", "-a", "-m", "work")
+    assert git(a.root, "show", "--name-only", "--format=", "HEAD").split() == ["README"]
+    git(a.root, "push", "-q", "origin", "HEAD:main")
+    assert b("sync").code == 0 and b("next").code == 0
+    git(b.root, "pull", "-q", "origin", "main")  # raises if git aborts
+    assert (b.root / "README").read_text() == "y\n"
+    assert git(b.root, "status", "--porcelain", "--untracked-files=all").split() == []
+    assert a("share", "--remote", "origin").out.count("info/exclude") == 0  # once is enough

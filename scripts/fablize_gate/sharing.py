@@ -1736,13 +1736,48 @@ OLD_SHARED_GITIGNORE = b"# a shared plan: its history is in refs/fablize/, not t
 
 def ignore_shared_dir(store):
     """A shared plan lives in refs, not in the branch: nothing in its state directory is
-    committed but its pin (sync --pin), so a branch merge never touches its history."""
-    path = store.path(".gitignore")
-    # the engine's own .gitignore (written with the directory, or an older one of a shared
-    # plan) gives way; a user's stays
-    if not os.path.lexists(path) or read_state_file(path) in (
-            STATE_GITIGNORE.encode(), OLD_SHARED_GITIGNORE):
-        write_atomic(path, SHARED_GITIGNORE)
+    committed but its pin (sync --pin), so a branch merge never touches its history. Said in
+    this clone's .git/info/exclude, which nothing commits: the state directory's .gitignore —
+    which a branch may commit — is left as it is, so no `git commit -a` picks up an edit and no
+    other clone's `git pull` meets one. Returns whether the exclusion was added (to be said)."""
+    rel = exclude_path(store)
+    if rel is None:  # no repository git would read it from: the state directory's own file
+        path = store.path(".gitignore")
+        if not os.path.lexists(path) or read_state_file(path) in (
+                STATE_GITIGNORE.encode(), OLD_SHARED_GITIGNORE):
+            write_atomic(path, SHARED_GITIGNORE)
+        return False
+    exclude, rel = rel
+    wanted = [f"/{rel}/*", f"!/{rel}/{PIN}"]
+    try:
+        text = (read_state_file(exclude) or b"").decode("utf-8", "replace")
+    except OSError:
+        text = ""
+    have = text.splitlines()
+    if all(line in have for line in wanted):
+        return False
+    block = ("" if not text or text.endswith("\n") else "\n") + EXCLUDE_NOTE + "\n" + "".join(
+        line + "\n" for line in wanted)
+    os.makedirs(os.path.dirname(exclude), exist_ok=True)
+    write_atomic(exclude, (text + block).encode("utf-8"))
+    return True
+
+
+EXCLUDE_NOTE = "# fablize: a shared plan's state stays in this clone (its history: refs/fablize/)"
+
+
+def exclude_path(store):
+    """(this clone's info/exclude, the state directory relative to the repository) — or None
+    where git would not read them (a GIT_DIR-style variable, no repository, a name a pattern
+    would misread)."""
+    dirs = git_dirs(store)
+    top = repo_root(store.root)
+    if dirs is None or top is None:
+        return None
+    rel = os.path.relpath(os.path.realpath(store.dir), os.path.realpath(top)).replace(os.sep, "/")
+    if rel.startswith("..") or not re.fullmatch(r"[\w.][\w./-]*", rel):
+        return None
+    return os.path.join(dirs[1], "info", "exclude"), rel
 
 
 def pin_here(store, plan):
@@ -1782,11 +1817,14 @@ def start(store, remote):
             first = True
         else:
             first = False
-        ignore_shared_dir(store)
+        excluded = ignore_shared_dir(store)
         sync_shared(s, cfg)
         plan = s.plan
     line = (f"fablize: plan {plan['plan_id']} shared through {remote} "
             f"({SHARED_REFS}{plan['plan_id']}, {count_noun(cfg['seq'], 'event')}).")
+    if excluded:  # said once, when this clone first keeps it out of git
+        line += ("\nfablize: the plan's state directory (but its pin) is kept out of git by this "
+                 "clone's .git/info/exclude — no committed file changes.")
     if first:  # said once, when the plan first goes out
         line += "\n" + PUBLISHES.format(remote=remote)
     return {"remote": remote, "ref": SHARED_REFS + plan["plan_id"], "published": cfg["seq"]}, line
