@@ -513,6 +513,63 @@ def test_a_rewritten_remote_history_is_damage_not_something_to_merge(net):
     assert r.code == 3 and "rewritten" in r.err, r
 
 
+def test_a_remote_rewound_is_restored_by_the_clones_that_hold_more(net):
+    """The issue's reproducer: three clones hold five events; the remote's ref moves back to
+    event 2 (a force-push, a server restored from a backup); a fresh clone follows the shorter
+    history. The first clone that syncs republishes what the remote lost and says so in one
+    line; every clone, and the fresh one, then sees the whole history; nothing is exit 3."""
+    a, b, c = net.clone("a"), net.clone("b"), net.clone("c")
+    plan_id = create(a, 3, "--parallel")
+    assert a("next", "--agent", "x").code == 0
+    assert a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "done",
+             "--agent", "x").code == 0
+    assert a("next", "--agent", "x").code == 0
+    assert b("sync").code == 0 and c("sync").code == 0
+    full = ledger_lines(a)
+    assert len(full) == 4 and ledger_lines(b) == full == ledger_lines(c)
+    ref = "refs/fablize/plans/" + plan_id
+    back = git(net.remote, "rev-list", "--first-parent", ref).split()[2]  # event 2's commit
+    git(net.remote, "update-ref", ref, back)  # the remote moved back by force
+    fresh = net.clone("fresh")
+    assert fresh("sync").code == 0 and len(ledger_lines(fresh)) == 2  # follows the shorter
+    r = b("sync")
+    assert r.code == 0, r
+    said = [x for x in r.err.splitlines() if "restored" in x]
+    assert said == [f"fablize: warning: origin had lost the last 2 events of plan {plan_id} "
+                    "(its ref had moved back); restored from this clone."], r
+    assert [x.rstrip(b"\n") for x in net.remote_lines(plan_id)] == full
+    for clone in (a, c, fresh):  # nothing worse than events restored: a plain pull
+        r = clone("sync")
+        assert r.code == 0 and "rewritten" not in r.err and "restored" not in r.err, r
+        assert ledger_lines(clone) == full
+        audit_ok(clone)
+    status = fresh("status", "--json").json
+    assert [x["status"] for x in status["stories"]] == ["complete", "in_progress", "pending"]
+
+
+def test_a_fork_of_a_shared_plan_stays_exit_3_with_the_command_that_shows_both(net):
+    a, b = net.clone("a"), net.clone("b")
+    plan_id = create(a, 3, "--parallel")
+    assert b("sync").code == 0
+    assert a("next", "--agent", "x").code == 0  # published: event 2
+    ref = "refs/fablize/plans/" + plan_id
+    first = git(net.remote, "rev-list", "--max-parents=0", ref).strip()
+    git(net.remote, "update-ref", ref, first)  # moved back to event 1...
+    fresh = net.clone("fresh")
+    assert fresh("sync").code == 0
+    assert fresh("next", "--agent", "y").code == 0  # ...and another history went on from it
+    before = state_files(a.dir)
+    r = a("--json", "sync")
+    assert r.code == 3 and r.json["error"]["code"] == "remote_history_rewritten", r
+    assert "a fork" in r.json["error"]["message"], r
+    assert "git push --force origin" in r.json["error"]["message"], r
+    show = r.json["error"]["commands"][0]
+    assert show.startswith("git log --oneline --graph ")
+    assert subprocess.run(show, shell=True, cwd=str(a.root), capture_output=True,
+                          timeout=120).returncode == 0  # the named command works from there
+    assert state_files(a.dir) == before
+
+
 # Audit on a shared plan ######################################################
 
 

@@ -331,7 +331,7 @@ def test_a_plan_ref_deleted_on_the_remote_is_reported_never_in_sync(net):
     audit_ok(fresh, "--remote", "origin")
 
 
-def test_a_plan_ref_wound_back_on_the_remote_is_history_rewritten_never_in_sync(net):
+def test_a_plan_ref_wound_back_on_the_remote_is_never_in_sync_and_sync_restores_it(net):
     a, b = net.clone("a"), net.clone("b")
     plan_id = create(a, 2)
     assert a("next").code == 0
@@ -339,11 +339,13 @@ def test_a_plan_ref_wound_back_on_the_remote_is_history_rewritten_never_in_sync(
     ref = f"refs/fablize/plans/{plan_id}"
     git(net.remote, "update-ref", ref, git(net.remote, "rev-parse", f"{ref}~1").strip())
     r = b("status")
-    assert r.code == 0 and "rewritten" in r.out and "in sync" not in r.out, r
+    assert r.code == 0 and "moved back" in r.out and "in sync" not in r.out, r
+    assert "`sync` restores the events it lost" in r.out, r
     r = b("sync")
-    assert r.code == 3 and "rewritten" in r.err, r
+    assert r.code == 0 and "restored from this clone" in r.err, r
     fresh = net.clone("fresh")
-    assert fresh("sync").code == 0  # what the remote holds now is a plan of its own
+    assert fresh("sync").code == 0
+    assert ledger_lines(fresh) == ledger_lines(b)  # the whole history again
     audit_ok(fresh, "--remote", "origin")
 
 

@@ -46,7 +46,7 @@ import time
 from .base import (
     ARCHIVE, count_noun, damaged, dumps, EXIT_DAMAGED, FablizeError, id_arg, is_plan_id, LEDGER,
     load_json, now_iso, one_line, PIN, PLAN_EXISTS, refused, RUNS, sha256_hex, SHARE, SNAPSHOT,
-    STATE_GITIGNORE, usage, with_step, ZERO_HASH)
+    STATE_DIRNAME, STATE_GITIGNORE, usage, with_step, ZERO_HASH)
 from .masking import masked_text
 from .model import (
     active_stories, apply_event, find_story, misfit, parse_event, pick_ready, ready_stories,
@@ -1359,7 +1359,7 @@ def pause(session, cfg, seconds):
     cfg.update(share_config(session.store))
 
 
-def refresh(session, cfg):
+def refresh(session, cfg, restores=3):
     """Fetch the plan's ref and integrate what it holds: integrate's (rebase, events set aside,
     whether the plan that replaced this one, if any, was there)."""
     store = session.store
@@ -1368,7 +1368,48 @@ def refresh(session, cfg):
         if cfg["commit"] is None:
             return None, [], True
         raise ref_deleted(cfg, session.plan)
-    return integrate(session, cfg, Chain(store, ref, cfg["commit"], cfg["remote"]))
+    try:
+        chain = Chain(store, ref, cfg["commit"], cfg["remote"])
+    except FablizeError as e:
+        if e.code != "remote_history_rewritten":
+            raise
+        if not restores or not restore_rewound(store, cfg, ref):
+            raise fork_error(store, cfg, ref) from None
+        return refresh(session, cfg, restores - 1)  # the remote holds what this clone knew
+    return integrate(session, cfg, chain)
+
+
+def restore_rewound(store, cfg, ref):
+    """The remote's ref moved back (a force-push, a server restored from a backup) to a commit
+    this clone's published history holds: what the remote lost is pushed again, from this
+    clone's own commits — a fast-forward, checked by the lease on where the remote is now —
+    and said in one line. False when the remote's history is not a prefix of this clone's (a
+    fork: a human keeps one)."""
+    tip = git_out(store, "rev-parse", ref).decode().strip()
+    mine = cfg["commit"]
+    if tip == mine or git_call(store, "merge-base", "--is-ancestor", tip, mine)[0] != 0:
+        return False
+    lost = int(git_out(store, "rev-list", "--count", f"{tip}..{mine}").decode().strip() or 0)
+    if not push(store, cfg["remote"], [(mine, SHARED_REFS + cfg["plan_id"], tip)]):
+        return True  # another clone moved it meanwhile (restoring it too, or on top): fetch again
+    store.warn(f"{cfg['remote']} had lost the last {count_noun(lost, 'event')} of plan "
+               f"{cfg['plan_id']} (its ref had moved back); restored from this clone.")
+    return True
+
+
+def fork_error(store, cfg, ref):
+    """The remote's history and this clone's differ (neither holds the other): a fork, which
+    no command resolves alone. Names the command that shows both and the way to keep one."""
+    remote, plan_id = cfg["remote"], cfg["plan_id"]
+    error = damaged(
+        f"the shared plan on {remote} and this clone's copy differ (a fork: the remote's ref "
+        "was rewritten and both went on). `git log --oneline --graph "
+        f"{(cfg['commit'] or '')[:12]} {ref}` shows both. To keep this clone's: "
+        f"`git push --force {remote} {(cfg['commit'] or '')[:12]}:{SHARED_REFS}{plan_id}`, then "
+        f"sync; to keep the remote's: move {STATE_DIRNAME}/ aside and sync (docs/reference.md: "
+        "A fork of a shared plan):", "remote_history_rewritten")
+    error.commands = [f"git log --oneline --graph {cfg['commit']} {ref}"]
+    return error
 
 
 def ref_deleted(cfg, plan):
@@ -1666,9 +1707,14 @@ def status(store, plan):
     elif sha == cfg["commit"]:
         info["behind"] = 0
     elif seq is not None and seq <= cfg["seq"]:
-        info["problem"] = (f"{cfg['remote']}'s ref no longer continues this ledger (it is at "
-                           f"event {seq}, this clone published {cfg['seq']}) — its history was "
-                           "rewritten; `audit --remote` shows it.")
+        back = cfg["commit"] and git_call(store, "merge-base", "--is-ancestor", sha,
+                                          cfg["commit"])[0] == 0
+        info["problem"] = (
+            f"{cfg['remote']}'s ref moved back (it is at event {seq}, this clone published "
+            f"{cfg['seq']}) — `sync` restores the events it lost from this clone." if back else
+            f"{cfg['remote']}'s ref no longer continues this ledger (it is at event {seq}, this "
+            f"clone published {cfg['seq']}) — its history was rewritten; `sync` shows how (a "
+            "fork: docs/reference.md, A fork of a shared plan).")
     else:
         info["behind"] = seq - cfg["seq"] if seq is not None else None
     return info
