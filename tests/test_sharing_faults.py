@@ -747,3 +747,25 @@ def test_a_full_disk_after_a_shared_checkpoint_is_published_says_recorded_not_fa
     plan_id = a("status", "--json").json["plan_id"]
     assert [x.rstrip(b"\n") for x in net.remote_lines(plan_id)] == ledger_lines(a)  # each once
     audit_ok(a)
+
+
+def test_damage_met_after_a_checkpoint_is_durable_says_the_event_stands(net, monkeypatch):
+    """git failing (a full disk under .git) once the checkpoint's line is durable: exit 3, and
+    the message says the event was recorded and stands, so no one checkpoints it again."""
+    a = net.clone("a")
+    create(a, 2)
+    assert a("next").code == 0
+    room = engine.room("sharing")
+
+    def broken(*args, **kwargs):
+        raise engine.damaged("git hash-object failed: fatal: No space left on device",
+                             "git_failed")
+
+    monkeypatch.setattr(room, "sync_shared", broken)
+    r = a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "did it")
+    monkeypatch.undo()
+    assert r.code == 3 and "No space left" in r.err, r
+    assert "(Event 3, checkpoint, was recorded in the ledger before this and stands" in r.err, r
+    assert a("status", "--json").json["stories"][0]["status"] == "complete"
+    assert a("sync").code == 0
+    audit_ok(a)

@@ -756,6 +756,11 @@ def main(argv=None, interrupts=None):
         code, error = EXIT_OK, None
     except FablizeError as e:
         code, error = e.exit_code, e
+        recorded = ctx._store.recorded if ctx is not None and ctx._store is not None else ()
+        if recorded and e.exit_code == EXIT_DAMAGED:  # after a durable event: it stands
+            seq, kind = recorded[-1]
+            e.message += (f" (Event {seq}, {kind}, was recorded in the ledger before this and "
+                          "stands: `status` shows it; do not run the command again for it.)")
         if e.code == "no_plan" and ctx is not None and not getattr(e, "commands", None):
             no_plan_advice(ctx, e)
         if getattr(e, "run_next", None) and not getattr(e, "commands", None):
