@@ -837,3 +837,23 @@ def test_sharing_a_plan_changes_no_committed_file_and_another_clones_pull_stays_
     assert (b.root / "README").read_text() == "y\n"
     assert git(b.root, "status", "--porcelain", "--untracked-files=all").split() == []
     assert a("share", "--remote", "origin").out.count("info/exclude") == 0  # once is enough
+
+
+def test_a_damaged_share_record_names_share_which_reconnects_the_clone(net):
+    """The issue's reproducer: a damaged share.json used to say `sync` after removing it, which
+    answered "this plan is local". The step named now is `share --remote origin`, and it
+    works from where the user stands: the plan whole, shared again, nothing published twice."""
+    a, b = net.clone("a"), net.clone("b")
+    plan_id = create(a, 2)
+    assert a("next").code == 0
+    (a.dir / "share.json").write_text("garbage\n")
+    r = a("--json", "status")
+    assert r.code == 3 and r.json["error"]["code"] == "bad_share", r
+    assert [c.endswith("goals.py share --remote origin") for c in r.json["error"]["commands"]
+            ] == [True], r
+    r = a("share", "--remote", "origin")
+    assert r.code == 0 and "kept as share.json.broken" in r.err, r
+    assert (a.dir / "share.json.broken").read_text() == "garbage\n"
+    assert a("status").code == 0 and "in sync" in a("status").out
+    assert [x.rstrip(b"\n") for x in net.remote_lines(plan_id)] == ledger_lines(a)
+    assert b("sync").code == 0 and ledger_lines(b) == ledger_lines(a)

@@ -707,8 +707,9 @@ class Chain:
 
     def rewritten(self):
         return damaged(f"the shared plan on {self.remote} no longer holds the commit this clone "
-                       "last published or pulled — its history was rewritten; run `goals.py "
-                       "audit --remote` to see it.", "remote_history_rewritten")
+                       "last published or pulled — its history was rewritten (a fork: "
+                       "docs/reference.md, A fork of a shared plan, says how to keep one).",
+                       "remote_history_rewritten")
 
 
 def apply_shared_line(plan, line, seq, head, remote):
@@ -717,8 +718,9 @@ def apply_shared_line(plan, line, seq, head, remote):
     if ev is None or ev["seq"] != seq or ev.get("prev") != head:
         got = ev["seq"] if ev else "?"
         raise damaged(f"the shared plan on {remote} does not continue this ledger at event {seq} "
-                      f"(found event {got}, or a broken hash chain) — its history was rewritten; "
-                      "run `goals.py audit --remote` to see it.", "remote_history_rewritten")
+                      f"(found event {got}, or a broken hash chain) — its history was rewritten "
+                      "(a fork: docs/reference.md, A fork of a shared plan, says how to keep "
+                      "one).", "remote_history_rewritten")
     try:
         plan = apply_event(plan, ev)
     except FablizeError as e:
