@@ -683,10 +683,13 @@ def no_plan_advice(ctx, error):
         error.commands = [f"{ctx.prog} sync"]
 
 
+NO_PLAN_PROBE = 5.0  # seconds the no-plan refusal asks the remote whether it shares a plan
+
+
 def remote_sharing(root):
     """"origin shares a plan" when the remote `sync` would use shares one, else None (no
     repository, no such remote, or it cannot be reached: the original's advice stands)."""
-    from .runs import git, repo_root
+    from .runs import git, repo_root, run_tool
     if repo_root(root) is None:
         return None
     try:
@@ -695,7 +698,12 @@ def remote_sharing(root):
         remote = "origin" if "origin" in names else names[0] if len(names) == 1 else None
         if remote is None:
             return None
-        code, out, _ = git(root, "ls-remote", remote, "refs/fablize/plans/*")
+        # a refusal must not hang on a remote that does not answer: a few seconds, then the
+        # original's advice stands
+        code, out, _ = run_tool(["git", "-C", root, "ls-remote", remote, "refs/fablize/plans/*"],
+                                what="a shared plan", timeout=NO_PLAN_PROBE,
+                                env=None if "GIT_SSH_COMMAND" in os.environ else {
+                                    "GIT_SSH_COMMAND": "ssh -o BatchMode=yes -o ConnectTimeout=3"})
     except (FablizeError, OSError):  # no git, or a remote that does not answer in time
         return None
     return f"{remote} shares a plan" if code == 0 and out.strip() else None
