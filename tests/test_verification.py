@@ -889,6 +889,7 @@ def big_output_script(root, exit_code):
     return f"'{sys.executable}' big.py"
 
 
+@pytest.mark.slow  # among the longest: started first (conftest)
 def test_50_mb_of_output_ends_fails_closed_and_leaves_a_readable_log(fab):
     make_plan(fab, 1)
     start(fab, "G001")
