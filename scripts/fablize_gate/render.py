@@ -299,7 +299,7 @@ def status_details(plan, story):
     return details
 
 
-def next_action(prog, plan, agent=None):
+def next_action(prog, plan, agent=None, anyone=False):
     """What to do now — the one answer `next`, `status`, `checkpoint`, `decide`, `verdict`, the
     guard and every refusal give, so no two commands disagree and no suggested command is one a
     gate then refuses. A dict: kind (done, finish, next, decide, judge, wait), id (the story),
@@ -307,8 +307,10 @@ def next_action(prog, plan, agent=None):
     if plan_done(plan):
         return {"kind": "done", "id": None, "cmd": None, "text": done_line(plan)}
     active = active_stories(plan)
-    # never another agent's story: an unnamed caller is handed only stories no agent holds
-    mine = [s for s in active if s["agent"] == agent]
+    # never another agent's story: an unnamed caller is handed only stories no agent holds —
+    # but for the Stop hook's guard (`anyone`), which cannot tell who is stopping and holds
+    # back whoever works while any story is in progress
+    mine = [s for s in active if anyone or s["agent"] == agent]
     if mine:
         s = mine[0]
         command = completion_command(prog, plan, s)
