@@ -138,6 +138,41 @@ def test_a_stop_signal_kills_the_runs_group_records_it_and_exits_128_plus_n(acti
     assert run_goals(active, "audit")[0] == 0
     _, log, _ = run_goals(active, "log", "--id", "G001")
     assert f"interrupted by {name}" in log, log
+    # said as interrupted, with "run it again" as its step: never a failure to fix
+    _, text, _ = run_goals(active, "status")
+    assert "already failed" not in text and "fix what" not in text, text
+    assert f"`{SLOW}` was interrupted (interrupted by {name}" in text, text
+    assert "nothing to fix: run it again: " in text and "verify --id G001 --verify-cmd" in text
+
+
+def test_a_run_whose_engine_was_killed_is_said_by_status_and_ended_by_the_next_writer(active):
+    """kill -9 of the engine mid-run: its check's group is left with parent 1. status says a
+    run was in flight and never finished; the next command that takes the lock ends the group
+    and says so; nothing was recorded, and the run is run again."""
+    before = len(ledger(active / ".fablize"))
+    proc = spawn(active, *CHECKPOINT)
+    pgid = wait_for_run(active, proc)
+    proc.kill()  # SIGKILL: no handler runs, the group is left behind
+    proc.communicate(timeout=HANG_GUARD)
+    assert group_alive(pgid)  # what the issue saw: the check keeps running
+    try:
+        _, text, _ = run_goals(active, "status")
+        assert "was in flight and never finished" in text, text
+        assert f"its engine, pid {proc.pid}, died" in text and "run it again: " in text, text
+        code, out, err = run_goals(active, "next")  # a writer: it takes the lock
+        assert code == 0, err
+        assert f"a run of `{SLOW}` for G001 was in flight when its engine (pid {proc.pid}) " \
+            "died; what was left of it" in err and "was ended" in err, err
+        assert_group_gone(pgid)
+    finally:
+        if group_alive(pgid):
+            os.killpg(pgid, signal.SIGKILL)
+    assert len(ledger(active / ".fablize")) == before  # it recorded nothing
+    assert temp_logs(active) == []  # its temp log went with it: the run counts for nothing
+    assert list((active / ".fablize" / "runs" / ".inflight").glob("*.json")) == []
+    _, text, _ = run_goals(active, "status")
+    assert "in flight" not in text, text
+    assert not (active / "after.txt").exists()
 
 
 def gnu_timeout():
@@ -219,6 +254,10 @@ def test_ctrl_c_outside_a_run_exits_130_with_one_json_error(fab, monkeypatch):
     it arrives when the engine finds the lock held, and the lock is never given up on."""
     assert fab("create", "--brief", "b", "--goal", "A::a").code == 0
     monkeypatch.setenv("FABLIZE_LOCK_TIMEOUT", str(HANG_GUARD))
+    # interrupt_main does nothing where SIGINT is ignored — a suite started in the background
+    # (`make test &`) inherits SIG_IGN — or handled by something an earlier test left: the
+    # handler Python answers Ctrl-C with, for this test
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try_acquire = engine.Lock._try_acquire
 
     def contended(lock):
@@ -233,6 +272,7 @@ def test_ctrl_c_outside_a_run_exits_130_with_one_json_error(fab, monkeypatch):
         r = fab("--json", "next")
     finally:
         os.close(fd)
+        signal.signal(signal.SIGINT, previous)
     assert r.code == 130, r
     assert r.json["error"] == {"code": "interrupted", "exit": 130, "message": "interrupted by "
                                "SIGINT; the state is as the last completed write left it."}

@@ -701,6 +701,16 @@ def test_guard_blocks_while_a_story_is_in_progress_naming_the_exact_command(fab,
     assert events[-1]["event"] == "guard_block" and events[-1]["reason"] == reason
 
 
+def test_guard_holds_back_a_named_agent_whose_story_is_in_progress(fab, guard):
+    """The guard cannot tell who stops: a story an agent holds keeps it from stopping, as
+    before status learned to hand an unnamed caller only its own step."""
+    make_plan(fab, 3)
+    assert fab("next", "--agent", "alice").code == 0
+    reason = blocked_reason(guard())
+    assert "G001 \"S1\" is still in progress" in reason, reason
+    assert "--agent alice" in reason, reason
+
+
 def test_guard_blocks_while_work_is_ready_naming_next(fab, guard):
     make_plan(fab, 3)
     complete(fab, "G001")

@@ -247,3 +247,26 @@ def test_fish_completion_loads_and_completes(tmp_path):
     assert "checkpoint" in complete("fablize chec")
     assert complete("fablize checkpoint --status c") == ["complete"]
     assert "--verify-cmd" in complete("fablize checkpoint --ver")
+
+
+def test_a_merged_log_shows_each_gates_fix_above_the_error_that_says_so(project):
+    """A CI log merges stdout and stderr: the error's "(the fix of each is said above)" must
+    come after the fixes it points at, not before them."""
+    import subprocess
+    from conftest import ENGINE
+    assert run_cli("create", "--brief", "b", "--goal", "S1::o", "--goal", "S2::p",
+                   cwd=project).code == 0
+    assert run_cli("next", cwd=project).code == 0
+    assert run_cli("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
+                   "--run", "--verify-cmd", "true", cwd=project).code == 0
+    for log in (project / ".fablize" / "runs").glob("*.log"):
+        log.unlink()
+    env = {k: v for k, v in os.environ.items()
+           if k != "PYTHONUNBUFFERED" and not k.startswith("FABLIZE_")}  # as CI starts it
+    p = subprocess.run([*ENGINE, "audit", "--require-logs", "--require-complete"],
+                       cwd=str(project), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       timeout=120, env=env)
+    text = p.stdout.decode()
+    assert p.returncode == 1, text
+    said = text.index("(the fix of each is said above)")
+    assert 0 < text.index("— fix: ") < said and text.rindex("— fix: ") < said, text

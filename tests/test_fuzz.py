@@ -58,7 +58,7 @@ def fuzz_settings(examples):
 # Sandbox ####################################################################
 
 
-def _stub_run_command(cmd, cwd, timeout, stream, log_path):
+def _stub_run_command(cmd, cwd, timeout, stream, log_path, story=None, check=None):
     """Record a run without executing anything: `true` passes, everything else fails."""
     body = b"stub run of a generated command\n"
     fd = engine.open_state_file(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)

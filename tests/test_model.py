@@ -975,6 +975,7 @@ def clean_env(monkeypatch):
     monkeypatch.setattr(argparse, "ngettext", lambda one, many, n: one if n == 1 else many)
 
 
+@pytest.mark.slow  # among the longest: started first (conftest)
 def test_engine_agrees_with_the_reference_model_after_every_command(clean_env):
     run_state_machine_as_test(GoalEngineMachine, settings=SETTINGS)
 

@@ -289,6 +289,11 @@ def test_a_verify_cmd_run_by_the_engine_may_name_the_home_folder(fab, monkeypatc
     ("TOKENIZERS_PARALLELISM=false MAX_TOKENS=10 PASSWORD_HASHERS=fast pytest", None),
     ("def login(user, password=None) now compares token==expected", None),
     ("checked the task-scheduler-retries-backoff path", None),
+    # code that reads a secret is no value (#35)
+    ("PASSWORD=os.environ['X'] and TOKEN=os.getenv(\"T\") or API_KEY=getenv('K')", None),
+    ("SECRET=process.env.SECRET; token = config.get('token')", None),
+    # a token shape's prefix before a phrase of words is no token (#35)
+    ("sk-learn-compat-layer-for-old-pipelines and glpat-rotation-runbook-docs", None),
     # assignments of secrets, and two tokens side by side: masked
     ("DB_PASSWORD=hunter22 ./run", "DB_PASSWORD=*** ./run"),
     ("SECRET_KEY_BASE=abcdef123 rails s", "SECRET_KEY_BASE=*** rails s"),
@@ -299,6 +304,12 @@ def test_a_verify_cmd_run_by_the_engine_may_name_the_home_folder(fab, monkeypatc
      "Bearer ***"),
     ("AWS_SECRET_ACCESS_KEY=xyz123, SECRET_KEY_BASE=abc123)", "AWS_SECRET_ACCESS_KEY=***, "
      "SECRET_KEY_BASE=***)"),
+    # every shape of the table, with a body that looks random: masked
+    ("xoxb-123456789012-1234567890123-AbCdEfGhIjKlMnOpQrStUvWx", "***"),
+    ("github_pat_11ABCDEFG0abcdEFGHijkl_mnopQRSTuvwx0123456789", "***"),
+    ("sk-proj-abc123def456ghi789jkl0 sk-ant-api03-abcdefghijklmnopqrstuvwx", "*** ***"),
+    ("glpat-abcDEF123_ghiJKL45xy AIzaSyA1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q", "*** ***"),
+    ("npm_" + "a1B2" * 9 + " AKIAABCDEFGHIJKLMNOP", "*** ***"),
 ])
 def test_what_is_masked_is_a_secret_not_a_word_about_one(fab, text, kept):
     make_plan(fab, 2)
@@ -319,9 +330,23 @@ def test_a_home_of_one_folder_names_no_one_and_stays(fab, monkeypatch):
 @pytest.mark.parametrize("title", ["Split the max_tokens=4096 limit", "token-based auth",
                                    "Fix the password reset flow", "Rotate API_KEY handling",
                                    "Add task-queue-worker-retries module",
-                                   "Use npm_config_registry_for_private_packages_x"])
+                                   "Use npm_config_registry_for_private_packages_x",
+                                   "Add xoxb-slack-bot-integration-tests",
+                                   "Write github_pat_handling_for_fine_grained_tokens",
+                                   "sk-learn-compat-layer-for-old-pipelines",
+                                   "glpat-rotation-runbook-docs", "fix token refresh"])
 def test_a_title_about_tokens_or_passwords_is_no_secret(fab, title):
     assert fab("create", "--brief", "b", "--goal", f"{title}::o", "--goal", "v::w").code == 0
+    assert ledger(fab.dir)[0]["stories"][0]["title"] == title  # as typed
+
+
+def test_evidence_that_reads_a_secret_in_code_is_kept_as_typed(fab):
+    make_plan(fab, 2)
+    start(fab)
+    evidence = "PASSWORD=os.environ['X'] is read, never printed; if token == expected: passes"
+    assert fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence",
+               evidence).code == 0
+    assert ledger(fab.dir)[-1]["evidence"] == evidence
 
 
 def test_an_agent_a_tool_and_a_scope_that_carry_a_token_are_refused_or_masked(fab):

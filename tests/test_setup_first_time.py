@@ -4,6 +4,7 @@ user is told what loads the hooks; committed files never depend on one person's 
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -204,3 +205,30 @@ def test_the_plugins_engine_names_itself_by_its_full_path_for_a_human(tmp_path, 
     assert "checkpoint --id" not in r.stdout.split("decide")[0].split("\n")[-1]
     r = sh("setup", "claude")
     assert f"`alias fablize={fablize}`" in r.stdout, r
+
+
+def test_setup_with_an_engine_neither_copied_nor_installed_writes_nothing_and_names_the_copy(
+        tmp_path, home):
+    """`python3 /path/to/fablize/scripts/goals.py setup agents-md` in another project, with no
+    `fablize` on PATH: hooks and a merge driver running `fablize` would fail at every event
+    and leave conflict markers at the next merge. Refused, nothing written, the copy named;
+    the named step works."""
+    elsewhere = copy_engine(tmp_path / "fablize" / "scripts")
+    root = tmp_path / "proj"
+    conftest.git(tmp_path, "init", "-q", str(root))
+    before = sorted(p.name for p in root.iterdir())
+    env = env_for(home, PATH=os.path.dirname(shutil.which("git")))
+    if shutil.which("fablize", path=env["PATH"]):
+        pytest.skip("an installed fablize sits beside git here")
+    r = subprocess.run([sys.executable, str(elsewhere), "setup", "agents-md"], cwd=str(root),
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r
+    lines = r.stderr.splitlines()
+    assert lines[0].startswith("fablize: setup: the wiring would run `fablize`, which is not on "
+                               "PATH here") and "nothing was written" in lines[0], r
+    assert sorted(p.name for p in root.iterdir()) == before  # no block, no hooks, no state
+    copy = lines[1].strip()
+    assert copy.startswith("mkdir -p scripts && cp -r ") and len(lines) == 2, r
+    assert subprocess.run(copy, shell=True, cwd=str(root), timeout=120).returncode == 0
+    r = run(root, home, "setup", "agents-md")
+    assert r.returncode == 0 and "not on PATH" not in r.stderr, r

@@ -386,6 +386,7 @@ def test_a_push_the_remote_refuses_says_gits_reason_at_once_and_keeps_the_work(n
           "--agent", "x")
     assert r.code == 0 and "not published" in r.err and "pre-receive hook declined" in r.err, r
     assert "busy" in r.err and "cannot be reached" not in r.err, r
+    assert r.err.lower().count("the events are kept here") == 1, r  # said once
     assert (net.remote / "rejects-left").read_text().strip() == "-1"  # one push, not retried
     assert a("status", "--json").json["share"]["ahead"] == 1
     before = state_files(a.dir)
@@ -510,6 +511,63 @@ def test_a_rewritten_remote_history_is_damage_not_something_to_merge(net):
     git(net.remote, "update-ref", ref, commit)  # history rewritten on the remote by force
     r = b("sync")
     assert r.code == 3 and "rewritten" in r.err, r
+
+
+def test_a_remote_rewound_is_restored_by_the_clones_that_hold_more(net):
+    """The issue's reproducer: three clones hold five events; the remote's ref moves back to
+    event 2 (a force-push, a server restored from a backup); a fresh clone follows the shorter
+    history. The first clone that syncs republishes what the remote lost and says so in one
+    line; every clone, and the fresh one, then sees the whole history; nothing is exit 3."""
+    a, b, c = net.clone("a"), net.clone("b"), net.clone("c")
+    plan_id = create(a, 3, "--parallel")
+    assert a("next", "--agent", "x").code == 0
+    assert a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "done",
+             "--agent", "x").code == 0
+    assert a("next", "--agent", "x").code == 0
+    assert b("sync").code == 0 and c("sync").code == 0
+    full = ledger_lines(a)
+    assert len(full) == 4 and ledger_lines(b) == full == ledger_lines(c)
+    ref = "refs/fablize/plans/" + plan_id
+    back = git(net.remote, "rev-list", "--first-parent", ref).split()[2]  # event 2's commit
+    git(net.remote, "update-ref", ref, back)  # the remote moved back by force
+    fresh = net.clone("fresh")
+    assert fresh("sync").code == 0 and len(ledger_lines(fresh)) == 2  # follows the shorter
+    r = b("sync")
+    assert r.code == 0, r
+    said = [x for x in r.err.splitlines() if "restored" in x]
+    assert said == [f"fablize: warning: origin had lost the last 2 events of plan {plan_id} "
+                    "(its ref had moved back); restored from this clone."], r
+    assert [x.rstrip(b"\n") for x in net.remote_lines(plan_id)] == full
+    for clone in (a, c, fresh):  # nothing worse than events restored: a plain pull
+        r = clone("sync")
+        assert r.code == 0 and "rewritten" not in r.err and "restored" not in r.err, r
+        assert ledger_lines(clone) == full
+        audit_ok(clone)
+    status = fresh("status", "--json").json
+    assert [x["status"] for x in status["stories"]] == ["complete", "in_progress", "pending"]
+
+
+def test_a_fork_of_a_shared_plan_stays_exit_3_with_the_command_that_shows_both(net):
+    a, b = net.clone("a"), net.clone("b")
+    plan_id = create(a, 3, "--parallel")
+    assert b("sync").code == 0
+    assert a("next", "--agent", "x").code == 0  # published: event 2
+    ref = "refs/fablize/plans/" + plan_id
+    first = git(net.remote, "rev-list", "--max-parents=0", ref).strip()
+    git(net.remote, "update-ref", ref, first)  # moved back to event 1...
+    fresh = net.clone("fresh")
+    assert fresh("sync").code == 0
+    assert fresh("next", "--agent", "y").code == 0  # ...and another history went on from it
+    before = state_files(a.dir)
+    r = a("--json", "sync")
+    assert r.code == 3 and r.json["error"]["code"] == "remote_history_rewritten", r
+    assert "a fork" in r.json["error"]["message"], r
+    assert "git push --force origin" in r.json["error"]["message"], r
+    show = r.json["error"]["commands"][0]
+    assert show.startswith("git log --oneline --graph ")
+    assert subprocess.run(show, shell=True, cwd=str(a.root), capture_output=True,
+                          timeout=120).returncode == 0  # the named command works from there
+    assert state_files(a.dir) == before
 
 
 # Audit on a shared plan ######################################################
@@ -768,3 +826,53 @@ def test_a_bare_audit_remote_names_the_plan_it_read_and_says_it_is_unpinned(net)
     assert "unpinned" not in r.out
     r = ci("audit", "--remote", "origin", "--plan", plan_id, "--json")
     assert r.json["remote_plan"]["named_by"] == "--plan" and not r.json["remote_plan"]["pinned"]
+
+
+def test_sharing_a_plan_changes_no_committed_file_and_another_clones_pull_stays_clean(net):
+    """The issue's reproducer: main commits .fablize/.gitignore; alice shares a plan, commits
+    with `git commit -a` and pushes; bob, who shares the same plan, pulls. Nothing the branch
+    commits was edited, so the pull neither aborts nor brings a change to it."""
+    a = net.clone("alice")
+    a.dir.mkdir()
+    (a.dir / ".gitignore").write_text(engine.STATE_GITIGNORE)
+    (a.root / "README").write_text("x\n")
+    git(a.root, "add", "README", ".fablize/.gitignore")
+    git(a.root, "commit", "-q", "-m", "start")
+    git(a.root, "push", "-q", "origin", "HEAD:main")
+    b = net.clone("bob")
+    git(b.root, "checkout", "-q", "main")
+    r = a("create", "--brief", "shared plan", "--goal", "S1::o", "--goal", "S2::p",
+          "--remote", "origin")
+    assert r.code == 0 and "no committed file changes" in r.out, r
+    assert r.out.count("info/exclude") == 1, r  # said once
+    assert (a.dir / ".gitignore").read_text() == engine.STATE_GITIGNORE  # left as committed
+    assert git(a.root, "status", "--porcelain", "--untracked-files=all").split() == []
+    (a.root / "README").write_text("y\n")
+    git(a.root, "commit", "-q", "-a", "-m", "work")
+    assert git(a.root, "show", "--name-only", "--format=", "HEAD").split() == ["README"]
+    git(a.root, "push", "-q", "origin", "HEAD:main")
+    assert b("sync").code == 0 and b("next").code == 0
+    git(b.root, "pull", "-q", "origin", "main")  # raises if git aborts
+    assert (b.root / "README").read_text() == "y\n"
+    assert git(b.root, "status", "--porcelain", "--untracked-files=all").split() == []
+    assert a("share", "--remote", "origin").out.count("info/exclude") == 0  # once is enough
+
+
+def test_a_damaged_share_record_names_share_which_reconnects_the_clone(net):
+    """The issue's reproducer: a damaged share.json used to say `sync` after removing it, which
+    answered "this plan is local". The step named now is `share --remote origin`, and it
+    works from where the user stands: the plan whole, shared again, nothing published twice."""
+    a, b = net.clone("a"), net.clone("b")
+    plan_id = create(a, 2)
+    assert a("next").code == 0
+    (a.dir / "share.json").write_text("garbage\n")
+    r = a("--json", "status")
+    assert r.code == 3 and r.json["error"]["code"] == "bad_share", r
+    assert [c.endswith("goals.py share --remote origin") for c in r.json["error"]["commands"]
+            ] == [True], r
+    r = a("share", "--remote", "origin")
+    assert r.code == 0 and "kept as share.json.broken" in r.err, r
+    assert (a.dir / "share.json.broken").read_text() == "garbage\n"
+    assert a("status").code == 0 and "in sync" in a("status").out
+    assert [x.rstrip(b"\n") for x in net.remote_lines(plan_id)] == ledger_lines(a)
+    assert b("sync").code == 0 and ledger_lines(b) == ledger_lines(a)

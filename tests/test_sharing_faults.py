@@ -331,7 +331,7 @@ def test_a_plan_ref_deleted_on_the_remote_is_reported_never_in_sync(net):
     audit_ok(fresh, "--remote", "origin")
 
 
-def test_a_plan_ref_wound_back_on_the_remote_is_history_rewritten_never_in_sync(net):
+def test_a_plan_ref_wound_back_on_the_remote_is_never_in_sync_and_sync_restores_it(net):
     a, b = net.clone("a"), net.clone("b")
     plan_id = create(a, 2)
     assert a("next").code == 0
@@ -339,11 +339,13 @@ def test_a_plan_ref_wound_back_on_the_remote_is_history_rewritten_never_in_sync(
     ref = f"refs/fablize/plans/{plan_id}"
     git(net.remote, "update-ref", ref, git(net.remote, "rev-parse", f"{ref}~1").strip())
     r = b("status")
-    assert r.code == 0 and "rewritten" in r.out and "in sync" not in r.out, r
+    assert r.code == 0 and "moved back" in r.out and "in sync" not in r.out, r
+    assert "`sync` restores the events it lost" in r.out, r
     r = b("sync")
-    assert r.code == 3 and "rewritten" in r.err, r
+    assert r.code == 0 and "restored from this clone" in r.err, r
     fresh = net.clone("fresh")
-    assert fresh("sync").code == 0  # what the remote holds now is a plan of its own
+    assert fresh("sync").code == 0
+    assert ledger_lines(fresh) == ledger_lines(b)  # the whole history again
     audit_ok(fresh, "--remote", "origin")
 
 
@@ -636,9 +638,13 @@ def git_daemon(net):
     port = probe.getsockname()[1]
     probe.close()
     (net.remote / "git-daemon-export-ok").write_text("")
+    # `git daemon` is git starting git-daemon as its child, which forks one per connection:
+    # in a session of their own, so that the whole group is ended, not just `git` (killing only
+    # it left git-daemon running with parent 1)
     proc = subprocess.Popen(["git", "daemon", "--enable=receive-pack", "--reuseaddr",
                              "--listen=127.0.0.1", f"--port={port}", f"--base-path={net.tmp}",
-                             str(net.tmp)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                             str(net.tmp)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
     try:
         for _ in range(200):  # until it answers (bounded by tries, not by a clock)
             if proc.poll() is not None:
@@ -652,12 +658,47 @@ def git_daemon(net):
             pytest.skip("git daemon never answered on 127.0.0.1")
         yield f"git://127.0.0.1:{port}/remote.git"
     finally:
-        proc.kill()
-        proc.wait()
+        end_group(proc)
+
+
+def end_group(proc):
+    """Kill `proc`'s whole process group and wait until none of it is left (bounded by tries:
+    the kernel delivers a kill at once, reaping by init may lag a little)."""
+    import signal
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    for _ in range(500):
+        if not group_members(proc.pid):
+            return
+        time.sleep(0.01)
+    pytest.fail(f"process group {proc.pid} outlived its kill: {group_members(proc.pid)}")
+
+
+def group_members(pgid):
+    """Live pids of process group `pgid` (where /proc tells; elsewhere, none known)."""
+    return engine.group_members(pgid) or []
 
 
 def test_a_plan_shared_through_a_git_daemon_works_the_whole_round(net, git_daemon):
     two_clones_share_a_plan(net, git_daemon)
+
+
+def test_the_git_daemon_fixture_leaves_no_process_behind(net):
+    """What the issue saw: `git daemon` processes left with parent 1 after the sharing tests."""
+    gen = git_daemon.__wrapped__(net)
+    url = next(gen)
+    a = net.at(net.tmp / "a")
+    git(net.tmp, "clone", "-q", url, str(a.root))  # a connection: git-daemon forked for it
+    pgid = None
+    for frame_proc in gen.gi_frame.f_locals.values():
+        if isinstance(frame_proc, subprocess.Popen):
+            pgid = frame_proc.pid
+    assert pgid is not None and group_members(pgid), "the daemon's group is running"
+    gen.close()  # the fixture's teardown
+    assert group_members(pgid) == []
 
 
 def test_a_push_refused_by_a_hook_behind_a_git_daemon_is_said_at_once(net, git_daemon):
@@ -705,4 +746,26 @@ def test_a_full_disk_after_a_shared_checkpoint_is_published_says_recorded_not_fa
     assert a("sync").code == 0
     plan_id = a("status", "--json").json["plan_id"]
     assert [x.rstrip(b"\n") for x in net.remote_lines(plan_id)] == ledger_lines(a)  # each once
+    audit_ok(a)
+
+
+def test_damage_met_after_a_checkpoint_is_durable_says_the_event_stands(net, monkeypatch):
+    """git failing (a full disk under .git) once the checkpoint's line is durable: exit 3, and
+    the message says the event was recorded and stands, so no one checkpoints it again."""
+    a = net.clone("a")
+    create(a, 2)
+    assert a("next").code == 0
+    room = engine.room("sharing")
+
+    def broken(*args, **kwargs):
+        raise engine.damaged("git hash-object failed: fatal: No space left on device",
+                             "git_failed")
+
+    monkeypatch.setattr(room, "sync_shared", broken)
+    r = a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "did it")
+    monkeypatch.undo()
+    assert r.code == 3 and "No space left" in r.err, r
+    assert "(Event 3, checkpoint, was recorded in the ledger before this and stands" in r.err, r
+    assert a("status", "--json").json["stories"][0]["status"] == "complete"
+    assert a("sync").code == 0
     audit_ok(a)

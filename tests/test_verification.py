@@ -161,6 +161,24 @@ def test_run_tail_is_the_last_500_characters_and_the_log_holds_everything(fab):
     assert run["bytes"] == len(text.encode())
 
 
+def test_a_runs_echo_is_cut_with_a_count_and_the_log_keeps_all(fab):
+    """The issue's 300 KB single line: the terminal is shown its start and its end, with how
+    much was left out; the log keeps every byte."""
+    make_plan(fab, 1, "--verify", "python3 big.py")
+    (fab.root / "big.py").write_text("print('S' + 'x' * 300000 + 'E')\n")
+    start(fab, "G001")
+    r = fab("verify", "--id", "G001")
+    assert r.code == 0, r.err
+    shown = engine.ECHO_HEAD + engine.ECHO_TAIL
+    assert len(r.out) < shown + 2000, len(r.out)
+    left = 300003 - shown  # S, the x's, E and the line break, less what was shown
+    cut = f"… {left:,} characters not shown here (the run's log keeps all) …"
+    assert cut in r.out, r.out[-300:]
+    assert "  │ Sxxx" in r.out and "xxxE\n" in r.out
+    run = runs_of(fab)[0]
+    assert (fab.dir / run["log"]).read_bytes() == b"S" + b"x" * 300000 + b"E\n"
+
+
 def test_run_output_is_streamed_to_stdout_escaped_and_logged_raw(fab):
     make_plan(fab, 1)
     start(fab, "G001")
@@ -871,6 +889,7 @@ def big_output_script(root, exit_code):
     return f"'{sys.executable}' big.py"
 
 
+@pytest.mark.slow  # among the longest: started first (conftest)
 def test_50_mb_of_output_ends_fails_closed_and_leaves_a_readable_log(fab):
     make_plan(fab, 1)
     start(fab, "G001")

@@ -24,6 +24,8 @@ def walk(fab, first=("status",), limit=6):
         commands = error.get("commands") or []
         if error["code"] == "no_plan" and not commands:
             return seen, r  # the original's line names its step: `create`, a human's plan
+        if commands and all("<" in c for c in commands):
+            return seen, r  # what to write is a human's (or the agent's) to decide
         assert len(commands) == 1, f"no one runnable step: {error}"
         words = shlex.split(commands[0])
         assert words[0] == "goals.py", commands  # the engine, as it was started
@@ -119,3 +121,20 @@ def test_a_damaged_last_event_the_snapshot_reflects_names_rebuild_which_keeps_it
     assert (fab.dir / "ledger.jsonl.broken").read_bytes() == data[-len(data.splitlines()[-1]) - 1:
                                                                    -20] + b"\n"
     assert fab("audit").code == 0
+
+
+def test_a_halted_plan_and_a_wrong_checkpoint_end_at_a_decision_with_whole_commands(fab):
+    make_plan(fab, 2)
+    start(fab, "G001")
+    assert fab("checkpoint", "--id", "G001", "--status", "blocked", "--evidence", "no key").code \
+        == 0
+    seen, r = walk(fab, ("next",))
+    assert r.json["error"]["code"] == "halted" and len(r.json["error"]["commands"]) == 3, r
+    assert all(c.startswith("goals.py decide --id G001 ") for c in r.json["error"]["commands"])
+    assert fab("decide", "--id", "G001", "retry", "--note", "key found").code == 0
+    start(fab, "G001")
+    seen, r = walk(fab, ("checkpoint", "--id", "G002", "--status", "complete", "--evidence",
+                         "e"))
+    assert r.json["error"]["code"] == "not_active", r
+    assert r.json["error"]["commands"] == [
+        'goals.py checkpoint --id G001 --status complete --evidence "<evidence>"'], r

@@ -13,7 +13,7 @@ from .base import (
     one_line, PIN, quote_arg, regex, SCHEMA_VERSION, SHARE, usage, VERDICTS)
 from .masking import use_environment
 from .storage import find_state_dir, project_state_dir, snapshot_damage, Store
-from .runs import plan_text
+from .runs import end_orphaned_runs, plan_text
 from .render import invocation
 from .commands import (
     cmd_add, cmd_audit, cmd_checkpoint, cmd_create, cmd_decide, cmd_guard, cmd_judge_packet,
@@ -121,6 +121,9 @@ class Output:
         if self.lines:
             sys.stdout.write(paint(clean("\n".join(map(str, self.lines))), sys.stdout,
                                    allowed=self.colour) + "\n")
+        # stdout whole before stderr: a CI log that merges the two shows what the error points
+        # at ("said above") above it, not after it
+        sys.stdout.flush()
         err = [f"fablize: warning: {clean(text)}" for text in self.warnings]
         if error is not None:
             err.append("fablize: " + one_line(error.message))
@@ -157,6 +160,7 @@ class Context:
             if not discovered:
                 path = project_state_dir(path, self.out)
             self.store = Store(path, discovered, self.out.warnings)
+            self._store.on_lock.append(end_orphaned_runs)
         return self._store
 
     @store.setter
@@ -706,10 +710,13 @@ def no_plan_advice(ctx, error):
         error.commands = [f"{ctx.prog} sync"]
 
 
+NO_PLAN_PROBE = 5.0  # seconds the no-plan refusal asks the remote whether it shares a plan
+
+
 def remote_sharing(root):
     """"origin shares a plan" when the remote `sync` would use shares one, else None (no
     repository, no such remote, or it cannot be reached: the original's advice stands)."""
-    from .runs import git, repo_root
+    from .runs import git, repo_root, run_tool
     if repo_root(root) is None:
         return None
     try:
@@ -718,7 +725,12 @@ def remote_sharing(root):
         remote = "origin" if "origin" in names else names[0] if len(names) == 1 else None
         if remote is None:
             return None
-        code, out, _ = git(root, "ls-remote", remote, "refs/fablize/plans/*")
+        # a refusal must not hang on a remote that does not answer: a few seconds, then the
+        # original's advice stands
+        code, out, _ = run_tool(["git", "-C", root, "ls-remote", remote, "refs/fablize/plans/*"],
+                                what="a shared plan", timeout=NO_PLAN_PROBE,
+                                env=None if "GIT_SSH_COMMAND" in os.environ else {
+                                    "GIT_SSH_COMMAND": "ssh -o BatchMode=yes -o ConnectTimeout=3"})
     except (FablizeError, OSError):  # no git, or a remote that does not answer in time
         return None
     return f"{remote} shares a plan" if code == 0 and out.strip() else None
@@ -780,6 +792,11 @@ def main(argv=None, interrupts=None):
         code, error = EXIT_OK, None
     except FablizeError as e:
         code, error = e.exit_code, e
+        recorded = ctx._store.recorded if ctx is not None and ctx._store is not None else ()
+        if recorded and e.exit_code == EXIT_DAMAGED:  # after a durable event: it stands
+            seq, kind = recorded[-1]
+            e.message += (f" (Event {seq}, {kind}, was recorded in the ledger before this and "
+                          "stands: `status` shows it; do not run the command again for it.)")
         if e.code == "no_plan" and ctx is not None and not getattr(e, "commands", None):
             no_plan_advice(ctx, e)
         if getattr(e, "run_next", None) and not getattr(e, "commands", None):

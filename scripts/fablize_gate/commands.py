@@ -11,7 +11,7 @@ from operator import itemgetter
 from .base import (
     ARCHIVE, blank, clean, count_noun, count_stories, defuse, defused_line, DONE, EXIT_REFUSED,
     EXIT_SIGNAL_BASE, FablizeError, has_marker_word, indent, last_chars, LEDGER, limit_text,
-    MARKS, new_plan_id, no_plan, now_iso, one_line, parse_ids, PLAN_EXISTS, refused,
+    MARKS, new_plan_id, no_plan, now_iso, one_line, parse_ids, PLAN_EXISTS, quote_arg, refused,
     REPORT_RUNS, RESUME_LISTED, RESUME_TITLE, RUNS, scope_pattern, SHARE, short, SNAPSHOT,
     split_assignment, STATE_DIRNAME, story_id, TAIL_CHARS, usage, ZERO_HASH)
 from .masking import mask, mask_places, masked_tail, masked_text
@@ -25,9 +25,9 @@ from .storage import (
     replay_all, require_state_dir, shown_path, Store, symlink_refusal, user_file, within,
     write_atomic)
 from .runs import (
-    check_command, commit_runs, execute_runs, file_not_there_yet, merge_driver_missing,
-    MERGE_QUIET, plan_text, tree_state, unverifiable_checks, unverifiable_label,
-    verification_runs)
+    check_command, commit_runs, execute_runs, file_not_there_yet, inflight_runs,
+    merge_driver_missing, MERGE_QUIET, plan_text, tree_state, unverifiable_checks,
+    unverifiable_label, verification_runs)
 from .render import (
     completion_command, done_line, grades_line, handoff_command, human_command, left_line,
     next_action, next_line, plan_json, plan_summary, render_handoff, render_observed,
@@ -537,11 +537,31 @@ def cmd_status(ctx, a):
         raise no_plan()
     shared = sharing.status_lines(share, ctx.prog) if share else ()
     lines, action, paused = render_status(ctx.prog, plan, share=shared, agent=a.agent)
-    ctx.out.lines += lines
+    ctx.out.lines += lines + inflight_lines(ctx.prog, ctx.store)
     if share:
         ctx.data["share"] = share
     if ctx.json:
         ctx.data.update(plan_json(plan), next=action, paused=paused)
+
+
+def inflight_lines(prog, store):
+    """A line for each run noted in flight: running now, or never finished (its engine died)."""
+    lines = []
+    for rec, alive in inflight_runs(store):
+        what = f"`{one_line(str(rec.get('cmd')))}` for {one_line(str(rec.get('id')))}"
+        started = one_line(str(rec.get("started", "")))[:19].replace("T", " ")
+        if alive:
+            lines.append(f"  ▷ a run is in flight: {what} (started {started} UTC, engine pid "
+                         f"{rec['engine']})")
+        else:
+            again = f"{prog} verify --id {one_line(str(rec.get('id')))}" + (
+                f" --verify-cmd {quote_arg(str(rec.get('cmd')))}" if rec.get("check") is None
+                else "")
+            lines.append(f"  ⚠ a run of {what} was in flight and never finished (started "
+                         f"{started} UTC; its engine, pid {rec['engine']}, died): the next "
+                         "writing command ends what is left of it; it recorded nothing — run it "
+                         f"again: {again}")
+    return lines
 
 
 def cmd_verify(ctx, a):

@@ -80,7 +80,7 @@ def guard_reason(cli, plan, payload, fingerprint=None):
     after too many blocks in a row, or None; whether another registration counted this stop)."""
     if plan is None or guard_paused(plan) or asks_human(payload):
         return None, False  # paused by a human, or the turn ended on a question for one
-    action = next_action(cli, plan)
+    action = next_action(cli, plan, anyone=True)
     if action["kind"] not in ("finish", "next", "judge"):
         return None, False  # done, or halted on a human's decision
     limit = guard_limit()

@@ -18,25 +18,40 @@ from .base import fix_argv_text, last_chars, Lazy, limit_text, READ_CHUNK, regex
 # by everyone who can read the repository.
 SECRET_WORDS = (r"token|secret|passw(?:or)?d|passphrase|credential|api_?key|access_?key|"
                 r"private_?key|auth_?key|signing_?key")
-# well-known token shapes, each by its literal prefix (what a quick scan looks for first) and
-# the rest of its pattern; a prefix that ends words too (task-queue, AKIA in no word) must start
-# one here
+# Well-known token shapes: the table a reader checks (docs/threat-model.md shows it too). A
+# shape is its literal prefix (what a quick scan looks for first), its body, and whether the
+# prefix must start a word (a prefix that also ends words: task-queue, AKIA in no word). Every
+# shape also needs a body that looks random: a body that is lowercase words joined by - or _
+# (sk-learn-compat-layer, xoxb-slack-bot-tests, github_pat_handling_for_…) is a phrase, not a
+# token. The GitHub and Slack prefixes may follow another token's body directly (two tokens
+# printed side by side are two).
 SECRET_SHAPES = (
-    *((f"gh{k}_", r"[A-Za-z0-9]{30,}") for k in "pousr"), ("github_pat_", r"\w{20,}"),
-    ("AKIA", r"[0-9A-Z]{16}"), *((f"xox{k}-", r"[\w-]{10,}") for k in "abprs"),
-    ("sk-", r"(?:ant-)?[\w-]{20,}"), ("AIza", r"[\w-]{35}"), ("npm_", r"[A-Za-z0-9]{36}"),
-    ("glpat-", r"[\w-]{20}"), ("eyJ", r"[\w-]{10,}\.eyJ[\w-]{10,}\.[\w-]{10,}"))
-_WORD_START = ("sk-", "AKIA", "AIza", "npm_", "glpat-", "eyJ")
+    # prefix        body                           at a word's start
+    *((f"gh{k}_",   r"[A-Za-z0-9]{30,}",           False) for k in "pousr"),
+    ("github_pat_", r"\w{20,}",                    False),
+    *((f"xox{k}-",  r"[\w-]{10,}",                 False) for k in "abprs"),
+    ("AKIA",        r"[0-9A-Z]{16}",               True),
+    ("sk-",         r"(?:ant-)?[\w-]{20,}",        True),
+    ("AIza",        r"[\w-]{35}",                  True),
+    ("npm_",        r"[A-Za-z0-9]{36}",            True),
+    ("glpat-",      r"[\w-]{20}",                  True),
+    ("eyJ",         r"[\w-]{10,}\.eyJ[\w-]{10,}\.[\w-]{10,}", True),
+)
+# what no token's body is: lowercase words joined by - or _, up to where the word ends
+PHRASE = r"(?![a-z]+(?:[-_][a-z]+)+(?![\w-]))"
 # a shape's body is first tried stopping where another token begins (two tokens side by side
 # are two), then whole (a token that holds another's prefix is still one)
-_NOT_A_PREFIX = "(?!" + "|".join(re.escape(prefix) for prefix, _ in SECRET_SHAPES) + ")"
-# an assignment to a name that says it is secret — it ends with the word (GITHUB_TOKEN,
+_NOT_A_PREFIX = "(?!" + "|".join(re.escape(prefix) for prefix, _, _ in SECRET_SHAPES) + ")"
+# An assignment to a name that says it is secret — it ends with the word (GITHUB_TOKEN,
 # db_password, AWS_SECRET_ACCESS_KEY) or holds SECRET (SECRET_KEY_BASE) — not max_tokens,
-# TOKENIZERS_PARALLELISM or password_min_length; nor a value the shell fills in ($GITHUB_TOKEN,
-# ${{ secrets.X }}), a comparison (token==x), a null (password=None) or what closes a call
-# after it. Linear: a word starts it, and one with no `=` in it fails at once.
+# TOKENIZERS_PARALLELISM or password_min_length. Its value is masked unless it is no value but
+# code that reads one: what the shell fills in ($GITHUB_TOKEN, ${{ secrets.X }}), a comparison
+# (token==x), a null (password=None), a call or a lookup (os.environ[…], getenv(…),
+# config.get(…)), process.env.X; nor what closes a call after it. Linear: a word starts it,
+# and one with no `=` in it fails at once.
 SECRET_ASSIGNMENT = (r"(?<![\w-])(?=\w*=)((?:\w*?(?i:" + SECRET_WORDS + r")|(?i:\w*secret\w*))=)"
-                     r"(?![=$]|(?:None|null|nil|true|false|True|False)\b)"
+                     r"(?![=$]|(?:None|null|nil|true|false|True|False)\b|[A-Za-z_][\w.]*[(\[]"
+                     r"|process\.env\.)"
                      r"(?:'[^']*'|\"[^\"]*\"|[^\s'\"(),;]+)")
 MASK = "***"
 PRIVATE_KEY = b"PRIVATE KEY-----"
@@ -83,9 +98,9 @@ def _secrets(key):
     not, for the secret `values`."""
     kind, command, values = key
     text = "|".join(([SECRET_ASSIGNMENT] if command else []) +
-                    [("(?<![\\w-])" if prefix in _WORD_START else "") + re.escape(prefix) +
-                     f"(?:{tempered(rest)}|{rest})" for prefix, rest in SECRET_SHAPES] +
-                    [re.escape(v) for v in values])
+                    [("(?<![\\w-])" if word_start else "") + re.escape(prefix) + PHRASE +
+                     f"(?:{tempered(rest)}|{rest})" for prefix, rest, word_start in SECRET_SHAPES]
+                    + [re.escape(v) for v in values])
     if kind is bytes:
         text = text.encode("utf-8", "surrogateescape")
     return re.compile(text)
@@ -95,7 +110,7 @@ def secret_literals(key):
     """What a text of `kind` that holds a secret holds literally: the shapes' prefixes and the
     secret `values` (a command's assignment aside, which holds `=`)."""
     kind, values = key
-    literals = [prefix for prefix, _ in SECRET_SHAPES] + list(values)
+    literals = [prefix for prefix, _, _ in SECRET_SHAPES] + list(values)
     return literals if kind is str else [x.encode("utf-8", "surrogateescape") for x in literals]
 
 

@@ -13,8 +13,8 @@ from .base import (
 from .model import (
     _PRISTINE, accepted_ids, active_stories, blocked_because, DEFAULTS, describe_exit,
     done_count, find_story, grade_detail, is_final, observed_of, observed_result, pick_ready,
-    plan_done, REOPENED_BECAUSE, round_failures, round_label, rounds_left, run_passed,
-    run_evidence, run_summary, stories_in, touch, unaddressed_failure, waits_for)
+    plan_done, REOPENED_BECAUSE, round_failures, round_label, rounds_left, run_evidence,
+    run_passed, run_summary, stories_in, touch, unaddressed_failure, waits_for)
 from .runs import NOT_THERE, repo_root
 
 # the folder that holds goals.py and this package (scripts/ in a checkout or a copy)
@@ -139,13 +139,24 @@ def render_feedback(story):
     return lines
 
 
-def render_round_failures(story, prefix):
+def render_round_failures(story, prefix, prog="goals.py"):
+    """This round's runs that did not pass: those a signal interrupted (nothing to fix: run it
+    again), then those that failed (fix what they show)."""
     failed = round_failures(story)
+    stopped = [r for r in failed if r.get("interrupted")]
+    failed = [r for r in failed if not r.get("interrupted")]
+    lines = []
+    for run in stopped:
+        label = f"frozen check {run['check'] + 1}" if run["check"] is not None else "run"
+        again = f"{prog} verify --id {story['id']}" + (
+            f" --verify-cmd {quote_arg(run['cmd'])}" if run["check"] is None else "")
+        lines.append(f"⚠ {prefix}{label} `{defuse(one_line(run['cmd']))}` was interrupted "
+                     f"({describe_exit(run)}, event {run['seq']}) — nothing to fix: run it "
+                     f"again: {again}")
     if not failed:
-        return []
-    lines = [f"⚠ {prefix}{count_noun(len(failed), 'run')} already failed in this round — fix what "
-             "they "
-             "show before the complete checkpoint:"]
+        return lines
+    lines.append(f"⚠ {prefix}{count_noun(len(failed), 'run')} already failed in this round — "
+                 "fix what they show before the complete checkpoint:")
     for run in failed:
         label = f"frozen check {run['check'] + 1}" if run["check"] is not None else "run"
         lines.append(f"  {label} `{defuse(one_line(run['cmd']))}` ({describe_exit(run)}, event "
@@ -184,7 +195,7 @@ def render_handoff(prog, plan, story, reshown, brief=False):
                      f"{REOPENED_BECAUSE.get(fb.get('source'), REOPENED_BECAUSE['checkpoint'])}; "
                      "what was missing is below. Continue the work; do not restart it.")
     if reshown:
-        lines += render_round_failures(story, "Resumed: ")
+        lines += render_round_failures(story, "Resumed: ", prog)
     if reshown or story["round"] > 1:
         lines.append("  Files from the earlier attempt exist only if that work was kept (committed "
                      "or "
@@ -245,7 +256,7 @@ def render_resume(prog, plan, story):
         lines.append(f"What was missing last round (round {fb['round']}):")
         lines.append(indent(defuse(last_chars(fb["text"], 300))) if not blank(fb["text"])
                      else "    (no reason was recorded)")
-    lines += render_round_failures(story, "")
+    lines += render_round_failures(story, "", prog)
     lines.append("Full handoff (plan map, dependencies' evidence, checks): "
                  + handoff_command(prog, story))
     lines.append(f"  or, for every story in progress: {prog} status --resume")
@@ -288,7 +299,7 @@ def status_details(plan, story):
     return details
 
 
-def next_action(prog, plan, agent=None):
+def next_action(prog, plan, agent=None, anyone=False):
     """What to do now — the one answer `next`, `status`, `checkpoint`, `decide`, `verdict`, the
     guard and every refusal give, so no two commands disagree and no suggested command is one a
     gate then refuses. A dict: kind (done, finish, next, decide, judge, wait), id (the story),
@@ -296,8 +307,10 @@ def next_action(prog, plan, agent=None):
     if plan_done(plan):
         return {"kind": "done", "id": None, "cmd": None, "text": done_line(plan)}
     active = active_stories(plan)
-    # never another agent's story: an unnamed caller is handed only stories no agent holds
-    mine = [s for s in active if s["agent"] == agent]
+    # never another agent's story: an unnamed caller is handed only stories no agent holds —
+    # but for the Stop hook's guard (`anyone`), which cannot tell who is stopping and holds
+    # back whoever works while any story is in progress
+    mine = [s for s in active if anyone or s["agent"] == agent]
     if mine:
         s = mine[0]
         command = completion_command(prog, plan, s)

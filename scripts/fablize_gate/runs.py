@@ -12,7 +12,7 @@ from .base import (
     one_line, READ_CHUNK, refused, RUNS, sha256_hex, TAIL_CHARS, usage)
 from .masking import looks_secret, mask, mask_places, Masker
 from .model import run_passed, run_result
-from .storage import ensure_subdir, fsync_dir, open_state_file, write_all
+from .storage import ensure_subdir, fsync_dir, open_state_file, write_all, write_atomic
 
 
 # One policy for every program the engine and its rooms start (git, ssh-keygen, a shell for
@@ -406,6 +406,135 @@ class StopSignals:
         return False
 
 
+# A run in flight: runs/.inflight/<pid of its group>.json while it runs, so that a run whose
+# engine died (kill -9) is found — its group ended by the next command that takes the lock, and
+# said by `status` meanwhile. `runs/.*` is never committed; a folder of its own keeps the look
+# one listdir of a few names, however many logs runs/ holds.
+INFLIGHT = ".inflight"
+
+
+def note_inflight(runs_dir, pgid, cmd, story, check, log_path):
+    try:
+        path = os.path.join(ensure_subdir(os.path.join(runs_dir, INFLIGHT)), f"{pgid}.json")
+        note = {"engine": os.getpid(), "pgid": pgid, "id": story, "check": check,
+                "cmd": mask(cmd, command=True), "started": now_iso(),
+                "log": os.path.basename(log_path)}
+        write_atomic(path, json_bytes(note))
+    except (OSError, FablizeError):  # a full disk, a planted link: the run goes on unnoted
+        return None
+    return path
+
+
+def forget_inflight(path):
+    """The note gone, and its folder with the last one (runs/ holds what a plan keeps)."""
+    for remove, target in ((os.unlink, path), (os.rmdir, os.path.dirname(path))):
+        try:
+            remove(target)
+        except OSError:  # another run's note is there: the folder stays for it
+            pass
+
+
+def json_bytes(obj):
+    import json
+    return json.dumps(obj, ensure_ascii=False).encode("utf-8")
+
+
+def inflight_runs(store):
+    """[(record, its engine alive)] of each run noted in flight, oldest first."""
+    import json
+    folder = os.path.join(store.path(RUNS), INFLIGHT)
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".json"))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        try:
+            with open(os.path.join(folder, name), "rb") as f:
+                rec = json.loads(f.read(1 << 16))
+            engine, pgid = int(rec["engine"]), int(rec["pgid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a half-written note: its engine is writing it now, or it is no note
+        rec.update(engine=engine, pgid=pgid, path=os.path.join(folder, name))
+        found.append((rec, process_alive(engine)))
+    return found
+
+
+def process_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return not is_zombie(pid)
+
+
+def is_zombie(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def group_members(pgid):
+    """Pids of the live processes in process group `pgid` that are in its session too (the run's
+    group leads its own session), or None where /proc cannot tell."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[2] == str(pgid) and fields[3] == str(pgid) and fields[0] not in ("Z", "X"):
+            members.append(int(entry))
+    return members
+
+
+def end_orphaned_runs(store):
+    """Under the lock: each run noted in flight whose engine died — what is left of its process
+    group is ended (only the group that leads its own session: a reused pgid is left alone),
+    its temp log removed (the run counts for nothing), and said."""
+    import signal
+    for rec, alive in inflight_runs(store):
+        if alive:
+            continue
+        pgid, what = rec["pgid"], f"`{one_line(str(rec.get('cmd')))}`"
+        members = group_members(pgid)
+        if members is None:
+            fate = (f"whether its process group {pgid} is still running cannot be told here; "
+                    f"`kill -9 -{pgid}` ends it if it is")
+        elif not members:
+            fate = "nothing of it was still running"
+        else:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+                fate = f"what was left of it ({len(members)} process(es), group {pgid}) was ended"
+            except OSError as e:
+                fate = (f"its process group {pgid} could not be ended ({e.strerror}): "
+                        f"`kill -9 -{pgid}` ends it")
+        log = str(rec.get("log", ""))
+        if re.fullmatch(r"\.run-[\w-]+\.log", log):
+            try:
+                os.unlink(store.path(os.path.join(RUNS, log)))
+            except OSError:
+                pass
+        forget_inflight(rec["path"])
+        store.warn(f"a run of {what} for {one_line(str(rec.get('id')))} was in flight when its "
+                   f"engine (pid {rec['engine']}) died; {fate}. It recorded nothing: run it "
+                   "again.")
+
+
+ECHO_HEAD = 16000   # characters of a run's output the terminal is shown as they come
+ECHO_TAIL = 4000    # and of its end, once it is over
+
+
 class Run:
     """One command the engine runs, in named steps: `start` it in a session of its own,
     `wait` for it (a timeout or a stop signal kills its whole group), then `finish`: its output,
@@ -413,10 +542,11 @@ class Run:
     (escaped) to `stream` and written whole to `log_path`; the record's size, digest and tail
     are read back from the log on disk."""
 
-    def __init__(self, cmd, cwd, stream, log_path):
+    def __init__(self, cmd, cwd, stream, log_path, story=None, check=None):
         import codecs
         import threading
         self.cwd, self.stream, self.log_path = cwd, stream, log_path
+        self.story, self.check = story, check  # what the in-flight note names
         self.masker = Masker(cwd)
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self.log_fd, self.log_error = None, None
@@ -433,6 +563,10 @@ class Run:
         # so a child that escaped the group and keeps the pipe open costs no wait (where pipes
         # can be polled; on Windows the reader waits for the end of the pipe, at most 5 s)
         self.draining = False
+        # the terminal is shown the output's first ECHO_HEAD characters as they come and, once
+        # the run is over, its last ECHO_TAIL, with a count of what was left out between: the log
+        # keeps all of it (a 300 KB line would otherwise flood an agent's context)
+        self.echoed, self.held, self.left_out = 0, "", 0
         self.started = time.monotonic()
         self.record = {"cmd": cmd, "cwd": repo_relative(cwd) or ".", "exit_code": None,
                        "signal": None, "timed_out": False, "error": None}
@@ -447,13 +581,36 @@ class Run:
             except OSError as e:  # the run goes on; its record will say the log is short
                 self.log_error = e
         if self.stream is not None and masked:
-            try:
-                piece, self.at_start = quote_output(clean(self.decoder.decode(masked)),
-                                                    self.at_start)
-                self.stream.write(piece)
-                self.stream.flush()
-            except (OSError, ValueError):
-                pass
+            text = clean(self.decoder.decode(masked))
+            room = ECHO_HEAD - self.echoed
+            if room > 0:
+                self.echo(text[:room])
+                self.echoed += min(room, len(text))
+                text = text[room:]
+            if text:
+                self.held += text
+                if len(self.held) > ECHO_TAIL:
+                    self.left_out += len(self.held) - ECHO_TAIL
+                    self.held = self.held[-ECHO_TAIL:]
+
+    def echo(self, text):
+        try:
+            piece, self.at_start = quote_output(text, self.at_start)
+            self.stream.write(piece)
+            self.stream.flush()
+        except (OSError, ValueError):
+            pass
+
+    def echo_end(self):
+        """What the terminal was not shown as it came: a count of what is left out, then the
+        output's end."""
+        if self.stream is None:
+            return
+        if self.left_out:
+            self.echo(("" if self.at_start else "\n") + f"… {self.left_out:,} characters not "
+                      "shown here (the run's log keeps all) …\n")
+        if self.held:
+            self.echo(self.held)
 
     def pump(self, pipe):
         """The reader thread: the pipe's output, a chunk at a time, until it ends, the run is
@@ -533,6 +690,7 @@ class Run:
         with self.guard:
             self.finished = True
             self.take(self.masker.feed(b"", final=True))
+            self.echo_end()
         if self.log_fd is not None:
             try:
                 os.fsync(self.log_fd)
@@ -555,15 +713,20 @@ class Run:
         return record
 
 
-def run_command(cmd, cwd, timeout, stream, log_path):
+def run_command(cmd, cwd, timeout, stream, log_path, story=None, check=None):
     """Run `cmd` through the shell in `cwd` (Run): its record. Ctrl-C, an agent's tool timeout
     (SIGTERM) or a closed terminal must not leave the command running on its own in its new
     session: a stop signal kills its group as a timeout does, and the record says so."""
-    run = Run(cmd, cwd, stream, log_path)
+    run = Run(cmd, cwd, stream, log_path, story, check)
     with StopSignals() as stop:
         proc = run.start()
         if proc is not None:
+            # in flight until its group is gone: a run whose engine died is found by that note
+            inflight = (note_inflight(os.path.dirname(log_path), proc.pid, cmd, story, check,
+                                      log_path) if os.name != "nt" else None)
             run.wait(proc, stop, timeout)
+            if inflight is not None:
+                forget_inflight(inflight)
     if stop.got:
         run.record["interrupted"] = stop.got
     return run.finish()
@@ -625,7 +788,7 @@ def execute_runs(store, sid, commands, after_seq, timeout, out):
         out.progress(f"fablize: running {label} for {sid} in {store.root}: {one_line(cmd)}")
         tmp_log = os.path.join(runs_dir, f".run-{os.getpid()}-{os.urandom(4).hex()}.log")
         started = now_iso()
-        record = run_command(cmd, store.root, timeout, out.stream(), tmp_log)
+        record = run_command(cmd, store.root, timeout, out.stream(), tmp_log, sid, check)
         record.update(cmd=mask(cmd, command=True), id=sid, check=check, after_seq=after_seq,
                       started=started, git_head=head, git_dirty=dirty, tmp_log=tmp_log,
                       provenance=run_provenance(store.root, cmd))

@@ -19,8 +19,8 @@ import stat
 import sys
 
 from .base import (
-    DEFAULT_GUARD_MAX, DONE, FablizeError, last_chars, load_json, one_line, PYTHON, refused,
-    STATE_DIRNAME, STATE_GITIGNORE, usage)
+    DEFAULT_GUARD_MAX, DONE, FablizeError, last_chars, load_json, one_line, PYTHON, quote_arg,
+    refused, STATE_DIRNAME, STATE_GITIGNORE, usage)
 from .storage import (
     file_to_write, fsync_dir, O_BINARY, O_CLOEXEC, O_NONBLOCK, read_state_file, user_file,
     write_atomic, write_state_gitignore)
@@ -96,6 +96,29 @@ def command_missing(cli):
                 "scripts/fablize_gate/ (together) into this repository and run setup again with "
                 "that copy")
     return None
+
+
+def refuse_missing_command(ctx, cli):
+    """setup writes no wiring whose command is not there: hooks and a merge driver that run
+    `fablize` where it is not installed would fail at every event, and a merge of two branches'
+    plans would leave conflict markers. Refused before anything is written, naming the copy
+    that makes the wiring run the project's own engine."""
+    missing = command_missing(cli)
+    if missing is None:
+        return
+    if human_command(cli) != cli:  # the plugin's engine: Claude Code puts its bin/ on PATH
+        ctx.out.warn(missing + ".")
+        return
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this engine's scripts/
+    copy = (f"mkdir -p scripts && cp -r {quote_arg(os.path.join(here, 'goals.py'))} "
+            f"{quote_arg(os.path.join(here, 'fablize_gate'))} scripts/")
+    error = refused(f"setup: the wiring would run `{cli}`, which is not on PATH here, and this "
+                    "engine is not in the project — nothing was written. Copy the engine into "
+                    "the project (then run setup again with that copy: `python3 scripts/goals.py "
+                    f"setup {ctx.args.agent}`), or install fablize (README: Add it to your "
+                    "project):", "command_missing")
+    error.commands = [copy]
+    raise error
 
 
 def migration_note(text, name):
@@ -593,6 +616,8 @@ def cmd_setup(ctx, a):
                       "here — run `git init` first, then setup again (or install fablize, whose "
                       "`fablize` command needs no repository).", "not_a_repository")
     changes, notes = setup_plan(root, a.agent, a.remove)
+    if not a.remove:  # checked before anything is written
+        refuse_missing_command(ctx, cli)
     done = []
     for rel, path, st, data, what in changes:
         put_project_file(path, st, data)
@@ -629,9 +654,6 @@ def cmd_setup(ctx, a):
         done.append(".gitattributes")
     for note in notes:
         ctx.say(f"fablize: {note}")
-    missing = None if a.remove else command_missing(portable_command(root))
-    if missing:
-        ctx.out.warn(missing + ".")
     if not done:
         ctx.say(f"fablize: {a.agent} is already {'unwired' if a.remove else 'set up'} here; "
                 "nothing changed.")

@@ -47,7 +47,7 @@ import time
 from .base import (
     ARCHIVE, count_noun, damaged, dumps, EXIT_DAMAGED, FablizeError, id_arg, is_plan_id, LEDGER,
     load_json, now_iso, one_line, PIN, PLAN_EXISTS, refused, RUNS, sha256_hex, SHARE, SNAPSHOT,
-    STATE_GITIGNORE, usage, with_step, ZERO_HASH)
+    STATE_DIRNAME, STATE_GITIGNORE, usage, with_step, ZERO_HASH)
 from .masking import masked_text
 from .model import (
     active_stories, apply_event, find_story, misfit, parse_event, pick_ready, ready_stories,
@@ -708,8 +708,9 @@ class Chain:
 
     def rewritten(self):
         return damaged(f"the shared plan on {self.remote} no longer holds the commit this clone "
-                       "last published or pulled — its history was rewritten; run `goals.py "
-                       "audit --remote` to see it.", "remote_history_rewritten")
+                       "last published or pulled — its history was rewritten (a fork: "
+                       "docs/reference.md, A fork of a shared plan, says how to keep one).",
+                       "remote_history_rewritten")
 
 
 def apply_shared_line(plan, line, seq, head, remote):
@@ -718,8 +719,9 @@ def apply_shared_line(plan, line, seq, head, remote):
     if ev is None or ev["seq"] != seq or ev.get("prev") != head:
         got = ev["seq"] if ev else "?"
         raise damaged(f"the shared plan on {remote} does not continue this ledger at event {seq} "
-                      f"(found event {got}, or a broken hash chain) — its history was rewritten; "
-                      "run `goals.py audit --remote` to see it.", "remote_history_rewritten")
+                      f"(found event {got}, or a broken hash chain) — its history was rewritten "
+                      "(a fork: docs/reference.md, A fork of a shared plan, says how to keep "
+                      "one).", "remote_history_rewritten")
     try:
         plan = apply_event(plan, ev)
     except FablizeError as e:
@@ -1360,7 +1362,7 @@ def pause(session, cfg, seconds):
     cfg.update(share_config(session.store))
 
 
-def refresh(session, cfg):
+def refresh(session, cfg, restores=3):
     """Fetch the plan's ref and integrate what it holds: integrate's (rebase, events set aside,
     whether the plan that replaced this one, if any, was there)."""
     store = session.store
@@ -1369,7 +1371,48 @@ def refresh(session, cfg):
         if cfg["commit"] is None:
             return None, [], True
         raise ref_deleted(cfg, session.plan)
-    return integrate(session, cfg, Chain(store, ref, cfg["commit"], cfg["remote"]))
+    try:
+        chain = Chain(store, ref, cfg["commit"], cfg["remote"])
+    except FablizeError as e:
+        if e.code != "remote_history_rewritten":
+            raise
+        if not restores or not restore_rewound(store, cfg, ref):
+            raise fork_error(store, cfg, ref) from None
+        return refresh(session, cfg, restores - 1)  # the remote holds what this clone knew
+    return integrate(session, cfg, chain)
+
+
+def restore_rewound(store, cfg, ref):
+    """The remote's ref moved back (a force-push, a server restored from a backup) to a commit
+    this clone's published history holds: what the remote lost is pushed again, from this
+    clone's own commits — a fast-forward, checked by the lease on where the remote is now —
+    and said in one line. False when the remote's history is not a prefix of this clone's (a
+    fork: a human keeps one)."""
+    tip = git_out(store, "rev-parse", ref).decode().strip()
+    mine = cfg["commit"]
+    if tip == mine or git_call(store, "merge-base", "--is-ancestor", tip, mine)[0] != 0:
+        return False
+    lost = int(git_out(store, "rev-list", "--count", f"{tip}..{mine}").decode().strip() or 0)
+    if not push(store, cfg["remote"], [(mine, SHARED_REFS + cfg["plan_id"], tip)]):
+        return True  # another clone moved it meanwhile (restoring it too, or on top): fetch again
+    store.warn(f"{cfg['remote']} had lost the last {count_noun(lost, 'event')} of plan "
+               f"{cfg['plan_id']} (its ref had moved back); restored from this clone.")
+    return True
+
+
+def fork_error(store, cfg, ref):
+    """The remote's history and this clone's differ (neither holds the other): a fork, which
+    no command resolves alone. Names the command that shows both and the way to keep one."""
+    remote, plan_id = cfg["remote"], cfg["plan_id"]
+    error = damaged(
+        f"the shared plan on {remote} and this clone's copy differ (a fork: the remote's ref "
+        "was rewritten and both went on). `git log --oneline --graph "
+        f"{(cfg['commit'] or '')[:12]} {ref}` shows both. To keep this clone's: "
+        f"`git push --force {remote} {(cfg['commit'] or '')[:12]}:{SHARED_REFS}{plan_id}`, then "
+        f"sync; to keep the remote's: move {STATE_DIRNAME}/ aside and sync (docs/reference.md: "
+        "A fork of a shared plan):", "remote_history_rewritten")
+    error.commands = [f"git log --oneline --graph {cfg['commit']} {ref}"]
+    return error
 
 
 def ref_deleted(cfg, plan):
@@ -1512,7 +1555,8 @@ def publish(session, claim=False, fetch_first=None):
     except FablizeError as e:
         if claim or e.code not in TOLERATED:
             raise
-        store.warn(f"not published: {e.message} The events are kept here; the next command "
+        said = e.message.rstrip(".").replace("; the events are kept here", "")  # said once:
+        store.warn(f"not published: {said}. The events are kept here; the next command "
                    "or `sync` publishes them.")
         return session.plan
     mine = own_set_aside(session, own, rejected)
@@ -1666,9 +1710,14 @@ def status(store, plan):
     elif sha == cfg["commit"]:
         info["behind"] = 0
     elif seq is not None and seq <= cfg["seq"]:
-        info["problem"] = (f"{cfg['remote']}'s ref no longer continues this ledger (it is at "
-                           f"event {seq}, this clone published {cfg['seq']}) — its history was "
-                           "rewritten; `audit --remote` shows it.")
+        back = cfg["commit"] and git_call(store, "merge-base", "--is-ancestor", sha,
+                                          cfg["commit"])[0] == 0
+        info["problem"] = (
+            f"{cfg['remote']}'s ref moved back (it is at event {seq}, this clone published "
+            f"{cfg['seq']}) — `sync` restores the events it lost from this clone." if back else
+            f"{cfg['remote']}'s ref no longer continues this ledger (it is at event {seq}, this "
+            f"clone published {cfg['seq']}) — its history was rewritten; `sync` shows how (a "
+            "fork: docs/reference.md, A fork of a shared plan).")
     else:
         info["behind"] = seq - cfg["seq"] if seq is not None else None
     return info
@@ -1736,13 +1785,48 @@ OLD_SHARED_GITIGNORE = b"# a shared plan: its history is in refs/fablize/, not t
 
 def ignore_shared_dir(store):
     """A shared plan lives in refs, not in the branch: nothing in its state directory is
-    committed but its pin (sync --pin), so a branch merge never touches its history."""
-    path = store.path(".gitignore")
-    # the engine's own .gitignore (written with the directory, or an older one of a shared
-    # plan) gives way; a user's stays
-    if not os.path.lexists(path) or read_state_file(path) in (
-            STATE_GITIGNORE.encode(), OLD_SHARED_GITIGNORE):
-        write_atomic(path, SHARED_GITIGNORE)
+    committed but its pin (sync --pin), so a branch merge never touches its history. Said in
+    this clone's .git/info/exclude, which nothing commits: the state directory's .gitignore —
+    which a branch may commit — is left as it is, so no `git commit -a` picks up an edit and no
+    other clone's `git pull` meets one. Returns whether the exclusion was added (to be said)."""
+    rel = exclude_path(store)
+    if rel is None:  # no repository git would read it from: the state directory's own file
+        path = store.path(".gitignore")
+        if not os.path.lexists(path) or read_state_file(path) in (
+                STATE_GITIGNORE.encode(), OLD_SHARED_GITIGNORE):
+            write_atomic(path, SHARED_GITIGNORE)
+        return False
+    exclude, rel = rel
+    wanted = [f"/{rel}/*", f"!/{rel}/{PIN}"]
+    try:
+        text = (read_state_file(exclude) or b"").decode("utf-8", "replace")
+    except OSError:
+        text = ""
+    have = text.splitlines()
+    if all(line in have for line in wanted):
+        return False
+    block = ("" if not text or text.endswith("\n") else "\n") + EXCLUDE_NOTE + "\n" + "".join(
+        line + "\n" for line in wanted)
+    os.makedirs(os.path.dirname(exclude), exist_ok=True)
+    write_atomic(exclude, (text + block).encode("utf-8"))
+    return True
+
+
+EXCLUDE_NOTE = "# fablize: a shared plan's state stays in this clone (its history: refs/fablize/)"
+
+
+def exclude_path(store):
+    """(this clone's info/exclude, the state directory relative to the repository) — or None
+    where git would not read them (a GIT_DIR-style variable, no repository, a name a pattern
+    would misread)."""
+    dirs = git_dirs(store)
+    top = repo_root(store.root)
+    if dirs is None or top is None:
+        return None
+    rel = os.path.relpath(os.path.realpath(store.dir), os.path.realpath(top)).replace(os.sep, "/")
+    if rel.startswith("..") or not re.fullmatch(r"[\w.][\w./-]*", rel):
+        return None
+    return os.path.join(dirs[1], "info", "exclude"), rel
 
 
 def pin_here(store, plan):
@@ -1782,11 +1866,14 @@ def start(store, remote):
             first = True
         else:
             first = False
-        ignore_shared_dir(store)
+        excluded = ignore_shared_dir(store)
         sync_shared(s, cfg)
         plan = s.plan
     line = (f"fablize: plan {plan['plan_id']} shared through {remote} "
             f"({SHARED_REFS}{plan['plan_id']}, {count_noun(cfg['seq'], 'event')}).")
+    if excluded:  # said once, when this clone first keeps it out of git
+        line += ("\nfablize: the plan's state directory (but its pin) is kept out of git by this "
+                 "clone's .git/info/exclude — no committed file changes.")
     if first:  # said once, when the plan first goes out
         line += "\n" + PUBLISHES.format(remote=remote)
     return {"remote": remote, "ref": SHARED_REFS + plan["plan_id"], "published": cfg["seq"]}, line

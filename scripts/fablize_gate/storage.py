@@ -722,6 +722,7 @@ class Store:
         self.discovered = discovered
         self.warnings = [] if warnings is None else warnings
         self.after_commit = []
+        self.on_lock = []  # steps run once the lock is taken (runs whose engine died are ended)
         self.recorded = []  # (seq, event) of each event made durable by this command
 
     def path(self, name):
@@ -973,6 +974,12 @@ class Transaction(Reading):
 
     def __enter__(self):
         self.lock.__enter__()
+        try:
+            for step in self.store.on_lock:
+                step(self.store)
+        except BaseException:
+            self.lock.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc):
