@@ -599,6 +599,64 @@ def test_attack_code_that_detects_the_rerun_by_its_path_fails_as_a_tripwire(proj
 
 
 
+LOOKS_FOR_CI = ("import os\n\n\ndef add(a, b):\n"
+                "    if os.environ.get('CI'):  # quieter logs in CI: honest, still a tripwire\n"
+                "        pass\n"
+                "    return a + b\n")
+
+
+@pytest.mark.skipif(shutil.which("ssh-keygen") is None, reason="ssh-keygen is not installed")
+def test_a_tripwire_a_human_reviewed_passes_once_the_final_story_is_accepted_signed(tmp_path):
+    """--forbid-tripwires fails code that looks for its judge unless a human reviewed it and
+    accepted the final story with a decision signed by a key the base lists: unsigned, the
+    gate holds; signed by that key, it lets the reviewed work through."""
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "alice", "-f",
+                    str(keys / "alice")], check=True)
+    kind, key = (keys / "alice.pub").read_text().split()[:2]
+    (tmp_path / "p").mkdir()
+    project = Project(tmp_path / "p", files={
+        "allowed_signers": f'alice namespaces="fablize" {kind} {key}\n'})
+    tree = project.top / "agent"
+    git(project.top, "clone", "-q", str(project.origin), str(tree))
+    git(tree, "checkout", "-q", "-b", "pr")
+    (tree / "src" / "calc.py").write_text(LOOKS_FOR_CI)
+    home = project.home
+    assert engine(tree, home, "next").returncode == 0
+    assert engine(tree, home, "checkpoint", "--id", "G001", "--status", "complete",
+                  "--evidence", "add adds").returncode == 0
+    assert engine(tree, home, "next").returncode == 0
+    assert engine(tree, home, "checkpoint", "--id", "G002", "--status", "blocked", "--evidence",
+                  "src/calc.py reads CI: a human must look at it").returncode == 0
+    git(tree, "add", "-A")
+    git(tree, "commit", "-qm", "blocked: a human must look")
+
+    def audit():
+        git(tree, "add", "-A")
+        git(tree, "commit", "-qm", "the work", "--allow-empty")
+        git(tree, "push", "-qf", "origin", "pr")
+        shutil.rmtree(project.top / "ci", ignore_errors=True)
+        r = project.strictest("--forbid-tripwires", "--allowed-signers", "allowed_signers",
+                              "--json")
+        return [f["code"] for f in json.loads(r.stdout)["failures"]], r
+
+    r = engine(tree, home, "decide", "--id", "G002", "accept", "--note", "CI only quiets logs")
+    assert r.returncode == 0, r  # an unsigned acceptance
+    codes, r = audit()
+    assert "tripwire" in codes, r  # an unsigned decision lets nothing through
+    fix = [f["fix"] for f in json.loads(r.stdout)["failures"] if f["code"] == "tripwire"][0]
+    assert "decide --id G002 accept --note" in fix and "--sign KEY --signer NAME" in fix, fix
+    git(tree, "reset", "-q", "--hard", "HEAD~1")  # back to the blocked story
+    r = engine(tree, home, "decide", "--id", "G002", "accept", "--note", "CI only quiets logs",
+               "--sign", str(keys / "alice"), "--signer", "alice")
+    assert r.returncode == 0, r
+    codes, r = audit()
+    assert "tripwire" not in codes, r
+    wires = json.loads(r.stdout)["trust"]["tripwires"]
+    assert [(w["path"], w["line"]) for w in wires] == [("src/calc.py", 5)], wires  # still listed
+
+
 # Nothing from the branch runs before the verdict ##########################################
 
 

@@ -1214,8 +1214,8 @@ def gates(store, plan, trust, opts):
             f"for its judge ({count_noun(len(trust['tripwires']), 'line')}) — "
             f"{one_line(first['path'])}:{first['line']} {first['what']}",
             "take it out of the work; or a human reviews it and accepts the final story with a "
-            "signed decision (`decide --decision accept --sign KEY --signer NAME`, with "
-            "--allowed-signers)"))
+            f"signed decision (`decide --id {final_id} accept --note \"<why>\" --sign KEY "
+            "--signer NAME`, with --allowed-signers)"))
     if opts["forbid_accepted"] and trust["accepted"]:
         found.append(failure("accepted_forbidden", "accepted by a decision, not completed — "
                              + ", ".join(x["id"] for x in trust["accepted"]),
