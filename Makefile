@@ -11,9 +11,9 @@ BIN := $(VENV)/bin
 VERMIN_FILES := scripts/*.py scripts/fablize_gate/*.py
 VERMIN_FLAGS := --no-tips --violations -t=3.9- --eval-annotations
 
-# three workers on two cores: most tests wait on a subprocess (git, the engine), and the suite
-# takes ~90 s where two workers take ~108 s on this project's 2-core machine
-PYTEST_ARGS ?= -q -n 3 tests
+# four workers on two cores: most tests wait on a subprocess (git, the engine); on this project's
+# idle 2-core machine the suite takes ~112 s with four, ~131 s with three
+PYTEST_ARGS ?= -q -n 4 tests
 # The oldest supported Python, proven rather than assumed: where a 3.9 is installed, `make test`
 # also runs the demo and the engine's subprocess tests on it (the test tools themselves need a
 # newer Python, so they stay on the venv's).

@@ -152,6 +152,13 @@ def test_a_run_whose_engine_was_killed_is_said_by_status_and_ended_by_the_next_w
     before = len(ledger(active / ".fablize"))
     proc = spawn(active, *CHECKPOINT)
     pgid = wait_for_run(active, proc)
+    # the engine notes the run once it has started it (it needs the group's id): a kill -9
+    # between the two leaves a run no note names, a window this test waits out
+    note = active / ".fablize" / "runs" / ".inflight" / f"{pgid}.json"
+    deadline = time.monotonic() + HANG_GUARD
+    while not note.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run was never noted"
+        time.sleep(0.02)
     proc.kill()  # SIGKILL: no handler runs, the group is left behind
     proc.communicate(timeout=HANG_GUARD)
     assert group_alive(pgid)  # what the issue saw: the check keeps running
