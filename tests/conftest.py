@@ -27,10 +27,10 @@ os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.g
 
 import fablize_gate  # noqa: E402  (the engine package beside goals.py)
 from fablize_gate import (audit, base, cli, commands, hooks, masking, merge, model,  # noqa: E402
-                          render, runs, setup, sharing, storage, trust)
+                          render, runs, setup, sharing, sharing_git, storage, trust)
 
 MODULES = [fablize_gate, base, masking, model, storage, runs, render, audit, hooks, commands, cli,
-           setup, sharing, merge, trust]
+           setup, sharing, sharing_git, merge, trust]
 
 
 class EngineView:

@@ -34,10 +34,10 @@ when it needs it, so a start loads only what it runs):
   hooks      what an agent's harness runs (guard, observe)
   commands   one function a command
   cli        the parser, Output, Context and `main`, the one exit point
-Rooms, for what the original never had, use the layers below commands through the names their
-own docstrings list: setup (setup, doctor, install-block, completion), sharing (share, sync,
-release, create --remote, audit --remote), merge (merge-driver, install-merge) and trust
-(audit's --base/--since/--rerun and --require-* gates, decide --sign).
+Rooms, for what the original never had, use the layers below commands through the names they
+import from them: setup (setup, doctor, install-block, completion), sharing (share, sync,
+release, create --remote, audit --remote; its git runner in sharing_git), merge (merge-driver,
+install-merge) and trust (audit's --base/--since/--rerun and --require-* gates, decide --sign).
 
 scripts/goals.py, beside this folder, is the one way in: it loads this package by its path.
 Exit codes: 0 done, 1 refused, 2 usage, 3 damaged; 128 + N when signal N stopped a run.
