@@ -13,7 +13,7 @@ from .base import (
     one_line, PIN, quote_arg, regex, SCHEMA_VERSION, SHARE, usage, VERDICTS)
 from .masking import use_environment
 from .storage import find_state_dir, project_state_dir, snapshot_damage, Store
-from .runs import end_orphaned_runs, plan_text
+from .runs import plan_text
 from .render import invocation
 from .commands import (
     cmd_add, cmd_audit, cmd_checkpoint, cmd_create, cmd_decide, cmd_guard, cmd_judge_packet,
@@ -160,7 +160,6 @@ class Context:
             if not discovered:
                 path = project_state_dir(path, self.out)
             self.store = Store(path, discovered, self.out.warnings)
-            self._store.on_lock.append(end_orphaned_runs)
         return self._store
 
     @store.setter
@@ -703,37 +702,11 @@ def no_plan_advice(ctx, error):
         return
     where = "this repository pins a shared plan" if os.path.lexists(store.path(PIN)) else None
     if where is None:
-        where = remote_sharing(store.root)
+        where = sharing_room().remote_sharing(store.root)
     if where is not None:
         error.message = (f"{error.message[:-1]}, or, as {where} this clone has not brought in "
                          "yet, `sync` it:")
         error.commands = [f"{ctx.prog} sync"]
-
-
-NO_PLAN_PROBE = 5.0  # seconds the no-plan refusal asks the remote whether it shares a plan
-
-
-def remote_sharing(root):
-    """"origin shares a plan" when the remote `sync` would use shares one, else None (no
-    repository, no such remote, or it cannot be reached: the original's advice stands)."""
-    from .runs import git, repo_root, run_tool
-    if repo_root(root) is None:
-        return None
-    try:
-        code, out, _ = git(root, "remote")
-        names = out.decode("utf-8", "replace").split() if code == 0 else []
-        remote = "origin" if "origin" in names else names[0] if len(names) == 1 else None
-        if remote is None:
-            return None
-        # a refusal must not hang on a remote that does not answer: a few seconds, then the
-        # original's advice stands
-        code, out, _ = run_tool(["git", "-C", root, "ls-remote", remote, "refs/fablize/plans/*"],
-                                what="a shared plan", timeout=NO_PLAN_PROBE,
-                                env=None if "GIT_SSH_COMMAND" in os.environ else {
-                                    "GIT_SSH_COMMAND": "ssh -o BatchMode=yes -o ConnectTimeout=3"})
-    except (FablizeError, OSError):  # no git, or a remote that does not answer in time
-        return None
-    return f"{remote} shares a plan" if code == 0 and out.strip() else None
 
 
 def cwd_gone():

@@ -25,9 +25,9 @@ from .storage import (
     replay_all, require_state_dir, shown_path, Store, symlink_refusal, user_file, within,
     write_atomic)
 from .runs import (
-    check_command, commit_runs, execute_runs, file_not_there_yet, inflight_runs,
-    merge_driver_missing, MERGE_QUIET, plan_text, tree_state, unverifiable_checks,
-    unverifiable_label, verification_runs)
+    check_command, commit_runs, end_orphaned_runs, execute_runs, file_not_there_yet,
+    inflight_runs, merge_driver_missing, MERGE_QUIET, plan_text, tree_state,
+    unverifiable_checks, unverifiable_label, verification_runs)
 from .render import (
     completion_command, done_line, grades_line, handoff_command, human_command, left_line,
     next_action, next_line, plan_json, plan_summary, render_handoff, render_observed,
@@ -51,11 +51,13 @@ def setup_room():
 
 
 def store_opened(ctx, store):
-    """What every command does as it opens the state directory `store`: a shared plan's store
-    publishes after each write (the sharing room attaches to it); a clone whose git config lacks
-    the merge driver that .gitattributes names is warned — not where no branch merge can touch
-    the plan (a shared plan lives in refs), by the commands that wire the driver, nor by audit
-    (CI's copy of the engine is no clone). Read from files, no git process."""
+    """What every command does as it opens the state directory `store`: what is left of a run
+    whose engine died is ended when the lock is next taken (runs.end_orphaned_runs); a shared
+    plan's store publishes after each write (the sharing room attaches to it); a clone whose git
+    config lacks the merge driver that .gitattributes names is warned — not where no branch
+    merge can touch the plan (a shared plan lives in refs), by the commands that wire the
+    driver, nor by audit (CI's copy of the engine is no clone). Read from files, no git process."""
+    store.on_lock.append(end_orphaned_runs)  # a run whose engine died: ended under the lock
     sharing = sharing_of(store)
     if sharing is not None:
         sharing.attach(store)

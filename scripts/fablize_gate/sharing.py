@@ -56,7 +56,7 @@ from .storage import (
     commit_start, crash_point, ensure_subdir, free_name, fsync_dir, link_or_copy, O_BINARY,
     open_plan, open_state_file, read_state_file, require_state_dir, shown_path, write_all,
     write_atomic)
-from .runs import repo_root
+from .runs import git, repo_root, run_tool
 from .render import invocation, plan_json, story_json
 from .audit import audit_ledger
 from .sharing_git import (
@@ -1730,6 +1730,31 @@ def start(store, remote):
     if first:  # said once, when the plan first goes out
         line += "\n" + PUBLISHES.format(remote=remote)
     return {"remote": remote, "ref": SHARED_REFS + plan["plan_id"], "published": cfg["seq"]}, line
+
+
+NO_PLAN_PROBE = 5.0  # seconds the no-plan refusal asks the remote whether it shares a plan
+
+
+def remote_sharing(root):
+    """"origin shares a plan" when the remote `sync` would use shares one, else None (no
+    repository, no such remote, or it cannot be reached: the original's advice stands)."""
+    if repo_root(root) is None:
+        return None
+    try:
+        code, out, _ = git(root, "remote")
+        names = out.decode("utf-8", "replace").split() if code == 0 else []
+        remote = "origin" if "origin" in names else names[0] if len(names) == 1 else None
+        if remote is None:
+            return None
+        # a refusal must not hang on a remote that does not answer: a few seconds, then the
+        # original's advice stands
+        code, out, _ = run_tool(["git", "-C", root, "ls-remote", remote, "refs/fablize/plans/*"],
+                                what="a shared plan", timeout=NO_PLAN_PROBE,
+                                env=None if "GIT_SSH_COMMAND" in os.environ else {
+                                    "GIT_SSH_COMMAND": "ssh -o BatchMode=yes -o ConnectTimeout=3"})
+    except (FablizeError, OSError):  # no git, or a remote that does not answer in time
+        return None
+    return f"{remote} shares a plan" if code == 0 and out.strip() else None
 
 
 def cmd_share(ctx, a):
