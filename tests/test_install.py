@@ -321,6 +321,23 @@ def test_a_copied_goals_py_and_its_folder_run_the_originals_commands(tmp_path):
     assert script("status").returncode == 0 and script("audit").returncode == 0
 
 
+def test_a_users_files_beside_goals_py_or_on_the_path_never_stand_in_for_the_engine(tmp_path):
+    """goals.py loads its engine from its own folder alone: a user's json.py beside it (which
+    the standard library's would otherwise lose to: the script's folder comes first on
+    sys.path) and another fablize_gate on PYTHONPATH are never imported."""
+    project, _ = lone_copy(tmp_path)
+    trap = "raise SystemExit('fablize: the wrong {} was imported')\n"
+    (project / "scripts" / "json.py").write_text(trap.format("json"))
+    elsewhere = tmp_path / "elsewhere" / "fablize_gate"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "__init__.py").write_text(trap.format("fablize_gate"))
+    env = clean_env(PYTHONPATH=str(elsewhere.parent))
+    for args in (["create", "--brief", "b", "--goal", "A::a"], ["status"]):
+        p = subprocess.run([sys.executable, "scripts/goals.py", *args], cwd=str(project),
+                           env=env, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and "wrong" not in p.stderr, p
+
+
 def test_setup_with_a_room_missing_writes_nothing(tmp_path):
     project, script = lone_copy(tmp_path, "merge.py")  # a copy of the folder without merge.py
     r = script("setup", "claude")
