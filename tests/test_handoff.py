@@ -426,6 +426,22 @@ def test_diamond_next_order_and_waits(fab):
     complete(fab, "G005", final=True)
 
 
+def test_a_story_waiting_for_many_is_said_in_one_short_line_and_listed_whole_in_json(fab):
+    # the final story of a plan of 100,000 waits for 99,999: its line named them all (700 KB)
+    make_plan(fab, 30)
+    text = fab("status").out
+    first_ten = ", ".join(f"G{i:03d}" for i in range(1, 11))
+    assert f"      waits for {first_ten} and 19 more\n" in text
+    assert status_json(fab)["G030"]["waits_for"] == [f"G{i:03d}" for i in range(1, 30)]
+
+
+def test_twelve_dependencies_are_named_whole(fab):
+    # "and 2 more" would save nothing: up to twelve are named
+    make_plan(fab, 13)
+    assert ("waits for " + ", ".join(f"G{i:03d}" for i in range(1, 13)) + "\n"
+            in fab("status").out)
+
+
 def test_diamond_blocked_story_holds_back_its_dependents_but_not_its_sibling(fab):
     diamond(fab)
     complete(fab, "G001")

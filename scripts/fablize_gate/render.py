@@ -14,7 +14,7 @@ from .model import (
     _PRISTINE, accepted_ids, active_stories, blocked_because, DEFAULTS, describe_exit,
     done_count, find_story, grade_detail, is_final, observed_of, observed_result, pick_ready,
     plan_done, REOPENED_BECAUSE, round_failures, round_label, rounds_left, run_evidence,
-    run_passed, run_summary, stories_in, touch, unaddressed_failure, waits_for)
+    run_passed, run_summary, stories_in, touch, unaddressed_failure, ids_text, waits_for)
 from .runs import NOT_THERE, repo_root
 
 # the folder that holds goals.py and this package (scripts/ in a checkout or a copy)
@@ -269,7 +269,7 @@ def status_details(plan, story):
     blocked, what its completion rests on, its amendments."""
     if _PRISTINE.issuperset(story):  # untouched since `create`: at most what it waits for
         waiting = waits_for(plan, story)
-        return ["waits for " + ", ".join(waiting)] if waiting else []
+        return ["waits for " + ids_text(waiting)] if waiting else []
     touch(story)
     details = []
     if story["status"] in DONE:
@@ -283,7 +283,7 @@ def status_details(plan, story):
     if story["status"] in ("pending", "failed"):
         waiting = waits_for(plan, story)
         if waiting:
-            details.append("waits for " + ", ".join(waiting))
+            details.append("waits for " + ids_text(waiting))
     if story["status"] == "blocked":
         details.append("blocked: " + one_line(last_chars(blocked_because(story), 200)))
     if story["status"] == "review":
