@@ -131,8 +131,7 @@ class Project:
         ci = self.ci_clone() if not (self.top / "ci").exists() else self.top / "ci"
         action = self.top / "action"
         if not action.exists():
-            shutil.copytree(ROOT / "scripts", action / "scripts",
-                            ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(ROOT / "scripts", action / "scripts")  # bytecode too: see copy_engine
         self.scratch = self.top / "runner-temp"  # where the re-run's trees go: emptied after
         self.scratch.mkdir(exist_ok=True)
         env = dict(git_env(self.home), FABLIZE_BASE="origin/main", GITHUB_ACTION_PATH=str(action),
