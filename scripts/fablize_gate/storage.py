@@ -653,7 +653,8 @@ def parse_snapshot(raw, whole=False):
         return snap
     n = len(_DIGEST_PREFIX)
     if raw.startswith(_DIGEST_PREFIX) and raw[n + 64:n + 66] == b'",':
-        good = raw[n:n + 64].decode("ascii", "replace") == sha256_hex(raw[n + 66:])
+        # a view, not a slice: no copy of the body (11 MB at 100,000 stories: ~3 ms)
+        good = raw[n:n + 64].decode("ascii", "replace") == sha256_hex(memoryview(raw)[n + 66:])
     else:
         good = snap.get("digest") == canonical_digest(snap)  # version 1's digest
     if not good:
