@@ -1,0 +1,505 @@
+"""Every refusal and damage message of the rooms (setup, sharing, sharing_git, merge, trust)
+names one runnable next step, and following it leads out. Each state below is made in a real
+scratch project — real git: a bare repository as the remote, real clones, branches and merges;
+real ssh-keygen keys — then the command that meets it runs: its exit code, its opening words
+(scripts match them) and, for a refusal, the state files it left as they were are checked; then
+the walk runs the command each message names (--json's error.commands, whole, as the engine was
+started: `goals.py …` here, git and shell commands whole) until the command the user wanted
+succeeds, or what is left is a human's: a command with a <placeholder>, or a decision the
+message says is a human's — which the test then makes, as a human would, and the step the
+message names after it must work. No step may lead back to a message already seen (a circle).
+"""
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import Result, engine, git, run_cli, state_files
+
+
+GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid",
+           "GIT_CONFIG_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0"}
+PLACEHOLDER = re.compile(r"<[\w|-]+>")
+
+
+# The harness ###################################################################################
+
+
+class Place:
+    """A folder where the engine runs in-process (or, given `engine`, that copy of goals.py in a
+    real process): place(*args) → Result."""
+
+    def __init__(self, root, capsys, engine=None):
+        self.root, self.dir, self.capsys = Path(root), Path(root) / ".fablize", capsys
+        self.engine = engine
+
+    def __call__(self, *args):
+        if self.engine is not None:
+            return run_cli(*args, cwd=self.root, engine=self.engine)
+        old = os.getcwd()
+        os.chdir(self.root)
+        try:
+            code = engine.main([str(a) for a in args])
+        finally:
+            os.chdir(old)
+        out = self.capsys.readouterr()
+        return Result(code, out.out, out.err)
+
+    def sh(self, command):
+        """A printed command that is not the engine's, run by a shell here."""
+        p = subprocess.run(command, shell=True, cwd=str(self.root), capture_output=True,
+                           text=True, timeout=120, stdin=subprocess.DEVNULL)
+        return Result(p.returncode, p.stdout, p.stderr)
+
+    def step(self, command):
+        words = shlex.split(command)
+        return self(*words[1:]) if words[0] == "goals.py" else self.sh(command)
+
+
+def walk(at, first, exit_code, code, opening, human=None, until=(), changes=False, limit=6):
+    """Run `first` at `at`: it exits `exit_code` with `code`, its message opens with `opening`
+    and (unless `changes`) it leaves every state file as it was. Then follow the one command
+    each message names until `first` succeeds ("good"), a command holds a <placeholder>, the
+    message says the rest is a human's (`human`, a phrase of it: its show-only commands must
+    run), or an error in `until` (another's work) is met. Returns (errors seen, end, result)."""
+    seen, args = [], list(first)
+    before = state_files(at.dir)
+    for i in range(limit):
+        r = at("--json", *args)
+        if r.code == 0:
+            return seen, "good", r
+        error = r.json["error"]
+        if i == 0:
+            assert (r.code, error["code"]) == (exit_code, code), r
+            assert error["message"].startswith(opening), error
+            if not changes:
+                assert state_files(at.dir) == before, "a refusal changed the state"
+        assert error["message"] not in [e["message"] for e in seen], f"a circle: {error}"
+        seen.append(error)
+        if error["code"] in until:
+            return seen, "until", r
+        commands = error.get("commands") or []
+        if any(PLACEHOLDER.search(c) for c in commands):
+            return seen, "placeholder", r
+        if human is not None and human in error["message"]:
+            for command in commands:  # what it names to look at runs as printed
+                assert at.step(command).code == 0, command
+            return seen, "human", r
+        assert len(commands) == 1, f"no one runnable step: {error}"
+        step = at.step(commands[0])
+        assert step.code == 0, (commands[0], step)
+        words = shlex.split(commands[0])
+        if words[0] == "goals.py" and words[1] == args[0]:  # the command itself, as it works
+            return seen, "good", step
+        args = list(first)
+    pytest.fail(f"no way out after {limit} steps: {seen}")
+
+
+def quoted(message, start):
+    """The command in backticks that starts with `start`, as a message names it."""
+    return re.search(r"`(" + re.escape(start) + r"[^`]*)`", message).group(1)
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    """A scratch folder as HOME and the current directory; git's identity, no user config; the
+    engine names itself `goals.py` in what it prints."""
+    for var in ("FABLIZE_DIR", "FABLIZE_CRASH_AT", "FABLIZE_LOCK_TIMEOUT", "GITHUB_STEP_SUMMARY",
+                "FABLIZE_SHARE_WAIT", "CLAUDE_PLUGIN_ROOT", "GITHUB_WORKFLOW_REF"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", os.devnull)
+    for k, v in GIT_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(engine, "invocation", lambda cwd=None: "goals.py")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+class World:
+    """A bare repository as the remote, and its clones (each a Place)."""
+
+    def __init__(self, tmp, capsys):
+        self.tmp, self.capsys = tmp, capsys
+        self.remote = self.bare("remote.git")
+
+    def bare(self, name):
+        git(self.tmp, "init", "-q", "--bare", str(self.tmp / name))
+        return self.tmp / name
+
+    def clone(self, name, url=None):
+        git(self.tmp, "clone", "-q", str(url or self.remote), str(self.tmp / name))
+        return self.at(name)
+
+    def at(self, name):
+        return Place(self.tmp / name, self.capsys)
+
+
+@pytest.fixture
+def world(env, capsys):
+    return World(env, capsys)
+
+
+def shared(at, n=3, *extra):
+    """A plan of n stories created in `at` and shared through origin; returns its id."""
+    args = ["create", "--brief", "shared plan", "--remote", "origin", *extra]
+    for i in range(1, n + 1):
+        args += ["--goal", f"S{i}::objective {i}"]
+    r = at(*args)
+    assert r.code == 0, r
+    return at("status", "--json").json["plan_id"]
+
+
+def ok(at, *args):
+    r = at(*args)
+    assert r.code == 0, (args, r)
+    return r
+
+
+def empty_loose_objects(repo):
+    """Every loose object of a bare repository replaced by an empty file (a clone's hard links
+    keep theirs)."""
+    for p in (repo / "objects").glob("??/*"):
+        p.unlink()
+        p.write_bytes(b"")
+
+
+def remote_commit(world, plan_id, files, parent=None):
+    """A commit of `files` ({name: bytes}) on the remote's plan ref, on its tip (or `parent`),
+    as something other than fablize writes it."""
+    ref = f"refs/fablize/plans/{plan_id}"
+    parent = parent or git(world.remote, "rev-parse", ref).strip()
+    rows = []
+    for name, body in files.items():
+        blob = subprocess.run(["git", "-C", str(world.remote), "hash-object", "-w", "--stdin"],
+                              input=body, capture_output=True, check=True).stdout.decode().strip()
+        rows.append(f"100644 blob {blob}\t{name}\n")
+    tree = subprocess.run(["git", "-C", str(world.remote), "mktree"], input="".join(rows).encode(),
+                          capture_output=True, check=True).stdout.decode().strip()
+    commit = git(world.remote, "commit-tree", tree, "-p", parent, "-m", "not fablize").strip()
+    git(world.remote, "update-ref", ref, commit)
+    return commit
+
+
+# sharing_git and sharing #######################################################################
+
+
+def test_remote_unreachable_names_the_url_to_fix_and_the_same_command_then_publishes(world):
+    a = world.clone("a")
+    plan_id = shared(a, 2)
+    git(a.root, "remote", "set-url", "origin", str(world.tmp / "gone.git"))
+    seen, end, r = walk(a, ["next"], 3, "remote_unreachable",
+                        "the remote origin cannot be reached (fatal: ")
+    assert end == "placeholder" and r.json["error"]["commands"] == [
+        "git remote set-url origin <url>"], r
+    # the claim that could not be published is taken back: nothing stands, `next` runs again
+    assert "was recorded in the ledger before this and stands" not in seen[0]["message"], seen
+    r = ok(a, "add", "--goal", "late::x")  # another write: kept here, said once, no step
+    assert "not published: the remote origin cannot be reached (" in r.err, r
+    assert "set-url" not in r.err and "):." not in r.err, r
+    assert "the remote cannot be reached now — the remote origin cannot be reached (" in ok(
+        a, "status").out
+    git(a.root, "remote", "set-url", "origin", str(world.remote))  # the human: where it is
+    ok(a, "next")
+    assert len(git(world.remote, "rev-list", f"refs/fablize/plans/{plan_id}").split()) == 3
+
+
+def test_a_damaged_remote_is_replaced_by_a_sound_one_and_share_publishes_the_plan_there(world):
+    a, b = world.clone("a"), world.clone("b")
+    plan_id = shared(a, 3, "--parallel")
+    ok(b, "sync")
+    ok(b, "next", "--agent", "y")  # a must fetch these objects, which the remote lost
+    empty_loose_objects(world.remote)
+    seen, end, r = walk(a, ["sync"], 3, "remote_damaged", "the remote origin is damaged — git says")
+    assert end == "placeholder", r
+    assert r.json["error"]["commands"] == ["git remote set-url origin <url>"], r
+    sound = world.bare("sound.git")
+    for at in (a, b):  # the human: every clone points origin at the sound repository
+        git(at.root, "remote", "set-url", "origin", str(sound))
+    step = quoted(seen[0]["message"], "share --remote ")
+    ok(b, *shlex.split(step))  # from a clone that holds the plan: b's events are the newest
+    ok(a, "sync")
+    assert git(sound, "rev-list", "--count", f"refs/fablize/plans/{plan_id}").strip() == "2"
+    ok(a, "audit", "--remote", "origin")
+
+
+def test_git_failing_in_the_clone_is_a_humans_repair_then_the_same_command(world):
+    a = world.clone("a")
+    ok(a, "create", "--brief", "b", "--goal", "x::y")
+    (a.root / ".git" / "refs" / "fablize").mkdir(parents=True)
+    (a.root / ".git" / "refs" / "fablize" / "local").write_text("not a folder\n")
+    seen, end, r = walk(a, ["share", "--remote", "origin"], 3, "git_failed",
+                        "git fast-import failed: ", human="a human repairs it", changes=True)
+    assert end == "human" and "then runs the command again" in seen[0]["message"], r
+    (a.root / ".git" / "refs" / "fablize" / "local").unlink()  # the human's repair
+    ok(a, "share", "--remote", "origin")
+    ok(a, "audit", "--remote", "origin")
+
+
+def fresh_clone_of_a_shared_plan(world):
+    a = world.clone("a")
+    plan_id = shared(a, 2)
+    return world.clone("b"), plan_id
+
+
+@pytest.mark.parametrize("args, exit_code, code, opening, step, then", [
+    (["share", "--remote", "a b"], 2, "bad_remote", "--remote takes the name of a git remote",
+     "goals.py share --remote <remote>", "origin"),
+    (["sync", "--remote", "a b"], 2, "bad_remote", "--remote takes the name of a git remote",
+     "goals.py sync --remote <remote>", "origin"),
+    (["sync", "--plan", "x:y"], 2, "bad_plan_id", "--plan takes a plan id",
+     "goals.py sync --plan <plan-id>", "PLAN"),
+    (["sync", "--plan", "20260101T000000Z-abcdef"], 1, "not_found",
+     "origin shares no plan 20260101T000000Z-abcdef (it shares ", "goals.py sync --plan <plan-id>",
+     "PLAN"),
+    (["share", "--remote", "nowhere"], 1, "no_remote", "nowhere is not a git remote of ",
+     "git remote add nowhere <url>", "BARE"),
+])
+def test_a_value_that_is_not_one_names_the_command_with_a_placeholder(
+        world, args, exit_code, code, opening, step, then):
+    b, plan_id = fresh_clone_of_a_shared_plan(world)
+    if args[0] == "share":
+        b = world.clone("c")
+        ok(b, "create", "--brief", "local", "--goal", "x::y")
+    seen, end, r = walk(b, args, exit_code, code, opening)
+    assert end == "placeholder" and r.json["error"]["commands"] == [step], r
+    # the human's value: the remote there is, the plan the remote shares, a repository to add
+    value = {"origin": "origin", "PLAN": plan_id, "BARE": str(world.bare("new.git"))}[then]
+    assert b.step(PLACEHOLDER.sub(value, step)).code == 0
+    if not step.startswith("goals.py"):
+        ok(b, *args)  # the command the user wanted, now that the remote is there
+    assert (b.dir / "ledger.jsonl").exists()
+
+
+def test_which_remote_and_which_plan_are_the_humans_and_then_sync_brings_the_plan_in(world):
+    a = world.clone("a")
+    first = shared(a, 2)
+    c = world.clone("c")
+    second = shared(c, 2)  # a second plan on the same remote
+    d = world.clone("d")
+    git(d.root, "remote", "rename", "origin", "up")
+    git(d.root, "remote", "add", "down", str(world.bare("down.git")))
+    seen, end, r = walk(d, ["sync"], 2, "usage", "several git remotes (down, up): say which")
+    assert end == "placeholder" and r.json["error"]["commands"] == [
+        "goals.py sync --remote <remote>"], r
+    seen, end, r = walk(d, ["sync", "--remote", "up"], 1, "which_plan",
+                        f"up shares 2 plans ({', '.join(sorted([first, second]))})")
+    assert end == "placeholder" and r.json["error"]["commands"] == [
+        "goals.py sync --remote up --plan <plan-id>"], r
+    ok(d, "sync", "--remote", "up", "--plan", second)
+    assert d("status", "--json").json["plan_id"] == second
+
+
+def test_a_remote_with_no_plan_ends_at_the_humans_plan_and_a_clone_without_remote_at_add(world):
+    e = world.clone("e")
+    seen, end, r = walk(e, ["sync"], 1, "which_plan", "origin shares no plans — a human writes")
+    assert end == "placeholder" and r.json["error"]["commands"] == [
+        'goals.py create --brief "<task>" --goal "<title>::<objective>" --remote origin'], r
+    ok(e, "create", "--brief", "the human's task", "--goal", "x::y", "--remote", "origin")
+    lone = Place(world.tmp / "lone", world.capsys)
+    git(world.tmp, "init", "-q", str(lone.root))
+    seen, end, r = walk(lone, ["sync"], 1, "no_remote", f"{lone.root} has no git remote — add one")
+    assert end == "placeholder" and r.json["error"]["commands"] == [
+        "git remote add origin <url>"], r
+    git(lone.root, "remote", "add", "origin", str(world.remote))  # the human's URL
+    ok(lone, "sync")
+    alone = Place(world.tmp / "alone", world.capsys)
+    git(world.tmp, "init", "-q", str(alone.root))
+    ok(alone, "create", "--brief", "local", "--goal", "x::y")
+    seen, end, r = walk(alone, ["sync"], 1, "not_shared", "this plan is local — share it first")
+    assert end == "placeholder" and r.json["error"]["commands"] == [
+        "goals.py share --remote <remote>"], r
+
+
+def test_sync_of_a_local_plan_shares_it_and_another_remote_named_syncs_with_its_own(world):
+    a = world.clone("a")
+    ok(a, "create", "--brief", "local", "--goal", "x::y")
+    seen, end, r = walk(a, ["sync"], 1, "not_shared", "this plan is local — share it first")
+    assert end == "good" and seen[0]["commands"] == ["goals.py share --remote origin"], seen
+    git(a.root, "remote", "add", "other", str(world.bare("other.git")))
+    seen, end, r = walk(a, ["sync", "--remote", "other"], 1, "other_remote",
+                        "this plan is shared through origin, not other")
+    assert end == "good" and seen[0]["commands"] == ["goals.py sync"], seen
+    seen, end, r = walk(a, ["share", "--remote", "other"], 1, "already_shared",
+                        "this plan is already shared through origin.")
+    assert end == "placeholder" and r.json["error"]["commands"] == [
+        "git remote set-url origin <url>"], r
+    git(a.root, "remote", "set-url", "origin", str(world.tmp / "other.git"))  # the human's move
+    ok(a, *shlex.split(quoted(seen[0]["message"], "share --remote origin")))
+    assert git(world.tmp / "other.git", "for-each-ref", "refs/fablize/plans/").strip()
+
+
+def test_damaged_share_records_are_reconnected_or_removed(world):
+    a = world.clone("a")
+    shared(a, 2)
+    (a.dir / "share.json").write_text("garbage\n")
+    seen, end, r = walk(a, ["sync"], 3, "bad_share", "share.json is not a fablize share record")
+    assert end == "good" and seen[0]["commands"] == ["goals.py share --remote origin"], seen
+    (a.dir / "rejected.pending.json").write_text("{}\n")
+    seen, end, r = walk(a, ["status"], 3, "bad_share",
+                        "rejected.pending.json is not a list of events set aside")
+    assert end == "good" and seen[0]["commands"] == ["rm .fablize/rejected.pending.json"], seen
+
+
+@pytest.mark.parametrize("what", ["no ledger line", "another log", "a line that does not chain"])
+def test_a_remote_ref_written_by_something_else_is_shown_and_a_human_puts_the_history_back(
+        world, what):
+    a, b = world.clone("a"), world.clone("b")
+    plan_id = shared(a, 2)
+    ok(b, "sync")
+    ok(b, "next")
+    if what == "no ledger line":
+        remote_commit(world, plan_id, {"README": b"hello\n"})
+        code, opening = "bad_remote_event", "the shared plan on origin has a commit "
+    elif what == "another log":
+        ok(a, "sync")
+        ok(a, "verify", "--id", "G001", "--verify-cmd", "echo original")
+        tip = git(world.remote, "rev-parse", f"refs/fablize/plans/{plan_id}").strip()
+        event = subprocess.run(["git", "-C", str(world.remote), "cat-file", "blob",
+                                f"{tip}:event.jsonl"], capture_output=True).stdout
+        remote_commit(world, plan_id, {"event.jsonl": event, "log": b"edited\n"}, f"{tip}~1")
+        code, opening = "run_log_mismatch", "the shared plan on origin: runs/3-G001.log does not"
+    else:
+        line = (b.dir / "ledger.jsonl").read_bytes().splitlines()[-1]
+        remote_commit(world, plan_id, {"event.jsonl": line.replace(b'"seq":2', b'"seq":3')
+                                       + b"\n"})
+        code, opening = "remote_history_rewritten", "the shared plan on origin does not continue"
+    mine = b.dir / "share.json"
+    seen, end, r = walk(b, ["sync"], 3, code, opening, human="is a human's decision")
+    assert end == "human" and r.json["error"]["commands"][0].startswith(
+        "git log --oneline --graph "), r
+    assert mine.exists()
+    if what == "no ledger line":  # a clone that never held the plan has none to put back
+        fresh = world.clone("fresh")
+        seen_fresh, end, r = walk(fresh, ["sync"], 3, code, opening, human="A human who holds",
+                                  changes=True)
+        assert end == "human" and r.json["error"]["commands"] == [
+            f"git log --oneline refs/fablize/remotes/origin/{plan_id}"], r
+    b.sh(quoted(seen[0]["message"], "git push --force origin "))  # the human keeps this clone's
+    ok(b, "sync")
+    ok(b, "audit", "--remote", "origin")
+    if what == "no ledger line":
+        ok(fresh, "sync")
+
+
+def test_a_fork_is_shown_and_kept_by_a_human_and_a_deleted_ref_is_published_again(world):
+    a, b = world.clone("a"), world.clone("b")
+    plan_id = shared(a, 3, "--parallel")
+    ok(b, "sync")
+    ref = f"refs/fablize/plans/{plan_id}"
+    base = git(world.remote, "rev-parse", ref).strip()
+    ok(b, "next", "--agent", "y")
+    git(world.remote, "update-ref", ref, base)  # the remote's ref rewound …
+    ok(a, "next", "--agent", "x")               # … and advanced by another clone: a fork
+    seen, end, r = walk(b, ["sync"], 3, "remote_history_rewritten",
+                        "the shared plan on origin and this clone's copy differ (a fork",
+                        human="which to keep is a human's decision")
+    assert end == "human" and r.json["error"]["commands"][0].startswith("git log --oneline"), r
+    b.sh(quoted(seen[0]["message"], "git push --force origin "))  # the human keeps b's
+    ok(b, "sync")
+    git(world.remote, "update-ref", "-d", ref)
+    seen, end, r = walk(b, ["sync"], 3, "remote_history_rewritten",
+                        f"origin no longer holds {ref}: the shared plan's ref was deleted")
+    assert end == "good" and seen[0]["commands"] == ["goals.py share --remote origin"], seen
+    fresh = world.clone("fresh")
+    ok(fresh, "sync")
+    assert fresh("status", "--json").json["stories"][0]["agent"] == "y"
+
+
+def test_contention_and_a_refusing_remote_end_with_sync_then_the_claim(world, monkeypatch):
+    a, b = world.clone("a"), world.clone("b")
+    shared(a, 4, "--parallel")
+    ok(b, "sync")
+    ok(b, "next", "--agent", "y")
+    monkeypatch.setenv("FABLIZE_SHARE_WAIT", "0")  # give up at the first lost push
+    seen, end, r = walk(a, ["next", "--agent", "x"], 1, "push_contended",
+                        "gave up publishing to origin after ")
+    assert end == "good" and seen[0]["commands"] == ["goals.py sync"], seen
+    hook = world.remote / "hooks" / "pre-receive"
+    hook.write_text("#!/bin/sh\necho 'no pushes today' >&2\nexit 1\n")
+    hook.chmod(0o755)
+    seen, end, r = walk(a, ["next", "--agent", "z"], 1, "push_refused",
+                        "origin refused the push: ", human="a human who runs that remote")
+    assert end == "human" and seen[0]["commands"] == ["goals.py sync"], seen
+    r = ok(a, "checkpoint", "--id", "G002", "--status", "complete", "--evidence", "e",
+           "--agent", "x")  # another write: kept here, said once, no step in a warning
+    assert "not published: origin refused the push: " in r.err and "a human" not in r.err, r
+    hook.unlink()  # the human's change on the remote
+    ok(a, "sync")
+    ok(a, "next", "--agent", "z")
+
+
+def test_a_lost_claim_shows_who_holds_what_and_ends_at_the_others_work(world):
+    a, b = world.clone("a"), world.clone("b")
+    shared(a, 2)
+    ok(b, "sync")
+    ok(b, "next", "--agent", "y")
+    seen, end, r = walk(a, ["next", "--agent", "x"], 1, "claim_lost",
+                        "G001 was taken on origin meanwhile — agent y holds it", changes=True,
+                        until=("nothing_ready",))
+    assert seen[0]["commands"] == ["goals.py status"] and end == "until", seen
+
+
+def test_replacements_that_lose_end_at_status_and_a_humans_decision(world):
+    a, b = world.clone("a"), world.clone("b")
+    shared(a, 2)
+    ok(b, "sync")
+    ok(b, "next")  # the plan moved on the remote
+    force = ["create", "--force", "--brief", "second", "--goal", "x::y", "--goal", "z::w"]
+    seen, end, r = walk(a, force, 1, "plan_replaced", "plan ", changes=True)
+    assert "moved on origin since this clone last synced (1 new event)" in seen[0]["message"]
+    assert end == "good" and seen[0]["commands"] == ["goals.py status"], seen
+    ok(b, "sync")  # b follows a's replacement
+    ok(b, "create", "--force", "--brief", "third", "--goal", "x::y", "--goal", "z::w")
+    seen, end, r = walk(a, force, 1, "plan_replaced", "plan ", changes=True,
+                        human="is a human's decision")
+    assert "first (another clone's `create --force`)" in seen[0]["message"], seen
+    assert end == "human" and seen[0]["commands"] == ["goals.py status"], seen
+    ok(a, "next")
+    ok(b, "sync")
+    ok(b, "create", "--force", "--brief", "fourth", "--goal", "x::y")
+    seen, end, r = walk(a, ["checkpoint", "--id", "G001", "--status", "complete",
+                            "--evidence", "e"], 1, "plan_replaced",
+                        "this checkpoint was not published: plan ", changes=True,
+                        human="is a human's decision")
+    assert end == "human" and seen[0]["commands"] == ["goals.py status"], seen
+    assert a("status", "--json").json["brief"] == "fourth"
+
+
+def test_a_replacement_whose_archive_is_gone_is_a_humans_and_no_circle_through_sync(world):
+    a, b = world.clone("a"), world.clone("b")
+    shared(a, 2)
+    ok(b, "sync")
+    ok(b, "next")
+    git(a.root, "remote", "set-url", "origin", str(world.tmp / "gone.git"))
+    ok(a, "create", "--force", "--brief", "second", "--goal", "x::y")  # kept here
+    shutil.rmtree(a.dir / "archive")
+    git(a.root, "remote", "set-url", "origin", str(world.remote))
+    seen, end, r = walk(a, ["sync"], 1, "plan_replaced", "plan ", human="a human's decision")
+    assert "its archive is gone" in seen[0]["message"] and end == "human", seen
+    assert "run `sync` to see the remote" not in seen[0]["message"]  # it led back here
+    assert "remove .fablize/share.json and `share --remote origin`" in seen[0]["message"], seen
+    (a.dir / "share.json").unlink()  # the human keeps the replacement as a plan of its own
+    ok(a, *shlex.split(quoted(seen[0]["message"], "share --remote ")))
+    ok(a, "sync")
+    assert a("status", "--json").json["brief"] == "second"
+
+
+def test_a_share_record_whose_plan_is_gone_is_forgotten_and_sync_finds_what_is_shared(world):
+    a = world.clone("a")
+    plan_id = shared(a, 2)
+    b = Place(world.tmp / "b", world.capsys)
+    git(world.tmp, "clone", "-q", f"file://{world.remote}", str(b.root))  # no shared objects
+    empty_loose_objects(world.remote)
+    r = b("sync", "--json")  # the first sync chose the plan, then met the damage
+    assert r.code == 3 and r.json["error"]["code"] == "remote_damaged", r
+    git(world.remote, "update-ref", "-d", f"refs/fablize/plans/{plan_id}")  # its owner's repair
+    seen, end, r = walk(b, ["sync"], 1, "no_plan", f"origin holds nothing for plan {plan_id} yet")
+    assert seen[0]["commands"] == ["rm .fablize/share.json"], seen
+    assert end == "placeholder" and r.json["error"]["code"] == "which_plan", r
