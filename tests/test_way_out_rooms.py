@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Result, engine, git, run_cli, state_files
+from conftest import Result, copy_engine, engine, git, run_cli, state_files
 
 
 GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
@@ -503,3 +503,100 @@ def test_a_share_record_whose_plan_is_gone_is_forgotten_and_sync_finds_what_is_s
     seen, end, r = walk(b, ["sync"], 1, "no_plan", f"origin holds nothing for plan {plan_id} yet")
     assert seen[0]["commands"] == ["rm .fablize/share.json"], seen
     assert end == "placeholder" and r.json["error"]["code"] == "which_plan", r
+
+
+# setup #########################################################################################
+
+
+@pytest.fixture
+def project(env, capsys):
+    """A git repository holding its own copy of the engine (scripts/goals.py)."""
+    root = env / "p"
+    git(env, "init", "-q", "-b", "main", str(root))
+    copy_engine(root / "scripts")
+    return Place(root, capsys)
+
+
+def test_setup_without_the_command_or_a_repository_names_the_copy_then_git_init(env, capsys,
+                                                                                monkeypatch):
+    # a copy of the engine outside any plugin's folder (this repository is the plugin's), run
+    # where no `fablize` is on PATH
+    monkeypatch.setenv("PATH", os.pathsep.join(
+        p for p in os.environ["PATH"].split(os.pathsep) if not (Path(p) / "fablize").exists()))
+    bare = Place(env / "bare", capsys, engine=copy_engine(env / "elsewhere"))
+    git(env, "init", "-q", str(bare.root))
+    seen, end, r = walk(bare, ["setup", "claude"], 1, "command_missing",
+                        "setup: the wiring would run `fablize`, which is not on PATH here")
+    assert end == "good" and seen[0]["commands"][0].startswith("mkdir -p scripts && cp -r "), seen
+    assert (bare.root / ".claude" / "settings.json").exists()
+    outside = Place(env / "outside", capsys)
+    copy_engine(outside.root / "scripts")
+    seen, end, r = walk(outside, ["setup", "claude"], 1, "not_a_repository",
+                        f"setup: {outside.root} is not a git repository")
+    assert end == "good" and seen[0]["commands"] == ["git init"], seen
+
+
+def test_doctor_names_setup_with_the_agent_a_human_picks_then_the_fix_it_finds(project):
+    seen, end, r = walk(project, ["doctor"], 1, "doctor_problems", "doctor: no agent is wired")
+    assert end == "placeholder" and r.json["error"]["commands"] == ["goals.py setup <agent>"], r
+    ok(project, "setup", "claude")  # the human's agent
+    ok(project, "doctor")
+    (project.root / ".claude" / "settings.json").write_text("{}\n")  # the hooks taken out
+    ok(project, "create", "--brief", "b", "--goal", "x::y")
+    (project.dir / "goals.json").write_text("{not json")  # and the plan's snapshot damaged
+    seen, end, r = walk(project, ["doctor"], 1, "doctor_problems", "doctor: 5 problems")
+    assert end == "good" and [e["commands"] for e in seen] == [
+        ["goals.py setup claude"], ["goals.py rebuild"]], seen
+
+
+@pytest.mark.parametrize("rel, content, code, opening", [
+    (".claude/settings.json", b'{"hooks": []}\n', "bad_config", 'its "hooks" is not an object '
+                                                               "(.claude/settings.json)"),
+    (".claude/settings.json", b"{\n", "bad_config", "{root}/.claude/settings.json is not valid "
+                                                     "JSON"),
+    (".claude/settings.json", b"[]\n", "bad_config", "{root}/.claude/settings.json does not hold "
+                                                      "a JSON object"),
+    ("CLAUDE.md", b"<!-- fablize:begin -->\n<!-- fablize:begin -->\n<!-- fablize:end -->\n",
+     "bad_block", "the file has a broken or repeated fablize block"),
+    ("CLAUDE.md", b"\xff\xfe notes\n", "not_text", "{root}/CLAUDE.md is not UTF-8 text"),
+    ("CLAUDE.md", b"notes\x00\n", "not_text", "{root}/CLAUDE.md is not text (it holds NUL"),
+    ("CLAUDE.md", b"x" * ((1 << 20) + 1), "not_text", "{root}/CLAUDE.md is larger than"),
+    (".claude", None, "symlink", "{root}/.claude is a symlink — refusing to write through it"),
+])
+def test_a_project_file_setup_cannot_edit_is_a_humans_to_fix_then_setup_runs(
+        project, rel, content, code, opening):
+    path = project.root / rel
+    if content is None:
+        (project.root / "elsewhere").mkdir()
+        path.symlink_to(project.root / "elsewhere")
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content)
+    human = "by hand" if code in ("bad_config", "bad_block") else "a human"
+    seen, end, r = walk(project, ["setup", "claude"], 1, code,
+                        opening.format(root=project.root), human=human)
+    assert end == "human" and "again" in seen[0]["message"] and "commands" not in seen[0], seen
+    if code == "bad_block":
+        assert "fix CLAUDE.md by hand" in seen[0]["message"], seen
+        r = project("install-block")
+        assert r.code == 1 and f"fix {path} by hand, then run the command again" in r.err, r
+    path.unlink()  # the human's fix
+    ok(project, "setup", "claude")
+
+
+def test_a_symlinked_backup_of_install_block_is_removed_and_install_block_runs(project):
+    (project.root / "CLAUDE.md").write_text("# notes\n")
+    target = project.root / "mine.txt"
+    target.write_text("keep me\n")
+    (project.root / "CLAUDE.md.fablize-backup").symlink_to(target)
+    seen, end, r = walk(project, ["install-block"], 1, "symlink",
+                        f"{project.root}/CLAUDE.md.fablize-backup is a symlink")
+    assert end == "good" and seen[0]["commands"] == ["rm CLAUDE.md.fablize-backup"], seen
+    assert target.read_text() == "keep me\n"
+
+
+def test_completion_with_a_name_that_is_not_one_names_the_command_with_a_placeholder(env, capsys):
+    seen, end, r = walk(Place(env, capsys), ["completion", "bash", "--name", "a b"], 2,
+                        "bad_name", "--name 'a b' is not a command's name")
+    assert end == "placeholder" and r.json["error"]["commands"] == [
+        "goals.py completion bash --name <name>"], r
