@@ -600,3 +600,123 @@ def test_completion_with_a_name_that_is_not_one_names_the_command_with_a_placeho
                         "bad_name", "--name 'a b' is not a command's name")
     assert end == "placeholder" and r.json["error"]["commands"] == [
         "goals.py completion bash --name <name>"], r
+
+
+# merge #########################################################################################
+
+
+def real(root, *args):
+    """The engine copied into the repository, run as git runs its merge driver."""
+    return run_cli(*args, cwd=root, engine=root / "scripts" / "goals.py")
+
+
+def branches(project, a_side, b_side):
+    """main: a plan of two stories (merge driver installed); branch `a` and branch `b` each
+    change it with `a_side(place)` / `b_side(place)`, committed; `b` checked out."""
+    root = project.root
+    assert real(root, "install-merge").code == 0
+    ok(project, "create", "--brief", "base", "--goal", "x::y", "--goal", "z::w")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "base")
+    for name, side in (("a", a_side), ("b", b_side)):
+        git(root, "checkout", "-q", "-b", name, "main")
+        side(project)
+        git(root, "add", "-A")
+        git(root, "commit", "-qm", name)
+
+
+def driver_on_stages(project, path):
+    """The merge driver run as git runs it, on the conflicted file's three stages (--json)."""
+    stages = []
+    for n in (1, 2, 3):
+        f = project.root.parent / f"stage{n}"
+        f.write_bytes(subprocess.run(["git", "-C", str(project.root), "show", f":{n}:{path}"],
+                                     capture_output=True, check=True).stdout)
+        stages.append(f)
+    before = stages[1].read_bytes()
+    r = project("--json", "merge-driver", *stages, path)
+    assert stages[1].read_bytes() == before, "a refused merge changed its side"
+    return r
+
+
+def checkpoint(evidence):
+    def side(at):
+        ok(at, "next")
+        ok(at, "checkpoint", "--id", "G001", "--status", "complete", "--evidence", evidence)
+    return side
+
+
+def test_a_plan_advanced_differently_on_two_branches_is_kept_from_one_side_by_a_human(project):
+    branches(project, checkpoint("from a"), checkpoint("from b"))
+    merge = git(project.root, "merge", "a", "-m", "merge a", check=False)
+    assert merge.returncode == 1 and "both branches advanced the same plan differently" in (
+        merge.stdout + merge.stderr), merge
+    for path, opening in ((".fablize/ledger.jsonl", "both branches advanced the same plan "
+                                                    "differently (from event 2)"),
+                          (".fablize/goals.json", "both branches changed the same plan's "
+                                                  "snapshot at the same event")):
+        r = driver_on_stages(project, path)
+        error = r.json["error"]
+        assert (r.code, error["code"]) == (1, "diverged") and error["message"].startswith(
+            opening), r
+        assert "a human's choice" in error["message"], r
+        assert error["commands"] == ["git checkout --<ours|theirs> -- :/.fablize"], r
+    project.sh("git checkout --ours -- :/.fablize && git add :/.fablize && "
+               "git commit -q --no-edit")  # the human keeps this branch's
+    ok(project, "audit")
+
+
+def test_other_plan_files_changed_on_both_branches_are_a_humans_to_keep_one(project):
+    def gitignore(text):
+        return lambda at: (at.dir / ".gitignore").write_text(text)
+    branches(project, gitignore("lock\na\n"), gitignore("lock\nb\n"))
+    merge = git(project.root, "merge", "a", "-m", "merge a", check=False)
+    assert merge.returncode == 1, merge
+    r = driver_on_stages(project, ".fablize/.gitignore")
+    error = r.json["error"]
+    assert (r.code, error["code"]) == (1, "conflict") and error["message"].startswith(
+        ".fablize/.gitignore: both branches changed it and only ledger.jsonl"), r
+    assert error["commands"] == ["git checkout --<ours|theirs> -- :/.fablize/.gitignore"], r
+    project.sh("git checkout --theirs -- :/.fablize/.gitignore && git add -A && "
+               "git commit -q --no-edit")
+    ok(project, "audit")
+    # a run log in conflict outside a `git merge` of one branch, and a ledger that is no text
+    (project.root.parent / "o").write_bytes(b"one\n")
+    (project.root.parent / "t").write_bytes(b"two\n")
+    before = (project.root.parent / "o").read_bytes()
+    r = project("--json", "merge-driver", project.root.parent / "b", project.root.parent / "o",
+                project.root.parent / "t", ".fablize/runs/3-G001.log")
+    assert r.code == 1 and r.json["error"]["message"].startswith(
+        ".fablize/runs/3-G001.log: both branches wrote a different run log here"), r
+    assert r.json["error"]["commands"] == [
+        "git checkout --<ours|theirs> -- :/.fablize/runs/3-G001.log"], r
+    (project.root.parent / "t").write_bytes(b"\xff\n")
+    r = project("--json", "merge-driver", project.root.parent / "b", project.root.parent / "o",
+                project.root.parent / "t", ".fablize/ledger.jsonl")
+    assert r.code == 1 and r.json["error"]["message"] == (
+        "ledger.jsonl: a side is not UTF-8 text — merge it by hand."), r
+    assert (project.root.parent / "o").read_bytes() == before
+
+
+def test_a_broken_snapshot_on_one_branch_is_rebuilt_from_the_merged_ledger(project):
+    def broken(at):
+        (at.dir / "goals.json").write_text("{}\n")
+    branches(project, checkpoint("from a"), broken)
+    merge = git(project.root, "merge", "a", "-m", "merge a", check=False)
+    assert merge.returncode == 1 and "one side is not a fablize snapshot" in merge.stderr, merge
+    r = driver_on_stages(project, ".fablize/goals.json")
+    assert (r.code, r.json["error"]["code"]) == (3, "bad_snapshot"), r
+    assert r.json["error"]["message"].startswith("goals.json: one side is not a fablize snapshot")
+    assert r.json["error"]["commands"] == ["goals.py rebuild"], r
+    ok(project, "rebuild")
+    project.sh("git add -A && git commit -q --no-edit")
+    ok(project, "audit")
+    assert project("status", "--json").json["stories"][0]["status"] == "complete"
+
+
+def test_install_merge_outside_a_repository_names_git_init(env, capsys):
+    at = Place(env / "plain", capsys)
+    at.root.mkdir()
+    seen, end, r = walk(at, ["install-merge"], 1, "no_git_repo",
+                        f"{at.root} is not a git repository")
+    assert end == "good" and seen[0]["commands"] == ["git init"], seen
