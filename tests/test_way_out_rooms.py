@@ -8,8 +8,12 @@ started: `goals.py …` here, git and shell commands whole) until the command th
 succeeds, or what is left is a human's: a command with a <placeholder>, or a decision the
 message says is a human's — which the test then makes, as a human would, and the step the
 message names after it must work. No step may lead back to a message already seen (a circle).
+
+WALKED names how each room error code is made here; UNREACHABLE the few no command line can
+make, and why: a code a room raises that is in neither fails the first test below.
 """
 
+import ast
 import os
 import re
 import shlex
@@ -19,13 +23,138 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Result, copy_engine, engine, git, run_cli, state_files
+from conftest import ROOT, Result, copy_engine, engine, git, run_cli, state_files
 
+ROOMS = ["setup", "sharing", "sharing_git", "merge", "trust"]
+
+WALKED = {
+    # sharing_git
+    "remote_unreachable": "a clone's remote URL names no repository; next → set-url (a "
+                          "human's <url>) → next",
+    "remote_damaged": "the remote's loose objects emptied; sync → point origin at a sound bare "
+                      "repository (<url>) → share --remote origin",
+    "git_failed": "share with .git/refs/fablize/local a file (fast-import cannot write its ref: a "
+                  "human repairs it) → share; trust's: audit --base on an orphan branch (a human "
+                  "commits) → audit",
+    "bad_remote": "share/sync --remote 'a b' → the command with <remote>",
+    "no_remote": "share --remote nowhere → git remote add nowhere <url>; sync in a clone with "
+                 "no remote → git remote add origin <url>",
+    "bad_plan_id": "sync --plan x:y on a fresh clone → sync --plan <plan-id>",
+    # sharing
+    "bad_share": "share.json, then rejected.pending.json, not fablize's → share --remote origin; "
+                 "rm the pending list",
+    "bad_remote_event": "a commit on the remote's ref with no ledger line → git log shows it; a "
+                        "human pushes this clone's history back → sync",
+    "run_log_mismatch": "a run's commit on the remote carries another log → as bad_remote_event",
+    "remote_history_rewritten": "a fork (the remote's ref rewound and advanced by another clone)"
+                                " → git log, a human keeps one; the ref deleted → share; an event"
+                                " that does not chain → git log, a human",
+    "push_contended": "FABLIZE_SHARE_WAIT=0 and another clone's claim first → sync → next",
+    "push_refused": "a pre-receive hook that refuses → a human takes it away → sync → next",
+    "plan_replaced": "create --force lost to another clone's (→ status, a human's), to events "
+                     "meanwhile (→ status → create --force), its archive removed (a human's); a "
+                     "checkpoint of a plan replaced meanwhile (→ status, a human's)",
+    "claim_lost": "two clones claim the only ready story → status → next: nothing ready (others'"
+                  " work)",
+    "no_plan": "a fresh clone's first sync met a damaged remote, whose plan ref its owner then "
+               "deleted → rm share.json → sync → create <task> --remote origin",
+    "not_found": "sync --plan <an id the remote does not share> → sync --plan <plan-id>",
+    "which_plan": "two plans shared → sync --plan <plan-id>; none → create … --remote origin",
+    "not_shared": "sync with a local plan → share --remote origin → sync (no remote: share "
+                  "--remote <remote>)",
+    "other_remote": "sync --remote other on a plan shared through origin → sync",
+    "already_shared": "share --remote other on a plan shared through origin → set-url origin "
+                      "<url> (a human's) → share --remote origin",
+    "usage": "sync in a clone with two remotes, neither origin → sync --remote <remote>; trust's "
+             "argument errors (--base with --since, a gate without --base, --sign without "
+             "--signer, a --sign that is no file): exit 2, the value is a human's",
+    # setup
+    "command_missing": "setup where `fablize` is not installed → the copy command → setup",
+    "not_a_repository": "setup with scripts/goals.py outside a repository → git init → setup; "
+                        "audit --base outside one → cd <checkout>",
+    "doctor_problems": "doctor with nothing wired → setup <agent>; hooks taken out and goals.json "
+                       "damaged → setup claude → rebuild → doctor",
+    "bad_config": "settings.json whose hooks is a list / not JSON / not an object → by hand → "
+                  "setup",
+    "bad_block": "CLAUDE.md with two begin markers (setup, install-block) → by hand → setup",
+    "symlink": ".claude a symlink (a human's) → setup; a symlinked CLAUDE.md.fablize-backup → "
+               "rm → install-block",
+    "not_text": "CLAUDE.md not UTF-8 / with NUL bytes / over 1 MiB → a human → setup",
+    "bad_name": "completion bash --name 'a b' → completion bash --name <name>",
+    # merge
+    "diverged": "two branches advance one plan differently; git merge → git checkout "
+                "--<ours|theirs> (a human's) → commit → audit",
+    "conflict": "both branches change .fablize/.gitignore → checkout --<ours|theirs>; a run log "
+                "outside a merge → the same; a ledger not UTF-8 → by hand",
+    "bad_snapshot": "one branch commits a broken goals.json; git merge → rebuild → commit → audit",
+    "no_git_repo": "install-merge where no repository is → git init → install-merge",
+    # trust
+    "archive_unverified": "audit --base after create --force, its archive named outside "
+                          "archive/ / removed / edited / cut short → a human's",
+    "history_rewritten": "audit --base on a branch whose plan was written anew, --since a line "
+                         "beyond the ledger → a human's",
+    "bad_policy": "policy.json on main not a policy → a human fixes it on main",
+    "bad_ref": "audit --base main / origin/main where only the remote has it → git fetch → "
+               "audit; a branch nowhere, no remote, --base=-x, a tag → a human's",
+    "bad_since": "audit --since xyz → exit 2, the value is a human's",
+    "broad_scope": "audit --scope . / create --scope '*.txt' → exit 2, a human's",
+    "no_signers": "--allowed-signers missing / outside the repository → exit 2; not committed on"
+                  " the base → a human commits it",
+    "sign_failed": "decide --sign a file that is no key → a human's key → decide",
+    "damaged": "a shared plan's pin.json on main not a pin → a human's",
+}
+
+UNREACHABLE = {
+    "outside_repository": "merge.install: the state directory's root is its parent folder, so "
+                          "its path relative to it never leaves it (`..`): a guard",
+    "not_published": "sync --pin pins only after its own sync published every local event (or "
+                     "raised); only a ledger restored by hand behind share.json reaches it",
+    "plan_exists": "sync on a fresh clone: a plan appearing between its check and its lock — a "
+                   "race with another process",
+    "not_a_file": "setup's read_project_file: storage.file_to_write refuses a non-file first "
+                  "(the core's not_a_file); only a file replaced between the two reaches it",
+    "scratch_inside": "audit --rerun: the checkout's parent folder is always outside it; only a "
+                      "repository at / has none",
+    "plan_changed": "decide --sign: another writer must commit while ssh-keygen signs (outside "
+                    "the lock); tools run with SSH_ASKPASS cleared, so nothing real can sit in "
+                    "that window without a mock",
+}
 
 GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
            "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid",
            "GIT_CONFIG_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0"}
 PLACEHOLDER = re.compile(r"<[\w|-]+>")
+
+
+def room_codes():
+    """Every error code the rooms raise: the code argument of refused/usage/damaged/FablizeError
+    (its default when none is given)."""
+    defaults = {"refused": "refused", "usage": "usage", "damaged": "damaged"}
+    found = set()
+    for name in ROOMS:
+        path = ROOT / "scripts" / "fablize_gate" / f"{name}.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            called = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            if called not in (*defaults, "FablizeError"):
+                continue
+            code = node.args[1] if len(node.args) > 1 else next(
+                (k.value for k in node.keywords if k.arg == "code"), None)
+            if code is None:
+                found.add(defaults.get(called, "refused"))
+            elif isinstance(code, ast.Constant):
+                found.add(code.value)
+            else:
+                raise AssertionError(f"{name}.py:{node.lineno}: a code that is not a literal")
+    return found
+
+
+def test_every_room_code_is_walked_or_said_unreachable():
+    assert not set(WALKED) & set(UNREACHABLE)
+    codes = room_codes()
+    assert len(codes) > 40, "reading the rooms' error codes found too few"
+    assert codes == set(WALKED) | set(UNREACHABLE), codes ^ (set(WALKED) | set(UNREACHABLE))
 
 
 # The harness ###################################################################################
@@ -720,3 +849,198 @@ def test_install_merge_outside_a_repository_names_git_init(env, capsys):
     seen, end, r = walk(at, ["install-merge"], 1, "no_git_repo",
                         f"{at.root} is not a git repository")
     assert end == "good" and seen[0]["commands"] == ["git init"], seen
+
+
+# trust #########################################################################################
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("keys")
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "alice", "-f",
+                    str(folder / "alice")], check=True, capture_output=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory):
+    """main: a plan of two stories, committed; the branch `pr` checked out; a bare `origin`."""
+    top = tmp_path_factory.mktemp("trust")
+    repo = top / "repo"
+    git(top, "init", "-q", "-b", "main", str(repo))
+    (repo / "impl.txt").write_text("todo\n")
+    r = run_cli("create", "--brief", "ship it", "--goal", "Build::b", "--goal", "Verify::v",
+                cwd=repo)
+    assert r.code == 0, r
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "plan")
+    git(top, "clone", "-q", "--bare", str(repo), str(top / "origin.git"))
+    git(repo, "remote", "add", "origin", str(top / "origin.git"))
+    git(repo, "checkout", "-q", "-b", "pr")
+    return top
+
+
+@pytest.fixture
+def pr(env, template, capsys):
+    shutil.copytree(template, env / "t", symlinks=True)
+    git(env / "t" / "repo", "remote", "set-url", "origin", str(env / "t" / "origin.git"))
+    return Place(env / "t" / "repo", capsys)
+
+
+def commit(at, message="work"):
+    git(at.root, "add", "-A")
+    git(at.root, "commit", "-qm", message, "--allow-empty")
+
+
+def test_a_base_only_the_remote_holds_is_fetched_by_the_command_named(pr):
+    clone = Place(pr.root.parent / "ci", pr.capsys)
+    git(pr.root.parent, "clone", "-q", "--branch", "main", str(pr.root.parent / "origin.git"),
+        str(clone.root))
+    git(clone.root, "checkout", "-q", "-b", "pr")
+    git(clone.root, "branch", "-q", "-D", "main")
+    git(clone.root, "update-ref", "-d", "refs/remotes/origin/main")
+    seen, end, r = walk(clone, ["audit", "--base", "origin/main"], 2, "bad_ref",
+                        "--base: origin/main is not a commit here (fetch it first?)")
+    assert end == "good" and seen[0]["commands"] == ["git fetch origin main"], seen
+    seen, end, r = walk(clone, ["audit", "--base", "main"], 2, "bad_ref",
+                        "--base: main is not a commit here (fetch it first?)")
+    assert end == "good" and seen[0]["commands"] == ["git fetch origin main:main"], seen
+    seen, end, r = walk(clone, ["audit", "--base", "mian"], 2, "bad_ref",
+                        "--base: mian is not a commit here", human="a human's to say")
+    assert end == "human" and "origin has no branch mian either" in seen[0]["message"], seen
+    git(clone.root, "remote", "remove", "origin")
+    seen, end, r = walk(clone, ["audit", "--base", "mian"], 2, "bad_ref",
+                        "--base: mian is not a commit here", human="a human's to say")
+    assert end == "human" and "no remote to fetch it from" in seen[0]["message"], seen
+
+
+@pytest.mark.parametrize("args, code, opening", [
+    (["audit", "--base=-x"], "bad_ref", "--base: '-x' is not a git ref."),
+    (["audit", "--base", "v1"], "bad_ref", "--base: v1 must name one branch"),
+    (["audit", "--since", "xyz"], "bad_since", "--since takes HASH or SEQ:HASH"),
+    (["audit", "--base", "main", "--since", "1:" + "0" * 64], "usage",
+     "give --base or --since, not both."),
+    (["audit", "--require-unchanged-checks"], "usage", "--require-unchanged-checks compares "),
+    (["audit", "--forbid-out-of-scope"], "usage", "--forbid-out-of-scope and "),
+    (["audit", "--forbid-tripwires"], "usage", "--forbid-tripwires reads what the branch added"),
+    (["audit", "--base", "main", "--scope", "."], "broad_scope", "--scope '.' takes the whole"),
+    (["create", "--force", "--brief", "b", "--goal", "x::y", "--scope", "*.txt"], "broad_scope",
+     "--scope '*.txt' takes every such file"),
+    (["audit", "--allowed-signers", "missing"], "no_signers",
+     "--allowed-signers: missing does not exist."),
+    (["audit", "--base", "main", "--allowed-signers", "/etc/hostname"], "no_signers",
+     "--allowed-signers with --base names a file inside the repository."),
+    (["decide", "--id", "G001", "accept", "--note", "n", "--sign", "k"], "usage",
+     "--sign KEYFILE and --signer PRINCIPAL go together."),
+    (["decide", "--id", "G001", "accept", "--note", "n", "--sign", "missing", "--signer", "a"],
+     "usage", "--sign: missing is not a key file."),
+])
+def test_an_option_value_that_is_not_one_is_exit_2_and_the_value_is_a_humans(
+        pr, args, code, opening):
+    git(pr.root, "tag", "v1")
+    seen, end, r = walk(pr, args, 2, code, opening, human="")  # any message: the value
+    # is a human's; a whole command with a <placeholder> needs the command line (argv), which
+    # only the core's cli holds — the message names the option and what it takes
+    assert end == "human" and "commands" not in seen[0], r
+
+
+def test_audit_outside_a_repository_is_sent_to_the_checkout(pr, capsys):
+    out = Place(pr.root.parent / "out", capsys)
+    out.root.mkdir()
+    shutil.copytree(pr.dir, out.dir)
+    seen, end, r = walk(out, ["audit", "--base", "main"], 1, "not_a_repository",
+                        f"--base: {out.root} is not inside a git repository")
+    assert end == "placeholder" and r.json["error"]["commands"] == ["cd <checkout>"], r
+    ok(pr, "audit", "--base", "main")  # the human's checkout
+
+
+def test_signers_the_base_does_not_list_and_a_key_that_is_none_are_a_humans(pr, keys):
+    shutil.copy(keys / "alice", pr.root.parent / "alice")
+    (pr.root / "allowed_signers").write_text(
+        "alice namespaces=\"fablize\" " + " ".join((keys / "alice.pub").read_text().split()[:2])
+        + "\n")
+    seen, end, r = walk(pr, ["audit", "--base", "main", "--allowed-signers", "allowed_signers"],
+                        1, "no_signers", "--allowed-signers: allowed_signers is not committed at "
+                        "main", human="a human commits it there")
+    assert end == "human", r
+    ok(pr, "next")
+    ok(pr, "checkpoint", "--id", "G001", "--status", "blocked", "--evidence", "needs a human")
+    (pr.root / "notakey").write_text("not a key\n")
+    seen, end, r = walk(pr, ["decide", "--id", "G001", "accept", "--note", "fine", "--sign",
+                             "notakey", "--signer", "alice"], 1, "sign_failed",
+                        "ssh-keygen could not sign the decision: ", human="the key is a human's")
+    assert end == "human" and "`ssh-keygen -y -f notakey`" in seen[0]["message"], r
+    ok(pr, "decide", "--id", "G001", "accept", "--note", "fine", "--sign",
+       str(pr.root.parent / "alice"), "--signer", "alice")  # the human's key
+
+
+@pytest.mark.parametrize("how, code, opening", [
+    ("archive named outside archive/", "archive_unverified", "the plan's replaces names no "
+                                                            "archive ('../x')"),
+    ("archive removed", "archive_unverified", "archive/{old}/ledger.jsonl, the plan the current "
+                                              "one replaces, is missing"),
+    ("archive edited", "archive_unverified", "archive/{old}/ledger.jsonl, the plan the current "
+                                             "one replaces, does not verify"),
+    ("archive cut short", "archive_unverified", "archive/{old}/ledger.jsonl ends at "),
+    ("plan written anew", "history_rewritten", "ledger.jsonl line 1 no longer hashes to "),
+    ("pin beyond the ledger", "history_rewritten", "--since 0000000000000000…: line 9 does not "
+                                                   "exist — the ledger was truncated"),
+    ("policy not one", "bad_policy", ".fablize/policy.json on main is not a policy"),
+])
+def test_a_history_or_policy_that_does_not_verify_is_a_humans_to_judge(pr, how, code, opening):
+    old = pr("status", "--json").json["plan_id"]
+    if how == "policy not one":
+        git(pr.root, "checkout", "-q", "main")
+        (pr.dir / "policy.json").write_text("[]\n")
+        commit(pr, "policy")
+        git(pr.root, "checkout", "-q", "pr")
+    elif how == "plan written anew":
+        shutil.rmtree(pr.dir)
+        ok(pr, "create", "--brief", "anew", "--goal", "x::y")
+    elif how != "pin beyond the ledger":
+        ok(pr, "next")
+        ok(pr, "create", "--force", "--brief", "second", "--goal", "x::y")
+        archived = pr.dir / "archive" / old / "ledger.jsonl"
+        if how == "archive named outside archive/":  # the line written by hand
+            ledger = pr.dir / "ledger.jsonl"
+            ledger.write_bytes(ledger.read_bytes().replace(f'"path":"archive/{old}"'.encode(),
+                                                           b'"path":"../x"'))
+            (pr.dir / "goals.json").unlink()
+            ok(pr, "rebuild")
+        elif how == "archive removed":
+            shutil.rmtree(archived.parent)
+        elif how == "archive edited":
+            archived.write_bytes(archived.read_bytes().replace(b"ship it", b"ship that"))
+        else:
+            archived.write_bytes(archived.read_bytes().rstrip(b"\n").rpartition(b"\n")[0] + b"\n")
+    commit(pr)
+    args = ["--since", "9:" + "0" * 64] if how == "pin beyond the ledger" else ["--base", "main"]
+    seen, end, r = walk(pr, ["audit", *args], 3, code, opening.format(old=old), human="a human")
+    assert end == "human", r
+
+
+def test_a_branch_with_no_commit_is_a_humans_to_commit_then_the_audit_runs(pr):
+    git(pr.root, "checkout", "-q", "--orphan", "empty")
+    args = ["audit", "--base", "main", "--forbid-out-of-scope", "--scope", "impl.txt"]
+    seen, end, r = walk(pr, args, 3, "git_failed", "--base: git cannot compare HEAD with "
+                        "refs/heads/main", human="a human commits its work")
+    assert end == "human", r
+    commit(pr, "the work")
+    ok(pr, *args)
+
+
+def test_a_shared_plans_pin_on_the_base_that_is_no_pin_is_a_humans(world):
+    a = world.clone("a")
+    shared(a, 2)
+    (a.dir / "pin.json").write_text("not a pin\n")
+    git(a.root, "add", "-f", ".fablize/pin.json")
+    git(a.root, "commit", "-qm", "a broken pin")
+    branch = git(a.root, "branch", "--show-current").strip() or "master"
+    seen, end, r = walk(a, ["audit", "--remote", "origin", "--base", branch], 3, "damaged",
+                        f"{branch}:.fablize/pin.json is not a fablize pin", human="a human")
+    assert end == "human", r
+    git(a.root, "rm", "-q", "--cached", ".fablize/pin.json")
+    ok(a, "sync", "--pin")
+    git(a.root, "add", "-f", ".fablize/pin.json")
+    git(a.root, "commit", "-qm", "a pin")
+    ok(a, "audit", "--remote", "origin", "--base", branch)
