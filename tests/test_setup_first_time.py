@@ -47,7 +47,8 @@ def test_setup_outside_a_repository_refuses_with_git_init_and_writes_nothing(tmp
     before = sorted(p.name for p in root.iterdir())
     r = run(root, home, "setup", "claude")
     assert r.returncode == 1 and "is not a git repository" in r.stderr, r
-    assert "run `git init` first" in r.stderr and r.stderr.count("\n") == 1
+    assert "run `git init` first" in r.stderr and r.stderr.count("\n") == 2
+    assert r.stderr.endswith(":\n  git init\n"), r  # the step, whole, on its own line
     assert sorted(p.name for p in root.iterdir()) == before  # no block, no hooks, no state
 
 

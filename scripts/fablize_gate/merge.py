@@ -15,7 +15,9 @@ uses of the engine's layers is the names it imports from them, listed at its top
 import os
 import re
 
-from .base import damaged, LEDGER, load_json, one_line, refused, RUNS, SNAPSHOT
+from .base import (
+    damaged, FablizeError, LEDGER, load_json, one_line, quote_arg, refused, RUNS, SNAPSHOT,
+    with_step)
 from .model import is_original_snapshot, make_event, misfit, PLAN_SPEC
 from .storage import read_state_file, symlink_refusal, within, write_atomic
 from .runs import git, git_out, MERGE_ATTRIBUTE, merge_driver_missing, read_plain, repo_root
@@ -23,6 +25,9 @@ from .audit import audit_ledger
 
 
 MERGE_ATTRIBUTE = MERGE_ATTRIBUTE.decode()
+# what a refusal of the driver leaves: git's conflict, which a human resolves (cmd_merge_driver
+# names the command, with the state directory's path)
+KEEP_ONE = "a human's choice, the other side's events are left out — then `git add` it:"
 
 
 def merge_ledgers(ours, theirs):
@@ -41,7 +46,8 @@ def merge_ledgers(ours, theirs):
             return ours
         at = next(i for i, (x, y) in enumerate(zip(lo, lt), 1) if x != y)
         raise refused(f"both branches advanced the same plan differently (from event {at}); "
-                      "keep one side: `git checkout --ours .fablize/` or `--theirs`.", "diverged")
+                      f"keep one side: `git checkout --ours` or `--theirs` on it — {KEEP_ONE}",
+                      "diverged")
     mine, other = audit_ledger(ours, None)["plan"], audit_ledger(theirs, None)["plan"]
     if (other["created"], other["plan_id"]) > (mine["created"], mine["plan_id"]):
         (mine, lo, ours), (other, lt, theirs) = (other, lt, theirs), (mine, lo, ours)
@@ -64,12 +70,15 @@ def merge_snapshots(ours, theirs, path=None):
             snap = None
         if (type(snap) is not dict or is_original_snapshot(snap) or
                 misfit(snap, PLAN_SPEC) is not None):
-            raise damaged(f"{SNAPSHOT}: one side is not a fablize snapshot.", "bad_snapshot")
+            raise with_step(damaged(f"{SNAPSHOT}: one side is not a fablize snapshot — once "
+                                    f"{LEDGER} is merged, `rebuild` writes it anew from it (then "
+                                    "`git add` it):", "bad_snapshot"), "rebuild")
         sides.append((snap["plan_id"], snap["ledger"]["seq"], snap["created"]))
     ko, kt = sides
     if ko[0] == kt[0]:
         if ko[1] == kt[1]:
-            raise refused("both branches changed the same plan's snapshot at the same event.",
+            raise refused("both branches changed the same plan's snapshot at the same event; "
+                          f"keep one side of the plan (its {LEDGER} with it) — {KEEP_ONE}",
                           "diverged")
         ledgers = ledger_sides(path.rsplit("/", 1)[0] + "/" + LEDGER) if path else None
         if ledgers is not None:
@@ -96,8 +105,8 @@ def merge_run_log(path, ours, theirs):
     sides = ledger_sides(path.rsplit("/" + RUNS + "/", 1)[0] + "/" + LEDGER)
     if sides is None:
         raise refused(f"{one_line(path)}: both branches wrote a different run log here, and this "
-                      f"is not a `git merge` of one branch whose sides both hold {LEDGER}.",
-                      "conflict")
+                      f"is not a `git merge` of one branch whose sides both hold {LEDGER}; keep "
+                      f"the log of the plan that stays — {KEEP_ONE}", "conflict")
     merged = merge_ledgers(*sides)
     if merged == sides[1] or (merged != sides[0] and not merged.startswith(sides[0])):
         return theirs
@@ -109,15 +118,23 @@ def cmd_merge_driver(ctx, a):
     name = os.path.basename(a.path or "")
     if ours == theirs:
         return
-    if name == LEDGER:
-        merged = merge_ledgers(ours, theirs)
-    elif name == SNAPSHOT:
-        merged = merge_snapshots(ours, theirs, a.path)
-    elif f"/{RUNS}/" in "/" + (a.path or "") and name.endswith(".log"):
-        merged = merge_run_log(a.path, ours, theirs)
-    else:
-        raise refused(f"{one_line(a.path)}: both branches changed it and only {LEDGER} and "
-                      f"{SNAPSHOT} merge by replay.", "conflict")
+    try:
+        if name == LEDGER:
+            merged = merge_ledgers(ours, theirs)
+        elif name == SNAPSHOT:
+            merged = merge_snapshots(ours, theirs, a.path)
+        elif f"/{RUNS}/" in "/" + (a.path or "") and name.endswith(".log"):
+            merged = merge_run_log(a.path, ours, theirs)
+        else:
+            raise refused(f"{one_line(a.path)}: both branches changed it and only {LEDGER} and "
+                          f"{SNAPSHOT} merge by replay; keep one side — {KEEP_ONE}", "conflict")
+    except FablizeError as e:
+        if e.message.endswith(KEEP_ONE) and a.path:  # the side to keep: a human's
+            # a plan's files go together: its ledger and snapshot (and logs), the folder whole
+            where = a.path if e.code == "conflict" else a.path.split(f"/{RUNS}/")[0].rpartition(
+                "/")[0] or "."
+            e.commands = [f"git checkout --<ours|theirs> -- {quote_arg(':/' + where)}"]
+        raise
     write_atomic(a.ours, merged)
     ctx.out.warn(f"merged {one_line(a.path)} by replay.")
 
@@ -174,7 +191,10 @@ def install(store, cli):
     driver in this clone's git config. Returns (the line, the driver command)."""
     root = store.root
     if git(root, "rev-parse", "--git-dir", what="install-merge")[0] != 0:
-        raise refused(f"{root} is not a git repository.", "no_git_repo")
+        error = refused(f"{root} is not a git repository — `git init` makes it one:",
+                        "no_git_repo")
+        error.commands = ["git init"]
+        raise error
     rel = os.path.relpath(store.dir, root).replace(os.sep, "/")
     if rel.startswith(".."):
         raise refused("the state directory is outside the repository: nothing to merge.",

@@ -20,7 +20,7 @@ import sys
 
 from .base import (
     DEFAULT_GUARD_MAX, DONE, FablizeError, last_chars, load_json, one_line, PYTHON, quote_arg,
-    refused, STATE_DIRNAME, STATE_GITIGNORE, usage)
+    refused, STATE_DIRNAME, STATE_GITIGNORE, usage, with_step)
 from .storage import (
     file_to_write, fsync_dir, O_BINARY, O_CLOEXEC, O_NONBLOCK, read_state_file, user_file,
     write_atomic, write_state_gitignore)
@@ -236,8 +236,9 @@ def runs_here(cmd, root):
     return m is None or (top is not None and os.path.isfile(os.path.join(top, m.group(1))))
 
 
-def merge_hooks(config, agent, cli, remove=False):
-    """`config` (a parsed settings file) with exactly one hook of ours per event, or none."""
+def merge_hooks(config, agent, cli, remove=False, where="its settings file"):
+    """`config` (a parsed settings file, `where`) with exactly one hook of ours per event, or
+    none."""
     config = json.loads(json.dumps(config))  # a copy: the caller compares old and new
     if agent == "cursor":
         config.setdefault("version", 1)
@@ -252,7 +253,8 @@ def merge_hooks(config, agent, cli, remove=False):
         if not remove:
             hooks = config.setdefault("hooks", {})
             if not isinstance(hooks, dict):
-                raise refused("its \"hooks\" is not an object — fix it by hand.", "bad_config")
+                raise refused(f"its \"hooks\" is not an object ({where}) — fix it by hand, "
+                              "then run setup again.", "bad_config")
             groups = hooks.setdefault(event, [])
             if agent == "cursor":
                 groups.append(hook)
@@ -308,7 +310,8 @@ def read_json_config(path, quiet=False):
     if not isinstance(data, dict):
         if quiet:
             return {}
-        raise refused(f"{path} does not hold a JSON object — fix it by hand.", "bad_config")
+        raise refused(f"{path} does not hold a JSON object — fix it by hand, then run setup "
+                      "again.", "bad_config")
     return data
 
 
@@ -341,7 +344,8 @@ def read_project_file(path):
         data = os.read(fd, MAX_PROJECT_FILE + 1)
         if len(data) > MAX_PROJECT_FILE:
             raise refused(f"{path} is larger than {MAX_PROJECT_FILE:,} bytes — not a settings "
-                          "or instructions file fablize edits.", "not_text")
+                          "or instructions file fablize edits: a human trims it (or moves it "
+                          "aside), then runs the command again.", "not_text")
         return data
     finally:
         os.close(fd)
@@ -356,7 +360,9 @@ def project_file(root, rel):
     for part in rel.split("/")[:-1]:
         folder = os.path.join(folder, part)
         if os.path.islink(folder):
-            raise refused(f"{folder} is a symlink — refusing to write through it.", "symlink")
+            raise refused(f"{folder} is a symlink — refusing to write through it: where the "
+                          "project's settings live is a human's decision — make it a real "
+                          "folder, then run the command again.", "symlink")
     return path, file_to_write(path)
 
 
@@ -367,9 +373,11 @@ def project_text(path, st):
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        raise refused(f"{path} is not UTF-8 text — refusing to edit it.", "not_text")
+        raise refused(f"{path} is not UTF-8 text — refusing to edit it: a human converts it (or "
+                      "moves it aside), then runs the command again.", "not_text")
     if "\x00" in text:
-        raise refused(f"{path} is not text (it holds NUL bytes) — refusing to edit it.", "not_text")
+        raise refused(f"{path} is not text (it holds NUL bytes) — refusing to edit it: a human "
+                      "repairs it (or moves it aside), then runs the command again.", "not_text")
     return raw, text
 
 
@@ -397,7 +405,7 @@ def setup_plan(root, agent, remove):
     block_rel, hooks_rel = AGENT_FILES[agent]
     path, st = project_file(root, block_rel)
     raw, text = project_text(path, st)
-    new = install_block(text, render_block(cli), remove)
+    new = install_block(text, render_block(cli), remove, block_rel)
     if new != text and not remove and re.search(ORIGINAL_BLOCK, text):
         kept, kept_st = project_file(root, block_rel + BACKUP)
         changes.append((block_rel + BACKUP, kept, kept_st, raw,
@@ -415,7 +423,7 @@ def setup_plan(root, agent, remove):
         # own hooks step aside at run time for the project's (guard --plugin and the others)
         path, st = project_file(root, hooks_rel)
         config = read_json_config(path)
-        new = merge_hooks(config, agent, cli, remove)
+        new = merge_hooks(config, agent, cli, remove, hooks_rel)
         if new != config:
             data = None if remove and not new and st is not None else json_config_bytes(new)
             if remove and data is not None:
@@ -518,7 +526,7 @@ def render_block(cli):
     return BLOCK_TEMPLATE.format(cli=cli)
 
 
-def install_block(text, block, remove=False):
+def install_block(text, block, remove=False, where="the file"):
     """`text` with exactly one fablize block (replaced in place, or appended), or without it.
     Appending adds one newline before the block when the file does not end a line with a blank
     one; removal takes that newline back, so remove(install(x)) == x."""
@@ -530,7 +538,8 @@ def install_block(text, block, remove=False):
         end = text.find(BLOCK_END, begin)
         if end < 0 or text.find(BLOCK_BEGIN, begin + 1) >= 0:
             raise refused("the file has a broken or repeated fablize block (begin/end markers do "
-                          "not pair) — fix it by hand.", "bad_block")
+                          f"not pair) — fix {where} by hand, then run the command again.",
+                          "bad_block")
         end += len(BLOCK_END)
         if text[end:end + 1] == "\n":
             end += 1
@@ -548,7 +557,8 @@ def cmd_install_block(ctx, a):
     target, st = user_file(ctx.store.root, a.file or os.path.join(ctx.store.root,
                                                                         "CLAUDE.md"), a.outside)
     raw, text = project_text(target, st)
-    new = install_block(text, render_block(portable_command(ctx.store.root)), a.remove)
+    new = install_block(text, render_block(portable_command(ctx.store.root)), a.remove,
+                        target)
     if new == text:
         ctx.say(f"fablize: {target} already {'has no' if a.remove else 'has this'} fablize block; "
                 "nothing changed.")
@@ -556,8 +566,11 @@ def cmd_install_block(ctx, a):
         return
     directory = os.path.dirname(target)
     backup = target + BACKUP
-    if os.path.islink(backup):
-        raise refused(f"{backup} is a symlink — refusing to write through it.", "symlink")
+    if os.path.islink(backup):  # fablize's own file: the link goes, never what it points at
+        error = refused(f"{backup} is a symlink — refusing to write through it; removing the "
+                        "link leaves what it points at:", "symlink")
+        error.commands = [f"rm {quote_arg(os.path.relpath(backup))}"]
+        raise error
     if a.remove and not new and block_created(backup):
         # install-block made this file: removing the block removes it (no 0-byte file) and the
         # copy it kept of it, which held nothing but a block
@@ -611,10 +624,12 @@ def cmd_setup(ctx, a):
     root = ctx.store.root
     cli = portable_command(root)
     if not a.remove and "$(git rev-parse" in cli and repo_root(root) is None:
-        raise refused(f"setup: {root} is not a git repository, and the hooks and the block find "
+        error = refused(f"setup: {root} is not a git repository, and the hooks and the block find "
                       "the engine with `git rev-parse --show-toplevel`: every hook would fail "
                       "here — run `git init` first, then setup again (or install fablize, whose "
-                      "`fablize` command needs no repository).", "not_a_repository")
+                      "`fablize` command needs no repository):", "not_a_repository")
+        error.commands = ["git init"]
+        raise error
     changes, notes = setup_plan(root, a.agent, a.remove)
     if not a.remove:  # checked before anything is written
         refuse_missing_command(ctx, cli)
@@ -747,8 +762,11 @@ def wired_agents(root):
 def cmd_doctor(ctx, a):
     agents = [a.agent] if a.agent else wired_agents(ctx.store.root)
     if not agents:
-        raise refused(f"doctor: no agent is wired in {ctx.store.root} — `{ctx.prog} setup claude` "
-                      "(or codex, gemini, cursor, agents-md) wires one.", "doctor_problems")
+        error = refused(f"doctor: no agent is wired in {ctx.store.root} — `{ctx.prog} setup "
+                        "claude` (or codex, gemini, cursor, agents-md) wires one; which agent is "
+                        "a human's choice:", "doctor_problems")
+        error.commands = [f"{ctx.prog} setup <agent>"]
+        raise error
     findings = []
     for agent in agents:
         findings += [dict(f, agent=agent) for f in doctor_findings(ctx, agent)]
@@ -768,10 +786,15 @@ def cmd_doctor(ctx, a):
     problems = [c for c in findings if not c["ok"]]
     if problems:
         fixes = list(dict.fromkeys(c["fix"] for c in problems))
-        raise refused(f"doctor: {len(problems)} problem{'s' if len(problems) > 1 else ''} — "
-                      + (f"{problems[0]['problem']}; fix: {fixes[0]}" if len(problems) == 1 else
-                         f"{len(fixes)} fix{'es' if len(fixes) > 1 else ''}, each said once "
-                         f"above; the first: {fixes[0]}"), "doctor_problems")
+        error = refused(f"doctor: {len(problems)} problem{'s' if len(problems) > 1 else ''} — "
+                        + (f"{problems[0]['problem']}; fix: {fixes[0]}" if len(problems) == 1 else
+                           f"{len(fixes)} fix{'es' if len(fixes) > 1 else ''}, each said once "
+                           f"above; the first: {fixes[0]}"), "doctor_problems")
+        # the first fix's command, when it is one (a fix that is a human's names none)
+        step = re.match(r"`((?:git init|" + re.escape(ctx.prog) + r" [^`]+))`", fixes[0])
+        if step:
+            error.commands = [step.group(1)]
+        raise error
     ctx.say(f"fablize: doctor — {', '.join(agents)} {'is' if len(agents) == 1 else 'are'} wired "
             "and the state is healthy.")
 
@@ -856,10 +879,11 @@ def doctor_findings(ctx, agent):
             done = sum(1 for x in plan["goals"] if x["status"] in DONE) if plan else 0
             finding("state", None, None, "no plan yet" if plan is None else
                     f"plan readable, {done}/{len(plan['goals'])} done")
-        except FablizeError as e:
+        except FablizeError as e:  # the step the plan's own error names, when it names one
+            step = getattr(e, "run_next", None)
             finding("state", f"the plan cannot be read: {one_line(e.message)}",
-                    f"`{ctx.prog} audit` says what is wrong; `{ctx.prog} rebuild` regenerates "
-                    "goals.json from the ledger", None)
+                    f"`{ctx.prog} {step}`" if step else f"`{ctx.prog} audit` says what is "
+                    f"wrong; `{ctx.prog} rebuild` regenerates goals.json from the ledger", None)
         present = read_state_file(os.path.join(ctx.store.dir, ".gitignore")) is not None
         finding(".gitignore", None if present else
                 f"{STATE_DIRNAME}/.gitignore is missing: the lock and temporary files "
@@ -986,8 +1010,9 @@ COMPLETIONS = {"bash": completion_bash, "zsh": completion_zsh, "fish": completio
 def cmd_completion(ctx, a):
     """The completion script of `a.shell` for the `fablize` command, on stdout."""
     if not re.fullmatch(r"[\w.-]+", a.name or ""):
-        raise usage(f"--name {one_line(a.name)!r} is not a command's name: one word of "
-                    "letters, digits, ., - and _.", "bad_name")
+        raise with_step(usage(f"--name {one_line(a.name)!r} is not a command's name: one word "
+                              "of letters, digits, ., - and _:", "bad_name"),
+                        f"completion {a.shell} --name <name>")
     script = COMPLETIONS[a.shell](a.name, command_table(ctx.build_parser(None, a.name)))
     ctx.say(script.rstrip("\n"))
     ctx.data.update(shell=a.shell, script=script)

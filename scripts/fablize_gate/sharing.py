@@ -46,8 +46,8 @@ import time
 
 from .base import (
     ARCHIVE, count_noun, damaged, dumps, FablizeError, id_arg, is_plan_id, LEDGER, load_json,
-    now_iso, one_line, PIN, PLAN_EXISTS, refused, RUNS, sha256_hex, SHARE, SNAPSHOT,
-    STATE_DIRNAME, STATE_GITIGNORE, usage, with_step, ZERO_HASH)
+    now_iso, one_line, PIN, PLAN_EXISTS, quote_arg, refused, RUNS, sha256_hex, SHARE, SNAPSHOT,
+    STATE_DIRNAME, STATE_GITIGNORE, with_step, ZERO_HASH)
 from .masking import masked_text
 from .model import (
     active_stories, apply_event, find_story, misfit, parse_event, pick_ready, ready_stories,
@@ -60,15 +60,14 @@ from .runs import git, repo_root, run_tool
 from .render import invocation, plan_json, story_json
 from .audit import audit_ledger
 from .sharing_git import (
-    cat_objects, git_call, git_dirs, git_out, plan_id_arg, remote_arg, remote_failure,
-    REMOTE_NAME, share_wait, uniform)
+    cat_objects, default_remote, git_call, git_dirs, git_out, plan_id_arg, remote_arg,
+    remote_failure, REMOTE_NAME, share_wait, SHARED_REFS, uniform, written_elsewhere)
 
 
 REJECTED = "rejected.jsonl"          # every local event set aside, with why (append-only)
 PENDING = "rejected.pending.json"    # those not acknowledged yet: said on every command
 JOURNAL = "sync.journal"             # a sync step under way (Journal)
 STAGE = "sync.stage-"                # its staged files: sync.stage-<journal id>/
-SHARED_REFS = "refs/fablize/plans/"
 # what a shared plan publishes, said once when it is first shared
 PUBLISHES = ("  it publishes, to everyone who can read {remote}: the plan, its evidence and every "
              "run (command, exit code, output tail and log), with secrets masked, paths "
@@ -170,8 +169,10 @@ def read_pending(store):
         records = None
     if not isinstance(records, list) or not all(isinstance(r, dict) and isinstance(
             r.get("event"), dict) for r in records):
-        raise damaged(f"{PENDING} is not a list of events set aside — its events are all in "
-                      f"{REJECTED}; remove it.", "bad_share")
+        error = damaged(f"{PENDING} is not a list of events set aside — its events are all in "
+                        f"{REJECTED}; remove it:", "bad_share")
+        error.commands = [f"rm {quote_arg(shown_path(store, PENDING))}"]
+        raise error
     return records
 
 
@@ -1073,11 +1074,12 @@ class Contention:
         span = max(BACKOFF_BASE, now - self.round_started)
         delay = uniform() * min(BACKOFF_CAP, span * BACKOFF_ROUNDS * 2 ** (self.lost - 1))
         if self.elapsed() + delay > self.limit:
-            raise refused(f"gave up publishing to {self.remote} after {self.elapsed():.1f} s: "
-                          f"{self.lost} pushes lost to other writers"
-                          + (f" (last: {one_line(self.why)[:200]})" if self.why else "")
-                          + "; the events are kept here — try again (`sync` publishes them; "
-                          "FABLIZE_SHARE_WAIT sets how long to wait).", "push_contended")
+            error = refused(f"gave up publishing to {self.remote} after {self.elapsed():.1f} s: "
+                            f"{self.lost} pushes lost to other writers"
+                            + (f" (last: {one_line(self.why)[:200]})" if self.why else "")
+                            + "; the events are kept here — try again (`sync` publishes them; "
+                            "FABLIZE_SHARE_WAIT sets how long to wait):", "push_contended")
+            raise with_step(error, "sync")
         return delay
 
     def again(self):
@@ -1124,9 +1126,14 @@ def push(store, remote, updates):
     if refusals:
         told = [line.strip()[7:].strip() for line in err.splitlines()
                 if line.strip().startswith("remote:") and line.strip()[7:].strip()]
-        raise refused(f"{one_line(remote)} refused the push: {one_line(refusals[0])[:200]}"
-                      + (f" — {one_line('; '.join(told))[:300]}" if told else "")
-                      + "; the events are kept here.", "push_refused")
+        said = (f"{one_line(remote)} refused the push: {one_line(refusals[0])[:200]}"
+                + (f" — {one_line('; '.join(told))[:300]}" if told else "")
+                + "; the events are kept here.")
+        error = with_step(refused(said + " The remote's own rule (a hook, a policy) refused it: "
+                                  "a human who runs that remote changes it, then `sync` "
+                                  "publishes them:", "push_refused"), "sync")
+        error.said = said
+        raise error
     if lost:
         return False
     raise remote_failure(remote, err, f"git push exit {code}")
@@ -1228,11 +1235,14 @@ def refresh(session, cfg, restores=3):
         chain = Chain(store, ref, cfg["commit"], cfg["remote"])
     except FablizeError as e:
         if e.code != "remote_history_rewritten":
-            raise
+            raise written_elsewhere(e, cfg, ref)
         if not restores or not restore_rewound(store, cfg, ref):
             raise fork_error(store, cfg, ref) from None
         return refresh(session, cfg, restores - 1)  # the remote holds what this clone knew
-    return integrate(session, cfg, chain)
+    try:
+        return integrate(session, cfg, chain)
+    except FablizeError as e:
+        raise written_elsewhere(e, cfg, ref)
 
 
 def restore_rewound(store, cfg, ref):
@@ -1260,7 +1270,8 @@ def fork_error(store, cfg, ref):
     error = damaged(
         f"the shared plan on {remote} and this clone's copy differ (a fork: the remote's ref "
         "was rewritten and both went on). `git log --oneline --graph "
-        f"{(cfg['commit'] or '')[:12]} {ref}` shows both. To keep this clone's: "
+        f"{(cfg['commit'] or '')[:12]} {ref}` shows both; which to keep is a human's decision. "
+        "To keep this clone's: "
         f"`git push --force {remote} {(cfg['commit'] or '')[:12]}:{SHARED_REFS}{plan_id}`, then "
         f"sync; to keep the remote's: move {STATE_DIRNAME}/ aside and sync (docs/reference.md: "
         "A fork of a shared plan):", "remote_history_rewritten")
@@ -1270,11 +1281,11 @@ def fork_error(store, cfg, ref):
 
 def ref_deleted(cfg, plan):
     held = plan["ledger"]["seq"] if plan else cfg["seq"]
-    return damaged(f"{cfg['remote']} no longer holds {SHARED_REFS}{cfg['plan_id']}: the shared "
-                   "plan's ref was deleted there. This clone keeps all "
-                   f"{count_noun(held, 'event')} — "
-                   f"`share --remote {cfg['remote']}` publishes them again.",
-                   "remote_history_rewritten")
+    return with_step(damaged(
+        f"{cfg['remote']} no longer holds {SHARED_REFS}{cfg['plan_id']}: the shared plan's ref "
+        f"was deleted there. This clone keeps all {count_noun(held, 'event')} — `share --remote "
+        f"{cfg['remote']}` publishes them again:", "remote_history_rewritten"),
+        f"share --remote {cfg['remote']}")
 
 
 def publish_replacement(session, cfg):
@@ -1328,7 +1339,11 @@ def undo_replacement(session, cfg, folder):
         raise refused(f"plan {old_id} moved on {remote} (or was replaced there) before this "
                       f"clone's replacement {mine} was published, and its archive is gone, so "
                       f"{old_id} cannot be made current again here; the replacement stays "
-                      "local — run `sync` to see the remote.", "plan_replaced")
+                      "local, and which plan this clone follows is a human's decision: to "
+                      f"publish {mine} as a plan of its own ({old_id} goes on without it), "
+                      f"remove {shown_path(store, SHARE)} and `share --remote {remote}`; to "
+                      f"follow the remote, move {shown_path(store, '')} aside and `sync`.",
+                      "plan_replaced")
     journal = Journal(store)
     data = read_state_file(store.path(os.path.join(folder, LEDGER)))
     journal.lines = data.split(b"\n")[:-1]
@@ -1353,16 +1368,18 @@ def undo_replacement(session, cfg, folder):
         taken += rebase.apply(session, cfg)
     keep_position(session, cfg)
     if cfg["plan_id"] != old_id:
-        raise refused(f"plan {old_id} was replaced on {remote} by {cfg['plan_id']} first (another "
-                      f"clone's `create --force`): this clone's replacement {mine} was not "
-                      f"published — it is kept in {journal.archive}/ — and this clone follows "
-                      f"{cfg['plan_id']} now.", "plan_replaced")
+        raise with_step(refused(
+            f"plan {old_id} was replaced on {remote} by {cfg['plan_id']} first (another clone's "
+            f"`create --force`): this clone's replacement {mine} was not published — it is kept "
+            f"in {journal.archive}/ — and this clone follows {cfg['plan_id']} now; whether to "
+            "replace that one too is a human's decision, made looking at it:", "plan_replaced"),
+        "status")
     moved = count_noun(session.plan["ledger"]["seq"] - before + len(taken), "new event")
-    raise refused(f"plan {old_id} moved on {remote} since this clone last synced "
-                  f"({moved}): the "
-                  f"replacement {mine} was not published — it is kept in {journal.archive}/ and "
-                  f"{old_id} is current here again, with those events; look at them (`status`), "
-                  "then run `create --force` again.", "plan_replaced")
+    raise with_step(refused(
+        f"plan {old_id} moved on {remote} since this clone last synced ({moved}): the "
+        f"replacement {mine} was not published — it is kept in {journal.archive}/ and {old_id} "
+        "is current here again, with those events; look at them (`status`), then run `create "
+        "--force` again:", "plan_replaced"), "status")
 
 
 def others_active(plan, own):
@@ -1408,7 +1425,8 @@ def publish(session, claim=False, fetch_first=None):
     except FablizeError as e:
         if claim or e.code not in TOLERATED:
             raise
-        said = e.message.rstrip(".").replace("; the events are kept here", "")  # said once:
+        said = getattr(e, "said", e.message).rstrip(".:").replace(  # said once:
+            "; the events are kept here", "")
         store.warn(f"not published: {said}. The events are kept here; the next command "
                    "or `sync` publishes them.")
         return session.plan
@@ -1416,13 +1434,16 @@ def publish(session, claim=False, fetch_first=None):
     if mine is not None:
         ev = mine["event"]
         if mine["code"] == "plan_replaced":
-            raise refused(f"this {ev['event']} was not published: {one_line(mine['reason'])} "
-                          f"meanwhile (set aside in {REJECTED}).", "plan_replaced")
+            raise with_step(refused(
+                f"this {ev['event']} was not published: {one_line(mine['reason'])} meanwhile "
+                f"(set aside in {REJECTED}); this clone follows that plan now, and what of this "
+                "work carries over to it is a human's decision:", "plan_replaced"), "status")
         held = find_story(session.plan, ev["id"]) if ev.get("id") else None
         who = f" — agent {one_line(held['agent'])} holds it" if held and held["agent"] else ""
-        raise refused(f"{one_line(ev.get('id') or ev['event'])} was taken on {cfg['remote']} "
-                      f"meanwhile{who}; this {ev['event']} was not published "
-                      f"({one_line(mine['reason']).rstrip('.')}).", "claim_lost")
+        raise with_step(refused(
+            f"{one_line(ev.get('id') or ev['event'])} was taken on {cfg['remote']} meanwhile{who}; "
+            f"this {ev['event']} was not published ({one_line(mine['reason']).rstrip('.')}) — "
+            "see who holds what now:", "claim_lost"), "status")
     return session.plan
 
 
@@ -1524,7 +1545,10 @@ def withdraw_claim(session):
         return
     if cfg["plan_id"] == session.plan["plan_id"] and cfg["seq"] >= ev["seq"]:
         return  # published (by another command of this clone, while this one waited)
+    recorded = session.store.recorded  # the claim no longer stands: never said to
+    kept = [r for r in recorded if r[0] < ev["seq"]]
     session.swap_ledger(data[:cut], replay(data[:cut]))
+    recorded[:] = kept
 
 
 def status(store, plan):
@@ -1545,7 +1569,7 @@ def status(store, plan):
         ref = fetch_plan(store, cfg["remote"], cfg["plan_id"])
         tip = cat_objects(store, [ref, f"{ref}:{REPLACED}"]) if ref else None
     except FablizeError as e:
-        info["error"] = e.message
+        info["error"] = getattr(e, "said", e.message)
         return info
     if tip is None:
         if cfg["commit"] is not None:
@@ -1617,18 +1641,6 @@ def live_plans(store, remote, plans):
         raise remote_failure(remote, err, f"git fetch exit {code}")
     ends = cat_objects(store, [f"{tracking_ref(remote, p)}:{REPLACED}" for p in sorted(plans)])
     return {p: plans[p] for p, end in zip(sorted(plans), ends) if end is None}
-
-
-def default_remote(store):
-    names = git_out(store, "remote").decode().split()
-    if "origin" in names:
-        return "origin"
-    if len(names) == 1:
-        return names[0]
-    if not names:
-        raise refused(f"{store.root} has no git remote — add one with `git remote add NAME URL`.",
-                      "no_remote")
-    raise usage(f"several git remotes ({', '.join(names)}): say which with --remote NAME.")
 
 
 SHARED_GITIGNORE = (b"# a shared plan: its history is in refs/fablize/, not the branch; only "
@@ -1708,7 +1720,12 @@ def start(store, remote):
         set_aside_share(store)
         cfg = share_config(store)
         if cfg is not None and cfg["plan_id"] == plan["plan_id"] and cfg["remote"] != remote:
-            raise refused(f"this plan is already shared through {cfg['remote']}.", "already_shared")
+            error = refused(f"this plan is already shared through {cfg['remote']}. To move it "
+                            f"to {remote}'s repository — every clone with it, a human's "
+                            f"decision — point {cfg['remote']} there, then `share --remote "
+                            f"{cfg['remote']}`:", "already_shared")
+            error.commands = [f"git remote set-url {quote_arg(cfg['remote'])} <url>"]
+            raise error
         replacing = (cfg is not None and cfg["remote"] == remote
                      and (plan.get("replaces") or {}).get("plan_id") == cfg["plan_id"])
         if cfg is None or (cfg["plan_id"] != plan["plan_id"] and not replacing) or (
@@ -1759,25 +1776,33 @@ def remote_sharing(root):
 
 def cmd_share(ctx, a):
     require_state_dir(ctx.store)
-    share, line = start(ctx.store, remote_arg(ctx.store, a.remote))
+    share, line = start(ctx.store, remote_arg(ctx.store, a.remote, "share --remote {}"))
     ctx.say(line)
     ctx.data.update(share=share)
 
 
-def choose_plan(store, remote, asked):
+NEW_PLAN = 'create --brief "<task>" --goal "<title>::<objective>" --remote {}'
+
+
+def choose_plan(store, remote, asked, step):
     """The plan a fresh clone syncs: the one asked for, else the one plan the remote shares
-    that no other replaced."""
+    that no other replaced. `step`: `sync` as it was run, with `{}` where --plan goes."""
     plans = shared_plan_refs(store, remote)
     if asked:
-        if plan_id_arg(asked) not in plans:
-            raise refused(f"{remote} shares no plan {one_line(asked)}.", "not_found")
+        if plan_id_arg(asked, step) not in plans:
+            raise with_step(refused(f"{remote} shares no plan {one_line(asked)}" + (
+                f" (it shares {', '.join(sorted(plans))}):" if plans else ":"), "not_found"),
+                step.replace("{}", "<plan-id>", 1) if plans else NEW_PLAN.replace("{}", remote))
         return asked
     live = live_plans(store, remote, plans)
     if len(live) == 1:
         return next(iter(live))
-    raise refused(f"{remote} shares {len(live) or 'no'} plans" +
-                  (f" ({', '.join(sorted(live))}): say which with --plan ID." if live
-                   else " — share one with `share --remote NAME`."), "which_plan")
+    raise with_step(refused(
+        f"{remote} shares {len(live) or 'no'} plans" + (
+            f" ({', '.join(sorted(live))}): say which with --plan ID:" if live else
+            " — a human writes the plan; `create … --remote` shares it there:"), "which_plan"),
+        step.replace("{}", "<plan-id>", 1) if live else NEW_PLAN.replace("{}", remote))
+
 
 
 def cmd_sync(ctx, a):
@@ -1785,10 +1810,16 @@ def cmd_sync(ctx, a):
     cfg = share_config(store) if store.exists() else None
     if cfg is None:
         if store.exists() and store.has_plan_files():
-            raise refused("this plan is local — share it first: `share --remote NAME`.",
-                          "not_shared")
-        remote = remote_arg(store, a.remote or default_remote(store))
-        plan_id = choose_plan(store, remote, a.plan)
+            remote = a.remote or guessed_remote(store)
+            raise with_step(refused("this plan is local — share it first: `share --remote "
+                                    "NAME`:", "not_shared"),
+                            f"share --remote {'<remote>' if remote == 'NAME' else remote}")
+        # the steps of what this can refuse: `sync` as it was run, one value to choose
+        asked = f" --plan {quote_arg(a.plan)}" if a.plan else ""
+        remote = remote_arg(store, a.remote or default_remote(store, "sync --remote {}" + asked),
+                            "sync --remote {}" + asked)
+        plan_id = choose_plan(store, remote, a.plan, "sync" + (
+            f" --remote {remote}" if a.remote else "") + " --plan {}")
         store.create_dir()
         with store.session() as s:
             s.load()
@@ -1798,8 +1829,9 @@ def cmd_sync(ctx, a):
             save_share_config(store, cfg)
             ignore_shared_dir(store)
     elif a.remote and a.remote != cfg["remote"]:
-        raise refused(f"this plan is shared through {cfg['remote']}, not {one_line(a.remote)}.",
-                      "other_remote")
+        raise with_step(refused(f"this plan is shared through {cfg['remote']}, not "
+                                f"{one_line(a.remote)}; `sync` uses {cfg['remote']}:",
+                                "other_remote"), "sync")
     with store.session() as s:
         s.load()
         cfg = share_config(store)  # again under the lock: another command may have published
@@ -1812,7 +1844,11 @@ def cmd_sync(ctx, a):
         seen = acknowledge(store) if a.acknowledge else []
         pinned = a.pin and plan is not None and pin_here(store, plan)
     if plan is None:
-        raise refused(f"{cfg['remote']} holds nothing for plan {cfg['plan_id']} yet.", "no_plan")
+        error = refused(f"{cfg['remote']} holds nothing for plan {cfg['plan_id']} yet, and this "
+                        f"clone holds none of it: forget the plan it named ({SHARE} is all there "
+                        "is of it here), then `sync` finds what the remote shares:", "no_plan")
+        error.commands = [f"rm {quote_arg(shown_path(store, SHARE))}"]
+        raise error
     if plan["plan_id"] != before_id:  # the plan was replaced on the remote: this clone follows
         pulled, sent = plan["ledger"]["seq"], 0
     else:

@@ -7,11 +7,14 @@ import os
 import re
 import time
 
-from .base import damaged, EXIT_DAMAGED, FablizeError, is_plan_id, one_line, refused, usage
+from .base import (
+    damaged, EXIT_DAMAGED, FablizeError, is_plan_id, one_line, quote_arg, refused, usage,
+    with_step)
 from .storage import env_seconds, read_state_file
 from .runs import git, repo_root
 
 REMOTE_NAME = r"[A-Za-z0-9][\w.-]*"
+SHARED_REFS = "refs/fablize/plans/"
 
 # what git says of a repository whose objects or refs are broken (never a network problem)
 CORRUPT = ("corrupt", "not our ref", "bad object", "object file", "unable to read",
@@ -27,8 +30,16 @@ DEFAULT_WAIT = 30.0      # seconds a command waits out other writers (FABLIZE_SH
 
 
 def unreachable(remote, detail):
-    return FablizeError(f"the remote {one_line(remote)} cannot be reached "
-                        f"({one_line(detail)[:300]}).", "remote_unreachable", EXIT_DAMAGED)
+    """The remote does not answer: if it moved, pointing it at its new URL is a human's step
+    (which URL); if it is down, the same command once it answers. `said`: the message without
+    the step, for a warning that keeps the events (publish) and for `status`."""
+    said = f"the remote {one_line(remote)} cannot be reached ({one_line(detail)[:300]})."
+    error = FablizeError(f"{said[:-1]} — if it moved, point {one_line(remote)} at its new URL; if "
+                         "it is down, run the command again once it answers:",
+                         "remote_unreachable", EXIT_DAMAGED)
+    error.said = said
+    error.commands = [f"git remote set-url {quote_arg(remote)} <url>"]
+    return error
 
 
 def remote_failure(remote, err, what):
@@ -37,11 +48,14 @@ def remote_failure(remote, err, what):
     said = [line.strip() for line in err.splitlines() if line.strip()]
     broken = [line for line in said if any(p in line.lower() for p in CORRUPT)]
     if broken:
-        return damaged(f"the remote {one_line(remote)} is damaged — git says: "
-                       f"{one_line(broken[0])[:300]}. This is not a network problem: repair that "
-                       "repository (`git fsck` in it says what is broken) or move the plan to a "
-                       "sound remote (`share --remote NAME`); this clone keeps its events.",
-                       "remote_damaged")
+        name = one_line(remote)
+        error = damaged(f"the remote {name} is damaged — git says: {one_line(broken[0])[:300]}. "
+                        "This is not a network problem: repair that repository (`git fsck` in it "
+                        f"says what is broken), or point {name} at a sound one, where `share "
+                        f"--remote {name}` publishes the plan again from a clone that holds it; "
+                        "this clone keeps its events:", "remote_damaged")
+        error.commands = [f"git remote set-url {quote_arg(remote)} <url>"]
+        return error
     # git's own reason is its first fatal or error line; the advice after it is the same always
     reason = [line for line in said if line.startswith(("fatal:", "error:"))] or said[-1:]
     return unreachable(remote, reason[0] if reason else what)
@@ -113,7 +127,10 @@ def git_out(store, *args, data=None):
     code, out, err = git_call(store, *args, data=data)
     if code != 0:
         name = next(a for a in args if not a.startswith("-") and "=" not in a)
-        raise damaged(f"git {name} failed: {one_line(err)[:300]}", "git_failed")
+        raise damaged(f"git {name} failed: {one_line(err)[:300]} — the repository at "
+                      f"{one_line(store.root)} is broken or its disk is full: a human repairs it "
+                      "(`git fsck` says what is broken), then runs the command again.",
+                      "git_failed")
     return out
 
 
@@ -137,21 +154,66 @@ def cat_objects(store, names):
     return found
 
 
-def remote_arg(store, remote):
+def remote_arg(store, remote, step=None):
+    """`remote`, a git remote of the plan's repository. `step`: the command that was run, with
+    `{}` where --remote's value goes (named with a placeholder when the name is not one)."""
     if not re.fullmatch(REMOTE_NAME, remote or ""):
-        raise usage(f"--remote takes the name of a git remote (as `git remote` lists them), not "
-                    f"{one_line(remote)!r}.", "bad_remote")
+        error = usage(f"--remote takes the name of a git remote (as `git remote` lists them), not "
+                      f"{one_line(remote)!r}" + (":" if step else "."), "bad_remote")
+        raise with_step(error, step.replace("{}", "<remote>", 1)) if step else error
     if git(store.root, "remote", "get-url", remote, what="a shared plan")[0] != 0:
-        raise refused(f"{one_line(remote)} is not a git remote of {store.root} — add it with "
-                      f"`git remote add {one_line(remote)} URL`.", "no_remote")
+        error = refused(f"{one_line(remote)} is not a git remote of {store.root} — add it with "
+                        f"`git remote add {one_line(remote)} URL`:", "no_remote")
+        error.commands = [f"git remote add {quote_arg(remote)} <url>"]
+        raise error
     return remote
 
 
-def plan_id_arg(plan_id):
+def default_remote(store, step="sync --remote {}"):
+    """The remote `sync` uses: origin, or the only one. `step`: the command that was run, with
+    `{}` where --remote goes (as remote_arg's)."""
+    names = git_out(store, "remote").decode().split()
+    if "origin" in names:
+        return "origin"
+    if len(names) == 1:
+        return names[0]
+    if not names:
+        error = refused(f"{store.root} has no git remote — add one with `git remote add NAME "
+                        "URL`:", "no_remote")
+        error.commands = ["git remote add origin <url>"]
+        raise error
+    raise with_step(usage(f"several git remotes ({', '.join(names)}): say which with --remote "
+                          "NAME:"), step.replace("{}", "<remote>", 1))
+
+
+def plan_id_arg(plan_id, step=None):
+    """`plan_id`, a plan id; `step` as remote_arg's, with `{}` where --plan's value goes."""
     if not is_plan_id(plan_id):
-        raise usage(f"--plan takes a plan id (as `sync` lists them), not {one_line(plan_id)!r}.",
-                    "bad_plan_id")
+        error = usage(f"--plan takes a plan id (as `sync` lists them), not {one_line(plan_id)!r}"
+                      + (":" if step else "."), "bad_plan_id")
+        raise with_step(error, step.replace("{}", "<plan-id>", 1)) if step else error
     return plan_id
+
+
+def written_elsewhere(error, cfg, ref):
+    """`error`, when it says the remote's ref holds what fablize did not write there (a commit
+    with no ledger line, an event that does not chain or is not legal, a log that is not its
+    run's), with the command that shows it and the way to put this clone's history back: what
+    the plan's history is, is a human's decision."""
+    if error.code not in ("bad_remote_event", "run_log_mismatch", "remote_history_rewritten"):
+        return error
+    mine, remote = cfg["commit"], cfg["remote"]
+    if mine is None:  # a clone that never held the plan has no history of its own to offer
+        error.message += (f" A human who holds the plan repairs {SHARED_REFS}{cfg['plan_id']} "
+                          f"on {remote}; `git log --oneline {ref}` shows what it holds:")
+        error.commands = [f"git log --oneline {ref}"]
+        return error
+    error.message += (f" What the plan's history is, is a human's decision: `git log --oneline "
+                      f"--graph {mine[:12]} {ref}` shows this clone's and the remote's; to keep "
+                      f"this clone's, `git push --force {remote} {mine[:12]}:{SHARED_REFS}"
+                      f"{cfg['plan_id']}`, then `sync`:")
+    error.commands = [f"git log --oneline --graph {mine} {ref}"]
+    return error
 
 
 def share_wait():

@@ -39,7 +39,7 @@ from operator import ne
 
 from .base import (
     ARCHIVE, blank, count_noun, damaged, defused_line, DONE, FablizeError, last_chars, LEDGER,
-    one_line, PIN, refused, scope_pattern, sha256_hex, usage)
+    one_line, PIN, quote_arg, refused, scope_pattern, sha256_hex, usage)
 from .model import is_final, latest_run, parse_event, run_passed, run_result, stories_in, touch
 from .storage import MemoryLedger, read_state_file, symlink_refusal, within
 from .runs import git, git_out, OUTPUT_BAR, repo_relative, repo_root, run_command, run_tool
@@ -124,15 +124,14 @@ def read_archived_ledger(store, replaced):
     rel = replaced.get("path")
     if not (isinstance(rel, str) and re.fullmatch(ARCHIVE + r"/[\w.-]+", rel)):
         raise damaged(f"the plan's replaces names no archive ({one_line(repr(rel))}) — it cannot "
-                      "be "
-                      "verified.", "archive_unverified")
+                      f"be verified. {UNVERIFIED}", "archive_unverified")
     for part in (ARCHIVE, rel):
         if os.path.islink(store.path(part)):
             raise symlink_refusal(store.path(part))
     data = read_state_file(store.path(os.path.join(rel, LEDGER)))
     if data is None:
         raise damaged(f"{rel}/{LEDGER}, the plan the current one replaces, is missing — the "
-                      "replaced history cannot be verified.", "archive_unverified")
+                      f"replaced history cannot be verified. {UNVERIFIED}", "archive_unverified")
     return rel, data
 
 
@@ -153,11 +152,11 @@ def verify_pin(store, scan, pin):
             report = audit_ledger(archived, None, scan=found)
         except FablizeError as e:  # its own line numbers: say which ledger they are in
             raise damaged(f"{rel}/{LEDGER}, the plan the current one replaces, does not verify: "
-                          f"{e.message}", "archive_unverified")
+                          f"{e.message} {UNVERIFIED}", "archive_unverified")
         if report["head"] != f"{replaced.get('seq')}:{replaced.get('head')}":
             raise damaged(f"{rel}/{LEDGER} ends at {report['head'][:24]}…, not at the head the "
-                          f"plan after it names as the one it replaces — the archive was edited.",
-                          "archive_unverified")
+                          "plan after it names as the one it replaces — the archive was edited. "
+                          + UNVERIFIED, "archive_unverified")
         chain.append(rel)
         if found.where == "found":
             return {"pin": pin, "in": f"{rel}/{LEDGER}", "new_plan": True, "archives": chain}
@@ -165,12 +164,17 @@ def verify_pin(store, scan, pin):
     seq, pin_hash = scan.pin.seq, scan.pin.hash
     if scan.pin.where == "rewritten":
         raise damaged(f"{LEDGER} line {seq} no longer hashes to {pin_hash[:16]}… (the pin): "
-                      "history "
-                      "before it was rewritten.", "history_rewritten")
+                      f"history before it was rewritten. {UNVERIFIED}", "history_rewritten")
     what = f"line {seq} does not exist" if seq else "no line hashes to it"
     raise damaged(f"--since {pin_hash[:16]}…: {what} — the ledger was truncated or re-written "
-                  "from scratch" + (", and no verified archive holds it." if chain else "."),
-                  "history_rewritten")
+                  "from scratch" + (", and no verified archive holds it. " if chain else ". ")
+                  + UNVERIFIED, "history_rewritten")
+
+
+# what a history that does not verify leaves: no command makes it verify again
+UNVERIFIED = ("Whether to trust this plan is a human's decision: a reviewer compares the branch's "
+              f"{LEDGER} (and archive/) with the base's (`git diff BASE -- .fablize/` shows "
+              "them), and only a plan that replays from its pin passes.")
 
 
 def git_show(root, ref, path, what):
@@ -188,10 +192,19 @@ def branch_ref(root, ref, what):
         raise usage(f"{what}: {one_line(ref)!r} is not a git ref.", "bad_ref")
     top = repo_root(root)
     if top is None:
-        raise refused(f"{what}: {root} is not inside a git repository.", "not_a_repository")
+        error = refused(f"{what}: {root} is not inside a git repository — run it in the "
+                        "checkout of the branch under review (where it is, is a human's to "
+                        "say):", "not_a_repository")
+        error.commands = ["cd <checkout>"]
+        raise error
     code, _, _ = git(top, "rev-parse", "--verify", "--quiet", ref + "^{commit}", what=what)
     if code != 0:
-        raise usage(f"{what}: {one_line(ref)} is not a commit here (fetch it first?).", "bad_ref")
+        error = usage(f"{what}: {one_line(ref)} is not a commit here (fetch it first?)", "bad_ref")
+        fetch = fetch_step(top, ref)
+        error.message += (": " if len(fetch) > 1 else " — ") + fetch[0]
+        if len(fetch) > 1:
+            error.commands = [fetch[1]]
+        raise error
     # the ref as git resolves it: a tag the pull request pushed must not stand in for the base
     # branch (git prefers refs/tags/X to refs/heads/X and refs/remotes/X)
     code, out, err = git(top, "rev-parse", "--symbolic-full-name", ref, what=what)
@@ -202,6 +215,29 @@ def branch_ref(root, ref, what):
                     f"refs/remotes/…), not {one_line(full) or 'a tag or a commit'}"
                     + (" — it is ambiguous" if "ambiguous" in err else "") + ".", "bad_ref")
     return top, full
+
+
+def fetch_step(top, ref):
+    """(what to say, the command) that fetches the branch `ref` from the repository's remote
+    (origin, or the only one) — into a branch of that name, or for `origin/main` its
+    remote-tracking branch — when the remote has it (asked: this is an error's path only);
+    else (why not, and no command): which branch is meant is then a human's to say."""
+    code, out, _ = git(top, "remote", what="--base")
+    names = out.decode("utf-8", "replace").split() if code == 0 else []
+    remote = "origin" if "origin" in names else names[0] if len(names) == 1 else None
+    if remote is None:
+        return ("this repository has no remote to fetch it from; which branch is meant is a "
+                "human's to say.",)
+    branch = ref[len(remote) + 1:] if ref.startswith(remote + "/") else ref
+    code, out, _ = git(top, "ls-remote", "--heads", remote, "refs/heads/" + branch, what="--base")
+    if code != 0 or not out.strip():
+        return (f"{remote} has no branch {one_line(branch)} either; which branch is meant is a "
+                "human's to say.",)
+    if branch != ref:  # origin/main: its remote-tracking branch
+        cmd = f"git fetch {quote_arg(remote)} {quote_arg(branch)}"
+    else:
+        cmd = f"git fetch {quote_arg(remote)} {quote_arg(ref + ':' + ref)}"
+    return f"`{cmd}` brings it in:", cmd
 
 
 def check_paths(plan, root, top):
@@ -283,7 +319,9 @@ def shared_pin(store, ref, rel, plan_id):
         parse_pin(pin)
         scope = [p for p in record.get("scope") or () if isinstance(p, str)]
     except (ValueError, KeyError, TypeError, UnicodeDecodeError, FablizeError):
-        raise damaged(f"{ref}:{info['path']} is not a fablize pin (`sync --pin` writes one).")
+        raise damaged(f"{ref}:{info['path']} is not a fablize pin (`sync --pin` writes one) — "
+                      f"a human replaces it on {ref}: `sync --pin` on a branch writes one, "
+                      "committed and merged there.")
     info["plan_id"] = pinned
     if plan_id is not None and plan_id != pinned:
         info["path"] += f" (it pins plan {one_line(pinned)})"
@@ -335,7 +373,8 @@ def base_policy(store, ref):
         for key, value in policy.items())
     if bad:
         raise damaged(f"{path} on {one_line(ref)} is not a policy: a JSON object of "
-                      + ", ".join(POLICY_KEYS) + ".", "bad_policy")
+                      + ", ".join(POLICY_KEYS) + f" — a human fixes it on {one_line(ref)} (the "
+                      "policy is the base branch's, never the pull request's).", "bad_policy")
     return dict(policy, path=path, ref=ref)
 
 
@@ -394,7 +433,8 @@ def allowed_signers_file(store, signers, base):
     data = git_show(store.root, base, rel, "--allowed-signers")
     if data is None:
         raise refused(f"--allowed-signers: {one_line(rel)} is not committed at {one_line(base)} "
-                      "— only signers the base branch lists count.", "no_signers")
+                      "— only signers the base branch lists count: a human commits it there "
+                      "(the pull request's own list never counts).", "no_signers")
     tmp = tempfile.mkdtemp(prefix="fablize-signers-")
     path = os.path.join(tmp, "allowed_signers")
     with open(path, "wb") as f:
@@ -425,8 +465,9 @@ def sign(plan, sid, decision, note, key, signer):
     code, out, err = run_tool(["ssh-keygen", "-q", "-Y", "sign", "-f", key, "-n",
                                       SIGN_NAMESPACE], data=payload, what="decide --sign")
     if code != 0 or b"BEGIN SSH SIGNATURE" not in out:
-        raise refused(f"ssh-keygen could not sign the decision: {one_line(err)[:300]}",
-                      "sign_failed")
+        raise refused(f"ssh-keygen could not sign the decision: {one_line(err)[:300]} — the key "
+                      f"is a human's: `ssh-keygen -y -f {quote_arg(key)}` checks it can be read, "
+                      "then `decide` again with it.", "sign_failed")
     return {"signer": signer, "sig": out.decode("ascii", "replace")}, prev
 
 
@@ -678,8 +719,9 @@ def branch_changes(top, full, state_rel):
     code, out, err = git(top, "diff", "--name-status", "-z", "--no-renames", full, "HEAD",
                                 what="--base")
     if code != 0:
-        raise damaged(f"--base: git cannot compare HEAD with {one_line(full)} ({one_line(err)}).",
-                      "git_failed")
+        raise damaged(f"--base: git cannot compare HEAD with {one_line(full)} ({one_line(err)}) "
+                      "— the branch under review must have a commit: a human commits its work "
+                      "(or checks out the branch), then the audit runs again.", "git_failed")
     fields = out.split(b"\0")
     changes = []
     for status, path in zip(fields[0::2], fields[1::2]):
