@@ -46,7 +46,7 @@ import time
 
 from .base import (
     ARCHIVE, count_noun, damaged, dumps, FablizeError, id_arg, is_plan_id, LEDGER, load_json,
-    now_iso, one_line, PIN, PLAN_EXISTS, quote_arg, refused, RUNS, sha256_hex, SHARE, SNAPSHOT,
+    now_iso, one_line, PIN, quote_arg, refused, RUNS, sha256_hex, SHARE, SNAPSHOT,
     STATE_DIRNAME, STATE_GITIGNORE, with_step, ZERO_HASH)
 from .masking import masked_text
 from .model import (
@@ -1823,8 +1823,9 @@ def cmd_sync(ctx, a):
         store.create_dir()
         with store.session() as s:
             s.load()
-            if store.has_plan_files():
-                raise refused(PLAN_EXISTS, "plan_exists")
+            if store.has_plan_files():  # made here while sync looked (sync has no --force)
+                raise with_step(refused("a plan already exists — made here while `sync` ran: "
+                                        "check it with `status`:", "plan_exists"), "status")
             cfg = new_config(remote, plan_id)
             save_share_config(store, cfg)
             ignore_shared_dir(store)
