@@ -9,6 +9,7 @@ import io
 import json
 import os
 import shutil
+import shlex
 import signal
 import subprocess
 import sys
@@ -121,7 +122,9 @@ def test_a_stop_signal_kills_the_runs_group_records_it_and_exits_128_plus_n(acti
     name = signal.Signals(sig).name
     assert f"fablize: interrupted by {name}: `{SLOW}` was stopped (its whole process group " \
            "killed) and recorded as interrupted" in err, err
-    assert err.count("\n") == 1 and "Traceback" not in err, err
+    # one line, then the step: the checkpoint again (the run recorded, the story unchanged)
+    assert err.count("\n") == 2 and "Traceback" not in err, err
+    assert err.splitlines()[1].endswith("goals.py " + " ".join(map(shlex.quote, CHECKPOINT))), err
     events = ledger(active / ".fablize")
     assert len(events) == before + 1  # the run, and no checkpoint
     run = events[-1]
@@ -282,7 +285,8 @@ def test_ctrl_c_outside_a_run_exits_130_with_one_json_error(fab, monkeypatch):
         signal.signal(signal.SIGINT, previous)
     assert r.code == 130, r
     assert r.json["error"] == {"code": "interrupted", "exit": 130, "message": "interrupted by "
-                               "SIGINT; the state is as the last completed write left it."}
+                               "SIGINT; the state is as the last completed write left it.",
+                               "commands": ["goals.py --json next"]}  # the step: run it again
     assert len(ledger(fab.dir)) == 1
 
 

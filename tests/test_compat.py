@@ -22,17 +22,28 @@ GATE = ("the final story cannot complete without --verify-cmd and --verify-evide
 RULE = "Rule: work this story only. Produce evidence as you go."
 
 
+def steps(r):
+    """The stderr lines after a refusal's own: each the whole command of its next step (this
+    engine's addition; the original named a step by a word: `create`, `next`)."""
+    lines = r.err.splitlines()[1:]
+    assert all(line.startswith("  ") and "goals.py " in line for line in lines), r
+    return lines
+
+
 def refused_opening(r, code, message):
     """The original's refusal as its opening words (scripts match them), then what this engine
-    adds on the same line."""
+    adds on the same line, and the step's whole command on the lines after it."""
     assert r.code == code and r.out == "", r
-    assert r.err.startswith(f"fablize: {message}") and r.err.count("\n") == 1, r
+    assert r.err.startswith(f"fablize: {message}"), r
+    steps(r)
 
 
 def refused_with(r, code, message):
-    """The original's refusal: exactly one stderr line `fablize: <message>`, nothing on stdout."""
+    """The original's refusal: its stderr line `fablize: <message>` to the byte, first, nothing
+    on stdout; then (ours) the whole command of each step it names."""
     assert r.code == code, r
-    assert r.err == f"fablize: {message}\n", r
+    assert r.err.splitlines()[0] == f"fablize: {message}", r
+    steps(r)
     assert r.out == "", r
 
 
@@ -63,9 +74,9 @@ def test_script_written_for_the_original_cli_runs_unchanged(project):
 
     # every refusal of create, with its message and exit code
     refused_with(run("create", "--brief", "again", "--goal", "a::b"), 1, PLAN_EXISTS)
-    refused_with(run("create", "--brief", "b", "--goal", "X", "--force"), 2,
-                 "--goal format is 'title::objective' — invalid: X")
-    refused_with(run("create", "--brief", "b", "--force"), 2, "at least one --goal is required.")
+    refused_opening(run("create", "--brief", "b", "--goal", "X", "--force"), 2,
+                    "--goal format is 'title::objective' — invalid: X")
+    refused_opening(run("create", "--brief", "b", "--force"), 2, "at least one --goal is required.")
 
     # checkpoint refusals before any story is active
     # the original's words first
@@ -238,8 +249,9 @@ def test_exit_codes_separate_usage_from_refusal(fab, args, code):
     before = state_files(fab.dir)
     r = fab(*args)
     assert r.code == code, r
-    if code:
-        assert r.err.startswith("fablize: ") and r.err.count("\n") == 1, r
+    if code:  # one line, then (ours) the whole command of each step it names
+        assert r.err.startswith("fablize: "), r
+        steps(r)
         assert state_files(fab.dir) == before
 
 

@@ -344,7 +344,9 @@ def test_setup_with_a_room_missing_writes_nothing(tmp_path):
     assert r.returncode == 2 and r.stdout == "", r
     assert r.stderr == ("fablize: merge.py is missing from the engine's folder fablize_gate/ — "
                         "copy goals.py and fablize_gate/ from fablize's scripts/ folder together "
-                        "(README: Add it to your project).\n"), r.stderr
+                        "(README: Add it to your project).\n"  # then the step, the human's
+                        f'  cp "<fablize>/scripts/fablize_gate/merge.py" '
+                        f"{project / 'scripts' / 'fablize_gate'}/\n"), r.stderr
     assert not (project / "CLAUDE.md").exists() and not (project / ".claude").exists()
     assert not (project / ".fablize").exists() and not (project / ".gitattributes").exists()
 

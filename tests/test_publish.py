@@ -547,7 +547,8 @@ def test_a_disk_too_full_for_the_ledger_records_nothing_and_says_so_in_one_line(
     before = (fab.dir / "ledger.jsonl").read_bytes()
     p = engine_in(fab, "checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e",
                limit=2)  # not a byte more for any file: the run's record cannot be appended
-    assert p.returncode == 3 and "I/O error" in p.stderr and p.stderr.count("\n") == 1, p
+    assert p.returncode == 3 and "I/O error" in p.stderr and p.stderr.count("\n") == 2, p
+    assert p.stderr.splitlines()[1].endswith(" checkpoint --id G001 --status complete --evidence e")
     assert (fab.dir / "ledger.jsonl").read_bytes() == before
     assert fab("audit", "--require-logs").code == 0
     assert fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e").code == 0
@@ -583,7 +584,8 @@ def test_ctrl_c_while_the_engine_starts_is_one_line_and_exit_130(fab, entry):
     make_plan(fab, 1)
     p = interrupted_at_start("status", entry=SCRIPT.parent / entry)
     assert p.returncode == 130 and p.stdout == "", p
-    assert p.stderr.startswith("fablize: interrupted by SIGINT") and p.stderr.count("\n") == 1, p
+    assert p.stderr.startswith("fablize: interrupted by SIGINT") and p.stderr.count("\n") == 2, p
+    assert p.stderr.splitlines()[1].endswith(" status"), p  # the step: run it again
     p = interrupted_at_start("--json", "status", entry=SCRIPT.parent / entry)
     assert p.returncode == 130 and p.stdout.count("\n") == 1, p
     assert json.loads(p.stdout)["error"]["code"] == "interrupted" and p.stderr == "", p

@@ -26,6 +26,13 @@ FINAL_CHECK = "python3 check.py"
 HAS_SSH_KEYGEN = shutil.which("ssh-keygen") is not None
 
 
+def a_new_plan_after(err):
+    """One line of damage to the history, then its way out, a human's: a new plan (no git copy
+    of the ledger differs from it here)."""
+    lines = err.splitlines()
+    return len(lines) == 2 and lines[1].startswith("  ") and " create --force " in lines[1]
+
+
 def commit_all(repo, message="work"):
     git(repo, "add", "-A")
     git(repo, "commit", "-q", "--allow-empty", "-m", message)
@@ -506,7 +513,7 @@ def test_nul_in_a_run_log_path_is_damage_not_a_traceback(fab):
     assert "line 3: run log `runs/\\x00x.log` is not runs/<seq>-<story>.log" in r.err, r
     for args in (["audit"], ["log"], ["report"], ["status"]):
         r = fab(*args)
-        assert r.code == 3 and r.err.startswith("fablize: ") and r.err.count("\n") == 1, r
+        assert r.code == 3 and r.err.startswith("fablize: ") and a_new_plan_after(r.err), r
         assert "\x00" not in r.err and "line 3: " in r.err, r
     j = fab("--json", "audit")
     assert j.code == 3 and j.out.count("\n") == 1 and j.json["error"]["code"] == "bad_event"
@@ -520,7 +527,7 @@ def test_unchecked_ledger_fields_reach_log_status_and_report_escaped(fab):
     assert r.code == 3 and "malformed story_started event (round" in r.err, r
     for args in (["log"], ["report"], ["status"], ["audit"]):
         r = fab(*args)
-        assert r.code == 3 and r.out == "" and r.err.count("\n") == 1, (args, r)
+        assert r.code == 3 and r.out == "" and a_new_plan_after(r.err), (args, r)
     lines = (fab.dir / "ledger.jsonl").read_bytes().split(b"\n")[:-2]
     (fab.dir / "ledger.jsonl").write_bytes(b"".join(x + b"\n" for x in lines))
     assert fab("rebuild").code == 0 and fab("next").code == 0
@@ -530,7 +537,7 @@ def test_unchecked_ledger_fields_reach_log_status_and_report_escaped(fab):
                                    for line in r.err.split("\n")), r
     for args in (["log"], ["report"], ["status"]):
         r = fab(*args)
-        assert r.code == 3 and "<img" not in r.out + r.err and r.err.count("\n") == 1, (args, r)
+        assert r.code == 3 and "<img" not in r.out + r.err and a_new_plan_after(r.err), (args, r)
 
 
 def test_unverifiable_id_in_the_first_event_reaches_status_on_one_line(fab):
@@ -543,7 +550,7 @@ def test_unverifiable_id_in_the_first_event_reaches_status_on_one_line(fab):
     (fab.dir / "goals.json").unlink()
     r = fab("rebuild")  # no such check in the plan: refused at line 1, on one escaped line
     assert r.code == 3 and "line 1: unverifiable check G001\\x0afablize" in r.err, r
-    assert r.err.count("\n") == 1, r
+    assert a_new_plan_after(r.err), r
     r = fab("status")
     assert r.code == 3 and not any(line.startswith("fablize: all stories")
                                    for line in (r.out + r.err).split("\n")), r
@@ -885,7 +892,7 @@ def test_corrupt_run_fields_give_one_line_or_one_json_object(fab, case):
                              "prev": engine.sha256_hex(line)}).encode() + b"\n")
     r = fab("audit", *flags)
     assert r.code in (1, 3) and r.err.startswith("fablize: ") and "Traceback" not in r.err, r
-    assert r.err.count("\n") == 1, r
+    assert r.err.count("\n") == 1 or a_new_plan_after(r.err), r
     j = fab("--json", "audit", *flags)
     assert j.code == r.code and j.out.count("\n") == 1 and json.loads(j.out)["ok"] is False, j
 
@@ -1166,7 +1173,7 @@ def test_nul_in_a_frozen_check_is_one_line_not_a_traceback(tmp_path):
     ev["stories"][0]["checks"] = ["true\x00"]
     led.write_bytes(encode(ev) + b"\n")
     r = run_here(tmp_path, "rebuild")  # no argv holds a NUL: the replay refuses it, on one line
-    assert r.code == 3 and "NUL" in r.err and r.err.count("\n") == 1, r
+    assert r.code == 3 and "NUL" in r.err and a_new_plan_after(r.err), r
     r = run_here(tmp_path, "audit", "--rerun", "all", "--json")
     assert "Traceback" not in r.err and r.code == 3
     assert r.json["error"]["code"] == "bad_event"

@@ -9,13 +9,13 @@ from operator import eq, itemgetter, methodcaller
 
 from .base import (
     damaged, dumps, fast_sha256, LEDGER, load_json, no_plan, one_line, REPORT_RUNS, RUNS,
-    SNAPSHOT, SNAPSHOT_VERSION)
+    SNAPSHOT, SNAPSHOT_VERSION, with_step)
 from .masking import looks_secret
 from .model import (
     _EVENT_KIND, _PREV, compact, find_story, is_original_snapshot, line_error, parse_event)
 from .storage import (
-    MemoryLedger, parse_snapshot, position_error, read_state_file, replay_all, snapshot_bytes,
-    stripped_snapshot_error)
+    MemoryLedger, parse_snapshot, position_error, read_state_file, REBUILD_STEP, replay_all,
+    snapshot_bytes, stripped_snapshot_error)
 
 
 # the fields of an event where a secret could have been recorded (an older engine masked none)
@@ -172,9 +172,12 @@ class Audit:
             content = (self.logs.get(log) if self.logs is not None else
                 read_state_file(os.path.join(self.runs_dir, self.log_key(log))))
             if content is None or self.digest(content) != ev["sha256"]:
-                self.bad_logs.append(line_error(
-                    ev["seq"], f"{one_line(log)} does not match the sha256 recorded for that "
-                    "run — the log was edited or replaced.", "run_log_mismatch"))
+                error = line_error(ev["seq"], f"{one_line(log)} does not match the sha256 "
+                                   "recorded for that run — the log was edited or replaced.",
+                                   "run_log_mismatch")
+                if self.logs is None:  # the file here: what a way back restores
+                    error.path = os.path.join(self.runs_dir, self.log_key(log))
+                self.bad_logs.append(error)
 
     def view(self, replay):
         """The snapshot this engine would have written at this event."""
@@ -227,8 +230,8 @@ class Audit:
             mismatch = None
         elif self.version < 2:
             if snap_view["ledger"]["head"] != snap["ledger"]["head"]:
-                raise damaged(f"{SNAPSHOT} and {LEDGER} disagree at event {snap_seq}.",
-                              "snapshot_mismatch")
+                raise with_step(damaged(f"{SNAPSHOT} and {LEDGER} disagree at event {snap_seq} "
+                                        f"— {REBUILD_STEP}", "snapshot_mismatch"), "rebuild")
             report["snapshot"] = ("in the format of fablize 1 (the next writing command "
                                   "rewrites it)")
             return
@@ -236,8 +239,9 @@ class Audit:
             mismatch = first_difference(forgive_new_keys(snap_view, snap),
                                         {k: v for k, v in snap.items() if k != "digest"})
         if mismatch:
-            raise damaged(f"{SNAPSHOT} disagrees with the replay of {LEDGER} up to line "
-                          f"{snap_seq}: {mismatch}.", "snapshot_mismatch")
+            raise with_step(damaged(f"{SNAPSHOT} disagrees with the replay of {LEDGER} up to line "
+                                    f"{snap_seq}: {mismatch} — {REBUILD_STEP}",
+                                    "snapshot_mismatch"), "rebuild")
         behind = replay.seq - snap_seq
         report["snapshot"] = ("in sync" if not behind else
             f"{behind} event{'s' if behind > 1 else ''} behind (rolled forward by the next "

@@ -12,13 +12,13 @@ from .base import (
     EXIT_SIGNAL_BASE, EXIT_USAGE, FablizeError, fix_argv_text, HOOK_AGENTS, id_arg, json_text,
     one_line, PIN, quote_arg, regex, SCHEMA_VERSION, SHARE, usage, VERDICTS)
 from .masking import use_environment
-from .storage import find_state_dir, project_state_dir, snapshot_damage, Store
+from .storage import find_state_dir, lock_timeout, project_state_dir, snapshot_damage, Store
 from .runs import plan_text
-from .render import invocation
+from .render import create_command, ENTRY_FOLDER, invocation, rerun_command
 from .commands import (
     cmd_add, cmd_audit, cmd_checkpoint, cmd_create, cmd_decide, cmd_guard, cmd_judge_packet,
     cmd_log, cmd_next, cmd_observe, cmd_pause, cmd_rebuild, cmd_report, cmd_status, cmd_unpause,
-    cmd_verdict, cmd_verify, setup_room, sharing_room, store_opened)
+    cmd_verdict, cmd_verify, history_steps, setup_room, sharing_room, store_opened)
 from . import __version__
 
 
@@ -132,15 +132,18 @@ class Output:
         err = [f"fablize: warning: {clean(text)}" for text in self.warnings]
         if error is not None:
             err.append("fablize: " + one_line(error.message))
-            err += ["  " + one_line(cmd) for cmd in getattr(error, "commands", None) or ()]
+            # each step whole on its own line, but one the message already shows whole
+            err += ["  " + one_line(cmd) for cmd in getattr(error, "commands", None) or ()
+                    if f"`{cmd}`" not in error.message]
         if err:
             sys.stderr.write(paint("\n".join(err), sys.stderr, error is not None,
                                    self.colour) + "\n")
 
 
 class Context:
-    def __init__(self, args, out, prog=None):
+    def __init__(self, args, out, prog=None, argv=()):
         self.args = args
+        self.argv = list(argv)  # as given: a step that is this command again prints it whole
         self.build_parser = build_parser  # for a room that reads the command table (completion)
         self.out = out
         self.say = out.say
@@ -621,7 +624,9 @@ def build_parser(only=None, prog="goals.py"):
 
     class Parser(argparse.ArgumentParser):
         def error(self, message):
-            raise usage(f"{better_usage_error(self, message)} (see `{self.prog} --help`)")
+            error = usage(f"{better_usage_error(self, message)} (see `{self.prog} --help`)")
+            error.commands = [f"{self.prog} --help"]  # the step the message names, whole
+            raise error
 
     # argparse makes a formatter for each option it is given, and one without a width imports
     # shutil (bz2, lzma) to ask for the terminal's: ~2.7 ms of every start (a hook's ~10%)
@@ -735,6 +740,48 @@ def cwd_gone():
     return error
 
 
+# the errors whose step is the command again, once what stopped it is fixed or over: a tool
+# missing or too slow, git's own failure, a write that failed before anything was recorded, a
+# signal that stopped it
+RUN_AGAIN = ("io_error", "tool_missing", "tool_timeout", "git_failed", "interrupted")
+# damage to the history itself (the ledger, or a run log it digests), which no command repairs
+HISTORY_DAMAGE = ("bad_event", "bad_seq", "broken_chain", "bad_line", "run_log_mismatch")
+
+
+def name_the_step(ctx, error, argv):
+    """The one runnable next step of `error`, whole, as the engine was started (its
+    `commands`), where what raised it named none: a usage error's `--help`; no plan's `create`
+    (what to write is a human's); the command again, where a lock, a tool or a signal stopped
+    it; `status` after an event that stands; a history no command repairs, a human's decision
+    (commands.history_steps). What a command knows better it names itself, and wins."""
+    if getattr(error, "commands", None):
+        return
+    prog = ctx.prog if ctx is not None else invocation()
+    if getattr(error, "run_next", None):
+        error.commands = [f"{prog} {error.run_next}"]
+        return
+    code, command = error.code, command_in(argv)
+    recorded = ctx._store.recorded if ctx is not None and ctx._store is not None else ()
+    if error.exit_code == EXIT_USAGE:  # said as argparse says it, in the line itself
+        step = f"{prog} {command} --help" if command else f"{prog} --help"
+        error.message += f" (see `{step}`)"
+        error.commands = [step]
+    elif code == "no_plan":
+        error.commands = [create_command(prog)]
+    elif code == "interrupted":
+        error.commands = [rerun_command(prog, argv)]
+    elif recorded:  # an event this command recorded stands: seen first, never run twice
+        error.commands = [f"{prog} status"]
+    elif code == "lock_timeout":
+        wait = max(60.0, 2 * lock_timeout())
+        error.commands = [rerun_command(prog, argv, f"FABLIZE_LOCK_TIMEOUT={wait:g}")]
+    elif code in RUN_AGAIN:
+        error.commands = [rerun_command(prog, argv)]
+    elif (code in HISTORY_DAMAGE and ctx is not None and ctx._store is not None
+          and not getattr(ctx.args, "remote", None)):  # a remote's history: the sharing room's
+        history_steps(ctx, error)
+
+
 def keep_interrupts(interrupts):
     if interrupts is not None:
         _signal.signal(_signal.SIGINT, lambda signum, frame: None)
@@ -765,7 +812,7 @@ def main(argv=None, interrupts=None):
         args = build_parser(name, prog).parse_args(argv)
         command = args.command
         out.json = args.json and command != "guard"
-        ctx = Context(args, out, prog)
+        ctx = Context(args, out, prog, argv)
         args.func(ctx, args)
         code, error = EXIT_OK, None
     except FablizeError as e:
@@ -777,8 +824,7 @@ def main(argv=None, interrupts=None):
                           "stands: `status` shows it; do not run the command again for it.)")
         if e.code == "no_plan" and ctx is not None and not getattr(e, "commands", None):
             no_plan_advice(ctx, e)
-        if getattr(e, "run_next", None) and not getattr(e, "commands", None):
-            e.commands = [f"{ctx.prog if ctx is not None else invocation()} {e.run_next}"]
+        name_the_step(ctx, e, argv)
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
         # a failure on what the snapshot holds is its damage; on a sound one, a genuine bug
         error = snapshot_damage(ctx._store) if ctx is not None and ctx._store else None
@@ -793,6 +839,8 @@ def main(argv=None, interrupts=None):
             f"{missing}.py is missing from the engine's folder fablize_gate/ — copy "
             "goals.py and fablize_gate/ from fablize's scripts/ folder together (README: Add it "
             "to your project).", "room_missing", EXIT_USAGE)
+        error.commands = [f"cp \"<fablize>/scripts/fablize_gate/{missing}.py\" "
+                          f"{quote_arg(os.path.join(ENTRY_FOLDER, 'fablize_gate', ''))}"]
     except BrokenPipeError:  # the reader of a run's streamed output left
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
@@ -805,11 +853,13 @@ def main(argv=None, interrupts=None):
             error.message += (f" — after event {seq} ({kind}) was recorded in the ledger, which "
                               "stands: `status` shows what is recorded before anything is run "
                               "again.")
+        name_the_step(ctx, error, argv)
     except KeyboardInterrupt:  # Ctrl-C outside a run: every write is whole or absent
         error = FablizeError("interrupted by SIGINT; the state is as the last completed write "
                              "left it.", exit_code=EXIT_SIGNAL_BASE + 2)
         error.code = "interrupted"
         code = error.exit_code
+        name_the_step(ctx, error, argv)
     except SystemExit as e:  # --help and --version
         return e.code if isinstance(e.code, int) else EXIT_OK
     keep_interrupts(interrupts)  # the command is over: a Ctrl-C now changes nothing it did or says

@@ -21,16 +21,16 @@ from .model import (
     latest_run, not_an_event, observed_of, parse_event, pick_ready, plan_done, round_label,
     rounds_left, run_passed, run_summary, status_counts, stories_in, touch, unaddressed_failure)
 from .storage import (
-    commit_start, find_state_dir, free_name, loose_snapshot, open_plan, read_state_file,
-    replay_all, require_state_dir, shown_path, Store, symlink_refusal, user_file, within,
-    write_atomic)
+    commit_start, find_state_dir, free_name, from_here, loose_snapshot, open_plan,
+    read_state_file, replay_all, require_state_dir, shown_path, Store, symlink_refusal,
+    user_file, within, write_atomic)
 from .runs import (
-    check_command, commit_runs, end_orphaned_runs, execute_runs, file_not_there_yet,
-    inflight_runs, merge_driver_missing, MERGE_QUIET, plan_text, tree_state,
+    check_command, commit_runs, end_orphaned_runs, execute_runs, file_not_there_yet, git,
+    inflight_runs, merge_driver_missing, MERGE_QUIET, plan_text, repo_root, tree_state,
     unverifiable_checks, unverifiable_label, verification_runs)
 from .render import (
-    completion_command, done_line, grades_line, handoff_command, human_command, left_line,
-    next_action, next_line, plan_json, plan_summary, render_handoff, render_observed,
+    completion_command, create_command, done_line, grades_line, handoff_command, human_command,
+    left_line, next_action, next_line, plan_json, plan_summary, render_handoff, render_observed,
     render_report, render_resume, status_details, story_json)
 from .audit import audit_ledger
 from .hooks import (
@@ -885,7 +885,7 @@ def cmd_rebuild(ctx, a):
             ctx.say(f"fablize: {LEDGER} holds no event: the plan's history is gone, so there is "
                     f"no plan to rebuild; the old {SNAPSHOT} is kept as {kept} (it lists the "
                     "stories). A human starts again:")
-            ctx.say(f"  {ctx.prog} create --brief \"<brief>\" --goal \"<title>::<objective>\"")
+            ctx.say(f"  {create_command(ctx.prog)}")
             ctx.data.update(event_count=0, kept=kept, plan=None)
             return
         plan["ledger"] = replay.position()
@@ -893,6 +893,47 @@ def cmd_rebuild(ctx, a):
     ctx.say(f"fablize: rebuilt {SNAPSHOT} from {count_noun(replay.seq, 'ledger event')}"
             + (f"; the old one is kept as {kept}." if kept else "."))
     ctx.data.update(event_count=replay.seq, kept=kept, plan=plan_json(plan))
+
+
+def history_steps(ctx, error):
+    """The way out of damage no command repairs — a ledger line that is no event or breaks the
+    chain, an event fablize would not have written, a run log that is not the one recorded:
+    a human's decision, said, between the copy git holds as last committed (where it differs
+    from what is here) and a new plan (this one kept whole in archive/)."""
+    log = getattr(error, "path", None)
+    restore = committed_copy(ctx.store, [log] if log else [LEDGER], whole=log is None)
+    if "a human decides" not in error.message:  # the message whole, then the way out
+        error.message += ((" No" if error.message.endswith(".") else " — no") +
+                          " command repairs a history: a human decides between "
+                          + ("its copy as last committed and " if restore else "") +
+                          "a new plan (this one is kept whole in archive/):")
+    error.commands = restore + [create_command(ctx.prog, force=True)]
+
+
+def committed_copy(store, names, whole=False):
+    """[`git checkout HEAD -- …`] of the state files `names` (or, `whole`, of the state
+    directory) when git holds them as last committed and what is here differs — the way back
+    to them, as runnable from where the user stands — else [] (no repository, never committed,
+    the same as committed, or no git)."""
+    top = repo_root(store.root)
+    if top is None or not os.path.lexists(os.path.join(top, ".git", "HEAD")) and os.path.isdir(
+            os.path.join(top, ".git")):  # no repository there (an empty .git): no git started
+        return []
+    paths = [store.path(name) for name in names]
+    try:  # outside a repository `git diff` compares files (--no-index): HEAD's first
+        if git(store.root, "rev-parse", "--verify", "--quiet", "HEAD")[0] != 0:
+            return []
+        if git(store.root, "diff", "--quiet", "HEAD", "--", *paths)[0] != 1:
+            return []
+    except FablizeError:
+        return []
+    end = "/" if whole else ""
+    targets = [store.dir] if whole else paths
+    if within(os.path.realpath("."), os.path.realpath(store.root)):  # inside: as typed there
+        return ["git checkout HEAD -- " + " ".join(quote_arg(from_here(p) + end)
+                                                  for p in targets)]
+    return [f"git -C {quote_arg(store.root)} checkout HEAD -- " + " ".join(
+        quote_arg(os.path.relpath(p, store.root) + end) for p in targets)]
 
 
 def last_line_alone_damaged(ledger):

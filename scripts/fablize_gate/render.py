@@ -64,6 +64,19 @@ def completion_command(prog, plan, story):
     return cmd
 
 
+def create_command(prog, force=False):
+    """A new plan, as a human writes it (what to write is theirs): the step of `no plan`, and of
+    a plan that cannot go on (its history damaged, or done and more work found)."""
+    return (f"{prog} create{' --force' if force else ''} --brief \"<brief>\" "
+            "--goal \"<title>::<objective>\"")
+
+
+def rerun_command(prog, argv, env=None):
+    """The command as it was started, whole (`env`: a variable set for it): the step once what
+    stopped it is fixed or over — a lock another command held, a tool, a signal."""
+    return (f"{env} " if env else "") + " ".join([prog, *map(quote_arg, argv)])
+
+
 def handoff_command(prog, story):
     """The command that prints `story`'s whole handoff again without changing anything."""
     if story["agent"]:

@@ -12,9 +12,9 @@ from operator import add, itemgetter, sub
 
 from .base import (
     ARCHIVE, damaged, DEFAULT_LOCK_TIMEOUT, dumps, FablizeError, fast_sha256,
-    has_surrogate_escape, is_plan_id, LEDGER, load_json, LOCK, no_plan, one_line, READ_CHUNK,
-    refused, RUNS, sha256_hex, SNAPSHOT, SNAPSHOT_VERSION, STATE_DIRNAME, STATE_GITIGNORE,
-    usage, with_step, ZERO_HASH)
+    has_surrogate_escape, is_plan_id, LEDGER, load_json, LOCK, no_plan, one_line, quote_arg,
+    READ_CHUNK, refused, RUNS, sha256_hex, SNAPSHOT, SNAPSHOT_VERSION, STATE_DIRNAME,
+    STATE_GITIGNORE, usage, with_step, ZERO_HASH)
 from .model import (
     _EVENT_KIND, check_graph, compact, is_original_snapshot, line_error, line_value, make_event,
     not_an_event, original_plan_fields, parse_event, Replay, validate_snapshot)
@@ -72,8 +72,26 @@ def project_state_dir(path, out):
 
 
 def symlink_refusal(path):
-    return damaged(f"{path} is a symlink — refusing to follow it (state files must be regular "
-                   "files inside the state directory).", "symlink")
+    return set_aside(damaged(f"{path} is a symlink — refusing to follow it (state files must be "
+                             "regular files inside the state directory).", "symlink"), path)
+
+
+def set_aside(error, path):
+    """`error` (a state file, a folder or the state directory that is a link or of the wrong
+    kind), naming its step: what stands there moved aside, whole, to a free name beside it —
+    nothing is lost, and what the engine writes there again is its own."""
+    free = free_name(path + ".aside")
+    error.commands = [f"mv {quote_arg(from_here(path))} {quote_arg(from_here(free))}"]
+    return error
+
+
+def from_here(path):
+    """`path` as a command typed where the user stands names it: relative to the current
+    directory (absolute where it cannot be: another drive, a directory that is gone)."""
+    try:
+        return os.path.relpath(path)
+    except (ValueError, OSError):
+        return os.path.abspath(path)
 
 
 def open_state_file(path, flags, mode=0o644):
@@ -85,11 +103,11 @@ def open_state_file(path, flags, mode=0o644):
         if e.errno == errno.ELOOP or (e.errno != errno.ENOENT and os.path.islink(path)):
             raise symlink_refusal(path)
         if e.errno == errno.ENXIO:  # a FIFO without a reader, opened for writing
-            raise damaged(f"{path} is not a regular file.", "not_a_file")
+            raise set_aside(damaged(f"{path} is not a regular file.", "not_a_file"), path)
         raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise damaged(f"{path} is not a regular file.", "not_a_file")
+        raise set_aside(damaged(f"{path} is not a regular file.", "not_a_file"), path)
     return fd
 
 
@@ -145,7 +163,7 @@ def ensure_subdir(path):
         if stat.S_ISLNK(st.st_mode):
             raise symlink_refusal(path)
         if not stat.S_ISDIR(st.st_mode):
-            raise damaged(f"{path} is not a directory.", "not_a_directory")
+            raise set_aside(damaged(f"{path} is not a directory.", "not_a_directory"), path)
     return path
 
 
@@ -711,8 +729,9 @@ def stripped_snapshot_error():
 
 
 def legacy_refusal():
-    return damaged(f"{SNAPSHOT} was written by the original goals.py; run `status` (or any writing "
-                   "command) to import it into a hash-chained ledger first.", "legacy")
+    return with_step(damaged(f"{SNAPSHOT} was written by the original goals.py; run `status` (or "
+                             "any writing command) to import it into a hash-chained ledger first.",
+                             "legacy"), "status")
 
 
 class Store:
@@ -745,7 +764,8 @@ class Store:
                                          os.path.basename(self.dir) == STATE_DIRNAME):
             raise symlink_refusal(self.dir)  # a cloned repository's `.fablize -> elsewhere`
         if not stat.S_ISDIR(os.stat(self.dir).st_mode):
-            raise damaged(f"{self.dir} is not a directory.", "not_a_directory")
+            raise set_aside(damaged(f"{self.dir} is not a directory.", "not_a_directory"),
+                            self.dir)
         return True
 
     def create_dir(self):
@@ -893,7 +913,7 @@ class Reading:
         if prev_ev is None and end:
             raise damaged(f"{LEDGER}: the last two lines are damaged — not a torn write, so not "
                           f"repaired: restore {LEDGER} (`git checkout -- {STATE_DIRNAME}/` when "
-                          "it was committed); a human decides.", "bad_line")
+                          "it was committed); a human decides:", "bad_line")
         if (prev_ev["seq"] if prev_ev else 0) < snap_seq:
             raise with_step(line_error(
                 snap_seq, f"the last line is damaged but {SNAPSHOT} reflects event {snap_seq}: "
