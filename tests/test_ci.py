@@ -346,7 +346,8 @@ def test_audit_require_complete_fails_a_trusted_incomplete_plan(history):
     assert "G003 [pending]" in r.err
     j = fab("audit", "--require-complete", "--json").json
     assert j["ok"] is False and j["error"] == {
-        "code": "incomplete", "exit": 1, "message": j["error"]["message"]}
+        "code": "incomplete", "exit": 1, "message": j["error"]["message"],
+        "commands": ["goals.py next"]}  # the plan's next step, whole: G002 reopens
     assert j["event_count"] == 8  # the report still comes with the refusal
 
 

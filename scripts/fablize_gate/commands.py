@@ -29,9 +29,10 @@ from .runs import (
     inflight_runs, merge_driver_missing, MERGE_QUIET, plan_text, repo_root, tree_state,
     unverifiable_checks, unverifiable_label, verification_runs)
 from .render import (
-    completion_command, create_command, done_line, grades_line, handoff_command, human_command,
-    left_line, next_action, next_line, plan_json, plan_summary, render_handoff, render_observed,
-    render_report, render_resume, status_details, story_json)
+    checkpoint_command, completion_command, create_command, decide_commands, DECISION_NOTES,
+    done_line, grades_line, handoff_command, human_command, left_line,
+    next_action, next_line, plan_json, plan_summary, render_handoff, render_observed,
+    render_report, render_resume, rerun_command, status_details, story_json, verdict_command)
 from .audit import audit_ledger
 from .hooks import (
     guard_answer, guard_reason, hook_fingerprint, is_verification, observed_outcome,
@@ -203,13 +204,21 @@ def say_unverifiable(ctx, found):
                 f"{one_line(u['reason'])} yet")
 
 
+def plan_exists(ctx):
+    """The original's refusal of a second plan, then its two ways, whole: the plan there, or
+    this command again with --force (the plan there is archived whole): a human's choice."""
+    error = refused(PLAN_EXISTS, "plan_exists")
+    error.commands = [f"{ctx.prog} status", rerun_command(ctx.prog, ctx.argv) + " --force"]
+    return error
+
+
 def cmd_create(ctx, a):
     """create: a plan from the command line, its checks flagged when they cannot run here (a
     program missing now; a file a story will write, test-first), the previous plan archived
     whole under --force, published with --remote; ends with the next step."""
     store = ctx.store
     if not a.force and store.exists() and store.has_plan_files():
-        raise refused(PLAN_EXISTS, "plan_exists")
+        raise plan_exists(ctx)
     plan_text("--brief", a.brief)
     if blank(a.brief):
         raise usage("--brief must not be empty: it is the task every handoff starts from.",
@@ -234,7 +243,7 @@ def cmd_create(ctx, a):
         replaces = None
         if store.has_plan_files():
             if not a.force:
-                raise refused(PLAN_EXISTS, "plan_exists")
+                raise plan_exists(ctx)
             replaces = s.replace_plan(fields)
         else:
             s.commit("plan_created", **fields, replaces=None)
@@ -268,8 +277,16 @@ def stuck_error(ctx, plan, agent):
         error.commands = action["commands"]  # each whole on its own line, after the message
         return error
     if action["kind"] == "judge":
-        return refused(action["text"] + ".", "awaiting_review")
-    return refused(action["text"] + ".", "nothing_ready")
+        error = refused(action["text"] + ".", "awaiting_review")
+        error.commands = [action["cmd"]]
+        return error
+    # what the others hold: they finish it; an agent that is gone is a human's to release
+    held = active_stories(plan)
+    error = refused(action["text"] + (" — if an agent is gone, a human releases its story:"
+                                      if held else "."), "nothing_ready")
+    error.commands = [f"{human_command(ctx.prog)} release --id {s['id']} --note "
+                      "\"<why its agent's claim ends>\"" for s in held[:3]]
+    return error
 
 
 def cmd_next(ctx, a):
@@ -332,18 +349,49 @@ def say_after_checkpoint(ctx, plan, story, agent=None):
 
 
 def advise_not_active(ctx, plan, error, agent):
-    """The whole command of the step a not-active refusal names, on its own line; in a clone of
-    a shared plan, whose copy may be behind what another clone recorded, `sync` first."""
+    """The whole command of the step a not-active refusal names, on its own line (the line
+    itself is the original's, which scripts match): its checkpoint for the story in progress, a
+    human's decisions for a blocked one, the judge's packet for one in review, `next` (for this
+    agent) to activate it — in a clone of a shared plan, whose copy may be behind what another
+    clone recorded, `sync` first — else `status`."""
     step = getattr(error, "step", ("status",))
     if step[0] == "finish":
         error.commands = [completion_command(ctx.prog, plan, find_story(plan, step[1]))]
+    elif step[0] == "decide":
+        error.commands = decide_commands(ctx.prog, step[1])
+    elif step[0] == "judge":
+        error.commands = [f"{ctx.prog} judge-packet --id {step[1]}"]
     elif step[0] != "next":
         error.commands = [f"{ctx.prog} status"]
     elif sharing_of(ctx.store) is not None:
         error.message += (" This clone's copy of the shared plan may be behind what another "
                           "clone recorded: sync it first.")
         error.commands = [f"{ctx.prog} sync"]
-    # else the original's line, to the byte (scripts match it): `next` is the step it names
+    else:
+        error.commands = [f"{ctx.prog} next" + (f" --agent {quote_arg(agent)}" if agent else "")]
+
+
+# what a checkpoint's evidence says, by its status, where a step leaves it to the agent
+EVIDENCE_NOTES = {"complete": "<what shows it>", "failed": "<what is missing>",
+                  "blocked": "<why it cannot be done as specified>"}
+
+
+def checkpoint_step(ctx, plan, story, error, a):
+    """The whole command of the step a refused checkpoint names (error.commands): the
+    checkpoint the gate accepts — with what the agent has to write as a placeholder, and for
+    the final story the witnessed way — or, for a caller that does not hold the story, its own
+    step (`status --agent`: a caller that gave no name gives its own)."""
+    code, prog = error.code, ctx.prog
+    if code == "not_active":
+        advise_not_active(ctx, plan, error, a.agent)
+    elif code == "held_by_other":  # never the holder's name offered: each agent its own
+        error.commands = [f"{prog} status --agent "
+                          + (quote_arg(a.agent) if a.agent is not None else '"<your name>"')]
+    elif code == "no_evidence" and a.status != "complete":
+        error.commands = [checkpoint_command(prog, story, a.status, EVIDENCE_NOTES[a.status])]
+    elif code in ("no_evidence", "verification_gate", "run_required", "verification_missing",
+                  "verification_failed"):
+        error.commands = [completion_command(prog, plan, story)]
 
 
 def reason_required(status):
@@ -380,21 +428,20 @@ def cmd_checkpoint(ctx, a):
         story = find_story(plan, a.id)
         try:
             checkpoint_gate(plan, story, ev)
+            # here, not in the transition: ledgers written before this rule must still replay
+            if a.status != "complete" and blank(a.evidence):
+                raise reason_required(a.status)
+            if a.status == "complete":
+                commands, note = verification_runs(story, a.verify_cmd, a.run)
+                if note:
+                    ctx.out.warn(note)
+                if story["checks"]:
+                    ev.pop("run", None)  # the frozen checks are the run
+            if not commands:
+                s.commit("checkpoint", **ev)
         except FablizeError as e:
-            if e.code == "not_active":
-                advise_not_active(ctx, plan, e, a.agent)
+            checkpoint_step(ctx, plan, story, e, a)
             raise
-        # here, not in the transition: ledgers written before this rule must still replay
-        if a.status != "complete" and blank(a.evidence):
-            raise reason_required(a.status)
-        if a.status == "complete":
-            commands, note = verification_runs(story, a.verify_cmd, a.run)
-            if note:
-                ctx.out.warn(note)
-            if story["checks"]:
-                ev.pop("run", None)  # the frozen checks are the run
-        if not commands:
-            s.commit("checkpoint", **ev)
     runs = []
     if commands:
         records = execute_runs(ctx.store, a.id, commands, plan["ledger"]["seq"], ctx.timeout,
@@ -413,8 +460,9 @@ def cmd_checkpoint(ctx, a):
                     r = failed[0]
                     e.message += (f" The run is recorded (event {r['seq']}, log "
                                   f"{shown_path(ctx.store, r['log'])}); "
-                                  f"{a.id} stays in progress: fix it and checkpoint again.")
+                                  f"{a.id} stays in progress: fix it and checkpoint again:")
                     e.code = "verification_failed"
+                checkpoint_step(ctx, s.plan, find_story(s.plan, a.id), e, a)
                 raise
     plan = s.plan  # as the session left it: a shared plan's publish may have pulled events
     story = find_story(plan, a.id)
@@ -573,8 +621,10 @@ def cmd_verify(ctx, a):
         if note:
             ctx.out.warn(note)
         if not commands:
-            raise refused(f"{a.id} has no frozen checks — give --verify-cmd to run a command.",
-                          "no_checks")
+            error = refused(f"{a.id} has no frozen checks — give --verify-cmd to run a command.",
+                            "no_checks")
+            error.commands = [f"{ctx.prog} verify --id {a.id} --verify-cmd \"<command>\""]
+            raise error
         after_seq = plan["ledger"]["seq"]
     records = execute_runs(ctx.store, a.id, commands, after_seq, ctx.timeout, ctx.out)
     stop_if_interrupted(ctx, records)
@@ -583,10 +633,13 @@ def cmd_verify(ctx, a):
         runs = commit_runs(s, records)
     ctx.data["runs"] = runs
     failed = [r for r in runs if not run_passed(r)]
-    if failed:
-        raise refused(f"{a.id}: {len(failed)} of {count_noun(len(runs), 'check')} failed — first: "
-                      f"{run_summary(failed[0])} (log {shown_path(ctx.store, failed[0]['log'])}).",
-                      "verification_failed")
+    if failed:  # recorded: once the cause is fixed, the same runs again
+        error = refused(f"{a.id}: {len(failed)} of {count_noun(len(runs), 'check')} failed — "
+                        f"first: {run_summary(failed[0])} (log "
+                        f"{shown_path(ctx.store, failed[0]['log'])}); fix it and verify again:",
+                        "verification_failed")
+        error.commands = [rerun_command(ctx.prog, ctx.argv)]
+        raise error
     ctx.say(f"fablize: {a.id}: {'all ' if len(runs) > 1 else ''}{count_noun(len(runs), 'check')} "
             "passed (status unchanged: "
             f"{find_story(s.plan, a.id)['status']}).")
@@ -604,7 +657,13 @@ def cmd_decide(ctx, a):
     with open_plan(ctx) as s:
         s.require_plan()
         signed = trust.signed_fields(s.plan, signature, prev) if signature else {}
-        s.commit("decision", id=a.id, decision=a.decision, note=note, **signed)
+        try:
+            s.commit("decision", id=a.id, decision=a.decision, note=note, **signed)
+        except FablizeError as e:
+            if e.code == "no_note":  # the note is the human's to write
+                e.commands = [f"{human_command(ctx.prog)} decide --id {a.id} {a.decision} "
+                              f"--note \"{dict(DECISION_NOTES)[a.decision]}\""]
+            raise
         plan = s.plan
     story = find_story(plan, a.id)
     what = {"accept": "counts as done", "retry": "back to work, rounds reset",
@@ -634,7 +693,12 @@ def cmd_add(ctx, a):
         spec["accept"] = [plan_text("an acceptance item", t) for t in a.accept if not blank(t)]
         spec["judge"] = a.judge
         unverifiable = unverifiable_checks([spec], ctx.store.root)
-        s.commit("story_added", story=spec, unverifiable=unverifiable)
+        try:
+            s.commit("story_added", story=spec, unverifiable=unverifiable)
+        except FablizeError as e:
+            if e.code == "final_started":
+                e.commands = reopen_final(ctx.prog, plan)
+            raise
         plan = s.plan
     story = find_story(plan, spec["id"])
     ctx.say(f"fablize: added {story['id']} {defused_line(story['title'])} — before the final story "
@@ -642,6 +706,19 @@ def cmd_add(ctx, a):
                                             if story["after"] else ""))
     say_unverifiable(ctx, unverifiable)
     ctx.data.update(story=story_json(plan, story))
+
+
+def reopen_final(prog, plan):
+    """Where `add` found verification started: the step that lets a story come before the
+    final one again — the final story's checkpoint as failed (what is missing: the story to
+    add), a human's retry of it in review, or, once the plan is done, a new plan."""
+    final = find_story(plan, plan["goals"][-1]["id"])
+    if final["status"] == "in_progress":
+        return [checkpoint_command(prog, final, "failed", "<the story that must come first>")]
+    if final["status"] == "review":
+        return [f"{human_command(prog)} decide --id {final['id']} retry --note "
+                "\"<the story that must come first>\""]
+    return [create_command(prog, force=True)]
 
 
 # audit's options that the trust room answers; --allow-* only relax its gates
@@ -686,7 +763,7 @@ def audit_and_judge(ctx, a):
         raise bad_logs[0]
     review = trust.review(ctx.store, plan, scan, pin, base, opts)
     report.update(plan_summary(plan), brief=plan["brief"], accepted=accepted_ids(plan))
-    failures = audit_failures(report, plan, a)
+    failures = audit_failures(ctx, report, plan, a)
     for warning in review["warnings"]:
         ctx.out.warn(warning)
     failures += trust.gates(ctx.store, plan, review, opts)
@@ -715,6 +792,8 @@ def audit_and_judge(ctx, a):
                                           " (the fix of each is said above)"),
                              failures[0]["code"], EXIT_REFUSED)
         error.summarised = True
+        if failures[0].get("commands"):  # the first gate's step, whole
+            error.commands = failures[0]["commands"]
         raise error
 
 
@@ -749,21 +828,31 @@ def audited(ctx, a, scan, base):
             raise
 
 
-def audit_failures(report, plan, a):
+def audit_failures(ctx, report, plan, a):
     """The engine's own gates (the trust room's come after): a verdict not independent, run
-    logs missing (--require-logs), a secret recorded, a plan not complete (--require-complete)."""
+    logs missing (--require-logs), a secret recorded, a plan not complete (--require-complete).
+    Each with its fix and the step it names, whole (`commands`); what the ledger holds stays
+    in it, so a gate the history fails for good is a human's call: a new plan."""
     failures = []
     missing_logs = report["missing_logs"]
+    anew = [create_command(ctx.prog, force=True)]  # the plan kept whole in archive/
     if report["independence"]:
         failures.append({"code": "judge_not_independent", "message": "a verdict was not given by "
                          "an independent judge — " + "; ".join(report["independence"]),
-                         "fix": "an agent other than the executor judges the story again"})
+                         "fix": "the verdict stays in the plan's history, so this plan fails the "
+                         "gate for good: a human decides whether to start a new one, whose "
+                         "executors checkpoint with --agent and whose judge is another agent",
+                         "commands": anew})
     if a.require_logs and missing_logs:
+        runs = (os.path.relpath(ctx.store.path(RUNS), ctx.store.root).replace(os.sep, "/")
+                if not a.remote else f"{STATE_DIRNAME}/{RUNS}")  # from the clone's top
         failures.append({"code": "missing_logs", "message":
                          f"{count_noun(missing_logs, 'verification run log')} "
                          f"{'is' if missing_logs == 1 else 'are'} missing, so "
                          f"{'that run' if missing_logs == 1 else 'those runs'} cannot be shown to "
-                         "have happened", "fix": "commit .fablize/runs/"})
+                         "have happened", "fix": "commit .fablize/runs/",
+                         "commands": (not a.remote and committed_copy(ctx.store, [RUNS])) or [
+                             f"git -C \"<the clone that ran them>\" add {quote_arg(runs)}/"]})
     if report["secret_lines"]:
         lines = report["secret_lines"]
         failures.append({"code": "secret_in_ledger", "message":
@@ -771,11 +860,15 @@ def audit_failures(report, plan, a):
                          "recorded what looks like a secret (line " + ", ".join(map(str, lines)) +
                          ") — everyone who can read the plan can read it",
                          "fix": "rotate that secret now: what was committed or shared stays in the "
-                         "repository's history"})
+                         "repository's history (and in this plan's, which fails the gate for "
+                         "good: a new plan passes it)", "commands": anew})
     if a.require_complete and not report["complete"]:
         left = [f"{x['id']} [{x['status']}]" for x in plan["goals"] if x["status"] not in DONE]
+        action = next_action(ctx.prog, plan)
         failures.append({"code": "incomplete", "message": "trusted but incomplete — "
-                         + ", ".join(left), "fix": "finish the plan: `next`, then `checkpoint`"})
+                         + ", ".join(left), "fix": "finish the plan: `next`, then `checkpoint`",
+                         "commands": action.get("commands") or (
+                             [action["cmd"]] if action["cmd"] else [f"{ctx.prog} status"])})
     return failures
 
 
@@ -1072,7 +1165,14 @@ def cmd_report(ctx, a):
         raise usage(f"report --out {one_line(target)}: that is inside the state directory, whose "
                     "files only fablize writes.", "usage")
     if a.out:  # the user's file: in the project unless --outside, never through a symlink
-        target, st = user_file(ctx.store.root, a.out, a.outside)
+        try:
+            target, st = user_file(ctx.store.root, a.out, a.outside)
+        except FablizeError as e:  # the user's to choose: outside after all, or another file
+            e.commands = ([rerun_command(ctx.prog, ctx.argv) + " --outside"]
+                          if e.code == "outside_project" else
+                          [f"{ctx.prog} report --out \"<another file>\""
+                           + (" --outside" if a.outside else "")])
+            raise
         write_atomic(target, text.encode("utf-8"), st.st_mode & 0o7777 if st else 0o644)
     elif target:  # CI's job summary, where CI keeps it: appended to
         with open(target, "ab+") as f:
@@ -1177,16 +1277,35 @@ def cmd_verdict(ctx, a):
         s.require_plan()
         fields = {"verdict": a.verdict,
                   "evidence": masked_text("--evidence", a.evidence, s.store.root)}
-        s.commit("verdict", id=a.id, agent=a.agent, **dict(fields, **(void or {})))
+        try:
+            s.commit("verdict", id=a.id, agent=a.agent, **dict(fields, **(void or {})))
+        except FablizeError as e:
+            verdict_step(ctx, a, e)
+            raise
         plan = s.plan
     story = find_story(plan, a.id)
     ctx.data.update(story=story_json(plan, story))
     if void:
-        raise refused(f"the working tree changed since the judge packet (event "
-                      f"{void['packet_seq']}): the verdict is refused and recorded as not-achieved "
-                      f"— {a.id} is {story['status']}; a judge must not change what it judges.",
-                      "tree_changed")
+        error = refused(f"the working tree changed since the judge packet (event "
+                        f"{void['packet_seq']}): the verdict is refused and recorded as "
+                        f"not-achieved — {a.id} is {story['status']}; a judge must not change what "
+                        "it judges.", "tree_changed")
+        action = next_action(ctx.prog, plan)
+        error.commands = [action["cmd"]] if action.get("cmd") else [f"{ctx.prog} status"]
+        raise error
     say_after_checkpoint(ctx, plan, story)
+
+
+def verdict_step(ctx, a, error):
+    """The whole command of the step a refused verdict names: the verdict again with what the
+    judge has to write as a placeholder, or, for the story's own executor, the packet an
+    independent judge starts from."""
+    if error.code in ("no_evidence", "no_agent"):
+        error.commands = [verdict_command(
+            ctx.prog, a.id, a.verdict, None if blank(a.evidence) else a.evidence,
+            None if blank(a.agent) else a.agent)]
+    elif error.code == "judge_not_independent":
+        error.commands = [f"{ctx.prog} judge-packet --id {a.id}"]
 
 
 def session_start(ctx, a):

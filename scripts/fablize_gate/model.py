@@ -276,7 +276,8 @@ def find_story(plan, sid):
     """The story `sid`, touched; refused when the plan has none."""
     story = lookup(plan, sid)
     if story is None:
-        raise refused(f"{one_line(sid)} not found. {plan_ids(plan)}", "not_found")
+        raise with_step(refused(f"{one_line(sid)} not found. {plan_ids(plan)}", "not_found"),
+                        "status")  # it lists them
     return touch(story)
 
 
@@ -786,7 +787,7 @@ def not_active(plan, story, agent=None):
     """The refusal of a checkpoint on a story that is not in progress: the original's opening
     (`G00X is not active (STATUS)`, which scripts match), then what is true of this story and
     the one step that fits it. `.step` names that step for the command line to print whole:
-    ("status",), ("finish", id) or ("next",)."""
+    ("status",), ("decide", id), ("judge", id), ("finish", id) or ("next",)."""
     sid, status = story["id"], story["status"]
     head = f"{sid} is not active ({status})"
     if status in DONE:
@@ -794,10 +795,14 @@ def not_active(plan, story, agent=None):
                         "what is next).", "not_active")
         error.step = ("status",)
         return error
-    if status in ("blocked", "review"):
-        who = "a human decides it" if status == "blocked" else "its judge decides it"
-        error = refused(f"{head} — {who}; `status` names how.", "not_active")
-        error.step = ("status",)
+    if status == "blocked":
+        error = refused(f"{head} — a human decides it, with one of:", "not_active")
+        error.step = ("decide", sid)
+        return error
+    if status == "review":
+        error = refused(f"{head} — its judge decides it: hand {sid} to an independent judge, who "
+                        "runs:", "not_active")
+        error.step = ("judge", sid)
         return error
     mine = [s for s in active_stories(plan) if agent is None or s["agent"] == agent]
     if mine:
@@ -955,8 +960,8 @@ def _ev_decision(plan, ev):
         raise refused("a decision requires a non-empty --note (the reason, or the feedback).",
                       "no_note")
     if story["status"] not in ("blocked", "failed", "review"):
-        raise refused(f"{story['id']} is {story['status']} — `decide` applies to a blocked, failed "
-                      "or in-review story.", "not_decidable")
+        raise with_step(refused(f"{story['id']} is {story['status']} — `decide` applies to a "
+                                "blocked, failed or in-review story.", "not_decidable"), "status")
     story["decision"] = {"decision": decision, "note": note, "seq": ev["seq"], "ts": ev["ts"]}
     if ev.get("signature"):  # who signed it, shown wherever the decision is (not proof: audit)
         story["decision"]["signer"] = ev["signature"]["signer"]
@@ -1012,8 +1017,8 @@ def _ev_verdict(plan, ev):
     if verdict not in VERDICTS:
         raise usage(f"unknown verdict {one_line(verdict)}")
     if story["status"] != "review":
-        raise refused(f"{story['id']} is {story['status']}, not in review — there is nothing to "
-                      "judge.", "not_in_review")
+        raise with_step(refused(f"{story['id']} is {story['status']}, not in review — there is "
+                                "nothing to judge.", "not_in_review"), "status")
     if blank(ev["evidence"]):
         raise refused("a verdict requires non-empty --evidence (what you checked and saw).",
                       "no_evidence")
@@ -1070,8 +1075,8 @@ def _log_guard_block(ev, sid):
 def _ev_paused(plan, ev):
     paused = plan["guard"].get("paused")
     if paused:
-        raise refused(f"the guard is already paused (since event {paused['seq']}) — `unpause` "
-                      "turns it back on.", "already_paused")
+        raise with_step(refused(f"the guard is already paused (since event {paused['seq']}) — "
+                                "`unpause` turns it back on.", "already_paused"), "status")
     plan["guard"]["paused"] = {"seq": ev["seq"], "ts": ev["ts"], "note": ev["note"]}
     return plan
 
@@ -1082,7 +1087,7 @@ def _log_paused(ev, sid):
 
 def _ev_unpaused(plan, ev):
     if not plan["guard"].get("paused"):
-        raise refused("the guard is not paused.", "not_paused")
+        raise with_step(refused("the guard is not paused.", "not_paused"), "status")
     plan["guard"]["paused"] = None
     return plan
 
@@ -1112,8 +1117,8 @@ def _log_observed_run(ev, sid):
 def _ev_story_released(plan, ev):
     story = find_story(plan, ev["id"])
     if story["status"] != "in_progress":
-        raise refused(f"{story['id']} is {story['status']}, not in progress — there is no claim to "
-                      "release.", "not_active")
+        raise with_step(refused(f"{story['id']} is {story['status']}, not in progress — there is "
+                                "no claim to release.", "not_active"), "status")
     _refuse_blank_agent(ev["agent"])
     if blank(ev["note"]):
         raise refused("a release requires a non-empty --note (why the agent's claim ends).",

@@ -77,6 +77,13 @@ def rerun_command(prog, argv, env=None):
     return (f"{env} " if env else "") + " ".join([prog, *map(quote_arg, argv)])
 
 
+def verdict_command(prog, sid, verdict, evidence=None, agent=None):
+    """A judge's verdict on `sid`, whole; what the judge has to write is a placeholder."""
+    return (f"{prog} verdict --id {sid} {verdict} --evidence "
+            + (quote_arg(evidence) if evidence else '"<what you checked and saw>"')
+            + " --agent " + (quote_arg(agent) if agent else '"<you>"'))
+
+
 def handoff_command(prog, story):
     """The command that prints `story`'s whole handoff again without changing anything."""
     if story["agent"]:
