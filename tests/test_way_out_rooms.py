@@ -939,9 +939,11 @@ def test_an_option_value_that_is_not_one_is_exit_2_and_the_value_is_a_humans(
         pr, args, code, opening):
     git(pr.root, "tag", "v1")
     seen, end, r = walk(pr, args, 2, code, opening, human="")  # any message: the value
-    # is a human's; a whole command with a <placeholder> needs the command line (argv), which
-    # only the core's cli holds — the message names the option and what it takes
-    assert end == "human" and "commands" not in seen[0], r
+    # is a human's; the message names the option and what it takes, and the core's cli, as
+    # for every usage error, the command's --help (which the walk ran)
+    help_step = f"goals.py {args[0]} --help"
+    assert end == "human" and seen[0]["commands"] == [help_step], r
+    assert seen[0]["message"].endswith(f" (see `{help_step}`)"), r
 
 
 def test_audit_outside_a_repository_is_sent_to_the_checkout(pr, capsys):

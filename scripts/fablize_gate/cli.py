@@ -132,9 +132,10 @@ class Output:
         err = [f"fablize: warning: {clean(text)}" for text in self.warnings]
         if error is not None:
             err.append("fablize: " + one_line(error.message))
-            # each step whole on its own line, but one the message already shows whole
+            # each step whole on its own line, but a usage error's --help, which its line
+            # names as argparse's do: `(see `goals.py COMMAND --help`)`
             err += ["  " + one_line(cmd) for cmd in getattr(error, "commands", None) or ()
-                    if f"`{cmd}`" not in error.message]
+                    if error.exit_code != EXIT_USAGE or f"`{cmd}`" not in error.message]
         if err:
             sys.stderr.write(paint("\n".join(err), sys.stderr, error is not None,
                                    self.colour) + "\n")
@@ -775,7 +776,8 @@ def name_the_step(ctx, error, argv):
     elif code == "lock_timeout":
         wait = max(60.0, 2 * lock_timeout())
         error.commands = [rerun_command(prog, argv, f"FABLIZE_LOCK_TIMEOUT={wait:g}")]
-    elif code in RUN_AGAIN:
+    elif code in RUN_AGAIN and "a human" not in error.message:  # else the message's repair
+        # is a human's first (a room says which): the command again would meet it again
         error.commands = [rerun_command(prog, argv)]
     elif (code in HISTORY_DAMAGE and ctx is not None and ctx._store is not None
           and not getattr(ctx.args, "remote", None)):  # a remote's history: the sharing room's
