@@ -958,3 +958,23 @@ def test_run_logs_git_does_not_hold_are_the_clone_that_ran_them_to_commit(fab):
     j = fab("--json", "audit", "--require-logs")
     assert j.json["error"]["code"] == "missing_logs", j
     assert j.json["error"]["commands"] == ['git -C "<the clone that ran them>" add .fablize/runs/']
+
+
+def test_the_command_named_again_keeps_a_secret_typed_into_it_masked(fab, monkeypatch):
+    # the step after a lock timeout is the command as typed: a token in its evidence would reach
+    # the CI log that keeps stderr
+    make_plan(fab, 2)
+    start(fab, "G001")
+    monkeypatch.setenv("FABLIZE_LOCK_TIMEOUT", "0")
+    held = os.open(fab.dir / "lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        before = state_files(fab.dir)
+        r = fab("--json", "checkpoint", "--id", "G001", "--status", "complete", "--evidence",
+                f"pushed with {TOKEN}")
+    finally:
+        os.close(held)
+    assert r.code == 3 and r.json["error"]["code"] == "lock_timeout", r
+    step = r.json["error"]["commands"][0]
+    assert TOKEN not in r.out and "checkpoint --id G001 --status complete" in step, step
+    assert "***" in step and state_files(fab.dir) == before

@@ -15,6 +15,7 @@ from .model import (
     done_count, find_story, grade_detail, is_final, observed_of, observed_result, pick_ready,
     plan_done, REOPENED_BECAUSE, round_failures, round_label, rounds_left, run_evidence,
     run_passed, run_summary, stories_in, touch, unaddressed_failure, ids_text, waits_for)
+from .masking import mask
 from .runs import NOT_THERE, repo_root
 
 # the folder that holds goals.py and this package (scripts/ in a checkout or a copy)
@@ -73,8 +74,10 @@ def create_command(prog, force=False):
 
 def rerun_command(prog, argv, env=None):
     """The command as it was started, whole (`env`: a variable set for it): the step once what
-    stopped it is fixed or over — a lock another command held, a tool, a signal."""
-    return (f"{env} " if env else "") + " ".join([prog, *map(quote_arg, argv)])
+    stopped it is fixed or over — a lock another command held, a tool, a signal. A secret typed
+    into it is masked, as everything the engine says is: a CI log keeps what stderr shows."""
+    return (f"{env} " if env else "") + mask(" ".join([prog, *map(quote_arg, argv)]),
+                                             command=True)
 
 
 def verdict_command(prog, sid, verdict, evidence=None, agent=None):
