@@ -692,9 +692,9 @@ def position_error(snap_seq, ledger_seq):
     where = "is empty" if not ledger_seq else f"ends at event {ledger_seq}"
     return with_step(damaged(
         f"{SNAPSHOT} reflects event {snap_seq} but {LEDGER} {where}: the ledger lost events. "
-        f"If it was committed, `git checkout -- {STATE_DIRNAME}/` restores both files as last "
-        f"committed; else `rebuild` makes {SNAPSHOT} match the ledger (the old one is kept as a "
-        ".bak):", "disagree"), "rebuild")
+        f"If it was committed, `git checkout HEAD -- {STATE_DIRNAME}/` restores both files as "
+        f"last committed; else `rebuild` makes {SNAPSHOT} match the ledger (the old one is kept "
+        "as a .bak):", "disagree"), "rebuild")
 
 
 def snapshot_damage(store):
@@ -912,14 +912,15 @@ class Reading:
         prev_ev = parse_event(prev) if prev is not None else None
         if prev_ev is None and end:
             raise damaged(f"{LEDGER}: the last two lines are damaged — not a torn write, so not "
-                          f"repaired: restore {LEDGER} (`git checkout -- {STATE_DIRNAME}/` when "
-                          "it was committed); a human decides:", "bad_line")
+                          f"repaired: restore {LEDGER} (`git checkout HEAD -- {STATE_DIRNAME}/` "
+                          "when it was committed); a human decides:", "bad_line")
         if (prev_ev["seq"] if prev_ev else 0) < snap_seq:
             raise with_step(line_error(
                 snap_seq, f"the last line is damaged but {SNAPSHOT} reflects event {snap_seq}: "
-                f"an acknowledged event was damaged. If it was committed, `git checkout -- "
-                f"{STATE_DIRNAME}/` restores both files; else `rebuild` keeps the events before it "
-                f"(the damaged line goes to {LEDGER}.broken, the old snapshot to a .bak):",
+                f"an acknowledged event was damaged. If it was committed, `git checkout HEAD "
+                f"-- {STATE_DIRNAME}/` restores both files; else `rebuild` keeps the events "
+                f"before it (the damaged line goes to {LEDGER}.broken, the old snapshot to a "
+                ".bak):",
                 "bad_line"), "rebuild")
         return end, torn
 
