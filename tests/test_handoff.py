@@ -594,11 +594,13 @@ def test_plain_next_keeps_one_story_at_a_time(fab):
     assert state_files(fab.dir) == before
 
 
-def test_plain_next_reshows_a_story_an_agent_holds(fab):
+def test_plain_next_is_refused_a_story_an_agent_holds_and_its_agent_gets_it_back(fab):
     make_plan(fab, 4, "--parallel")
     claim(fab, "alice")
     before = state_files(fab.dir)
-    r = fab("next")
+    assert_refused(fab, ["next"], 1, "G001 is held by agent alice, not an unnamed caller")
+    assert state_files(fab.dir) == before
+    r = fab("next", "--agent", "alice")
     assert r.code == 0 and r.out.startswith("=== fablize handoff — G001"), r
     assert state_files(fab.dir) == before
 
@@ -646,3 +648,17 @@ def test_dependency_title_in_the_map_and_carried_block_is_defused(fab):
     assert_no_live_marker(carried(r.out))
     assert "all stories complete" not in rest.lower()
     assert "allstoriescomplete" not in re.sub(r"\s+", "", rest.lower())
+
+
+def test_an_unnamed_next_is_never_handed_an_agents_story(fab):
+    make_plan(fab, 3, "--parallel")
+    assert fab("next", "--agent", "alice").code == 0
+    before = state_files(fab.dir)
+    r = fab("--json", "next")  # it was handed alice's G001 ("Resumed: … continue it")
+    assert r.code == 1 and r.json["error"]["code"] == "held_by_other", r
+    assert r.json["error"]["message"].startswith(
+        "G001 is held by agent alice, not an unnamed caller (give --agent)")
+    assert r.json["error"]["commands"] == ['goals.py next --agent "<your name>"']
+    assert state_files(fab.dir) == before
+    # named, it takes a story of its own; unnamed work alone keeps the original's manners
+    assert fab("--json", "next", "--agent", "bob").json["story"]["id"] == "G002"

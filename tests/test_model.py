@@ -213,9 +213,11 @@ class Model:
         if agent is not None and blank(agent):
             bad_usage()
         active = self.active()
-        held = active if agent is None else [s for s in active if s.agent == agent]
+        held = [s for s in active if s.agent == agent]
         if held:
             return Outcome(handoff=held[0].id)
+        if agent is None and active:  # an unnamed caller is handed no agent's story
+            refuse("held_by_other")
         s = self.pick()
         if s is None:
             if self.plan_done():

@@ -289,6 +289,16 @@ def stuck_error(ctx, plan, agent):
     return error
 
 
+def held_by_other(ctx, story):
+    """`next` without a name while an agent holds `story`: an unnamed caller is handed no other
+    agent's story (it would work on it unseen by its agent) — one of its own takes a name."""
+    error = refused(f"{story['id']} is held by agent {one_line(story['agent'])}, not an unnamed "
+                    "caller (give --agent): an unnamed `next` hands out no agent's story — take "
+                    "one of your own by name:", "held_by_other")
+    error.commands = [f'{ctx.prog} next --agent "<your name>"']
+    return error
+
+
 def cmd_next(ctx, a):
     """next: the story to work now, and its handoff. A story already in progress for this agent
     is shown again, changing nothing; else the first ready one is activated (for a shared
@@ -303,10 +313,12 @@ def cmd_next(ctx, a):
         if sharing is not None:
             plan = sharing.pull(s)  # the claims other clones made
         active = active_stories(plan)
-        held = [x for x in active if x["agent"] == agent] if agent is not None else active
+        held = [x for x in active if x["agent"] == agent]
         reshown = bool(held)
         if held:
             story = held[0]  # the same caller gets its own story back; nothing is written
+        elif agent is None and active:  # never another agent's story, nor a second one
+            raise held_by_other(ctx, active[0])
         else:
             story = pick_ready(plan)
             if story is None:
