@@ -662,3 +662,15 @@ def test_an_unnamed_next_is_never_handed_an_agents_story(fab):
     assert state_files(fab.dir) == before
     # named, it takes a story of its own; unnamed work alone keeps the original's manners
     assert fab("--json", "next", "--agent", "bob").json["story"]["id"] == "G002"
+
+
+def test_a_checkpoint_without_a_name_is_never_pointed_at_an_agents_story(fab):
+    make_plan(fab, 3, "--parallel")
+    assert fab("next", "--agent", "alice").code == 0
+    before = state_files(fab.dir)
+    r = fab("--json", "checkpoint", "--id", "G002", "--status", "complete", "--evidence", "e")
+    assert r.code == 1 and r.json["error"]["message"].startswith(
+        "G002 is not active (pending) — activate it with `next` first."), r
+    assert "alice" not in r.out  # it said "finish G001 first", with alice's --agent alice
+    assert r.json["error"]["commands"] == ['goals.py next --agent "<your name>"']
+    assert state_files(fab.dir) == before

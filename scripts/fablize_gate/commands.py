@@ -379,8 +379,10 @@ def advise_not_active(ctx, plan, error, agent):
         error.message += (" This clone's copy of the shared plan may be behind what another "
                           "clone recorded: sync it first.")
         error.commands = [f"{ctx.prog} sync"]
-    else:
-        error.commands = [f"{ctx.prog} next" + (f" --agent {quote_arg(agent)}" if agent else "")]
+    else:  # an unnamed caller, while agents hold stories, takes one by name (cmd_next)
+        name = (quote_arg(agent) if agent else
+                '"<your name>"' if any(s["agent"] for s in active_stories(plan)) else None)
+        error.commands = [f"{ctx.prog} next" + (f" --agent {name}" if name else "")]
 
 
 # what a checkpoint's evidence says, by its status, where a step leaves it to the agent

@@ -804,7 +804,7 @@ def not_active(plan, story, agent=None):
                         "runs:", "not_active")
         error.step = ("judge", sid)
         return error
-    mine = [s for s in active_stories(plan) if agent is None or s["agent"] == agent]
+    mine = [s for s in active_stories(plan) if s["agent"] == agent]  # never another's
     if mine:
         other = mine[0]["id"]
         error = refused(f"{head} — {other} is in progress: finish {other} first (`next` would "
