@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import SCRIPT, engine, ledger
+from conftest import ROOT, SCRIPT, engine, ledger
 
 pytestmark = pytest.mark.skipif(os.name == "nt", reason="POSIX signals and process groups")
 
@@ -322,3 +322,51 @@ def test_ctrl_c_at_any_moment_of_the_start_never_prints_a_traceback_through_our_
                            for line in frames for path in ours), err
             answered += p.returncode == 130
     assert answered, "no Ctrl-C landed while goals.py ran: the spread missed the start"
+
+
+# A signal that lands inside Popen.wait, just after it took its lock and before the `try` that
+# releases it: the lock below stands in for subprocess's own, and sends the signal at that very
+# moment. A handler that raised there left the lock held; the engine's next wait on the run
+# (after killing its group) then blocked for ever — seen once under load, the check's shell a
+# zombie under an engine that never exited.
+LEAKED_LOCK = """
+import os, signal, subprocess, sys, threading
+sys.path.insert(0, sys.argv[1])
+from fablize_gate import runs
+
+class SignalJustAfterTaking:
+    def __init__(self):
+        self.lock, self.sent = threading.Lock(), False
+    def acquire(self, *args, **kwargs):
+        taken = self.lock.acquire(*args, **kwargs)
+        if taken and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(10000):  # the handler runs here, the lock taken
+                pass
+        return taken
+    def release(self):
+        self.lock.release()
+    __enter__ = acquire
+    def __exit__(self, *exc):
+        self.release()
+
+proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+proc._waitpid_lock = SignalJustAfterTaking()
+with runs.StopSignals() as stop:
+    try:
+        stop.wait(proc, 50)
+        print("not interrupted")
+    except runs.RunInterrupted:
+        runs.kill_group(proc)
+        print("interrupted", stop.got, proc.wait())
+"""
+
+
+def test_a_stop_signal_inside_popen_wait_never_leaves_the_engine_blocked(tmp_path):
+    script = tmp_path / "leak.py"
+    script.write_text(LEAKED_LOCK)
+    p = subprocess.run([sys.executable, str(script), str(ROOT / "scripts")], capture_output=True,
+                       text=True, timeout=HANG_GUARD)
+    assert p.returncode == 0, p
+    assert p.stdout.startswith("interrupted SIGTERM -9"), p

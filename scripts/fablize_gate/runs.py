@@ -359,13 +359,19 @@ class RunInterrupted(BaseException):
 
 class StopSignals:
     """SIGINT, SIGTERM and SIGHUP while a user's command runs: the first one stops the run (its
-    whole process group is killed) and is kept to be reported; nothing else is started."""
+    whole process group is killed) and is kept to be reported; nothing else is started.
+
+    The handler never raises: it kills the group of the run being waited for, whose end ends
+    the wait, and the wait then says RunInterrupted. An exception raised from a handler lands
+    wherever the main thread is — inside Popen.wait, between taking its lock and the `try`
+    that releases it, it left that lock held, and the engine's next wait on the run blocked
+    for ever (seen once, under load, with the check's shell a zombie)."""
 
     NAMES = ("SIGINT", "SIGTERM", "SIGHUP")
 
     def __init__(self):
         self.got = None
-        self.waiting = False
+        self.proc = None  # the run being waited for
         self.saved = {}
 
     def __enter__(self):
@@ -386,18 +392,19 @@ class StopSignals:
         if self.got is None:
             import signal
             self.got = signal.Signals(signum).name
-            if self.waiting:
-                raise RunInterrupted()
+            if self.proc is not None:
+                kill_group(self.proc)
 
     def wait(self, proc, timeout):
         """proc.wait(timeout), cut short (RunInterrupted) by a stop signal, even an earlier one."""
-        self.waiting = True
+        self.proc = proc  # from here a signal kills its group
         try:
-            if self.got is not None:
-                raise RunInterrupted()
-            return proc.wait(timeout=timeout)
+            code = proc.wait(timeout=timeout) if self.got is None else None
         finally:
-            self.waiting = False
+            self.proc = None
+        if self.got is not None:
+            raise RunInterrupted()
+        return code
 
     def __exit__(self, *exc):
         import signal
