@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from conftest import assert_refused, complete, make_plan, start, state_files
+from conftest import assert_refused, complete, engine, make_plan, start, state_files
 
 # Planted symlinks, one command at a time ###################################
 
@@ -190,3 +190,17 @@ def test_nothing_is_written_outside_the_state_directory(fab):
     complete(fab, "G002", final=True)
     fab("create", "--brief", "again", "--goal", "a::b", "--force")
     assert outside_files(fab) == before
+
+
+def test_a_swapped_ledger_is_recorded_as_its_last_event_not_as_plan_created(fab):
+    # a sync that takes the remote's history swaps the ledger whole: a failure after it said
+    # "event 2 (plan_created) was recorded" for a story_started
+    make_plan(fab, 2)
+    start(fab, "G001")
+    store = engine.Store(str(fab.dir), True)
+    data = (fab.dir / "ledger.jsonl").read_bytes()
+    with store.session() as s:
+        plan = s.load()
+        s.swap_ledger(data, plan)
+    assert store.recorded == [(2, "story_started")]
+    assert (fab.dir / "ledger.jsonl").read_bytes() == data

@@ -1098,7 +1098,7 @@ class Transaction(Reading):
         the new first event replaces the ledger (swap_ledger)."""
         old = self.archive_current()
         plan, line = self.prepare("plan_created", dict(fields, replaces=old))
-        self.swap_ledger(line + b"\n", plan)
+        self.swap_ledger(line + b"\n", plan, "plan_created")
         self.drop_replaced_logs()
         return old
 
@@ -1116,11 +1116,15 @@ class Transaction(Reading):
             elif os.path.lexists(path):
                 os.unlink(path)
 
-    def swap_ledger(self, data, plan):
+    def swap_ledger(self, data, plan, kind=None):
         """Replace the whole ledger with `data` and the snapshot with `plan`'s, crash-safe: the
         new ledger is written and fsynced beside the old one, the snapshot removed (from then a
         crash replays the new ledger from nothing), and one rename swaps it in. The rename is
-        the moment the new ledger becomes current; before it, the old one still is."""
+        the moment the new ledger becomes current; before it, the old one still is. `kind`: the
+        last event's, as a later failure names it (read from `data` when not given)."""
+        if kind is None:
+            last = parse_event(data.rstrip(b"\n").rsplit(b"\n", 1)[-1])
+            kind = last["event"] if last else "event"
         store = self.store
         staged = store.path(LEDGER + ".new")
         if os.path.lexists(staged):
@@ -1141,9 +1145,9 @@ class Transaction(Reading):
         try:
             fsync_dir(store.dir)
         except OSError as e:  # the rename is done and seen: the new plan is the current one
-            store.warn(f"event 1 (plan_created) is recorded in {LEDGER}, but its folder could "
-                       f"not be synced to disk ({e.strerror or e}).")
-        self.recorded(plan, "plan_created")
+            store.warn(f"event {plan['ledger']['seq']} ({kind}) is recorded in {LEDGER}, but "
+                       f"its folder could not be synced to disk ({e.strerror or e}).")
+        self.recorded(plan, kind)
 
     def archive_current(self):
         """Copy the current plan into archive/<plan id>/, its run logs too (hard links: a
