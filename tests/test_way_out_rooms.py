@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, Result, copy_engine, engine, git, run_cli, state_files
+from test_sharing import create as shared  # a plan of n stories shared through origin: its id
 
 ROOMS = ["setup", "sharing", "sharing_git", "merge", "trust"]
 
@@ -273,16 +274,6 @@ class World:
 @pytest.fixture
 def world(env, capsys):
     return World(env, capsys)
-
-
-def shared(at, n=3, *extra):
-    """A plan of n stories created in `at` and shared through origin; returns its id."""
-    args = ["create", "--brief", "shared plan", "--remote", "origin", *extra]
-    for i in range(1, n + 1):
-        args += ["--goal", f"S{i}::objective {i}"]
-    r = at(*args)
-    assert r.code == 0, r
-    return at("status", "--json").json["plan_id"]
 
 
 def ok(at, *args):

@@ -220,7 +220,8 @@ def add_create(command):
 
 def add_next(command):
     c = command("next", cmd_next, "activate the next ready story, print its handoff",
-            'a story already in progress (for this agent) is printed again, never restarted')
+            'a story already in progress for this agent is printed again, never restarted; '
+            'without --agent, none an agent holds is handed out')
     c.add_argument("--agent", metavar="NAME",
                    help="claim a ready story for this agent (one active story per agent)")
 
