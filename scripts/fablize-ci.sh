@@ -21,9 +21,18 @@
 #   FABLIZE_ALLOWED_SIGNERS  path of an ssh allowed-signers file (read from the base ref)
 #   FABLIZE_ALLOW_NEW_PLAN   true: accept a plan created after the pin
 #   FABLIZE_SKIP_IF_NO_PLAN  true: succeed when the tree has no plan (and the base had none)
+#   FABLIZE_AGENT_TESTS      prove: test files the branch adds run red (base) → green (branch) and
+#                            may carry fail-to-pass; forbid: they fail the audit (the policy wins)
+#   FABLIZE_CHECK_USER       run each re-run check as this user (the audit then runs as root)
 #   FABLIZE_REMOTE, FABLIZE_PLAN  audit a shared plan: the remote and the plan id CI names
-#   FABLIZE_STATE            the state directory (default .fablize)
+#   FABLIZE_STATE            the state directory (default .fablize); the policy is always read
+#                            at .fablize/policy.json on the base, wherever this points
 #   FABLIZE_REPORT           the job summary file (default $GITHUB_STEP_SUMMARY)
+#
+# The verdict is the engine's exit code AND the verdict file it writes last, in a folder only
+# this script and the engine can read, holding a nonce handed to the engine on a descriptor no
+# check inherits: a check that traced the auditor into exiting 0, or wrote a verdict of its own,
+# passes nothing.
 #
 # The whole script is one brace group, read by bash before any of it runs: a check that rewrites
 # this file while the audit runs changes nothing of what follows.
@@ -65,6 +74,8 @@ if is_true "${FABLIZE_FORBID_OUT_OF_SCOPE:-false}"; then args+=(--forbid-out-of-
 if [ -n "${FABLIZE_BASE:-}" ] && is_true "${FABLIZE_FORBID_TRIPWIRES:-true}"; then args+=(--forbid-tripwires); fi
 if [ -n "${FABLIZE_ALLOWED_SIGNERS:-}" ]; then args+=(--allowed-signers "$FABLIZE_ALLOWED_SIGNERS"); fi
 if is_true "${FABLIZE_ALLOW_NEW_PLAN:-false}"; then args+=(--allow-new-plan); fi
+if [ -n "${FABLIZE_AGENT_TESTS:-}" ]; then args+=(--agent-tests "$FABLIZE_AGENT_TESTS"); fi
+if [ -n "${FABLIZE_CHECK_USER:-}" ]; then args+=(--check-user "$FABLIZE_CHECK_USER"); fi
 if [ -n "${FABLIZE_REMOTE:-}" ]; then
   if [ -z "${FABLIZE_PLAN:-}" ]; then
     echo "fablize: FABLIZE_REMOTE needs FABLIZE_PLAN: CI names the shared plan it audits, never the tree." >&2
@@ -74,8 +85,28 @@ if [ -n "${FABLIZE_REMOTE:-}" ]; then
 fi
 if [ -n "$report" ]; then args+=(--summary "$report"); fi
 
-# the verdict: the engine's exit code; nothing but the clean-up runs after it
+args+=(--verdict "$work/verdict.json")
+nonce="$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')"
 status=0
-python3 -I "$work/goals.py" "${args[@]}" || status=$?
+FABLIZE_VERDICT_NONCE_FD=3 python3 -I "$work/goals.py" "${args[@]}" 3<<<"$nonce" || status=$?
+# the verdict: the exit code, and the verdict file the engine wrote with this run's nonce
+verdict="$(python3 -I -c '
+import json, sys
+try:
+    v = json.load(open(sys.argv[1], encoding="utf-8"))
+except (OSError, ValueError):
+    print("none")
+else:
+    print("ok" if v.get("nonce") == sys.argv[2] and v.get("ok") is True else
+          "red" if v.get("nonce") == sys.argv[2] else "forged")
+' "$work/verdict.json" "$nonce")"
+if [ "$status" -eq 0 ] && [ "$verdict" != "ok" ]; then
+  case "$verdict" in
+    none) echo "fablize: the audit exited 0 but wrote no verdict: it was stopped or forced to exit (a check that reached the auditor?) — failing." >&2 ;;
+    forged) echo "fablize: the verdict file does not hold this run's nonce: something else wrote it — failing." >&2 ;;
+    *) echo "fablize: the audit exited 0 but its verdict says no — failing." >&2 ;;
+  esac
+  exit 1
+fi
 exit "$status"
 }

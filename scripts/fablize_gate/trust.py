@@ -467,7 +467,7 @@ def apply_policy(opts, policy):
                                                    + policy["required_checks"]))
         sources["require_check"] = src
     for key, flag in POLICY_FLAGS:
-        if policy.get(key) and not opts.get(flag):
+        if policy.get(key):  # on, whatever the workflow says: the policy is what binds it
             opts[flag] = True
             sources[flag] = src
     if policy.get("agent_tests"):
@@ -1629,6 +1629,13 @@ def rerun_blocks(trust, rerun):
     if rerun.get("tests_changed"):
         out.append(Block("base tests the branch changes (the re-run ran the base's):",
                          [[path(p)] for p in rerun["tests_changed"]], inline=True))
+    exit_only = sorted({r["cmd"] for r in checks if not r["held_out"] and r["report"] is None})
+    out.append(Block("what this verdict cannot see (inherent — review the diff):", [
+        ["code inside a test's own process can rewrite its runner's report"],
+        ["code can tell its judge from a laptop (CI's variables, the scratch tree, no .git "
+         "above it) and behave there"]] + [
+        ["judged by its exit code only (no runner the engine reads): ", code(c)]
+        for c in exit_only]))
     return out
 
 
@@ -1653,7 +1660,7 @@ def summary(verdict, failures, report_md, trust=None, rerun=None, story_grades=N
     if failures:
         md.append("")
     blocks = findings(trust, rerun) if trust is not None else []
-    if blocks and blocks[0].title.startswith("Effective policy"):
+    if blocks and blocks[0].title.startswith("effective policy"):
         md += block_lines(blocks.pop(0), md=True)
     if story_grades and len(story_grades) <= GRADES_EACH:
         md += ["| Story | Grade |", "|---|---|"]
