@@ -53,7 +53,7 @@ class Isolation:
     def __init__(self, user=None):
         self.user = user
         self.guarded = []       # what prepare() achieved, in words
-        self.home = None
+        self.home = self.own = None
 
     @classmethod
     def choose(cls, name):
@@ -89,6 +89,26 @@ class Isolation:
         if prctl(38, 1, 0, 0, 0) == 0:         # PR_SET_NO_NEW_PRIVS
             self.guarded.append("no check gains privileges (sudo does nothing)")
 
+    def scratch(self, wanted):
+        """Where the re-run's trees go: `wanted`, unless a check user could not reach it (a
+        folder on the way it may not enter) — then a folder of the re-run's own in /tmp, which
+        `close` removes."""
+        if self.user is None:
+            return wanted
+        folder = os.path.realpath(wanted)
+        while folder != os.path.dirname(folder):
+            try:
+                if not os.stat(folder).st_mode & 0o001:
+                    break
+            except OSError:
+                break
+            folder = os.path.dirname(folder)
+        else:
+            return wanted
+        self.own = tempfile.mkdtemp(prefix="fablize-rerun-", dir="/tmp")
+        os.chmod(self.own, 0o711)
+        return self.own
+
     def popen(self, scratch):
         """What subprocess.Popen is given to start a check (with --check-user: as that user,
         in a home of its own)."""
@@ -96,6 +116,7 @@ class Isolation:
             return {}
         if self.home is None:
             self.home = tempfile.mkdtemp(prefix="fablize-check-home-", dir=scratch)
+            os.chmod(self.home, 0o700)
             self.give(self.home)
         env = dict(os.environ, HOME=self.home, USER=self.user.pw_name,
                    LOGNAME=self.user.pw_name)
@@ -145,8 +166,8 @@ def _read_small(path):
 class Trees:
     """The re-run's trees: each a fresh folder outside the checkout, removed after its run."""
 
-    def __init__(self, tree, isolation):
-        self.tree, self.isolation = tree, isolation
+    def __init__(self, tree, isolation, scratch):
+        self.tree, self.isolation, self.scratch = tree, isolation, scratch
         top = tree["top"]
         self.base = tree_entries(top, tree["base"])
         kept = [path for path, deleted in tree["take"] if not deleted]
@@ -175,7 +196,7 @@ class Trees:
         return entries
 
     def build(self, code="branch", tests="base"):
-        folder = tempfile.mkdtemp(prefix="fablize-rerun-", dir=self.tree["scratch"])
+        folder = tempfile.mkdtemp(prefix="fablize-rerun-", dir=self.scratch)
         try:
             write_tree(folder, self.entries(code, tests), self.blobs)
             self.isolation.give(folder)
@@ -272,9 +293,11 @@ class Runner:
                     env.pop(name, None)
                 popen["env"] = env
             record, report = run_command(cmd, root, self.timeout, None, log, popen=popen,
-                                         trace=trace, detail=True, owner=self.isolation.user)
+                                         trace=trace, detail=True, owner=self.isolation.user,
+                                         reports=self.scratch)
+            known = self.trees.entries(code, tests) if self.trees is not None else {}
             self.memo[key] = {"record": record, "report": report, "top": top,
-                              "files": test_files(report, top, self.trees),
+                              "files": test_files(report, top, known),
                               "harness": traced_harness(log, top) if trace else set()}
         finally:
             if folder is not None:
@@ -283,8 +306,9 @@ class Runner:
 
     def close(self):
         shutil.rmtree(self.logs, ignore_errors=True)
-        if self.isolation.home:
-            shutil.rmtree(self.isolation.home, ignore_errors=True)
+        for folder in (self.isolation.home, self.isolation.own):
+            if folder:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 _PLUGIN = re.compile(r"^PLUGIN registered: <module '[\w.]+' from '(.+)'>$", re.M)
@@ -307,13 +331,13 @@ def traced_harness(log, top):
     return found
 
 
-def test_files(report, top, trees):
+def test_files(report, top, known):
     """{test id: repository path} of the tests a report names in a test module: the file as
     the runner named it (reports name none for a doctest or a unit test inside the code), found
-    in the base's tree by its path from the tree's top, or as the end of one path there."""
+    in the tree that ran (`known`: its paths) by its path from the tree's top, or as the end of
+    one path there."""
     if report is None:
         return {}
-    known = trees.base if trees is not None else {}
     found, cache = {}, {}
     for test_id, file in report.files.items():
         if not file:
@@ -345,8 +369,8 @@ def rerun(store, plan, trust, opts, timeout):
     isolation.prepare()
     held_out, hidden = held_out_checks(opts)
     checks = checks_in(plan, opts, held_out)
-    scratch = tree["scratch"] if tree is not None else tempfile.gettempdir()
-    trees = Trees(tree, isolation) if tree is not None else None
+    scratch = isolation.scratch(tree["scratch"] if tree is not None else tempfile.gettempdir())
+    trees = Trees(tree, isolation, scratch) if tree is not None else None
     runner = Runner(store, trees, isolation, timeout, scratch, hidden)
     result = {"where": "checkout" if tree is None else "tree", "checks": [],
               "isolation": isolation.words(), "shared": isolation.shared(),

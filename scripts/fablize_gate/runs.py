@@ -601,7 +601,7 @@ class Run:
     are read back from the log on disk."""
 
     def __init__(self, cmd, cwd, stream, log_path, story=None, check=None, popen=None,
-                 trace=False, owner=None):
+                 trace=False, owner=None, reports=None):
         import codecs
         import threading
         self.cwd, self.stream, self.log_path = cwd, stream, log_path
@@ -630,7 +630,7 @@ class Run:
         self.reports = None  # the report files its runners are asked for (ReportCollector)
         # CI's re-run: how the check is started beside the auditor (rerun.Isolation), whether
         # pytest says which plugins it loaded (--trace-config), whose the report folder is
-        self.popen, self.trace, self.owner = popen or {}, trace, owner
+        self.popen, self.trace, self.owner, self.report_dir = popen or {}, trace, owner, reports
         self.record = {"cmd": cmd, "cwd": repo_relative(cwd) or ".", "exit_code": None,
                        "signal": None, "timed_out": False, "error": None}
 
@@ -709,7 +709,7 @@ class Run:
             self.record["error"] = f"its log could not be written ({log_reason(self.log_error)})"
             return None
         try:
-            self.reports = ReportCollector(self.owner)
+            self.reports = ReportCollector(self.owner, self.report_dir)
             cmd = self.reports.ask(self.record["cmd"], self.trace)
             kwargs = ({"start_new_session": True} if os.name != "nt" else
                 {"creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)})
@@ -787,9 +787,9 @@ class ReportCollector:
     read by a thread while the run lasts, so a runner started twice in one check (`pytest a &&
     pytest b`, a loop) leaves two documents where a file would keep only the last."""
 
-    def __init__(self, owner=None):
+    def __init__(self, owner=None, where=None):
         import tempfile
-        self.folder = tempfile.mkdtemp(prefix="fablize-report-")
+        self.folder = tempfile.mkdtemp(prefix="fablize-report-", dir=where)
         self.owner = owner  # a pwd entry: the user the check runs as, who must write here
         self.asked, self.documents, self.readers, self.done = [], {}, [], False
         if owner is not None:
@@ -865,12 +865,12 @@ REPORT_LIMIT = 64 << 20
 
 
 def run_command(cmd, cwd, timeout, stream, log_path, story=None, check=None, popen=None,
-                trace=False, detail=False, owner=None):
+                trace=False, detail=False, owner=None, reports=None):
     """Run `cmd` through the shell in `cwd` (Run): its record (with `detail`, and its runners'
     Report). Ctrl-C, an agent's tool timeout (SIGTERM) or a closed terminal must not leave the
     command running on its own in its new session: a stop signal kills its group as a timeout
     does, and the record says so. `popen`, `trace`, `owner`: CI's re-run (Run)."""
-    run = Run(cmd, cwd, stream, log_path, story, check, popen, trace, owner)
+    run = Run(cmd, cwd, stream, log_path, story, check, popen, trace, owner, reports)
     with StopSignals() as stop:
         proc = run.start()
         if proc is not None:
