@@ -118,6 +118,23 @@ def test_each_tests_own_line_decides_where_the_summary_is_cut_off(fab):
         ev["report"]["failing"][0].startswith("test_bad (test_more."), ev
 
 
+@pytest.mark.parametrize("cmd, output, runner", [
+    ("python3 -m pytest -q tests", "1 failed", "pytest"),  # the issue's words, and no more
+    ("python3 -m pytest -q tests | tail -1", "=== 1 failed, 3 passed ===", "pytest"),
+    ("python3 -m unittest discover 2>&1 | tail -1", "FAILED (failures=1)", "unittest"),
+])
+def test_closing_counts_cut_short_still_say_the_failure(fab, cmd, output, runner):
+    """What a cut output keeps of a summary (pytest's counts without their time, unittest's
+    FAILED line without `Ran N tests`) is read too: the failure is recorded, nothing clears."""
+    project(fab)
+    observe(fab, {"session_id": "s", "cwd": str(fab.root), "hook_event_name": "PostToolUse",
+                  "tool_name": "Bash", "tool_input": {"command": cmd},
+                  "tool_response": {"stdout": output, "stderr": "", "interrupted": False}})
+    ev = ledger(fab.dir)[-1]
+    assert ev["ok"] is False and ev["report"]["runner"] == runner, ev
+    assert ev["report"]["failed"] == 1 and "has not been seen to pass" in standing(fab)
+
+
 def test_a_pipe_after_set_o_pipefail_shows_the_runners_exit_status(fab):
     project(fab, FIXED)
     ev = seen_by_claude(fab, f"set -o pipefail; {PYTEST} -q tests | tail -3")

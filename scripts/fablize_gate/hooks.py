@@ -251,11 +251,44 @@ def per_test(runner, lines):
     return seen
 
 
+# a runner's closing counts as an output cut or trimmed may show them, where runs.runner_counts
+# (a frozen check's whole log) finds none: pytest's without its `in 0.12s` (`1 failed, 3
+# passed`), unittest's `FAILED (failures=1)` without the `Ran N tests` above it
+LOOSE = {"pytest": r"=*\s*((?:\d+ (?:failed|passed|errors?|skipped|xfailed|xpassed|deselected|"
+                   r"warnings?)(?:, |\s)?)+)(?:\s*in \d+(?:\.\d+)?s\b.*)?\s*=*",
+         "unittest": r"(FAILED|OK) \(((?:[a-z ]+=\d+(?:, )?)+)\)"}
+
+
+def loose_counts(runner, lines):
+    """{passed, failed, errors, skipped} of the last closing-counts line of `runner` in
+    `lines` that LOOSE reads, or None."""
+    pattern = LOOSE.get(runner)
+    rx, found = regex(pattern) if pattern else None, None
+    for line in lines if rx else ():
+        m = rx.fullmatch(line.strip())
+        if m:
+            found = m
+    if found is None:
+        return None
+    if runner == "unittest":
+        items = {w.strip(): int(n) for w, n in regex(r"([a-z ]+)=(\d+)").findall(found.group(2))}
+        return {"passed": 0, "failed": items.get("failures", 0), "errors": items.get("errors", 0),
+                "skipped": items.get("skipped", 0)}
+    items = {w: int(n) for n, w in regex(r"(\d+) ([a-z]+)").findall(found.group(1))}
+    if not {"passed", "failed", "error", "errors"} & set(items):
+        return None
+    return {"passed": items.get("passed", 0) + items.get("xpassed", 0),
+            "failed": items.get("failed", 0),
+            "errors": items.get("error", 0) + items.get("errors", 0),
+            "skipped": items.get("skipped", 0) + items.get("xfailed", 0)}
+
+
 def observed_report(cmd, output):
     """What the test runners `cmd` starts reported in `output` (runs.test_runners names them):
-    their summaries (runs.runner_counts, as a frozen check's log is read), or, where a summary
-    is not shown (cut by `tail`, say), the count of the tests' own lines; and the failing tests
-    named (a few). None for a command that starts no runner the engine reads."""
+    their summaries (runs.runner_counts, as a frozen check's log is read; else the closing
+    counts a cut output still shows, LOOSE), or, where no summary is shown (cut by `tail`, say),
+    the count of the tests' own lines; and the failing tests named (a few). None for a command
+    that starts no runner the engine reads."""
     runners = test_runners(cmd)
     if not runners:
         return None
@@ -265,7 +298,7 @@ def observed_report(cmd, output):
     for runner in runners:
         tests = per_test(runner, lines)
         failing += [t for t, outcome in tests.items() if outcome in ("failed", "errors")]
-        counts = runner_counts(runner, lines)
+        counts = runner_counts(runner, lines) or loose_counts(runner, lines)
         if counts is None and tests:
             counts = {k: sum(1 for v in tests.values() if v == k)
                       for k in ("passed", "failed", "errors", "skipped")}
