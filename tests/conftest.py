@@ -34,10 +34,11 @@ os.environ.setdefault(SESSION_MARK, f"{os.getpid()}-{os.urandom(6).hex()}")
 
 import fablize_gate  # noqa: E402  (the engine package beside goals.py)
 from fablize_gate import (audit, base, cli, commands, hooks, masking, merge, model,  # noqa: E402
-                          render, runs, setup, sharing, sharing_git, storage, trust)
+                          render, reports, rerun, runs, setup, sharing, sharing_git, storage,
+                          trust)
 
-MODULES = [fablize_gate, base, masking, model, storage, runs, render, audit, hooks, commands, cli,
-           setup, sharing, sharing_git, merge, trust]
+MODULES = [fablize_gate, base, masking, model, reports, storage, runs, render, audit, hooks,
+           commands, cli, setup, sharing, sharing_git, merge, rerun, trust]
 
 
 class EngineView:

@@ -58,16 +58,42 @@ def test_attack_code_that_exits_0_at_interpreter_exit_fails_by_pytests_own_repor
     refused_keeping_runs(fab, "G001", "exit 0 but pytest reported 1 failed")
 
 
-def test_a_run_stopped_before_its_summary_fails(fab):
+def test_a_run_stopped_before_its_report_fails(fab):
     test = "import os\n\n\ndef test_stop():\n    os._exit(0)\n\n\ndef test_bug():\n" \
            "    assert False\n"
     one_check(fab, PYTEST + " test_calc.py", {"test_calc.py": test})
-    refused_keeping_runs(fab, "G001", "exit 0 but no pytest summary in its output")
+    refused_keeping_runs(fab, "G001", "exit 0 but no pytest report")
 
 
-def test_pytest_told_to_print_no_summary_fails_naming_the_flag(fab):
+def test_a_summary_a_test_prints_is_never_read(fab):
+    """A test that prints pytest's closing line and ends the process before pytest reports:
+    the summary is in the output, the runner's report is not."""
+    test = ("import os\n\n\ndef test_bug():\n    print('=== 3 passed in 0.01s ===', flush=True)\n"
+            "    os._exit(0)\n")
+    one_check(fab, PYTEST + " -s test_calc.py", {"test_calc.py": test})
+    refused_keeping_runs(fab, "G001", "exit 0 but no pytest report")
+
+
+def test_pytest_told_to_print_no_summary_is_read_by_its_report(fab):
+    """-qq prints no summary; the engine reads pytest's own report, not its summary."""
     one_check(fab, PYTEST + " -qq test_calc.py", {"test_calc.py": PASSING})
-    refused_keeping_runs(fab, "G001", "pytest prints none under -qq or -p no:terminal")
+    r = fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "tests pass")
+    assert r.code == 0 and "(pytest: 2 passed)" in r.out + r.err, r
+
+
+def test_pytest_told_to_write_no_report_fails_naming_the_flag(fab):
+    one_check(fab, PYTEST + " -p no:junitxml test_calc.py || true", {"test_calc.py": PASSING})
+    refused_keeping_runs(fab, "G001", "exit 0 but no pytest report (pytest writes none under "
+                                      "-p no:junitxml)")
+
+
+def test_a_check_that_starts_pytest_twice_is_read_whole(fab):
+    """Two sessions, two reports: the first one's failure is not lost to the second's pass."""
+    one_check(fab, f"{PYTEST} test_bug.py; {PYTEST} test_calc.py",
+              {"test_bug.py": TESTS, "test_calc.py": PASSING})
+    new = refused_keeping_runs(fab, "G001", "exit 0 but pytest reported 1 failed")
+    assert new[0]["report"] == {"runner": "pytest", "passed": 3, "failed": 1, "errors": 0,
+                                "skipped": 0}
 
 
 def test_exit_0_when_pytest_ran_no_test_fails(fab):

@@ -176,7 +176,7 @@ def test_the_honest_pull_request_passes_the_action_and_the_strictest_audit(proje
     assert "✅ re-witnessed" in action.stdout and "taken)" in action.stdout, action
     strictest = project.strictest("--require-fail-to-pass")
     assert strictest.returncode == 0, strictest
-    assert "✓ fails, as it should" in strictest.stdout  # fail-to-pass: red on the base alone
+    assert "1 fixed (failed on the base, pass now)" in strictest.stdout  # fail-to-pass, by test
 
 
 # What the checks read, taken from the branch ###############################################
@@ -223,7 +223,7 @@ def test_attack_in_scope_package_code_that_forces_exit_0_fails_by_the_runners_re
     action, strictest = fails_ci(project, "exit 0 but pytest reported 1 failed")
     assert "exit 0 but pytest reported 1 failed" in strictest.stderr
     assert "(pytest: 1 failed, 1 passed)" in action.stdout  # the evidence, in the CI summary
-    assert "src/__init__.py:4 ends the process — atexit.register(os._exit, 0)" in action.stdout
+    assert "src/__init__.py:4 ends the process — `atexit.register(os._exit, 0)`" in action.stdout
 
 
 def unfixed_with(name, text):
@@ -311,7 +311,7 @@ def test_attack_a_node_id_check_whose_test_file_the_branch_edited(tmp_path):
     project.agent(lambda t: (t / "tests" / "test_calc.py").write_text(
         TEST.replace("add(2, 3), 5", "add(2, 3), -1")))
     action, strictest = fails_ci(project)
-    assert "check_files_changed" in strictest.stdout and "tests/test_calc.py" in strictest.stdout
+    assert "base_test_changed" in strictest.stdout and "tests/test_calc.py" in strictest.stdout
 
 
 def test_a_file_named_like_a_pathspec_is_read_as_a_file(tmp_path):
@@ -398,7 +398,8 @@ def test_a_check_that_already_passes_on_the_base_is_reported_vacuous(tmp_path):
     project.agent(fix=True)
     action = project.action(FAIL_TO_PASS="true")
     assert action.returncode == 1 and "vacuous_check" in action.stdout, action
-    assert "already passes on the base without the branch's changes" in action.stderr
+    assert "no test of the final story's checks failed on the base and passes with the " \
+           "work" in action.stderr
 
 
 def test_two_failed_gates_are_named_in_one_run_and_the_summaries_differ(project):
@@ -460,41 +461,56 @@ def create_with_scope(repo, home, *scopes, check=PYTEST + " tests"):
 @pytest.mark.parametrize("scope, why", [
     (".", "takes the whole tree"), ("*", "takes the whole tree"), ("**", "takes the whole tree"),
     ("**/*", "takes the whole tree"), ("*.py", "takes every such file"),
-    ("**/*.py", "takes every such file"), ("tests/", "takes tests/test_calc.py, a test"),
-    ("tests/*.py", "takes tests/test_calc.py, a test the checks collect"),
-    ("lib/**", "matches no file of the tree"),
+    ("**/*.py", "takes every such file"), ("lib/**", "matches no file of the tree"),
 ])
-def test_a_scope_that_takes_everything_nothing_or_the_tests_is_refused_at_create(layout, scope,
-                                                                                  why):
+def test_a_scope_that_takes_everything_or_nothing_is_refused_at_create(layout, scope, why):
     repo, home = layout
     p = create_with_scope(repo, home, "src/", scope)
     assert p.returncode == 2, p
     assert p.stderr.count("\n") == 1 and f"--scope {scope!r} {why}" in p.stderr, p
-    assert "name the folder or the files the work changes (src/" in p.stderr, p
+    assert "name the folder or the files the work changes — for instance " in p.stderr, p
     assert not (repo / ".fablize").exists()
 
 
-def test_a_scope_that_takes_the_script_a_frozen_check_runs_is_refused(layout):
+@pytest.mark.parametrize("scope", ["*.py", "**"])
+def test_the_narrower_form_a_refusal_names_is_accepted(layout, scope):
     repo, home = layout
-    p = create_with_scope(repo, home, "check.py", check="python3 check.py")
-    assert p.returncode == 2 and "takes check.py, which a frozen check runs" in p.stderr, p
+    p = create_with_scope(repo, home, scope)
+    narrower = p.stderr.split("for instance ", 1)[1].rstrip(".\n").split(", ")
+    assert narrower and "tests/" not in narrower, p
+    assert create_with_scope(repo, home, *narrower).returncode == 0
 
 
 @pytest.mark.parametrize("scopes", [("src/",), ("src/calc.py",), ("src/*.py",),
-                                    ("cli.py",), ("src/**", "docs/guide.md")])
+                                    ("cli.py",), ("src/**", "docs/guide.md"),
+                                    ("tests/",), ("tests/*.py",), ("check.py",)])
 def test_narrow_scopes_are_accepted_even_a_file_the_work_will_create(layout, scopes):
+    """A scope holding the tests, or a script a check runs, is a scope like any other: those
+    files always come from the base (the re-run never takes them)."""
     repo, home = layout
-    p = create_with_scope(repo, home, *scopes)
+    p = create_with_scope(repo, home, *scopes, check="python3 check.py")
     assert p.returncode == 0, p
 
 
-def test_ci_scope_that_takes_the_tests_is_refused_by_the_action_and_the_audit(project):
+def test_ci_scope_refusal_names_where_the_scope_came_from(project):
     project.agent(fix=True)
-    action = project.action(scope="tests/\n")
+    action = project.action(scope="*\n")
     assert action.returncode == 2, action
-    assert "--scope 'tests/' takes tests/" in action.stderr, action
+    assert "--scope '*' takes the whole tree" in action.stderr, action
     strictest = project.strictest("--scope", "*")
     assert strictest.returncode == 2 and "takes the whole tree" in strictest.stderr, strictest
+
+
+def test_a_scope_holding_the_tests_still_takes_them_from_the_base(project):
+    """The branch edits the test to expect the bug and declares the tests in CI's scope: the
+    re-run still runs the base's test, and the change is named."""
+    def cheat(tree):
+        path = tree / "tests" / "test_calc.py"
+        path.write_text(path.read_text().replace("add(2, 3), 5", "add(2, 3), -1"))
+    project.agent(cheat=cheat)
+    action = project.action(scope="src/\ntests/\n")
+    assert action.returncode == 1, action
+    assert "re-run failed" in action.stderr and "base_test_changed" in action.stdout, action
 
 
 # The harness comes from the base, whatever the scope says ##################################
@@ -724,8 +740,8 @@ def test_the_policy_on_the_base_wins_over_a_workflow_the_pull_request_loosened(t
     action = project.action(scope="src/calc.py\ndocs/\n", forbid_out_of_scope="false")
     assert action.returncode == 1, action
     assert "out_of_scope" in action.stdout and "tests/test_calc.py" in action.stderr, action
-    assert "scope (the policy on origin/main): src/" in action.stdout, action
-    assert "policy: .fablize/policy.json as the base holds it" in action.stdout
+    assert "scope (the policy on origin/main): src/\n" in action.stdout, action
+    assert "fail-to-pass: on — the policy on origin/main" in action.stdout
 
 
 def test_honest_work_passes_under_the_bases_policy(tmp_path):
@@ -733,7 +749,7 @@ def test_honest_work_passes_under_the_bases_policy(tmp_path):
     project.agent(fix=True)
     action = project.action(scope="")
     assert action.returncode == 0, action
-    assert "✓ fails, as it should" in action.stdout  # the policy's fail-to-pass ran
+    assert "1 fixed (failed on the base, pass now)" in action.stdout  # the policy's fail-to-pass
 
 
 @pytest.mark.parametrize("path, text", [
@@ -770,7 +786,8 @@ def test_the_policy_block_of_the_ci_page_runs_as_shown_and_the_audit_reads_it(tm
     action = project.action()
     # the page's policy names cli.py (README's quick start): this tree has none, so the scope
     # matches no file the branch changed and the fix is not taken: red, by the base's policy
-    assert action.returncode == 1 and "scope (the policy on origin/main): cli.py" in action.stdout
+    assert action.returncode == 1, action
+    assert "scope (the policy on origin/main): cli.py" in action.stdout
 
 
 def test_the_judge_packet_and_the_report_list_the_tripwires_since_the_base(project):
@@ -779,8 +796,8 @@ def test_the_judge_packet_and_the_report_list_the_tripwires_since_the_base(proje
     (tree / "src" / "late.py").write_text("import os\nos._exit(0)\n")  # not even committed
     packet = engine(tree, project.home, "judge-packet", "--id", "G002", "--base", "origin/main")
     assert packet.returncode == 0, packet
-    assert "src/calc.py:2 looks for CI or its judge — if 'fablize' in __file__:" in packet.stdout
-    assert "src/late.py:2 ends the process — os._exit(0)" in packet.stdout, packet
+    assert "src/calc.py:2 looks for CI or its judge — `if 'fablize' in __file__:" in packet.stdout
+    assert "src/late.py:2 ends the process — `os._exit(0)`" in packet.stdout, packet
     report = engine(tree, project.home, "report", "--base", "origin/main", "--out", "r.md")
     assert report.returncode == 0, report
     text = (tree / "r.md").read_text()

@@ -1272,8 +1272,8 @@ def test_a_frozen_check_whose_file_the_branch_rewrote_is_named_and_can_fail_ci(t
     git(repo, "add", "-A")
     git(repo, "commit", "-qm", "pr")
     r = run_here(repo, "audit", "--base", "main", "--require-complete", "--rerun", "all")
-    assert r.code == 0 and "frozen checks name files this branch changed since the base " \
-        "(review them): check.py" in r.out, r  # the rerun passes: only a reviewer sees it
+    assert r.code == 0 and "files the frozen checks run that this branch changed since the " \
+        "base (review them): check.py" in r.out, r  # the rerun passes: only a reviewer sees it
     r = run_here(repo, "audit", "--base", "main", "--require-complete", "--rerun", "all",
                "--require-unchanged-checks", "--json")
     assert r.code == 1 and r.json["error"]["code"] == "check_files_changed", r

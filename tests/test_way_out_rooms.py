@@ -26,7 +26,7 @@ import pytest
 from conftest import ROOT, Result, copy_engine, engine, git, run_cli, state_files
 from test_sharing import create as shared  # a plan of n stories shared through origin: its id
 
-ROOMS = ["setup", "sharing", "sharing_git", "merge", "trust"]
+ROOMS = ["setup", "sharing", "sharing_git", "merge", "trust", "rerun"]
 
 WALKED = {
     # sharing_git
@@ -94,7 +94,11 @@ WALKED = {
                           "archive/ / removed / edited / cut short → a human's",
     "history_rewritten": "audit --base on a branch whose plan was written anew, --since a line "
                          "beyond the ledger → a human's",
-    "bad_policy": "policy.json on main not a policy → a human fixes it on main",
+    "bad_policy": "policy.json on main not a policy, or a symlink → a human fixes it on main",
+    "base_not_pr_base": "audit --base other under GitHub's pull request for main → the audit "
+                        "with --base main",
+    "held_out_missing": "the policy names held-out checks, the job set none → a human's",
+    "check_user": "audit --check-user nosuchuser → exit 2, a human's",
     "bad_ref": "audit --base main / origin/main where only the remote has it → git fetch → "
                "audit; a branch nowhere, no remote, --base=-x, a tag → a human's",
     "bad_since": "audit --since xyz → exit 2, the value is a human's",
@@ -923,6 +927,8 @@ def test_a_base_only_the_remote_holds_is_fetched_by_the_command_named(pr):
      "--allowed-signers with --base names a file inside the repository."),
     (["decide", "--id", "G001", "accept", "--note", "n", "--sign", "k"], "usage",
      "--sign KEYFILE and --signer PRINCIPAL go together."),
+    (["audit", "--rerun", "--check-user", "nosuchuser"], "check_user",
+     "--check-user nosuchuser: no such user here"),
     (["decide", "--id", "G001", "accept", "--note", "n", "--sign", "missing", "--signer", "a"],
      "usage", "--sign: missing is not a key file."),
 ])
@@ -979,12 +985,17 @@ def test_signers_the_base_does_not_list_and_a_key_that_is_none_are_a_humans(pr, 
     ("pin beyond the ledger", "history_rewritten", "--since 0000000000000000…: line 9 does not "
                                                    "exist — the ledger was truncated"),
     ("policy not one", "bad_policy", ".fablize/policy.json on main is not a policy"),
+    ("policy a symlink", "bad_policy", ".fablize/policy.json on main is a symlink"),
 ])
 def test_a_history_or_policy_that_does_not_verify_is_a_humans_to_judge(pr, how, code, opening):
     old = pr("status", "--json").json["plan_id"]
-    if how == "policy not one":
+    if how.startswith("policy"):
         git(pr.root, "checkout", "-q", "main")
-        (pr.dir / "policy.json").write_text("[]\n")
+        if how == "policy a symlink":
+            (pr.root / "elsewhere.json").write_text("{}\n")
+            (pr.dir / "policy.json").symlink_to("../elsewhere.json")
+        else:
+            (pr.dir / "policy.json").write_text("[]\n")
         commit(pr, "policy")
         git(pr.root, "checkout", "-q", "pr")
     elif how == "plan written anew":
@@ -1009,6 +1020,32 @@ def test_a_history_or_policy_that_does_not_verify_is_a_humans_to_judge(pr, how, 
     commit(pr)
     args = ["--since", "9:" + "0" * 64] if how == "pin beyond the ledger" else ["--base", "main"]
     seen, end, r = walk(pr, ["audit", *args], 3, code, opening.format(old=old), human="a human")
+    assert end == "human", r
+
+
+def test_a_base_other_than_the_pull_requests_is_refused_naming_the_audit_on_its_base(
+        pr, monkeypatch):
+    git(pr.root, "branch", "other", "main")
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    monkeypatch.setenv("GITHUB_BASE_REF", "main")
+    before = state_files(pr.dir)
+    r = pr("audit", "--base", "other", "--allow-new-plan")
+    assert r.code == 1 and r.err.startswith("fablize: --base other is not the pull request's "
+                                            "base branch main (GITHUB_BASE_REF)"), r
+    assert r.err.endswith("\n  goals.py audit --base main --allow-new-plan\n"), r
+    assert state_files(pr.dir) == before
+    assert pr.step("goals.py audit --base main --allow-new-plan").code == 0
+
+
+def test_held_out_checks_the_job_did_not_set_are_a_humans(pr, monkeypatch):
+    git(pr.root, "checkout", "-q", "main")
+    (pr.dir / "policy.json").write_text('{"held_out_checks": "HIDDEN_CHECKS"}\n')
+    commit(pr, "policy")
+    git(pr.root, "checkout", "-q", "pr")
+    monkeypatch.delenv("HIDDEN_CHECKS", raising=False)
+    seen, end, r = walk(pr, ["audit", "--base", "main", "--rerun"], 1, "held_out_missing",
+                        "the policy names held-out checks in $HIDDEN_CHECKS, and CI set none",
+                        human="a human makes the job fill HIDDEN_CHECKS")
     assert end == "human", r
 
 

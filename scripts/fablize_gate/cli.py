@@ -356,9 +356,22 @@ def add_audit_trust(c):
                    help="with --base: exit 1 if the branch changed files outside the scope")
     c.add_argument("--fail-to-pass", action="store_true",
                    help="with --base: also run the final story's frozen checks on the base's tree "
-                        "alone; one that passes there is reported as vacuous")
+                        "alone and say which of their tests failed there and pass now")
     c.add_argument("--require-fail-to-pass", action="store_true",
-                   help="with --base: exit 1 if a final check passes on the base's tree alone")
+                   help="with --base: exit 1 unless a test of the final story's checks fails on "
+                        "the base's tree and passes with the branch (or, with --agent-tests "
+                        "prove, an agent-written test is proven red → green)")
+    c.add_argument("--agent-tests", choices=["prove", "forbid"],
+                   help="with --base and a scope: test files the branch adds run apart, red on the "
+                        "base's code and green on the branch's, and may carry fail-to-pass "
+                        "(prove); or fail the audit (forbid). Default: listed as changes outside "
+                        "the scope. The base's policy wins")
+    c.add_argument("--check-user", metavar="NAME",
+                   help="run each re-run check as this user (the audit runs as root): checks "
+                        "can then neither trace, signal nor write what the auditor writes")
+    c.add_argument("--verdict", metavar="FILE",
+                   help="also write the verdict as JSON to FILE, last and whole (CI's script "
+                        "reads it beside the exit code)")
     c.add_argument("--summary", metavar="FILE",
                    help="append the verdict, every failed gate and the report to FILE as Markdown "
                         "(a CI job summary), even when the ledger is damaged")
@@ -381,9 +394,8 @@ def add_audit_trust(c):
     c.add_argument("--forbid-accepted", action="store_true",
                    help="exit 1 if any story was accepted by a decision instead of completed")
     c.add_argument("--require-unchanged-checks", action="store_true",
-                   help="with --base: exit 1 if a file or folder a frozen check names differs "
-                        "from the base branch (a frozen `python3 check.py` is only as good as "
-                        "check.py)")
+                   help="with --base: exit 1 if a file a frozen check runs differs from the base "
+                        "branch (a frozen `python3 check.py` is only as good as check.py)")
     add_timeout(c)
     c.add_argument("--remote", metavar="NAME",
                    help="audit the shared plan as this git remote holds it (fetched; no local "

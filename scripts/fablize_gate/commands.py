@@ -755,7 +755,7 @@ TRUST_OPTIONS = ("base", "since", "rerun", "require_check", "require_witnessed",
                  "require_clean_runs", "allowed_signers", "forbid_accepted",
                  "require_unchanged_checks", "scope", "require_scope", "forbid_out_of_scope",
                  "fail_to_pass", "require_fail_to_pass", "allow_new_plan", "allow_imported",
-                 "forbid_tripwires")
+                 "forbid_tripwires", "agent_tests", "check_user")
 
 
 def cmd_audit(ctx, a):
@@ -777,9 +777,16 @@ def audit_and_judge(ctx, a):
     completeness, secrets, and the trust room's (pin, scope, required checks, witnesses,
     signatures) — and the re-run on the base's tree; then one verdict, every failed gate with
     its reason and fix, the grades, and the job summary. Exit 1 names the first gate."""
-    from . import trust
+    from . import trust, rerun
     opts = {name: getattr(a, name) for name in TRUST_OPTIONS}
+    opts["held_out_checks"] = None
+    nonce = verdict_nonce() if a.verdict else None
     shared = {"plan": a.plan} if a.remote else None
+    opts["isolation"] = rerun.Isolation.choose(a.check_user)  # a name that is none: at once
+    wanted = trust.pr_base(ctx.store, a.base) if a.base else None
+    if wanted:
+        raise trust.not_the_pr_base(a.base, rerun_command(
+            ctx.prog, swapped_option(ctx.argv, "--base", wanted)))
     pin, base = trust.pin_of(ctx.store, a.base, a.since, shared)
     policy = trust.base_policy(ctx.store, a.base) if a.base else None
     if policy:  # CI's policy, as the base holds it: the workflow's inputs cannot loosen it
@@ -796,17 +803,18 @@ def audit_and_judge(ctx, a):
     for warning in review["warnings"]:
         ctx.out.warn(warning)
     failures += trust.gates(ctx.store, plan, review, opts)
-    results = trust.rerun(ctx.store, plan, review, opts, ctx.timeout) if a.rerun or (
-        opts["fail_to_pass"] or opts["require_fail_to_pass"]) else []
-    if results:
-        failures += trust.rerun_failures(results, opts)
+    results = rerun.rerun(ctx.store, plan, review, opts, ctx.timeout) if a.rerun or (
+        opts["fail_to_pass"] or opts["require_fail_to_pass"]) else None
+    if results is not None:
+        failures += rerun.failures(results, opts)
     grades = trust.grades(plan, results)
     report["trust"] = {k: v for k, v in review.items()
                        if k not in ("decisions", "warnings", "tree")}
     report["trust"]["tree"] = review["tree"] and {
-        k: review["tree"][k] for k in ("scope", "from", "left")}
-    if results:
-        report["rerun"] = results
+        k: review["tree"][k] for k in ("scope", "from", "left", "agent_tests")}
+    if results is not None:  # `rerun`: a check a row, as before; the rest beside it
+        report["rerun"] = results["checks"]
+        report["rerun_context"] = {k: v for k, v in results.items() if k != "checks"}
     report.update(grades=grades, failures=failures)
     ctx.data.update(report)
     verdict = say_audit(ctx, report, plan, failures, results, review, grades)
@@ -814,6 +822,8 @@ def audit_and_judge(ctx, a):
         write_summary(a.summary, None, trust.summary(verdict, failures,
                                                      render_report(plan, recent), review,
                                                      results, grades))
+    if a.verdict:
+        write_verdict(a.verdict, verdict, failures, results, nonce)
     if failures:  # each gate's fix is said above (and under --json, in `failures`)
         error = FablizeError("audit: " + (f"{failures[0]['message']} — {failures[0]['fix']}"
                                           if len(failures) == 1 else
@@ -824,6 +834,23 @@ def audit_and_judge(ctx, a):
         if failures[0].get("commands"):  # the first gate's step, whole
             error.commands = failures[0]["commands"]
         raise error
+
+
+def swapped_option(argv, option, value):
+    """`argv` with `option`'s value (`--base X` or `--base=X`) replaced by `value`."""
+    out, skip = [], False
+    for i, word in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if word == option and i + 1 < len(argv):
+            out += [option, value]
+            skip = True
+        elif word.startswith(option + "="):
+            out.append(f"{option}={value}")
+        else:
+            out.append(word)
+    return out
 
 
 def audited(ctx, a, scan, base):
@@ -908,19 +935,20 @@ def say_audit(ctx, report, plan, failures, results, review, grades):
     from . import trust
     ledger_line = (f"{count_noun(report['event_count'], 'event')}, hash chain intact, every event "
                    f"one fablize writes and legal when replayed; snapshot {report['snapshot']}.")
-    rerun_passed = results and not any(f["code"] == "rerun_failed" for f in failures)
+    checks = results["checks"] if results else []
+    rerun_passed = checks and all(r["ok"] for r in checks)
     if failures:
         verdict = (f"❌ audit failed: {count_noun(len(failures), 'gate')} said no — " +
             ", ".join(f["code"] for f in failures))
         ctx.say(f"fablize: {verdict}")
-        for f in failures:
-            ctx.say(f"  ✗ {f['code']}: {f['message']} — fix: {f['fix']}")
+        for line in trust.gate_lines(failures):
+            ctx.say(line)
         ctx.say(f"  ledger: {ledger_line}")
     else:
         verdict = ("✅ re-witnessed: every frozen check passed again; " if rerun_passed else
                    "✅ ") + f"audit ok — {report['done']}/{report['total']} done"
         if rerun_passed:
-            ctx.say(f"fablize: ✅ re-witnessed — {count_noun(len(results), 'frozen check')} "
+            ctx.say(f"fablize: ✅ re-witnessed — {count_noun(len(checks), 'frozen check')} "
                     "passed again, run by this audit")
         ctx.say(f"fablize: audit ok — {ledger_line}")
     ctx.say(f"  head: {report['head']}   (keep it; `audit --since` proves later history only grew)")
@@ -940,9 +968,7 @@ def say_audit(ctx, report, plan, failures, results, review, grades):
     if missing_logs:
         ctx.say(f"  {count_noun(missing_logs, 'run log')} not present here (not committed?); their "
                 "digests are in the ledger.")
-    for line in trust.lines(review):
-        ctx.say(line)
-    for line in trust.rerun_lines(results, review["tree"]) if results else ():
+    for line in trust.lines(review, results):
         ctx.say(line)
     if grades:
         ctx.say("  " + grades_line(grades))
@@ -958,6 +984,33 @@ def say_audit(ctx, report, plan, failures, results, review, grades):
             ctx.say(f"  {s['id']}: the harness last saw `{one_line(last_chars(o['cmd'], 120))}` "
                     f"fail (event {o.get('seq')}) before it was checkpointed")
     return verdict
+
+
+def verdict_nonce():
+    """The nonce CI's script hands the audit on a descriptor of its own
+    (FABLIZE_VERDICT_NONCE_FD), read before any check runs: no check inherits the descriptor,
+    none may read the auditor's memory (rerun.Isolation), so a verdict file a check forged lacks
+    it. None when no descriptor is named."""
+    fd = os.environ.get("FABLIZE_VERDICT_NONCE_FD", "")
+    if not fd.isdigit():
+        return None
+    try:
+        with os.fdopen(int(fd), "rb", closefd=True) as f:
+            return f.read(256).decode("ascii", "replace").strip() or None
+    except (OSError, ValueError):
+        raise usage(f"FABLIZE_VERDICT_NONCE_FD={one_line(fd)} names no open descriptor: CI's "
+                    "script opens it (`3<<<\"$nonce\"`) for the audit it starts.", "usage")
+
+
+def write_verdict(path, verdict, failures, results, nonce):
+    """The verdict as a file CI's script reads beside the exit code: written last and whole (an
+    atomic rename) by the one process that judged. A check that traced the auditor into exiting
+    0 leaves no verdict file; one a check wrote itself lacks the nonce."""
+    import json
+    record = {"schema_version": 1, "ok": not failures, "verdict": verdict,
+              "failures": [f["code"] for f in failures], "nonce": nonce,
+              "isolation": results["isolation"] if results else None}
+    write_atomic(path, (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"), 0o600)
 
 
 def write_summary(path, verdict, markdown):

@@ -12,7 +12,8 @@ from .base import (
     load_json, one_line, regex, sha256_hex)
 from .model import find_story, guard_paused, observed_words, unaddressed_failure
 from .render import hand_to_judge, human_command, next_action
-from .runs import _ANSI as ANSI, runner_counts, test_runners
+from .reports import test_runners
+from .runs import _ANSI as ANSI, runner_counts
 
 
 def read_hook_stdin():

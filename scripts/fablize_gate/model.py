@@ -150,10 +150,11 @@ def _misfit(value, c):
 
 # A run as the snapshot keeps it: the latest run of each frozen check (or --run command) in the
 # story's current round, which is all the gates read; every other run lives only in the ledger.
-# What a test runner's own summary said (runs.runner_report), or null: a runner the engine does
-# not read. Optional: a run recorded before the engine read summaries has none.
+# What a test runner's own report said (reports.recorded), or null: a runner the engine does
+# not read. Optional: a run recorded before the engine read runners has none. `missing`: the
+# runners that wrote no report; `problem`: why a report disagrees with itself.
 REPORT_SPEC = {"runner": str, "passed": int, "failed": int, "errors": int, "skipped": int,
-               "missing?": [str]}
+               "missing?": [str], "problem?": str}
 # what the test runner of an observed run printed, as its output showed it (hooks.observed_report):
 # its counts, a few of the failing tests it named
 OBSERVED_REPORT_SPEC = dict(REPORT_SPEC, **{"failing?": [str]})
@@ -503,14 +504,17 @@ def run_passed(run):
 
 
 def report_refusal(run):
-    """Why the run's test runner disagrees with a pass, by its own summary, or None: it printed
-    none (stopped before it, or told to be silent), a test failed or errored, or none ran."""
+    """Why the run's test runner disagrees with a pass, by its own report, or None: it wrote
+    none (stopped before it, or told not to), the report disagrees with itself, a test failed or
+    errored, or none ran."""
     report = run.get("report")
     if not report:
         return None
+    if report.get("problem"):
+        return report["problem"]
     if report.get("missing"):
-        return (f"no {' or '.join(report['missing'])} summary in its output"
-                + (" (pytest prints none under -qq or -p no:terminal)"
+        return (f"no {' or '.join(report['missing'])} report"
+                + (" (pytest writes none under -p no:junitxml)"
                    if "pytest" in report["missing"] else ""))
     bad = [f"{report['failed']} failed"] if report["failed"] else []
     bad += [f"{report['errors']} error" + ("s" if report["errors"] != 1 else "")
@@ -534,7 +538,7 @@ def run_evidence(run):
     counts = [f"{report[k]} {k if k != 'errors' or report[k] != 1 else 'error'}"
               for k in ("failed", "errors", "passed", "skipped") if report[k]]
     if report.get("missing"):
-        counts.append("no summary from " + " or ".join(report["missing"]))
+        counts.append("no report from " + " or ".join(report["missing"]))
     return f"{report['runner']}: " + (", ".join(counts) or "no test")
 
 

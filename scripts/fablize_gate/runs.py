@@ -12,6 +12,7 @@ from .base import (
     one_line, READ_CHUNK, refused, RUNS, sha256_hex, TAIL_CHARS, usage)
 from .masking import looks_secret, mask, mask_places, Masker
 from .model import run_passed, run_result
+from .reports import ask as ask_reports, read as read_reports, recorded
 from .storage import ensure_subdir, fsync_dir, open_state_file, write_all, write_atomic
 
 
@@ -52,6 +53,56 @@ def git_out(root, *args, data=None, what=None, env=None):
     if code != 0:
         raise damaged(f"git {args[0]} failed: {one_line(err)[:300]}", "git_failed")
     return out
+
+
+# Git read as data (issue 40): NUL-separated listings, objects fetched by their id, never a diff's
+# text — so neither the user's configuration (diff.noprefix, diff.mnemonicPrefix, external diffs,
+# textconv), nor a `.gitattributes` in the tree (`*.py -diff`), nor a file name (a newline, a
+# tab, a quote, non-ASCII) changes what is read.
+LITERAL = {"GIT_LITERAL_PATHSPECS": "1"}  # a file named `:!tests` is a file, not a pathspec
+
+
+def tree_entries(top, rev, paths=()):
+    """{path: (mode, object id)} of the files and links `rev` holds (under the literal `paths`,
+    every one when none; a submodule's commit is no file)."""
+    out = git_out(top, "ls-tree", "-r", "-z", "--full-tree", rev, "--", *paths, env=LITERAL)
+    entries = {}
+    for row in out.split(b"\0"):
+        if row:
+            meta, _, name = row.partition(b"\t")
+            mode, kind, oid = meta.split()
+            if kind == b"blob":
+                entries[name.decode("utf-8", "surrogateescape")] = (mode.decode(), oid.decode())
+    return entries
+
+
+def read_objects(top, oids):
+    """{object id: its bytes} of each blob, through one `git cat-file --batch` (asked by id:
+    hex, one a line, whatever the files are named)."""
+    wanted = list(dict.fromkeys(oids))
+    if not wanted:
+        return {}
+    out = git_out(top, "cat-file", "--batch", data="".join(o + "\n" for o in wanted).encode())
+    found, pos = {}, 0
+    for oid in wanted:
+        end = out.index(b"\n", pos)
+        header, pos = out[pos:end].split(), end + 1
+        if len(header) != 3:
+            continue  # `<id> missing`: nothing follows
+        size = int(header[2])
+        found[oid] = out[pos:pos + size]
+        pos += size + 1
+    return found
+
+
+def changed_paths(top, base, head="HEAD"):
+    """[(path, status letter)] of what `head` changed since `base` (A, M, D, T; renames as a
+    deletion and an addition), whatever the user's diff settings."""
+    out = git_out(top, "diff", "--name-status", "-z", "--no-renames", "--no-ext-diff",
+                  "--no-textconv", "--no-relative", base, head, "--", env=LITERAL)
+    fields = out.split(b"\0")
+    return [(path.decode("utf-8", "surrogateescape"), status.decode()[:1])
+            for status, path in zip(fields[0::2], fields[1::2]) if path]
 
 
 def repo_root(start):
@@ -549,7 +600,8 @@ class Run:
     (escaped) to `stream` and written whole to `log_path`; the record's size, digest and tail
     are read back from the log on disk."""
 
-    def __init__(self, cmd, cwd, stream, log_path, story=None, check=None):
+    def __init__(self, cmd, cwd, stream, log_path, story=None, check=None, popen=None,
+                 trace=False, owner=None):
         import codecs
         import threading
         self.cwd, self.stream, self.log_path = cwd, stream, log_path
@@ -575,6 +627,10 @@ class Run:
         # keeps all of it (a 300 KB line would otherwise flood an agent's context)
         self.echoed, self.held, self.left_out = 0, "", 0
         self.started = time.monotonic()
+        self.reports = None  # the report files its runners are asked for (ReportCollector)
+        # CI's re-run: how the check is started beside the auditor (rerun.Isolation), whether
+        # pytest says which plugins it loaded (--trace-config), whose the report folder is
+        self.popen, self.trace, self.owner = popen or {}, trace, owner
         self.record = {"cmd": cmd, "cwd": repo_relative(cwd) or ".", "exit_code": None,
                        "signal": None, "timed_out": False, "error": None}
 
@@ -646,15 +702,19 @@ class Run:
 
     def start(self):
         """The process, in a new session (its own process group), stdin closed, stdout and
-        stderr one pipe; None when it cannot start (the record says why)."""
+        stderr one pipe, each test runner it starts asked for its own report (reports.ask);
+        None when it cannot start (the record says why)."""
         import subprocess
         if self.log_fd is None:
             self.record["error"] = f"its log could not be written ({log_reason(self.log_error)})"
             return None
         try:
+            self.reports = ReportCollector(self.owner)
+            cmd = self.reports.ask(self.record["cmd"], self.trace)
             kwargs = ({"start_new_session": True} if os.name != "nt" else
                 {"creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)})
-            return subprocess.Popen(self.record["cmd"], shell=True, cwd=self.cwd,
+            kwargs.update(self.popen)
+            return subprocess.Popen(cmd, shell=True, cwd=self.cwd,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, **kwargs)
         except (OSError, ValueError) as e:  # ValueError: a NUL in the command
@@ -711,20 +771,106 @@ class Run:
             record["error"] = (f"its log could not be written whole "
                                f"({log_reason(self.log_error)}; {size:,} bytes kept): the run "
                                "counts for nothing")
+        self.detail = (self.reports.read(self.log_path, self.cwd) if self.reports is not None
+                       else None)
         record.update(duration_s=round(time.monotonic() - self.started, 3), bytes=size,
                       sha256=sha, tail=tail.decode("utf-8", "replace")[-TAIL_CHARS:],
-                      report=(runner_report(record["cmd"], self.log_path)
-                              if self.log_fd is not None else None))
+                      report=recorded(self.detail))
         if self.stream is not None and not self.at_start:
             self.stream.write("\n")
         return record
 
 
-def run_command(cmd, cwd, timeout, stream, log_path, story=None, check=None):
-    """Run `cmd` through the shell in `cwd` (Run): its record. Ctrl-C, an agent's tool timeout
-    (SIGTERM) or a closed terminal must not leave the command running on its own in its new
-    session: a stop signal kills its group as a timeout does, and the record says so."""
-    run = Run(cmd, cwd, stream, log_path, story, check)
+class ReportCollector:
+    """The reports a run's test runners are asked for (reports.ask), in a folder of their own
+    outside the tree the check runs in. Where the platform has FIFOs each report path is one,
+    read by a thread while the run lasts, so a runner started twice in one check (`pytest a &&
+    pytest b`, a loop) leaves two documents where a file would keep only the last."""
+
+    def __init__(self, owner=None):
+        import tempfile
+        self.folder = tempfile.mkdtemp(prefix="fablize-report-")
+        self.owner = owner  # a pwd entry: the user the check runs as, who must write here
+        self.asked, self.documents, self.readers, self.done = [], {}, [], False
+        if owner is not None:
+            os.chown(self.folder, owner.pw_uid, owner.pw_gid)
+
+    def ask(self, cmd, trace=False):
+        """The command line to run: `cmd` with each runner asked for its report."""
+        import threading
+        run, self.asked = ask_reports(cmd, self.folder, trace)
+        for item in self.asked:
+            path = item["path"]
+            if path is None:
+                continue
+            self.documents[path] = []
+            if hasattr(os, "mkfifo"):
+                os.mkfifo(path, 0o600)
+                if self.owner is not None:
+                    os.chown(path, self.owner.pw_uid, self.owner.pw_gid)
+                reader = threading.Thread(target=self.pump, args=(path,), daemon=True)
+                reader.start()
+                self.readers.append((path, reader))
+        return run
+
+    def pump(self, path):
+        """Each document written to the FIFO at `path`: a writer's open to its close."""
+        while True:
+            try:
+                fd = os.open(path, os.O_RDONLY)  # blocks until a writer opens it
+            except OSError:
+                return
+            chunks, size = [], 0
+            try:
+                for chunk in iter(lambda: os.read(fd, READ_CHUNK), b""):
+                    if size <= REPORT_LIMIT:  # past it, read and dropped: the parse refuses it
+                        chunks.append(chunk)
+                    size += len(chunk)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+            if chunks:
+                self.documents[path].append(b"".join(chunks))
+            if self.done:
+                return
+
+    def read(self, log_path, root):
+        """The Report (reports.read) once the run is over; the folder is removed."""
+        import shutil
+        self.done = True
+        for path, reader in self.readers:
+            for _ in range(100):  # a reader waiting in open() for a writer: one that writes nothing
+                if not reader.is_alive():
+                    break
+                try:
+                    os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+                except OSError:
+                    pass
+                reader.join(0.05)
+        for path in self.documents:
+            if not self.readers and os.path.isfile(path):  # no FIFOs here: the file it wrote
+                try:
+                    with open(path, "rb") as f:
+                        self.documents[path].append(f.read(REPORT_LIMIT + 1))
+                except OSError:
+                    pass
+        try:
+            return read_reports(self.asked, self.documents, log_path, root)
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+REPORT_LIMIT = 64 << 20
+
+
+def run_command(cmd, cwd, timeout, stream, log_path, story=None, check=None, popen=None,
+                trace=False, detail=False, owner=None):
+    """Run `cmd` through the shell in `cwd` (Run): its record (with `detail`, and its runners'
+    Report). Ctrl-C, an agent's tool timeout (SIGTERM) or a closed terminal must not leave the
+    command running on its own in its new session: a stop signal kills its group as a timeout
+    does, and the record says so. `popen`, `trace`, `owner`: CI's re-run (Run)."""
+    run = Run(cmd, cwd, stream, log_path, story, check, popen, trace, owner)
     with StopSignals() as stop:
         proc = run.start()
         if proc is not None:
@@ -736,7 +882,8 @@ def run_command(cmd, cwd, timeout, stream, log_path, story=None, check=None):
                 forget_inflight(inflight)
     if stop.got:
         run.record["interrupted"] = stop.got
-    return run.finish()
+    record = run.finish()
+    return (record, run.detail) if detail else record
 
 
 def log_reason(error):
@@ -824,58 +971,10 @@ def commit_runs(session, records):
     return committed
 
 
-# The runner must agree: a check passes only when its exit code and its test runner's own summary
-# agree (tests ran, none failed). An exit code alone is what a conftest.py, a plugin or an
-# `os._exit(0)` can set; a runner's summary is what SWE-bench reads. Only runners whose summary
-# can be read reliably are recognised; any other command is judged by its exit code only.
-RUNNER_WRAPPERS = frozenset("env nohup time nice timeout xvfb-run npx yarn pnpm bunx bun uv "
-                            "poetry pdm hatch run exec command".split())
-_PYTHON = r"(python[\d.]*|pypy[\d.]*|py|coverage)\Z"
+# Observed runs (the agent's own commands, seen by a hook) have only their output: a runner's
+# closing summary is what they can be read by. A witnessed run reads the runner's own report
+# (reports.py) instead: any test can print a summary.
 _RX = Lazy(re.compile)  # compiled on first use: most commands never read a runner's summary
-_DIRECT = {"pytest": "pytest", "py.test": "pytest", "jest": "jest", "vitest": "vitest"}
-
-
-def test_runners(cmd):
-    """The test runners a shell command line starts whose summary the engine reads, in order,
-    each once: pytest (also `python -m pytest`), unittest (`python -m unittest`), go (`go test`),
-    cargo (`cargo test`), node (`node --test`), jest, vitest. [] for any other command."""
-    import shlex
-    lexer = shlex.shlex(cmd, posix=True, punctuation_chars=True)
-    lexer.whitespace_split = True
-    segments, words = [], []
-    try:
-        for token in lexer:
-            if token and all(c in "();<>|&" for c in token):
-                segments.append(words)
-                words = []
-            else:
-                words.append(token)
-    except ValueError:
-        return []
-    segments.append(words)
-    found = []
-    for words in segments:
-        rest = [w for w in words if not re.fullmatch(r"[A-Za-z_]\w*=.*", w, re.S | re.A)]
-        while rest and (rest[0] in RUNNER_WRAPPERS or rest[0].startswith("-")
-                        or rest[0].isdigit() or rest[0] in _PREFIX_WORDS):
-            rest = rest[1:]
-        if not rest:
-            continue
-        name, args = os.path.basename(rest[0]), rest[1:]
-        runner = _DIRECT.get(name)
-        if _RX[_PYTHON].match(name) and "-m" in args[:-1]:
-            runner = {"pytest": "pytest", "unittest": "unittest"}.get(args[args.index("-m") + 1])
-        elif name == "go" and [a for a in args if not a.startswith("-")][:1] == ["test"]:
-            runner = "go"
-        elif name == "cargo" and [a for a in args if a[:1] not in "-+"][:1] == ["test"]:
-            runner = "cargo"
-        elif name == "node":
-            runner = "node" if "--test" in args else next(
-                (_DIRECT[os.path.basename(a)] for a in args
-                 if _DIRECT.get(os.path.basename(a)) in ("jest", "vitest")), None)
-        if runner and runner not in found:
-            found.append(runner)
-    return found
 
 
 _ANSI = r"\x1b\[[0-9;?]*[A-Za-z]"
@@ -966,33 +1065,3 @@ def runner_counts(runner, lines):
         counts["errors"] += suites
         seen = True
     return counts if seen else None
-
-
-def runner_report(cmd, log_path):
-    """What the runners `cmd` starts reported in the run's log: {runner, passed, failed, errors,
-    skipped, and `missing`: the runners that printed no summary}, or None (no runner the engine
-    reads: the exit code is all there is)."""
-    runners = test_runners(cmd)
-    if not runners:
-        return None
-
-    def lines():  # streamed, once a runner: a long log is never held whole
-        try:
-            with open(log_path, "rb") as f:
-                for raw in f:
-                    yield _RX[_ANSI].sub("", raw.decode("utf-8", "replace"))
-        except OSError:
-            return
-
-    report = {"runner": "+".join(runners), "passed": 0, "failed": 0, "errors": 0, "skipped": 0}
-    missing = []
-    for runner in runners:
-        counts = runner_counts(runner, lines())
-        if counts is None:
-            missing.append(runner)
-            continue
-        for key, n in counts.items():
-            report[key] += n
-    if missing:
-        report["missing"] = missing
-    return report

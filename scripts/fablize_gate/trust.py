@@ -40,11 +40,14 @@ from operator import ne
 from .base import (
     ARCHIVE, blank, count_noun, damaged, defused_line, DONE, FablizeError, last_chars, LEDGER,
     one_line, PIN, quote_arg, refused, scope_pattern, sha256_hex, usage)
-from .model import is_final, latest_run, parse_event, run_passed, run_result, stories_in, touch
+from .model import latest_run, parse_event, stories_in, touch
 from .storage import MemoryLedger, read_state_file, symlink_refusal, within
-from .runs import git, git_out, OUTPUT_BAR, repo_relative, repo_root, run_command, run_tool
+from .runs import (
+    changed_paths, git, LITERAL, OUTPUT_BAR, read_objects, repo_relative, repo_root,
+    run_tool, tree_entries)
 from .render import few_ids, grade_groups, GRADES_EACH, md_cell
 from .audit import audit_ledger
+from .rerun import failure
 
 
 SIGN_NAMESPACE = "fablize"
@@ -53,15 +56,17 @@ MAX_LISTED = 10             # unclean runs named one a line in audit's text
 # objects, and installed-package metadata (a *.dist-info entry point loads a pytest plugin)
 ARTEFACT = (r"(^|/)(__pycache__|[^/]+\.(egg-info|dist-info))(/|$)"
             r"|\.(pyc|pyo|pyd|so|dylib|dll|o|a|class|jar|whl|egg|pth)$")
-LITERAL = {"GIT_LITERAL_PATHSPECS": "1"}  # a file named `:!tests` is a file, not a pathspec
 # the files that configure or extend a test run, never taken from the branch whatever the scope
-# says (issue 34): a conftest.py at any depth, the runners' and build tools' configuration, the
-# interpreter's start-up hooks, a module that shadows a runner under `python -m`
-HARNESS = (r"(^|/)(conftest\.py|pytest\.ini|pyproject\.toml|setup\.cfg|setup\.py|tox\.ini"
-           r"|noxfile\.py|sitecustomize\.py|usercustomize\.py|pytest\.py|unittest\.py"
+# says (issue 34): a conftest.py at any depth, the runners' and build tools' configuration (pytest
+# reads pytest.toml first), the interpreter's start-up hooks, a module that shadows a runner under
+# `python -m`, and what git itself reads from the tree (.gitattributes: a `-diff` would make git
+# print no lines). The base's own runner names the rest (rerun.classify).
+HARNESS = (r"(^|/)(conftest\.py|pytest\.ini|\.?pytest\.toml|pyproject\.toml|setup\.cfg|setup\.py"
+           r"|tox\.ini|noxfile\.py|sitecustomize\.py|usercustomize\.py|pytest\.py|unittest\.py"
            r"|[Mm]akefile|GNUmakefile|[^/]*\.mk|package\.json|\.npmrc|\.yarnrc(\.yml)?"
            r"|(jest|vitest|vite|babel|mocha|karma|ava)\.config\.[^/]*|\.babelrc[^/]*"
-           r"|\.mocharc[^/]*|\.coveragerc|\.pytest\.ini|\.cargo/config(\.toml)?)\Z"
+           r"|\.mocharc[^/]*|\.coveragerc|\.pytest\.ini|\.cargo/config(\.toml)?"
+           r"|\.gitattributes|\.gitmodules)\Z"
            r"|(^|/)\.cargo/")
 
 
@@ -240,42 +245,89 @@ def fetch_step(top, ref):
     return f"`{cmd}` brings it in:", cmd
 
 
+# a program that runs the file its first plain argument names (its options before it)
+INTERPRETERS = re.compile(r"(python[\d.]*|pypy[\d.]*|bash|sh|dash|zsh|ksh|node|deno|bun|ruby"
+                          r"|perl|php|Rscript|tclsh|lua|tsx|ts-node)\Z")
+# options of those that take the next word as their value, or end the list of files (-c, -e, -m)
+VALUE_OPTIONS = frozenset("-W -X -o -O --require -r --import --loader -I".split())
+INLINE_OPTIONS = frozenset("-c -e -E --eval -p --print".split())
+
+
+def files_run(cmd):
+    """The files a shell command line runs, relative to where it starts (a `cd` before them
+    followed): a program named by its path (./run.sh), the script an interpreter runs (python3
+    check.py, bash ci/test.sh), the module `python -m` runs when it is a file of the tree
+    (pytest.py, tests/run.py). Arguments it only reads (ruff calc.py, compileall calc.py) and
+    folders it enters are not files it runs."""
+    from .reports import shell_segments, WRAPPERS
+    try:
+        segments = shell_segments(cmd)
+    except ValueError:
+        return []
+    found, here = [], ""
+    for words in segments:
+        words = [w[0] for w in words]
+        i = 0
+        while i < len(words) and (words[i] in WRAPPERS or re.fullmatch(r"[A-Za-z_]\w*=.*", words[i],
+                                                                       re.S | re.A)):
+            i += 1
+        if i >= len(words):
+            continue
+        program, args = words[i], words[i + 1:]
+        if program == "cd":
+            here = os.path.normpath(os.path.join(here, args[0])) if args else ""
+            here = "" if here == "." else here
+            continue
+        if "/" in program:
+            found.append(os.path.join(here, program))
+        if not INTERPRETERS.match(os.path.basename(program)):
+            continue
+        k = 0
+        while k < len(args):
+            arg = args[k]
+            if arg == "-m" and k + 1 < len(args):
+                module = args[k + 1].replace(".", "/")
+                found += [os.path.join(here, module + ".py"),
+                          os.path.join(here, module, "__main__.py")]
+                break
+            if arg in INLINE_OPTIONS or arg == "--":
+                break
+            if arg.startswith("-"):
+                k += 2 if arg in VALUE_OPTIONS else 1
+                continue
+            found.append(os.path.join(here, arg))
+            break
+    return found
+
+
 def check_paths(plan, root, top):
-    """The files and folders the plan's frozen checks name: words of their commands that are
-    paths in the tree, a pytest node id (tests/test_x.py::test_y) by its file, relative to the
-    repository top and as written (a symlink put in its place is a change git sees)."""
-    import shlex
+    """The files the plan's frozen checks run (files_run), relative to the repository top,
+    those that exist in the tree (as written: a symlink put in its place is a change git sees)."""
     named = set()
     for story in plan["goals"]:
         for cmd in story.get("checks", ()):
-            try:
-                words = shlex.split(cmd)
-            except ValueError:
-                continue
-            for word in words:
-                word = word.split("::", 1)[0]
-                if (word and not word.startswith("-") and "\x00" not in word and
-                        os.path.lexists(os.path.join(root, word))):
-                    rel = os.path.relpath(os.path.normpath(os.path.join(os.path.abspath(root),
-                                                                        word)), top)
-                    if not rel.startswith(".."):
-                        named.add(rel.replace(os.sep, "/"))
+            for path in files_run(cmd):
+                if "\x00" in path or not os.path.lexists(os.path.join(root, path)):
+                    continue
+                rel = os.path.relpath(os.path.normpath(os.path.join(os.path.abspath(root), path)),
+                                      top)
+                if not rel.startswith(".."):
+                    named.add(rel.replace(os.sep, "/"))
     return sorted(named)
 
 
 def changed_check_files(root, ref, plan):
-    """The files and folders the plan's frozen checks name which differ between the base branch
-    and the working tree: a frozen `python3 check.py` proves nothing if the branch rewrote
-    check.py."""
+    """The files the plan's frozen checks run which differ between the base branch and the
+    working tree: a frozen `python3 check.py` proves nothing if the branch rewrote check.py."""
     top, full = branch_ref(root, ref, "--base")
     named = check_paths(plan, root, top)
     if not named:
         return []
-    code, out, _ = git(top, "diff", "--name-only", "-z", full, "--", *named,
-                              what="--base", env=LITERAL)
+    code, out, _ = git(top, "diff", "--name-only", "-z", "--no-renames", "--no-relative", full,
+                       "--", *named, what="--base", env=LITERAL)
     changed = {x.decode("utf-8", "replace") for x in out.split(b"\0") if x} if code == 0 else set()
     code, out, _ = git(top, "ls-files", "-z", "--others", "--exclude-standard", "--",
-                              *named, what="--base", env=LITERAL)
+                       *named, what="--base", env=LITERAL)
     if code == 0:
         changed |= {x.decode("utf-8", "replace") for x in out.split(b"\0") if x}
     return sorted(changed)
@@ -344,25 +396,43 @@ def pin_of(store, base, since, shared=None):
 
 
 # CI's policy, committed on the base branch (issue 34): what the workflow's inputs say, read from
-# where the pull request cannot write it. A pull request that edits its workflow cannot loosen
-# it; one that changes it, or the workflow that runs the audit, fails the audit.
+# where the pull request cannot write it — one literal path at the repository's top, never where
+# --dir or a variable points, never through a symlink (issue 40). A pull request that edits its
+# workflow cannot loosen it; one that changes it (content, mode, type), or the workflow that runs
+# the audit, fails the audit.
 POLICY = "policy.json"
+POLICY_PATH = ".fablize/policy.json"
 POLICY_KEYS = {"scope": list, "required_checks": list, "fail_to_pass": bool,
-               "forbid_out_of_scope": bool, "forbid_tripwires": bool, "allowed_signers": str}
+               "forbid_out_of_scope": bool, "forbid_tripwires": bool, "allowed_signers": str,
+               "require_witnessed": bool, "forbid_accepted": bool, "agent_tests": str,
+               "held_out_checks": str}
+AGENT_TESTS = ("prove", "forbid")
+# each gate the policy can turn on: (its key, audit's option it turns on)
+POLICY_FLAGS = (("fail_to_pass", "require_fail_to_pass"), ("forbid_out_of_scope",
+                                                             "forbid_out_of_scope"),
+                ("forbid_tripwires", "forbid_tripwires"), ("require_witnessed",
+                                                             "require_witnessed"),
+                ("forbid_accepted", "forbid_accepted"))
 
 
 def policy_path(store):
-    top = repo_root(store.root) or store.root
-    return os.path.relpath(os.path.realpath(store.path(POLICY)), top).replace(os.sep, "/")
+    return POLICY_PATH
 
 
 def base_policy(store, ref):
     """The policy committed on `ref` ({…, path, ref}), or None when it holds none; a policy that
-    is not one is damage (exit 3): CI must not run on a policy it cannot read."""
-    path = policy_path(store)
-    raw = git_show(store.root, ref, path, "--base")
-    if raw is None:
+    is not one, or a symlink, is damage (exit 3): CI must not run on a policy it cannot read."""
+    top, full = branch_ref(store.root, ref, "--base")
+    entry = tree_entries(top, full, [POLICY_PATH]).get(POLICY_PATH)
+    if entry is None:
         return None
+    mode, oid = entry
+    fix = f" — a human fixes it on {one_line(ref)} (the policy is the base branch's, never the " \
+          "pull request's)."
+    if mode == "120000":
+        raise damaged(f"{POLICY_PATH} on {one_line(ref)} is a symlink: the policy is read at one "
+                      "literal path and never followed" + fix, "bad_policy")
+    raw = read_objects(top, [oid]).get(oid, b"")
     try:
         policy = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
@@ -371,49 +441,164 @@ def base_policy(store, ref):
         key not in POLICY_KEYS or type(value) is not POLICY_KEYS[key] or (
             type(value) is list and not all(isinstance(x, str) for x in value))
         for key, value in policy.items())
+    if not bad and policy.get("agent_tests", "prove") not in AGENT_TESTS:
+        bad = True
+    if not bad and not re.fullmatch(r"[A-Za-z_]\w*", policy.get("held_out_checks", "X"), re.A):
+        bad = True
     if bad:
-        raise damaged(f"{path} on {one_line(ref)} is not a policy: a JSON object of "
-                      + ", ".join(POLICY_KEYS) + f" — a human fixes it on {one_line(ref)} (the "
-                      "policy is the base branch's, never the pull request's).", "bad_policy")
-    return dict(policy, path=path, ref=ref)
+        raise damaged(f"{POLICY_PATH} on {one_line(ref)} is not a policy: a JSON object of "
+                      + ", ".join(POLICY_KEYS) + " (agent_tests \"prove\" or \"forbid\"; "
+                      "held_out_checks the name of a variable)" + fix, "bad_policy")
+    return dict(policy, path=POLICY_PATH, ref=ref)
 
 
 def apply_policy(opts, policy):
     """audit's options tightened by the base's policy: its scope wins over the one CI gives, its
-    required checks are added, and its gates are on whatever the workflow says."""
-    opts = dict(opts, policy=policy)
+    required checks are added, its gates are on whatever the workflow says, and where each gate
+    came from is kept (`sources`, what the effective policy shows)."""
+    src = f"the policy on {policy['ref']}"
+    opts = dict(opts, policy=policy, sources=dict(opts.get("sources") or {}))
+    sources = opts["sources"]
     if policy.get("scope"):
-        opts.update(scope=policy["scope"], require_scope=True,
-                    scope_from=f"the policy on {policy['ref']}")
-    opts["require_check"] = list(dict.fromkeys(opts["require_check"]
-                                               + policy.get("required_checks", [])))
-    for flag, key in (("require_fail_to_pass", "fail_to_pass"),
-                      ("forbid_out_of_scope", "forbid_out_of_scope"),
-                      ("forbid_tripwires", "forbid_tripwires")):
-        opts[flag] = opts[flag] or policy.get(key, False)
+        opts.update(scope=policy["scope"], require_scope=True, scope_from=src)
+        sources.update(scope=src, require_scope=src)
+    if policy.get("required_checks"):
+        opts["require_check"] = list(dict.fromkeys(opts["require_check"]
+                                                   + policy["required_checks"]))
+        sources["require_check"] = src
+    for key, flag in POLICY_FLAGS:
+        if policy.get(key) and not opts.get(flag):
+            opts[flag] = True
+            sources[flag] = src
+    if policy.get("agent_tests"):
+        opts["agent_tests"] = policy["agent_tests"]
+        sources["agent_tests"] = src
+    if policy.get("held_out_checks"):
+        opts["held_out_checks"] = policy["held_out_checks"]
+        sources["held_out_checks"] = src
     if policy.get("allowed_signers") and opts["allowed_signers"] is None:
         opts["allowed_signers"] = policy["allowed_signers"]
+        sources["allowed_signers"] = src
     return opts
 
 
+# the gates the effective policy lists: (audit's option, what it is called there)
+EFFECTIVE = (("scope", "scope"), ("require_scope", "a scope required"),
+             ("require_check", "required checks"), ("require_fail_to_pass", "fail-to-pass"),
+             ("forbid_out_of_scope", "nothing changed outside the scope"),
+             ("forbid_tripwires", "no tripwires"), ("require_witnessed", "every story witnessed"),
+             ("require_unchanged_checks", "the files checks run unchanged"),
+             ("forbid_accepted", "no story accepted"), ("allowed_signers", "signed decisions"),
+             ("agent_tests", "the agent's own tests"), ("held_out_checks", "held-out checks"))
+
+
+def effective_policy(opts):
+    """[(gate, its value in words, where it came from)] of every gate the audit applies."""
+    sources = opts.get("sources") or {}
+    out = []
+    for key, name in EFFECTIVE:
+        value = opts.get(key)
+        if key == "agent_tests":
+            words = {"prove": "run red → green and may carry fail-to-pass",
+                     "forbid": "forbidden"}.get(value, "not run: listed as changes outside the "
+                                                       "scope")
+        elif key == "held_out_checks":
+            words = f"from ${value}" if value else None
+        elif key == "scope":
+            words = ", ".join(map(one_line, value[:MAX_LISTED])) if value else None
+        elif key == "require_check":
+            words = "; ".join(f"`{one_line(c)}`" for c in value[:MAX_LISTED]) if value else None
+        elif key == "allowed_signers":
+            words = one_line(value) if value else None
+        else:
+            words = "on" if value else None
+        if words is None and key not in ("agent_tests",):
+            continue
+        out.append((name, words, sources.get(key) or ("the audit's options" if value
+                                                      else "the default")))
+    return out
+
+
 def policy_changes(store, ref):
-    """The files of the audit's own policy the branch changed since `ref`: the policy file, and
-    the workflow that runs the audit (GitHub's GITHUB_WORKFLOW_REF names it; else every workflow
+    """The files of the audit's own policy the branch changed since `ref`: the policy (its bytes,
+    its mode, its type — a symlink, a folder where .fablize was — or its absence), and the
+    workflow that runs the audit (GitHub's GITHUB_WORKFLOW_REF names it; else every workflow
     under .github/workflows/ that names fablize, on either side)."""
     top, full = branch_ref(store.root, ref, "--base")
-    code, out, _ = git(top, "diff", "--name-only", "-z", full, "HEAD", "--",
-                       policy_path(store), ".github/workflows", what="--base", env=LITERAL)
+    changed = []
+    # the policy as each side's tree holds it: mode, type and object (a symlink put in its place,
+    # or a .fablize folder that became a link, leaves no such entry: absent is a change too)
+    sides = [git(top, "ls-tree", "-z", side, "--", POLICY_PATH, env=LITERAL)[1]
+             for side in (full, "HEAD")]
+    if sides[0] != sides[1]:
+        changed.append(POLICY_PATH)
+    code, out, _ = git(top, "diff", "--name-only", "-z", "--no-renames", "--no-relative", full,
+                       "HEAD", "--", ".github/workflows", what="--base", env=LITERAL)
     names = ([x.decode("utf-8", "surrogateescape") for x in out.split(b"\0") if x]
              if code == 0 else [])
     ours = os.environ.get("GITHUB_WORKFLOW_REF", "").split("@")[0]
-    changed = []
     for name in names:
-        if name == policy_path(store) or (ours and ours.endswith("/" + name)):
+        if ours and ours.endswith("/" + name):
             changed.append(name)
         elif not ours and any(b"fablize" in (git_show(store.root, side, name, "--base") or b"")
                               for side in (ref, "HEAD")):
             changed.append(name)
     return changed
+
+
+def github_changes(store, ref):
+    """Every path under .github/ the branch changed: workflows, CODEOWNERS, actions — listed for
+    the reviewer whatever they are."""
+    top, full = branch_ref(store.root, ref, "--base")
+    code, out, _ = git(top, "diff", "--name-only", "-z", "--no-renames", "--no-relative", full,
+                       "HEAD", "--", ".github", env=LITERAL)
+    return ([x.decode("utf-8", "surrogateescape") for x in out.split(b"\0") if x]
+            if code == 0 else [])
+
+
+def policy_history(store, ref, pin_path):
+    """{commit, subject, after_pin} of the commit on `ref` that last changed the policy, or None:
+    a policy loosened by an earlier pull request merged over a red check shows in every later
+    audit. `after_pin`: it came after the commit that last changed the plan's ledger there."""
+    top, full = branch_ref(store.root, ref, "--base")
+    code, out, _ = git(top, "log", "-1", "--format=%H%x00%s", full, "--", POLICY_PATH,
+                       env=LITERAL)
+    if code != 0 or not out.strip():
+        return None
+    commit, _, subject = out.decode("utf-8", "replace").strip().partition("\0")
+    code, out, _ = git(top, "log", "-1", "--format=%H", full, "--", pin_path, env=LITERAL)
+    pinned = out.decode().strip() if code == 0 else ""
+    after = bool(pinned) and pinned != commit and git(
+        top, "merge-base", "--is-ancestor", pinned, commit)[0] == 0
+    return {"commit": commit, "subject": subject, "after_pin": after}
+
+
+def pr_base(store, ref):
+    """Under GitHub Actions on a pull request, the pull request's base branch as this clone
+    holds it when --base names another (a workflow the branch edited could name a base whose
+    pin and policy are the branch's choosing), else None."""
+    wanted = os.environ.get("GITHUB_BASE_REF", "")
+    if not wanted or os.environ.get("GITHUB_ACTIONS") != "true":
+        return None
+    top, full = branch_ref(store.root, ref, "--base")
+    if full == f"refs/heads/{wanted}" or (full.startswith("refs/remotes/")
+                                          and full.split("/", 3)[-1] == wanted):
+        return None
+    for name in (f"origin/{wanted}", wanted):
+        if git(top, "rev-parse", "--verify", "--quiet", name + "^{commit}")[0] == 0:
+            return name
+    return f"origin/{wanted}"
+
+
+def not_the_pr_base(ref, step):
+    """The refusal of a --base that is not the pull request's (pr_base), naming `step`: the
+    same audit on the pull request's base."""
+    error = refused(f"--base {one_line(ref)} is not the pull request's base branch "
+                    f"{one_line(os.environ.get('GITHUB_BASE_REF', ''))} (GITHUB_BASE_REF): the "
+                    "pin, the policy and the tree the checks re-run on come from that branch "
+                    "only — was the workflow edited?", "base_not_pr_base")
+    error.commands = [step]
+    return error
 
 
 def allowed_signers_file(store, signers, base):
@@ -648,43 +833,47 @@ def scope_matcher(patterns):
         any(g.match(path) for g in globs))
 
 
-# what a test runner collects (a test file, a tests/ folder, conftest.py) and what a check runs
-# (a script it names): a scope that takes them lets the branch write the judge
-TEST_PATH = re.compile(r"(^|/)(tests?|__tests__|spec)/|(^|/)(test_[^/]*\.py|[^/]*_test\.(py|go)"
-                       r"|[^/]*\.(test|spec)\.[cm]?[jt]sx?|conftest\.py)\Z")
-SCRIPT = re.compile(r"\.(py|sh|bash|js|mjs|cjs|ts|rb|pl|go|rs)\Z")
-NARROWER = "name the folder or the files the work changes (src/, src/calc.py, src/**/*.py)"
+NARROWER = "name the folder or the files the work changes"
 
 
-def scope_refusal(pattern, files, named):
-    """Why `pattern` says more than the work may change, or None: it takes the whole tree
-    (`.`, `*`, `**`) or every file of a kind at the top (`*.py`), matches no file of the tree
-    (`files`, None when unknown; a literal path may name a file the work will create), or takes
-    a test the checks collect or a file a frozen check names (`named`)."""
+def scope_refusal(pattern, files):
+    """Why `pattern` is no scope of a work, or None: it takes the whole tree (`.`, `*`, `**`) or
+    every file of a kind at the top (`*.py`), or matches no file of the tree (`files`, None when
+    unknown; a literal path may name a file the work will create). A scope holding tests or
+    harness is no longer refused: those always come from the base (tree_plan)."""
     bare = pattern.rstrip("/")
     if re.fullmatch(r"[.*/]*", bare):
-        return "takes the whole tree, the tests and their configuration with it"
+        return "takes the whole tree"
     if re.fullmatch(r"(\*\*/)?\*[^/*?\[]*", bare):
-        return "takes every such file from the top down, the tests' own files with it"
+        return "takes every such file from the top down"
     if files is None:
         return None
-    inside = scope_matcher([pattern])
-    taken = [f for f in files if inside(f)]
-    if not taken and any(c in pattern for c in "*?["):
+    if any(c in pattern for c in "*?[") and not any(map(scope_matcher([pattern]), files)):
         return "matches no file of the tree"
-    for path in named:
-        if SCRIPT.search(path) and inside(path):
-            return f"takes {path}, which a frozen check runs"
-    tests = [f for f in taken if TEST_PATH.search(f)]
-    if tests:
-        return f"takes {tests[0]}, a test the checks collect"
     return None
 
 
+def narrower(pattern, files):
+    """A narrower form the engine accepts, for the refusal to name: the folders (or top-level
+    files) of the tree's files the pattern takes that are no tests, a few of them."""
+    inside = scope_matcher([pattern]) if files is not None else (lambda path: False)
+    picks = []
+    from .rerun import TEST_FILE
+    for path in files or ():
+        if not inside(path) or TEST_FILE.search(path) or re.search(HARNESS, path):
+            continue
+        pick = path.split("/", 1)[0] + "/" if "/" in path else path
+        if pick not in picks and scope_refusal(pick, files) is None:
+            picks.append(pick)
+        if len(picks) == 3:
+            break
+    return ", ".join(picks) if picks else "src/, src/calc.py, src/**/*.py"
+
+
 def check_scope(patterns, root, stories, option="--scope"):
-    """Usage error, in one line naming a narrower form, for a scope that says more than the work
-    may change (scope_refusal), judged against the repository's files at `root` and the files the
-    `stories`' frozen checks name."""
+    """Usage error, in one line naming where the scope came from and a narrower form, for a
+    scope that says more than a work may change (scope_refusal), judged against the repository's
+    files at `root`."""
     top = repo_root(root)
     files = None
     if top is not None:
@@ -692,11 +881,11 @@ def check_scope(patterns, root, stories, option="--scope"):
                            what=option)
         if code == 0:
             files = [x.decode("utf-8", "surrogateescape") for x in out.split(b"\0") if x]
-    named = check_paths({"goals": stories}, root, top) if top is not None else []
     for pattern in patterns:
-        why = scope_refusal(pattern, files, named)
+        why = scope_refusal(pattern, files)
         if why:
-            raise usage(f"{option} {one_line(pattern)!r} {why}: {NARROWER}.", "broad_scope")
+            raise usage(f"{option} {one_line(pattern)!r} {why}: {NARROWER} — for instance "
+                        f"{narrower(pattern, files)}.", "broad_scope")
 
 
 def scope_of(plan, base, given, given_from="CI"):
@@ -713,48 +902,151 @@ def scope_of(plan, base, given, given_from="CI"):
     return scope, ("the plan" if scope else None)
 
 
-def branch_changes(top, full, state_rel):
-    """[(path, deleted)] of the tracked files the branch's HEAD changed since `full` (the base),
-    its state directory left out."""
-    code, out, err = git(top, "diff", "--name-status", "-z", "--no-renames", full, "HEAD",
-                                what="--base")
-    if code != 0:
-        raise damaged(f"--base: git cannot compare HEAD with {one_line(full)} ({one_line(err)}) "
-                      "— the branch under review must have a commit: a human commits its work "
-                      "(or checks out the branch), then the audit runs again.", "git_failed")
-    fields = out.split(b"\0")
-    changes = []
-    for status, path in zip(fields[0::2], fields[1::2]):
-        path = path.decode("utf-8", "surrogateescape")
-        if path != state_rel and not path.startswith(state_rel + "/"):
-            changes.append((path, status == b"D"))
-    return changes
-
-
 def tree_plan(store, plan, base, opts):
-    """How the re-run builds its tree: None to run in the checkout (no scope, or no --base);
-    else {top, base commit, the branch's files it takes, those it leaves (outside the scope, or
-    artefacts), the state directory's and the root's place}."""
+    """How the re-run builds its trees: None to run in the checkout (no scope, or no --base);
+    else {top, base commit, the branch's files it takes, those it leaves (outside the scope, the
+    harness, the base's tests, artefacts), the harness inside the scope, the test files the
+    branch adds (the agent's own tests), the files it would not take as they shadow a module,
+    the state directory's and the root's place}. The base's runner adds what it names as tests
+    and harness once it has run (rerun.classify)."""
+    from .rerun import TEST_FILE
     scope, source = scope_of(plan, base, opts["scope"], opts.get("scope_from", "CI"))
     if base is None or not scope:
         return None
     top, full = branch_ref(store.root, base["ref"], "--base")
     state_rel = os.path.relpath(os.path.realpath(store.dir), top).replace(os.sep, "/")
     inside = scope_matcher(scope)
-    # a script the frozen checks run is the base's (a data file they name may be the work)
-    named = {p for p in check_paths(plan, store.root, top) if SCRIPT.search(p)}
-    take, left, harness = [], [], []
-    for path, deleted in branch_changes(top, full, state_rel):
-        if inside(path) and (re.search(HARNESS, path) or path in named):
-            harness.append(path)
-        elif inside(path) and not re.search(ARTEFACT, path):
-            take.append((path, deleted))
-        else:
+    named = set(check_paths(plan, store.root, top))  # what a check runs is the base's
+    shadows = Shadows(top, full, plan)
+    take, left, harness, agent, shadow = [], [], [], [], []
+    for path, status in branch_changes(top, full):
+        if path == state_rel or path.startswith(state_rel + "/") or path == POLICY_PATH:
+            continue
+        if re.search(HARNESS, path) or path in named:
+            (harness if inside(path) else left).append(path)
+        elif TEST_FILE.search(path):
+            (agent if status == "A" else left).append(path)  # a base test changed: listed
+        elif not inside(path) or re.search(ARTEFACT, path):
             left.append(path)
+        elif status != "D" and shadows.module_of(path):
+            shadow.append({"path": path, "module": shadows.module_of(path)})
+        else:
+            take.append((path, status == "D"))
     scratch, moved = scratch_folder(top)
     return {"top": top, "base": full, "take": take, "left": left + harness, "harness": harness,
-            "scope": scope, "from": source, "scratch": scratch, "scratch_moved": moved,
+            "agent_tests": agent, "shadow": shadow, "scope": scope, "from": source,
+            "scratch": scratch, "scratch_moved": moved,
             "root": os.path.relpath(os.path.realpath(store.root), top)}
+
+
+def branch_changes(top, full):
+    """[(path, status)] the branch's HEAD changed since `full` (the base)."""
+    try:
+        return changed_paths(top, full)
+    except FablizeError as e:
+        raise damaged(f"--base: git cannot compare HEAD with {one_line(full)} "
+                      f"({one_line(e.message)[:200]}) — the branch under review must have a "
+                      "commit: a human commits its work (or checks out the branch), then the "
+                      "audit runs again.", "git_failed")
+
+
+class Shadows:
+    """Which module a file of the work would stand in for: its import name, under each folder
+    the checks put on sys.path (the tree's top, the folder a check `cd`s into, PYTHONPATH a check
+    sets, pytest's `pythonpath` in the base's configuration), when that name is a standard
+    library module, an installed distribution's top-level module or a plugin's entry module (a
+    `pytest_cov/` of the work would replace the plugin CI installed)."""
+
+    def __init__(self, top, full, plan):
+        self.top, self.full, self.plan = top, full, plan
+        self.roots, self.protected = None, None
+
+    def module_of(self, path):
+        if self.roots is None:
+            self.roots, self.protected = self.import_roots(), protected_modules()
+        for root in self.roots:
+            rel = path if not root else (path[len(root) + 1:] if path.startswith(root + "/")
+                                         else None)
+            if not rel:
+                continue
+            first, _, rest = rel.partition("/")
+            name = first[:-3] if first.endswith(".py") and not rest else first
+            if not rest and not first.endswith(".py"):
+                continue  # a data file at the root imports as nothing
+            if name in self.protected:
+                return name
+        return None
+
+    def import_roots(self):
+        roots = {""}
+        from .reports import shell_segments
+        for story in self.plan["goals"]:
+            for cmd in story.get("checks", ()):
+                try:
+                    segments = shell_segments(cmd)
+                except ValueError:
+                    continue
+                here = ""
+                for words in segments:
+                    words = [w[0] for w in words]
+                    if words[:1] == ["cd"] and len(words) > 1:
+                        here = os.path.normpath(os.path.join(here, words[1])).lstrip("./")
+                        roots.add("" if here == "." else here)
+                    for w in words:
+                        if w.startswith("PYTHONPATH="):
+                            roots |= {os.path.normpath(os.path.join(here, p)).lstrip("./")
+                                      for p in w[11:].split(":") if p and not os.path.isabs(p)}
+        configs = tree_entries(self.top, self.full, [f"{r}/{name}" if r else name
+                                                      for r in roots for name in PYTEST_CONFIGS])
+        blobs = read_objects(self.top, [oid for _, oid in configs.values()])
+        for path, (_, oid) in configs.items():
+            folder = os.path.dirname(path)
+            text = blobs.get(oid, b"").decode("utf-8", "replace")
+            for m in re.finditer(r"^\s*pythonpath\s*=\s*(\[[^\]]*\]|.*)$", text, re.M):
+                for p in re.findall(r"[\"']([^\"']+)[\"']", m.group(1)) if m.group(1).startswith(
+                        "[") else m.group(1).split():
+                    roots.add(os.path.normpath(os.path.join(folder, p)).lstrip("./"))
+        return sorted(r if r != "." else "" for r in roots)
+
+
+PYTEST_CONFIGS = ("pytest.toml", ".pytest.toml", "pytest.ini", ".pytest.ini", "pyproject.toml",
+                  "tox.ini", "setup.cfg")
+
+
+def protected_modules():
+    """The import names a file of the work must not take: the standard library's, and each
+    installed distribution's top-level modules and entry modules (as this interpreter sees
+    them, CI's own)."""
+    import sys
+    names = set(sys.builtin_module_names) | set(getattr(sys, "stdlib_module_names", ()))
+    if not hasattr(sys, "stdlib_module_names"):  # Python 3.9: the standard library's folder
+        import sysconfig
+        for folder in (sysconfig.get_paths()["stdlib"],
+                       os.path.join(sysconfig.get_paths()["stdlib"], "lib-dynload")):
+            try:
+                for entry in os.listdir(folder):
+                    names.add(entry.split(".")[0])
+            except OSError:
+                pass
+        names.discard("site-packages")
+    try:
+        from importlib import metadata
+        for dist in metadata.distributions():
+            top_level = dist.read_text("top_level.txt")
+            if top_level:
+                names |= {x.strip() for x in top_level.split() if x.strip()}
+            else:
+                for f in dist.files or ():
+                    first = str(f).split("/")[0]
+                    if not first.endswith((".dist-info", ".egg-info", ".pth")) and \
+                            first not in ("..", "__pycache__", "bin"):
+                        names.add(first[:-3] if first.endswith(".py") else first)
+            for ep in dist.entry_points:
+                names.add(ep.value.split(":")[0].split(".")[0].strip())
+    except Exception:  # a broken installation's metadata: the standard library still counts
+        pass
+    names |= {"pytest", "_pytest", "pluggy", "unittest", "conftest"}
+    return {n for n in names if n}
 
 
 def scratch_folder(top):
@@ -796,6 +1088,22 @@ def wire_of(line):
     return None
 
 
+def added_lines(old, new):
+    """[(line number, text)] of the lines of `new` (bytes) that `old` does not hold: a line
+    counts as added once for each time it appears more often than before. No diff is parsed, so
+    no diff setting, attribute or file name hides a line (a `+++ ` line, `-diff`, a quoted
+    name)."""
+    import collections
+    before = collections.Counter(old.decode("utf-8", "replace").split("\n"))
+    found = []
+    for number, line in enumerate(new.decode("utf-8", "replace").split("\n"), 1):
+        if before[line] > 0:
+            before[line] -= 1
+        else:
+            found.append((number, line))
+    return found
+
+
 def tripwires(tree, limit=50, head="HEAD"):
     """[{path, line, what, text}]: each line the branch added to a file the re-run takes that
     reaches into the test run, ends the process at import, or looks for CI or the audit;
@@ -803,24 +1111,28 @@ def tripwires(tree, limit=50, head="HEAD"):
     kept = [path for path, deleted in tree["take"] if not deleted]
     if not kept:
         return []
-    code, out, _ = git(tree["top"], "diff", "-U0", "--no-color", "--no-ext-diff", "--no-renames",
-                       tree["base"], *([head] if head else []), "--", *kept, what="--rerun",
-                       env=LITERAL)
-    found, path, number = [], None, 0
-    for raw in out.decode("utf-8", "replace").split("\n") if code == 0 else ():
-        if raw.startswith("+++ "):
-            path = raw[6:] if raw.startswith("+++ b/") else None
-        elif raw.startswith("@@"):
-            m = re.search(r"\+(\d+)", raw)
-            number = int(m.group(1)) if m else 0
-        elif raw.startswith("+") and path is not None:
-            what = wire_of(raw[1:])
+    before = tree_entries(tree["top"], tree["base"], kept)
+    after = tree_entries(tree["top"], head, kept) if head else {}
+    blobs = read_objects(tree["top"], [oid for _, oid in list(before.values())
+                                       + list(after.values())])
+    found = []
+    for path in kept:
+        old = blobs.get(before[path][1], b"") if path in before else b""
+        if head:
+            new = blobs.get(after[path][1], b"") if path in after else b""
+        else:
+            try:
+                with open(os.path.join(tree["top"], *path.split("/")), "rb") as f:
+                    new = f.read(1 << 22)
+            except OSError:
+                continue
+        for number, line in added_lines(old, new):
+            what = wire_of(line)
             if what:
                 found.append({"path": path, "line": number, "what": what,
-                              "text": raw[1:].strip()[:120]})
-            number += 1
-            if len(found) >= limit:
-                break
+                              "text": line.strip()[:120]})
+                if len(found) >= limit:
+                    return found
     return found
 
 
@@ -837,179 +1149,109 @@ def tripwires_since(store, plan, ref, limit=50):
         return (inside(path) and path != state_rel and not path.startswith(state_rel + "/")
                 and not re.search(ARTEFACT, path) and not re.search(HARNESS, path))
 
-    code, out, _ = git(top, "diff", "--name-only", "-z", "--no-renames", full, what="--base",
-                       env=LITERAL)
-    tracked = ([x.decode("utf-8", "surrogateescape") for x in out.split(b"\0") if x]
-               if code == 0 else [])
-    found = tripwires({"top": top, "base": full, "take": [
-        (path, not os.path.lexists(os.path.join(top, path))) for path in tracked if kept(path)]},
-        limit, head=None)
+    code, out, _ = git(top, "diff", "--name-only", "-z", "--no-renames", "--no-relative", full,
+                       "--", what="--base", env=LITERAL)
+    paths = set(x.decode("utf-8", "surrogateescape") for x in out.split(b"\0") if x) \
+        if code == 0 else set()
     code, out, _ = git(top, "ls-files", "-z", "--others", "--exclude-standard", what="--base")
-    for path in sorted(x.decode("utf-8", "surrogateescape") for x in out.split(b"\0") if x):
-        if not kept(path) or len(found) >= limit:
-            continue
-        try:
-            with open(os.path.join(top, path), "rb") as f:
-                text = f.read(1 << 20).decode("utf-8", "replace")
-        except OSError:
-            continue
-        for number, line in enumerate(text.split("\n"), 1):
-            what = wire_of(line)
-            if what:
-                found.append({"path": path, "line": number, "what": what,
-                              "text": line.strip()[:120]})
-    return found[:limit]
+    if code == 0:
+        paths |= {x.decode("utf-8", "surrogateescape") for x in out.split(b"\0") if x}
+    take = [(path, not os.path.lexists(os.path.join(top, path))) for path in sorted(paths)
+            if kept(path)]
+    return tripwires({"top": top, "base": full, "take": take}, limit, head=None)
+
+
+# Said once, rendered once: every finding of the trust room is a Block — a title and its items,
+# each item a list of parts (plain words, or ("`", text) for a path, a command, a line of code) —
+# which the audit's text, the job summary, `report` and the judge packet all render (issue 40).
+
+
+class Block:
+    """A finding: its title and items; `inline` says it in one line (its items joined)."""
+
+    def __init__(self, title, items=(), empty=None, inline=False):
+        self.title, self.items, self.empty, self.inline = title, list(items), empty, inline
+
+
+def code(text):
+    """A command or a line of code: in backquotes, in text and Markdown alike."""
+    return ("`", str(text))
+
+
+def path(text):
+    """A file's path (or a command listed for review): backquoted in Markdown, bare in text."""
+    return ("p", str(text))
+
+
+def tail(text):
+    """A line of a failed check's output: shown behind a bar in text, left to the log in
+    Markdown (the job's own log holds it)."""
+    return ("tail", str(text))
+
+
+def render_parts(parts, md):
+    out = []
+    for p in parts:
+        if not isinstance(p, tuple):
+            out.append(p)
+        elif p[0] == "tail":
+            out.append(OUTPUT_BAR.strip() + " " + one_line(p[1]))
+        elif md:
+            out.append(f"`{md_cell(p[1], 200)}`")
+        else:
+            out.append(f"`{one_line(p[1])}`" if p[0] == "`" else one_line(p[1]))
+    return "".join(out)
+
+
+def block_lines(block, md=False, indent="  ", limit=MAX_LISTED):
+    """A Block as lines: text indents its items under its title, Markdown makes them bullets
+    (50 at most; text shows `limit`, --json has them all); an inline block is one line."""
+    items = [i for i in block.items if not (md and i and isinstance(i[0], tuple)
+                                            and i[0][0] == "tail")]
+    cap = 50 if md else limit
+    more = len(items) - cap
+    if not items:
+        if block.empty is None:
+            return []
+        line = f"{block.title} {block.empty}".rstrip()
+        return [line, ""] if md else [indent + line]
+    if block.inline:
+        line = f"{block.title} " + ", ".join(render_parts(i, md) for i in items[:cap]) + (
+            f" and {more} more" if more > 0 else "")
+        return [line, ""] if md else [indent + line]
+    if md:
+        return ([block.title, ""] + [f"- {render_parts(i, True)}" for i in items[:cap]]
+                + ([f"- … and {more} more"] if more > 0 else []) + [""])
+    return ([f"{indent}{block.title}"] + [f"{indent}  {render_parts(i, False)}"
+                                          for i in items[:cap]]
+            + ([f"{indent}  … and {more} more"] if more > 0 else []))
+
+
+def tripwire_block(wires, empty=None):
+    return Block("The work's code reaches into the test run or looks for its judge (a tripwire "
+                 "for the reviewer, not a proof):",
+                 [[path(f"{t['path']}:{t['line']}"), f" {t['what']} — ", code(t["text"])]
+                  for t in wires], empty)
 
 
 def tripwire_md(wires, base):
     """The report's section on the tripwires since `base`."""
-    if not wires:
-        return (f"\n## Tripwires\n\nNone since `{md_cell(base)}`: no line of the work reaches "
-                "into the test run or looks for its judge.\n")
-    return ("\n## Tripwires\n\nThe work's code reaches into the test run or looks for its judge "
-            "(a tripwire for the reviewer, not a proof):\n\n"
-            + "".join(f"- `{md_cell(t['path'])}:{t['line']}` {t['what']} — "
-                      f"`{md_cell(t['text'])}`\n" for t in wires))
+    return "\n## Tripwires\n\n" + "\n".join(block_lines(tripwire_block(
+        wires, f"None since `{md_cell(base)}`: no line of the work reaches into the test run or "
+               "looks for its judge."), md=True))
 
 
 def tripwire_lines(wires):
-    """What judge-packet and report say of the tripwires, a line each."""
-    if not wires:
-        return []
-    return (["The work's code reaches into the test run or looks for its judge (a tripwire for "
-             "the reviewer, not a proof):"]
-            + [f"  {one_line(t['path'])}:{t['line']} {t['what']} — {one_line(t['text'])}"
-               for t in wires[:MAX_LISTED]])
+    """What judge-packet says of the tripwires, a line each."""
+    return block_lines(tripwire_block(wires), indent="")
 
 
-def build_tree(tree, with_branch=True):
-    """A folder outside the checkout (in $RUNNER_TEMP or the temporary folder) holding the base
-    commit's files — tests, conftest.py, tool configuration, build files — and, `with_branch`,
-    the branch's files the scope lets in: every tracked file, its bytes and mode as the commit
-    holds it (never through `git archive`, whose export-ignore and export-subst rules would
-    drop or rewrite files). Removed again if it cannot be built whole."""
-    folder = tempfile.mkdtemp(prefix="fablize-rerun-", dir=tree["scratch"])
-    try:
-        listing = git_out(tree["top"], "ls-tree", "-r", "-z", "--full-tree", tree["base"],
-                          what="--rerun")
-        entries = []
-        for row in listing.split(b"\0"):
-            if row:
-                meta, _, name = row.partition(b"\t")
-                mode, kind, _ = meta.split()
-                if kind == b"blob":  # a submodule's commit is no file of this tree
-                    entries.append((name.decode("utf-8", "surrogateescape"), mode))
-        write_blobs(tree["top"], folder, tree["base"], entries)
-        if with_branch and tree["take"]:
-            kept = [path for path, deleted in tree["take"] if not deleted]
-            modes = {}
-            if kept:
-                listing = git_out(tree["top"], "ls-tree", "-z", "HEAD", "--", *kept, env=LITERAL)
-                for row in listing.split(b"\0"):
-                    if row:
-                        meta, _, name = row.partition(b"\t")
-                        modes[name.decode("utf-8", "surrogateescape")] = meta.split()[0]
-            for path, deleted in tree["take"]:
-                if deleted:
-                    clear(folder, path)
-            write_blobs(tree["top"], folder, "HEAD",
-                        [(path, modes.get(path, b"100644")) for path in kept])
-    except BaseException:
-        shutil.rmtree(folder, ignore_errors=True)
-        raise
-    return folder
-
-
-def clear(folder, path):
-    """Whatever stands at `path` in the scratch tree (a file, a link, a folder) taken away."""
-    target = os.path.join(folder, *path.split("/"))
-    if os.path.isdir(target) and not os.path.islink(target):
-        shutil.rmtree(target)
-    elif os.path.lexists(target):
-        os.unlink(target)
-
-
-def write_blobs(top, folder, commit, entries):
-    """Each (path, mode) of `commit` written into `folder`: a file with its bytes and its
-    executable bit, a symlink only where it stays inside the tree; whatever stood in the way (a
-    folder that became a file, a file that became a folder, a link) taken away first."""
-    if not entries:
-        return
-    blobs = git_out(top, "cat-file", "--batch", data="".join(
-        f"{commit}:{path}\n" for path, _ in entries).encode("utf-8", "surrogateescape"))
-    pos = 0
-    for path, mode in entries:
-        end = blobs.index(b"\n", pos)
-        header, pos = blobs[pos:end].split(), end + 1
-        if len(header) != 3:
-            continue  # `<name> missing`: no content follows, nothing to write
-        size = int(header[2])
-        data, pos = blobs[pos:pos + size], pos + size + 1
-        parts = path.split("/")
-        for i in range(1, len(parts)):  # a parent that is a file or a link now: a folder again
-            parent = os.path.join(folder, *parts[:i])
-            if os.path.lexists(parent) and (os.path.islink(parent) or
-                                            not os.path.isdir(parent)):
-                os.unlink(parent)
-        target = os.path.join(folder, *parts)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        clear(folder, path)
-        if mode == b"120000":  # a symlink: only one that stays inside the tree
-            link = data.decode("utf-8", "surrogateescape")
-            if not os.path.isabs(link) and not os.path.normpath(
-                    os.path.join(os.path.dirname(path), link)).startswith(".."):
-                os.symlink(link, target)
-            continue
-        with open(target, "wb") as f:
-            f.write(data)
-        os.chmod(target, 0o755 if mode == b"100755" else 0o644)
-
-
-def rerun(store, plan, trust, opts, timeout):
-    """The frozen checks run again by CI, recording nothing: the re-witnessed grade. With a
-    scope and a base, every check runs in a fresh tree of its own (build_tree), so no check can
-    write what another reads: first, alone, the checks CI requires (--require-check), then the
-    final story's others, then every other story's; else in the checkout. With `fail_to_pass`,
-    the final story's checks run on the base's tree alone too, each in its own: one that passes
-    there proves nothing about the work (vacuous)."""
-    which = opts["rerun"] or "all"
-    stories = plan["goals"][-1:] + (plan["goals"][:-1] if which == "all" else [])
-    stories = [touch(story) for story in stories if story.get("checks")]
-    final = stories[0] if stories and is_final(plan, stories[0]) else None
-    required = [i for i, cmd in enumerate(final["checks"]) if cmd in opts["require_check"]
-                ] if final is not None else []
-    order = [(final, i) for i in required] + [
-        (story, i) for story in stories for i in range(len(story["checks"]))
-        if not (story is final and i in required)]
-    tree = trust["tree"]
-    results = []
-    logs = tempfile.mkdtemp(prefix="fablize-rerun-logs-",
-                            dir=tree["scratch"] if tree is not None else None)
-
-    def run_one(story, i, kind):
-        cmd = story["checks"][i]
-        folder = None if tree is None else build_tree(tree, with_branch=kind == "tree")
-        try:
-            root = store.root if folder is None else os.path.join(folder, tree["root"])
-            record = run_command(cmd, root, timeout, None,
-                                 os.path.join(logs, f"{kind}-{story['id']}-{i}.log"))
-        finally:
-            if folder is not None:
-                shutil.rmtree(folder, ignore_errors=True)
-        results.append({"id": story["id"], "check": i + 1, "cmd": cmd, "on": kind,
-                        "ok": run_passed(record), "result": run_result(record),
-                        "tail": record["tail"]})
-
-    try:
-        for story, i in order:
-            run_one(story, i, "checkout" if tree is None else "tree")
-        if ((opts["fail_to_pass"] or opts["require_fail_to_pass"]) and tree is not None and
-                final is not None):
-            for i in range(len(final["checks"])):
-                run_one(final, i, "base")
-    finally:
-        shutil.rmtree(logs, ignore_errors=True)
-    return results
+def gate_lines(failures, md=False):
+    """Every failed gate with its fix."""
+    if md:
+        return [f"- **{f['code']}** — {md_cell(f['message'], 400)}. _Fix:_ {md_cell(f['fix'], 300)}"
+                for f in failures]
+    return [f"  ✗ {f['code']}: {f['message']} — fix: {f['fix']}" for f in failures]
 
 
 # The report: what the audit saw, its gates, its verdict #######################################
@@ -1078,19 +1320,28 @@ def review(store, plan, scan, pin, base, opts):
                                  for x in scan.added]
                                 if trust["pin"] and not trust["new_plan"] else [])
     scope, source = scope_of(plan, base, opts["scope"], opts.get("scope_from", "CI"))
-    if opts["scope"]:  # CI's own: judged as create judges the plan's
-        check_scope(scope, store.root, plan["goals"])
+    if opts["scope"]:  # CI's own (or the policy's): judged as create judges the plan's
+        check_scope(scope, store.root, plan["goals"],
+                    "--scope" if source == "CI" else f"the scope of {source}")
     trust["scope"] = {"patterns": scope, "from": source}
-    trust["tree"] = (tree_plan(store, plan, base, opts) if opts["rerun"] or opts["fail_to_pass"]
-        or opts["require_fail_to_pass"] or opts["forbid_out_of_scope"] or opts["forbid_tripwires"]
-        else None)
-    trust["out_of_scope"] = trust["tree"]["left"] if trust["tree"] else []
-    trust["harness"] = trust["tree"]["harness"] if trust["tree"] else []
-    trust["tripwires"] = tripwires(trust["tree"]) if trust["tree"] else []
+    tree = trust["tree"] = (tree_plan(store, plan, base, opts) if opts["rerun"] or (
+        opts["fail_to_pass"] or opts["require_fail_to_pass"] or opts["forbid_out_of_scope"]
+        or opts["forbid_tripwires"]) else None)
+    agent = tree["agent_tests"] if tree else []
+    trust["agent_test_files"] = agent
+    trust["out_of_scope"] = (tree["left"] + ([] if opts.get("agent_tests") == "prove" else agent)
+                             if tree else [])
+    trust["harness"] = tree["harness"] if tree else []
+    trust["shadow"] = tree["shadow"] if tree else []
+    trust["tripwires"] = tripwires(tree) if tree else []
     trust["engine_inside_tree"] = engine_inside(store.root)
     policy = opts.get("policy")
     trust["policy"] = policy and {k: v for k, v in policy.items() if k != "ref"}
+    trust["effective"] = effective_policy(opts)
     trust["policy_changed"] = policy_changes(store, base["ref"]) if base is not None else []
+    trust["github_changes"] = github_changes(store, base["ref"]) if base is not None else []
+    trust["policy_history"] = (policy_history(store, base["ref"], base["path"])
+                               if base is not None and policy else None)
     ci = base is not None or os.environ.get("CI", "").lower() in ("1", "true", "yes")
     trust["warnings"] = ["the engine running this audit lies inside the tree it audits: a pull "
                          "request can change it — run a copy kept outside the tree, with "
@@ -1101,73 +1352,6 @@ def review(store, plan, scan, pin, base, opts):
             "where a test runner's upward search would find the branch's configuration: the "
             f"re-run's trees go to {trust['tree']['scratch']} instead.")
     return trust
-
-
-def lines(trust):
-    """What audit says of the trust report, a line each."""
-    out = []
-    for story in trust["added_after_pin"]:
-        checks = "; ".join(one_line(c) for c in story["checks"]) or "no frozen check"
-        out.append(f"  added after the pin: {story['id']} {defused_line(story['title'])} — "
-                   f"{checks} "
-                   "(the re-run runs the final story's checks first)")
-    if trust["check_files_changed"]:
-        out.append("  frozen checks name files this branch changed since the base (review them): "
-                   + ", ".join(one_line(x) for x in trust["check_files_changed"][:MAX_LISTED]))
-    pin = trust["pin"]
-    if pin is not None:
-        where = "this ledger" if not pin["new_plan"] else f"{pin['in']} (a replaced plan)"
-        out.append(f"  pin: {one_line(pin['pin'][:80])} found in {where}"
-                   + (f" — from {one_line(trust['base']['ref'])}" if trust["base"] else ""))
-    elif trust["base"] is not None:
-        out.append(f"  pin: none — {one_line(trust['base']['ref'])} has no plan "
-                   f"({one_line(trust['base']['path'])}); this plan is new")
-    if trust["new_plan"]:
-        out.append("  new plan since the pin — its frozen checks (review what changed):")
-        for item in trust["frozen_checks"]:
-            for i, cmd in enumerate(item["checks"], 1):
-                out.append(f"    {item['id']} check {i}: {one_line(cmd)}")
-        if not trust["frozen_checks"]:
-            out.append("    (none: every completion in it is claimed)")
-    if trust["policy"]:
-        out.append(f"  policy: {one_line(trust['policy']['path'])} as the base holds it")
-    scope = trust["scope"]
-    if scope["patterns"]:
-        out.append(f"  scope ({one_line(scope['from'])}): "
-                   + ", ".join(map(one_line, scope["patterns"][:MAX_LISTED])))
-    if trust["out_of_scope"]:
-        out.append(f"  the branch changed {count_noun(len(trust['out_of_scope']), 'file')}"
-                   " outside the scope, which the re-run did not take (review them): "
-                   + ", ".join(map(one_line, trust["out_of_scope"][:MAX_LISTED])))
-    if trust["harness"]:
-        out.append("  of them inside the scope but the test harness, which always comes from the "
-                   "base (conftest.py, runner and build configuration, what a check runs): "
-                   + ", ".join(map(one_line, trust["harness"][:MAX_LISTED])))
-    if trust["tripwires"]:
-        out.append("  the branch's code inside the scope reaches into the test run or looks for "
-                   "its judge (review it: a tripwire, not a proof):")
-        out += [f"    {one_line(t['path'])}:{t['line']} {t['what']} — {one_line(t['text'])}"
-                for t in trust["tripwires"][:MAX_LISTED]]
-    if trust["imported"]:
-        out.append("  imported from the original goals.py: its first event is not the engine's own")
-    for item in trust["accepted"]:
-        by = f"signed by {one_line(item['signer'])}" if item["signer"] else "unsigned"
-        out.append(f"  accepted: {item['id']} ({by}) — "
-                   f"{defused_line(last_chars(item['note'], 200))}")
-    for run in trust["unclean_runs"][:MAX_LISTED]:
-        out.append(f"  run at line {run['line']} ({one_line(run['id'])} `{one_line(run['cmd'])}`): "
-                   + "; ".join(run["why"]))
-    if trust["runs_without_provenance"]:
-        out.append(f"  {count_noun(trust['runs_without_provenance'], 'run')} recorded no "
-                   "provenance (an older engine's, or written by hand)")
-    if trust["unclean_count"] > MAX_LISTED:
-        out.append(f"  … and {count_noun(trust['unclean_count'] - MAX_LISTED, 'more run')} "
-                   "not clean (all of them under --json)")
-    return out
-
-
-def failure(code, message, fix):
-    return {"code": code, "message": message, "fix": fix}
 
 
 def gates(store, plan, trust, opts):
@@ -1204,11 +1388,26 @@ def gates(store, plan, trust, opts):
             + ", ".join(one_line(x) for x in trust["check_files_changed"][:MAX_LISTED]),
             "take those changes out of the branch, or have a human change the checks on the base"))
     if opts["forbid_out_of_scope"] and trust["out_of_scope"]:
+        agent = [p for p in trust["out_of_scope"] if p in trust["agent_test_files"]]
         found.append(failure(
             "out_of_scope", "the branch changed files outside the work's scope"
             + (" or the test harness" if trust["harness"] else "") + " — "
             + ", ".join(map(one_line, trust["out_of_scope"][:MAX_LISTED])),
-            "take them out of the branch, or widen the scope on the base (`create --scope`)"))
+            "take them out of the branch, or widen the scope on the base (`create --scope`)"
+            + ("; the new test files are the agent's own: the policy on the base runs them red "
+               "→ green with \"agent_tests\": \"prove\"" if agent else "")))
+    if trust.get("shadow"):
+        found.append(failure(
+            "shadow", "files of the work are named like modules they would stand in for — "
+            + ", ".join(f"{one_line(x['path'])} ({x['module']})" for x in trust["shadow"][:5]),
+            "rename them: a file of the work must not take the name of a standard-library "
+            "module or of a package CI installed (its tests would import the work's file)"))
+    if opts.get("agent_tests") == "forbid" and trust["agent_test_files"]:
+        found.append(failure(
+            "agent_tests_forbidden", "the branch adds test files, and the policy forbids the "
+            "agent's own tests — " + ", ".join(map(one_line, trust["agent_test_files"][:5])),
+            "take them out of the branch (a human adds tests on the base), or a human sets "
+            "\"agent_tests\": \"prove\" in the policy"))
     if trust["new_plan"] and not opts["allow_new_plan"]:
         base = trust["base"]
         if trust["pin"] is not None or base is None:
@@ -1279,69 +1478,183 @@ def gates(store, plan, trust, opts):
     return found
 
 
-def rerun_failures(results, opts):
-    """The re-run's gates: a check that failed on the branch's work, and — with
-    --require-fail-to-pass — a final check that passes on the base alone."""
-    found = []
-    for r in results:
-        if r["on"] != "base" and not r["ok"]:
-            found.append(failure("rerun_failed", f"re-run failed — {r['id']} check {r['check']} "
-                                 f"`{one_line(r['cmd'])}`: {r['result']}",
-                                 "fix the work so that the frozen check passes; the re-run is CI's "
-                                 "own"))
-        elif r["on"] == "base" and r["ok"] and opts["require_fail_to_pass"]:
-            found.append(failure("vacuous_check", f"{r['id']} check {r['check']} "
-                                 f"`{one_line(r['cmd'])}` already passes on the base without the "
-                                 "branch's changes: it proves nothing about this work",
-                                 "a human freezes a check that fails before the work and passes "
-                                 "after it"))
-    return found
-
-
-def rerun_lines(results, tree):
-    """What the re-run says: where it ran, a line per check, the tail of what a failure printed."""
-    where = "here, in the checkout" if tree is None else (
-        f"on {one_line(tree['base'])}'s tree with the branch's files inside the scope "
-        f"({count_noun(len(tree['take']), 'file')} taken)")
-    out = [f"  re-run: {count_noun(len(results), 'frozen check')}, {where}, recorded "
-           "nowhere:"]
-    for r in results:
-        label = " (on the base alone)" if r["on"] == "base" else ""
-        verdict = (("✗ vacuous" if r["ok"] else "✓ fails, as it should") if r["on"] == "base"
-            else ("✓" if r["ok"] else "✗"))
-        out.append(f"    {verdict} {r['id']} check {r['check']}{label} "
-                   f"`{one_line(r['cmd'])}` → {r['result']}")
-        if r["tail"] and (not r["ok"] or r["on"] != "base"):
-            tail = last_chars(r["tail"], 300).rstrip("\n").split("\n")
-            out += ["    " + OUTPUT_BAR + one_line(x)
-                    for x in tail[-8 if not r["ok"] else -2:]]
-    if tree is None:
-        out.append("  (no scope known: the checks ran on the branch's own tests and tools)")
+def findings(trust, rerun=None):
+    """Everything the trust room found, as Blocks in the order a reviewer reads them: the
+    effective policy, where it last changed, the pin, the plan's new checks, the scope and what
+    the branch changed around it, the re-run, the agent's own tests, tripwires, decisions and
+    runs that are not clean. The audit's text and the job summary render these same blocks."""
+    out = []
+    if trust.get("effective"):
+        out.append(Block("effective policy (each gate, and where it came from):",
+                         [[f"{name}: {words} — {source}"] for name, words, source in
+                          trust["effective"]]))
+    history = trust.get("policy_history")
+    if history:
+        after = (" — after the plan's pin: review what it loosened" if history["after_pin"]
+                 else "")
+        out.append(Block("policy:", [[f"{POLICY_PATH} as the base holds it, last changed by ",
+                                      code(history["commit"][:12]),
+                                      f" ({one_line(history['subject'])[:80]})" + after]],
+                         inline=True))
+    if trust.get("github_changes"):
+        out.append(Block("the branch changes .github/ (review it):",
+                         [[path(p)] for p in trust["github_changes"]], inline=True))
+    pin = trust["pin"]
+    if pin is not None:
+        where = "this ledger" if not pin["new_plan"] else f"{pin['in']} (a replaced plan)"
+        out.append(Block("pin:", [[path(pin["pin"][:80]), f" found in {where}" + (
+            f" — from {one_line(trust['base']['ref'])}" if trust["base"] else "")]], inline=True))
+    elif trust["base"] is not None:
+        out.append(Block("pin:", [[f"none — {one_line(trust['base']['ref'])} has no plan (",
+                                   path(trust["base"]["path"]), "); this plan is new"]],
+                         inline=True))
+    for story in trust["added_after_pin"]:
+        out.append(Block(f"added after the pin: {story['id']} {defused_line(story['title'])} —",
+                         [[path(c)] for c in story["checks"]] or [["no frozen check"]],
+                         inline=True))
+        out[-1].items[-1].append(" (the re-run runs the final story's checks first)")
+    if trust["new_plan"]:
+        out.append(Block("new plan since the pin — its frozen checks (review what changed):",
+                         [[f"{item['id']} check {i}: ", path(cmd)] for item in
+                          trust["frozen_checks"] for i, cmd in enumerate(item["checks"], 1)],
+                         "(none: every completion in it is claimed)"))
+    if trust["check_files_changed"]:
+        out.append(Block("files the frozen checks run that this branch changed since the base "
+                         "(review them):", [[path(x)] for x in trust["check_files_changed"]],
+                         inline=True))
+    scope = trust["scope"]
+    if scope["patterns"]:
+        out.append(Block(f"scope ({one_line(scope['from'])}):",
+                         [[path(p)] for p in scope["patterns"]], inline=True))
+    if trust["out_of_scope"]:
+        out.append(Block(f"the branch changed {count_noun(len(trust['out_of_scope']), 'file')} "
+                         "outside the scope, which the re-run did not take (review them):",
+                         [[path(p)] for p in trust["out_of_scope"]], inline=True))
+    if trust["harness"]:
+        out.append(Block("of them inside the scope but the test harness, which always comes "
+                         "from the base (conftest.py, runner and build configuration, what a "
+                         "check runs):", [[path(p)] for p in trust["harness"]], inline=True))
+    if trust.get("shadow"):
+        out.append(Block("files of the work named like a module they would stand in for (not "
+                         "taken):", [[path(x["path"]), f" ({x['module']})"]
+                                     for x in trust["shadow"]], inline=True))
+    if rerun is not None:
+        out += rerun_blocks(trust, rerun)
+    if trust["tripwires"]:
+        out.append(tripwire_block(trust["tripwires"]))
+    if trust["imported"]:
+        out.append(Block("imported from the original goals.py: its first event is not the "
+                         "engine's own", [], ""))
+    for item in trust["accepted"]:
+        by = f"signed by {one_line(item['signer'])}" if item["signer"] else "unsigned"
+        out.append(Block(f"accepted: {item['id']} ({by}) —",
+                         [[defused_line(last_chars(item["note"], 200))]], inline=True))
+    for run in trust["unclean_runs"][:MAX_LISTED]:
+        out.append(Block(f"run at line {run['line']} ({one_line(run['id'])}",
+                         [[code(run["cmd"]), "): " + "; ".join(run["why"])]], inline=True))
+    if trust["runs_without_provenance"]:
+        out.append(Block(f"{count_noun(trust['runs_without_provenance'], 'run')} recorded no "
+                         "provenance (an older engine's, or written by hand)", [], ""))
+    if trust["unclean_count"] > MAX_LISTED:
+        out.append(Block(f"… and {count_noun(trust['unclean_count'] - MAX_LISTED, 'more run')} "
+                         "not clean (all of them under --json)", [], ""))
     return out
 
 
-def grades(plan, results):
+def lines(trust, rerun=None):
+    """What audit says of the trust report, a line each."""
+    out = []
+    for block in findings(trust, rerun):
+        out += block_lines(block)
+    return out
+
+
+def check_parts(r):
+    """One re-run check, as the reviewer reads it: what ran, what its runner said, and against
+    the base's run how its tests fared. A held-out check is never named."""
+    mark = "✓ " if r["ok"] else "✗ "
+    if r["held_out"]:
+        return [f"{mark}held-out check {r['check']} → " + ("passed" if r["ok"] else "failed")]
+    parts = [f"{mark}{r['id']} check {r['check']} ", code(r["cmd"]), f" → {r['result']}"]
+    base, cmp = r.get("base"), r.get("compare")
+    if base is not None:
+        parts.append(f"; on the base alone: {base['result']}")
+    if cmp is not None:
+        if cmp.get("whole"):
+            parts.append(" — it failed on the base, and passes with the work")
+        else:
+            said = [f"{cmp['fixed_count']} fixed (failed on the base, pass now)"] if \
+                cmp["fixed_count"] else []
+            said += cmp["words"]
+            if said:
+                parts.append(" — " + "; ".join(said))
+    return parts
+
+
+def rerun_blocks(trust, rerun):
+    """The re-run as Blocks: where it ran, a line a check (a failed one's output tail beneath
+    it), its isolation, the held-out checks, the agent's own tests, the base tests changed."""
+    tree = trust.get("tree")
+    checks = rerun["checks"]
+    if rerun["where"] == "checkout":
+        where = "here, in the checkout"
+    else:
+        where = (f"on {one_line(tree['base'])}'s tree with the branch's files inside the scope "
+                 f"({count_noun(len(tree['take']), 'file')} taken), each test compared with its "
+                 "run on the base's tree alone")
+    items = []
+    for r in checks:
+        items.append(check_parts(r))
+        if not r["held_out"] and r["tail"]:  # a failure's last 8 lines, a pass's last 2
+            lines = last_chars(r["tail"], 300).rstrip("\n").split("\n")
+            items += [[tail(x)] for x in lines[-8 if not r["ok"] else -2:]]
+    out = [Block(f"re-run: {count_noun(len(checks), 'frozen check')}, {where}, recorded "
+                 "nowhere:", items)]
+    if rerun["where"] == "checkout":
+        out.append(Block("(no scope known: the checks ran on the branch's own tests and tools)",
+                         [], ""))
+    out.append(Block("isolation:", [[rerun["isolation"]]], inline=True))
+    if rerun["held_out"]:
+        passed = sum(1 for r in checks if r["held_out"] and r["ok"])
+        out.append(Block(f"held-out checks: {rerun['held_out']} ran, {passed} passed (what they "
+                         "are is CI's own)", [], ""))
+    agent = rerun.get("agent_tests")
+    if agent is not None:
+        items = [["proven red → green: ", path(t)] for t in agent["proven"]]
+        items += [["passes on the base too — proves nothing: ", path(t)] for t in agent["not_red"]]
+        items += [["does not pass on the branch's code: ", path(t)] for t in agent["not_green"]]
+        items += [["run by no frozen check: ", path(f)] for f in agent["unrun"]]
+        out.append(Block(f"agent-written tests: {len(agent['proven'])} proven red → green — "
+                         "review what they test:", items))
+    if rerun.get("tests_changed"):
+        out.append(Block("base tests the branch changes (the re-run ran the base's):",
+                         [[path(p)] for p in rerun["tests_changed"]], inline=True))
+    return out
+
+
+def grades(plan, rerun):
     """Each story's grade for the reviewer: claimed, witnessed, accepted — re-witnessed when every
     frozen check of it passed again in this re-run."""
     passed = {}
-    for r in results:
-        if r["on"] != "base":
-            passed.setdefault(r["id"], True)
-            passed[r["id"]] = passed[r["id"]] and r["ok"]
+    for r in (rerun or {}).get("checks", ()):
+        if not r["held_out"]:
+            passed[r["id"]] = passed.get(r["id"], True) and r["ok"]
     return {s["id"]: "re-witnessed" if passed.get(s["id"]) else
             (s.get("grade") or ("not done" if s["status"] not in DONE else "claimed"))
             for s in plan["goals"]}
 
 
-def summary(verdict, failures, report_md, trust=None, results=(), story_grades=None):
+def summary(verdict, failures, report_md, trust=None, rerun=None, story_grades=None):
     """The Markdown of a CI job summary, opening with the verdict: every failed gate with what to
-    do, each story's grade, where the re-run ran and what it left out, then the report."""
+    do, the effective policy, each story's grade, the re-run check by check and everything else
+    the audit found (findings: the same blocks as its text), then the report."""
     md = [f"## {verdict}", ""]
-    for f in failures:
-        md.append(f"- **{f['code']}** — {md_cell(f['message'], 400)}. "
-                  f"_Fix:_ {md_cell(f['fix'], 300)}")
+    md += gate_lines(failures, md=True)
     if failures:
         md.append("")
+    blocks = findings(trust, rerun) if trust is not None else []
+    if blocks and blocks[0].title.startswith("Effective policy"):
+        md += block_lines(blocks.pop(0), md=True)
     if story_grades and len(story_grades) <= GRADES_EACH:
         md += ["| Story | Grade |", "|---|---|"]
         md += [f"| {sid} | {grade} |" for sid, grade in story_grades.items()]
@@ -1351,36 +1664,7 @@ def summary(verdict, failures, report_md, trust=None, results=(), story_grades=N
         md += [f"| {grade} | {len(ids):,}{few_ids(ids)} |"
                for grade, ids in grade_groups(story_grades)]
         md.append("")
-    if trust is not None:
-        tree = trust.get("tree")
-        if results:
-            md.append("Re-run " + ("in the checkout: no scope known, so the checks ran on the "
-                                   "branch's own tests and tools." if tree is None else
-                                   f"on `{md_cell(tree['base'])}`'s tree with the "
-                                   f"branch's files inside the scope "
-                                   "(" + ", ".join(f"`{md_cell(p)}`"
-                                                   for p in tree["scope"]) + ").")
-                      )
-            md.append("")
-            for r in results:  # each check with its runner's own counts: the evidence
-                mark = ("✓" if r["ok"] != (r["on"] == "base") else "✗")
-                md.append(f"- {mark} {r['id']} check {r['check']}"
-                          f"{' (on the base alone)' if r['on'] == 'base' else ''} "
-                          f"`{md_cell(r['cmd'], 120)}` → {md_cell(r['result'], 200)}")
-            md.append("")
-        if trust.get("out_of_scope"):
-            md.append("Files the branch changed outside the scope (not taken for the re-run): "
-                      + ", ".join(f"`{md_cell(p)}`" for p in trust["out_of_scope"][:50]))
-            if trust.get("tripwires"):
-                md.append("")
-                md.append("The branch's code inside the scope reaches into the test run or looks "
-                          "for its judge (a tripwire for the reviewer, not a proof):")
-                md += [f"- `{md_cell(t['path'])}:{t['line']}` {t['what']} — "
-                       f"`{md_cell(t['text'])}`" for t in trust["tripwires"][:50]]
-            if trust.get("harness"):
-                md.append("")
-                md.append("Of them inside the scope but the test harness, always the base's: "
-                          + ", ".join(f"`{md_cell(p)}`" for p in trust["harness"][:50]))
-            md.append("")
+    for block in blocks:
+        md += block_lines(block, md=True)
     md.append(report_md)
     return "\n".join(md)

@@ -1,0 +1,551 @@
+"""CI's re-run, the trust room's witness the agent cannot write: every frozen check run again in
+trees of its own outside the checkout, on the base's code and on the branch's, and the two runs
+compared test by test from the runners' own reports (reports.py).
+
+- The base's tree: the base commit's files, bytes and modes as committed (never `git archive`,
+  whose export rules would drop or rewrite files).
+- The branch's tree: the base's, with the branch's files inside the scope taken over — never a
+  test, the harness (conftest.py, runner and build configuration, what git reads from the tree,
+  what a check runs), an artefact, or a file named like a module it would shadow.
+- The agent's own tests (test files the branch adds) run in trees of their own, never beside the
+  base's tests: on the base's code each must fail, on the branch's each must pass.
+- Held-out checks the policy names run like required checks; what they are is never said.
+
+A check passes when, on the branch's tree, its exit code and its runner's report agree and every
+test the base's run ran still runs and passes — those that passed still pass (PASS_TO_PASS),
+those that failed now pass (FAIL_TO_PASS); a test skipped on the base may stay skipped.
+
+Interface (for the trust room and `audit`):
+  Isolation.choose(user)   how the checks run beside the auditor, said in one line
+  rerun(store, plan, trust, opts, timeout)    the re-run (a dict), recording nothing
+  failures(result, opts)   every gate of the re-run that says no: [{code, message, fix}]
+"""
+
+import os
+import re
+import shutil
+import tempfile
+
+from .base import count_noun, one_line, refused, usage
+from .model import is_final, run_passed, run_result, touch
+from .reports import BROKEN, compare, PASSED
+from .runs import read_objects, run_command, tree_entries
+from .storage import within
+
+MAX_IDS = 20                # test ids kept per finding: a failing suite of 5,000 names a few
+# the names of test modules whatever runs them (the runners' own reports name the rest): pytest's
+# and unittest's defaults, Django's tests.py, Go's and JavaScript's conventions, Rust's tests/
+TEST_FILE = re.compile(r"(^|/)(test_[^/]*\.py|[^/]*_tests?\.py|tests?\.py|[^/]*_test\.go"
+                       r"|[^/]*\.(test|spec)\.[cm]?[jt]sx?)\Z|(^|/)(tests?|__tests__|spec)/"
+                       r"[^/]*\.(py|[cm]?[jt]sx?|go|rs)\Z")
+
+
+# Beside the auditor, with fewer rights ###########################################################
+
+
+class Isolation:
+    """How the re-run's checks run beside the auditor. As root with --check-user, as that user:
+    they can neither trace nor signal the auditor, nor write what it writes. Always, where the
+    kernel offers it: the auditor is not dumpable (no process of its user may trace it or read its
+    memory) and neither it nor anything it starts gains privileges (no new privileges: sudo and
+    setuid programs do nothing) — a check cannot attach to its judge and force a verdict."""
+
+    def __init__(self, user=None):
+        self.user = user
+        self.guarded = []       # what prepare() achieved, in words
+        self.home = None
+
+    @classmethod
+    def choose(cls, name):
+        if not name:
+            return cls()
+        import pwd
+        if "\x00" in name:
+            raise usage("--check-user: a name cannot hold a NUL byte.", "check_user")
+        try:
+            user = pwd.getpwnam(name)
+        except KeyError:
+            raise usage(f"--check-user {one_line(name)}: no such user here — create one without "
+                        "sudo rights (useradd --system NAME) or leave --check-user out.",
+                        "check_user")
+        if user.pw_uid == 0:
+            raise usage(f"--check-user {one_line(name)} is root: checks must run with fewer "
+                        "rights than the auditor.", "check_user")
+        if os.geteuid() != 0:
+            raise usage("--check-user starts each check as that user, which only root can: run "
+                        "the audit as root (sudo) or leave --check-user out.", "check_user")
+        return cls(user)
+
+    def prepare(self):
+        """The auditor out of reach, before the first check runs."""
+        try:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            prctl = libc.prctl
+        except (OSError, AttributeError, ImportError):
+            return
+        if prctl(4, 0, 0, 0, 0) == 0:          # PR_SET_DUMPABLE: 0
+            self.guarded.append("the auditor cannot be traced or read")
+        if prctl(38, 1, 0, 0, 0) == 0:         # PR_SET_NO_NEW_PRIVS
+            self.guarded.append("no check gains privileges (sudo does nothing)")
+
+    def popen(self, scratch):
+        """What subprocess.Popen is given to start a check (with --check-user: as that user,
+        in a home of its own)."""
+        if self.user is None:
+            return {}
+        if self.home is None:
+            self.home = tempfile.mkdtemp(prefix="fablize-check-home-", dir=scratch)
+            self.give(self.home)
+        env = dict(os.environ, HOME=self.home, USER=self.user.pw_name,
+                   LOGNAME=self.user.pw_name)
+        return {"user": self.user.pw_uid, "group": self.user.pw_gid, "extra_groups": [],
+                "env": env}
+
+    def give(self, path):
+        """`path` (a tree, a report folder) made the check user's, so it can write there."""
+        if self.user is None:
+            return
+        for folder, dirs, files in os.walk(path):
+            for name in [folder] + [os.path.join(folder, x) for x in dirs + files]:
+                try:
+                    os.lchown(name, self.user.pw_uid, self.user.pw_gid)
+                except OSError:
+                    pass
+
+    def words(self):
+        """The isolation the re-run had, in one sentence (the log and the job summary say it)."""
+        yama = _read_small("/proc/sys/kernel/yama/ptrace_scope").strip()
+        if self.user is not None:
+            who = f"the checks ran as {self.user.pw_name}, not as the auditor"
+            rest = self.guarded
+        else:
+            who = "the checks shared the auditor's user and its rights"
+            rest = self.guarded + ([f"ptrace limited to descendants (Yama {yama})"]
+                                   if yama in ("1", "2", "3") else [])
+        if not self.guarded and self.user is None:
+            return who + ": nothing kept them from tracing or signalling it (no isolation here)"
+        return who + ("; " + "; ".join(rest) if rest else "")
+
+    def shared(self):
+        return self.user is None and not self.guarded
+
+
+def _read_small(path):
+    try:
+        with open(path) as f:
+            return f.read(100)
+    except OSError:
+        return ""
+
+
+# The trees ########################################################################################
+
+
+class Trees:
+    """The re-run's trees: each a fresh folder outside the checkout, removed after its run."""
+
+    def __init__(self, tree, isolation):
+        self.tree, self.isolation = tree, isolation
+        top = tree["top"]
+        self.base = tree_entries(top, tree["base"])
+        kept = [path for path, deleted in tree["take"] if not deleted]
+        self.head = tree_entries(top, "HEAD", kept) if kept else {}
+        agent = tree.get("agent_tests") or []
+        self.agent = tree_entries(top, "HEAD", agent) if agent else {}
+        self.blobs = read_objects(top, [oid for _, oid in list(self.base.values())
+                                        + list(self.head.values()) + list(self.agent.values())])
+
+    def entries(self, code, tests):
+        """{path: (mode, oid)} of a tree: `code` "base" or "branch" (the base's, with the files
+        the scope takes); `tests` "base" (as the base holds them) or "agent" (the base's test
+        files taken out, the agent's new ones put in)."""
+        entries = dict(self.base)
+        if code == "branch":
+            for path, deleted in self.tree["take"]:
+                entries.pop(path, None)
+                for other in [p for p in entries if p.startswith(path + "/")]:
+                    del entries[other]  # a folder the branch turned into a file
+                if not deleted and path in self.head:
+                    entries[path] = self.head[path]
+        if tests == "agent":
+            for path in self.tree.get("base_tests") or ():
+                entries.pop(path, None)
+            entries.update(self.agent)
+        return entries
+
+    def build(self, code="branch", tests="base"):
+        folder = tempfile.mkdtemp(prefix="fablize-rerun-", dir=self.tree["scratch"])
+        try:
+            write_tree(folder, self.entries(code, tests), self.blobs)
+            self.isolation.give(folder)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        return folder
+
+
+def write_tree(folder, entries, blobs):
+    """Each (path → mode, oid) written into `folder`: a file with its bytes and its executable
+    bit; a symlink only where it stays inside the tree; a path no folder can hold (a file where
+    a folder should be) skipped."""
+    for path in sorted(entries):
+        mode, oid = entries[path]
+        data = blobs.get(oid)
+        parts = path.split("/")
+        if data is None or any(p in ("", ".", "..") for p in parts):
+            continue
+        target = os.path.join(folder, *parts)
+        try:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+        except OSError:  # a parent is a file of this tree (it cannot hold both)
+            continue
+        if mode == "120000":
+            link = data.decode("utf-8", "surrogateescape")
+            if not os.path.isabs(link) and not os.path.normpath(
+                    os.path.join(os.path.dirname(path), link)).startswith(".."):
+                os.symlink(link, target)
+            continue
+        with open(target, "wb") as f:
+            f.write(data)
+        os.chmod(target, 0o755 if mode == "100755" else 0o644)
+
+
+# The runs #########################################################################################
+
+
+class Check:
+    """One command the re-run runs: a frozen check of a story, or a held-out check."""
+
+    def __init__(self, sid, number, cmd, final=False, required=False, held_out=False):
+        self.sid, self.number, self.cmd = sid, number, cmd
+        self.final, self.required, self.held_out = final, required, held_out
+
+    def label(self):
+        return (f"held-out check {self.number}" if self.held_out
+                else f"{self.sid} check {self.number}")
+
+
+def checks_in(plan, opts, held_out):
+    """The checks to run, in order: the held-out ones and those CI requires first, then the final
+    story's others, then (with --rerun all) every other story's."""
+    which = opts["rerun"] or "final"  # fail-to-pass alone: the final story's
+    stories = plan["goals"][-1:] + (plan["goals"][:-1] if which == "all" else [])
+    stories = [touch(story) for story in stories if story.get("checks")]
+    final = stories[0] if stories and is_final(plan, stories[0]) else None
+    first = [Check(None, n, cmd, final=True, required=True, held_out=True)
+             for n, cmd in enumerate(held_out, 1)]
+    rest = []
+    for story in stories:
+        for i, cmd in enumerate(story["checks"]):
+            required = story is final and cmd in opts["require_check"]
+            (first if required else rest).append(
+                Check(story["id"], i + 1, cmd, final=story is final, required=required))
+    return first + rest
+
+
+class Runner:
+    """Runs commands in fresh trees (or the checkout), each once a kind of tree: a command two
+    stories freeze runs once, and says so for both."""
+
+    def __init__(self, store, trees, isolation, timeout, scratch, hidden):
+        self.store, self.trees, self.isolation = store, trees, isolation
+        self.timeout, self.hidden = timeout, hidden
+        self.logs = tempfile.mkdtemp(prefix="fablize-rerun-logs-", dir=scratch)
+        self.scratch = scratch
+        self.memo = {}
+
+    def run(self, cmd, code="branch", tests="base", trace=False):
+        """{record, report (reports.Report or None), root} of `cmd` on a tree of that kind."""
+        key = (cmd, code, tests, trace)
+        if key in self.memo:
+            return self.memo[key]
+        folder = None if self.trees is None else self.trees.build(code, tests)
+        try:
+            top = self.store.root if folder is None else folder
+            root = top if folder is None else os.path.join(folder, self.trees.tree["root"])
+            log = os.path.join(self.logs, f"{len(self.memo)}.log")
+            popen = self.isolation.popen(self.scratch)
+            if self.hidden:  # a check never sees what the held-out checks are
+                env = dict(popen.get("env") or os.environ)
+                for name in self.hidden:
+                    env.pop(name, None)
+                popen["env"] = env
+            record, report = run_command(cmd, root, self.timeout, None, log, popen=popen,
+                                         trace=trace, detail=True, owner=self.isolation.user)
+            self.memo[key] = {"record": record, "report": report, "top": top,
+                              "files": test_files(report, top, self.trees),
+                              "harness": traced_harness(log, top) if trace else set()}
+        finally:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+        return self.memo[key]
+
+    def close(self):
+        shutil.rmtree(self.logs, ignore_errors=True)
+        if self.isolation.home:
+            shutil.rmtree(self.isolation.home, ignore_errors=True)
+
+
+_PLUGIN = re.compile(r"^PLUGIN registered: <module '[\w.]+' from '(.+)'>$", re.M)
+
+
+def traced_harness(log, top):
+    """The files inside the tree that pytest loaded as plugins (conftest.py files, `-p` modules)
+    by its own word (--trace-config): harness, whatever they are named."""
+    try:
+        with open(log, "rb") as f:
+            text = f.read(8 << 20).decode("utf-8", "replace")
+    except OSError:
+        return set()
+    found = set()
+    real = os.path.realpath(top)
+    for path in _PLUGIN.findall(text):
+        for base in (top, real):
+            if within(path, base):
+                found.add(os.path.relpath(path, base).replace(os.sep, "/"))
+    return found
+
+
+def test_files(report, top, trees):
+    """{test id: repository path} of the tests a report names in a test module: the file as
+    the runner named it (reports name none for a doctest or a unit test inside the code), found
+    in the base's tree by its path from the tree's top, or as the end of one path there."""
+    if report is None:
+        return {}
+    known = trees.base if trees is not None else {}
+    found, cache = {}, {}
+    for test_id, file in report.files.items():
+        if not file:
+            continue
+        if os.path.isabs(file):
+            file = os.path.relpath(file, top) if within(file, top) else None
+        if not file:
+            continue
+        file = file.replace(os.sep, "/")
+        while file.startswith("./"):
+            file = file[2:]
+        if file not in cache:
+            hits = [p for p in known if p == file or p.endswith("/" + file)]
+            cache[file] = hits[0] if len(hits) == 1 else (file if file in known or not known
+                                                          else None)
+        if cache[file]:
+            found[test_id] = cache[file]
+    return found
+
+
+def rerun(store, plan, trust, opts, timeout):
+    """The frozen checks (and the policy's held-out checks) run again by CI, recording nothing:
+    the re-witnessed grade. With a scope and a base, each check runs on the base's tree and on the
+    branch's, each in a fresh tree of its own, and the two reports are compared test by test;
+    the agent's own test files, under `agent_tests: prove`, run red → green apart. Without a
+    scope, in the checkout, judged by their own report alone."""
+    tree = trust["tree"]
+    isolation = opts.get("isolation") or Isolation.choose(opts.get("check_user"))
+    isolation.prepare()
+    held_out, hidden = held_out_checks(opts)
+    checks = checks_in(plan, opts, held_out)
+    scratch = tree["scratch"] if tree is not None else tempfile.gettempdir()
+    trees = Trees(tree, isolation) if tree is not None else None
+    runner = Runner(store, trees, isolation, timeout, scratch, hidden)
+    result = {"where": "checkout" if tree is None else "tree", "checks": [],
+              "isolation": isolation.words(), "shared": isolation.shared(),
+              "held_out": len(held_out), "agent_tests": None, "tests_changed": []}
+    try:
+        if tree is not None:
+            base_runs = {c.cmd: runner.run(c.cmd, code="base", trace=True) for c in checks}
+            classify(tree, trees, base_runs.values())
+            result["tests_changed"] = tree["tests_changed"]
+        for c in checks:
+            branch = runner.run(c.cmd)
+            base = base_runs[c.cmd] if tree is not None else None
+            result["checks"].append(judged(c, branch, base))
+        if tree is not None and opts.get("agent_tests") == "prove" and tree["agent_tests"]:
+            result["agent_tests"] = agent_tests(runner, [c for c in checks if c.final
+                                                         and not c.held_out],
+                                                tree["agent_tests"], base_runs)
+    finally:
+        runner.close()
+    return result
+
+
+def held_out_checks(opts):
+    """(the held-out checks' commands, the variables that hold them): the policy names the
+    variable CI fills from outside the repository (a secret, another repository, an artifact);
+    one command a line."""
+    name = opts.get("held_out_checks")
+    if not name:
+        return [], []
+    value = os.environ.get(name, "")
+    commands = [line.strip() for line in value.splitlines() if line.strip()]
+    if not commands:
+        raise refused(f"the policy names held-out checks in ${name}, and CI set none: a human "
+                      f"makes the job fill {name} (from a secret, another repository or an "
+                      "artifact) before the audit runs.", "held_out_missing")
+    return commands, [name]
+
+
+def classify(tree, trees, base_runs):
+    """What the base's runner said of its own files, added to the scope's lists: the test modules
+    it ran and the plugins it loaded are the base's, even inside the scope — a branch change to
+    one is taken out of the branch's tree (a test or harness file) and, for a test, listed as a
+    change to a base test. The list names the rest."""
+    named, harness = set(), set()
+    for run in base_runs:
+        named |= set(run["files"].values())
+        harness |= run["harness"]
+    listed = {p for p in trees.base if TEST_FILE.search(p)}
+    base_tests = (named | listed) - harness
+    tree["base_tests"] = sorted(base_tests)
+    changed = {path for path, _ in tree["take"]} | set(tree["left"])
+    tree["tests_changed"] = sorted(p for p in changed if p in base_tests)
+    moved = [(p, d) for p, d in tree["take"] if p in base_tests or p in harness]
+    if moved:
+        tree["take"] = [x for x in tree["take"] if x not in moved]
+        tree["harness"] = sorted(set(tree["harness"]) | {p for p, _ in moved})
+        tree["left"] = sorted(set(tree["left"]) | {p for p, _ in moved})
+
+
+def judged(check, branch, base):
+    """One check's result: its run on the branch's tree (or the checkout), and, with the base's
+    run beside it, the comparison test by test."""
+    record, report = branch["record"], branch["report"]
+    out = {"id": check.sid, "check": check.number,
+           "cmd": check.cmd if not check.held_out else None, "held_out": check.held_out,
+           "on": "checkout" if base is None else "tree",
+           "final": check.final, "required": check.required, "result": run_result(record),
+           "tail": record["tail"] if not check.held_out else "",
+           "report": record.get("report"), "passed": run_passed(record),
+           "base": None, "compare": None}
+    out["ok"] = out["passed"]
+    if base is not None:
+        brecord, breport = base["record"], base["report"]
+        out["base"] = {"result": run_result(brecord), "passed": run_passed(brecord),
+                       "report": brecord.get("report")}
+        if breport is not None and report is not None and breport.per_test and report.per_test:
+            cmp = compare(breport, report)
+            out["compare"] = {k: getattr(cmp, k)[:MAX_IDS] for k in
+                              ("fixed", "still_failing", "broken", "vanished")}
+            out["compare"].update({f"{k}_count": len(getattr(cmp, k)) for k in
+                                   ("fixed", "still_failing", "broken", "vanished", "new")})
+            out["compare"]["words"] = cmp.words()
+            out["ok"] = out["passed"] and cmp.ok()
+        elif not out["base"]["passed"] and out["passed"]:
+            out["compare"] = {"fixed": [], "fixed_count": 1, "words": [], "whole": True}
+    return out
+
+
+def agent_tests(runner, checks, files, base_runs):
+    """The agent's own test files, run by the final story's checks apart from the base's tests:
+    on the base's code each test must fail (red), on the branch's it must pass (green).
+    {files, proven, not_red (passed on the base: proves nothing), not_green, unrun (files no
+    check ran)}."""
+    files = set(files)
+    red, green, red_files, seen = {}, {}, set(), set()
+    for c in checks:
+        base_report = base_runs[c.cmd]["report"]
+        base_ids = set(base_report.tests) if base_report else set()
+        for code, into in (("base", red), ("branch", green)):
+            run = runner.run(c.cmd, code=code, tests="agent")
+            if run["report"] is None:
+                continue
+            for test_id, outcomes in run["report"].tests.items():
+                file = run["files"].get(test_id)
+                if file in files or (file is None and test_id not in base_ids):
+                    into.setdefault(test_id, []).extend(outcomes)
+                    if file and code == "branch":
+                        seen.add(file)
+                    if file and code == "base" and all(o in BROKEN for o in outcomes):
+                        red_files.add((file, test_id))
+    # a file that did not load on the base's code (an import of what the work adds) failed whole
+    broken_files = {file for file, test_id in red_files if test_id not in green}
+    proven, not_red, not_green = [], [], []
+    for test_id, outcomes in sorted(green.items()):
+        file = next((f for f, t in red_files if t == test_id), None)
+        before = red.get(test_id)
+        if not all(o == PASSED for o in outcomes):
+            not_green.append(test_id)
+        elif (any(o in BROKEN for o in before) if before is not None else
+              runner_file(runner, test_id, file) in broken_files):
+            proven.append(test_id)
+        else:
+            not_red.append(test_id)
+    # a test that ran on the base's code and not on the branch's (a file-level error entry, an
+    # id without `::`, stands for its file's tests, which the green run names one by one)
+    not_green += sorted(t for t in red if t not in green and "::" in t)
+    return {"files": sorted(files), "proven": proven, "not_red": not_red,
+            "not_green": not_green, "unrun": sorted(files - seen)}
+
+
+def runner_file(runner, test_id, known):
+    """The repository file a test of the green run came from."""
+    if known:
+        return known
+    for run in runner.memo.values():
+        if test_id in run["files"]:
+            return run["files"][test_id]
+    return None
+
+
+# Its gates ########################################################################################
+
+
+def failure(code, message, fix):
+    """A gate that says no: its stable code, why, and what to do."""
+    return {"code": code, "message": message, "fix": fix}
+
+
+
+def failures(result, opts):
+    """The re-run's gates: a check that fails on the branch's tree, or whose tests fare worse
+    than on the base's; a change to a base test; with fail-to-pass, a final story none of whose
+    tests failed on the base and pass now (nor, under `agent_tests: prove`, one of the agent's
+    own, proven red → green); the agent's own tests failing, or forbidden."""
+    found = []
+    for r in result["checks"]:
+        what = ("held-out check " + str(r["check"]) if r["held_out"] else
+                f"{r['id']} check {r['check']} `{one_line(r['cmd'])}`")
+        if not r["passed"]:
+            found.append(failure(
+                "rerun_failed", f"re-run failed — {what}: " + (r["result"] if not r["held_out"]
+                                                               else "it failed"),
+                "fix the work so that the frozen check passes; the re-run is CI's own"
+                if not r["held_out"] else "the held-out check is CI's own: fix the work, not "
+                "the check (a reviewer can read its output in CI's own logs)"))
+        elif not r["ok"]:
+            found.append(failure(
+                "tests_not_passing", f"re-run — {what}: " + (
+                    "; ".join(r["compare"]["words"]) if not r["held_out"] else
+                    "tests that ran on the base do not pass now"),
+                "every test the base's run ran must still run and pass with the work: a test "
+                "skipped, expected to fail or gone where it passed or failed on the base proves "
+                "nothing"))
+    if result["tests_changed"]:
+        found.append(failure(
+            "base_test_changed", "the branch changes tests the base holds — "
+            + ", ".join(map(one_line, result["tests_changed"][:10])),
+            "take those changes out of the branch: the base's tests judge the work; a new test "
+            "goes in a new file (the agent's own tests, run red → green with agent_tests: "
+            "prove)"))
+    agent = result["agent_tests"]
+    if agent and agent["not_green"]:
+        found.append(failure(
+            "agent_tests_failed", f"{count_noun(len(agent['not_green']), 'agent-written test')} "
+            "do not pass on the branch's code — " + ", ".join(
+                one_line(x)[:80] for x in agent["not_green"][:5]),
+            "fix the work (or the new test) until it passes"))
+    if opts.get("require_fail_to_pass") or opts.get("fail_to_pass"):
+        final = [r for r in result["checks"] if r["final"]]
+        fixed = sum((r["compare"] or {}).get("fixed_count", 0) for r in final if r["ok"])
+        proven = len(agent["proven"]) if agent else 0
+        if final and not fixed and not proven and opts.get("require_fail_to_pass"):
+            carried = (" nor did an agent-written test prove red → green"
+                       if opts.get("agent_tests") == "prove" else "")
+            found.append(failure(
+                "vacuous_check", "no test of the final story's checks failed on the base and "
+                "passes with the work" + carried + ": they prove nothing about this work",
+                "a human freezes a check with a test that fails before the work and passes after "
+                "it" + ("" if opts.get("agent_tests") == "prove" else
+                        ", or the policy lets the agent's own tests carry it (agent_tests: "
+                        "\"prove\")")))
+    return found
