@@ -114,8 +114,20 @@ def test_each_tests_own_line_decides_where_the_summary_is_cut_off(fab):
         "        pass\n\n    def test_bad(self):\n        self.assertEqual(1, 2)\n")
     ev = seen_by_claude(fab, f"{PY} -m unittest -v test_more 2>&1 | head -3")
     assert ev["ok"] is False and ev["report"]["runner"] == "unittest", ev
-    assert ev["report"]["failing"] == ["test_bad (test_more.T.test_bad)"] or \
-        ev["report"]["failing"][0].startswith("test_bad (test_more."), ev
+    assert ev["report"]["failing"] == ["test_more.T.test_bad"], ev
+
+
+def test_a_whole_output_is_read_test_by_test_as_a_frozen_checks_log_is(fab):
+    """unittest -v, whole: each test's outcome, read by reports.py as a frozen check's log is
+    (its count checked against the runner's `Ran N tests`)."""
+    project(fab)
+    (fab.root / "test_more.py").write_text(
+        "import unittest\n\n\nclass T(unittest.TestCase):\n    def test_ok(self):\n"
+        "        pass\n\n    def test_bad(self):\n        self.assertEqual(1, 2)\n")
+    ev = seen_by_claude(fab, f"{PY} -m unittest -v test_more")
+    assert ev["ok"] is False and ev["exit_code"] == 1, ev
+    assert (ev["report"]["passed"], ev["report"]["failed"]) == (1, 1), ev
+    assert ev["report"]["failing"] == ["test_more.T.test_bad"], ev
 
 
 @pytest.mark.parametrize("cmd, output, runner", [

@@ -12,6 +12,7 @@ from .base import (
     load_json, one_line, regex, sha256_hex)
 from .model import find_story, guard_paused, observed_words, unaddressed_failure
 from .render import hand_to_judge, human_command, next_action
+from . import reports
 from .reports import test_runners
 from .runs import _ANSI as ANSI, runner_counts
 
@@ -235,9 +236,30 @@ OUTCOME_OF = {"PASSED": "passed", "ok": "passed", "PASS": "passed", "XPASS": "pa
               "expected failure": "skipped"}
 
 
+# reports.py's outcomes, in this reading's words
+FROM_REPORTS = {"passed": "passed", "failed": "failed", "error": "errors", "skipped": "skipped",
+                "xfailed": "skipped"}
+
+
+def frozen_check_reading(runner, text):
+    """{test: outcome} as a frozen check's log is read, test by test, for the runners read from
+    their lines there (reports.py: unittest -v, cargo test, go test -json) — where the output
+    holds them whole (a reading that disagrees with the runner's own count, as a cut output
+    does, is no reading); else None."""
+    reader = getattr(reports, "_LINE_READERS", {}).get(runner)
+    if reader is None:
+        return None
+    found = reports.Report([runner])
+    if not reader(found, text) or found.problems or not found.tests:
+        return None
+    return {test: FROM_REPORTS.get(outcomes[-1], "errors")
+            for test, outcomes in found.tests.items()}
+
+
 def per_test(runner, lines):
     """{test: passed/failed/errors/skipped} of the tests whose own line `runner` printed in
-    `lines`, the latest line of each winning (pytest's short summary after its verbose line)."""
+    `lines`, the latest line of each winning (pytest's short summary after its verbose line):
+    what a cut output still shows, where frozen_check_reading finds no whole reading."""
     pattern = PER_TEST.get(runner)
     if pattern is None:
         return {}
@@ -248,6 +270,9 @@ def per_test(runner, lines):
             found = m.groupdict()
             test, outcome = found.get("id") or found.get("id2"), (found.get("outcome")
                                                                    or found.get("outcome2"))
+            if runner == "unittest":  # named as reports.py names it: `mod.Class.test_x`
+                name, dotted = regex(r"(\w+) \(([\w.]+)\)").fullmatch(test).groups()
+                test = dotted if dotted.endswith("." + name) else f"{dotted}.{name}"
             seen[test] = OUTCOME_OF[outcome]
     return seen
 
@@ -285,18 +310,27 @@ def loose_counts(runner, lines):
 
 
 def observed_report(cmd, output):
-    """What the test runners `cmd` starts reported in `output` (runs.test_runners names them):
-    their summaries (runs.runner_counts, as a frozen check's log is read; else the closing
-    counts a cut output still shows, LOOSE), or, where no summary is shown (cut by `tail`, say),
-    the count of the tests' own lines; and the failing tests named (a few). None for a command
-    that starts no runner the engine reads."""
+    """What the test runners `cmd` starts reported in `output` (reports.test_runners names
+    them): each test's outcome as a frozen check's log is read where the output holds it whole
+    (frozen_check_reading); else the runner's closing counts (runs.runner_counts, or what a cut
+    output keeps of them, LOOSE), else the count of the tests' own lines (per_test); and the
+    failing tests named (a few). None for a command that starts no runner the engine reads. A
+    reading here can only fail an observed run or leave it unknown: a pass still needs the
+    harness's own success."""
     runners = test_runners(cmd)
     if not runners:
         return None
-    lines = regex(ANSI).sub("", output).splitlines()
+    text = regex(ANSI).sub("", output)
+    lines = text.splitlines()
     report = {"runner": "+".join(runners), "passed": 0, "failed": 0, "errors": 0, "skipped": 0}
     missing, failing = [], []
     for runner in runners:
+        tests = frozen_check_reading(runner, text)
+        if tests is not None:  # each test's outcome, as a frozen check's: its counts are these
+            failing += [t for t, outcome in tests.items() if outcome in ("failed", "errors")]
+            for outcome in tests.values():
+                report[outcome] += 1
+            continue
         tests = per_test(runner, lines)
         failing += [t for t, outcome in tests.items() if outcome in ("failed", "errors")]
         counts = runner_counts(runner, lines) or loose_counts(runner, lines)
