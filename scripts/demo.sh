@@ -45,7 +45,7 @@ expect() {
 
 cat > calc.py <<'EOF'
 def add(a, b):
-    return a - b
+    return a
 EOF
 cat > test_calc.py <<'EOF'
 from calc import add
@@ -66,13 +66,16 @@ goals next | head -n 2
 # The agent says "fixed" without fixing: the engine runs the frozen check itself.
 expect 1 goals.py checkpoint --id G001 --status complete --evidence "fixed add()"
 expect 0 goals.py checkpoint --id G001 --status failed \
-  --evidence "add() still subtracts: the test says add(2, 3) returned -1"
+  --evidence "add() ignores b: the test says add(2, 3) returned 2"
 
 typed "goals.py next | grep -A 4 'What was missing'"
 goals next | grep -A 4 'What was missing'
 
-typed "sed -i.orig 's/a - b/a + b/' calc.py"
-sed -i.orig 's/a - b/a + b/' calc.py && rm -f calc.py.orig
+# The fix makes calc.py longer, as a real one does. (Python trusts the bytecode it cached for
+# calc.py while the file's size and its modification time, in whole seconds, are unchanged: an
+# edit of the same size within the second of the last run would run the old code again.)
+typed "sed -i.orig 's/return a$/return a + b/' calc.py"
+sed -i.orig 's/return a$/return a + b/' calc.py && rm -f calc.py.orig
 
 expect 0 goals.py checkpoint --id G001 --status complete --evidence "add() adds; test_calc passes"
 typed "goals.py next | head -n 1"
@@ -81,8 +84,8 @@ expect 0 goals.py checkpoint --id G002 --status complete --evidence "the suite i
 expect 0 goals.py status
 
 # Someone rewrites history to hide the failed round: the hash chain gives it away.
-typed "sed -i.orig 's/still subtracts/was fine/' .fablize/ledger.jsonl"
-sed -i.orig 's/still subtracts/was fine/' .fablize/ledger.jsonl && rm -f .fablize/ledger.jsonl.orig
+typed "sed -i.orig 's/ignores b/was fine/' .fablize/ledger.jsonl"
+sed -i.orig 's/ignores b/was fine/' .fablize/ledger.jsonl && rm -f .fablize/ledger.jsonl.orig
 expect 3 goals.py audit
 
 printf '\nDemo finished — every gate behaved: the claim was refused until the test passed,\n'

@@ -6,16 +6,20 @@
   fablize-gate-V-plugin.zip         the Claude Code plugin and its marketplace: unzip it and
                                     `claude plugin marketplace add` the folder
   plugin/fablize-gate/              the same, unzipped: `claude plugin marketplace add` it
-  skill/fablize/                    what a skill installer should copy: SKILL.md on top and the
-                                    engine's files, nothing else
+  skill/fablize/                    what a skill installer should copy: SKILL.md on top, the
+                                    engine's files and the documents SKILL.md links, nothing else
 
 Every artifact holds the engine's files (ENGINE_FILES: scripts/goals.py, the one way in, its
 package scripts/fablize_gate/, and scripts/fablize.py, which hooks written by 3.0 run) byte for
-byte; the wheel installs the package alone (`fablize` runs fablize_gate.cli:run).
+byte; the wheel installs the package alone (`fablize` runs fablize_gate.cli:run). The plugin and
+the skill folder ship every document their Markdown links to, and what those link to (with_links):
+the project has no web pages a link could point to instead, and a link into a folder that does
+not hold its target is a dead end for the agent or person who follows it.
 """
 
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,12 +36,35 @@ ENGINE_FILES = ["scripts/goals.py", "scripts/fablize.py"] + sorted(
     "scripts/fablize_gate/" + name for name in os.listdir(os.path.join(ROOT, "scripts",
                                                                         "fablize_gate"))
     if name.endswith(".py"))
+
+
+def with_links(files):
+    """`files`, then every file of the checkout their Markdown links to by a relative path
+    (`[docs/ci.md](docs/ci.md)`, `(../README.md#ci)`), and what those link to, each once: a
+    folder that ships a document ships what it points at."""
+    files, todo = list(files), [f for f in files if f.endswith(".md")]
+    while todo:
+        rel = todo.pop(0)
+        with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+            text = f.read()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            path = target.split("#", 1)[0]
+            if not path or re.match(r"[a-z][a-z0-9+.-]*:", path):  # an anchor, a URL
+                continue
+            path = os.path.normpath(os.path.join(os.path.dirname(rel), path)).replace(os.sep, "/")
+            if path not in files and os.path.isfile(os.path.join(ROOT, path)):
+                files.append(path)
+                if path.endswith(".md"):
+                    todo.append(path)
+    return files
+
+
 # the plugin as Claude Code installs it: manifests, hooks, the judge agent, the skill, the engine
-PLUGIN_FILES = [".claude-plugin/plugin.json", ".claude-plugin/marketplace.json",
-                "hooks/hooks.json", "agents/fablize-judge.md", "bin/fablize", "bin/fablize.cmd",
-                *ENGINE_FILES, "SKILL.md", "fablize-block.md", "README.md", "docs/reference.md",
-                "LICENSE", "CHANGELOG.md"]
-SKILL_FILES = ["SKILL.md", *ENGINE_FILES, "LICENSE"]
+PLUGIN_FILES = with_links([".claude-plugin/plugin.json", ".claude-plugin/marketplace.json",
+                           "hooks/hooks.json", "agents/fablize-judge.md", "bin/fablize",
+                           "bin/fablize.cmd", *ENGINE_FILES, "SKILL.md", "fablize-block.md",
+                           "README.md", "docs/reference.md", "LICENSE", "CHANGELOG.md"])
+SKILL_FILES = with_links(["SKILL.md", *ENGINE_FILES, "LICENSE"])
 SDIST_FILES = ["pyproject.toml", "setup.py", "MANIFEST.in", *ENGINE_FILES, "README.md",
                "docs/reference.md", "LICENSE", "CHANGELOG.md"]
 

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# -*- coding: utf-8 -*-
 """fablize: split a large task into stories and refuse every "done" that arrives without evidence.
 
     python3 scripts/goals.py create --brief "<task>" --goal "title::objective" ... --verify "<cmd>"
@@ -12,17 +13,22 @@ beside it, fablize_gate/ (its docstring says the invariants and where each layer
 from this file's own folder — never from the current directory, never from sys.path — so
 nothing in a user's scripts/ or site-packages can stand in for it. Copy both together.
 
-Ctrl-C is kept from this file's first statement on and answered by the engine in one line.
-Stdlib only, Python 3.9+.
+Ctrl-C is kept from this file's first statements on and answered by the engine in one line.
+Stdlib only, Python 3.9+. Every Python reads this file as far as its version check, Python 2
+too (no syntax of Python 3 in it, its encoding declared), and is told in one line what it needs.
 """
 
-import _signal
+import sys
+
+if sys.version_info < (3, 9):  # exit 1, as every version before this one said it
+    sys.exit("fablize: needs Python 3.9 or later, this is %s" % sys.version.split()[0])
+
+import _signal  # noqa: E402  (after the check: Python 2 has no _signal)
 
 INTERRUPTS = []  # Ctrl-C while the engine loads: kept, handed to it, answered there in one line
 _signal.signal(_signal.SIGINT, lambda signum, frame: INTERRUPTS.append(signum))
 
 import os  # noqa: E402  (after the handler: a Ctrl-C from here on is answered in one line)
-import sys  # noqa: E402
 
 ENGINE = "fablize_gate"  # the engine's folder, beside this file
 
@@ -77,9 +83,6 @@ def main(name=None, interrupts=None):
     """Run the engine as a whole process (it exits). `name`: how it says it was started, for
     the commands it prints (the plugin's bin/fablize says `fablize`); `interrupts`: Ctrl-Cs a
     caller kept before this file was loaded."""
-    if sys.version_info < (3, 9):  # exit 1, as every version before this one said it
-        sys.exit("fablize: needs Python 3.9 or newer, this is %s (set FABLIZE_PYTHON for the "
-                 "plugin's bin/fablize)" % sys.version.split()[0])
     if interrupts:
         INTERRUPTS.extend(interrupts)
     if name is not None:

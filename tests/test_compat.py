@@ -82,8 +82,9 @@ def test_script_written_for_the_original_cli_runs_unchanged(project):
     # the original's words first
     refused_with(run("checkpoint", "--id", "G009", "--status", "complete", "--evidence", "e"), 1,
                  "G009 not found. The plan's stories: G001, G002, G003.")
+    # the original's opening; then the story `next` would activate, which is not G002 (#41)
     refused_with(run("checkpoint", "--id", "G002", "--status", "complete", "--evidence", "e"), 1,
-                 "G002 is not active (pending) — activate it with `next` first.")
+                 "G002 is not active (pending) — it waits for G001; `next` activates G001 first.")
 
     # story 1
     r = run("next")

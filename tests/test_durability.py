@@ -464,6 +464,9 @@ def checkpointed(fab):
 
 
 def test_torn_last_line_is_moved_aside_at_every_byte_offset(fab, checkpointed):
+    """A crash can cut the last ledger line at any byte (~9 s: one cut per byte of a real
+    checkpoint line): at each, a reader sees the plan as before it and writes nothing, and the
+    next writer moves exactly the torn bytes aside, never an acknowledged event."""
     snap_before, ledger_before, _, line = checkpointed
     write_state(fab.dir, {engine.SNAPSHOT: snap_before, engine.LEDGER: ledger_before})
     old = view(fab)

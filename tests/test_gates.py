@@ -44,7 +44,10 @@ def test_checkpoint_refuses_a_story_that_next_did_not_activate(fab, setup, sid, 
         start(fab, "G001")
         assert fab("checkpoint", "--id", "G001", "--status", "failed", "--evidence", "no").code == 0
     # the original's opening, then what is true of the story and the one step that fits it
-    step = {"fresh": "activate it with `next` first.",
+    # a fresh plan: the step names the story `next` would activate (#41), G001
+    step = {"fresh": {"G001": "activate it with `next` first.",
+                      "G002": "it waits for G001; `next` activates G001 first.",
+                      "G003": "it waits for G001, G002; `next` activates G001 first."}.get(sid),
             "first-active": "G001 is in progress: finish G001 first",
             "first-done": "it is already done; nothing to do for it",
             "first-failed": "activate it with `next` first."}[setup]

@@ -428,7 +428,7 @@ def test_diamond_next_order_and_waits(fab):
 
 def test_a_story_waiting_for_many_is_said_in_one_short_line_and_listed_whole_in_json(fab):
     # the final story of a plan of 100,000 waits for 99,999: its line named them all (700 KB)
-    make_plan(fab, 30)
+    make_plan(fab, 30, "--parallel")
     text = fab("status").out
     first_ten = ", ".join(f"G{i:03d}" for i in range(1, 11))
     assert f"      waits for {first_ten} and 19 more\n" in text
@@ -437,7 +437,7 @@ def test_a_story_waiting_for_many_is_said_in_one_short_line_and_listed_whole_in_
 
 def test_twelve_dependencies_are_named_whole(fab):
     # "and 2 more" would save nothing: up to twelve are named
-    make_plan(fab, 13)
+    make_plan(fab, 13, "--parallel")
     assert ("waits for " + ", ".join(f"G{i:03d}" for i in range(1, 13)) + "\n"
             in fab("status").out)
 

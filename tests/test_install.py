@@ -265,6 +265,61 @@ def test_pip_install_gives_a_fablize_command_that_drives_a_plan_from_another_dir
         assert (package / name).read_bytes() == (SCRIPT.parent / "fablize_gate" / name).read_bytes()
 
 
+def off_path(bin_dir, home, **extra):
+    """The environment of a shell whose PATH lacks the installed command's folder (pipx's
+    ~/.local/bin before `pipx ensurepath`, pip --user's before the profile names it)."""
+    env = clean_env(HOME=str(home), **extra)
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep)
+                                  if Path(p).resolve() != bin_dir.resolve()
+                                  and not (Path(p) / "fablize").exists())
+    return env
+
+
+@pytest.mark.slow
+def test_the_installed_command_off_path_names_what_puts_it_on_path_not_a_copy_it_lacks(
+        venv, tmp_path):
+    """`fablize setup claude` run by its full path while its folder is not on PATH: the wiring
+    would run a `fablize` the shell cannot find. The wheel holds no goals.py, so the copy a
+    checkout names (`cp -r …/site-packages/goals.py …`) would fail: it names the step that puts
+    the folder on PATH — the `export` line for a pip install, `pipx ensurepath` in a pipx venv
+    (which pipx marks with pipx_metadata.json; pipx itself is not installed here) — and writes
+    nothing. Outside a repository it refuses as a copy does: one git rule."""
+    home = tmp_path / "home"
+    home.mkdir()
+    project = tmp_path / "proj"
+    project.mkdir()
+    env = off_path(venv, home)
+
+    def fablize(*args, cwd=project):
+        p = subprocess.run([str(venv / "fablize"), *args], cwd=str(cwd), env=env,
+                           capture_output=True, text=True, timeout=120)
+        return p.returncode, p.stdout, p.stderr
+    for args in (["setup", "claude"], ["doctor", "claude"]):
+        code, out, err = fablize(*args)
+        assert code == 1 and f"{project} is not a git repository" in err, (out, err)
+        assert err.endswith(":\n  git init\n"), err
+    subprocess.run(["git", "init", "-q", str(project)], check=True)
+    code, out, err = fablize("setup", "claude")
+    assert code == 1 and out == "", (out, err)
+    assert "installed but not on PATH here" in err and "nothing was written" in err, err
+    assert "goals.py" not in err and "cp -r" not in err, err
+    step = err.splitlines()[-1].strip()
+    assert step == f'export PATH={venv}:"$PATH"', err
+    assert sorted(p.name for p in project.iterdir()) == [".git"]
+    marker = venv.parent / "pipx_metadata.json"
+    marker.write_text("{}")
+    try:
+        code, out, err = fablize("setup", "claude")
+        assert code == 1 and err.splitlines()[-1] == "  pipx ensurepath", err
+        assert "pipx put it in " + str(venv) in err, err
+    finally:
+        marker.unlink()
+    # the step, as named, and the command runs: setup wires the project
+    p = subprocess.run(["bash", "-c", f"{step} && fablize setup claude"], cwd=str(project),
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "fablize: CLAUDE.md: the fablize block added" in p.stdout, p
+
+
 def test_the_script_runs_without_installing_anything(tmp_path):
     """No site-packages at all (-S): the single file needs nothing but the standard library."""
     (tmp_path / ".git").mkdir()

@@ -979,6 +979,11 @@ def clean_env(monkeypatch):
 
 @pytest.mark.slow  # among the longest: started first (conftest)
 def test_engine_agrees_with_the_reference_model_after_every_command(clean_env):
+    """The engine against a small reference model of the rules (~17 s): hypothesis drives random
+    command sequences — create, next, checkpoint of every status, decide, add, verdict, with and
+    without agents — and after every step the engine's answer, its snapshot and a full audit
+    must agree with the model. It proves the transitions and gates as a whole, where the other
+    tests prove one rule each."""
     run_state_machine_as_test(GoalEngineMachine, settings=SETTINGS)
 
 

@@ -273,7 +273,8 @@ def test_a_claim_lost_between_fetch_and_push_is_never_double_held_and_names_the_
     else:  # said, set aside, and the next ready story is claimed instead
         assert r.code == 0 and "handoff — G002" in r.out, r
         assert "agent y holds it" in r.err and "Claiming G002 instead" in r.err, r
-        assert ".)." not in r.err and "agent x's next claim acknowledges it" in r.err, r
+        # said once: not a second time as an event set aside, nor by the next command
+        assert r.err.count("was taken on") == 1 and "no longer legal" not in r.err, r
         assert "not acknowledged" not in a("status").err  # this very claim acknowledged it
     rejected = [json.loads(x) for x in (a.dir / "rejected.jsonl").read_text().splitlines()]
     assert [(x["event"]["id"], x["event"]["agent"]) for x in rejected] == [("G001", "x")]
@@ -314,8 +315,11 @@ def test_status_says_how_far_ahead_and_behind_the_remote_the_copy_is(net):
     assert a("next", "--agent", "z").code == 0
     share = b("status", "--json").json["share"]
     assert (share["ahead"], share["behind"]) == (0, 2)
-    said = [x for x in b("status").out.splitlines() if "behind" in x]
-    assert said and said[0].endswith("2 behind — run `python3 " + str(SCRIPT) + " sync`."), said
+    lines = b("status").out.splitlines()
+    said = [x for x in lines if "behind" in x]  # first, once; the step is `sync`
+    assert said == [lines[0]] and " is 2 events behind origin " in said[0], lines
+    assert any(x.startswith(f"fablize: next — `python3 {SCRIPT} sync` (it brings in those events")
+               for x in lines), lines
     git(b.root, "remote", "set-url", "origin", str(net.tmp / "gone.git"))
     r = b("release", "--id", "G001", "--note", "offline call")  # needs the remote: refused
     assert r.code == 3 and "cannot be reached" in r.err, r
@@ -752,6 +756,11 @@ print(json.dumps(done))
 
 @pytest.mark.slow
 def test_bar_four_clones_four_agents_each_complete_a_40_story_parallel_plan(net):
+    """The sharing bar, and the suite's slowest test (~20 s): 16 agent processes in 4 clones,
+    each looping next → checkpoint on one 40-story parallel plan through a real bare remote at
+    once. It proves what no two-clone test can: under real contention every story is claimed
+    once and completed once, no event is lost, every clone and a fresh one audit the same
+    complete history, and lost claims stay bounded (by events, not seconds)."""
     a = net.clone("c0")
     plan_id = create(a, 40, "--parallel")
     clones = [a] + [net.clone(f"c{i}") for i in range(1, 4)]

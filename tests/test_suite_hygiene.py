@@ -12,6 +12,9 @@ from conftest import ROOT, SESSION_MARK
 
 @pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist"])
 def test_a_process_a_test_leaves_running_fails_the_run_and_is_ended(tmp_path, workers):
+    """A whole pytest session of its own, with and without xdist (the slower: workers start):
+    a test that leaves a process running fails the run, the process is named and ended. It
+    proves the guard every other test relies on — no test's child outlives the suite."""
     pid_file = tmp_path / "pid"
     env = {k: v for k, v in os.environ.items() if k != SESSION_MARK}  # a session of its own
     env["FZTEST_PROBE_PID"] = str(pid_file)

@@ -891,6 +891,10 @@ def big_output_script(root, exit_code):
 
 @pytest.mark.slow  # among the longest: started first (conftest)
 def test_50_mb_of_output_ends_fails_closed_and_leaves_a_readable_log(fab):
+    """A run that prints 50 MB (~12 s, the suite's largest output): memory stays flat while it
+    streams, the whole output reaches the log on disk (its size and digest as recorded), the
+    ledger keeps only a 500-character tail (no line of it over 10 KB), `--json` still prints
+    one object on stdout, and the failed run leaves the story in progress."""
     make_plan(fab, 1)
     start(fab, "G001")
     cmd = big_output_script(fab.root, 3)

@@ -329,8 +329,8 @@ def _(fab, mp):
     return checkpoint("G009")
 
 
-@state("not_active", 1, "G002 is not active (pending) — activate it with `next` first.",
-       "decision")
+@state("not_active", 1, "G002 is not active (pending) — it waits for G001; `next` activates G001 "
+       "first.", "decision")
 def _(fab, mp):  # `next` activates G001, whose checkpoint is what the agent then owes
     make_plan(fab, 2)
     return checkpoint("G002")

@@ -571,10 +571,12 @@ def test_observed_failure_is_recorded_shown_and_named_by_the_guard_until_it_pass
         ("G001", "python -m pytest -q tests", False, 1)
     handoff = fab("next").out
     assert "## Observed runs — what your harness reported" in handoff
-    assert "`python -m pytest -q tests` → failed (exit 1)" in handoff
+    # the harness's exit code, and the test the runner's own line named
+    said = "exit 1, pytest reported 1 failed: tests/test_x.py::test_y"
+    assert f"`python -m pytest -q tests` → failed ({said})" in handoff
     reason = guard(fab, stop_payload(fab.root))["reason"]
-    assert "The harness saw `python -m pytest -q tests` fail (exit 1, event 3)" in reason
-    assert "G001 observed `python -m pytest -q tests` → failed (exit 1) (reported by Bash)" in \
+    assert f"The harness saw `python -m pytest -q tests` fail ({said}, event 3)" in reason
+    assert f"G001 observed `python -m pytest -q tests` → failed ({said}) (reported by Bash)" in \
         fab("log").out
     observe(fab, bash_success(fab.root, "python -m pytest -q tests"))
     reason = guard(fab, json.dumps(json.loads(stop_payload(fab.root))))["reason"]

@@ -4,7 +4,6 @@ states the result once (ctx.say, ctx.data), rendered by cli.Output.
 
 import collections
 import os
-import sys
 import time
 from operator import itemgetter
 
@@ -17,9 +16,10 @@ from .base import (
 from .masking import mask, mask_places, masked_tail, masked_text
 from .model import (
     accepted_ids, active_stories, apply_event, BASE_FIELDS, blocked_because, checkpoint_gate,
-    claimed_final, current_packet, done_count, find_story, format_event, guard_paused, ids_text,
-    latest_run, not_an_event, observed_of, parse_event, pick_ready, plan_done, round_label,
-    rounds_left, run_passed, run_summary, status_counts, stories_in, touch, unaddressed_failure)
+    claimed_final, current_packet, done_count, find_story, format_event, guard_capped,
+    guard_paused, ids_text, latest_run, not_an_event, observed_of, parse_event, pick_ready,
+    plan_done, round_label, rounds_left, run_passed, run_summary, status_counts, stories_in,
+    touch, unaddressed_failure, waits_for)
 from .storage import (
     commit_start, find_state_dir, free_name, from_here, loose_snapshot, open_plan,
     read_state_file, replay_all, require_state_dir, shown_path, Store, symlink_refusal,
@@ -29,10 +29,11 @@ from .runs import (
     inflight_runs, merge_driver_missing, MERGE_QUIET, plan_text, repo_root, tree_state,
     unverifiable_checks, unverifiable_label, verification_runs)
 from .render import (
-    checkpoint_command, completion_command, create_command, decide_commands, DECISION_NOTES,
-    done_line, grades_line, handoff_command, human_command, left_line,
+    capped_line, checkpoint_command, completion_command, create_command, decide_commands,
+    DECISION_NOTES, done_line, grades_line, handoff_command, human_command, left_line,
     next_action, next_line, plan_json, plan_summary, render_handoff, render_observed,
-    render_report, render_resume, rerun_command, status_details, story_json, verdict_command)
+    render_report, render_resume, rerun_command, sequential, status_details, story_json,
+    TAKE_TURNS, verdict_command)
 from .audit import audit_ledger
 from .hooks import (
     guard_answer, guard_reason, hook_fingerprint, is_verification, observed_outcome,
@@ -282,8 +283,9 @@ def stuck_error(ctx, plan, agent):
         return error
     # what the others hold: they finish it; an agent that is gone is a human's to release
     held = active_stories(plan)
-    error = refused(action["text"] + (" — if an agent is gone, a human releases its story:"
-                                      if held else "."), "nothing_ready")
+    turns = f" ({TAKE_TURNS})" if agent is not None and held and sequential(plan) else ""
+    error = refused(action["text"] + turns + (" — if an agent is gone, a human releases its "
+                                              "story:" if held else "."), "nothing_ready")
     error.commands = [f"{human_command(ctx.prog)} release --id {s['id']} --note "
                       "\"<why its agent's claim ends>\"" for s in held[:3]]
     return error
@@ -486,10 +488,11 @@ def cmd_checkpoint(ctx, a):
     ctx.data.update(plan_summary(plan), story=story_json(plan, story), runs=runs, next=action)
 
 
-def render_status(prog, plan, share=(), agent=None):
+def render_status(prog, plan, share=(), agent=None, step=None):
     """What `status` says, whole, for a human: the plan's count and brief, a line per story
-    with its details, checks that cannot run here, a pause, the next step, the shared plan's
-    state, and how to pick up each story in progress."""
+    with its details, checks that cannot run here, a pause, the next step (`step`, when one
+    comes before the plan's own: a shared copy behind its remote syncs first), the shared
+    plan's state, and how to pick up each story in progress."""
     lines = [count_line(plan)]
     goals = plan["goals"]
     # titles that need no escaping and carry no marker word are shown as they are: checked in
@@ -497,20 +500,28 @@ def render_status(prog, plan, share=(), agent=None):
     titles = " ".join(map(str, map(itemgetter("title"), goals)))
     plain = titles.isascii() and titles.isprintable() and not has_marker_word(titles)
     say, marks, base = lines.append, MARKS, len(BASE_FIELDS)
+    # the final story of a sequential plan waits for every other one: its order says so
+    in_order = bool(waits_for(plan, goals[-1])) and sequential(plan)
+    previous = None
     for story in goals:
         status = story["status"]
         title = story["title"] if plain else defused_line(story["title"])
         say(f"  {marks[status]} {story['id']} [{status}] {title}")
         if len(story) > base:  # a story with only the original's fields has no details
-            lines += [f"      {detail}" for detail in status_details(plan, story)]
+            lines += [f"      {detail}"
+                      for detail in status_details(plan, story, previous, in_order)]
+        previous = story["id"]
     for u in plan["unverifiable"]:
         lines.append(f"  {unverifiable_label(u)}: `{one_line(u['cmd'])}` — "
                      f"{one_line(u['reason'])}{' yet' if file_not_there_yet(u) else ''}")
     lines += paused_line(prog, plan)
+    if capped_line(plan):
+        lines.append("  " + capped_line(plan))
     claimed = claimed_final(plan)
     if claimed:
         lines.append("  " + claimed)
-    action = next_action(prog, plan, agent)  # the step of the agent asking: never another's
+    # the step of the agent asking: never another's
+    action = step or next_action(prog, plan, agent)
     lines.append(next_line(action))
     lines += share
     for story in active_stories(plan):
@@ -519,7 +530,7 @@ def render_status(prog, plan, share=(), agent=None):
     return lines, action, guard_paused(plan)
 
 
-def render_session_start(prog, plan, share=()):
+def render_session_start(prog, plan, share=(), step=None):
     """What a session start hands a new session, bounded however large the plan: the count,
     the stories by status, those a human or a judge must look at (a few), the next step, the
     first story in progress with its whole handoff (a short map window, its latest
@@ -541,7 +552,9 @@ def render_session_start(prog, plan, share=()):
         lines.append(f"  ⚠ {count_noun(len(plan['unverifiable']), 'frozen check')} cannot run "
                      f"here yet: `{prog} status` lists them")
     lines += paused_line(prog, plan)
-    action = next_action(prog, plan)
+    if capped_line(plan):
+        lines.append("  " + capped_line(plan))
+    action = step or next_action(prog, plan)
     lines.append(next_line(action))
     lines += share
     active = active_stories(plan)
@@ -600,12 +613,14 @@ def cmd_status(ctx, a):
     if plan is None:
         raise no_plan()
     shared = sharing.status_lines(share, ctx.prog) if share else ()
-    lines, action, paused = render_status(ctx.prog, plan, share=shared, agent=a.agent)
-    ctx.out.lines += lines + inflight_lines(ctx.prog, ctx.store)
+    first, step = (sharing.behind_step(share, ctx.prog) if share else None) or (None, None)
+    lines, action, paused = render_status(ctx.prog, plan, share=shared, agent=a.agent, step=step)
+    # a copy behind its remote says so first: the stories below are as this clone last saw them
+    ctx.out.lines += ([first] if first else []) + lines + inflight_lines(ctx.prog, ctx.store)
     if share:
         ctx.data["share"] = share
     if ctx.json:
-        ctx.data.update(plan_json(plan), next=action, paused=paused)
+        ctx.data.update(plan_json(plan), next=action, paused=paused, capped=guard_capped(plan))
 
 
 def inflight_lines(prog, store):
@@ -957,6 +972,8 @@ def say_audit(ctx, report, plan, failures, results, review, grades):
         ctx.say(line)
     if grades:
         ctx.say("  " + grades_line(grades))
+    if capped_line(plan):  # a warning, not a failure: --require-complete fails the plan
+        ctx.say("  " + capped_line(plan))
     claimed = claimed_final(plan)
     if claimed:  # a warning, not a failure: the strict recipe's --require-witnessed fails it
         ctx.say("  " + claimed)
@@ -1167,22 +1184,37 @@ def cmd_log(ctx, a):
 
 
 def guard_verdict(ctx, payload, fingerprint):
-    """(reason to block or None, message for the user or None) for a Stop hook."""
+    """(reason to block or None, message for the user or None) for a Stop hook. A stop at the
+    guard's cap, with work left, is recorded once (guard_capped): `status`, `report` and `audit`
+    say the agent stopped with work left."""
     if not hook_store(ctx, payload).exists():
         return None, None
     with ctx.store.session(exclusive=False) as s:
-        if guard_reason(ctx.cli, s.load(), payload, fingerprint)[0] is None:
-            return None, None  # most stops: decided without the lock, nothing written
+        kind, text, _ = guard_reason(ctx.cli, s.load(), payload, fingerprint)
+        if kind in (None, "wait"):
+            return None, text  # most stops: decided without the lock, nothing written
     with ctx.store.session() as s:
         plan = s.load()
-        reason, dup = guard_reason(ctx.cli, plan, payload, fingerprint)
-        if reason is None or reason.startswith("fablize guard:"):
-            return None, reason
+        kind, text, dup = guard_reason(ctx.cli, plan, payload, fingerprint)
+        if kind in (None, "wait"):
+            return None, text
+        if kind == "capped":
+            if guard_capped(plan) is None:  # said once however often the agent stops after it
+                action = next_action(ctx.cli, plan, anyone=True)
+                s.commit("guard_capped", blocks=plan["guard"]["blocks"], id=action["id"])
+            return None, text
         if not dup:  # a second registration of the guard answers the same, writes nothing
-            s.commit("guard_block", reason=mask_places(reason, s.store.root),
+            s.commit("guard_block", reason=mask_places(text, s.store.root),
                      fresh=payload.get("stop_hook_active") is not True,
                      **({"hook": fingerprint} if fingerprint else {}))
-        return reason, None
+        return text, None
+
+
+def hook_trouble(role, doing, e):
+    """The one line a hook says when the state cannot be read or written (damage, a busy lock, a
+    read-only folder, a directory where a file should be): what it could not do, and why."""
+    why = e.message if isinstance(e, FablizeError) else f"I/O error: {one_line(str(e))}"
+    return f"fablize {role}: {doing} — {why.rstrip('.')}"
 
 
 def steps_aside(a, root, role):
@@ -1192,20 +1224,25 @@ def steps_aside(a, root, role):
 
 
 def cmd_guard(ctx, a):
+    """guard: the Stop hook. It always answers in its harness's words and exits 0: bad input,
+    damage, a busy lock or an I/O error never trap the agent — it may stop, and is told in one
+    line what the guard could not do."""
     raw, payload = read_hook_stdin()
     if payload is None:
         return  # empty or malformed input never blocks
-    if steps_aside(a, hook_store(ctx, payload).root, "guard"):
-        return ctx.emit_raw(None)
     if a.hook_for == "cursor":  # Cursor counts its own follow-ups and says how the turn ended
         if payload.get("status", "completed") != "completed":
             return ctx.emit_raw(None)
         count = payload.get("loop_count")
         payload["stop_hook_active"] = isinstance(count, int) and count > 0
     try:
+        if steps_aside(a, hook_store(ctx, payload).root, "guard"):
+            return ctx.emit_raw(None)
         reason, message = guard_verdict(ctx, payload, hook_fingerprint(raw, payload))
-    except FablizeError as e:  # damaged state or a busy lock: say so, never trap the agent
-        reason, message = None, f"fablize guard: {e.message}"
+    except (FablizeError, OSError) as e:  # say so, never trap the agent
+        reason, message = None, (f"fablize guard: {e.message}" if isinstance(e, FablizeError)
+                                 else hook_trouble("guard", "the plan could not be checked or "
+                                                   "its block recorded, so the agent may stop", e))
     if reason:
         ctx.emit_raw(guard_answer(a.hook_for, reason))
     elif message and a.hook_for != "cursor":
@@ -1381,23 +1418,28 @@ def session_start(ctx, a):
     (an exit 3 there is a message the agent never sees). Codex and Gemini CLI take it as JSON
     context. Never coloured: an agent reads it."""
     ctx.out.colour = False
-    if steps_aside(a, ctx.store.root, "status"):
-        return ctx.emit_raw({} if a.hook_for in ("codex", "gemini") else None)
     lines = []
     try:
+        if steps_aside(a, ctx.store.root, "status"):
+            return ctx.emit_raw({} if a.hook_for in ("codex", "gemini") else None)
         plan, share, sharing = (read_plan_and_share(ctx.store, imports=True)
             if ctx.store.exists() else (None, None, None))
         if plan is not None and plan_done(plan):
             lines.append(f"fablize: plan finished ({done_count(plan)}/{len(plan['goals'])} done) — "
                          f"{defused_line(last_chars(plan['brief'], 200))}; nothing to resume.")
         elif plan is not None:
-            lines = render_session_start(ctx.prog, plan,
-                                         sharing.status_lines(share, ctx.prog) if share else ())
+            first, step = (sharing.behind_step(share, ctx.prog) if share else None) or (
+                None, None)
+            lines = render_session_start(
+                ctx.prog, plan, sharing.status_lines(share, ctx.prog) if share else (), step)
+            lines[:0] = [first] if first else []
             if share:
                 ctx.data["share"] = share
-    except FablizeError as e:
-        lines.append(f"fablize: warning: the plan in {ctx.store.dir} cannot be read — "
-                     f"{one_line(e.message)} (`{ctx.prog} audit` says more).")
+    except (FablizeError, OSError) as e:
+        why = e.message if isinstance(e, FablizeError) else f"I/O error: {e}"
+        where = ctx._store.dir if ctx._store is not None else "this project"
+        lines.append(f"fablize: warning: the plan in {where} cannot be read — "
+                     f"{one_line(why)} (`{ctx.prog} audit` says more).")
     if a.hook_for in ("codex", "gemini"):
         ctx.emit_raw({"hookSpecificOutput": {"hookEventName": "SessionStart",
                                              "additionalContext": "\n".join(map(clean, lines))}}
@@ -1439,6 +1481,9 @@ def hook_store(ctx, payload):
 
 
 def cmd_observe(ctx, a):
+    """observe: the PostToolUse hook. It only records, and always answers in its harness's
+    words with exit 0: what it could not record (damage, a busy lock, an I/O error) is said in
+    one line, never a failure of the agent's tool call."""
     raw, payload = read_hook_stdin()
     ctx.emit_raw({} if a.hook_for == "gemini" else None)  # it only records; Gemini wants JSON
     cmd = shell_command_of(payload) if payload else None
@@ -1455,14 +1500,17 @@ def cmd_observe(ctx, a):
             active = active_stories(plan) if plan else []
             if len(active) != 1 or not is_verification(cmd, active[0]):
                 return  # nothing to attribute it to, or not a verification
-            code, ok, detail = observed_outcome(payload)
+            seen = observed_outcome(payload, cmd, active[0])
             tool = payload.get("tool_name")
+            if seen.get("report", {}).get("failing"):
+                seen["report"]["failing"] = [masked_tail(t, 300, store.root)
+                                             for t in seen["report"]["failing"]]
             s.commit("observed_run", id=active[0]["id"], cmd=masked_tail(cmd, 2000, store.root),
-                     exit_code=code, ok=ok,
                      tool=masked_tail(tool, 200, None) if isinstance(tool, str) else a.hook_for,
-                     detail=masked_tail(detail, TAIL_CHARS, store.root))
-    except FablizeError as e:  # never fail the agent's tool call over our bookkeeping
-        sys.stderr.write("fablize observe: " + one_line(e.message) + "\n")
+                     **dict(seen, detail=masked_tail(seen["detail"], TAIL_CHARS, store.root)))
+    except (FablizeError, OSError) as e:  # never fail the agent's tool call over our bookkeeping
+        ctx.emit_raw({"systemMessage": hook_trouble(
+            "observe", f"`{one_line(last_chars(cmd, 120))}` was not recorded", e)})
 
 
 def say_observed(ctx, story):

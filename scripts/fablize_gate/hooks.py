@@ -8,10 +8,13 @@ import sys
 import time
 
 from .base import (
-    DEFAULT_GUARD_MAX, defused_line, DUPLICATE_WINDOW, json_text, last_chars, load_json,
-    one_line, regex, sha256_hex)
-from .model import find_story, guard_paused, unaddressed_failure
+    count_noun, DEFAULT_GUARD_MAX, defused_line, DUPLICATE_WINDOW, json_text, last_chars,
+    load_json, one_line, regex, sha256_hex)
+from .model import find_story, guard_paused, observed_words, unaddressed_failure
 from .render import hand_to_judge, human_command, next_action
+from . import reports
+from .reports import test_runners
+from .runs import _ANSI as ANSI, runner_counts
 
 
 def read_hook_stdin():
@@ -75,22 +78,47 @@ def guard_limit():
     return int(raw) if raw.isascii() and raw.isdigit() else DEFAULT_GUARD_MAX
 
 
+def background_work(payload):
+    """How many of the agent's own background tasks still run, as the Stop payload says
+    (Claude Code sends `background_tasks`: subagents, shells, monitors, workflows); 0 when the
+    payload says none or nothing. A task whose status says it is over is not counted."""
+    tasks = payload.get("background_tasks")
+    if not isinstance(tasks, list):
+        return 0
+    over = ("completed", "complete", "done", "failed", "killed", "cancelled", "canceled",
+            "stopped", "error")
+    return sum(1 for t in tasks
+               if not (isinstance(t, dict) and isinstance(t.get("status"), str)
+                       and t["status"].lower() in over))
+
+
 def guard_reason(cli, plan, payload, fingerprint=None):
-    """(why the agent may not stop now — its next action — or a note that the guard lets go
-    after too many blocks in a row, or None; whether another registration counted this stop)."""
+    """What the Stop guard does with this stop: (kind, text, whether another registration of
+    the guard counted this stop). kind None: the agent may stop, nothing said (no plan, done,
+    paused, halted on a human, a question for one); "block": sent back to work, `text` its next
+    action; "wait": its own background work still runs — the turn ends, the guard spends none
+    of its blocks and checks again at the next stop; "capped": let go after too many blocks in a
+    row, with work left (recorded)."""
     if plan is None or guard_paused(plan) or asks_human(payload):
-        return None, False  # paused by a human, or the turn ended on a question for one
+        return None, None, False  # paused by a human, or the turn ended on a question for one
     action = next_action(cli, plan, anyone=True)
     if action["kind"] not in ("finish", "next", "judge"):
-        return None, False  # done, or halted on a human's decision
+        return None, None, False  # done, or halted on a human's decision
+    running = background_work(payload)
+    if running:
+        return "wait", (f"fablize guard: the plan is not finished (next: {action['text']}), but "
+                        f"{count_noun(running, 'background task')} of the agent still "
+                        f"{'runs' if running == 1 else 'run'}: the turn may end; the guard checks "
+                        "again when the agent next stops."), False
     limit = guard_limit()
     dup = duplicate_stop(plan, fingerprint)
     blocks = plan["guard"]["blocks"] if payload.get("stop_hook_active") is True else 0
     if dup:
         blocks = max(blocks - 1, 0)  # the other registration of the guard counted this stop
     if blocks >= limit:
-        return (f"fablize guard: let the agent stop after {blocks} blocks in a row; the plan is "
-                f"not finished — `{human_command(cli)} status` says where it stands."), dup
+        return "capped", (f"fablize guard: let the agent stop after {blocks} blocks in a row; the "
+                          f"plan is not finished — `{human_command(cli)} status` says where it "
+                          "stands."), dup
     story = find_story(plan, action["id"])
     if action["kind"] == "finish":
         reason = (f"fablize: {story['id']} \"{defused_line(story['title'])}\" is still in "
@@ -101,7 +129,7 @@ def guard_reason(cli, plan, payload, fingerprint=None):
     else:
         reason = (f"fablize: the plan is not finished — {story['id']} "
                   f"\"{defused_line(story['title'])}\" is ready. Run: {action['cmd']}")
-    return reason + f" [guard block {blocks + 1} of at most {limit} in a row]", dup
+    return "block", reason + f" [guard block {blocks + 1} of at most {limit} in a row]", dup
 
 
 def guard_answer(agent, reason):
@@ -117,14 +145,14 @@ def observed_failure_note(story):
     bad = unaddressed_failure(story)
     if bad is None:
         return ""
-    code = f"exit {bad['exit_code']}, " if isinstance(bad.get("exit_code"), int) else ""
-    return (f" The harness saw `{one_line(last_chars(bad['cmd'], 200))}` fail ({code}event "
-            f"{bad.get('seq')}) and it has not been seen to pass since: address it first.")
+    return (f" The harness saw `{one_line(last_chars(bad['cmd'], 200))}` fail "
+            f"({observed_words(bad, ', ')}event {bad.get('seq')}) and it has not been seen to pass "
+            "since: address it first.")
 
 
-def observed_outcome(payload):
-    """(exit code or None, passed: True/False/None, detail) from a PostToolUse-style payload —
-    the harness's report of the run, never the agent's own words."""
+def harness_outcome(payload):
+    """(exit code or None, passed: True/False/None, detail, the command's output) from a
+    PostToolUse-style payload — the harness's report of the run, never the agent's own words."""
     def exit_in(text, last=False):
         # the harness's own line, never one the command printed: Claude Code's failure text
         # opens with it, Gemini CLI's llmContent gives it after the command's output
@@ -140,26 +168,224 @@ def observed_outcome(payload):
         error = payload.get("error")
         text = error if isinstance(error, str) else json_text(error)
         code = exit_in(text)
-        return code, False, text
+        return code, False, text, text
     resp = payload.get("tool_response")
     if isinstance(resp, str):
         code = exit_in(resp, last=True)
-        return code, None if code is None else code == 0, resp
+        return code, None if code is None else code == 0, resp, resp
     if not isinstance(resp, dict):
-        return None, None, ""
+        return None, None, "", ""
     detail = json_text(resp)
+    output = "\n".join(v for v in resp.values() if isinstance(v, str))
     for key in ("exit_code", "exitCode", "returncode", "returnCode", "exit_status"):
         if type(resp.get(key)) is int:
-            return resp[key], resp[key] == 0, detail
+            return resp[key], resp[key] == 0, detail, output
     if resp.get("error"):  # Gemini CLI: a tool error
-        return exit_in(str(resp.get("llmContent") or resp["error"]), last=True), False, detail
+        return (exit_in(str(resp.get("llmContent") or resp["error"]), last=True), False, detail,
+                output)
     if resp.get("interrupted") is True:
-        return None, False, detail
+        return None, False, detail, output
     code = exit_in(resp.get("llmContent") if isinstance(resp.get("llmContent"), str) else "",
                    last=True)
     if code is not None:
-        return code, code == 0, detail
-    return None, True, detail  # Claude Code reports a failing command as PostToolUseFailure
+        return code, code == 0, detail, output
+    return None, True, detail, output  # Claude Code reports a failing command as PostToolUseFailure
+
+
+def observed_outcome(payload, cmd, story):
+    """The fields of an observed_run beside its command: what the harness reported (exit_code,
+    ok, detail), read against what the command's test runner printed where its output shows
+    it, as frozen checks are — a runner that reports a failure is a failure whatever the exit
+    code; a command whose exit status is not its runner's (a pipe, `;`, `||`) is never a pass;
+    a runner that ran no test is no pass either. `report` (the runner's counts, the failing
+    tests it named) and `exit_hidden` are recorded when there is something to say."""
+    code, ok, detail, output = harness_outcome(payload)
+    fields = {"exit_code": code, "ok": ok, "detail": detail}
+    report = observed_report(cmd, output)
+    hidden = exit_hidden(cmd, lambda words: is_verification(words, story))
+    if report:
+        fields["report"] = report
+    if hidden:
+        fields["exit_hidden"] = True
+    if report and (report["failed"] or report["errors"]):
+        fields["ok"] = False
+    elif hidden:
+        fields["ok"] = False if ok is False else None  # the pipeline failed, or unknown
+    elif report and ok and not report.get("missing") and not report["passed"]:
+        fields["ok"] = None  # no test ran: nothing was seen to pass
+    return fields
+
+
+FAILING_SAID = 5  # failing tests an observed run names (its output tail holds the rest)
+# one line of a test's own outcome, as each runner prints it where its output allows (pytest -v
+# or -r, unittest -v and its failure headers, go test -v, cargo test, node --test's TAP)
+PER_TEST = {
+    "pytest": (r"(?P<id>\S+::\S+) (?P<outcome>PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b"
+               r"|(?P<outcome2>PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (?P<id2>\S+)"),
+    "unittest": (r"(?P<id>\w+ \([\w.]+\)) \.\.\. (?P<outcome>ok|FAIL|ERROR|skipped|"
+                 r"expected failure|unexpected success)\b"
+                 r"|(?P<outcome2>FAIL|ERROR): (?P<id2>\w+ \([\w.]+\))"),
+    "go": r"--- (?P<outcome>PASS|FAIL|SKIP): (?P<id>\S+)",
+    "cargo": r"test (?P<id>\S+) \.\.\. (?P<outcome>ok|FAILED|ignored)\b",
+    "node": r"(?P<outcome>not ok|ok) \d+ - (?P<id>.+?)(?: # (?:SKIP|TODO)\b.*)?",
+}
+OUTCOME_OF = {"PASSED": "passed", "ok": "passed", "PASS": "passed", "XPASS": "passed",
+              "FAILED": "failed", "FAIL": "failed", "not ok": "failed",
+              "unexpected success": "failed", "ERROR": "errors", "SKIPPED": "skipped",
+              "SKIP": "skipped", "skipped": "skipped", "ignored": "skipped", "XFAIL": "skipped",
+              "expected failure": "skipped"}
+
+
+# reports.py's outcomes, in this reading's words
+FROM_REPORTS = {"passed": "passed", "failed": "failed", "error": "errors", "skipped": "skipped",
+                "xfailed": "skipped"}
+
+
+def frozen_check_reading(runner, text):
+    """{test: outcome} as a frozen check's log is read, test by test, for the runners read from
+    their lines there (reports.py: unittest -v, cargo test, go test -json) — where the output
+    holds them whole (a reading that disagrees with the runner's own count, as a cut output
+    does, is no reading); else None."""
+    reader = getattr(reports, "_LINE_READERS", {}).get(runner)
+    if reader is None:
+        return None
+    found = reports.Report([runner])
+    if not reader(found, text) or found.problems or not found.tests:
+        return None
+    return {test: FROM_REPORTS.get(outcomes[-1], "errors")
+            for test, outcomes in found.tests.items()}
+
+
+def per_test(runner, lines):
+    """{test: passed/failed/errors/skipped} of the tests whose own line `runner` printed in
+    `lines`, the latest line of each winning (pytest's short summary after its verbose line):
+    what a cut output still shows, where frozen_check_reading finds no whole reading."""
+    pattern = PER_TEST.get(runner)
+    if pattern is None:
+        return {}
+    rx, seen = regex(pattern), {}
+    for line in lines:
+        m = rx.fullmatch(line.strip()) or (rx.match(line.strip()) if runner == "pytest" else None)
+        if m:
+            found = m.groupdict()
+            test, outcome = found.get("id") or found.get("id2"), (found.get("outcome")
+                                                                   or found.get("outcome2"))
+            if runner == "unittest":  # named as reports.py names it: `mod.Class.test_x`
+                name, dotted = regex(r"(\w+) \(([\w.]+)\)").fullmatch(test).groups()
+                test = dotted if dotted.endswith("." + name) else f"{dotted}.{name}"
+            seen[test] = OUTCOME_OF[outcome]
+    return seen
+
+
+# a runner's closing counts as an output cut or trimmed may show them, where runs.runner_counts
+# (a frozen check's whole log) finds none: pytest's without its `in 0.12s` (`1 failed, 3
+# passed`), unittest's `FAILED (failures=1)` without the `Ran N tests` above it
+LOOSE = {"pytest": r"=*\s*((?:\d+ (?:failed|passed|errors?|skipped|xfailed|xpassed|deselected|"
+                   r"warnings?)(?:, |\s)?)+)(?:\s*in \d+(?:\.\d+)?s\b.*)?\s*=*",
+         "unittest": r"(FAILED|OK) \(((?:[a-z ]+=\d+(?:, )?)+)\)"}
+
+
+def loose_counts(runner, lines):
+    """{passed, failed, errors, skipped} of the last closing-counts line of `runner` in
+    `lines` that LOOSE reads, or None."""
+    pattern = LOOSE.get(runner)
+    rx, found = regex(pattern) if pattern else None, None
+    for line in lines if rx else ():
+        m = rx.fullmatch(line.strip())
+        if m:
+            found = m
+    if found is None:
+        return None
+    if runner == "unittest":
+        items = {w.strip(): int(n) for w, n in regex(r"([a-z ]+)=(\d+)").findall(found.group(2))}
+        return {"passed": 0, "failed": items.get("failures", 0), "errors": items.get("errors", 0),
+                "skipped": items.get("skipped", 0)}
+    items = {w: int(n) for n, w in regex(r"(\d+) ([a-z]+)").findall(found.group(1))}
+    if not {"passed", "failed", "error", "errors"} & set(items):
+        return None
+    return {"passed": items.get("passed", 0) + items.get("xpassed", 0),
+            "failed": items.get("failed", 0),
+            "errors": items.get("error", 0) + items.get("errors", 0),
+            "skipped": items.get("skipped", 0) + items.get("xfailed", 0)}
+
+
+def observed_report(cmd, output):
+    """What the test runners `cmd` starts reported in `output` (reports.test_runners names
+    them): each test's outcome as a frozen check's log is read where the output holds it whole
+    (frozen_check_reading); else the runner's closing counts (runs.runner_counts, or what a cut
+    output keeps of them, LOOSE), else the count of the tests' own lines (per_test); and the
+    failing tests named (a few). None for a command that starts no runner the engine reads. A
+    reading here can only fail an observed run or leave it unknown: a pass still needs the
+    harness's own success."""
+    runners = test_runners(cmd)
+    if not runners:
+        return None
+    text = regex(ANSI).sub("", output)
+    lines = text.splitlines()
+    report = {"runner": "+".join(runners), "passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    missing, failing = [], []
+    for runner in runners:
+        tests = frozen_check_reading(runner, text)
+        if tests is not None:  # each test's outcome, as a frozen check's: its counts are these
+            failing += [t for t, outcome in tests.items() if outcome in ("failed", "errors")]
+            for outcome in tests.values():
+                report[outcome] += 1
+            continue
+        tests = per_test(runner, lines)
+        failing += [t for t, outcome in tests.items() if outcome in ("failed", "errors")]
+        counts = runner_counts(runner, lines) or loose_counts(runner, lines)
+        if counts is None and tests:
+            counts = {k: sum(1 for v in tests.values() if v == k)
+                      for k in ("passed", "failed", "errors", "skipped")}
+        if counts is None:
+            missing.append(runner)
+            continue
+        for key, n in counts.items():
+            report[key] += n
+    if missing:
+        report["missing"] = missing
+    if failing:
+        report["failing"] = failing[:FAILING_SAID]
+    return report
+
+
+def exit_hidden(cmd, verifies):
+    """Whether the exit status a shell reports for `cmd` may not be its verification's — the
+    last command `verifies` (its text) says is one, else the first: anything but `&&` (and
+    redirections) after it — a pipe (`| tail -3` exits 0 whatever pytest said) unless
+    `set -o pipefail` came before, `;`, `||`, `&`, a new line."""
+    import shlex
+    lexer = shlex.shlex(cmd, posix=True, punctuation_chars="();<>|&\n")
+    lexer.whitespace = " \t\r"
+    lexer.whitespace_split = True
+    try:
+        tokens = list(lexer)
+    except ValueError:
+        return True  # it cannot be read: nothing says the exit status is the runner's
+    words, first, last, pipefail = [], None, None, False
+    for i, token in enumerate(tokens + [";"]):
+        if token and all(c in "();<>|&\n" for c in token):
+            if words[:1] == ["set"] and "pipefail" in words:
+                pipefail = True
+            if words and first is None and words[0] not in ("cd", "set", "export"):
+                first = (i, pipefail)
+            if words and verifies(shlex.join(words)):
+                last = (i, pipefail)
+            words = []
+        else:
+            words.append(token)
+    if (last or first) is None:
+        return False
+    at, pipefail = last or first
+    for token in tokens[at:]:
+        if not all(c in "();<>|&\n" for c in token):
+            continue
+        ops = token.replace("&&", "").replace(">&", "").replace("<&", "").replace("&>", "")
+        if "||" in ops or any(c in ops for c in ";&\n"):
+            return True
+        if "|" in ops and not pipefail:
+            return True
+    return False
 
 
 def shell_command_of(payload):

@@ -155,6 +155,9 @@ def _misfit(value, c):
 # runners that wrote no report; `problem`: why a report disagrees with itself.
 REPORT_SPEC = {"runner": str, "passed": int, "failed": int, "errors": int, "skipped": int,
                "missing?": [str], "problem?": str}
+# what the test runner of an observed run printed, as its output showed it (hooks.observed_report):
+# its counts, a few of the failing tests it named
+OBSERVED_REPORT_SPEC = dict(REPORT_SPEC, **{"failing?": [str]})
 RUN_SPEC = {"seq": int, "check": (int, _N), "cmd": str, "exit_code": (int, _N), "signal": TEXT,
             "timed_out": bool, "error": TEXT, "duration_s": (int, float, _N), "bytes": (int, _N),
             "sha256": TEXT, "tail": TEXT, "log": TEXT, "ok": bool, "interrupted?": TEXT,
@@ -189,7 +192,8 @@ STORY_FIELDS = {
     "judged_by": (({"agent": str, "verdict": str, "seq": int}, _N), None),
     # what the harness reported of the agent's own verification commands (observe), latest last
     "observed": ([{"seq": int, "ts": str, "round": int, "cmd": str, "exit_code": (int, _N),
-                   "ok": (bool, _N), "tool": TEXT, "detail": TEXT}], []),
+                   "ok": (bool, _N), "tool": TEXT, "detail": TEXT,
+                   "report?": OBSERVED_REPORT_SPEC, "exit_hidden?": bool}], []),
     # the working tree the judge was shown (judge-packet): a verdict after it changed is void
     "packet": (({"tree": str, "files": (int, _N), "round": int, "seq": int}, _N), None),
 }
@@ -207,7 +211,8 @@ UNVERIFIABLE_SPEC = [{"id": str, "check": int, "cmd": str, "reason": str}]
 
 # the Stop guard's count, which registration of it counted the last stop, and a human's pause
 GUARD_SPEC = {"blocks": int, "hook?": TEXT, "hook_ts?": TEXT,
-              "paused?": ({"seq": int, "ts": str, "note": TEXT}, _N)}
+              "paused?": ({"seq": int, "ts": str, "note": TEXT}, _N),
+              "capped?": ({"seq": int, "ts": str, "blocks": int, "id": TEXT}, _N)}
 REPLACES_SPEC = {"plan_id": str, "head": TEXT, "seq": (int, _N), "path": str}
 PLAN_HEAD_SPEC = {"schema_version": int, "digest?": str, "plan_id": str, "brief": str,
                   "created": str, "scope?": [str], "options": {"rounds": int, "require_run": bool},
@@ -615,20 +620,57 @@ def observed_of(story):
             and isinstance(o.get("cmd"), str)]
 
 
+def observed_key(cmd):
+    """The command an observed run ran, as the runs that may clear its failure name it: without
+    what only filters its output after a pipe (`| tail -3`, `2>&1 | tee log`) — a run of the
+    command itself, seen to pass, clears a failure seen through a filter."""
+    head = regex(r"(?<!\|)\|(?!\|)").split(cmd, 1)[0]
+    return " ".join(regex(r"\s*\d*>&\d+").sub(" ", head).split())
+
+
 def unaddressed_failure(story):
-    """The latest observed failure of a command that has not been seen to pass since, or None."""
+    """The latest observed failure of a command that has not been seen to pass since, or None:
+    only a run seen to pass clears one (an outcome not reported, or hidden, clears nothing)."""
     latest = {}
     for o in observed_of(story):
-        latest[o["cmd"]] = o
+        if o.get("ok") is not None:
+            latest[observed_key(o["cmd"])] = o
     failed = [o for o in latest.values() if o.get("ok") is False]
     return max(failed, key=lambda o: o.get("seq", 0)) if failed else None
 
 
+def observed_words(o, end=""):
+    """What an observed run's outcome rests on, for a note: `exit 1, pytest reported 1 failed:
+    tests/t.py::test_x` (or `… 4 passed`); "" when nothing is known (`end` follows what is
+    said)."""
+    words = [f"exit {o['exit_code']}"] if isinstance(o.get("exit_code"), int) else []
+    report = o.get("report") if isinstance(o.get("report"), dict) else None
+    runner = one_line(report.get("runner", "")) if report else ""
+    if report and (report.get("failed") or report.get("errors")):
+        bad = [f"{report['failed']} failed"] if report.get("failed") else []
+        bad += [count_noun(report["errors"], "error")] if report.get("errors") else []
+        named = report.get("failing") or []
+        words.append(f"{runner} reported {', '.join(bad)}"
+                     + (f": {one_line(', '.join(named))}" if named else ""))
+    elif report and o.get("ok") and report.get("passed") and not report.get("missing"):
+        words.append(f"{runner} reported {report['passed']} passed")
+    return ", ".join(words) + end if words else ""
+
+
 def observed_result(o):
+    """An observed run's outcome in words: passed, failed (and why), or unknown (and why)."""
+    report = o.get("report") if isinstance(o.get("report"), dict) else None
     if o.get("ok") is None:
+        if o.get("exit_hidden"):
+            counts = "" if not report or report.get("missing") else (
+                f"; {one_line(report.get('runner', ''))} reported {report['passed']} passed")
+            return ("outcome unknown (the exit status is not the test runner's: a pipe, `;` or "
+                    f"`||` after it{counts})")
+        if report and not report.get("missing") and not report.get("passed"):
+            return f"no test ran ({one_line(report.get('runner', ''))} reported none)"
         return "outcome not reported"
-    code = f"exit {o['exit_code']}" if isinstance(o.get("exit_code"), int) else None
-    return ("passed" if o["ok"] else "failed") + (f" ({code})" if code else "")
+    words = observed_words(o)
+    return ("passed" if o["ok"] else "failed") + (f" ({words})" if words else "")
 
 
 def _require_story_text(spec):
@@ -815,7 +857,20 @@ def not_active(plan, story, agent=None):
                         f"hand out {other} again).", "not_active")
         error.step = ("finish", other)
         return error
-    error = refused(f"{head} — activate it with `next` first.", "not_active")
+    ready = pick_ready(plan)  # what `next` would activate: the step names no other story
+    waiting = waits_for(plan, story)
+    if ready is not None and ready["id"] == sid:
+        error = refused(f"{head} — activate it with `next` first.", "not_active")
+    elif ready is not None:
+        why = (f"it waits for {ids_text(waiting)}" if waiting else
+               "`next` hands out the ready stories in plan order")
+        error = refused(f"{head} — {why}; `next` activates {ready['id']} first.", "not_active")
+    else:
+        error = refused(f"{head} — it waits for {ids_text(waiting) or 'stories in progress'}, "
+                        "and nothing is ready to activate now: `status` says who holds what.",
+                        "not_active")
+        error.step = ("status",)
+        return error
     error.step = ("next",)
     return error
 
@@ -1076,6 +1131,27 @@ def _log_guard_block(ev, sid):
     return f"stop blocked by the guard: {one_line(ev['reason'])}"
 
 
+def _ev_guard_capped(plan, ev):
+    """The guard let the agent stop after its cap of blocks in a row, with work left: kept until
+    the next event that is more than the guard's own, so `status` says it in the morning."""
+    if ev["id"] is not None:
+        find_story(plan, ev["id"])
+    plan["guard"]["capped"] = {"seq": ev["seq"], "ts": ev["ts"], "blocks": ev["blocks"],
+                               "id": ev["id"]}
+    return plan
+
+
+def _log_guard_capped(ev, sid):
+    return (f"the agent stopped with work left: the guard let it stop after {ev['blocks']} blocks "
+            "in a row" + (f" — next: {one_line(ev['id'])}" if ev["id"] else ""))
+
+
+def guard_capped(plan):
+    """The stop the guard let through at its cap, while nothing has happened since, or None."""
+    capped = plan["guard"].get("capped")
+    return capped if isinstance(capped, dict) else None
+
+
 def _ev_paused(plan, ev):
     paused = plan["guard"].get("paused")
     if paused:
@@ -1108,7 +1184,8 @@ def _ev_observed_run(plan, ev):
     seen = [o for o in story.get("observed") or [] if isinstance(o, dict)]
     seen.append({"seq": ev["seq"], "ts": ev["ts"], "round": story["round"], "cmd": ev["cmd"],
                  "exit_code": ev["exit_code"], "ok": ev["ok"], "tool": ev["tool"],
-                 "detail": ev["detail"]})
+                 "detail": ev["detail"],
+                 **{k: ev[k] for k in ("report", "exit_hidden") if k in ev}})
     story["observed"] = seen[-OBSERVED_KEEP:]
     return plan
 
@@ -1196,10 +1273,12 @@ EVENTS = {
                     _log_guard_block),
     "judge_packet": (_ev_judge_packet, {"id": str, "tree": str, "files": (int, _N)},
                      _log_judge_packet),
+    "guard_capped": (_ev_guard_capped, {"blocks": int, "id": TEXT}, _log_guard_capped),
     "paused": (_ev_paused, {"note": TEXT}, _log_paused),
     "unpaused": (_ev_unpaused, {}, _log_unpaused),
     "observed_run": (_ev_observed_run, {"id": str, "cmd": str, "exit_code": (int, _N),
-                                        "ok": (bool, _N), "tool": TEXT, "detail": TEXT},
+                                        "ok": (bool, _N), "tool": TEXT, "detail": TEXT,
+                                        "report?": OBSERVED_REPORT_SPEC, "exit_hidden?": bool},
                      _log_observed_run),
     "story_released": (_ev_story_released, {"id": str, "note": str, "agent": TEXT},
                        _log_story_released),
@@ -1229,9 +1308,17 @@ def transition(plan, ev):
     """Apply `ev`, an event apply_event has checked the shape and time of, to `plan`."""
     kind = ev["event"]
     plan = EVENTS[kind][0](plan, ev)
-    if kind != "guard_block":
+    if kind not in GUARD_OWN:
         plan["guard"]["blocks"] = 0
+    if kind not in GUARD_KEEPS and "capped" in plan["guard"]:
+        del plan["guard"]["capped"]  # the work went on: the stop at the cap is history (`log`)
     return plan
+
+
+# the events that leave the guard's count of blocks in a row as it is, and those after which a
+# stop at the cap still stands (a human pausing the guard, or turning it on, works on nothing)
+GUARD_OWN = ("guard_block", "guard_capped")
+GUARD_KEEPS = ("guard_capped", "paused", "unpaused")
 
 
 def format_event(ev):

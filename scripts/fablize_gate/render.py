@@ -12,8 +12,8 @@ from .base import (
     RESUME_MAP, RESUME_TAIL, RESUME_TITLE, short, STATUS_TABLE, TAIL_CHARS, time_label)
 from .model import (
     _PRISTINE, accepted_ids, active_stories, blocked_because, DEFAULTS, describe_exit,
-    done_count, find_story, grade_detail, is_final, observed_of, observed_result, pick_ready,
-    plan_done, REOPENED_BECAUSE, round_failures, round_label, rounds_left, run_evidence,
+    done_count, find_story, grade_detail, guard_capped, is_final, observed_of, observed_result,
+    pick_ready, plan_done, REOPENED_BECAUSE, round_failures, round_label, rounds_left, run_evidence,
     run_passed, run_summary, stories_in, touch, unaddressed_failure, ids_text, waits_for)
 from .masking import mask
 from .runs import NOT_THERE, repo_root
@@ -287,12 +287,38 @@ def render_resume(prog, plan, story):
     return lines
 
 
-def status_details(plan, story):
-    """The lines under a story in `status`: its round, holder, what it waits for, why it is
-    blocked, what its completion rests on, its amendments."""
+def waits_line(plan, story, previous=None, in_order=False):
+    """`waits for G002, G005` under a story in `status`, or None: not when the plan's order
+    already says it — a story waiting only for the one before it (`previous`, its id), or the
+    final story of a sequential plan (`in_order`: each story after the one before it), which
+    waits for all of them one by one. A plan of 100,000 sequential stories is one line a story,
+    not two."""
+    waiting = waits_for(plan, story)
+    if not waiting or waiting == [previous] or (in_order and story is plan["goals"][-1]):
+        return None
+    return "waits for " + ids_text(waiting)
+
+
+# why a second agent gets nothing in a sequential plan, and what would let agents work at once
+TAKE_TURNS = ("this plan's stories go one after another: its agents take turns; a plan made with "
+              "`create --parallel`, or `--after`, has stories they can work at once")
+
+
+def sequential(plan):
+    """Whether every story but the final one waits for exactly the one before it (`create`'s
+    default): one pass, asked once a status."""
+    goals = plan["goals"]
+    return all(s.get("after", []) == ([goals[i - 1]["id"]] if i else [])
+               for i, s in enumerate(goals[:-1]))
+
+
+def status_details(plan, story, previous=None, in_order=False):
+    """The lines under a story in `status`: its round, holder, what it waits for (when the
+    plan's order does not say it already: waits_line), why it is blocked, what its completion
+    rests on, its amendments."""
     if _PRISTINE.issuperset(story):  # untouched since `create`: at most what it waits for
-        waiting = waits_for(plan, story)
-        return ["waits for " + ids_text(waiting)] if waiting else []
+        line = waits_line(plan, story, previous, in_order)
+        return [line] if line else []
     touch(story)
     details = []
     if story["status"] in DONE:
@@ -304,9 +330,9 @@ def status_details(plan, story):
     if story["status"] == "in_progress" and story["agent"]:
         details.append(f"held by agent {one_line(story['agent'])}")
     if story["status"] in ("pending", "failed"):
-        waiting = waits_for(plan, story)
-        if waiting:
-            details.append("waits for " + ids_text(waiting))
+        line = waits_line(plan, story, previous, in_order)
+        if line:
+            details.append(line)
     if story["status"] == "blocked":
         details.append("blocked: " + one_line(last_chars(blocked_because(story), 200)))
     if story["status"] == "review":
@@ -436,6 +462,18 @@ def human_command(prog):
     return prog
 
 
+def capped_line(plan):
+    """What `status`, a session start, `report` and `audit` say of a stop the guard let through
+    at its cap while work was left (nothing has happened since), or None: never a line that
+    reads as done."""
+    capped = guard_capped(plan)
+    if capped is None:
+        return None
+    return (f"⚠ the agent stopped with work left: the guard let it stop after {capped['blocks']} "
+            f"blocks in a row (event {capped['seq']}, {time_label(capped['ts'])}) — the plan is "
+            "not finished")
+
+
 def done_line(plan):
     accepted = [s["id"] for s in plan["goals"] if s["status"] == "accepted"]
     if accepted:
@@ -501,6 +539,7 @@ def render_report(plan, runs, total=None):
              f"`{'█' * filled}{'░' * (20 - filled)}` **{done}/{len(goals)} done** "
              f"({100 * done // len(goals)}%)" +
              (" — " + done_line(plan)[len("fablize: "):] if plan_done(plan) else ""),
+             *(["", md_cell(capped_line(plan), 300)] if capped_line(plan) else []),
              "", "| Story | Title | Status | Rounds | Evidence | Grade |",
              "|---|---|---|---|---|---|"]
     for s in goals:

@@ -89,13 +89,39 @@ def portable_command(root):
 
 def command_missing(cli):
     """Why the command written into the project does not run here, or None: `fablize` names a
-    command that must be installed (or come with the plugin)."""
+    command that must be installed (or come with the plugin) and on PATH."""
     if cli == "fablize" and shutil.which("fablize") is None:
+        off_path = path_step()
+        if off_path is not None:  # this very engine is the installed command, off PATH
+            return (f"the wiring runs `fablize`, which is installed but not on PATH here "
+                    f"({off_path[0]}): `{off_path[1]}`, then a new terminal")
         return ("the wiring runs `fablize`, which is not on PATH here: install it (README: Add it "
                 "to your project — pipx, uv tool or the plugin), or copy scripts/goals.py and "
                 "scripts/fablize_gate/ (together) into this repository and run setup again with "
                 "that copy")
     return None
+
+
+def path_step():
+    """(where the installed `fablize` is, the command that puts that folder on PATH) when this
+    engine is the installed command (a wheel: no goals.py beside its package) and its folder is
+    not on PATH; else None. pipx and uv say it themselves (`pipx ensurepath`, `uv tool
+    update-shell`: their venvs carry pipx_metadata.json, uv-receipt.toml); for pip (--user, or
+    a venv) it is the folder, added to PATH in the shell's profile."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isfile(os.path.join(here, "goals.py")):
+        return None  # a checkout or a copy: its goals.py is what to copy
+    started = sys.argv[0] if os.path.basename(sys.argv[0] or "").startswith("fablize") else ""
+    folder = os.path.dirname(os.path.abspath(started)) if started else None
+    if folder is None or not os.path.isfile(os.path.join(folder, os.path.basename(started))):
+        import sysconfig
+        folder = sysconfig.get_path("scripts")
+    if os.path.isfile(os.path.join(sys.prefix, "pipx_metadata.json")):
+        return f"pipx put it in {folder}", "pipx ensurepath"
+    if os.path.isfile(os.path.join(sys.prefix, "uv-receipt.toml")):
+        return f"uv put it in {folder}", "uv tool update-shell"
+    return (f"it is in {folder}; add that line to your shell's profile",
+            f"export PATH={quote_arg(folder)}:\"$PATH\"")
 
 
 def refuse_missing_command(ctx, cli):
@@ -109,6 +135,15 @@ def refuse_missing_command(ctx, cli):
     if human_command(cli) != cli:  # the plugin's engine: Claude Code puts its bin/ on PATH
         ctx.out.warn(missing + ".")
         return
+    off_path = path_step()
+    if off_path is not None:  # installed (pipx, uv tool, pip): its wheel holds no goals.py
+        error = refused(f"setup: the wiring would run `{cli}`, which is installed but not on "
+                        f"PATH here ({off_path[0]}) — nothing was written. Put it on PATH, open "
+                        f"a new terminal, then run `{cli} setup {ctx.args.agent}` again (or copy "
+                        "the engine from a checkout into the project: README, Add it to your "
+                        "project):", "command_missing")
+        error.commands = [off_path[1]]
+        raise error
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this engine's scripts/
     copy = (f"mkdir -p scripts && cp -r {quote_arg(os.path.join(here, 'goals.py'))} "
             f"{quote_arg(os.path.join(here, 'fablize_gate'))} scripts/")
@@ -528,8 +563,11 @@ def render_block(cli):
 
 def install_block(text, block, remove=False, where="the file"):
     """`text` with exactly one fablize block (replaced in place, or appended), or without it.
-    Appending adds one newline before the block when the file does not end a line with a blank
-    one; removal takes that newline back, so remove(install(x)) == x."""
+    Appending adds one newline before the block, ending the file's last line or leaving a blank
+    line; removal takes back only a newline that leaves a blank line before the block, so the
+    text above it keeps its last line's end — remove(install(x)) == x for a file ending in a
+    newline, and text a user wrote above the block keeps its own (install-block, which keeps the
+    file as it was, gives back a missing final newline from that copy)."""
     text, at = cut_original_block(text)
     if at is not None and BLOCK_BEGIN not in text and not remove:
         return text[:at] + block + text[at:]
@@ -545,7 +583,7 @@ def install_block(text, block, remove=False, where="the file"):
             end += 1
         if not remove:
             return text[:begin] + block + text[end:]
-        if end == len(text) and begin > 0 and text[begin - 1] == "\n":
+        if end == len(text) and text[max(begin - 2, 0):begin] == "\n\n":
             begin -= 1
         return text[:begin] + text[end:]
     if remove:
@@ -581,6 +619,10 @@ def cmd_install_block(ctx, a):
         ctx.say(f"fablize: removed {target}: the fablize block was all it held")
         ctx.data.update(path=target, changed=True, backup=None, deleted=True)
         return
+    if a.remove and new.endswith("\n") and not new.endswith("\n\n"):
+        kept = read_state_file(backup) if os.path.lexists(backup) else None
+        if kept is not None and kept.decode("utf-8", "replace") == new[:-1]:
+            new = new[:-1]  # the file had no final newline before install-block ended its line
     if st is not None:
         write_atomic(backup, raw)
     else:
@@ -620,16 +662,23 @@ LOAD_HOOKS = {
 }
 
 
+def not_a_repository(root, what):
+    """The one git rule of setup and doctor, whatever runs them (a copy, the installed command,
+    the plugin): what setup writes is the project's, to be committed with it — the rules, the
+    hooks (a copy's find the engine with `git rev-parse`), the merge driver (git's) — so both
+    work inside a git repository only. The refusal of `what` outside one, naming `git init`."""
+    error = refused(f"{what}: {root} is not a git repository — what setup writes (the rules, the "
+                    "hooks, the merge driver) belongs in one, committed with the project: run "
+                    f"`git init` first, then {what} again:", "not_a_repository")
+    error.commands = ["git init"]
+    return error
+
+
 def cmd_setup(ctx, a):
     root = ctx.store.root
     cli = portable_command(root)
-    if not a.remove and "$(git rev-parse" in cli and repo_root(root) is None:
-        error = refused(f"setup: {root} is not a git repository, and the hooks and the block find "
-                      "the engine with `git rev-parse --show-toplevel`: every hook would fail "
-                      "here — run `git init` first, then setup again (or install fablize, whose "
-                      "`fablize` command needs no repository):", "not_a_repository")
-        error.commands = ["git init"]
-        raise error
+    if not a.remove and repo_root(root) is None:
+        raise not_a_repository(root, "setup")
     changes, notes = setup_plan(root, a.agent, a.remove)
     if not a.remove:  # checked before anything is written
         refuse_missing_command(ctx, cli)
@@ -760,6 +809,8 @@ def wired_agents(root):
 
 
 def cmd_doctor(ctx, a):
+    if repo_root(ctx.store.root) is None:  # setup's rule: no wiring is healthy outside git
+        raise not_a_repository(ctx.store.root, "doctor")
     agents = [a.agent] if a.agent else wired_agents(ctx.store.root)
     if not agents:
         error = refused(f"doctor: no agent is wired in {ctx.store.root} — `{ctx.prog} setup "

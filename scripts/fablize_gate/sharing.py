@@ -57,7 +57,7 @@ from .storage import (
     open_plan, open_state_file, read_state_file, require_state_dir, shown_path, write_all,
     write_atomic)
 from .runs import git, repo_root, run_tool
-from .render import invocation, plan_json, story_json
+from .render import invocation, plan_json, sequential, story_json, TAKE_TURNS
 from .audit import audit_ledger
 from .sharing_git import (
     cat_objects, default_remote, git_call, git_dirs, git_out, plan_id_arg, remote_arg,
@@ -232,14 +232,30 @@ def said_event(ev):
 def say_set_aside(store, records):
     """At the time: one line for each event set aside, and how it is acknowledged."""
     for r in records:
-        ev = r["event"]
-        # a lost claim is acknowledged by its agent's next claim (often this very command's)
-        seen = (f"agent {one_line(ev['agent'])}'s next claim acknowledges it, or "
-                f"{ack_command()}" if ev["event"] == "story_started" and ev.get("agent") else
-                f"{ack_command()} once seen")
-        store.warn(f"{said_event(ev)} before the remote's newer events) is no longer legal: "
-                   f"{one_line(r['reason'])} — set aside in {REJECTED}, not published; "
-                   f"{seen}.")
+        store.warn(set_aside_line(r))
+
+
+def set_aside_line(record):
+    ev = record["event"]
+    # a lost claim is acknowledged by its agent's next claim (often this very command's)
+    seen = (f"agent {one_line(ev['agent'])}'s next claim acknowledges it, or "
+            f"{ack_command()}" if ev["event"] == "story_started" and ev.get("agent") else
+            f"{ack_command()} once seen")
+    return (f"{said_event(ev)} before the remote's newer events) is no longer legal: "
+            f"{one_line(record['reason'])} — set aside in {REJECTED}, not published; {seen}.")
+
+
+def said_instead(store, record):
+    """This command's own event, set aside, is said by the command itself (its refusal, or the
+    claim it makes instead): the line sync said of it goes, and it counts as seen — it is
+    never said again by a later command."""
+    line = set_aside_line(record)
+    while line in store.warnings:
+        store.warnings.remove(line)
+    pending = read_pending(store)
+    kept = [r for r in pending if r.get("key") != record.get("key")]
+    if len(kept) != len(pending):
+        write_pending(store, kept)
 
 
 def pending_line(record):
@@ -1440,10 +1456,13 @@ def publish(session, claim=False, fetch_first=None):
                 "work carries over to it is a human's decision:", "plan_replaced"), "status")
         held = find_story(session.plan, ev["id"]) if ev.get("id") else None
         who = f" — agent {one_line(held['agent'])} holds it" if held and held["agent"] else ""
-        raise with_step(refused(
-            f"{one_line(ev.get('id') or ev['event'])} was taken on {cfg['remote']} meanwhile{who}; "
-            f"this {ev['event']} was not published ({one_line(mine['reason']).rstrip('.')}) — "
-            "see who holds what now:", "claim_lost"), "status")
+        said_instead(store, mine)
+        lost = (f"{one_line(ev.get('id') or ev['event'])} was taken on {cfg['remote']} "
+                f"meanwhile{who}; this {ev['event']} was not published "
+                f"({one_line(mine['reason']).rstrip('.')})")
+        error = refused(f"{lost} — see who holds what now:", "claim_lost")
+        error.lost = lost  # what a claim made instead says of it
+        raise with_step(error, "status")
     return session.plan
 
 
@@ -1507,10 +1526,15 @@ def claim(session, story, agent):
             lost = e
         ready = ready_stories(session.plan)
         if not ready:
+            if sequential(session.plan) and getattr(lost, "lost", None):
+                lost.message = (f"{lost.lost}; nothing else is ready for agent "
+                                f"{one_line(agent or 'unnamed')} ({TAKE_TURNS}) — see who holds "
+                                "what now:")
             raise lost
         # the other writers just won the first ready story: a random one avoids a convoy
         story = ready[int(uniform() * len(ready))]
-        session.store.warn(f"{lost.message} Claiming {story['id']} instead.")
+        session.store.warn(f"{getattr(lost, 'lost', lost.message)}. Claiming {story['id']} "
+                           "instead.")
     raise lost
 
 
@@ -1600,8 +1624,29 @@ def status(store, plan):
     return info
 
 
+def behind_step(info, prog):
+    """(the line said first, the next step) of a clone whose copy is behind the remote (`status`,
+    a session start): `sync` before anything this copy would name — a story it thinks ready may
+    be done there. None when the copy is not known to be behind."""
+    if not info or info.get("error") or info.get("problem") or not info.get("behind"):
+        return None
+    n = info["behind"]
+    ahead = (f"; this clone has {count_noun(info['ahead'], 'event')} not published yet"
+             if info["ahead"] else "")
+    line = (f"fablize: this clone's copy is {count_noun(n, 'event')} behind {info['remote']} "
+            f"({info['ref']}){ahead} — what follows is this copy, without "
+            f"{'it' if n == 1 else 'them'}:")
+    these = "that event" if n == 1 else "those events"
+    return line, {"kind": "sync", "id": None, "cmd": f"{prog} sync",
+                  "text": f"`{prog} sync` (it brings in {these}; then `status` says what is next)"}
+
+
 def status_lines(info, prog):
+    """The shared plan's state, said under the next step: where it is shared and how far this
+    copy is ahead or behind (behind_step says that first, once)."""
     where = f"shared through {info['remote']} ({info['ref']})"
+    if behind_step(info, prog):
+        return []
     if info.get("error"):
         return [f"fablize: {where}: {count_noun(info['ahead'], 'event')} not published yet; "
                 "the remote cannot "
@@ -1746,6 +1791,8 @@ def start(store, remote):
                  "clone's .git/info/exclude — no committed file changes.")
     if first:  # said once, when the plan first goes out
         line += "\n" + PUBLISHES.format(remote=remote)
+        if len(plan["goals"]) > 2 and sequential(plan):  # what its agents will get
+            line += f"\nfablize: {TAKE_TURNS}."
     return {"remote": remote, "ref": SHARED_REFS + plan["plan_id"], "published": cfg["seq"]}, line
 
 
