@@ -189,6 +189,9 @@ def test_the_honest_pull_request_passes_the_recipe_and_the_strictest_audit(repo)
     assert "1 fixed (failed on the base, pass now)" in p.stdout, p
     assert summary.index("effective policy") < summary.index("| Story | Grade |"), summary
     assert "fail-to-pass: on — the policy on origin/main" in summary
+    # the agent's runs, made before its work was committed, on the tree it then committed:
+    # clean in CI's clone too, which never holds the agent's own tree objects
+    assert "never committed" not in p.stdout + summary, p
 
 
 def call_in_the_code(what):
@@ -270,7 +273,9 @@ def test_attack_a_tripwire_hidden_from_a_diff_is_still_found(tmp_path, how):
         git(ci, "config", "diff.noprefix", "true")
     elif how == "mnemonicPrefix":
         git(ci, "config", "diff.mnemonicPrefix", "true")
-    red_both(repo, "tripwire", "calc.py:")
+    p, summary = red_both(repo, "tripwire", "calc.py:")
+    # the job summary lists it whatever else the branch changed
+    assert "reaches into the test run or looks for its judge" in summary, summary
 
 
 def test_attack_a_tripwire_in_a_file_whose_name_git_would_quote(tmp_path):
@@ -406,7 +411,9 @@ def test_honest_a_smoke_or_lint_check_beside_the_real_one(tmp_path, beside):
     """Neither passes on the base alone as a failure: fail-to-pass is the real check's test."""
     repo = Repo(tmp_path, check=(PYTEST + " tests", beside))
     repo.branch()
-    green_both(repo)
+    p, summary = green_both(repo)
+    # what no runner's report backs is said as what it is
+    assert "judged by its exit code only (no runner the engine reads): `" in summary, summary
 
 
 UNITTEST = ("import unittest\n\nfrom calc import mul\n\n\nclass T(unittest.TestCase):\n"
@@ -599,3 +606,22 @@ def test_checks_sharing_a_plain_users_rights_cannot_trace_their_auditor(tmp_path
         assert "the auditor cannot be traced or read" in p.stdout, p
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+def test_a_broad_scope_the_policy_gives_is_refused_naming_the_policy(tmp_path):
+    repo = Repo(tmp_path, policy={"scope": ["**"]})
+    repo.branch()
+    p, _ = repo.recipe()
+    assert p.returncode == 2, p
+    assert "the scope of the policy on origin/main '**' takes the whole tree" in p.stderr, p
+    assert "for instance calc.py" in p.stderr, p
+
+
+def test_every_change_under_github_is_listed_for_the_reviewer(repo):
+    repo.branch(change=lambda t: (
+        (t / ".github" / "workflows").mkdir(parents=True),
+        (t / ".github" / "workflows" / "other.yml").write_text("on: push\n"),
+        (t / ".github" / "CODEOWNERS").write_text("* @someone\n")))
+    p, summary = repo.recipe()
+    assert "the branch changes .github/ (review it): `.github/CODEOWNERS`, " \
+           "`.github/workflows/other.yml`" in summary, summary

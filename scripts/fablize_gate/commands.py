@@ -1100,7 +1100,8 @@ def committed_copy(store, names, whole=False):
     try:  # outside a repository `git diff` compares files (--no-index): HEAD's first
         if git(store.root, "rev-parse", "--verify", "--quiet", "HEAD")[0] != 0:
             return []
-        if git(store.root, "diff", "--quiet", "HEAD", "--", *paths)[0] != 1:
+        if git(store.root, "diff", "--quiet", "--no-ext-diff", "--no-textconv", "HEAD", "--",
+               *paths)[0] != 1:
             return []
     except FablizeError:
         return []

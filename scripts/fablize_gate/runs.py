@@ -166,7 +166,7 @@ def read_plain(path):
 def git_state(root, state_dir):
     """(HEAD, dirty, tree) of the repository at `root` as a run starts: the commit, whether the
     working tree differs from it, and the id of the tree the working tree holds (what `git add
-    -A` would commit, the state directory left out, through an index of its own). The tree lets
+    -A` would commit, through an index of its own, the state directory taken out). The tree lets
     audit tell a run made before its exact tree was committed — an honest run — from one made
     on a tree that never was. (None, None, None) outside a repository."""
     import shutil
@@ -186,9 +186,16 @@ def git_state(root, state_dir):
                 pass
             if git(root, "add", "-A", "--", *paths, env=own)[0] != 0:
                 return head, None, None
+            # the state directory out of the tree too (the index holds it as committed): the
+            # tree is then the work alone, which CI can compute from a commit by itself
+            if not rel.startswith("..") and git(root, "rm", "-r", "--cached", "-q",
+                                                "--ignore-unmatch", "--", rel,
+                                                env=dict(own, **LITERAL))[0] != 0:
+                return head, None, None
             code, out, _ = git(root, "write-tree", env=own)
         tree = out.decode().strip() if code == 0 else None
-        dirty = git(root, "diff", "--quiet", head, tree, "--", *paths)[0] != 0 if tree else None
+        dirty = git(root, "diff", "--quiet", "--no-ext-diff", "--no-textconv", head, tree,
+                            "--", *paths)[0] != 0 if tree else None
     except FablizeError:
         return None, None, None
     return head, dirty, tree

@@ -43,7 +43,7 @@ from .base import (
 from .model import latest_run, parse_event, stories_in, touch
 from .storage import MemoryLedger, read_state_file, symlink_refusal, within
 from .runs import (
-    changed_paths, git, LITERAL, OUTPUT_BAR, read_objects, repo_relative, repo_root,
+    changed_paths, git, git_out, LITERAL, OUTPUT_BAR, read_objects, repo_relative, repo_root,
     run_tool, tree_entries)
 from .render import few_ids, grade_groups, GRADES_EACH, md_cell
 from .audit import audit_ledger
@@ -855,13 +855,15 @@ def scope_refusal(pattern, files):
 
 def narrower(pattern, files):
     """A narrower form the engine accepts, for the refusal to name: the folders (or top-level
-    files) of the tree's files the pattern takes that are no tests, a few of them."""
+    files) of the tree's files the pattern takes that are no tests, harness or hidden files, a
+    few of them."""
     inside = scope_matcher([pattern]) if files is not None else (lambda path: False)
     picks = []
     from .rerun import TEST_FILE
     for path in files or ():
-        if not inside(path) or TEST_FILE.search(path) or re.search(HARNESS, path):
-            continue
+        if (not inside(path) or TEST_FILE.search(path) or re.search(HARNESS, path)
+                or any(part.startswith(".") for part in path.split("/"))):
+            continue  # tests, harness, .fablize/, .github/, dotfiles: never what a work changes
         pick = path.split("/", 1)[0] + "/" if "/" in path else path
         if pick not in picks and scope_refusal(pick, files) is None:
             picks.append(pick)
@@ -1266,20 +1268,59 @@ def engine_inside(root):
 def committed_trees(top, trees, state_rel, limit=200):
     """The trees of `trees` (run trees, state directory left out) that some commit reachable from
     HEAD holds exactly, apart from the state directory: a run made before its work was committed
-    as it was tested is honest."""
+    as it was tested is honest. A run's tree object lives only in the clone that ran it, so each
+    commit's tree is computed without the state directory (tree_id_without) and compared by id:
+    CI's clone, which never received those objects, tells them apart all the same."""
     if not trees or top is None:
         return set()
     code, out, _ = git(top, "rev-list", f"--max-count={limit}", "HEAD")
     commits = out.decode().split() if code == 0 else []
+    code, out, _ = git(top, "rev-parse", "--show-object-format")
+    algorithm = out.decode().strip() if code == 0 and out.strip() else "sha1"
+    found, wanted = set(), set(trees)
+    for commit in commits:
+        if not wanted - found:
+            break
+        try:
+            tree = (tree_id_without(top, commit + "^{tree}", state_rel.split("/"), algorithm)
+                    if not state_rel.startswith("..") else
+                    git_out(top, "rev-parse", commit + "^{tree}").decode().strip())
+        except (FablizeError, ValueError):
+            continue
+        if tree in wanted:
+            found.add(tree)
+    # an older engine's run trees hold the state directory as its index did: only the clone
+    # that ran them has those objects, and there git compares them without it
     paths = (["--", ".", ":(exclude,literal)" + state_rel] if not state_rel.startswith("..")
-        else [])
-    found = set()
-    for tree in trees:
+             else [])
+    for tree in wanted - found:
+        if git(top, "cat-file", "-e", tree)[0] != 0:
+            continue
         for commit in commits:
-            if git(top, "diff", "--quiet", tree, commit, *paths)[0] == 0:
+            if git(top, "diff", "--quiet", "--no-ext-diff", "--no-textconv", tree, commit,
+                   *paths)[0] == 0:
                 found.add(tree)
                 break
     return found
+
+
+def tree_id_without(top, treeish, parts, algorithm):
+    """The id git would give `treeish` with the path `parts` taken out, computed from its
+    listing (nothing written to the object store: a reading command writes nothing)."""
+    import hashlib
+    body = []
+    for row in git_out(top, "ls-tree", "-z", treeish).split(b"\0"):
+        if not row:
+            continue
+        meta, _, name = row.partition(b"\t")
+        mode, kind, oid = meta.split()
+        if name == parts[0].encode("utf-8", "surrogateescape"):
+            if len(parts) == 1 or kind != b"tree":
+                continue  # the state directory: left out
+            oid = tree_id_without(top, oid.decode(), parts[1:], algorithm).encode()
+        body.append(mode.lstrip(b"0") + b" " + name + b"\0" + bytes.fromhex(oid.decode()))
+    data = b"".join(body)
+    return hashlib.new(algorithm, b"tree %d\0" % len(data) + data).hexdigest()
 
 
 def review(store, plan, scan, pin, base, opts):
