@@ -122,6 +122,10 @@ def test_a_stop_signal_kills_the_runs_group_records_it_and_exits_128_plus_n(acti
     name = signal.Signals(sig).name
     assert f"fablize: interrupted by {name}: `{SLOW}` was stopped (its whole process group " \
            "killed) and recorded as interrupted" in err, err
+    # said live as what it is: interrupted, never a failure to fix
+    live = out.decode() + err
+    assert f"fablize: verification interrupted by {name}" in live, live
+    assert "FAILED" not in live, live
     # one line, then the step: the checkpoint again (the run recorded, the story unchanged)
     assert err.count("\n") == 2 and "Traceback" not in err, err
     assert err.splitlines()[1].endswith("goals.py " + " ".join(map(shlex.quote, CHECKPOINT))), err
@@ -141,6 +145,9 @@ def test_a_stop_signal_kills_the_runs_group_records_it_and_exits_128_plus_n(acti
     assert run_goals(active, "audit")[0] == 0
     _, log, _ = run_goals(active, "log", "--id", "G001")
     assert f"interrupted by {name}" in log, log
+    _, report, _ = run_goals(active, "report")  # the runs' table: interrupted, not FAIL
+    row = next(line for line in report.splitlines() if line.startswith(f"| {run['seq']} |"))
+    assert f"| interrupted by {name}" in row and "FAIL" not in row, row
     # said as interrupted, with "run it again" as its step: never a failure to fix
     _, text, _ = run_goals(active, "status")
     assert "already failed" not in text and "fix what" not in text, text

@@ -11,7 +11,7 @@ from .base import (
     _sha256, blank, clean, damaged, FablizeError, fix_argv_text, Lazy, limit_text, now_iso,
     one_line, READ_CHUNK, refused, RUNS, sha256_hex, TAIL_CHARS, usage)
 from .masking import looks_secret, mask, mask_places, Masker
-from .model import run_passed, run_result
+from .model import run_outcome, run_result
 from .storage import ensure_subdir, fsync_dir, open_state_file, write_all, write_atomic
 
 
@@ -801,7 +801,9 @@ def execute_runs(store, sid, commands, after_seq, timeout, out):
                       provenance=run_provenance(store.root, cmd))
         if tree:
             record["tree"] = tree
-        out.progress(f"fablize: {label} {'passed' if run_passed(record) else 'FAILED'} — "
+        outcome = run_outcome(record)
+        out.progress(f"fablize: {label} {run_result(record)}" if outcome == "interrupted" else
+                     f"fablize: {label} {'passed' if outcome == 'passed' else 'FAILED'} — "
                      f"{run_result(record)}")
         records.append(record)
         if record.get("interrupted"):
