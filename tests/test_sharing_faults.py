@@ -349,28 +349,37 @@ def test_a_plan_ref_wound_back_on_the_remote_is_never_in_sync_and_sync_restores_
     audit_ok(fresh, "--remote", "origin")
 
 
-def test_a_replacement_killed_between_its_two_pushes_is_waited_for_and_finished(
-        net, monkeypatch):
+@pytest.mark.parametrize("who", ["another clone", "a fresh clone", "the replacing clone"])
+def test_a_replacement_killed_between_its_two_pushes_is_finished_by_the_next_command_anywhere(
+        net, who):
+    """`create --force` killed after the old plan's chain ended, naming the new plan, and before
+    the new plan was published: the next command in any clone finishes it — the replacement
+    carries the new plan's first line, published from there — so no clone is left saying "try
+    again" for ever, waiting for a clone that may never run again (issue 41)."""
     a, b = net.clone("a"), net.clone("b")
     old = create(a, 2)
     assert b("sync").code == 0
     r = kill_at(net, a, "after-replaced-push", "create", "--force", "--brief", "second",
-                "--goal", "n::o")
+                "--goal", "n::o", "--goal", "p::q")
     assert r.code == CRASH, r
-    monkeypatch.setenv("FABLIZE_SHARE_WAIT", "0")
-    r = b("sync", "--json")  # the old plan ends, naming a plan the remote does not hold yet
-    assert r.code == 1 and r.json["error"]["code"] == "push_contended", r
-    assert "does not hold yet" in r.json["error"]["message"] and "try again" in \
-        r.json["error"]["message"]
-    assert b("status", "--json").json["plan_id"] == old  # nothing changed here
-    r = a("status")
-    assert "not published yet" in r.out, r
-    assert a("sync").code == 0  # the command after the kill finishes the replacement
-    monkeypatch.delenv("FABLIZE_SHARE_WAIT")
-    r = b("sync")
-    assert r.code == 0 and "was replaced on origin" in r.err, r
+    new = a("status", "--json").json["plan_id"]
+    assert new != old and plan_refs(net) == [f"refs/fablize/plans/{old}"]
+    if who == "another clone":
+        r = b("sync")
+        assert r.code == 0 and "is published from here" in r.err, r
+        assert "was replaced on origin" in r.err, r
+        assert b("status", "--json").json["plan_id"] == new
+    elif who == "a fresh clone":
+        fresh = net.clone("fresh")
+        r = fresh("sync")  # the only live plan is the new one: the old one's chain ended
+        assert r.code == 0, r
+        assert fresh("status", "--json").json["plan_id"] == new
+    assert a("next").code == 0  # the clone that was killed goes on with its plan
+    assert a("sync").code == 0 and b("sync").code == 0
     assert ledger_lines(a) == ledger_lines(b)
+    assert b("status", "--json").json["stories"][0]["status"] == "in_progress"
     assert len(plan_refs(net)) == 2
+    audit_ok(b, "--remote", "origin")
 
 
 @pytest.mark.parametrize("point", ["after-snapshot-replace", "sync-journal-written",

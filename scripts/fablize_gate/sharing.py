@@ -74,6 +74,7 @@ PUBLISHES = ("  it publishes, to everyone who can read {remote}: the plan, its e
              "relative to the repository and environment variables as names with digests — no "
              "absolute path of this machine, no variable's value.")
 REPLACED = "replaced.json"           # the last commit of a replaced plan holds this, no event
+FIRST = "replacement.jsonl"          # ... and the first ledger line of the plan replacing it
 SHARE_SPEC = {"remote": str, "plan_id": str, "seq": int, "head": str, "commit": TEXT}
 SAFE_LOG = r"runs/[\w.-]+\.log"
 COMMITTER = "fablize <fablize@localhost>"
@@ -345,11 +346,16 @@ def event_commits(store, cfg, lines, where=None, sources=None):
         cfg["plan_id"])
 
 
-def end_commit(old_id, new_plan, when):
-    """(message, files, time) of the commit that ends a replaced plan's chain."""
+def end_commit(old_id, new_plan, when, first=None):
+    """(message, files, time) of the commit that ends a replaced plan's chain. It carries the
+    new plan's first ledger line (`first`): a clone that finds the old chain ended while the
+    new plan's ref is not on the remote yet (its clone was killed between its two pushes)
+    publishes that line itself — every clone makes its commit the same way — and follows."""
     body = dumps({"plan_id": new_plan["plan_id"], "brief": new_plan["brief"]}).encode("utf-8")
-    return (f"fablize {old_id} replaced by {new_plan['plan_id']}".encode("utf-8"),
-            {REPLACED: body + b"\n"}, when)
+    files = {REPLACED: body + b"\n"}
+    if first is not None:
+        files[FIRST] = first + b"\n"
+    return (f"fablize {old_id} replaced by {new_plan['plan_id']}".encode("utf-8"), files, when)
 
 
 def write_commits(store, parent, commits, plan_id):
@@ -486,6 +492,8 @@ class Chain:
         self.replaced = None
         if commits and commits[0][2] is not None:
             self.replaced = self.replacement(commits[0])
+            first = cat_objects(store, [f"{commits[0][0]}:{FIRST}"])[0]
+            self.replaced["first_line"] = first and first[1]
             commits = commits[1:]
         self.events = []
         for sha, line, replaced, log in reversed(commits):
@@ -1008,6 +1016,8 @@ def follow_replacement(session, cfg, replaced):
     store, remote, old_id = session.store, cfg["remote"], cfg["plan_id"]
     new_id = replaced["plan_id"]
     ref = fetch_plan(store, remote, new_id)
+    if ref is None and publish_first(store, remote, old_id, replaced):
+        ref = fetch_plan(store, remote, new_id)
     if ref is None:
         return None
     chain = Chain(store, ref, None, remote)
@@ -1041,6 +1051,33 @@ def follow_replacement(session, cfg, replaced):
     if chain.replaced is not None:  # replaced again since
         return follow_replacement(session, cfg, chain.replaced)
     return []
+
+
+def publish_first(store, remote, old_id, replaced):
+    """The plan that replaced `old_id` is not on the remote: its clone was stopped between its
+    two pushes (the old chain ended, the new plan not published). The replacement's commit
+    carries the new plan's first line (end_commit): published here, checked first, so that no
+    clone waits for one that may never run again. Its commit is the one every clone makes of
+    that line, so a race with the replacing clone itself is a push that lands either way.
+    Returns whether it is there now (False: an older engine's replacement, which carries none)."""
+    raw, new_id = replaced.get("first_line"), replaced["plan_id"]
+    if raw is None:
+        return False
+    if not raw.endswith(b"\n") or b"\n" in raw[:-1]:
+        raise damaged(f"the shared plan {old_id} on {remote}: the first line of the plan that "
+                      "replaced it is not one ledger line.", "bad_remote_event")
+    line = raw[:-1]
+    plan, _ = apply_shared_line(None, line, 1, ZERO_HASH, remote)
+    if plan["plan_id"] != new_id:
+        raise damaged(f"the shared plan {old_id} on {remote} names {new_id} as the plan that "
+                      f"replaced it, but carries the first line of {one_line(plan['plan_id'])}.",
+                      "bad_remote_event")
+    tip = write_commits(store, None, [event_commit(store, new_id, line)], new_id)
+    if push(store, remote, [(tip, SHARED_REFS + new_id, None)]):
+        store.warn(f"plan {old_id} was replaced on {remote} by {new_id}, whose clone stopped "
+                   f"before it published {new_id}: its first event, which the replacement "
+                   "carries, is published from here.")
+    return True
 
 
 # Publishing ###################################################################################
@@ -1311,13 +1348,16 @@ def publish_replacement(session, cfg):
         old_tip = write_commits(
             store, cfg["commit"],
             [event_commit(store, old_id, line, where) for line in old_lines]
-            + [end_commit(old_id, plan, commit_time(plan["created"]))], old_id)
+            + [end_commit(old_id, plan, commit_time(plan["created"]), first_line(session))],
+            old_id)
         wait = contention(session, remote)
         while not push(store, remote, [(old_tip, SHARED_REFS + old_id, cfg["commit"])]):
             # lost: unless the remote's ref is still where this clone saw it (the winner of a
             # race at the remote's ref lock is not done yet, or failed too: try again)
             ref = fetch_plan(store, remote, old_id)
             tip = cat_objects(store, [ref])[0] if ref else None
+            if tip is not None and tip[0] == old_tip:
+                break  # this very replacement, pushed before a kill: published
             if tip is None or tip[0] != cfg["commit"]:
                 undo_replacement(session, cfg, folder)
             pause(session, cfg, wait.lose(f"the replacement of plan {old_id}"))
@@ -1328,6 +1368,22 @@ def publish_replacement(session, cfg):
     cfg.clear()
     cfg.update(new_config(remote, plan["plan_id"]))
     save_share_config(store, cfg)
+
+
+def first_line(session):
+    """The local ledger's first line (the plan's plan_created), read up to its newline."""
+    ledger, parts, pos = session.ledger, [], 0
+    if ledger.open() is None:
+        return None
+    while True:
+        chunk = ledger.read(pos, 1 << 16)
+        if not chunk:
+            return None
+        end = chunk.find(b"\n")
+        if end >= 0:
+            return b"".join(parts) + chunk[:end]
+        parts.append(chunk)
+        pos += len(chunk)
 
 
 def undo_replacement(session, cfg, folder):
