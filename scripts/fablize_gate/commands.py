@@ -832,6 +832,7 @@ def audited(ctx, a, scan, base):
                 raise symlink_refusal(s.store.path(name))
         snapshot = read_state_file(s.store.path(SNAPSHOT))  # before the ledger, as readers do
         s.ledger.open()
+        s.see_lost_newline(loose_snapshot(s.store))
         try:
             return audit_ledger(s.ledger, snapshot, a.require_independent_judge,
                                 runs_dir=s.store.path(RUNS), scan=scan)
@@ -997,9 +998,33 @@ def cmd_rebuild(ctx, a):
             return
         plan["ledger"] = replay.position()
         s.save_snapshot(plan)
+        s.plan = plan
+        taken = reconcile_shared(ctx, s)
+        plan = s.plan
     ctx.say(f"fablize: rebuilt {SNAPSHOT} from {count_noun(replay.seq, 'ledger event')}"
-            + (f"; the old one is kept as {kept}." if kept else "."))
-    ctx.data.update(event_count=replay.seq, kept=kept, plan=plan_json(plan))
+            + (f"; the old one is kept as {kept}." if kept else ".")
+            + (f" Then {count_noun(taken, 'event')} came in from the shared plan's remote "
+               "(the events it holds, damaged here)." if taken else ""))
+    ctx.data.update(event_count=plan["ledger"]["seq"], kept=kept, plan=plan_json(plan))
+
+
+def reconcile_shared(ctx, s):
+    """After `rebuild` of a shared plan, under its lock: the remote's copy of the published
+    events first — a damaged line rebuild set aside is taken back from it, and nothing new is
+    published on a chain the remote does not hold. Returns how many events came in; a remote
+    that cannot be reached now is said (the next writing command reconciles)."""
+    sharing = sharing_of(s.store)
+    if sharing is None:
+        return 0
+    before = s.plan["ledger"]["seq"]
+    try:
+        sharing.publish(s, fetch_first=True)
+    except FablizeError as e:  # the snapshot is rebuilt; the rest is the remote's to say
+        ctx.out.warn(f"{SNAPSHOT} is rebuilt, but the shared plan could not be reconciled with "
+                     f"its remote now: {one_line(e.message)} — the next writing command (or "
+                     "`sync`) does it.")
+        return 0
+    return max(0, s.plan["ledger"]["seq"] - before) if s.plan else 0
 
 
 def history_steps(ctx, error):
@@ -1099,6 +1124,7 @@ def cmd_log(ctx, a):
         s.refuse_original()
         if s.ledger.open() is None:
             raise no_plan()
+        s.see_lost_newline(loose_snapshot(s.store))
         try:
             said = ctx.out.lines
             replay = (replay_all(s.ledger, s.good_end(None), on_batch=stream) if streaming else

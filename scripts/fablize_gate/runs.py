@@ -502,25 +502,29 @@ def note_inflight(runs_dir, proc, cmd, story, check, log_path, after_seq=None):
     """The run's note, durable (written, fsynced, renamed, its folder synced) before the check is
     let go: (its path, None), or (None, why it could not be written) — the run then never
     starts."""
-    try:
-        folder = os.path.join(runs_dir, INFLIGHT)
-        made = not os.path.isdir(folder)
-        ensure_subdir(folder)
-        if made:
-            fsync_dir(runs_dir)
-        path = os.path.join(folder, f"{proc.pid}.json")
-        leader = process_identity(proc.pid)
-        note = {"engine": os.getpid(), "engine_start": own_start(), "boot": boot_id(),
-                "pgid": proc.pid, "leader_start": leader and leader["start"],
-                "sid": leader and leader["sid"], "id": story, "check": check,
-                "cmd": mask(cmd, command=True), "started": now_iso(),
-                "log": os.path.basename(log_path)}
-        write_atomic(path, json_bytes(note))
-    except OSError as e:  # a full disk, a read-only folder
-        return None, log_reason(e)
-    except FablizeError as e:  # a planted link or file where its folder goes
-        return None, one_line(e.message)
-    return path, None
+    folder = os.path.join(runs_dir, INFLIGHT)
+    path = os.path.join(folder, f"{proc.pid}.json")
+    leader = process_identity(proc.pid)
+    note = json_bytes({"engine": os.getpid(), "engine_start": own_start(), "boot": boot_id(),
+                       "pgid": proc.pid, "leader_start": leader and leader["start"],
+                       "sid": leader and leader["sid"], "id": story, "check": check,
+                       "cmd": mask(cmd, command=True), "started": now_iso(),
+                       "log": os.path.basename(log_path)})
+    for attempt in range(20):
+        try:
+            made = not os.path.isdir(folder)
+            ensure_subdir(folder)
+            write_atomic(path, note)  # at once: an empty folder is another run's to remove
+            if made:
+                fsync_dir(runs_dir)
+            return path, None
+        except FileNotFoundError as e:  # another run's end took the folder, empty, meanwhile
+            why = log_reason(e)
+        except OSError as e:  # a full disk, a read-only folder
+            return None, log_reason(e)
+        except FablizeError as e:  # a planted link or file where its folder goes
+            return None, one_line(e.message)
+    return None, why
 
 
 def forget_inflight(path):
@@ -713,7 +717,9 @@ def sweep_litter(store):
         path = os.path.join(folder, name)
         temp = re.fullmatch(r"\d+\.json\.tmp-(\d+)-[0-9a-f]{8}", name)  # write_atomic's
         if (temp and not engine_alive(int(temp.group(1)))) or (
-                not temp and (not name.endswith(".json") or read_note(path) is None)):
+                not temp and os.path.lexists(path) and (
+                    not name.endswith(".json") or read_note(path) is None)
+                and os.path.lexists(path)):  # (a note gone meanwhile: its run ended)
             try:
                 os.unlink(path)
             except OSError:

@@ -53,7 +53,7 @@ from .model import (
     active_stories, apply_event, find_story, misfit, parse_event, pick_ready, ready_stories,
     TEXT, touch)
 from .storage import (
-    commit_start, crash_point, ensure_subdir, free_name, fsync_dir, link_or_copy, O_BINARY,
+    commit_start, crash_point, ensure_subdir, free_name, fsync_dir, Ledger, link_or_copy, O_BINARY,
     open_plan, open_state_file, read_state_file, require_state_dir, shown_path, write_all,
     write_atomic)
 from .runs import git, repo_root, run_tool
@@ -636,6 +636,69 @@ def unpublished_lines(session, after_seq):
     return found[::-1]
 
 
+def diverged(plan, cfg, ledger=None, end=None):
+    """Whether the local ledger no longer holds, at share.json's position, the event published
+    there (`rebuild` set a damaged published line aside, a ledger was restored from a backup):
+    share.json alone would then call unpublished what the remote already holds at those seqs,
+    or published what it never saw. O(1) where the plan is at or behind that position; else
+    the line is read back from `ledger` (its first `end` bytes)."""
+    if plan is None or cfg["seq"] == 0 or plan["plan_id"] != cfg["plan_id"]:
+        return False
+    seq = plan["ledger"]["seq"]
+    if seq <= cfg["seq"]:
+        return seq < cfg["seq"] or plan["ledger"]["head"] != cfg["head"]
+    if ledger is None or ledger.open() is None:
+        return False
+    for _, line in ledger.backward(end):
+        ev = parse_event(line)
+        if ev is None or ev["seq"] <= cfg["seq"]:
+            return ev is None or ev["seq"] != cfg["seq"] or sha256_hex(line) != cfg["head"]
+    return True
+
+
+def realign(session, cfg):
+    """When the local ledger and share.json disagree (diverged): share.json's position goes back
+    to the last event this clone's ledger and its copy of the published commits agree on, so
+    that the remote's events after it come in again and the local ones after it are re-chained
+    on them — never pushed on a chain the remote does not hold. Returns whether it did (the
+    remote must then be asked first)."""
+    plan, store = session.plan, session.store
+    if plan is None or plan["plan_id"] != cfg["plan_id"] or cfg["commit"] is None:
+        return False
+    end = session.cut_torn_tail(plan and {"ledger": plan["ledger"]})
+    if not diverged(plan, cfg, session.ledger, end):
+        return False
+    n, tip = cfg["seq"], cfg["commit"]
+    published = {}  # seq → (commit, line) as this clone published or pulled it
+
+    def published_line(seq):
+        if seq not in published:  # read CHAIN_BATCH commits down from there, in one git process
+            steps = range(n - seq, min(n, n - seq + CHAIN_BATCH))
+            got = cat_objects(store, [name for i in steps for name in (
+                f"{tip}~{i}", f"{tip}~{i}:event.jsonl")])
+            for j, i in enumerate(steps):
+                commit, blob = got[2 * j:2 * j + 2]
+                published[n - i] = (commit and commit[0], blob and blob[1])
+        return published[seq]
+
+    base = (0, ZERO_HASH, None)
+    for _, line in session.ledger.backward(end):
+        ev = parse_event(line)
+        if ev is None or ev["seq"] > n:
+            continue
+        commit, blob = published_line(ev["seq"])
+        if commit is not None and blob == line + b"\n":
+            base = (ev["seq"], sha256_hex(line), commit)
+            break
+    seq, head, commit = base
+    cfg.update(seq=seq, head=head, commit=commit)
+    save_share_config(store, cfg)  # behind the remote is always safe: its events come in again
+    store.warn(f"this clone's {LEDGER} no longer holds event {n} as it was published to "
+               f"{cfg['remote']}: the remote's events after event {seq} are taken in again, and "
+               "this clone's own after them are re-chained on them before they are published.")
+    return True
+
+
 def replay(data):
     """The plan a ledger's bytes hold, replayed and checked (None for no lines)."""
     return audit_ledger(data, None)["plan"] if data else None
@@ -1186,8 +1249,8 @@ def sync_shared(session, cfg, fetch_first=True):
     rejected = []
     if session.plan is not None and session.plan["plan_id"] != cfg["plan_id"]:
         publish_replacement(session, cfg)
+    fetch = realign(session, cfg) or fetch_first
     wait = contention(session, cfg["remote"])
-    fetch = fetch_first
     while True:
         rebase = None
         if fetch:
@@ -1474,7 +1537,8 @@ def publish(session, claim=False, fetch_first=None):
     replacing = session.plan["plan_id"] != cfg["plan_id"]
     if fetch_first is None:
         fetch_first = not replacing and others_active(session.plan, own)
-    if not fetch_first and not replacing and session.plan["ledger"]["seq"] <= cfg["seq"]:
+    if (not fetch_first and not replacing and session.plan["ledger"]["seq"] <= cfg["seq"]
+            and not diverged(session.plan, cfg)):
         return session.plan
     try:
         rejected = sync_shared(session, cfg, fetch_first)
@@ -1496,8 +1560,9 @@ def publish(session, claim=False, fetch_first=None):
                 "work carries over to it is a human's decision:", "plan_replaced"), "status")
         held = find_story(session.plan, ev["id"]) if ev.get("id") else None
         who = f" — agent {one_line(held['agent'])} holds it" if held and held["agent"] else ""
+        moved = "was taken" if ev["event"] == "story_started" else "changed"
         raise with_step(refused(
-            f"{one_line(ev.get('id') or ev['event'])} was taken on {cfg['remote']} meanwhile{who}; "
+            f"{one_line(ev.get('id') or ev['event'])} {moved} on {cfg['remote']} meanwhile{who}; "
             f"this {ev['event']} was not published ({one_line(mine['reason']).rstrip('.')}) — "
             "see who holds what now:", "claim_lost"), "status")
     return session.plan
@@ -1620,6 +1685,16 @@ def status(store, plan):
         info.update(ref=SHARED_REFS + plan["plan_id"], published=0, ahead=plan["ledger"]["seq"],
                     problem=f"this plan replaces {cfg['plan_id']} here, and that is not "
                             "published yet — the next writing command (or `sync`) publishes it.")
+        return info
+    ledger = Ledger(store.path(LEDGER))
+    try:
+        lost = ledger.open() is not None and diverged(plan, cfg, ledger, ledger.end()[0])
+    finally:
+        ledger.close()
+    if lost:
+        info["problem"] = (f"this clone's {LEDGER} no longer holds event {cfg['seq']} as it was "
+                           f"published to {cfg['remote']} — the next writing command (or `sync`) "
+                           "takes the remote's events in again before it publishes anything.")
         return info
     try:
         ref = fetch_plan(store, cfg["remote"], cfg["plan_id"])

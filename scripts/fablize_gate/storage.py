@@ -477,6 +477,9 @@ class Ledger:
         self.path = path
         self.writable = writable
         self.fd = None
+        # the last line is the snapshot's and whole but for its newline: a reader reads it as
+        # if the newline were there (a writer restores it, restore_newline)
+        self.newline_lost = False
 
     def open(self, create=False):
         """The descriptor, or None when there is no ledger."""
@@ -511,10 +514,20 @@ class Ledger:
         return 0, read(0, size)
 
     def size(self):
-        return os.fstat(self.fd).st_size
+        return os.fstat(self.fd).st_size + self.newline_lost
 
     def read(self, start, size):
-        return read_all(self.fd, start, size)
+        data = read_all(self.fd, start, size)
+        if self.newline_lost and len(data) < size and start + len(data) == self.size() - 1:
+            data += b"\n"
+        return data
+
+    def restore_newline(self):
+        """The newline of an acknowledged last line that lost it, written back (a writer)."""
+        n = os.write(self.fd, b"\n")
+        if n != 1:
+            raise damaged(f"short write to {LEDGER} (its last line's newline).", "io_error")
+        os.fsync(self.fd)
 
     def backward(self, end):
         """Yield (offset, line) for each complete line before `end`, newest first; every byte
@@ -683,6 +696,15 @@ def parse_snapshot(raw, whole=False):
 
 # the step out of a snapshot that is not the ledger's: the ledger is the source of truth
 REBUILD_STEP = "`rebuild` regenerates it from the ledger (the old one is kept as a .bak):"
+
+
+def acknowledged_line(line, snap):
+    """Whether `line` is the ledger line the snapshot `snap` reflects: its seq, and its hash the
+    one the snapshot names."""
+    pos = snap.get("ledger") if isinstance(snap, dict) else None
+    return (isinstance(pos, dict) and type(pos.get("seq")) is int and pos["seq"] > 0
+            and line.startswith(b'{"seq":%d,' % pos["seq"])
+            and sha256_hex(line) == pos.get("head"))
 
 
 def position_error(snap_seq, ledger_seq):
@@ -877,6 +899,21 @@ class Reading:
             self.plan = self.roll_forward(snap, newer[::-1])
         return self.plan
 
+    def see_lost_newline(self, snap):
+        """For a command that reads the whole ledger itself (audit, log): the last line the
+        snapshot reflects is whole, whatever its newline (torn_tail's rule)."""
+        if self.ledger.open() is None:
+            return
+        torn = self.ledger.end()[1]
+        if torn and acknowledged_line(torn, snap):
+            self.keep_lost_newline(snap["ledger"]["seq"])
+
+    def keep_lost_newline(self, seq):
+        """A reader writes nothing: the line is read as whole until a writer restores it."""
+        self.ledger.newline_lost = True
+        self.store.warn(f"{LEDGER}'s last line (event {seq}, which {SNAPSHOT} reflects) lost its "
+                        "newline; the next writing command restores it.")
+
     def good_end(self, snap):
         """Where the ledger's acknowledged lines end; a torn last line is left in place."""
         end, torn = self.torn_tail(snap)
@@ -887,9 +924,14 @@ class Reading:
 
     def torn_tail(self, snap):
         """(end, torn): an unterminated last line is a write that never completed — unless the
-        snapshot reflects it, or the line before it is damaged too."""
+        snapshot reflects it, or the line before it is damaged too. The line the snapshot names
+        (its seq and hash) is whole whatever its newline: an editor or a copy dropped that, and
+        it is acknowledged — restored by a writer, read as whole by a reader."""
         ledger = self.ledger
         end, torn = ledger.end()
+        if torn and acknowledged_line(torn, snap):
+            self.keep_lost_newline(snap["ledger"]["seq"])
+            end, torn = ledger.end()
         if not torn and end:
             offset, line = next(ledger.backward(end))
             # The load that follows reuses it, and knows whether it is the line the snapshot
@@ -1026,6 +1068,12 @@ class Transaction(Reading):
             self.ledger.close()
             self.lock.__exit__(*exc)
         return False
+
+    def keep_lost_newline(self, seq):
+        """Under the lock: the newline written back, so the line is whole on disk too."""
+        self.ledger.restore_newline()
+        self.store.warn(f"{LEDGER}'s last line (event {seq}, which {SNAPSHOT} reflects) had lost "
+                        "its newline; it is restored (the event is whole and stands).")
 
     def good_end(self, snap):
         end, torn = self.torn_tail(snap)
