@@ -961,7 +961,10 @@ def cmd_rebuild(ctx, a):
     snapshot's name, for a human to start again."""
     with open_plan(ctx) as s:
         s.refuse_original()
-        if s.ledger.open() is None:
+        target = s.store.path(SNAPSHOT)
+        # no ledger under a snapshot: its history is gone (or, shared, on the remote) — rebuild
+        # says so and keeps the snapshot, as for an empty ledger; `create` then works
+        if s.ledger.open() is None and not os.path.lexists(target):
             raise no_plan()
         old = loose_snapshot(s.store)
         position = old.get("ledger") if old else None
@@ -980,27 +983,28 @@ def cmd_rebuild(ctx, a):
         end = set_aside_last_line(ctx, s, end, reflected["seq"])
         replay = replay_all(s.ledger, end)
         plan = replay.plan
-        target = s.store.path(SNAPSHOT)
         kept = None
         if plan is not None or old is not None:
             if os.path.lexists(target):
                 kept = os.path.basename(free_name(
                     f"{target}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.bak"))
                 os.replace(target, s.store.path(kept))
+        if plan is not None:
+            plan["ledger"] = replay.position()
+            s.save_snapshot(plan)
+        s.plan = plan
+        taken = reconcile_shared(ctx, s)
+        plan = s.plan
         if plan is None:
             if kept is None:
                 raise no_plan()
-            ctx.say(f"fablize: {LEDGER} holds no event: the plan's history is gone, so there is "
+            held = "is missing" if s.ledger.open() is None else "holds no event"
+            ctx.say(f"fablize: {LEDGER} {held}: the plan's history is gone, so there is "
                     f"no plan to rebuild; the old {SNAPSHOT} is kept as {kept} (it lists the "
                     "stories). A human starts again:")
             ctx.say(f"  {create_command(ctx.prog)}")
             ctx.data.update(event_count=0, kept=kept, plan=None)
             return
-        plan["ledger"] = replay.position()
-        s.save_snapshot(plan)
-        s.plan = plan
-        taken = reconcile_shared(ctx, s)
-        plan = s.plan
     ctx.say(f"fablize: rebuilt {SNAPSHOT} from {count_noun(replay.seq, 'ledger event')}"
             + (f"; the old one is kept as {kept}." if kept else ".")
             + (f" Then {count_noun(taken, 'event')} came in from the shared plan's remote "
@@ -1016,9 +1020,9 @@ def reconcile_shared(ctx, s):
     sharing = sharing_of(s.store)
     if sharing is None:
         return 0
-    before = s.plan["ledger"]["seq"]
+    before = s.plan["ledger"]["seq"] if s.plan else 0
     try:
-        sharing.publish(s, fetch_first=True)
+        sharing.reconcile(s)
     except FablizeError as e:  # the snapshot is rebuilt; the rest is the remote's to say
         ctx.out.warn(f"{SNAPSHOT} is rebuilt, but the shared plan could not be reconciled with "
                      f"its remote now: {one_line(e.message)} — the next writing command (or "

@@ -30,6 +30,7 @@ Interface (for the engine's commands):
   attach(store)            finish an interrupted sync, say unacknowledged events, and register
                            `publish` as the store's after-commit step
   pull(session)            `next`: the remote's events first, when `next` may not write
+  reconcile(session)       `rebuild`: the remote's events first, whatever the ledger lost
   claim(session, story, agent)  `next`'s story_started, on the remote before it is handed out
   start(store, remote)     share the plan (`share`, `create --remote`)
   status(store, plan), status_lines(info, prog)   what `status` says of a shared plan
@@ -472,6 +473,42 @@ def fetch_plan(store, remote, plan_id):
     return tracking
 
 
+def remote_tip(store, remote, plan_id):
+    """The commit the remote's plan ref holds (None: no such ref), its objects here — read
+    without writing any ref of this clone (ls-remote, then a fetch of objects only): a reading
+    command (`status`, `audit --remote`) must never write a ref a writer of this clone holds,
+    or moves under it, while that writer fetches the same plan under the lock."""
+    ref = SHARED_REFS + plan_id
+    code, out, err = git_call(store, "ls-remote", remote, ref)
+    if code != 0:
+        raise remote_failure(remote, err, f"git ls-remote exit {code}")
+    rows = [row.split("\t") for row in out.decode("utf-8", "replace").splitlines()]
+    sha = next((row[0] for row in rows if len(row) == 2 and row[1] == ref), None)
+    if sha is not None and cat_objects(store, [sha])[0] is None:
+        fetch_objects(store, remote, [ref])
+        if cat_objects(store, [sha])[0] is None:  # the ref moved back or away meanwhile
+            raise refused(f"{remote}'s {ref} moved while it was read — run the command "
+                          "again.", "push_contended")
+    return sha
+
+
+FETCH_HEAD_FLAG = ["--no-write-fetch-head"]  # git 2.29+; emptied where git does not know it
+
+
+def fetch_objects(store, remote, refs):
+    """The objects of the remote's `refs`, fetched with no ref of this clone written (nor
+    FETCH_HEAD, where git can leave it alone)."""
+    while True:
+        code, _, err = git_call(store, *QUIET, "fetch", "--quiet", "--no-tags",
+                                *FETCH_HEAD_FLAG, remote, *refs)
+        if code != 0 and FETCH_HEAD_FLAG and "no-write-fetch-head" in err:
+            FETCH_HEAD_FLAG.clear()
+            continue
+        if code != 0:
+            raise remote_failure(remote, err, f"git fetch exit {code}")
+        return
+
+
 def parse_commit(body):
     """(parent ids, message) of a commit object."""
     head, _, message = body.partition(b"\n\n")
@@ -530,6 +567,8 @@ class Chain:
                     raise self.rewritten()  # the ref went back, or elsewhere
                 return None
             sha, body = commit
+            if not found and line is None and replaced is None:
+                raise self.no_plan(sha)  # a commit that is no plan's: no need to read further
             parents, _ = parse_commit(body)
             if len(parents) > 1:
                 raise self.foreign(sha)
@@ -567,6 +606,12 @@ class Chain:
         return damaged(f"the shared plan on {self.remote} has a commit {sha[:12]} that holds "
                        "no ledger line — the ref was written by something else.",
                        "bad_remote_event")
+
+    def no_plan(self, sha):
+        """The ref's own commit holds no plan at all (a branch pushed over the ref)."""
+        error = self.foreign(sha)
+        error.no_plan_at = sha
+        return error
 
     def rewritten(self):
         return damaged(f"the shared plan on {self.remote} no longer holds the commit this clone "
@@ -642,8 +687,10 @@ def diverged(plan, cfg, ledger=None, end=None):
     share.json alone would then call unpublished what the remote already holds at those seqs,
     or published what it never saw. O(1) where the plan is at or behind that position; else
     the line is read back from `ledger` (its first `end` bytes)."""
-    if plan is None or cfg["seq"] == 0 or plan["plan_id"] != cfg["plan_id"]:
+    if cfg["seq"] == 0 or (plan is not None and plan["plan_id"] != cfg["plan_id"]):
         return False
+    if plan is None:  # the ledger holds nothing of what was published
+        return True
     seq = plan["ledger"]["seq"]
     if seq <= cfg["seq"]:
         return seq < cfg["seq"] or plan["ledger"]["head"] != cfg["head"]
@@ -663,7 +710,7 @@ def realign(session, cfg):
     on them — never pushed on a chain the remote does not hold. Returns whether it did (the
     remote must then be asked first)."""
     plan, store = session.plan, session.store
-    if plan is None or plan["plan_id"] != cfg["plan_id"] or cfg["commit"] is None:
+    if (plan is not None and plan["plan_id"] != cfg["plan_id"]) or cfg["commit"] is None:
         return False
     end = session.cut_torn_tail(plan and {"ledger": plan["ledger"]})
     if not diverged(plan, cfg, session.ledger, end):
@@ -682,7 +729,7 @@ def realign(session, cfg):
         return published[seq]
 
     base = (0, ZERO_HASH, None)
-    for _, line in session.ledger.backward(end):
+    for _, line in session.ledger.backward(end) if end else ():
         ev = parse_event(line)
         if ev is None or ev["seq"] > n:
             continue
@@ -1018,10 +1065,12 @@ class Rebase:
                 if old_log is not None:
                     ev["log"] = f"{RUNS}/{seq + 1}-{ev['id']}.log"
                 trial = json.loads(json.dumps(plan)) if plan is not None else None
-                try:
-                    trial = apply_event(trial, ev)
-                except FablizeError as e:
-                    why = (e.message, e.code)
+                why = moved_on(trial, ev, remote)
+                if why is None:
+                    try:
+                        trial = apply_event(trial, ev)
+                    except FablizeError as e:
+                        why = (e.message, e.code)
             if why is not None:
                 self.set_aside.append((line, why))
                 if src is not None:
@@ -1068,6 +1117,21 @@ class Rebase:
         cfg.clear()
         cfg.update(journal.share)
         return journal.rejected
+
+
+def moved_on(plan, ev, remote):
+    """Why a local claim lost a race in words that say so — the story went another round on the
+    remote meanwhile, so the claim's round is not the plan's — or None. (apply_event would call
+    that round a field no command writes: a hand edit; here it is another clone's work.)"""
+    if ev["event"] != "story_started" or plan is None:
+        return None
+    story = next((s for s in plan["goals"] if s["id"] == ev.get("id")), None)
+    if story is None or ev.get("round") == touch(story)["round"] + 1:
+        return None
+    story = touch(story)
+    return (f"on {remote}, {story['id']} went another round meanwhile (it is "
+            f"{story['status']}, round {story['round']}; this claim was for round "
+            f"{one_line(str(ev.get('round')))})", "claim_lost")
 
 
 def follow_replacement(session, cfg, replaced):
@@ -1334,6 +1398,9 @@ def refresh(session, cfg, restores=3):
     try:
         chain = Chain(store, ref, cfg["commit"], cfg["remote"])
     except FablizeError as e:
+        if restores and getattr(e, "no_plan_at", None) and restore_overwritten(
+                store, cfg, e.no_plan_at):
+            return refresh(session, cfg, restores - 1)  # the plan is on the remote again
         if e.code != "remote_history_rewritten":
             raise written_elsewhere(e, cfg, ref)
         if not restores or not restore_rewound(store, cfg, ref):
@@ -1343,6 +1410,25 @@ def refresh(session, cfg, restores=3):
         return integrate(session, cfg, chain)
     except FablizeError as e:
         raise written_elsewhere(e, cfg, ref)
+
+
+def restore_overwritten(store, cfg, tip):
+    """The remote's plan ref points at `tip`, a commit that holds no plan and does not continue
+    this clone's published history (a branch pushed over the ref by mistake): nothing of the
+    plan is there to decide between, so this clone — any clone that holds the plan — puts its
+    published history back, checked by the lease on `tip`, and says so. False when this clone
+    never published any of it, or `tip` continues its history (a commit someone added to the
+    plan's chain: a human's to judge)."""
+    mine = cfg["commit"]
+    if mine is None or git_call(store, "merge-base", "--is-ancestor", mine, tip)[0] == 0:
+        return False
+    if push(store, cfg["remote"], [(mine, SHARED_REFS + cfg["plan_id"], tip)]):
+        store.warn(f"{cfg['remote']}'s {SHARED_REFS}{cfg['plan_id']} pointed at commit "
+                   f"{tip[:12]}, which holds no plan (a branch pushed over the plan's ref?): "
+                   f"this clone's history of the plan ({count_noun(cfg['seq'], 'event')}) is "
+                   f"published there again; that commit stays readable here (`git log "
+                   f"{tip[:12]}`).")
+    return True  # restored, or moved meanwhile: fetched again either way
 
 
 def restore_rewound(store, cfg, ref):
@@ -1560,11 +1646,31 @@ def publish(session, claim=False, fetch_first=None):
                 "work carries over to it is a human's decision:", "plan_replaced"), "status")
         held = find_story(session.plan, ev["id"]) if ev.get("id") else None
         who = f" — agent {one_line(held['agent'])} holds it" if held and held["agent"] else ""
-        moved = "was taken" if ev["event"] == "story_started" else "changed"
+        moved = ("was taken" if ev["event"] == "story_started" and held
+                 and held["status"] == "in_progress" else "changed")
         raise with_step(refused(
             f"{one_line(ev.get('id') or ev['event'])} {moved} on {cfg['remote']} meanwhile{who}; "
             f"this {ev['event']} was not published ({one_line(mine['reason']).rstrip('.')}) — "
             "see who holds what now:", "claim_lost"), "status")
+    return session.plan
+
+
+def reconcile(session):
+    """`rebuild` of a shared plan: the remote's events first, even when the local ledger holds
+    none of them any more (lost, or a directory moved aside) — taken in again from the remote,
+    the local ones after them re-chained. A remote that cannot be reached now is said; the next
+    writing command does it then. Returns the plan."""
+    cfg = share_config(session.store)
+    if cfg is None or (session.plan is not None and session.plan["plan_id"] != cfg["plan_id"]):
+        return publish(session, fetch_first=True) if cfg is not None else session.plan
+    try:
+        sync_shared(session, cfg, fetch_first=True)
+    except FablizeError as e:
+        if e.code not in TOLERATED:
+            raise
+        said = getattr(e, "said", e.message).rstrip(".:").replace("; the events are kept here", "")
+        session.store.warn(f"not reconciled with the remote: {said}. The next writing command "
+                           "or `sync` does it.")
     return session.plan
 
 
@@ -1631,7 +1737,8 @@ def claim(session, story, agent):
             raise lost
         # the other writers just won the first ready story: a random one avoids a convoy
         story = ready[int(uniform() * len(ready))]
-        session.store.warn(f"{lost.message} Claiming {story['id']} instead.")
+        session.store.warn(f"{lost.message.split(' — see who holds')[0]}. Claiming "
+                           f"{story['id']} instead.")
     raise lost
 
 
@@ -1697,7 +1804,7 @@ def status(store, plan):
                            "takes the remote's events in again before it publishes anything.")
         return info
     try:
-        ref = fetch_plan(store, cfg["remote"], cfg["plan_id"])
+        ref = remote_tip(store, cfg["remote"], cfg["plan_id"])
         tip = cat_objects(store, [ref, f"{ref}:{REPLACED}"]) if ref else None
     except FablizeError as e:
         info["error"] = getattr(e, "said", e.message)
@@ -1766,11 +1873,8 @@ def live_plans(store, remote, plans):
     replaced.json commit): what a fresh clone may pick without being told."""
     if len(plans) < 2:
         return plans
-    specs = [f"+{SHARED_REFS}{p}:{tracking_ref(remote, p)}" for p in sorted(plans)]
-    code, _, err = git_call(store, *QUIET, "fetch", "--quiet", "--no-tags", remote, *specs)
-    if code != 0:
-        raise remote_failure(remote, err, f"git fetch exit {code}")
-    ends = cat_objects(store, [f"{tracking_ref(remote, p)}:{REPLACED}" for p in sorted(plans)])
+    fetch_objects(store, remote, [SHARED_REFS + p for p in sorted(plans)])  # no ref written
+    ends = cat_objects(store, [f"{plans[p]}:{REPLACED}" for p in sorted(plans)])
     return {p: plans[p] for p, end in zip(sorted(plans), ends) if end is None}
 
 
@@ -2009,7 +2113,7 @@ def cmd_sync(ctx, a):
 def remote_ledger(store, remote, plan_id):
     """The ledger bytes and run logs of a plan as the remote holds it (for audit): a run whose
     commit carries no log is absent, as a log missing from runs/ is to a local audit."""
-    ref = fetch_plan(store, remote, plan_id)
+    ref = remote_tip(store, remote, plan_id)  # a reader: no ref of this clone written
     if ref is None:
         raise refused(f"{remote} shares no plan {one_line(plan_id)}.", "not_found")
     chain = Chain(store, ref, None, remote)

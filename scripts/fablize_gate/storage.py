@@ -102,7 +102,8 @@ def open_state_file(path, flags, mode=0o644):
     except OSError as e:
         if e.errno == errno.ELOOP or (e.errno != errno.ENOENT and os.path.islink(path)):
             raise symlink_refusal(path)
-        if e.errno == errno.ENXIO:  # a FIFO without a reader, opened for writing
+        if e.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO without a reader, or a folder,
+            # opened for writing: a writer says what a reader says of it, with the same step
             raise set_aside(damaged(f"{path} is not a regular file.", "not_a_file"), path)
         raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -707,11 +708,12 @@ def acknowledged_line(line, snap):
             and sha256_hex(line) == pos.get("head"))
 
 
-def position_error(snap_seq, ledger_seq):
+def position_error(snap_seq, ledger_seq, missing=False):
     """The snapshot reflects an event the ledger does not hold (one message, for every reader):
     the ledger lost lines. Restoring it is the human's call; `rebuild` is the way out that
-    keeps what the ledger still holds."""
-    where = "is empty" if not ledger_seq else f"ends at event {ledger_seq}"
+    keeps what the ledger still holds (a shared plan's: what its remote holds)."""
+    where = ("is missing" if missing else "is empty" if not ledger_seq else
+             f"ends at event {ledger_seq}")
     return with_step(damaged(
         f"{SNAPSHOT} reflects event {snap_seq} but {LEDGER} {where}: the ledger lost events. "
         f"If it was committed, `git checkout HEAD -- {STATE_DIRNAME}/` restores both files as "
@@ -769,6 +771,7 @@ class Store:
         self.after_commit = []
         self.on_lock = []  # steps run once the lock is taken (runs whose engine died are ended)
         self.recorded = []  # (seq, event) of each event made durable by this command
+        self.unrecorded = None  # the kind of event whose append failed (nothing of it stands)
 
     def path(self, name):
         return os.path.join(self.dir, name)
@@ -889,7 +892,7 @@ class Reading:
             newer.append((ev, line))
         if snap is not None and snap_seq > 0:
             if found is None or found[0] < snap_seq:
-                raise position_error(snap_seq, found[0] if found else 0)
+                raise position_error(snap_seq, found[0] if found else 0, ledger.fd is None)
             if not found[2] and sha256_hex(found[1]) != snap["ledger"]["head"]:
                 raise with_step(damaged(
                     f"{SNAPSHOT} and {LEDGER} disagree at event {snap_seq} (line {snap_seq} is not "
@@ -1109,7 +1112,13 @@ class Transaction(Reading):
     def commit(self, kind, **fields):
         """Append one event (checked by apply_event first) and save the snapshot."""
         plan, line = self.prepare(kind, fields)
-        self.ledger.append(line, self.ledger.open(create=True))
+        try:
+            self.ledger.append(line, self.ledger.open(create=True))
+        except (OSError, FablizeError):
+            # not recorded (a torn line is moved aside next): after events this command did
+            # record, the command again is the way on, not a warning against it
+            self.store.unrecorded = kind
+            raise
         self.recorded(plan, kind)
         return self.last
 
