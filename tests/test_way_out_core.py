@@ -829,7 +829,8 @@ def _(fab, mp):  # a writer meets it; once it is moved aside, the history is gon
     return ["next"]
 
 
-@state("disagree", 3, "goals.json reflects event 2 but ledger.jsonl is missing", "decision",
+@state("disagree", 3, "goals.json reflects event 2 but ledger.jsonl is empty (the file is missing)",
+       "decision",
        then=["next"])
 def _(fab, mp):  # no circle through rebuild, `no plan`, create and `a plan already exists`
     make_plan(fab, 2)

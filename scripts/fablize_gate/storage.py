@@ -712,7 +712,7 @@ def position_error(snap_seq, ledger_seq, missing=False):
     """The snapshot reflects an event the ledger does not hold (one message, for every reader):
     the ledger lost lines. Restoring it is the human's call; `rebuild` is the way out that
     keeps what the ledger still holds (a shared plan's: what its remote holds)."""
-    where = ("is missing" if missing else "is empty" if not ledger_seq else
+    where = ("is empty (the file is missing)" if missing else "is empty" if not ledger_seq else
              f"ends at event {ledger_seq}")
     return with_step(damaged(
         f"{SNAPSHOT} reflects event {snap_seq} but {LEDGER} {where}: the ledger lost events. "
