@@ -13,7 +13,7 @@ from .base import (
 from .masking import looks_secret, mask, mask_places, Masker
 from .model import run_outcome, run_result
 from .storage import (
-    crash_point, ensure_subdir, fsync_dir, open_state_file, write_all, write_atomic)
+    crash_point, ensure_subdir, fsync_dir, open_state_file, pid_alive, write_all, write_atomic)
 
 
 # One policy for every program the engine and its rooms start (git, ssh-keygen, a shell for
@@ -585,6 +585,8 @@ def inflight_runs(store):
 
 
 def process_alive(pid):
+    if os.name == "nt":  # os.kill(pid, 0) there would end the process (TerminateProcess)
+        return pid_alive(pid)
     try:
         os.kill(pid, 0)
     except (ProcessLookupError, ValueError, OverflowError):

@@ -18,7 +18,9 @@ first and fetch only when the push loses, unless other agents are at work (a sto
 that is not theirs), when the remote has almost surely moved and is asked first.
 
 Local state. share.json marks a shared plan and records how much of the ledger the remote is
-known to hold; rejected.jsonl keeps every local event set aside, and rejected.pending.json those
+known to hold — trusted only while the ledger holds, at that position, the line whose hash it
+names (else the remote's events are taken in again from the last one both agree on: realign);
+rejected.jsonl keeps every local event set aside, and rejected.pending.json those
 not acknowledged yet (said on every command until `sync --acknowledge`, or, for a lost claim,
 the agent's next claim). A step that changes several files (a rebase, following or undoing a
 replacement) is written first as sync.journal, its logs staged beside it; applying a journal is
