@@ -97,7 +97,8 @@ def assert_group_gone(pgid):
 
 
 def temp_logs(root):
-    return sorted(p.name for p in (root / ".fablize" / "runs").glob(".run-*"))
+    runs = root / ".fablize" / "runs"  # in runs/.inflight/ beside the notes (once in runs/)
+    return sorted(p.name for p in [*runs.glob(".run-*"), *runs.glob(".inflight/.run-*")])
 
 
 CHECKPOINT = ["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "x", "--run",
@@ -540,6 +541,10 @@ def test_status_says_every_run_that_never_finished(active, stranger):
     for cmd in ("first check", "second check", "third check"):
         assert f"a run of `{cmd}` for G001 was in flight and never finished" in text, text
     assert "▷" not in text, text  # none is said to be running
+    code, out, _ = run_goals(active, "--json", "status")
+    runs = json.loads(out)["in_flight"]
+    assert sorted(r["cmd"] for r in runs) == ["first check", "second check", "third check"]
+    assert not any(r["running"] for r in runs), runs
 
 
 def test_what_a_killed_engine_left_in_runs_is_removed_by_the_next_writer(active):
@@ -552,15 +557,18 @@ def test_what_a_killed_engine_left_in_runs_is_removed_by_the_next_writer(active)
     litter = [f".run-{gone}-12345-0badc0de.log", f".run-{gone}-x-0badc0de.log",
               f".run-{gone}-0badc0de.log"]
     for name in litter:
-        (runs / name).write_text("half a run\n")
-    live = runs / engine.temp_log_name()
+        (runs / ".inflight" / name).write_text("half a run\n")
+    live = runs / ".inflight" / engine.temp_log_name()
     live.write_text("a run under way\n")
     (runs / ".inflight" / f"77.json.tmp-{gone}-0badc0de").write_text("{\"eng")
     (runs / ".inflight" / "78.json").write_text("not a note")
     code, _, err = run_goals(active, "next")
     assert code == 0, err
     assert temp_logs(active) == [live.name]
-    assert not (runs / ".inflight").exists()
+    assert sorted(p.name for p in (runs / ".inflight").iterdir()) == [live.name]
+    live.unlink()
+    assert run_goals(active, "next")[0] == 0  # a writer: G001 shown again
+    assert not (runs / ".inflight").exists()  # empty: gone too
     assert "removed runs/.inflight/78.json, which was no note of a run in flight." in err, err
 
 

@@ -25,7 +25,8 @@ from .storage import (
     read_state_file, replay_all, require_state_dir, shown_path, Store, symlink_refusal,
     user_file, within, write_atomic)
 from .runs import (
-    check_command, commit_runs, end_orphaned_runs, execute_runs, file_not_there_yet, git,
+    check_command, commit_runs, drop_temp_logs, end_orphaned_runs, execute_runs,
+    file_not_there_yet, git,
     inflight_runs, merge_driver_missing, MERGE_QUIET, plan_text, repo_root, tree_state,
     unverifiable_checks, unverifiable_label, verification_runs)
 from .render import (
@@ -92,9 +93,7 @@ def stop_if_interrupted(ctx, records):
         fate = (f"recorded as interrupted (event {runs[-1]['seq']}, log "
                 f"{shown_path(ctx.store, runs[-1]['log'])})")
     except (FablizeError, OSError) as e:
-        for record in records:
-            if record.get("tmp_log") and os.path.lexists(record["tmp_log"]):
-                os.unlink(record["tmp_log"])
+        drop_temp_logs(records)
         fate = (f"not recorded ({e.message if isinstance(e, FablizeError) else e}; its temp log "
                "was removed)")
     error = FablizeError(f"interrupted by {name}: `{one_line(hit['cmd'])}` was stopped (its "
@@ -601,17 +600,21 @@ def cmd_status(ctx, a):
         raise no_plan()
     shared = sharing.status_lines(share, ctx.prog) if share else ()
     lines, action, paused = render_status(ctx.prog, plan, share=shared, agent=a.agent)
-    ctx.out.lines += lines + inflight_lines(ctx.prog, ctx.store)
+    inflight = inflight_runs(ctx.store)
+    ctx.out.lines += lines + inflight_lines(ctx.prog, inflight)
     if share:
         ctx.data["share"] = share
     if ctx.json:
-        ctx.data.update(plan_json(plan), next=action, paused=paused)
+        ctx.data.update(plan_json(plan), next=action, paused=paused, in_flight=[
+            {"id": rec.get("id"), "check": rec.get("check"), "cmd": rec.get("cmd"),
+             "started": rec.get("started"), "engine": rec["engine"], "running": alive}
+            for rec, alive in inflight])
 
 
-def inflight_lines(prog, store):
+def inflight_lines(prog, inflight):
     """A line for each run noted in flight: running now, or never finished (its engine died)."""
     lines = []
-    for rec, alive in inflight_runs(store):
+    for rec, alive in inflight:
         what = f"`{one_line(str(rec.get('cmd')))}` for {one_line(str(rec.get('id')))}"
         started = one_line(str(rec.get("started", "")))[:19].replace("T", " ")
         if alive:

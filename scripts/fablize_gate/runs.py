@@ -488,21 +488,58 @@ def engine_alive(pid, start=None, boot=None):
 
 
 def temp_log_name():
-    """A temp log's name in runs/ for a run of this engine: its pid and start time in the name,
-    so that the next command can tell a log whose engine died (sweep_temp_logs)."""
+    """A temp log's name for a run of this engine: its pid and start time in the name, so that
+    the next command can tell a log whose engine died (sweep_litter)."""
     start = own_start()
     return f".run-{os.getpid()}-{'x' if start is None else start}-{os.urandom(4).hex()}.log"
+
+
+def new_temp_log(runs_dir):
+    """A run's temp log, made empty in runs/.inflight/ beside the notes: what a killed engine
+    leaves is then found in that folder's few names, never by listing every log runs/ holds
+    (2.6 ms a writing command at 5,000 logs). Made again if another run's end removed the
+    folder, empty, meanwhile; a file or a link where the folder goes is refused (its step:
+    move it aside)."""
+    folder = os.path.join(runs_dir, INFLIGHT)
+    path = os.path.join(folder, temp_log_name())
+    for attempt in range(20):
+        try:
+            ensure_subdir(folder)
+            os.close(open_state_file(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+            break
+        except FileNotFoundError:
+            continue
+        except OSError:
+            break  # a full disk: the run says its log could not be written
+    return path
+
+
+def drop_temp_logs(records):
+    """The temp logs of runs that will not be recorded, removed, and their folder once empty."""
+    for record in records:
+        path = record.get("tmp_log")
+        if path and os.path.lexists(path):
+            os.unlink(path)
+        if path:
+            forget_folder(os.path.dirname(path))
+
+
+def forget_folder(folder):
+    """The notes' folder, once nothing is in it (runs/ holds what a plan keeps)."""
+    try:
+        os.rmdir(folder)
+    except OSError:  # a note or a temp log of another run is there: it stays for it
+        pass
 
 
 # .run-<pid>-<start or x>-<hex>.log, and .run-<pid>-<hex>.log of engines before start times
 TEMP_LOG = r"\.run-(\d+)-(?:(\d+|x)-)?[0-9a-f]{8}\.log"
 
 
-def note_inflight(runs_dir, proc, cmd, story, check, log_path, after_seq=None):
-    """The run's note, durable (written, fsynced, renamed, its folder synced) before the check is
-    let go: (its path, None), or (None, why it could not be written) — the run then never
-    starts."""
-    folder = os.path.join(runs_dir, INFLIGHT)
+def note_inflight(folder, proc, cmd, story, check, log_path):
+    """The run's note in `folder`, durable (written, fsynced, renamed, its folder synced) before
+    the check is let go: (its path, None), or (None, why it could not be written) — the run
+    then never starts."""
     path = os.path.join(folder, f"{proc.pid}.json")
     leader = process_identity(proc.pid)
     note = json_bytes({"engine": os.getpid(), "engine_start": own_start(), "boot": boot_id(),
@@ -516,7 +553,7 @@ def note_inflight(runs_dir, proc, cmd, story, check, log_path, after_seq=None):
             ensure_subdir(folder)
             write_atomic(path, note)  # at once: an empty folder is another run's to remove
             if made:
-                fsync_dir(runs_dir)
+                fsync_dir(os.path.dirname(folder))
             return path, None
         except FileNotFoundError as e:  # another run's end took the folder, empty, meanwhile
             why = log_reason(e)
@@ -528,12 +565,12 @@ def note_inflight(runs_dir, proc, cmd, story, check, log_path, after_seq=None):
 
 
 def forget_inflight(path):
-    """The note gone, and its folder with the last one (runs/ holds what a plan keeps)."""
-    for remove, target in ((os.unlink, path), (os.rmdir, os.path.dirname(path))):
-        try:
-            remove(target)
-        except OSError:  # another run's note is there: the folder stays for it
-            pass
+    """The note gone, and its folder with the last one."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    forget_folder(os.path.dirname(path))
 
 
 def json_bytes(obj):
@@ -683,7 +720,7 @@ def end_orphaned_runs(store):
         log = str(rec.get("log", ""))
         if re.fullmatch(TEMP_LOG, log):
             try:
-                os.unlink(store.path(os.path.join(RUNS, log)))
+                os.unlink(os.path.join(os.path.dirname(rec["path"]), log))
             except OSError:
                 pass
         forget_inflight(rec["path"])
@@ -694,42 +731,36 @@ def end_orphaned_runs(store):
 
 
 def sweep_litter(store):
-    """Temp logs whose engine died before it noted its run or after the run ended, and what a
-    note's folder holds that is no note of a live run (a note torn by a kill, a file no fablize
-    wrote): removed. A temp log's engine is told by its name (temp_log_name)."""
-    runs = store.path(RUNS)
-    try:
-        names = os.listdir(runs)
-    except OSError:
-        return
-    for name in names:
-        found = re.fullmatch(TEMP_LOG, name)
-        if found and not engine_alive(int(found.group(1)), None if found.group(2) in (None, "x")
-                                      else int(found.group(2))):
-            try:
-                os.unlink(os.path.join(runs, name))
-            except OSError:
-                pass
-    folder = os.path.join(runs, INFLIGHT)
+    """What killed engines left in the notes' folder with no note of a live run: temp logs of
+    runs killed before their note was written or after their run ended (a temp log's engine is
+    told by its name: temp_log_name), notes torn by a kill, files no fablize wrote. One listdir
+    of a few names, however many logs runs/ holds."""
+    folder = os.path.join(store.path(RUNS), INFLIGHT)
     try:
         names = os.listdir(folder)
     except OSError:
         return
     for name in names:
         path = os.path.join(folder, name)
+        log = re.fullmatch(TEMP_LOG, name)
         temp = re.fullmatch(r"\d+\.json\.tmp-(\d+)-[0-9a-f]{8}", name)  # write_atomic's
-        if (temp and not engine_alive(int(temp.group(1)))) or (
-                not temp and os.path.lexists(path) and (
-                    not name.endswith(".json") or read_note(path) is None)
-                and os.path.lexists(path)):  # (a note gone meanwhile: its run ended)
+        if log:
+            gone = not engine_alive(int(log.group(1)), None if log.group(2) in (None, "x")
+                                    else int(log.group(2)))
+        elif temp:
+            gone = not engine_alive(int(temp.group(1)))
+        else:  # a note fablize wrote (read whole: written by a rename), or not one
+            gone = (not name.endswith(".json") or read_note(path) is None) and os.path.lexists(
+                path)  # (a note gone meanwhile: its run ended)
+            if gone:
+                store.warn(f"removed {RUNS}/{INFLIGHT}/{one_line(name)}, which was no note of a "
+                           "run in flight.")
+        if gone:
             try:
                 os.unlink(path)
             except OSError:
                 pass
-            if not temp:
-                store.warn(f"removed {RUNS}/{INFLIGHT}/{one_line(name)}, which was no note of a "
-                           "run in flight.")
-    forget_inflight(os.path.join(folder, ".none"))  # the folder, once it is empty
+    forget_folder(folder)
 
 
 ECHO_HEAD = 16000   # characters of a run's output the terminal is shown as they come
@@ -751,8 +782,8 @@ class Run:
         self.masker = Masker(cwd)
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self.log_fd, self.log_error = None, None
-        try:
-            self.log_fd = open_state_file(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:  # (made empty by new_temp_log for a run the plan records)
+            self.log_fd = open_state_file(log_path, os.O_WRONLY | os.O_CREAT)
         except OSError as e:
             self.log_error = e
         # a child that escaped the process group may keep writing after the run is over: what
@@ -963,8 +994,10 @@ def run_command(cmd, cwd, timeout, stream, log_path, story=None, check=None):
             inflight = None
             if os.name != "nt":
                 crash_point("before-inflight-note")  # tests: the check started, not yet noted
-                inflight, why_not = note_inflight(os.path.dirname(log_path), proc, cmd, story,
-                                                  check, log_path)
+                folder = os.path.dirname(log_path)  # runs/.inflight/, or a re-run's own folder
+                if os.path.basename(folder) != INFLIGHT:
+                    folder = os.path.join(folder, INFLIGHT)
+                inflight, why_not = note_inflight(folder, proc, cmd, story, check, log_path)
                 run.release(proc, why_not)
             run.wait(proc, stop, timeout)
             if inflight is not None:
@@ -1028,7 +1061,7 @@ def execute_runs(store, sid, commands, after_seq, timeout, out):
     for check, cmd in commands:
         label = f"frozen check {check + 1}" if check is not None else "verification"
         out.progress(f"fablize: running {label} for {sid} in {store.root}: {one_line(cmd)}")
-        tmp_log = os.path.join(runs_dir, temp_log_name())
+        tmp_log = new_temp_log(runs_dir)
         started = now_iso()
         record = run_command(cmd, store.root, timeout, out.stream(), tmp_log, sid, check)
         record.update(cmd=mask(cmd, command=True), id=sid, check=check, after_seq=after_seq,
@@ -1056,6 +1089,7 @@ def commit_runs(session, records):
         if os.path.lexists(tmp_log):  # none when it could not be made: the run is an error
             os.replace(tmp_log, session.store.path(log_rel))
             fsync_dir(session.store.path(RUNS))  # the log is there before the record names it
+        forget_folder(os.path.dirname(tmp_log))
         record["log"] = log_rel
         committed.append(session.commit("verify_run", **record))
     return committed
