@@ -495,23 +495,12 @@ def temp_log_name():
 
 
 def new_temp_log(runs_dir):
-    """A run's temp log, made empty in runs/.inflight/ beside the notes: what a killed engine
-    leaves is then found in that folder's few names, never by listing every log runs/ holds
-    (2.6 ms a writing command at 5,000 logs). Made again if another run's end removed the
-    folder, empty, meanwhile; a file or a link where the folder goes is refused (its step:
-    move it aside)."""
-    folder = os.path.join(runs_dir, INFLIGHT)
-    path = os.path.join(folder, temp_log_name())
-    for attempt in range(20):
-        try:
-            ensure_subdir(folder)
-            os.close(open_state_file(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
-            break
-        except FileNotFoundError:
-            continue
-        except OSError:
-            break  # a full disk: the run says its log could not be written
-    return path
+    """Where a run's temp log goes: runs/.inflight/, beside the notes, so that what a killed
+    engine leaves is found in that folder's few names, never by listing every log runs/ holds
+    (2.6 ms a writing command at 5,000 logs). A file or a link where the folder goes is refused
+    (its step: move it aside); Run makes the folder again if another run's end removed it,
+    empty, before the log was opened."""
+    return os.path.join(ensure_subdir(os.path.join(runs_dir, INFLIGHT)), temp_log_name())
 
 
 def drop_temp_logs(records):
@@ -782,10 +771,24 @@ class Run:
         self.masker = Masker(cwd)
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self.log_fd, self.log_error = None, None
-        try:  # (made empty by new_temp_log for a run the plan records)
-            self.log_fd = open_state_file(log_path, os.O_WRONLY | os.O_CREAT)
-        except OSError as e:
-            self.log_error = e
+        for attempt in range(20):
+            try:
+                self.log_fd = open_state_file(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+                break
+            except FileNotFoundError as e:  # runs/.inflight/ removed, empty, by another run's
+                self.log_error = e  # end meanwhile: made again
+                folder = os.path.dirname(log_path)
+                if os.path.basename(folder) != INFLIGHT:
+                    break
+                try:
+                    ensure_subdir(folder)
+                except (OSError, FablizeError):
+                    break
+            except OSError as e:
+                self.log_error = e
+                break
+        if self.log_fd is not None:
+            self.log_error = None
         # a child that escaped the process group may keep writing after the run is over: what
         # it writes then belongs to no run, so the reader drops it once `finished` is set
         self.guard = threading.Lock()
