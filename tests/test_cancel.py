@@ -97,7 +97,8 @@ def assert_group_gone(pgid):
 
 
 def temp_logs(root):
-    return sorted(p.name for p in (root / ".fablize" / "runs").glob(".run-*"))
+    runs = root / ".fablize" / "runs"  # in runs/.inflight/ beside the notes (once in runs/)
+    return sorted(p.name for p in [*runs.glob(".run-*"), *runs.glob(".inflight/.run-*")])
 
 
 CHECKPOINT = ["checkpoint", "--id", "G001", "--status", "complete", "--evidence", "x", "--run",
@@ -122,6 +123,10 @@ def test_a_stop_signal_kills_the_runs_group_records_it_and_exits_128_plus_n(acti
     name = signal.Signals(sig).name
     assert f"fablize: interrupted by {name}: `{SLOW}` was stopped (its whole process group " \
            "killed) and recorded as interrupted" in err, err
+    # said live as what it is: interrupted, never a failure to fix
+    live = out.decode() + err
+    assert f"fablize: verification interrupted by {name}" in live, live
+    assert "FAILED" not in live, live
     # one line, then the step: the checkpoint again (the run recorded, the story unchanged)
     assert err.count("\n") == 2 and "Traceback" not in err, err
     assert err.splitlines()[1].endswith("goals.py " + " ".join(map(shlex.quote, CHECKPOINT))), err
@@ -141,6 +146,9 @@ def test_a_stop_signal_kills_the_runs_group_records_it_and_exits_128_plus_n(acti
     assert run_goals(active, "audit")[0] == 0
     _, log, _ = run_goals(active, "log", "--id", "G001")
     assert f"interrupted by {name}" in log, log
+    _, report, _ = run_goals(active, "report")  # the runs' table: interrupted, not FAIL
+    row = next(line for line in report.splitlines() if line.startswith(f"| {run['seq']} |"))
+    assert f"| interrupted by {name}" in row and "FAIL" not in row, row
     # said as interrupted, with "run it again" as its step: never a failure to fix
     _, text, _ = run_goals(active, "status")
     assert "already failed" not in text and "fix what" not in text, text
@@ -370,3 +378,219 @@ def test_a_stop_signal_inside_popen_wait_never_leaves_the_engine_blocked(tmp_pat
                        text=True, timeout=HANG_GUARD)
     assert p.returncode == 0, p
     assert p.stdout.startswith("interrupted SIGTERM -9"), p
+
+
+# A run's in-flight note: durable before the check may run, and never a reason to signal a
+# process group that is not provably the run's (issue 41) ######################################
+
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self"),
+                                reason="start times and sessions are read from /proc")
+
+
+def shells_running(marker):
+    """Pids of the processes whose command line holds `marker`."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(entry))
+        except OSError:
+            pass
+    return found
+
+
+@needs_proc
+def test_a_check_never_runs_before_its_note_is_durable(active):
+    """The engine killed (kill -9) after it started the check's shell and before its note was
+    written: the shell, gated, never runs the check — its pipe ends with the engine — so no
+    check runs on unseen; the next writer removes the temp log the run left."""
+    marker = os.urandom(6).hex()
+    cmd = f"touch ran.flag; sleep 30  # {marker}"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "checkpoint", "--id", "G001",
+                             "--status", "complete", "--evidence", "x", "--run", "--verify-cmd",
+                             cmd], cwd=str(active), env=dict(env(),
+                                                             FABLIZE_CRASH_AT="before-inflight-note"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.communicate(timeout=HANG_GUARD)
+    assert proc.returncode == -signal.SIGKILL, proc.returncode
+    deadline = time.monotonic() + HANG_GUARD
+    while shells_running(marker):  # the gated shell ends once its pipe does
+        assert time.monotonic() < deadline, "the run's shell outlived its engine"
+        time.sleep(0.02)
+    assert not (active / "ran.flag").exists(), "the check ran before its note was written"
+    assert len(temp_logs(active)) == 1  # what the kill left
+    assert "in flight" not in run_goals(active, "status")[1]  # nothing ran: nothing to say
+    assert run_goals(active, "next")[0] == 0  # a writer: it takes the lock and sweeps
+    assert temp_logs(active) == []
+
+
+def dead_pid():
+    """A pid no process has now (a process that ran and was reaped)."""
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def start_ticks(pid):
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return int(f.read().rsplit(b")", 1)[1].split()[19])
+
+
+def write_note(root, pgid, **fields):
+    folder = root / ".fablize" / "runs" / ".inflight"
+    folder.mkdir(parents=True, exist_ok=True)
+    note = {"engine": dead_pid(), "pgid": pgid, "id": "G001", "check": None, "cmd": "sleep 60",
+            "started": "2026-01-01T03:00:00+00:00", "log": ".run-1-x-00000000.log", **fields}
+    (folder / f"{pgid}.json").write_text(json.dumps(note))
+
+
+@pytest.fixture
+def stranger():
+    """Another agent's check: a process leading its own session and group, running."""
+    p = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    yield p
+    if p.poll() is None:
+        p.kill()
+    p.wait()
+
+
+@needs_proc
+@pytest.mark.parametrize("how", ["reused", "older note", "run's own"])
+def test_a_group_is_ended_only_when_it_is_provably_the_runs(active, stranger, how):
+    """A note whose engine died names a group that is running. Only a leader with the start
+    time and session the note recorded is the run's, and its group ended; a group whose number
+    now belongs to another process (pid reuse: another agent's check) or one a note of an
+    older fablize names, which cannot be told apart, is left alone — said, with `kill` by hand."""
+    start = start_ticks(stranger.pid)
+    fields = {"reused": {"leader_start": start - 1, "sid": stranger.pid},
+              "older note": {}, "run's own": {"leader_start": start, "sid": stranger.pid,
+                                              "engine_start": 1}}[how]
+    write_note(active, stranger.pid, **fields)
+    code, _, err = run_goals(active, "next")
+    assert code == 0, err
+    assert "was in flight when its engine" in err and "It recorded nothing" in err, err
+    if how == "run's own":
+        assert f"(1 process, group {stranger.pid}) was ended" in err, err
+        assert stranger.wait(timeout=HANG_GUARD) == -signal.SIGKILL
+    else:
+        assert stranger.poll() is None, "another's process was killed"
+        said = ("is no longer the run's (its number now belongs to another process): it was "
+                "left alone" if how == "reused" else
+                f"cannot be proven to be the run's: nothing was signalled — `kill -9 "
+                f"-{stranger.pid}` ends it if it is")
+        assert said in err, err
+    assert list((active / ".fablize" / "runs").glob(".inflight/*")) == []
+
+
+# the engine, started by a parent that waits for a line first (the note is written by then),
+# in a new session of its own or in the parent's group; prints the engine's exit code
+PARENT = """
+import subprocess, sys
+sys.stdin.readline()
+code = subprocess.run(sys.argv[2:], start_new_session=sys.argv[1] == "apart",
+                      stdout=subprocess.DEVNULL).returncode
+print(code, flush=True)
+"""
+
+
+@needs_proc
+@pytest.mark.parametrize("group, session", [(0, "apart"), ("own", "together"),
+                                            ("caller's", "apart")])
+def test_group_0_and_the_engines_own_and_callers_groups_are_never_signalled(active, group,
+                                                                           session):
+    """A note naming group 0 (killpg(0) is the caller's own group), the engine's own group, or
+    the group of the command that started it: nothing is signalled, whatever the note says.
+    (Group 1 — killpg(1) signals every process the user may — is checked without a real
+    signal: test_group_1_is_never_signalled.)"""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, session, sys.executable,
+                               str(SCRIPT), "next"], cwd=str(active), env=env(),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        write_note(active, 0 if group == 0 else parent.pid, leader_start=1, sid=parent.pid)
+        out, err = parent.communicate(b"go\n", timeout=HANG_GUARD)
+    finally:
+        if parent.poll() is None:
+            os.killpg(parent.pid, signal.SIGKILL)
+    assert parent.returncode == 0 and out.strip() == b"0", (parent.returncode, out, err)
+    assert b"which is no run's" in err and b"nothing was signalled" in err, err
+
+
+def test_group_1_is_never_signalled(monkeypatch):
+    """killpg(1) is kill(-1): every process the user may signal. No note gets it sent."""
+    sent = []
+    monkeypatch.setattr(os, "killpg", lambda *args: sent.append(args))
+    for pgid in (1, 0, -5, os.getpgrp()):
+        fate = engine.end_run_group({"pgid": pgid, "engine": dead_pid(), "leader_start": 1,
+                                     "sid": pgid, "boot": None})
+        assert "which is no run's" in fate and "nothing was signalled" in fate, fate
+    assert sent == []
+
+
+@needs_proc
+def test_status_says_every_run_that_never_finished(active, stranger):
+    """Each run noted in flight is said by `status`: running, or never finished — also when its
+    engine's pid now belongs to another process (here: this test's own, started at another
+    time), which is not its engine."""
+    write_note(active, 4000001, cmd="first check")
+    write_note(active, 4000002, cmd="second check")
+    write_note(active, stranger.pid, cmd="third check", engine=os.getpid(),
+               engine_start=start_ticks(os.getpid()) + 1)
+    _, text, _ = run_goals(active, "status")
+    for cmd in ("first check", "second check", "third check"):
+        assert f"a run of `{cmd}` for G001 was in flight and never finished" in text, text
+    assert "▷" not in text, text  # none is said to be running
+    code, out, _ = run_goals(active, "--json", "status")
+    runs = json.loads(out)["in_flight"]
+    assert sorted(r["cmd"] for r in runs) == ["first check", "second check", "third check"]
+    assert not any(r["running"] for r in runs), runs
+
+
+def test_what_a_killed_engine_left_in_runs_is_removed_by_the_next_writer(active):
+    """Temp logs of engines that died (by the pid and start time in their names), torn or
+    foreign files in the notes' folder: removed by the next command that takes the lock; a temp
+    log of a live engine stays."""
+    runs = active / ".fablize" / "runs"
+    (runs / ".inflight").mkdir(parents=True)
+    gone = dead_pid()
+    litter = [f".run-{gone}-12345-0badc0de.log", f".run-{gone}-x-0badc0de.log",
+              f".run-{gone}-0badc0de.log"]
+    for name in litter:
+        (runs / ".inflight" / name).write_text("half a run\n")
+    live = runs / ".inflight" / engine.temp_log_name()
+    live.write_text("a run under way\n")
+    (runs / ".inflight" / f"77.json.tmp-{gone}-0badc0de").write_text("{\"eng")
+    (runs / ".inflight" / "78.json").write_text("not a note")
+    code, _, err = run_goals(active, "next")
+    assert code == 0, err
+    assert temp_logs(active) == [live.name]
+    assert sorted(p.name for p in (runs / ".inflight").iterdir()) == [live.name]
+    live.unlink()
+    assert run_goals(active, "next")[0] == 0  # a writer: G001 shown again
+    assert not (runs / ".inflight").exists()  # empty: gone too
+    assert "removed runs/.inflight/78.json, which was no note of a run in flight." in err, err
+
+
+def test_a_run_whose_note_cannot_be_written_never_starts(fab, monkeypatch):
+    """A full disk where the note goes: the check is not let go (a kill -9 of the engine would
+    leave it unseen), and the run is recorded as one that did not start, saying why."""
+    import errno
+    from conftest import make_plan, start
+    make_plan(fab, 2)
+    start(fab, "G001")
+    real = engine.runs.write_atomic
+
+    def full(path, data, *args, **kwargs):
+        if "/.inflight/" in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, data, *args, **kwargs)
+    monkeypatch.setattr(engine.runs, "write_atomic", full)
+    r = fab("--json", "checkpoint", "--id", "G001", "--status", "complete", "--evidence", "x",
+            "--run", "--verify-cmd", "touch ran.flag")
+    assert r.code == 1 and r.json["error"]["code"] == "verification_failed", r
+    assert not (fab.root / "ran.flag").exists()
+    run = ledger(fab.dir)[-1]
+    assert run["event"] == "verify_run" and run["exit_code"] is None, run
+    assert run["error"] == ("it could not be noted in flight (No space left on device), so it "
+                            "was not started"), run

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ENGINE, SCRIPT, complete, engine, ledger, make_plan, run_cli, state_files
+from conftest import (ENGINE, SCRIPT, complete, engine, forge, ledger, make_plan, run_cli,
+                      state_files)
 
 DEPTH = max(1, int(os.environ.get("FABLIZE_TEST_DEPTH", "1") or "1"))
 NO_PLAN = "no plan"
@@ -496,7 +497,7 @@ def test_torn_last_line_is_moved_aside_at_every_byte_offset(fab, checkpointed):
 def test_damaged_last_line_that_the_snapshot_reflects_is_refused_and_nothing_moves(
         fab, checkpointed):
     _, ledger_before, snap_after, line = checkpointed
-    for cut in range(len(line) + 1):
+    for cut in range(len(line)):  # the whole line without its newline is whole (issue 41)
         write_state(fab.dir, {engine.SNAPSHOT: snap_after,
                               engine.LEDGER: ledger_before + line[:cut]})
         before = state_files(fab.dir)
@@ -851,3 +852,51 @@ def test_an_fsync_that_fails_takes_the_line_back_so_nothing_is_recorded(fab, mon
     assert state_files(fab.dir) == before  # the line was taken back: a retry is right
     r = fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "did it")
     assert r.code == 0, r
+
+
+# A whole last line that lost its newline (issue 41) ###########################################
+
+
+@pytest.mark.parametrize("writer", [["next"], ["rebuild"], ["pause"]])
+def test_a_last_line_the_snapshot_names_is_whole_without_its_newline(fab, writer):
+    """An editor or a copy dropped the ledger's final newline: the last line is the one
+    goals.json names (its seq, its hash), so it was acknowledged — never a torn write. Readers
+    read it whole and write nothing; the first writer (`rebuild`, the step it once named, too)
+    puts the newline back under the lock, and the event stands: G001 stays complete."""
+    make_plan(fab, 2)
+    complete(fab, "G001")
+    path = fab.dir / engine.LEDGER
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-1])
+    before = state_files(fab.dir)
+    for reader in (["status"], ["audit"], ["log"], ["report"]):
+        r = fab(*reader)
+        assert r.code == 0 and "lost its newline" in r.err, (reader, r)
+        assert "torn" not in r.err, (reader, r)
+    assert "#3 " in fab("log").out  # the event, read whole
+    assert state_files(fab.dir) == before  # a reader writes nothing
+    assert status_of(fab, "G001") == "complete"
+    r = fab(*writer)
+    assert r.code == 0 and "had lost its newline; it is restored" in r.err, r
+    assert path.read_bytes().startswith(whole)
+    assert not (fab.dir / (engine.LEDGER + ".broken")).exists()
+    assert status_of(fab, "G001") == "complete"
+    audit_ok(fab)
+
+
+def status_of(fab, sid):
+    return next(s["status"] for s in fab("status", "--json").json["stories"] if s["id"] == sid)
+
+
+def test_an_unterminated_last_line_the_snapshot_does_not_name_is_still_torn(fab):
+    """The rule is the snapshot's word, not the line's look: a whole event after the one the
+    snapshot names, without its newline, is a write that never completed — set aside."""
+    make_plan(fab, 2)
+    forge(fab.dir, event="paused", note="")  # after the event goals.json names
+    path = fab.dir / engine.LEDGER
+    line = path.read_bytes().splitlines()[-1]
+    path.write_bytes(path.read_bytes()[:-1])
+    r = fab("next")
+    assert r.code == 0 and "torn last line" in r.err, r
+    assert (fab.dir / (engine.LEDGER + ".broken")).read_bytes() == line + b"\n"
+    audit_ok(fab)

@@ -349,28 +349,37 @@ def test_a_plan_ref_wound_back_on_the_remote_is_never_in_sync_and_sync_restores_
     audit_ok(fresh, "--remote", "origin")
 
 
-def test_a_replacement_killed_between_its_two_pushes_is_waited_for_and_finished(
-        net, monkeypatch):
+@pytest.mark.parametrize("who", ["another clone", "a fresh clone", "the replacing clone"])
+def test_a_replacement_killed_between_its_two_pushes_is_finished_by_the_next_command_anywhere(
+        net, who):
+    """`create --force` killed after the old plan's chain ended, naming the new plan, and before
+    the new plan was published: the next command in any clone finishes it — the replacement
+    carries the new plan's first line, published from there — so no clone is left saying "try
+    again" for ever, waiting for a clone that may never run again (issue 41)."""
     a, b = net.clone("a"), net.clone("b")
     old = create(a, 2)
     assert b("sync").code == 0
     r = kill_at(net, a, "after-replaced-push", "create", "--force", "--brief", "second",
-                "--goal", "n::o")
+                "--goal", "n::o", "--goal", "p::q")
     assert r.code == CRASH, r
-    monkeypatch.setenv("FABLIZE_SHARE_WAIT", "0")
-    r = b("sync", "--json")  # the old plan ends, naming a plan the remote does not hold yet
-    assert r.code == 1 and r.json["error"]["code"] == "push_contended", r
-    assert "does not hold yet" in r.json["error"]["message"] and "try again" in \
-        r.json["error"]["message"]
-    assert b("status", "--json").json["plan_id"] == old  # nothing changed here
-    r = a("status")
-    assert "not published yet" in r.out, r
-    assert a("sync").code == 0  # the command after the kill finishes the replacement
-    monkeypatch.delenv("FABLIZE_SHARE_WAIT")
-    r = b("sync")
-    assert r.code == 0 and "was replaced on origin" in r.err, r
+    new = a("status", "--json").json["plan_id"]
+    assert new != old and plan_refs(net) == [f"refs/fablize/plans/{old}"]
+    if who == "another clone":
+        r = b("sync")
+        assert r.code == 0 and "is published from here" in r.err, r
+        assert "was replaced on origin" in r.err, r
+        assert b("status", "--json").json["plan_id"] == new
+    elif who == "a fresh clone":
+        fresh = net.clone("fresh")
+        r = fresh("sync")  # the only live plan is the new one: the old one's chain ended
+        assert r.code == 0, r
+        assert fresh("status", "--json").json["plan_id"] == new
+    assert a("next").code == 0  # the clone that was killed goes on with its plan
+    assert a("sync").code == 0 and b("sync").code == 0
     assert ledger_lines(a) == ledger_lines(b)
+    assert b("status", "--json").json["stories"][0]["status"] == "in_progress"
     assert len(plan_refs(net)) == 2
+    audit_ok(b, "--remote", "origin")
 
 
 @pytest.mark.parametrize("point", ["after-snapshot-replace", "sync-journal-written",
@@ -769,3 +778,80 @@ def test_damage_met_after_a_checkpoint_is_durable_says_the_event_stands(net, mon
     assert a("status", "--json").json["stories"][0]["status"] == "complete"
     assert a("sync").code == 0
     audit_ok(a)
+
+
+# A clone whose ledger no longer holds what it published (issue 41) ###########################
+
+
+def published_then_lost(net, how):
+    """a: G001 claimed and completed, both published (events 2, 3); then its ledger loses event
+    3 as published — the last line torn (rebuild, the step named, sets it aside) or the ledger
+    and snapshot restored from a backup taken at event 2. b synced at event 3."""
+    a, b = net.clone("a"), net.clone("b")
+    plan_id = create(a, 3)
+    assert a("next").code == 0
+    backup = {n: (a.dir / n).read_bytes() for n in ("ledger.jsonl", "goals.json")}
+    assert a("checkpoint", "--id", "G001", "--status", "complete", "--evidence",
+             "the acknowledged evidence").code == 0
+    assert b("sync").code == 0
+    if how == "torn":
+        data = (a.dir / "ledger.jsonl").read_bytes()
+        (a.dir / "ledger.jsonl").write_bytes(data[:-20])
+        r = a("--json", "status")
+        assert r.code == 3 and r.json["error"]["commands"][0].endswith(" rebuild"), r
+    else:
+        for name, body in backup.items():
+            (a.dir / name).write_bytes(body)
+    return a, b, plan_id
+
+
+@pytest.mark.parametrize("how", ["torn", "backup"])
+def test_a_clone_that_lost_published_events_takes_them_back_before_it_publishes(net, how):
+    """share.json says event 3 is published; the ledger no longer holds it. Nothing may then be
+    called unpublished or in sync from share.json alone: `status` says so, `rebuild` (the step
+    of a torn line) and any writing command take the remote's events in again first, and a
+    later claim and checkpoint are published on the remote's chain — no silent fork, and the
+    acknowledged evidence stays on the remote."""
+    a, b, plan_id = published_then_lost(net, how)
+    if how == "torn":
+        r = a("rebuild")
+        assert r.code == 0 and "1 event came in from the shared plan's remote" in r.out, r
+        assert a("status", "--json").json["stories"][0]["status"] == "complete"
+    else:
+        r = a("status")
+        assert r.code == 0 and "in sync" not in r.out, r
+        assert "no longer holds event 3 as it was published" in r.out, r
+    r = a("next")
+    assert r.code == 0 and "handoff — G002" in r.out, r
+    assert a("status", "--json").json["stories"][0]["status"] == "complete"
+    assert a("checkpoint", "--id", "G002", "--status", "complete", "--evidence",
+             "second").code == 0
+    r = a("sync")
+    assert r.code == 0 and "0 published" in r.out, r  # everything was published as it went
+    assert b("sync").code == 0
+    remote = net.remote_lines(plan_id)
+    assert [x + b"\n" for x in ledger_lines(a)] == remote == [x + b"\n" for x in ledger_lines(b)]
+    assert len(remote) == 5 and b"the acknowledged evidence" in remote[2]
+    fresh = net.clone("fresh")
+    assert fresh("sync").code == 0
+    audit_ok(fresh, "--remote", "origin")
+    audit_ok(a)
+
+
+def test_a_rebuild_offline_is_reconciled_by_the_next_writing_command(net):
+    a, b, plan_id = published_then_lost(net, "torn")
+    git(a.root, "remote", "set-url", "origin", str(net.tmp / "gone.git"))
+    r = a("rebuild")
+    assert r.code == 0 and "not reconciled with the remote: the remote origin cannot be " \
+        "reached" in r.err, r
+    assert "no longer holds event 3 as it was published" in r.err, r
+    assert a("status", "--json").json["stories"][0]["status"] == "in_progress"  # set aside here
+    git(a.root, "remote", "set-url", "origin", str(net.remote))
+    r = a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "again")
+    assert r.code == 1 and "is not active (complete)" in r.err, r  # the remote's event 3 is back
+    assert "G001 changed on origin meanwhile" in r.err, r
+    assert a("status", "--json").json["stories"][0]["status"] == "complete"
+    assert a("next").code == 0 and b("sync").code == 0
+    assert [x + b"\n" for x in ledger_lines(a)] == net.remote_lines(plan_id)
+    assert b"the acknowledged evidence" in net.remote_lines(plan_id)[2]
+    audit_ok(b, "--remote", "origin")

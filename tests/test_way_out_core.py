@@ -41,14 +41,16 @@ WALKED = {
     "broken_chain": "an earlier ledger line edited: a new plan, the damaged one archived",
     "bad_snapshot": "goals.json cut short: `rebuild`",
     "cwd_gone": "the working directory deleted under the command: `cd` to the nearest folder",
-    "disagree": "the ledger lost its last line: `rebuild`",
+    "disagree": "the ledger lost its last line: `rebuild`; the ledger missing: `rebuild`, then a "
+                "human's new plan",
     "final_started": "`add` while the final story runs, and once the plan is done",
     "git_failed": "`install-merge` with git's config locked: the command again once unlocked",
     "halted": "`next` at a blocked story: a human's decide commands",
     "held_by_other": "a checkpoint by an unnamed caller, and by another agent",
     "incomplete": "`audit --require-complete` on an unfinished plan: its next steps",
     "interrupted": "Ctrl-C while `next` works: the command again",
-    "io_error": "a failing fsync while the ledger is written: the command again",
+    "io_error": "a failing fsync while the ledger is written: the command again; a checkpoint "
+                "torn after its run was recorded: the command again",
     "judge_not_independent": "a verdict by the executor; `audit --require-independent-judge`",
     "legacy": "an original goals.json under `audit`: `status` imports it",
     "lock_timeout": "another command holds the lock: the command again, waiting longer",
@@ -59,7 +61,8 @@ WALKED = {
     "no_note": "`decide` with a blank --note",
     "no_plan": "`status` before any plan: `create`, a human's plan",
     "not_a_directory": "a file where .fablize/archive/ goes: moved aside",
-    "not_a_file": "a folder where goals.json goes; `report --out` a folder",
+    "not_a_file": "a folder where goals.json, ledger.jsonl or lock goes (readers and writers "
+                  "alike: `mv`); `report --out` a folder",
     "not_active": "a checkpoint of a story pending, done, blocked or in review",
     "not_decidable": "`decide` on a pending story: `status`",
     "not_found": "a checkpoint of a story the plan does not have: `status` lists them",
@@ -809,6 +812,48 @@ def _(fab, mp):
     return ["status"]
 
 
+@state("not_a_file", 3, "{root}/.fablize/lock is not a regular file.", "good")
+def _(fab, mp):  # a writer meets it (readers never open the lock)
+    make_plan(fab, 2)
+    (fab.dir / "lock").unlink()
+    (fab.dir / "lock").mkdir()
+    return ["next"]
+
+
+@state("not_a_file", 3, "{root}/.fablize/ledger.jsonl is not a regular file.", "decision",
+       then=["next"])
+def _(fab, mp):  # a writer meets it; once it is moved aside, the history is gone: a new plan
+    make_plan(fab, 2)
+    (fab.dir / "ledger.jsonl").unlink()
+    (fab.dir / "ledger.jsonl").mkdir()
+    return ["next"]
+
+
+@state("disagree", 3, "goals.json reflects event 2 but ledger.jsonl is empty (the file is missing)",
+       "decision",
+       then=["next"])
+def _(fab, mp):  # no circle through rebuild, `no plan`, create and `a plan already exists`
+    make_plan(fab, 2)
+    start(fab, "G001")
+    (fab.dir / "ledger.jsonl").unlink()
+    return ["next"]
+
+
+@state("io_error", 3, "short write to ledger.jsonl", "good", records=True,
+       good=lambda fab: story(fab.dir, "G001")["status"] == "complete")
+def _(fab, mp):  # the run is recorded; the checkpoint's line tears: the command again
+    make_plan(fab, 2, "--check", "G001=echo checked")
+    start(fab, "G001")
+    real = os.write
+
+    def tears_the_checkpoint(fd, data):
+        if b'"event":"checkpoint"' in bytes(data)[:200]:
+            return real(fd, bytes(data)[:len(data) // 2])
+        return real(fd, data)
+    mp.setattr(os, "write", tears_the_checkpoint)
+    return checkpoint(), lambda: mp.setattr(os, "write", real)  # the disk mended
+
+
 def case_id(case):
     return f"{case.code}-{case.make.__code__.co_firstlineno}"
 
@@ -978,3 +1023,31 @@ def test_the_command_named_again_keeps_a_secret_typed_into_it_masked(fab, monkey
     step = r.json["error"]["commands"][0]
     assert TOKEN not in r.out and "checkpoint --id G001 --status complete" in step, step
     assert "***" in step and state_files(fab.dir) == before
+
+
+def test_a_checkpoint_torn_after_its_run_was_recorded_names_the_command_again(fab, monkeypatch):
+    """The run is recorded (it stands, and is said to); the checkpoint's own line tore, so it
+    was not recorded: the step is the checkpoint again — which completes the story — never
+    "do not run the command again"."""
+    make_plan(fab, 2, "--check", "G001=echo checked")
+    start(fab, "G001")
+    real = os.write
+
+    def tears_the_checkpoint(fd, data):
+        if b'"event":"checkpoint"' in bytes(data)[:200]:
+            return real(fd, bytes(data)[:len(data) // 2])
+        return real(fd, data)
+    monkeypatch.setattr(os, "write", tears_the_checkpoint)
+    r = fab("--json", *checkpoint())
+    monkeypatch.setattr(os, "write", real)
+    error = r.json["error"]
+    assert r.code == 3 and error["code"] == "io_error", r
+    assert "do not run the command again" not in error["message"], error
+    assert "(Event 3, verify_run, was recorded in the ledger before this and stands; the " \
+           "checkpoint was not recorded: running the command again records it.)" in \
+           error["message"], error
+    assert error["commands"] == ["goals.py --json " + " ".join(map(shlex.quote, checkpoint()))]
+    r = fab(*checkpoint())
+    assert r.code == 0 and "torn last line" in r.err, r
+    assert story(fab.dir, "G001")["status"] == "complete"
+    assert fab("audit").code == 0

@@ -41,6 +41,8 @@ WALKED = {
     "no_remote": "share --remote nowhere → git remote add nowhere <url>; sync in a clone with "
                  "no remote → git remote add origin <url>",
     "bad_plan_id": "sync --plan x:y on a fresh clone → sync --plan <plan-id>",
+    "io_error": "sync with this clone's disk full (a file size limit) → the command again, "
+                "once there is room",
     # sharing
     "bad_share": "share.json, then rejected.pending.json, not fablize's → share --remote origin; "
                  "rm the pending list",
@@ -501,8 +503,8 @@ def test_a_remote_ref_written_by_something_else_is_shown_and_a_human_puts_the_hi
     assert mine.exists()
     if what == "no ledger line":  # a clone that never held the plan has none to put back
         fresh = world.clone("fresh")
-        seen_fresh, end, r = walk(fresh, ["sync"], 3, code, opening, human="A human who holds",
-                                  changes=True)
+        seen_fresh, end, r = walk(fresh, ["sync"], 3, code, opening,
+                                  human="a human who holds the plan", changes=True)
         assert end == "human" and r.json["error"]["commands"] == [
             f"git log --oneline refs/fablize/remotes/origin/{plan_id}"], r
     b.sh(quoted(seen[0]["message"], "git push --force origin "))  # the human keeps this clone's
@@ -1074,3 +1076,139 @@ def test_a_shared_plans_pin_on_the_base_that_is_no_pin_is_a_humans(world):
     git(a.root, "add", "-f", ".fablize/pin.json")
     git(a.root, "commit", "-qm", "a pin")
     ok(a, "audit", "--remote", "origin", "--base", branch)
+
+
+# Faults of a clone's own, and the remote's ref written by something else (issue 41) ##########
+
+
+def test_a_full_local_disk_during_sync_is_this_machines_and_the_command_again_publishes(world):
+    """The clone's disk is full while `sync` fetches (a file size limit: git's objects cannot be
+    written): said as this machine's, never as a damaged or unreachable remote (no `set-url`);
+    the step is the command again, which works once there is room."""
+    import resource
+    import signal
+    from conftest import ENGINE
+    a, b = world.clone("a"), world.clone("b")
+    shared(a, 3, "--parallel")
+    ok(b, "sync")
+    ok(b, "next", "--agent", "y")  # objects a must fetch
+
+    def full():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2, 2))
+    before = state_files(a.dir)
+    p = subprocess.run([*ENGINE, "--json", "sync"], cwd=str(a.root), capture_output=True,
+                       env={k: v for k, v in os.environ.items() if not k.startswith("FABLIZE_")},
+                       preexec_fn=full, timeout=120)
+    error = __import__("json").loads(p.stdout)["error"]
+    assert p.returncode == 3 and error["code"] == "io_error", (p, error)
+    assert error["message"].startswith("git could not write this clone's repository while it "
+                                       "talked to origin — git says: "), error
+    assert "not the remote" in error["message"] and "set-url" not in error["message"], error
+    assert [shlex.split(c)[-2:] for c in error["commands"]] == [["--json", "sync"]], error
+    assert state_files(a.dir) == before
+    ok(a, "sync")  # the step, once there is room
+    assert a("status", "--json").json["stories"][0]["agent"] == "y"
+
+
+def test_a_branch_pushed_over_a_plans_ref_is_repaired_by_the_clones_that_hold_the_plan(world):
+    """`git push --force origin HEAD:refs/fablize/plans/ID`: the ref holds a commit that is no
+    plan's. Not a fork and not a human's decision: the next command of a clone that holds the
+    plan puts the plan back, says so, and goes on; a fresh clone meanwhile is told a clone
+    that holds it repairs it."""
+    a, b = world.clone("a"), world.clone("b")
+    plan_id = shared(a, 3, "--parallel")
+    ok(b, "sync")
+    ok(b, "next", "--agent", "y")
+    ok(a, "sync")
+    (a.root / "README").write_text("a branch\n")
+    git(a.root, "add", "README")
+    git(a.root, "commit", "-qm", "work on a branch")
+    git(a.root, "push", "-q", "--force", "origin", f"HEAD:refs/fablize/plans/{plan_id}")
+    fresh = world.clone("fresh")
+    seen, end, r = walk(fresh, ["sync"], 3, "bad_remote_event", "the shared plan on origin has a "
+                        "commit ", human="A clone that holds the plan repairs", changes=True)
+    assert end == "human", r
+    r = ok(a, "next", "--agent", "x")  # a clone that holds the plan: repaired, then its claim
+    assert "which holds no plan (a branch pushed over the plan's ref?)" in r.err, r
+    assert "a human" not in r.err and "fork" not in r.err, r
+    ok(b, "sync")
+    ok(fresh, "sync")
+    assert [s["agent"] for s in fresh("status", "--json").json["stories"][:2]] == ["y", "x"]
+    ok(fresh, "audit", "--remote", "origin")
+
+
+def test_an_ordinary_lost_claim_is_never_called_a_hand_edit(world):
+    """b claims G001 on an old copy while a's round of it failed on the remote: the claim lost a
+    race, said as such (and `next` claims again), never "written or edited by hand"."""
+    a, b = world.clone("a"), world.clone("b")
+    shared(a, 2)
+    ok(b, "sync")
+    ok(a, "next")
+    ok(a, "checkpoint", "--id", "G001", "--status", "failed", "--evidence", "not yet")
+    r = ok(b, "next")  # its copy says G001 is pending, round 0
+    assert "by hand" not in r.err, r
+    assert "on origin, G001 went another round meanwhile (it is failed, round 1; this claim " \
+           "was for round 1)" in r.err, r
+    assert "handoff — G001" in r.out and "round 2" in r.out, r
+    ok(a, "sync")
+    ok(a, "audit", "--remote", "origin")
+
+
+RACE_HOOK = """#!/bin/sh
+# git runs this in every ref transaction of this clone. While a reading command's fetch holds
+# the refs it writes (prepared), a writer of this clone runs, racing it, as an agent would.
+[ "$1" = prepared ] || exit 0
+[ -f "$RACE_ARMED" ] || exit 0
+grep -q ' refs/fablize/' || exit 0
+rm -f "$RACE_ARMED"
+unset GIT_DIR GIT_INDEX_FILE GIT_WORK_TREE GIT_PREFIX
+cd "$RACE_CLONE" && "$RACE_PYTHON" "$RACE_SCRIPT" --json next --agent w > "$RACE_OUT"
+exit 0
+"""
+
+
+@pytest.mark.parametrize("reader", [["status"], ["audit", "--remote", "origin"]])
+def test_a_reading_command_writes_no_ref_a_writer_of_the_clone_holds(world, reader):
+    """`status` and `audit --remote` take no lock, so they must not write the refs a writer of
+    the same clone fetches into under its lock: a writer racing them was told 'the remote
+    cannot be reached' while it was reachable. A reference-transaction hook stands for the
+    race: it runs a writer whenever a ref of refs/fablize/ is about to change — and a reader
+    changes none."""
+    import json
+    import sys
+    from conftest import SCRIPT
+    a, b = world.clone("a"), world.clone("b")
+    shared(a, 3, "--parallel")
+    ok(b, "sync")
+    ok(b, "next", "--agent", "y")  # the remote moved: a's reader has something to fetch
+    hook = a.root / ".git" / "hooks" / "reference-transaction"
+    hook.write_text(RACE_HOOK)
+    hook.chmod(0o755)
+    armed, out = world.tmp / "armed", world.tmp / "writer.json"
+    armed.write_text("")
+    refs = git(a.root, "for-each-ref", "refs/fablize/")
+    env = {"RACE_ARMED": str(armed), "RACE_CLONE": str(a.root), "RACE_OUT": str(out),
+           "RACE_PYTHON": sys.executable, "RACE_SCRIPT": str(SCRIPT)}
+    r = run_cli(*reader, cwd=a.root, env=env)
+    assert r.code == 0 and "cannot be reached" not in r.out + r.err, r
+    if out.exists():  # the reader wrote a ref: the writer that raced it must still have worked
+        answer = json.loads(out.read_text())
+        assert answer["ok"], answer
+    assert armed.exists(), "the reader changed a ref of refs/fablize/"
+    assert git(a.root, "for-each-ref", "refs/fablize/") == refs
+    hook.unlink()
+    ok(a, "next", "--agent", "w")
+
+
+def test_a_shared_plans_missing_ledger_comes_back_from_its_remote_by_rebuild(world):
+    a = world.clone("a")
+    shared(a, 2)
+    ok(a, "next")
+    (a.dir / "ledger.jsonl").unlink()
+    seen, end, r = walk(a, ["status"], 3, "disagree", "goals.json reflects event 2 but "
+                        "ledger.jsonl is empty (the file is missing)", changes=True)
+    assert end == "good" and seen[0]["commands"][0].endswith(" rebuild"), seen
+    assert a("status", "--json").json["stories"][0]["status"] == "in_progress"
+    ok(a, "audit")
+    ok(a, "audit", "--remote", "origin")

@@ -784,8 +784,8 @@ def name_the_step(ctx, error, argv):
         error.commands = [create_command(prog)]
     elif code == "interrupted":
         error.commands = [rerun_command(prog, argv)]
-    elif recorded:  # an event this command recorded stands: seen first, never run twice
-        error.commands = [f"{prog} status"]
+    elif recorded and not ctx._store.unrecorded:  # an event this command recorded stands:
+        error.commands = [f"{prog} status"]  # seen first, never run twice
     elif code == "lock_timeout":
         wait = max(60.0, 2 * lock_timeout())
         error.commands = [rerun_command(prog, argv, f"FABLIZE_LOCK_TIMEOUT={wait:g}")]
@@ -795,6 +795,20 @@ def name_the_step(ctx, error, argv):
     elif (code in HISTORY_DAMAGE and ctx is not None and ctx._store is not None
           and not getattr(ctx.args, "remote", None)):  # a remote's history: the sharing room's
         history_steps(ctx, error)
+
+
+def recorded_note(store):
+    """What a failure after a durable event says of it: it stands. When what failed was the
+    append of a later event (a torn or unsynced line, never recorded), the command again
+    records that one — a checkpoint whose line tore after its runs were recorded completes
+    when run again; otherwise the command is not to be run again for what stands."""
+    seq, kind = store.recorded[-1]
+    if store.unrecorded:
+        return (f"(Event {seq}, {kind}, was recorded in the ledger before this and stands; "
+                f"the {store.unrecorded} was not recorded: running the command again records "
+                "it.)")
+    return (f"(Event {seq}, {kind}, was recorded in the ledger before this and stands: "
+            "`status` shows it; do not run the command again for it.)")
 
 
 def keep_interrupts(interrupts):
@@ -834,9 +848,7 @@ def main(argv=None, interrupts=None):
         code, error = e.exit_code, e
         recorded = ctx._store.recorded if ctx is not None and ctx._store is not None else ()
         if recorded and e.exit_code == EXIT_DAMAGED:  # after a durable event: it stands
-            seq, kind = recorded[-1]
-            e.message += (f" (Event {seq}, {kind}, was recorded in the ledger before this and "
-                          "stands: `status` shows it; do not run the command again for it.)")
+            e.message += " " + recorded_note(ctx._store)
         if e.code == "no_plan" and ctx is not None and not getattr(e, "commands", None):
             no_plan_advice(ctx, e)
         name_the_step(ctx, e, argv)
@@ -864,10 +876,7 @@ def main(argv=None, interrupts=None):
                                                                EXIT_DAMAGED)
         recorded = ctx._store.recorded if ctx is not None and ctx._store is not None else ()
         if recorded and error.code == "io_error":  # what is durable stays: never a blind retry
-            seq, kind = recorded[-1]
-            error.message += (f" — after event {seq} ({kind}) was recorded in the ledger, which "
-                              "stands: `status` shows what is recorded before anything is run "
-                              "again.")
+            error.message += " " + recorded_note(ctx._store)
         name_the_step(ctx, error, argv)
     except KeyboardInterrupt:  # Ctrl-C outside a run: every write is whole or absent
         error = FablizeError("interrupted by SIGINT; the state is as the last completed write "

@@ -25,7 +25,8 @@ from .storage import (
     read_state_file, replay_all, require_state_dir, shown_path, Store, symlink_refusal,
     user_file, within, write_atomic)
 from .runs import (
-    check_command, commit_runs, end_orphaned_runs, execute_runs, file_not_there_yet, git,
+    check_command, commit_runs, drop_temp_logs, end_orphaned_runs, execute_runs,
+    file_not_there_yet, git,
     inflight_runs, merge_driver_missing, MERGE_QUIET, plan_text, repo_root, tree_state,
     unverifiable_checks, unverifiable_label, verification_runs)
 from .render import (
@@ -93,9 +94,7 @@ def stop_if_interrupted(ctx, records):
         fate = (f"recorded as interrupted (event {runs[-1]['seq']}, log "
                 f"{shown_path(ctx.store, runs[-1]['log'])})")
     except (FablizeError, OSError) as e:
-        for record in records:
-            if record.get("tmp_log") and os.path.lexists(record["tmp_log"]):
-                os.unlink(record["tmp_log"])
+        drop_temp_logs(records)
         fate = (f"not recorded ({e.message if isinstance(e, FablizeError) else e}; its temp log "
                "was removed)")
     error = FablizeError(f"interrupted by {name}: `{one_line(hit['cmd'])}` was stopped (its "
@@ -615,18 +614,23 @@ def cmd_status(ctx, a):
     shared = sharing.status_lines(share, ctx.prog) if share else ()
     first, step = (sharing.behind_step(share, ctx.prog) if share else None) or (None, None)
     lines, action, paused = render_status(ctx.prog, plan, share=shared, agent=a.agent, step=step)
+    inflight = inflight_runs(ctx.store)
     # a copy behind its remote says so first: the stories below are as this clone last saw them
-    ctx.out.lines += ([first] if first else []) + lines + inflight_lines(ctx.prog, ctx.store)
+    ctx.out.lines += ([first] if first else []) + lines + inflight_lines(ctx.prog, inflight)
     if share:
         ctx.data["share"] = share
     if ctx.json:
-        ctx.data.update(plan_json(plan), next=action, paused=paused, capped=guard_capped(plan))
+        ctx.data.update(plan_json(plan), next=action, paused=paused, capped=guard_capped(plan),
+                        in_flight=[{"id": rec.get("id"), "check": rec.get("check"),
+                                    "cmd": rec.get("cmd"), "started": rec.get("started"),
+                                    "engine": rec["engine"], "running": alive}
+                                   for rec, alive in inflight])
 
 
-def inflight_lines(prog, store):
+def inflight_lines(prog, inflight):
     """A line for each run noted in flight: running now, or never finished (its engine died)."""
     lines = []
-    for rec, alive in inflight_runs(store):
+    for rec, alive in inflight:
         what = f"`{one_line(str(rec.get('cmd')))}` for {one_line(str(rec.get('id')))}"
         started = one_line(str(rec.get("started", "")))[:19].replace("T", " ")
         if alive:
@@ -874,6 +878,7 @@ def audited(ctx, a, scan, base):
                 raise symlink_refusal(s.store.path(name))
         snapshot = read_state_file(s.store.path(SNAPSHOT))  # before the ledger, as readers do
         s.ledger.open()
+        s.see_lost_newline(loose_snapshot(s.store))
         try:
             return audit_ledger(s.ledger, snapshot, a.require_independent_judge,
                                 runs_dir=s.store.path(RUNS), scan=scan)
@@ -1030,7 +1035,10 @@ def cmd_rebuild(ctx, a):
     snapshot's name, for a human to start again."""
     with open_plan(ctx) as s:
         s.refuse_original()
-        if s.ledger.open() is None:
+        target = s.store.path(SNAPSHOT)
+        # no ledger under a snapshot: its history is gone (or, shared, on the remote) — rebuild
+        # says so and keeps the snapshot, as for an empty ledger; `create` then works
+        if s.ledger.open() is None and not os.path.lexists(target):
             raise no_plan()
         old = loose_snapshot(s.store)
         position = old.get("ledger") if old else None
@@ -1049,27 +1057,52 @@ def cmd_rebuild(ctx, a):
         end = set_aside_last_line(ctx, s, end, reflected["seq"])
         replay = replay_all(s.ledger, end)
         plan = replay.plan
-        target = s.store.path(SNAPSHOT)
         kept = None
         if plan is not None or old is not None:
             if os.path.lexists(target):
                 kept = os.path.basename(free_name(
                     f"{target}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.bak"))
                 os.replace(target, s.store.path(kept))
+        if plan is not None:
+            plan["ledger"] = replay.position()
+            s.save_snapshot(plan)
+        s.plan = plan
+        taken = reconcile_shared(ctx, s)
+        plan = s.plan
         if plan is None:
             if kept is None:
                 raise no_plan()
-            ctx.say(f"fablize: {LEDGER} holds no event: the plan's history is gone, so there is "
+            held = "is missing" if s.ledger.open() is None else "holds no event"
+            ctx.say(f"fablize: {LEDGER} {held}: the plan's history is gone, so there is "
                     f"no plan to rebuild; the old {SNAPSHOT} is kept as {kept} (it lists the "
                     "stories). A human starts again:")
             ctx.say(f"  {create_command(ctx.prog)}")
             ctx.data.update(event_count=0, kept=kept, plan=None)
             return
-        plan["ledger"] = replay.position()
-        s.save_snapshot(plan)
     ctx.say(f"fablize: rebuilt {SNAPSHOT} from {count_noun(replay.seq, 'ledger event')}"
-            + (f"; the old one is kept as {kept}." if kept else "."))
-    ctx.data.update(event_count=replay.seq, kept=kept, plan=plan_json(plan))
+            + (f"; the old one is kept as {kept}." if kept else ".")
+            + (f" Then {count_noun(taken, 'event')} came in from the shared plan's remote "
+               "(the events it holds, damaged here)." if taken else ""))
+    ctx.data.update(event_count=plan["ledger"]["seq"], kept=kept, plan=plan_json(plan))
+
+
+def reconcile_shared(ctx, s):
+    """After `rebuild` of a shared plan, under its lock: the remote's copy of the published
+    events first — a damaged line rebuild set aside is taken back from it, and nothing new is
+    published on a chain the remote does not hold. Returns how many events came in; a remote
+    that cannot be reached now is said (the next writing command reconciles)."""
+    sharing = sharing_of(s.store)
+    if sharing is None:
+        return 0
+    before = s.plan["ledger"]["seq"] if s.plan else 0
+    try:
+        sharing.reconcile(s)
+    except FablizeError as e:  # the snapshot is rebuilt; the rest is the remote's to say
+        ctx.out.warn(f"{SNAPSHOT} is rebuilt, but the shared plan could not be reconciled with "
+                     f"its remote now: {one_line(e.message)} — the next writing command (or "
+                     "`sync`) does it.")
+        return 0
+    return max(0, s.plan["ledger"]["seq"] - before) if s.plan else 0
 
 
 def history_steps(ctx, error):
@@ -1170,6 +1203,7 @@ def cmd_log(ctx, a):
         s.refuse_original()
         if s.ledger.open() is None:
             raise no_plan()
+        s.see_lost_newline(loose_snapshot(s.store))
         try:
             said = ctx.out.lines
             replay = (replay_all(s.ledger, s.good_end(None), on_batch=stream) if streaming else

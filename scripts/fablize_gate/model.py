@@ -503,6 +503,12 @@ def run_passed(run):
         and not run.get("interrupted") and report_refusal(run) is None)
 
 
+def run_outcome(run):
+    """passed, failed, or interrupted: a stop signal cut it short, which says nothing of the
+    work (nothing to fix: run it again), so it is never shown as a failure."""
+    return "passed" if run_passed(run) else "interrupted" if run.get("interrupted") else "failed"
+
+
 def report_refusal(run):
     """Why the run's test runner disagrees with a pass, by its own report, or None: it wrote
     none (stopped before it, or told not to), the report disagrees with itself, a test failed or

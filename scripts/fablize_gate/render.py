@@ -14,7 +14,8 @@ from .model import (
     _PRISTINE, accepted_ids, active_stories, blocked_because, DEFAULTS, describe_exit,
     done_count, find_story, grade_detail, guard_capped, is_final, observed_of, observed_result,
     pick_ready, plan_done, REOPENED_BECAUSE, round_failures, round_label, rounds_left, run_evidence,
-    run_passed, run_summary, stories_in, touch, unaddressed_failure, ids_text, waits_for)
+    run_outcome, run_summary, stories_in, touch, unaddressed_failure, ids_text,
+    waits_for)
 from .masking import mask
 from .runs import NOT_THERE, repo_root
 
@@ -529,6 +530,10 @@ def md_cell(text, limit=120):
     return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;").replace("`", "'")
 
 
+# a run's result cell in `report`: an interrupted run says so (its exit words), never FAIL
+REPORT_OUTCOME = {"passed": "pass: ", "failed": "FAIL: ", "interrupted": ""}
+
+
 def render_report(plan, runs, total=None):
     """`report`: a Markdown summary (progress, a row a story, the latest runs, the dependency
     graph) for a pull request or a CI job summary."""
@@ -558,7 +563,7 @@ def render_report(plan, runs, total=None):
         for r in runs:
             lines.append(f"| {md_cell(str(r['seq']))} | {md_cell(r['id'])} | "
                          f"`{md_cell(r['cmd'], 80)}` | "
-                         f"{'pass' if run_passed(r) else 'FAIL'}: {md_cell(describe_exit(r))}"
+                         f"{REPORT_OUTCOME[run_outcome(r)]}{md_cell(describe_exit(r))}"
                          f"{md_cell(' (' + run_evidence(r) + ')') if run_evidence(r) else ''} | "
                          f"{md_cell(str(r.get('duration_s')))} s | "
                          f"`{md_cell(str(r.get('sha256'))[:16])}` |")

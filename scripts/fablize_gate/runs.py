@@ -8,12 +8,13 @@ import stat
 import time
 
 from .base import (
-    _sha256, blank, clean, damaged, FablizeError, fix_argv_text, Lazy, limit_text, now_iso,
-    one_line, READ_CHUNK, refused, RUNS, sha256_hex, TAIL_CHARS, usage)
+    _sha256, blank, clean, damaged, FablizeError, fix_argv_text, Lazy, limit_text,
+    now_iso, one_line, READ_CHUNK, refused, RUNS, sha256_hex, TAIL_CHARS, usage)
 from .masking import looks_secret, mask, mask_places, Masker
-from .model import run_passed, run_result
+from .model import run_outcome, run_result
 from .reports import ask as ask_reports, read as read_reports, recorded
-from .storage import ensure_subdir, fsync_dir, open_state_file, write_all, write_atomic
+from .storage import (
+    crash_point, ensure_subdir, fsync_dir, open_state_file, pid_alive, write_all, write_atomic)
 
 
 # One policy for every program the engine and its rooms start (git, ssh-keygen, a shell for
@@ -475,28 +476,148 @@ class StopSignals:
 # engine died (kill -9) is found — its group ended by the next command that takes the lock, and
 # said by `status` meanwhile. `runs/.*` is never committed; a folder of its own keeps the look
 # one listdir of a few names, however many logs runs/ holds.
+#
+# A number names a process only while it lives: pids (and so process groups) are reused, 32,768
+# of them on a default Linux. So a note records what tells its processes from any later holder
+# of their numbers — each one's start time (/proc/<pid>/stat, field 22: clock ticks since boot),
+# the session, and this boot's id — and a group is ended only when it is provably the run's: its
+# leader is the process the note names, started when the note says, leading its own session.
+# Where /proc cannot tell (macOS, the BSDs) nothing is ever signalled: the message says how to
+# end it by hand.
 INFLIGHT = ".inflight"
+PROC = "/proc"
 
 
-def note_inflight(runs_dir, pgid, cmd, story, check, log_path):
+def proc_stat(pid):
+    """The fields of /proc/<pid>/stat after the command's name (the state first), or None when
+    there is no such process or no /proc."""
     try:
-        path = os.path.join(ensure_subdir(os.path.join(runs_dir, INFLIGHT)), f"{pgid}.json")
-        note = {"engine": os.getpid(), "pgid": pgid, "id": story, "check": check,
-                "cmd": mask(cmd, command=True), "started": now_iso(),
-                "log": os.path.basename(log_path)}
-        write_atomic(path, json_bytes(note))
-    except (OSError, FablizeError):  # a full disk, a planted link: the run goes on unnoted
+        with open(f"{PROC}/{int(pid)}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError, ValueError):
         return None
-    return path
+
+
+def process_identity(pid):
+    """{start, pgid, sid, zombie} of process `pid` — its start time in clock ticks since boot,
+    its process group and session — or None (no such process, or no /proc here)."""
+    fields = proc_stat(pid)
+    if fields is None or len(fields) < 20:
+        return None
+    try:
+        return {"start": int(fields[19]), "pgid": int(fields[2]), "sid": int(fields[3]),
+                "zombie": fields[0] in (b"Z", b"X")}
+    except ValueError:
+        return None
+
+
+def proc_tells():
+    """Whether /proc tells processes apart here (Linux); elsewhere nothing is ever signalled."""
+    return os.path.isdir(f"{PROC}/self")
+
+
+def boot_id():
+    """This boot's id (Linux), or None: start times count from a boot, so a note of another
+    boot names no process running now."""
+    try:
+        with open(f"{PROC}/sys/kernel/random/boot_id", "rb") as f:
+            return f.read(64).decode("ascii", "replace").strip() or None
+    except OSError:
+        return None
+
+
+def own_start():
+    """This process's start time (clock ticks since boot), or None where /proc cannot tell."""
+    me = process_identity(os.getpid())
+    return me and me["start"]
+
+
+def engine_alive(pid, start=None, boot=None):
+    """Whether the engine `pid` (started at `start`, in boot `boot`, where a note says) still
+    runs: a later process given its number is not it."""
+    if boot is not None and boot != boot_id():
+        return False
+    if not process_alive(pid):
+        return False
+    if start is None or not proc_tells():
+        return True  # nothing more can be told: alive it is
+    me = process_identity(pid)
+    return me is not None and me["start"] == start
+
+
+def temp_log_name():
+    """A temp log's name for a run of this engine: its pid and start time in the name, so that
+    the next command can tell a log whose engine died (sweep_litter)."""
+    start = own_start()
+    return f".run-{os.getpid()}-{'x' if start is None else start}-{os.urandom(4).hex()}.log"
+
+
+def new_temp_log(runs_dir):
+    """Where a run's temp log goes: runs/.inflight/, beside the notes, so that what a killed
+    engine leaves is found in that folder's few names, never by listing every log runs/ holds
+    (2.6 ms a writing command at 5,000 logs). A file or a link where the folder goes is refused
+    (its step: move it aside); Run makes the folder again if another run's end removed it,
+    empty, before the log was opened."""
+    return os.path.join(ensure_subdir(os.path.join(runs_dir, INFLIGHT)), temp_log_name())
+
+
+def drop_temp_logs(records):
+    """The temp logs of runs that will not be recorded, removed, and their folder once empty."""
+    for record in records:
+        path = record.get("tmp_log")
+        if path and os.path.lexists(path):
+            os.unlink(path)
+        if path:
+            forget_folder(os.path.dirname(path))
+
+
+def forget_folder(folder):
+    """The notes' folder, once nothing is in it (runs/ holds what a plan keeps)."""
+    try:
+        os.rmdir(folder)
+    except OSError:  # a note or a temp log of another run is there: it stays for it
+        pass
+
+
+# .run-<pid>-<start or x>-<hex>.log, and .run-<pid>-<hex>.log of engines before start times
+TEMP_LOG = r"\.run-(\d+)-(?:(\d+|x)-)?[0-9a-f]{8}\.log"
+
+
+def note_inflight(folder, proc, cmd, story, check, log_path):
+    """The run's note in `folder`, durable (written, fsynced, renamed, its folder synced) before
+    the check is let go: (its path, None), or (None, why it could not be written) — the run
+    then never starts."""
+    path = os.path.join(folder, f"{proc.pid}.json")
+    leader = process_identity(proc.pid)
+    note = json_bytes({"engine": os.getpid(), "engine_start": own_start(), "boot": boot_id(),
+                       "pgid": proc.pid, "leader_start": leader and leader["start"],
+                       "sid": leader and leader["sid"], "id": story, "check": check,
+                       "cmd": mask(cmd, command=True), "started": now_iso(),
+                       "log": os.path.basename(log_path)})
+    for attempt in range(20):
+        try:
+            made = not os.path.isdir(folder)
+            ensure_subdir(folder)
+            write_atomic(path, note)  # at once: an empty folder is another run's to remove
+            if made:
+                fsync_dir(os.path.dirname(folder))
+            return path, None
+        except FileNotFoundError as e:  # another run's end took the folder, empty, meanwhile
+            why = log_reason(e)
+        except OSError as e:  # a full disk, a read-only folder
+            return None, log_reason(e)
+        except FablizeError as e:  # a planted link or file where its folder goes
+            return None, one_line(e.message)
+    return None, why
 
 
 def forget_inflight(path):
-    """The note gone, and its folder with the last one (runs/ holds what a plan keeps)."""
-    for remove, target in ((os.unlink, path), (os.rmdir, os.path.dirname(path))):
-        try:
-            remove(target)
-        except OSError:  # another run's note is there: the folder stays for it
-            pass
+    """The note gone, and its folder with the last one."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    forget_folder(os.path.dirname(path))
 
 
 def json_bytes(obj):
@@ -504,9 +625,34 @@ def json_bytes(obj):
     return json.dumps(obj, ensure_ascii=False).encode("utf-8")
 
 
+_NOTE_INTS = ("engine", "pgid")
+_NOTE_OPTIONAL = ("engine_start", "leader_start", "sid")
+
+
+def read_note(path):
+    """A note's record, its numbers checked, or None when it is no note fablize wrote."""
+    import json
+    try:
+        with open(path, "rb") as f:
+            rec = json.loads(f.read(1 << 16))
+        if not isinstance(rec, dict):
+            return None
+        for key in _NOTE_INTS:
+            if type(rec.get(key)) is not int:
+                return None
+        for key in _NOTE_OPTIONAL:
+            if rec.get(key) is not None and type(rec[key]) is not int:
+                rec[key] = None  # unreadable: as if unknown, which never signals
+        if not isinstance(rec.get("boot"), str):
+            rec["boot"] = None
+    except (OSError, ValueError):
+        return None
+    rec["path"] = path
+    return rec
+
+
 def inflight_runs(store):
     """[(record, its engine alive)] of each run noted in flight, oldest first."""
-    import json
     folder = os.path.join(store.path(RUNS), INFLIGHT)
     try:
         names = sorted(n for n in os.listdir(folder) if n.endswith(".json"))
@@ -514,21 +660,20 @@ def inflight_runs(store):
         return []
     found = []
     for name in names:
-        try:
-            with open(os.path.join(folder, name), "rb") as f:
-                rec = json.loads(f.read(1 << 16))
-            engine, pgid = int(rec["engine"]), int(rec["pgid"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # a half-written note: its engine is writing it now, or it is no note
-        rec.update(engine=engine, pgid=pgid, path=os.path.join(folder, name))
-        found.append((rec, process_alive(engine)))
+        rec = read_note(os.path.join(folder, name))
+        if rec is None:
+            continue  # no note of a run: the next writer removes it
+        found.append((rec, engine_alive(rec["engine"], rec.get("engine_start"),
+                                        rec.get("boot"))))
     return found
 
 
 def process_alive(pid):
+    if os.name == "nt":  # os.kill(pid, 0) there would end the process (TerminateProcess)
+        return pid_alive(pid)
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, ValueError, OverflowError):
         return False
     except OSError:  # another user's process: alive
         return True
@@ -536,64 +681,133 @@ def process_alive(pid):
 
 
 def is_zombie(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return False
+    fields = proc_stat(pid)
+    return fields is not None and fields[0] in (b"Z", b"X")
 
 
 def group_members(pgid):
     """Pids of the live processes in process group `pgid` that are in its session too (the run's
     group leads its own session), or None where /proc cannot tell."""
-    if not os.path.isdir("/proc/self"):
+    if not proc_tells():
         return None
     members = []
-    for entry in os.listdir("/proc"):
+    for entry in os.listdir(PROC):
         if not entry.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[2] == str(pgid) and fields[3] == str(pgid) and fields[0] not in ("Z", "X"):
+        me = process_identity(entry)
+        if me is not None and me["pgid"] == pgid and me["sid"] == pgid and not me["zombie"]:
             members.append(int(entry))
     return members
 
 
+def never_signalled():
+    """The process groups no note can get signalled, whatever it says: this command's own, the
+    one of the command that started it, and its session's."""
+    groups = {os.getpgrp(), os.getsid(0), os.getpid()}
+    try:
+        groups.add(os.getpgid(os.getppid()))
+    except OSError:
+        pass
+    return groups
+
+
+def processes(n):
+    return f"{n} process" + ("" if n == 1 else "es")
+
+
+def end_run_group(rec):
+    """What became of the process group of a run whose engine died, in words: ended (SIGKILL)
+    only when it is provably the run's — its leader alive with the start time and session the
+    note recorded. Groups 0 and 1, this command's own and its caller's are never signalled."""
+    import signal
+    pgid = rec["pgid"]
+    by_hand = f"`kill -9 -{pgid}` ends it if it is"
+    if pgid <= 1 or pgid in never_signalled():
+        return (f"its note names process group {pgid}, which is no run's ("
+                + ("the system's" if pgid <= 1 else "this command's own or its caller's")
+                + "): nothing was signalled")
+    if not proc_tells():
+        return (f"whether its process group {pgid} is still the run's cannot be told here (no "
+                f"/proc): nothing was signalled — {by_hand}")
+    if rec.get("boot") is not None and rec["boot"] != boot_id():
+        return "the machine has restarted since: nothing of it is running"
+    members = group_members(pgid) or []
+    if not members:
+        return "nothing of it was still running"
+    leader = process_identity(pgid)
+    if leader is None:
+        return (f"its shell has ended, and the {processes(len(members))} left in "
+                f"group {pgid} cannot be proven to be the run's: nothing was signalled — "
+                f"`kill -9 -{pgid}` ends them if they are")
+    if rec.get("leader_start") is None:
+        return (f"its note (written by an older fablize) does not say when the run started, so "
+                f"process group {pgid} cannot be proven to be the run's: nothing was signalled "
+                f"— {by_hand}")
+    if (leader["start"] != rec["leader_start"] or leader["pgid"] != pgid
+            or leader["sid"] != pgid or rec.get("sid") not in (None, pgid)):
+        return (f"process group {pgid} is no longer the run's (its number now belongs to "
+                "another process): it was left alone")
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError as e:
+        return f"its process group {pgid} could not be ended ({e.strerror}): {by_hand}"
+    return f"what was left of it ({processes(len(members))}, group {pgid}) was ended"
+
+
 def end_orphaned_runs(store):
     """Under the lock: each run noted in flight whose engine died — what is left of its process
-    group is ended (only the group that leads its own session: a reused pgid is left alone),
-    its temp log removed (the run counts for nothing), and said."""
-    import signal
+    group ended where it is provably the run's (end_run_group), its note and temp log removed
+    (the run counts for nothing), and said; then what killed engines left behind with no note
+    (sweep_litter)."""
     for rec, alive in inflight_runs(store):
         if alive:
             continue
-        pgid, what = rec["pgid"], f"`{one_line(str(rec.get('cmd')))}`"
-        members = group_members(pgid)
-        if members is None:
-            fate = (f"whether its process group {pgid} is still running cannot be told here; "
-                    f"`kill -9 -{pgid}` ends it if it is")
-        elif not members:
-            fate = "nothing of it was still running"
-        else:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-                fate = f"what was left of it ({len(members)} process(es), group {pgid}) was ended"
-            except OSError as e:
-                fate = (f"its process group {pgid} could not be ended ({e.strerror}): "
-                        f"`kill -9 -{pgid}` ends it")
+        what = f"`{one_line(str(rec.get('cmd')))}`"
+        fate = end_run_group(rec)
         log = str(rec.get("log", ""))
-        if re.fullmatch(r"\.run-[\w-]+\.log", log):
+        if re.fullmatch(TEMP_LOG, log):
             try:
-                os.unlink(store.path(os.path.join(RUNS, log)))
+                os.unlink(os.path.join(os.path.dirname(rec["path"]), log))
             except OSError:
                 pass
         forget_inflight(rec["path"])
         store.warn(f"a run of {what} for {one_line(str(rec.get('id')))} was in flight when its "
                    f"engine (pid {rec['engine']}) died; {fate}. It recorded nothing: run it "
                    "again.")
+    sweep_litter(store)
+
+
+def sweep_litter(store):
+    """What killed engines left in the notes' folder with no note of a live run: temp logs of
+    runs killed before their note was written or after their run ended (a temp log's engine is
+    told by its name: temp_log_name), notes torn by a kill, files no fablize wrote. One listdir
+    of a few names, however many logs runs/ holds."""
+    folder = os.path.join(store.path(RUNS), INFLIGHT)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(folder, name)
+        log = re.fullmatch(TEMP_LOG, name)
+        temp = re.fullmatch(r"\d+\.json\.tmp-(\d+)-[0-9a-f]{8}", name)  # write_atomic's
+        if log:
+            gone = not engine_alive(int(log.group(1)), None if log.group(2) in (None, "x")
+                                    else int(log.group(2)))
+        elif temp:
+            gone = not engine_alive(int(temp.group(1)))
+        else:  # a note fablize wrote (read whole: written by a rename), or not one
+            gone = (not name.endswith(".json") or read_note(path) is None) and os.path.lexists(
+                path)  # (a note gone meanwhile: its run ended)
+            if gone:
+                store.warn(f"removed {RUNS}/{INFLIGHT}/{one_line(name)}, which was no note of a "
+                           "run in flight.")
+        if gone:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    forget_folder(folder)
 
 
 ECHO_HEAD = 16000   # characters of a run's output the terminal is shown as they come
@@ -616,10 +830,24 @@ class Run:
         self.masker = Masker(cwd)
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self.log_fd, self.log_error = None, None
-        try:
-            self.log_fd = open_state_file(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        except OSError as e:
-            self.log_error = e
+        for attempt in range(20):
+            try:
+                self.log_fd = open_state_file(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+                break
+            except FileNotFoundError as e:  # runs/.inflight/ removed, empty, by another run's
+                self.log_error = e  # end meanwhile: made again
+                folder = os.path.dirname(log_path)
+                if os.path.basename(folder) != INFLIGHT:
+                    break
+                try:
+                    ensure_subdir(folder)
+                except (OSError, FablizeError):
+                    break
+            except OSError as e:
+                self.log_error = e
+                break
+        if self.log_fd is not None:
+            self.log_error = None
         # a child that escaped the process group may keep writing after the run is over: what
         # it writes then belongs to no run, so the reader drops it once `finished` is set
         self.guard = threading.Lock()
@@ -638,6 +866,7 @@ class Run:
         # CI's re-run: how the check is started beside the auditor (rerun.Isolation), whether
         # pytest says which plugins it loaded (--trace-config), whose the report folder is
         self.popen, self.trace, self.owner, self.report_dir = popen or {}, trace, owner, reports
+        self.gated = False  # its note could not be written: the check was never let go
         self.record = {"cmd": cmd, "cwd": repo_relative(cwd) or ".", "exit_code": None,
                        "signal": None, "timed_out": False, "error": None}
 
@@ -708,9 +937,11 @@ class Run:
             os.close(pipe)  # the reader's own descriptor: never reused under another run
 
     def start(self):
-        """The process, in a new session (its own process group), stdin closed, stdout and
-        stderr one pipe, each test runner it starts asked for its own report (reports.ask);
-        None when it cannot start (the record says why)."""
+        """The process, in a new session (its own process group), stdout and stderr one pipe,
+        each test runner it starts asked for its own report (reports.ask); None when it cannot
+        start (the record says why). Where notes are kept (not Windows) it starts gated: its
+        shell waits for a line on stdin before it runs anything (release), so that no check runs
+        before its in-flight note is durable."""
         import subprocess
         if self.log_fd is None:
             self.record["error"] = f"its log could not be written ({log_reason(self.log_error)})"
@@ -718,15 +949,39 @@ class Run:
         try:
             self.reports = ReportCollector(self.owner, self.report_dir)
             cmd = self.reports.ask(self.record["cmd"], self.trace)
-            kwargs = ({"start_new_session": True} if os.name != "nt" else
-                {"creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)})
-            kwargs.update(self.popen)
-            return subprocess.Popen(cmd, shell=True, cwd=self.cwd,
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, **kwargs)
+            if os.name == "nt":
+                return subprocess.Popen(
+                    cmd, shell=True, cwd=self.cwd, stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    creationflags=getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0))
+            return subprocess.Popen(["/bin/sh", "-c", GATE, "sh", cmd],
+                                    cwd=self.cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    **self.popen)
         except (OSError, ValueError) as e:  # ValueError: a NUL in the command
             self.record["error"] = one_line(str(e))
             return None
+
+    def release(self, proc, why_not=None):
+        """Let the gated check run; with `why_not` (its note could not be written), end the gate
+        instead: its shell exits without running anything, and the record says why."""
+        if proc.stdin is None:
+            return
+        try:
+            if why_not is None:
+                proc.stdin.write(b"go\n")
+                proc.stdin.flush()
+        except OSError:  # the shell is gone already (a stop signal): nothing runs
+            pass
+        finally:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+        if why_not is not None:
+            self.record["error"] = (f"it could not be noted in flight ({why_not}), so it was "
+                                    "not started")
+            self.gated = True
 
     def wait(self, proc, stop, timeout):
         """Pump its output while it runs; a timeout or a stop signal kills its group, and so
@@ -749,7 +1004,9 @@ class Run:
         kill_group(proc)
         self.draining = True
         reader.join(5)
-        if code < 0:
+        if self.gated:
+            code = None  # the gate's own exit: the check never ran
+        elif code < 0:
             import signal
             try:
                 self.record["signal"] = signal.Signals(-code).name
@@ -871,19 +1128,33 @@ class ReportCollector:
 REPORT_LIMIT = 64 << 20
 
 
+# The gate a run's shell passes before the check (Run.start): a line on stdin, which the engine
+# writes once the run's note is durable; if the engine dies first, the pipe ends and nothing runs.
+# Then the check's own shell replaces it — the same pid, start time, group and session, the
+# command line and exit code the check's own, stdin /dev/null as for every run.
+GATE = 'read -r go || exit 125; exec /bin/sh -c "$1" </dev/null'
+
+
 def run_command(cmd, cwd, timeout, stream, log_path, story=None, check=None, popen=None,
                 trace=False, detail=False, owner=None, reports=None):
     """Run `cmd` through the shell in `cwd` (Run): its record (with `detail`, and its runners'
     Report). Ctrl-C, an agent's tool timeout (SIGTERM) or a closed terminal must not leave the
     command running on its own in its new session: a stop signal kills its group as a timeout
-    does, and the record says so. `popen`, `trace`, `owner`: CI's re-run (Run)."""
+    does, and the record says so. A kill -9 of the engine cannot be answered, so the run is
+    noted in flight, durably, before it may start (end_orphaned_runs ends what it left).
+    `popen`, `trace`, `owner`, `reports`: CI's re-run (Run)."""
     run = Run(cmd, cwd, stream, log_path, story, check, popen, trace, owner, reports)
     with StopSignals() as stop:
         proc = run.start()
         if proc is not None:
-            # in flight until its group is gone: a run whose engine died is found by that note
-            inflight = (note_inflight(os.path.dirname(log_path), proc.pid, cmd, story, check,
-                                      log_path) if os.name != "nt" else None)
+            inflight = None
+            if os.name != "nt":
+                crash_point("before-inflight-note")  # tests: the check started, not yet noted
+                folder = os.path.dirname(log_path)  # runs/.inflight/, or a re-run's own folder
+                if os.path.basename(folder) != INFLIGHT:
+                    folder = os.path.join(folder, INFLIGHT)
+                inflight, why_not = note_inflight(folder, proc, cmd, story, check, log_path)
+                run.release(proc, why_not)
             run.wait(proc, stop, timeout)
             if inflight is not None:
                 forget_inflight(inflight)
@@ -947,7 +1218,7 @@ def execute_runs(store, sid, commands, after_seq, timeout, out):
     for check, cmd in commands:
         label = f"frozen check {check + 1}" if check is not None else "verification"
         out.progress(f"fablize: running {label} for {sid} in {store.root}: {one_line(cmd)}")
-        tmp_log = os.path.join(runs_dir, f".run-{os.getpid()}-{os.urandom(4).hex()}.log")
+        tmp_log = new_temp_log(runs_dir)
         started = now_iso()
         record = run_command(cmd, store.root, timeout, out.stream(), tmp_log, sid, check)
         record.update(cmd=mask(cmd, command=True), id=sid, check=check, after_seq=after_seq,
@@ -955,7 +1226,9 @@ def execute_runs(store, sid, commands, after_seq, timeout, out):
                       provenance=run_provenance(store.root, cmd))
         if tree:
             record["tree"] = tree
-        out.progress(f"fablize: {label} {'passed' if run_passed(record) else 'FAILED'} — "
+        outcome = run_outcome(record)
+        out.progress(f"fablize: {label} {run_result(record)}" if outcome == "interrupted" else
+                     f"fablize: {label} {'passed' if outcome == 'passed' else 'FAILED'} — "
                      f"{run_result(record)}")
         records.append(record)
         if record.get("interrupted"):
@@ -973,6 +1246,7 @@ def commit_runs(session, records):
         if os.path.lexists(tmp_log):  # none when it could not be made: the run is an error
             os.replace(tmp_log, session.store.path(log_rel))
             fsync_dir(session.store.path(RUNS))  # the log is there before the record names it
+        forget_folder(os.path.dirname(tmp_log))
         record["log"] = log_rel
         committed.append(session.commit("verify_run", **record))
     return committed

@@ -18,7 +18,9 @@ first and fetch only when the push loses, unless other agents are at work (a sto
 that is not theirs), when the remote has almost surely moved and is asked first.
 
 Local state. share.json marks a shared plan and records how much of the ledger the remote is
-known to hold; rejected.jsonl keeps every local event set aside, and rejected.pending.json those
+known to hold — trusted only while the ledger holds, at that position, the line whose hash it
+names (else the remote's events are taken in again from the last one both agree on: realign);
+rejected.jsonl keeps every local event set aside, and rejected.pending.json those
 not acknowledged yet (said on every command until `sync --acknowledge`, or, for a lost claim,
 the agent's next claim). A step that changes several files (a rebase, following or undoing a
 replacement) is written first as sync.journal, its logs staged beside it; applying a journal is
@@ -30,6 +32,7 @@ Interface (for the engine's commands):
   attach(store)            finish an interrupted sync, say unacknowledged events, and register
                            `publish` as the store's after-commit step
   pull(session)            `next`: the remote's events first, when `next` may not write
+  reconcile(session)       `rebuild`: the remote's events first, whatever the ledger lost
   claim(session, story, agent)  `next`'s story_started, on the remote before it is handed out
   start(store, remote)     share the plan (`share`, `create --remote`)
   status(store, plan), status_lines(info, prog)   what `status` says of a shared plan
@@ -53,7 +56,7 @@ from .model import (
     active_stories, apply_event, find_story, misfit, parse_event, pick_ready, ready_stories,
     TEXT, touch)
 from .storage import (
-    commit_start, crash_point, ensure_subdir, free_name, fsync_dir, link_or_copy, O_BINARY,
+    commit_start, crash_point, ensure_subdir, free_name, fsync_dir, Ledger, link_or_copy, O_BINARY,
     open_plan, open_state_file, read_state_file, require_state_dir, shown_path, write_all,
     write_atomic)
 from .runs import git, repo_root, run_tool
@@ -74,6 +77,7 @@ PUBLISHES = ("  it publishes, to everyone who can read {remote}: the plan, its e
              "relative to the repository and environment variables as names with digests — no "
              "absolute path of this machine, no variable's value.")
 REPLACED = "replaced.json"           # the last commit of a replaced plan holds this, no event
+FIRST = "replacement.jsonl"          # ... and the first ledger line of the plan replacing it
 SHARE_SPEC = {"remote": str, "plan_id": str, "seq": int, "head": str, "commit": TEXT}
 SAFE_LOG = r"runs/[\w.-]+\.log"
 COMMITTER = "fablize <fablize@localhost>"
@@ -361,11 +365,16 @@ def event_commits(store, cfg, lines, where=None, sources=None):
         cfg["plan_id"])
 
 
-def end_commit(old_id, new_plan, when):
-    """(message, files, time) of the commit that ends a replaced plan's chain."""
+def end_commit(old_id, new_plan, when, first=None):
+    """(message, files, time) of the commit that ends a replaced plan's chain. It carries the
+    new plan's first ledger line (`first`): a clone that finds the old chain ended while the
+    new plan's ref is not on the remote yet (its clone was killed between its two pushes)
+    publishes that line itself — every clone makes its commit the same way — and follows."""
     body = dumps({"plan_id": new_plan["plan_id"], "brief": new_plan["brief"]}).encode("utf-8")
-    return (f"fablize {old_id} replaced by {new_plan['plan_id']}".encode("utf-8"),
-            {REPLACED: body + b"\n"}, when)
+    files = {REPLACED: body + b"\n"}
+    if first is not None:
+        files[FIRST] = first + b"\n"
+    return (f"fablize {old_id} replaced by {new_plan['plan_id']}".encode("utf-8"), files, when)
 
 
 def write_commits(store, parent, commits, plan_id):
@@ -482,6 +491,42 @@ def fetch_plan(store, remote, plan_id):
     return tracking
 
 
+def remote_tip(store, remote, plan_id):
+    """The commit the remote's plan ref holds (None: no such ref), its objects here — read
+    without writing any ref of this clone (ls-remote, then a fetch of objects only): a reading
+    command (`status`, `audit --remote`) must never write a ref a writer of this clone holds,
+    or moves under it, while that writer fetches the same plan under the lock."""
+    ref = SHARED_REFS + plan_id
+    code, out, err = git_call(store, "ls-remote", remote, ref)
+    if code != 0:
+        raise remote_failure(remote, err, f"git ls-remote exit {code}")
+    rows = [row.split("\t") for row in out.decode("utf-8", "replace").splitlines()]
+    sha = next((row[0] for row in rows if len(row) == 2 and row[1] == ref), None)
+    if sha is not None and cat_objects(store, [sha])[0] is None:
+        fetch_objects(store, remote, [ref])
+        if cat_objects(store, [sha])[0] is None:  # the ref moved back or away meanwhile
+            raise refused(f"{remote}'s {ref} moved while it was read — run the command "
+                          "again.", "push_contended")
+    return sha
+
+
+FETCH_HEAD_FLAG = ["--no-write-fetch-head"]  # git 2.29+; emptied where git does not know it
+
+
+def fetch_objects(store, remote, refs):
+    """The objects of the remote's `refs`, fetched with no ref of this clone written (nor
+    FETCH_HEAD, where git can leave it alone)."""
+    while True:
+        code, _, err = git_call(store, *QUIET, "fetch", "--quiet", "--no-tags",
+                                *FETCH_HEAD_FLAG, remote, *refs)
+        if code != 0 and FETCH_HEAD_FLAG and "no-write-fetch-head" in err:
+            FETCH_HEAD_FLAG.clear()
+            continue
+        if code != 0:
+            raise remote_failure(remote, err, f"git fetch exit {code}")
+        return
+
+
 def parse_commit(body):
     """(parent ids, message) of a commit object."""
     head, _, message = body.partition(b"\n\n")
@@ -502,6 +547,8 @@ class Chain:
         self.replaced = None
         if commits and commits[0][2] is not None:
             self.replaced = self.replacement(commits[0])
+            first = cat_objects(store, [f"{commits[0][0]}:{FIRST}"])[0]
+            self.replaced["first_line"] = first and first[1]
             commits = commits[1:]
         self.events = []
         for sha, line, replaced, log in reversed(commits):
@@ -538,6 +585,8 @@ class Chain:
                     raise self.rewritten()  # the ref went back, or elsewhere
                 return None
             sha, body = commit
+            if not found and line is None and replaced is None:
+                raise self.no_plan(sha)  # a commit that is no plan's: no need to read further
             parents, _ = parse_commit(body)
             if len(parents) > 1:
                 raise self.foreign(sha)
@@ -575,6 +624,12 @@ class Chain:
         return damaged(f"the shared plan on {self.remote} has a commit {sha[:12]} that holds "
                        "no ledger line — the ref was written by something else.",
                        "bad_remote_event")
+
+    def no_plan(self, sha):
+        """The ref's own commit holds no plan at all (a branch pushed over the ref)."""
+        error = self.foreign(sha)
+        error.no_plan_at = sha
+        return error
 
     def rewritten(self):
         return damaged(f"the shared plan on {self.remote} no longer holds the commit this clone "
@@ -642,6 +697,71 @@ def unpublished_lines(session, after_seq):
             break
         found.append(line)
     return found[::-1]
+
+
+def diverged(plan, cfg, ledger=None, end=None):
+    """Whether the local ledger no longer holds, at share.json's position, the event published
+    there (`rebuild` set a damaged published line aside, a ledger was restored from a backup):
+    share.json alone would then call unpublished what the remote already holds at those seqs,
+    or published what it never saw. O(1) where the plan is at or behind that position; else
+    the line is read back from `ledger` (its first `end` bytes)."""
+    if cfg["seq"] == 0 or (plan is not None and plan["plan_id"] != cfg["plan_id"]):
+        return False
+    if plan is None:  # the ledger holds nothing of what was published
+        return True
+    seq = plan["ledger"]["seq"]
+    if seq <= cfg["seq"]:
+        return seq < cfg["seq"] or plan["ledger"]["head"] != cfg["head"]
+    if ledger is None or ledger.open() is None:
+        return False
+    for _, line in ledger.backward(end):
+        ev = parse_event(line)
+        if ev is None or ev["seq"] <= cfg["seq"]:
+            return ev is None or ev["seq"] != cfg["seq"] or sha256_hex(line) != cfg["head"]
+    return True
+
+
+def realign(session, cfg):
+    """When the local ledger and share.json disagree (diverged): share.json's position goes back
+    to the last event this clone's ledger and its copy of the published commits agree on, so
+    that the remote's events after it come in again and the local ones after it are re-chained
+    on them — never pushed on a chain the remote does not hold. Returns whether it did (the
+    remote must then be asked first)."""
+    plan, store = session.plan, session.store
+    if (plan is not None and plan["plan_id"] != cfg["plan_id"]) or cfg["commit"] is None:
+        return False
+    end = session.cut_torn_tail(plan and {"ledger": plan["ledger"]})
+    if not diverged(plan, cfg, session.ledger, end):
+        return False
+    n, tip = cfg["seq"], cfg["commit"]
+    published = {}  # seq → (commit, line) as this clone published or pulled it
+
+    def published_line(seq):
+        if seq not in published:  # read CHAIN_BATCH commits down from there, in one git process
+            steps = range(n - seq, min(n, n - seq + CHAIN_BATCH))
+            got = cat_objects(store, [name for i in steps for name in (
+                f"{tip}~{i}", f"{tip}~{i}:event.jsonl")])
+            for j, i in enumerate(steps):
+                commit, blob = got[2 * j:2 * j + 2]
+                published[n - i] = (commit and commit[0], blob and blob[1])
+        return published[seq]
+
+    base = (0, ZERO_HASH, None)
+    for _, line in session.ledger.backward(end) if end else ():
+        ev = parse_event(line)
+        if ev is None or ev["seq"] > n:
+            continue
+        commit, blob = published_line(ev["seq"])
+        if commit is not None and blob == line + b"\n":
+            base = (ev["seq"], sha256_hex(line), commit)
+            break
+    seq, head, commit = base
+    cfg.update(seq=seq, head=head, commit=commit)
+    save_share_config(store, cfg)  # behind the remote is always safe: its events come in again
+    store.warn(f"this clone's {LEDGER} no longer holds event {n} as it was published to "
+               f"{cfg['remote']}: the remote's events after event {seq} are taken in again, and "
+               "this clone's own after them are re-chained on them before they are published.")
+    return True
 
 
 def replay(data):
@@ -963,10 +1083,12 @@ class Rebase:
                 if old_log is not None:
                     ev["log"] = f"{RUNS}/{seq + 1}-{ev['id']}.log"
                 trial = json.loads(json.dumps(plan)) if plan is not None else None
-                try:
-                    trial = apply_event(trial, ev)
-                except FablizeError as e:
-                    why = (e.message, e.code)
+                why = moved_on(trial, ev, remote)
+                if why is None:
+                    try:
+                        trial = apply_event(trial, ev)
+                    except FablizeError as e:
+                        why = (e.message, e.code)
             if why is not None:
                 self.set_aside.append((line, why))
                 if src is not None:
@@ -1015,6 +1137,21 @@ class Rebase:
         return journal.rejected
 
 
+def moved_on(plan, ev, remote):
+    """Why a local claim lost a race in words that say so — the story went another round on the
+    remote meanwhile, so the claim's round is not the plan's — or None. (apply_event would call
+    that round a field no command writes: a hand edit; here it is another clone's work.)"""
+    if ev["event"] != "story_started" or plan is None:
+        return None
+    story = next((s for s in plan["goals"] if s["id"] == ev.get("id")), None)
+    if story is None or ev.get("round") == touch(story)["round"] + 1:
+        return None
+    story = touch(story)
+    return (f"on {remote}, {story['id']} went another round meanwhile (it is "
+            f"{story['status']}, round {story['round']}; this claim was for round "
+            f"{one_line(str(ev.get('round')))})", "claim_lost")
+
+
 def follow_replacement(session, cfg, replaced):
     """The plan was replaced on the remote (its chain ends with a replaced.json commit) and the
     local copy holds exactly the remote's events (integrate set the others aside): it is
@@ -1024,6 +1161,8 @@ def follow_replacement(session, cfg, replaced):
     store, remote, old_id = session.store, cfg["remote"], cfg["plan_id"]
     new_id = replaced["plan_id"]
     ref = fetch_plan(store, remote, new_id)
+    if ref is None and publish_first(store, remote, old_id, replaced):
+        ref = fetch_plan(store, remote, new_id)
     if ref is None:
         return None
     chain = Chain(store, ref, None, remote)
@@ -1057,6 +1196,33 @@ def follow_replacement(session, cfg, replaced):
     if chain.replaced is not None:  # replaced again since
         return follow_replacement(session, cfg, chain.replaced)
     return []
+
+
+def publish_first(store, remote, old_id, replaced):
+    """The plan that replaced `old_id` is not on the remote: its clone was stopped between its
+    two pushes (the old chain ended, the new plan not published). The replacement's commit
+    carries the new plan's first line (end_commit): published here, checked first, so that no
+    clone waits for one that may never run again. Its commit is the one every clone makes of
+    that line, so a race with the replacing clone itself is a push that lands either way.
+    Returns whether it is there now (False: an older engine's replacement, which carries none)."""
+    raw, new_id = replaced.get("first_line"), replaced["plan_id"]
+    if raw is None:
+        return False
+    if not raw.endswith(b"\n") or b"\n" in raw[:-1]:
+        raise damaged(f"the shared plan {old_id} on {remote}: the first line of the plan that "
+                      "replaced it is not one ledger line.", "bad_remote_event")
+    line = raw[:-1]
+    plan, _ = apply_shared_line(None, line, 1, ZERO_HASH, remote)
+    if plan["plan_id"] != new_id:
+        raise damaged(f"the shared plan {old_id} on {remote} names {new_id} as the plan that "
+                      f"replaced it, but carries the first line of {one_line(plan['plan_id'])}.",
+                      "bad_remote_event")
+    tip = write_commits(store, None, [event_commit(store, new_id, line)], new_id)
+    if push(store, remote, [(tip, SHARED_REFS + new_id, None)]):
+        store.warn(f"plan {old_id} was replaced on {remote} by {new_id}, whose clone stopped "
+                   f"before it published {new_id}: its first event, which the replacement "
+                   "carries, is published from here.")
+    return True
 
 
 # Publishing ###################################################################################
@@ -1165,8 +1331,8 @@ def sync_shared(session, cfg, fetch_first=True):
     rejected = []
     if session.plan is not None and session.plan["plan_id"] != cfg["plan_id"]:
         publish_replacement(session, cfg)
+    fetch = realign(session, cfg) or fetch_first
     wait = contention(session, cfg["remote"])
-    fetch = fetch_first
     while True:
         rebase = None
         if fetch:
@@ -1250,6 +1416,9 @@ def refresh(session, cfg, restores=3):
     try:
         chain = Chain(store, ref, cfg["commit"], cfg["remote"])
     except FablizeError as e:
+        if restores and getattr(e, "no_plan_at", None) and restore_overwritten(
+                store, cfg, e.no_plan_at):
+            return refresh(session, cfg, restores - 1)  # the plan is on the remote again
         if e.code != "remote_history_rewritten":
             raise written_elsewhere(e, cfg, ref)
         if not restores or not restore_rewound(store, cfg, ref):
@@ -1259,6 +1428,25 @@ def refresh(session, cfg, restores=3):
         return integrate(session, cfg, chain)
     except FablizeError as e:
         raise written_elsewhere(e, cfg, ref)
+
+
+def restore_overwritten(store, cfg, tip):
+    """The remote's plan ref points at `tip`, a commit that holds no plan and does not continue
+    this clone's published history (a branch pushed over the ref by mistake): nothing of the
+    plan is there to decide between, so this clone — any clone that holds the plan — puts its
+    published history back, checked by the lease on `tip`, and says so. False when this clone
+    never published any of it, or `tip` continues its history (a commit someone added to the
+    plan's chain: a human's to judge)."""
+    mine = cfg["commit"]
+    if mine is None or git_call(store, "merge-base", "--is-ancestor", mine, tip)[0] == 0:
+        return False
+    if push(store, cfg["remote"], [(mine, SHARED_REFS + cfg["plan_id"], tip)]):
+        store.warn(f"{cfg['remote']}'s {SHARED_REFS}{cfg['plan_id']} pointed at commit "
+                   f"{tip[:12]}, which holds no plan (a branch pushed over the plan's ref?): "
+                   f"this clone's history of the plan ({count_noun(cfg['seq'], 'event')}) is "
+                   f"published there again; that commit stays readable here (`git log "
+                   f"{tip[:12]}`).")
+    return True  # restored, or moved meanwhile: fetched again either way
 
 
 def restore_rewound(store, cfg, ref):
@@ -1327,13 +1515,16 @@ def publish_replacement(session, cfg):
         old_tip = write_commits(
             store, cfg["commit"],
             [event_commit(store, old_id, line, where) for line in old_lines]
-            + [end_commit(old_id, plan, commit_time(plan["created"]))], old_id)
+            + [end_commit(old_id, plan, commit_time(plan["created"]), first_line(session))],
+            old_id)
         wait = contention(session, remote)
         while not push(store, remote, [(old_tip, SHARED_REFS + old_id, cfg["commit"])]):
             # lost: unless the remote's ref is still where this clone saw it (the winner of a
             # race at the remote's ref lock is not done yet, or failed too: try again)
             ref = fetch_plan(store, remote, old_id)
             tip = cat_objects(store, [ref])[0] if ref else None
+            if tip is not None and tip[0] == old_tip:
+                break  # this very replacement, pushed before a kill: published
             if tip is None or tip[0] != cfg["commit"]:
                 undo_replacement(session, cfg, folder)
             pause(session, cfg, wait.lose(f"the replacement of plan {old_id}"))
@@ -1344,6 +1535,22 @@ def publish_replacement(session, cfg):
     cfg.clear()
     cfg.update(new_config(remote, plan["plan_id"]))
     save_share_config(store, cfg)
+
+
+def first_line(session):
+    """The local ledger's first line (the plan's plan_created), read up to its newline."""
+    ledger, parts, pos = session.ledger, [], 0
+    if ledger.open() is None:
+        return None
+    while True:
+        chunk = ledger.read(pos, 1 << 16)
+        if not chunk:
+            return None
+        end = chunk.find(b"\n")
+        if end >= 0:
+            return b"".join(parts) + chunk[:end]
+        parts.append(chunk)
+        pos += len(chunk)
 
 
 def undo_replacement(session, cfg, folder):
@@ -1434,7 +1641,8 @@ def publish(session, claim=False, fetch_first=None):
     replacing = session.plan["plan_id"] != cfg["plan_id"]
     if fetch_first is None:
         fetch_first = not replacing and others_active(session.plan, own)
-    if not fetch_first and not replacing and session.plan["ledger"]["seq"] <= cfg["seq"]:
+    if (not fetch_first and not replacing and session.plan["ledger"]["seq"] <= cfg["seq"]
+            and not diverged(session.plan, cfg)):
         return session.plan
     try:
         rejected = sync_shared(session, cfg, fetch_first)
@@ -1457,12 +1665,33 @@ def publish(session, claim=False, fetch_first=None):
         held = find_story(session.plan, ev["id"]) if ev.get("id") else None
         who = f" — agent {one_line(held['agent'])} holds it" if held and held["agent"] else ""
         said_instead(store, mine)
-        lost = (f"{one_line(ev.get('id') or ev['event'])} was taken on {cfg['remote']} "
+        moved = ("was taken" if ev["event"] == "story_started" and held
+                 and held["status"] == "in_progress" else "changed")
+        lost = (f"{one_line(ev.get('id') or ev['event'])} {moved} on {cfg['remote']} "
                 f"meanwhile{who}; this {ev['event']} was not published "
                 f"({one_line(mine['reason']).rstrip('.')})")
         error = refused(f"{lost} — see who holds what now:", "claim_lost")
         error.lost = lost  # what a claim made instead says of it
         raise with_step(error, "status")
+    return session.plan
+
+
+def reconcile(session):
+    """`rebuild` of a shared plan: the remote's events first, even when the local ledger holds
+    none of them any more (lost, or a directory moved aside) — taken in again from the remote,
+    the local ones after them re-chained. A remote that cannot be reached now is said; the next
+    writing command does it then. Returns the plan."""
+    cfg = share_config(session.store)
+    if cfg is None or (session.plan is not None and session.plan["plan_id"] != cfg["plan_id"]):
+        return publish(session, fetch_first=True) if cfg is not None else session.plan
+    try:
+        sync_shared(session, cfg, fetch_first=True)
+    except FablizeError as e:
+        if e.code not in TOLERATED:
+            raise
+        said = getattr(e, "said", e.message).rstrip(".:").replace("; the events are kept here", "")
+        session.store.warn(f"not reconciled with the remote: {said}. The next writing command "
+                           "or `sync` does it.")
     return session.plan
 
 
@@ -1589,8 +1818,18 @@ def status(store, plan):
                     problem=f"this plan replaces {cfg['plan_id']} here, and that is not "
                             "published yet — the next writing command (or `sync`) publishes it.")
         return info
+    ledger = Ledger(store.path(LEDGER))
     try:
-        ref = fetch_plan(store, cfg["remote"], cfg["plan_id"])
+        lost = ledger.open() is not None and diverged(plan, cfg, ledger, ledger.end()[0])
+    finally:
+        ledger.close()
+    if lost:
+        info["problem"] = (f"this clone's {LEDGER} no longer holds event {cfg['seq']} as it was "
+                           f"published to {cfg['remote']} — the next writing command (or `sync`) "
+                           "takes the remote's events in again before it publishes anything.")
+        return info
+    try:
+        ref = remote_tip(store, cfg["remote"], cfg["plan_id"])
         tip = cat_objects(store, [ref, f"{ref}:{REPLACED}"]) if ref else None
     except FablizeError as e:
         info["error"] = getattr(e, "said", e.message)
@@ -1680,11 +1919,8 @@ def live_plans(store, remote, plans):
     replaced.json commit): what a fresh clone may pick without being told."""
     if len(plans) < 2:
         return plans
-    specs = [f"+{SHARED_REFS}{p}:{tracking_ref(remote, p)}" for p in sorted(plans)]
-    code, _, err = git_call(store, *QUIET, "fetch", "--quiet", "--no-tags", remote, *specs)
-    if code != 0:
-        raise remote_failure(remote, err, f"git fetch exit {code}")
-    ends = cat_objects(store, [f"{tracking_ref(remote, p)}:{REPLACED}" for p in sorted(plans)])
+    fetch_objects(store, remote, [SHARED_REFS + p for p in sorted(plans)])  # no ref written
+    ends = cat_objects(store, [f"{plans[p]}:{REPLACED}" for p in sorted(plans)])
     return {p: plans[p] for p, end in zip(sorted(plans), ends) if end is None}
 
 
@@ -1925,7 +2161,7 @@ def cmd_sync(ctx, a):
 def remote_ledger(store, remote, plan_id):
     """The ledger bytes and run logs of a plan as the remote holds it (for audit): a run whose
     commit carries no log is absent, as a log missing from runs/ is to a local audit."""
-    ref = fetch_plan(store, remote, plan_id)
+    ref = remote_tip(store, remote, plan_id)  # a reader: no ref of this clone written
     if ref is None:
         raise refused(f"{remote} shares no plan {one_line(plan_id)}.", "not_found")
     chain = Chain(store, ref, None, remote)

@@ -19,6 +19,13 @@ SHARED_REFS = "refs/fablize/plans/"
 # what git says of a repository whose objects or refs are broken (never a network problem)
 CORRUPT = ("corrupt", "not our ref", "bad object", "object file", "unable to read",
            "did not send all necessary objects", "inflate", "missing blob", "missing tree")
+# what git says when it cannot write this clone's own repository (its disk full, a file size
+# limit, a read-only folder, a ref another git process holds): never the remote's fault. A
+# line the remote sent (`remote: …`) is the remote's own.
+LOCAL_FAULT = ("no space left on device", "file too large", "disk quota exceeded",
+               "read-only file system", "unable to write loose object",
+               "unable to create temporary", "unable to write new index file",
+               "cannot lock ref", "died of signal 25")  # 25: SIGXFSZ, a file size limit
 STALE_LOCK = r"Unable to create '([^']+\.lock)': File exists"
 GIT_LOCATION = ("GIT_DIR", "GIT_COMMON_DIR", "GIT_OBJECT_DIRECTORY", "GIT_WORK_TREE",
                 "GIT_CEILING_DIRECTORIES", "GIT_QUARANTINE_PATH")
@@ -46,6 +53,14 @@ def remote_failure(remote, err, what):
     """A failed fetch or push: a damaged remote, named as such with its fix, or one that cannot
     be reached."""
     said = [line.strip() for line in err.splitlines() if line.strip()]
+    local = [line for line in said if not line.lower().startswith("remote:")
+             and any(p in line.lower() for p in LOCAL_FAULT)]
+    if local:  # this machine's disk or repository: nothing the remote or its URL can change
+        return damaged(f"git could not write this clone's repository while it talked to "
+                       f"{one_line(remote)} — git says: {one_line(local[0])[:300]}. That is this "
+                       "machine (its disk full or not writable, or another git process at work "
+                       "in this clone), not the remote: make room if it is full, then run the "
+                       "command again.", "io_error")
     broken = [line for line in said if any(p in line.lower() for p in CORRUPT)]
     if broken:
         name = one_line(remote)
@@ -204,8 +219,10 @@ def written_elsewhere(error, cfg, ref):
         return error
     mine, remote = cfg["commit"], cfg["remote"]
     if mine is None:  # a clone that never held the plan has no history of its own to offer
-        error.message += (f" A human who holds the plan repairs {SHARED_REFS}{cfg['plan_id']} "
-                          f"on {remote}; `git log --oneline {ref}` shows what it holds:")
+        error.message += (f" A clone that holds the plan repairs {SHARED_REFS}"
+                          f"{cfg['plan_id']} on {remote} (a ref that holds no plan at all, at "
+                          f"its next command; else a human who holds the plan); `git log "
+                          f"--oneline {ref}` shows what it holds now:")
         error.commands = [f"git log --oneline {ref}"]
         return error
     error.message += (f" What the plan's history is, is a human's decision: `git log --oneline "

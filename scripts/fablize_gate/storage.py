@@ -102,7 +102,8 @@ def open_state_file(path, flags, mode=0o644):
     except OSError as e:
         if e.errno == errno.ELOOP or (e.errno != errno.ENOENT and os.path.islink(path)):
             raise symlink_refusal(path)
-        if e.errno == errno.ENXIO:  # a FIFO without a reader, opened for writing
+        if e.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO without a reader, or a folder,
+            # opened for writing: a writer says what a reader says of it, with the same step
             raise set_aside(damaged(f"{path} is not a regular file.", "not_a_file"), path)
         raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -477,6 +478,9 @@ class Ledger:
         self.path = path
         self.writable = writable
         self.fd = None
+        # the last line is the snapshot's and whole but for its newline: a reader reads it as
+        # if the newline were there (a writer restores it, restore_newline)
+        self.newline_lost = False
 
     def open(self, create=False):
         """The descriptor, or None when there is no ledger."""
@@ -511,10 +515,20 @@ class Ledger:
         return 0, read(0, size)
 
     def size(self):
-        return os.fstat(self.fd).st_size
+        return os.fstat(self.fd).st_size + self.newline_lost
 
     def read(self, start, size):
-        return read_all(self.fd, start, size)
+        data = read_all(self.fd, start, size)
+        if self.newline_lost and len(data) < size and start + len(data) == self.size() - 1:
+            data += b"\n"
+        return data
+
+    def restore_newline(self):
+        """The newline of an acknowledged last line that lost it, written back (a writer)."""
+        n = os.write(self.fd, b"\n")
+        if n != 1:
+            raise damaged(f"short write to {LEDGER} (its last line's newline).", "io_error")
+        os.fsync(self.fd)
 
     def backward(self, end):
         """Yield (offset, line) for each complete line before `end`, newest first; every byte
@@ -685,11 +699,21 @@ def parse_snapshot(raw, whole=False):
 REBUILD_STEP = "`rebuild` regenerates it from the ledger (the old one is kept as a .bak):"
 
 
-def position_error(snap_seq, ledger_seq):
+def acknowledged_line(line, snap):
+    """Whether `line` is the ledger line the snapshot `snap` reflects: its seq, and its hash the
+    one the snapshot names."""
+    pos = snap.get("ledger") if isinstance(snap, dict) else None
+    return (isinstance(pos, dict) and type(pos.get("seq")) is int and pos["seq"] > 0
+            and line.startswith(b'{"seq":%d,' % pos["seq"])
+            and sha256_hex(line) == pos.get("head"))
+
+
+def position_error(snap_seq, ledger_seq, missing=False):
     """The snapshot reflects an event the ledger does not hold (one message, for every reader):
     the ledger lost lines. Restoring it is the human's call; `rebuild` is the way out that
-    keeps what the ledger still holds."""
-    where = "is empty" if not ledger_seq else f"ends at event {ledger_seq}"
+    keeps what the ledger still holds (a shared plan's: what its remote holds)."""
+    where = ("is empty (the file is missing)" if missing else "is empty" if not ledger_seq else
+             f"ends at event {ledger_seq}")
     return with_step(damaged(
         f"{SNAPSHOT} reflects event {snap_seq} but {LEDGER} {where}: the ledger lost events. "
         f"If it was committed, `git checkout HEAD -- {STATE_DIRNAME}/` restores both files as "
@@ -747,6 +771,7 @@ class Store:
         self.after_commit = []
         self.on_lock = []  # steps run once the lock is taken (runs whose engine died are ended)
         self.recorded = []  # (seq, event) of each event made durable by this command
+        self.unrecorded = None  # the kind of event whose append failed (nothing of it stands)
 
     def path(self, name):
         return os.path.join(self.dir, name)
@@ -867,7 +892,7 @@ class Reading:
             newer.append((ev, line))
         if snap is not None and snap_seq > 0:
             if found is None or found[0] < snap_seq:
-                raise position_error(snap_seq, found[0] if found else 0)
+                raise position_error(snap_seq, found[0] if found else 0, ledger.fd is None)
             if not found[2] and sha256_hex(found[1]) != snap["ledger"]["head"]:
                 raise with_step(damaged(
                     f"{SNAPSHOT} and {LEDGER} disagree at event {snap_seq} (line {snap_seq} is not "
@@ -876,6 +901,21 @@ class Reading:
         if newer:
             self.plan = self.roll_forward(snap, newer[::-1])
         return self.plan
+
+    def see_lost_newline(self, snap):
+        """For a command that reads the whole ledger itself (audit, log): the last line the
+        snapshot reflects is whole, whatever its newline (torn_tail's rule)."""
+        if self.ledger.open() is None:
+            return
+        torn = self.ledger.end()[1]
+        if torn and acknowledged_line(torn, snap):
+            self.keep_lost_newline(snap["ledger"]["seq"])
+
+    def keep_lost_newline(self, seq):
+        """A reader writes nothing: the line is read as whole until a writer restores it."""
+        self.ledger.newline_lost = True
+        self.store.warn(f"{LEDGER}'s last line (event {seq}, which {SNAPSHOT} reflects) lost its "
+                        "newline; the next writing command restores it.")
 
     def good_end(self, snap):
         """Where the ledger's acknowledged lines end; a torn last line is left in place."""
@@ -887,9 +927,14 @@ class Reading:
 
     def torn_tail(self, snap):
         """(end, torn): an unterminated last line is a write that never completed — unless the
-        snapshot reflects it, or the line before it is damaged too."""
+        snapshot reflects it, or the line before it is damaged too. The line the snapshot names
+        (its seq and hash) is whole whatever its newline: an editor or a copy dropped that, and
+        it is acknowledged — restored by a writer, read as whole by a reader."""
         ledger = self.ledger
         end, torn = ledger.end()
+        if torn and acknowledged_line(torn, snap):
+            self.keep_lost_newline(snap["ledger"]["seq"])
+            end, torn = ledger.end()
         if not torn and end:
             offset, line = next(ledger.backward(end))
             # The load that follows reuses it, and knows whether it is the line the snapshot
@@ -1027,6 +1072,12 @@ class Transaction(Reading):
             self.lock.__exit__(*exc)
         return False
 
+    def keep_lost_newline(self, seq):
+        """Under the lock: the newline written back, so the line is whole on disk too."""
+        self.ledger.restore_newline()
+        self.store.warn(f"{LEDGER}'s last line (event {seq}, which {SNAPSHOT} reflects) had lost "
+                        "its newline; it is restored (the event is whole and stands).")
+
     def good_end(self, snap):
         end, torn = self.torn_tail(snap)
         if torn:
@@ -1061,7 +1112,13 @@ class Transaction(Reading):
     def commit(self, kind, **fields):
         """Append one event (checked by apply_event first) and save the snapshot."""
         plan, line = self.prepare(kind, fields)
-        self.ledger.append(line, self.ledger.open(create=True))
+        try:
+            self.ledger.append(line, self.ledger.open(create=True))
+        except (OSError, FablizeError):
+            # not recorded (a torn line is moved aside next): after events this command did
+            # record, the command again is the way on, not a warning against it
+            self.store.unrecorded = kind
+            raise
         self.recorded(plan, kind)
         return self.last
 
