@@ -557,28 +557,28 @@ def test_readme_hooks_snippet_blocks_a_stop_with_ready_work_and_allows_one_witho
         assert (r.returncode, r.stdout, r.stderr) == (0, "", ""), r
 
 
-def test_readme_ci_recipe_uses_the_action_and_shows_its_steps_as_plain_commands():
-    """README's CI section is the recipe as one job; docs/ci.md holds the same job, the same
-    steps as plain commands for any other CI, and every input of the action."""
-    yaml_blocks = fenced_blocks(section(read(README), "## CI"), "yaml")
-    assert len(yaml_blocks) == 1, "README's CI section holds the recipe as one GitHub Actions job"
-    job = yaml_blocks[0]
-    assert "/fablize@" in job and "scope:" in job and "required-checks:" in job
-    assert "pip install pytest" in job  # the test tools the re-run needs, before it
-    assert "job summary" in section(read(README), "## CI")
-    assert "](docs/ci.md)" in section(read(README), "## CI")
+def test_readme_ci_recipe_is_setup_github_and_ci_md_holds_the_rest():
+    """README's CI section is `setup github`, the commit, the ruleset and what it guarantees, on
+    one screen; docs/ci.md holds the same lines, GitLab's recipe, the same audit as plain
+    commands for any other CI, and every input of the published action."""
+    ci = section(read(README), "## CI")
+    blocks = fenced_blocks(ci, "sh")
+    assert len(blocks) == 1 and blocks[0].startswith("python3 scripts/goals.py setup github "), ci
+    words = " ".join(ci.split())
+    assert "Require workflows to pass before merging" in words and "job summary" in words
+    assert "](docs/ci.md)" in ci and len(ci.strip().split("\n")) <= 30, "more than a screen"
     text = read(CI_PAGE)
-    assert fenced_blocks(text, "yaml")[0] == job, "docs/ci.md's job differs from README's"
+    assert fenced_blocks(section(text, "## The recipe: `setup github`"), "sh")[0] == blocks[0]
+    assert "CI_MERGE_REQUEST_DIFF_BASE_SHA" in fenced_blocks(section(text, "## GitLab CI"),
+                                                             "yaml")[0]
     plain = fenced_blocks(section(text, "## Any other CI"), "sh")[0]
-    assert 'bash "$engine/scripts/fablize-ci.sh"' in plain and "FABLIZE_SCOPE=" in plain
-    assert 'engine="$(mktemp -d)/fablize"' in plain  # no path that an unset variable empties
+    assert "git archive" in plain and "python3 -I" in plain and "--verdict" in plain
     # every input the action has is in the table, and every row is an input
     action = read(ROOT / "action.yml")
     inputs = re.findall(r"^  ([a-z-]+):\n    description", action, re.M)
     rows = re.findall(r"^\| `([a-z-]+)`(?:, `([a-z-]+)`)? \|",
                       section(text, "## The action and its inputs"), re.M)
     assert sorted(x for row in rows for x in row if x) == sorted(inputs)
-    assert "job summary" in text
     assert "`.fablize/goals.json`" in text and "`.fablize/ledger.jsonl`" in text
 
 

@@ -694,17 +694,19 @@ def test_attack_ci_tmpdir_inside_the_checkout_finds_the_branchs_root_configurati
     assert list((ci / ".tmp").iterdir()) == []
 
 
-def readme_install_step():
-    """The step of README's CI recipe that installs the test tools, as README shows it."""
-    text = (ROOT / "README.md").read_text()
-    return next(line.split("run:", 1)[1].split("#")[0].strip() for line in text.split("\n")
-                if "run:" in line and "pip install" in line)
+def workflow_install_step():
+    """The step of the workflow `setup github` writes that installs the test tools."""
+    import yaml
+    from fablize_gate import setup_ci
+    steps = yaml.safe_load(setup_ci.workflow_text("scripts"))["jobs"]["audit"]["steps"]
+    return next(step["run"] for step in steps if "pip install" in step.get("run", ""))
 
 
-def test_attack_a_committed_pip_package_does_not_run_in_readmes_install_step(project):
-    """`python3 -m pip` in the checkout would import the branch's pip/ first: README's step
-    keeps the checkout off sys.path (python3 -I), so nothing of the branch runs before the
-    verdict."""
+def test_attack_a_committed_pip_package_does_not_run_in_the_workflows_install_step(project):
+    """`python3 -m pip` in the checkout would import the branch's pip/ first: the workflow's
+    step keeps the checkout off sys.path (python3 -I), so nothing of the branch runs before the
+    verdict — even run from the checkout itself (the workflow runs it from its temporary
+    folder)."""
     def cheat(tree):
         (tree / "pip").mkdir()
         (tree / "pip" / "__init__.py").write_text("")
@@ -712,7 +714,7 @@ def test_attack_a_committed_pip_package_does_not_run_in_readmes_install_step(pro
             "open('POISONED', 'w').write('the branch ran')\n")
     project.agent(fix=True, after=cheat)
     ci = project.ci_clone()
-    step = readme_install_step()
+    step = workflow_install_step()
     assert step.startswith("python3 -I -m pip install"), step
     p = subprocess.run(step, shell=True, cwd=str(ci), capture_output=True, text=True,
                        env=dict(git_env(project.home), PIP_NO_INDEX="1",
@@ -767,27 +769,25 @@ def test_a_pull_request_that_changes_the_policy_or_its_workflow_fails_naming_it(
     assert strictest.returncode == 1 and "policy_changed" in strictest.stdout, strictest
 
 
-def ci_page_policy_block():
-    """docs/ci.md's block that writes the policy on main, as it shows it."""
-    text = (ROOT / "docs" / "ci.md").read_text()
-    part = text.split("## The policy, from the base", 1)[1].split("\n## ", 1)[0]
-    return part.split("```sh\n", 1)[1].split("```", 1)[0]
-
-
-def test_the_policy_block_of_the_ci_page_runs_as_shown_and_the_audit_reads_it(tmp_path):
+def test_the_policy_setup_github_writes_is_the_one_the_audit_reads(tmp_path):
+    """`setup github --scope cli.py …` on main: this tree has no cli.py, so the scope takes no
+    file the branch changed and the fix is not taken — red, by the base's policy, which the
+    audit says it read."""
     project = Project(tmp_path)
     human = tmp_path / "human"
     git(tmp_path, "clone", "-q", str(project.origin), str(human))
-    p = subprocess.run(["bash", "-c", ci_page_policy_block()], cwd=str(human),
-                       capture_output=True, text=True, env=git_env(project.home))
+    copy_engine(human / "scripts")
+    p = engine(human, project.home, "setup", "github", "--scope", "cli.py", "--required-check",
+               PYTEST + " tests", "--owner", "@alice")
     assert p.returncode == 0, p
+    git(human, "add", "-A")
+    git(human, "commit", "-qm", "CI's audit")
     git(human, "push", "-q", "origin", "main")
     project.agent(fix=True)
     action = project.action()
-    # the page's policy names cli.py (README's quick start): this tree has none, so the scope
-    # matches no file the branch changed and the fix is not taken: red, by the base's policy
     assert action.returncode == 1, action
     assert "scope (the policy on origin/main): cli.py" in action.stdout
+    assert "fail-to-pass: on — the policy on origin/main" in action.stdout
 
 
 def test_the_judge_packet_and_the_report_list_the_tripwires_since_the_base(project):

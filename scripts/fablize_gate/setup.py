@@ -676,6 +676,12 @@ def not_a_repository(root, what):
 
 def cmd_setup(ctx, a):
     root = ctx.store.root
+    if a.agent == "github":  # CI's wiring: the setup room's CI part
+        from . import setup_ci
+        return setup_ci.setup(ctx, a)
+    if a.scope or a.required_check or a.owner:
+        raise usage("--scope, --required-check and --owner go with `setup github` (CI's policy "
+                    "and its reviewers).", "usage")
     cli = portable_command(root)
     if not a.remove and repo_root(root) is None:
         raise not_a_repository(root, "setup")
@@ -805,6 +811,8 @@ def wired_agents(root):
             found.append(agent)
     if has_block("AGENTS.md") and not {"codex", "cursor"} & set(found):
         found.append("agents-md")
+    if os.path.isfile(os.path.join(root, ".github", "workflows", "fablize.yml")):
+        found.append("github")
     return found
 
 
@@ -820,6 +828,10 @@ def cmd_doctor(ctx, a):
         raise error
     findings = []
     for agent in agents:
+        if agent == "github":
+            from . import setup_ci
+            findings += [dict(f, agent=agent) for f in setup_ci.doctor_findings(ctx)]
+            continue
         findings += [dict(f, agent=agent) for f in doctor_findings(ctx, agent)]
     said = {}  # each fix is said once: a problem that shares one points at it
     for agent in agents:
@@ -1094,19 +1106,30 @@ def add_setup(command):
     c = command("setup", cmd_setup, "wire this project for an agent",
                 "the block in its instructions file, its hooks, .fablize/.gitignore (running it "
                 "again changes nothing)")
-    c.add_argument("agent", nargs="?", choices=AGENTS, default="claude",
+    c.add_argument("agent", nargs="?", choices=AGENTS + ("github",), default="claude",
                    help="claude (CLAUDE.md, .claude/settings.json), codex (AGENTS.md, "
                         ".codex/hooks.json), gemini (GEMINI.md, .gemini/settings.json), cursor "
-                        "(AGENTS.md, .cursor/hooks.json) or agents-md (AGENTS.md only)")
+                        "(AGENTS.md, .cursor/hooks.json), agents-md (AGENTS.md only), or github "
+                        "(CI: .github/workflows/fablize.yml, .fablize/policy.json, CODEOWNERS)")
     c.add_argument("--remove", action="store_true", help="undo it: take out what setup added")
+    c.add_argument("--scope", action="append", metavar="PATH",
+                   help="setup github: the paths the work may change, for CI's policy "
+                        "(repeatable; default: the plan's scope)")
+    c.add_argument("--required-check", action="append", metavar="CMD",
+                   help="setup github: a check the final story must carry, for CI's policy "
+                        "(repeatable; default: the plan's final story's frozen checks)")
+    c.add_argument("--owner", metavar="@NAME",
+                   help="setup github: who CODEOWNERS names for the audit's files (default: "
+                        "the owner of the GitHub repository origin points at)")
 
 
 def add_doctor(command):
     c = command("doctor", cmd_doctor, "check the wiring and the state",
                 "the interpreter resolves, each hook is registered once, the block is current and "
                 "its command runs, the state is healthy")
-    c.add_argument("agent", nargs="?", choices=AGENTS, default=None,
-                   help="the agent whose wiring to check (default: every agent wired here)")
+    c.add_argument("agent", nargs="?", choices=AGENTS + ("github",), default=None,
+                   help="the agent whose wiring to check, or github for CI's (default: every "
+                        "one wired here)")
 
 
 COMMANDS = {"install-block": add_install_block, "setup": add_setup, "doctor": add_doctor,

@@ -590,6 +590,58 @@ def pr_base(store, ref):
     return f"origin/{wanted}"
 
 
+def anchor(store, ref):
+    """Where the judge came from, for the verdict to open with: the engine running this audit
+    (the base's committed copy — scripts/ or .github/fablize/ — file for file, or another) and,
+    under GitHub Actions, the workflow (the base's, as a required workflow runs it, or the pull
+    request's copy: identical to the base's, or not — then policy_changed names it too)."""
+    top, full = branch_ref(store.root, ref, "--base")
+    here = os.path.dirname(os.path.abspath(__file__))
+    own = {"goals.py": os.path.join(os.path.dirname(here), "goals.py")}
+    own.update({f"fablize_gate/{n}": os.path.join(here, n) for n in os.listdir(here)
+                if n.endswith(".py")})
+    commit = git_out(top, "rev-parse", full).decode().strip()
+    engine = None
+    for folder in ("scripts", ".github/fablize"):
+        entries = tree_entries(top, full, [folder + "/goals.py", folder + "/fablize_gate"])
+        wanted = {k[len(folder) + 1:]: v for k, v in entries.items() if k.endswith(".py")}
+        if not wanted:
+            continue
+        blobs = read_objects(top, [oid for _, oid in wanted.values()])
+        same = set(wanted) == set(own) and all(
+            read_small(own[name]) == blobs.get(oid) for name, (_, oid) in wanted.items())
+        engine = (f"the engine the base commits ({folder}/), file for file, as of "
+                  f"{commit[:12]}" if same else
+                  f"not the engine {folder}/ holds on the base (an engine of CI's own)")
+        if same:
+            break
+    items = [["engine: " + (engine or "CI's own (the base commits no engine)")]]
+    workflow = os.environ.get("GITHUB_WORKFLOW_REF", "")
+    if workflow and os.environ.get("GITHUB_ACTIONS") == "true":
+        name, _, wref = workflow.partition("@")
+        rel = name.split("/", 2)[-1] if name.count("/") >= 2 else name
+        base_name = os.environ.get("GITHUB_BASE_REF", "")
+        if base_name and wref == f"refs/heads/{base_name}":
+            items.append([f"workflow: {rel} of {wref} — the base's own, as a required workflow "
+                          "runs it"])
+        else:
+            code, out, _ = git(top, "diff", "--quiet", "--no-ext-diff", "--no-textconv", full,
+                               "HEAD", "--", rel, env=LITERAL)
+            items.append([f"workflow: {rel} of {wref or 'the pull request'} — the pull "
+                          "request's copy, " + ("identical to the base's" if code == 0 else
+                                                "which differs from the base's (policy_changed)")
+                          + "; a ruleset that requires the base's makes it the base's own"])
+    return items
+
+
+def read_small(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read(8 << 20)
+    except OSError:
+        return None
+
+
 def not_the_pr_base(ref, step):
     """The refusal of a --base that is not the pull request's (pr_base), naming `step`: the
     same audit on the pull request's base."""
@@ -1379,6 +1431,7 @@ def review(store, plan, scan, pin, base, opts):
     policy = opts.get("policy")
     trust["policy"] = policy and {k: v for k, v in policy.items() if k != "ref"}
     trust["effective"] = effective_policy(opts)
+    trust["anchor"] = anchor(store, base["ref"]) if base is not None and opts["rerun"] else None
     trust["policy_changed"] = policy_changes(store, base["ref"]) if base is not None else []
     trust["github_changes"] = github_changes(store, base["ref"]) if base is not None else []
     trust["policy_history"] = (policy_history(store, base["ref"], base["path"])
@@ -1525,6 +1578,8 @@ def findings(trust, rerun=None):
     the branch changed around it, the re-run, the agent's own tests, tripwires, decisions and
     runs that are not clean. The audit's text and the job summary render these same blocks."""
     out = []
+    if trust.get("anchor"):
+        out.append(Block("the judge:", trust["anchor"]))
     if trust.get("effective"):
         out.append(Block("effective policy (each gate, and where it came from):",
                          [[f"{name}: {words} — {source}"] for name, words, source in
@@ -1701,8 +1756,8 @@ def summary(verdict, failures, report_md, trust=None, rerun=None, story_grades=N
     if failures:
         md.append("")
     blocks = findings(trust, rerun) if trust is not None else []
-    if blocks and blocks[0].title.startswith("effective policy"):
-        md += block_lines(blocks.pop(0), md=True)
+    while blocks and blocks[0].title.startswith(("the judge", "effective policy")):
+        md += block_lines(blocks.pop(0), md=True)  # where the judge and its rules came from
     if story_grades and len(story_grades) <= GRADES_EACH:
         md += ["| Story | Grade |", "|---|---|"]
         md += [f"| {sid} | {grade} |" for sid, grade in story_grades.items()]
