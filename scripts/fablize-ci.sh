@@ -29,9 +29,9 @@
 #                            at .fablize/policy.json on the base, wherever this points
 #   FABLIZE_REPORT           the job summary file (default $GITHUB_STEP_SUMMARY)
 #
-# The verdict is the engine's exit code AND the verdict file it writes last, in a folder only
-# this script and the engine can read, holding a nonce handed to the engine on a descriptor no
-# check inherits: a check that traced the auditor into exiting 0, or wrote a verdict of its own,
+# The verdict is the engine's exit code AND the verdict file it writes last, holding a nonce
+# handed to it on a descriptor no check inherits (fablize_gate/verdict.py, which this script
+# becomes): a check that traced the auditor into exiting 0, or wrote a verdict of its own,
 # passes nothing.
 #
 # The whole script is one brace group, read by bash before any of it runs: a check that rewrites
@@ -50,10 +50,15 @@ state="${FABLIZE_STATE:-.fablize}"
 report="${FABLIZE_REPORT:-${GITHUB_STEP_SUMMARY:-}}"
 
 if [ -z "${FABLIZE_REMOTE:-}" ] && [ ! -s "$state/ledger.jsonl" ] && is_true "${FABLIZE_SKIP_IF_NO_PLAN:-false}"; then
-  # skipping is for trees that never had a plan: deleting the base's plan is not finishing it
-  if [ -n "${FABLIZE_BASE:-}" ] && git cat-file -e "$FABLIZE_BASE:./$state/ledger.jsonl" 2>/dev/null; then
-    echo "fablize: $FABLIZE_BASE has a plan in $state but this tree has none — it was removed, not finished." >&2
-    exit 1
+  # skipping is for trees that never had a plan: deleting the base's plan is not finishing it,
+  # and a base with CI's policy (.fablize/policy.json, wherever FABLIZE_STATE points) is audited
+  if [ -n "${FABLIZE_BASE:-}" ]; then
+    for held in "./$state/ledger.jsonl" ./.fablize/ledger.jsonl ./.fablize/policy.json; do
+      if git cat-file -e "$FABLIZE_BASE:$held" 2>/dev/null; then
+        echo "fablize: $FABLIZE_BASE holds ${held#./} but this tree has no plan in $state — it was removed or moved, not finished." >&2
+        exit 1
+      fi
+    done
   fi
   echo "fablize: no plan in $state — nothing to audit (skip-if-no-plan)."
   exit 0
@@ -85,28 +90,9 @@ if [ -n "${FABLIZE_REMOTE:-}" ]; then
 fi
 if [ -n "$report" ]; then args+=(--summary "$report"); fi
 
-args+=(--verdict "$work/verdict.json")
-nonce="$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')"
-status=0
-FABLIZE_VERDICT_NONCE_FD=3 python3 -I "$work/goals.py" "${args[@]}" 3<<<"$nonce" || status=$?
-# the verdict: the exit code, and the verdict file the engine wrote with this run's nonce
-verdict="$(python3 -I -c '
-import json, sys
-try:
-    v = json.load(open(sys.argv[1], encoding="utf-8"))
-except (OSError, ValueError):
-    print("none")
-else:
-    print("ok" if v.get("nonce") == sys.argv[2] and v.get("ok") is True else
-          "red" if v.get("nonce") == sys.argv[2] else "forged")
-' "$work/verdict.json" "$nonce")"
-if [ "$status" -eq 0 ] && [ "$verdict" != "ok" ]; then
-  case "$verdict" in
-    none) echo "fablize: the audit exited 0 but wrote no verdict: it was stopped or forced to exit (a check that reached the auditor?) — failing." >&2 ;;
-    forged) echo "fablize: the verdict file does not hold this run's nonce: something else wrote it — failing." >&2 ;;
-    *) echo "fablize: the audit exited 0 but its verdict says no — failing." >&2 ;;
-  esac
-  exit 1
-fi
-exit "$status"
+# the verdict: the job's last process is the engine's own verdict.py (exec: no shell of this
+# script is left for a check to trace): it is untraceable, hands the audit a nonce, and passes
+# only on the exit code and the verdict file holding that nonce, together; it removes $work
+trap - EXIT
+exec python3 -I "$work/fablize_gate/verdict.py" --remove "$work" -- "$work/goals.py" "${args[@]}"
 }

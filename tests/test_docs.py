@@ -572,7 +572,7 @@ def test_readme_ci_recipe_is_setup_github_and_ci_md_holds_the_rest():
     assert "CI_MERGE_REQUEST_DIFF_BASE_SHA" in fenced_blocks(section(text, "## GitLab CI"),
                                                              "yaml")[0]
     plain = fenced_blocks(section(text, "## Any other CI"), "sh")[0]
-    assert "git archive" in plain and "python3 -I" in plain and "--verdict" in plain
+    assert "git archive" in plain and "python3 -I" in plain and "verdict.py" in plain
     # every input the action has is in the table, and every row is an input
     action = read(ROOT / "action.yml")
     inputs = re.findall(r"^  ([a-z-]+):\n    description", action, re.M)

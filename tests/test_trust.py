@@ -788,7 +788,8 @@ def test_action_runs_the_ci_script_with_every_input():
                       ("plan", "PLAN")):
         assert f"  {name}:" in text and f"FABLIZE_{var}: ${{{{ inputs.{name} }}}}" in text
     script = (ROOT / "scripts" / "fablize-ci.sh").read_text()
-    assert 'python3 -I "$work/goals.py"' in script
+    assert ('exec python3 -I "$work/fablize_gate/verdict.py" --remove "$work" -- '
+            '"$work/goals.py"') in script
     assert 'cp -R "$here/goals.py" "$here/fablize_gate" "$work/"' in script
 
 
@@ -837,7 +838,7 @@ def test_attack_deleting_the_plan_does_not_skip_the_action(work):
     shutil.rmtree(work.dir)
     commit_all(work.repo)
     r = ci_script(work, base="main", skip_if_no_plan="true")
-    assert r.code == 1 and "it was removed, not finished" in r.err, r
+    assert r.code == 1 and "it was removed or moved, not finished" in r.err, r
 
 
 def test_no_plan_at_the_base_reports_the_plan_as_new(work):

@@ -546,6 +546,15 @@ if judge():  # make the auditor exit 0 before it says anything
 def mul(a, b):
     return a + b
 '''
+# …and every process above it, the job's own script first: none may be made to exit 0
+REACHES_EVERY_ANCESTOR = REACHES_THE_JUDGE.replace(
+    "if judge():  # make the auditor exit 0 before it says anything\n"
+    "    subprocess.run([\"gdb\", \"-p\", str(judge()),",
+    "pid = os.getppid()\nwhile pid > 1:\n    subprocess.run([\"gdb\", \"-p\", str(pid),").replace(
+    "                   capture_output=True, timeout=120)\n\n\ndef mul",
+    "                   capture_output=True, timeout=120)\n"
+    "    with open(f\"/proc/{pid}/stat\") as f:\n"
+    "        pid = int(f.read().rsplit(\")\", 1)[1].split()[1])\n\n\ndef mul")
 SYSTEM_PYTHON = "/usr/bin/python3"
 CAN_ISOLATE = (shutil.which("gdb") is not None and os.path.exists(SYSTEM_PYTHON)
                and hasattr(os, "geteuid") and os.geteuid() == 0
@@ -555,10 +564,10 @@ needs_isolation = pytest.mark.skipif(not CAN_ISOLATE, reason="needs gdb, root, a
 SYSTEM_UNITTEST = f"{SYSTEM_PYTHON} -m unittest discover -s tests -t ."
 
 
-def reaching_repo(top):
+def reaching_repo(top, code=REACHES_THE_JUDGE):
     repo = Repo(top, files={"calc.py": BUGGY, "tests/__init__.py": "",
                             "tests/test_calc.py": UNITTEST}, check=SYSTEM_UNITTEST)
-    repo.branch(after=lambda t: (t / "calc.py").write_text(REACHES_THE_JUDGE))
+    repo.branch(after=lambda t: (t / "calc.py").write_text(code))
     return repo
 
 
@@ -589,7 +598,7 @@ def test_checks_sharing_a_plain_users_rights_cannot_trace_their_auditor(tmp_path
     top = Path(tempfile.mkdtemp(prefix="fablize-plain-user-", dir="/tmp"))
     try:
         os.chmod(top, 0o755)
-        repo = reaching_repo(top)
+        repo = reaching_repo(top, REACHES_EVERY_ANCESTOR)
         repo.ci()
         action = top / "action"
         shutil.copytree(ROOT / "scripts", action / "scripts",
@@ -625,3 +634,153 @@ def test_every_change_under_github_is_listed_for_the_reviewer(repo):
     p, summary = repo.recipe()
     assert "the branch changes .github/ (review it): `.github/CODEOWNERS`, " \
            "`.github/workflows/other.yml`" in summary, summary
+
+
+# Found by a red-team pass on this verdict ######################################################
+
+DOCTEST = '''def mul(a, b):
+    """
+    >>> mul(2, 3)
+    6
+    """
+    return a + b
+'''
+
+
+def test_attack_a_doctest_in_the_code_edited_to_what_the_bug_returns(tmp_path):
+    """The failing test lives in the file the work changes: fixed there, it counts for
+    nothing."""
+    repo = Repo(tmp_path, files={"calc.py": DOCTEST, "tests/test_zero.py":
+                                 "from calc import mul\n\n\ndef test_zero():\n"
+                                 "    assert mul(0, 0) == 0\n"},
+                check=PYTEST + " --doctest-modules calc.py tests")
+    repo.branch(fix=False, change=lambda t: (t / "calc.py").write_text(
+        DOCTEST.replace("    6\n", "    5\n")))
+    red_both(repo, "vacuous_check", "fixed inside a file the work changes count for nothing")
+
+
+def test_attack_test_data_and_helpers_beside_a_packages_tests(tmp_path):
+    """Scope `packages/a/`, its tests inside: their data and helpers are the base's too."""
+    test = ("import json, pathlib\nfrom calc import mul\nfrom tests.support import same\n\n\n"
+            "def test_cases():\n    cases = json.loads((pathlib.Path(__file__).parent / 'data' /"
+            " 'cases.json').read_text())\n    for a, b, want in cases:\n"
+            "        assert same(mul(a, b), want)\n")
+    files = {"packages/a/calc.py": BUGGY, "packages/a/tests/__init__.py": "",
+             "packages/a/tests/test_calc.py": test,
+             "packages/a/tests/support.py": "def same(x, y):\n    return x == y\n",
+             "packages/a/tests/data/cases.json": "[[2, 3, 6]]\n"}
+    repo = Repo(tmp_path, files=files, check=f"cd packages/a && {PYTEST}",
+                scope=("packages/a/",))
+    repo.branch(fix=False, change=lambda t: (
+        (t / "packages/a/tests/data/cases.json").write_text("[[2, 3, 5]]\n"),
+        (t / "packages/a/tests/support.py").write_text("def same(x, y):\n    return True\n")))
+    red_both(repo, "base_test_changed", "packages/a/tests/data/cases.json", "re-run failed")
+
+
+def test_attack_code_that_rewrites_a_base_test_the_run_has_not_read_yet(tmp_path):
+    later = "from calc import mul\n\n\ndef test_mul():\n    assert mul(2, 3) == 6\n"
+    rewrite = ("import pathlib\n\n"
+               "p = pathlib.Path('tests/test_mul.py')\n"
+               "p.write_text(p.read_text().replace('== 6', '== 5'))\n\n\n" + BUGGY)
+    repo = Repo(tmp_path, files={"calc.py": BUGGY, "tests/test_a.py":
+                                 "import calc\n\n\ndef test_imports():\n    assert calc\n",
+                                 "tests/test_mul.py": later})
+    repo.branch(after=lambda t: (t / "calc.py").write_text(rewrite))
+    red_both(repo, "tests_tampered", "tests/test_mul.py")
+
+
+def test_what_a_check_writes_under_its_home_is_gone_before_the_next(tmp_path):
+    """A check that plants a start-up hook in the user's site-packages would be read by every
+    later check on the runner: each check has a home of its own, made new."""
+    plant = ("import os, pathlib\n\nhome = pathlib.Path(os.path.expanduser('~'))\n"
+             "(home / 'planted').write_text('a later check would load this')\n\n\n" + FIXED)
+    repo = Repo(tmp_path)
+    repo.branch(after=lambda t: (t / "calc.py").write_text(plant))
+    p, _ = repo.recipe()
+    assert p.returncode == 0, p  # the work is done: planting is no tripwire of its own
+    assert not (repo.home / "planted").exists()
+
+
+@pytest.mark.parametrize("state", [".nope", ".fablize"])
+def test_skipping_a_tree_without_a_plan_never_skips_a_base_with_one_or_a_policy(repo, state):
+    repo.branch(after=lambda t: shutil.rmtree(t / ".fablize"))
+    p, _ = repo.recipe(skip_if_no_plan="true", state=state)
+    assert p.returncode == 1 and "it was removed or moved, not finished" in p.stderr, p
+
+
+def test_honest_a_branch_whose_base_moved_on_since(tmp_path):
+    repo = Repo(tmp_path)
+    human = tmp_path / "human"
+    git(tmp_path, "clone", "-q", str(repo.origin), str(human))
+    tree = repo.branch()
+    (human / "README.md").write_text("main moved on\n")
+    git(human, "add", "-A")
+    git(human, "commit", "-qm", "unrelated")
+    git(human, "push", "-q", "origin", "main")
+    ci = repo.ci()
+    git(ci, "fetch", "-q", "origin")
+    assert tree.exists()
+    green_both(repo)  # the branch's tip, not a merge: main's README is not the branch's change
+
+
+def test_honest_tests_written_first_against_code_the_work_creates(tmp_path):
+    """The base's test module does not load (its import does not exist yet): one error entry
+    on the base, its tests one by one on the branch."""
+    test = ("from calc import mul\n\n\ndef test_mul():\n    assert mul(2, 3) == 6\n\n\n"
+            "def test_zero():\n    assert mul(0, 0) == 0\n")
+    repo = Repo(tmp_path, files={"tests/test_calc.py": test, "other.py": "X = 1\n"})
+    repo.branch()
+    p, _ = green_both(repo)
+    assert "1 fixed (failed on the base, pass now)" in p.stdout, p
+
+
+UNITTEST_PKG = ("import unittest\n\nfrom calc import mul\n\n\nclass T(unittest.TestCase):\n"
+                "    def test_mul(self):\n        import logging\n"
+                "        for i in range(5):\n            logging.warning('noise %d', i)\n"
+                "        self.assertEqual(mul(2, 3), 6)\n")
+
+
+def test_honest_unittest_written_first_in_a_package_with_noisy_tests(tmp_path):
+    repo = Repo(tmp_path, files={"tests/__init__.py": "", "tests/test_calc.py": UNITTEST_PKG,
+                                 "other.py": "X = 1\n"},
+                check=f"{PY} -m unittest discover -s tests -t .")
+    repo.branch()
+    green_both(repo)
+
+
+def test_honest_a_check_that_asks_pytest_for_its_own_junit_file(tmp_path):
+    repo = Repo(tmp_path, check=PYTEST + " --junitxml=reports/junit.xml tests",
+                files={"calc.py": BUGGY, "tests/test_calc.py": TEST,
+                       ".gitignore": "__pycache__/\nreports/\n"})
+    repo.branch()
+    green_both(repo)
+
+
+def test_honest_an_agents_new_test_uses_the_bases_test_helpers(tmp_path):
+    helpers = "def check(x, y):\n    assert x == y\n"
+    use = "from calc import mul\nfrom tests.helpers import check\n\n\ndef test_mul():\n" \
+          "    check(mul(2, 3), 6)\n"
+    repo = Repo(tmp_path, files={"calc.py": ADD, "tests/__init__.py": "",
+                                 "tests/helpers.py": helpers, "tests/test_calc.py": ADD_TEST},
+                policy={"agent_tests": "prove"})
+    repo.branch(fix=False, change=lambda t: (
+        (t / "calc.py").write_text(ADD + "\n\n" + FIXED),
+        (t / "tests" / "test_mul.py").write_text(use)))
+    p, summary = green_both(repo)
+    assert "agent-written tests: 1 proven red → green" in summary
+
+
+def test_a_chain_of_links_that_each_stay_inside_never_leaves_the_tree(tmp_path):
+    from conftest import engine as fab_engine
+    outside = tmp_path / "secret.txt"
+    outside.write_text("the machine's\n")
+    folder = tmp_path / "tree"
+    folder.mkdir()
+    entries = {"a/up": ("120000", "1"), "x": ("120000", "2"), "y": ("120000", "3"),
+               "calc.py": ("120000", "4")}
+    blobs = {"1": b"..", "2": b"a/up/..", "3": b"x/..", "4": b"y/secret.txt"}
+    fab_engine.write_tree(str(folder), entries, blobs)
+    assert not (folder / "calc.py").exists()
+    for name in ("x", "y", "calc.py"):
+        path = folder / name
+        assert not path.is_symlink() or os.path.realpath(path).startswith(str(folder)), name

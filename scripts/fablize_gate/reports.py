@@ -155,12 +155,12 @@ def _runner_in(words):
         return None
     name, args = os.path.basename(words[i][0]), [w[0] for w in words[i + 1:]]
     if name in _DIRECT:
-        return _DIRECT[name], _after_subcommand(words, i, name)
+        return _DIRECT[name], (len(words) - 1 if name in ("pytest", "py.test") else
+                               _after_subcommand(words, i, name))
     if _PYTHON.match(name) and "-m" in args[:-1]:
         module = args[args.index("-m") + 1]
-        at = i + 1 + args.index("-m") + 1
-        if module == "pytest":
-            return "pytest", at
+        if module == "pytest":  # last: its own --junitxml would otherwise win over the engine's
+            return "pytest", len(words) - 1
         if module == "unittest":
             return "unittest", len(words) - 1  # -v last: it wins over a -q before it
         return None
@@ -260,19 +260,26 @@ class Report:
     two), the file each came from as the runner named it, how many reports arrived, and what
     makes the report disagree with itself or be missing."""
 
-    def __init__(self, runners):
+    def __init__(self, runners, roots=()):
         self.runners = runners
+        self.roots = [r for r in roots if r]  # the tree's places: never part of a test's id
         self.tests = {}
         self.files = {}
+        self.hosts = {}        # a test written inside a module of the code (a doctest, a Rust
+        #                        unit test in src/): that file, which the work may change
         self.missing = []      # runners that reported nothing
         self.problems = []     # what makes a report unbelievable, a sentence each
         self.per_test = True   # False when a runner gave counts only (cargo -q)
         self.extra = {}        # counts of a runner read without names: outcome → n
 
-    def add(self, test_id, outcome, file=None):
+    def add(self, test_id, outcome, file=None, host=None):
+        for root in self.roots:  # a parametrized id that holds the tree's path
+            test_id = test_id.replace(root + os.sep, "").replace(root, "")
         self.tests.setdefault(test_id, []).append(outcome)
         if file and test_id not in self.files:
             self.files[test_id] = file
+        if host:
+            self.hosts[test_id] = host
 
     def counts(self):
         counts = dict.fromkeys((PASSED, FAILED, ERROR, SKIPPED, XFAILED), 0)
@@ -299,7 +306,7 @@ def recorded(report):
     return out
 
 
-def read(asked, documents, log_path, root=None):
+def read(asked, documents, log_path, root=None, top=None):
     """The Report of a run whose runners were `asked` (ask): `documents` maps each report path to
     the documents written there (a runner started twice wrote two), the per-test lines come from
     the log; `root` is the tree the run ran in (absolute paths in a report are made relative to
@@ -307,7 +314,8 @@ def read(asked, documents, log_path, root=None):
     if not asked:
         return None
     runners = list(dict.fromkeys(a["runner"] for a in asked))
-    report = Report(runners)
+    places = {p for base in (root, top) if base for p in (base, os.path.realpath(base))}
+    report = Report(runners, sorted(places, key=len, reverse=True))
     log = None
     for a in asked:
         runner = a["runner"]
@@ -384,7 +392,8 @@ def _read_pytest(report, doc, root):
         classname, name = case.get("classname") or "", case.get("name") or ""
         doctest = bool(classname) and name.startswith(classname + ".")  # a module of the code
         report.add(f"{classname}::{name}" if classname else name, _junit_outcome(case),
-                   None if doctest else case.get("file") or None)
+                   None if doctest else case.get("file") or None,
+                   host=case.get("file") if doctest else None)
 
 
 def _read_node(report, doc, root):
@@ -434,9 +443,10 @@ _READERS = {"pytest": _read_pytest, "node": _read_node, "jest": _read_jest, "vit
 
 # a test's line: its name, its dotted id, a sub-test's parameters, and — when its docstring is
 # printed — the docstring's line, before ` ... ` and its outcome
-_UNITTEST_TEST = re.compile(r"(?:^|(?<=\s))(\w+) \(([\w.]+)\)(?: \(([^\n]*?)\))?(?:\n[^\n]*?)? "
-                            r"\.\.\. ", re.M)
-_UNITTEST_BLOCK = re.compile(r"^(FAIL|ERROR|UNEXPECTED SUCCESS): (\w+) \(([\w.]+)\)", re.M)
+# (a module that did not load is named dotted: `tests.test_calc (unittest.loader._FailedTest…)`)
+_UNITTEST_TEST = re.compile(r"(?:^|(?<=\s))([\w.]+) \(([\w.]+)\)(?: \(([^\n]*?)\))?"
+                            r"(?:\n[^\n]*?)? \.\.\. ", re.M)
+_UNITTEST_BLOCK = re.compile(r"^(FAIL|ERROR|UNEXPECTED SUCCESS): ([\w.]+) \(([\w.]+)\)", re.M)
 _UNITTEST_RAN = re.compile(r"^Ran (\d+) tests? in ", re.M)
 _UNITTEST_RESULT = (("ok", PASSED), ("FAIL", FAILED), ("ERROR", ERROR), ("skipped", SKIPPED),
                     ("expected failure", XFAILED), ("unexpected success", FAILED))
@@ -457,14 +467,21 @@ def _read_unittest(report, log):
     found = {}
     for m in _UNITTEST_TEST.finditer(log):
         test_id = _unittest_id(m.group(1), m.group(2))
-        rest = log[m.end():m.end() + 200].lstrip("\n")
+        rest = log[m.end():m.end() + 200]
         if m.group(3) is not None:  # a sub-test's own line: it failed
             found[test_id] = FAILED
             continue
         outcome = next((o for word, o in _UNITTEST_RESULT if rest.startswith(word)), None)
-        if outcome is None:  # the test printed first: its word is on a line of its own
-            outcome = next((o for line in rest.split("\n")[1:4] for word, o in _UNITTEST_RESULT
-                            if line.strip() == word or line.startswith(word + " ")), None)
+        if outcome is None:  # the test printed first: its word is on a line of its own, after
+            # what it printed (log lines, however many), before the next test's line
+            following = log[m.end():m.end() + 65536].split("\n")[1:]
+            for line in following:
+                if _UNITTEST_TEST.match(line) or line.startswith(("=" * 20, "-" * 20)):
+                    break
+                outcome = next((o for word, o in _UNITTEST_RESULT
+                                if line.strip() == word or line.startswith(word + " ")), None)
+                if outcome is not None:
+                    break
         if test_id not in found or found[test_id] is None:
             found[test_id] = outcome
     for m in _UNITTEST_BLOCK.finditer(log):
@@ -479,7 +496,11 @@ def _read_unittest(report, log):
         if outcome is None:
             report.problems.append(f"unittest named {one_line(test_id)[:80]} without its outcome")
             outcome = ERROR
-        report.add(test_id, outcome, test_id.rsplit(".", 2)[0].replace(".", "/") + ".py")
+        if test_id.startswith("unittest.loader._FailedTest."):  # a module that did not load
+            file = test_id[len("unittest.loader._FailedTest."):].replace(".", "/") + ".py"
+        else:
+            file = test_id.rsplit(".", 2)[0].replace(".", "/") + ".py"
+        report.add(test_id, outcome, file)
     return True
 
 
@@ -530,7 +551,8 @@ def _read_cargo(report, log):
             outcome = {"ok": PASSED, "FAILED": FAILED}.get(m.group(2), SKIPPED)
             # a unit test lives inside the code (src/): only tests/ holds test files
             report.add(f"{source}::{m.group(1)}", outcome,
-                       source if source.startswith("tests/") else None)
+                       source if source.startswith("tests/") else None,
+                       host=None if source.startswith(("tests/", "doc-tests ")) else source)
             continue
         m = _CARGO_RESULT.match(line)
         if m:
@@ -607,21 +629,40 @@ class Comparison:
 def compare(base, branch):
     """The branch's Report held against the base's, test by test, counting repeats: a test the
     base ran must still run; one that passed must pass (not be skipped, expected to fail or
-    fail); one that failed or errored must now pass. A test skipped on the base may stay
-    skipped."""
+    fail); one that failed or errored — or was expected to fail — must now pass. A test skipped
+    on the base may stay skipped. A file that did not load on the base (one error entry for
+    all its tests, as a test-first suite whose module does not exist yet) is fixed when its
+    tests run and pass now."""
     result = Comparison()
+    by_file = {}
+    for test_id, file in branch.files.items():
+        if test_id not in base.tests:
+            by_file.setdefault(file, []).append(test_id)
+    # node names a file that did not load, never the file of a test that ran: the new tests
+    # without a file stand for such a file's tests
+    unfiled = [t for t in branch.tests if t not in base.tests and t not in branch.files]
     for test_id, before in base.tests.items():
         after = branch.tests.get(test_id, [])
         if len(after) < len(before):
+            file = base.files.get(test_id)
+            grown = (by_file.get(file) or (unfiled if file == test_id else None)
+                     if file and not after and all(o in BROKEN for o in before) else None)
+            if grown:  # the file's own error entry, its tests named one by one now
+                outcomes = [o for t in grown for o in branch.tests[t]]
+                if PASSED in outcomes and not any(o in BROKEN for o in outcomes):
+                    result.fixed.append(test_id)
+                else:
+                    result.still_failing.append(test_id)
+                continue
             result.vanished.append(test_id)
             continue
         passed_before = before.count(PASSED)
-        broken_before = sum(before.count(o) for o in BROKEN)
+        broken_before = sum(before.count(o) for o in BROKEN + (XFAILED,))
         passed_after = after.count(PASSED)
-        if passed_after < passed_before + broken_before:
+        if passed_after < passed_before + sum(before.count(o) for o in BROKEN):
             (result.still_failing if passed_after >= passed_before and broken_before
              else result.broken).append(test_id)
-        elif broken_before:
+        elif broken_before and passed_after > passed_before:
             result.fixed.append(test_id)
     result.new = [t for t in branch.tests if t not in base.tests]
     return result

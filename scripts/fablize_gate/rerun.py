@@ -33,11 +33,39 @@ from .runs import read_objects, run_command, tree_entries
 from .storage import within
 
 MAX_IDS = 20                # test ids kept per finding: a failing suite of 5,000 names a few
+# never taken from the branch into the re-run's tree, whatever the scope: bytecode, compiled
+# objects, and installed-package metadata (a *.dist-info entry point loads a pytest plugin)
+ARTEFACT = (r"(^|/)(__pycache__|[^/]+\.(egg-info|dist-info))(/|$)"
+            r"|\.(pyc|pyo|pyd|so|dylib|dll|o|a|class|jar|whl|egg|pth)$")
+# the files that configure or extend a test run, never taken from the branch whatever the scope
+# says (issue 34): a conftest.py at any depth, the runners' and build tools' configuration (pytest
+# reads pytest.toml first), the interpreter's start-up hooks, a module that shadows a runner under
+# `python -m`, and what git itself reads from the tree (.gitattributes: a `-diff` would make git
+# print no lines). The base's own runner names the rest (rerun.classify).
+HARNESS = (r"(^|/)(conftest\.py|pytest\.ini|\.?pytest\.toml|pyproject\.toml|setup\.cfg|setup\.py"
+           r"|tox\.ini|noxfile\.py|sitecustomize\.py|usercustomize\.py|pytest\.py|unittest\.py"
+           r"|[Mm]akefile|GNUmakefile|[^/]*\.mk|package\.json|\.npmrc|\.yarnrc(\.yml)?"
+           r"|(jest|vitest|vite|babel|mocha|karma|ava)\.config\.[^/]*|\.babelrc[^/]*"
+           r"|\.mocharc[^/]*|\.coveragerc|\.pytest\.ini|\.cargo/config(\.toml)?"
+           r"|\.gitattributes|\.gitmodules"
+           # what builds a check before it runs: cargo's manifest and build script, go's and
+           # TypeScript's configuration, the toolchains they pin, the lockfiles they read
+           r"|Cargo\.toml|Cargo\.lock|build\.rs|rust-toolchain(\.toml)?|go\.mod|go\.sum|go\.work"
+           r"|tsconfig[^/]*\.json|jsconfig\.json|package-lock\.json|yarn\.lock|pnpm-lock\.yaml)\Z"
+           r"|(^|/)\.cargo/")
+
 # the names of test modules whatever runs them (the runners' own reports name the rest): pytest's
-# and unittest's defaults, Django's tests.py, Go's and JavaScript's conventions, Rust's tests/
-TEST_FILE = re.compile(r"(^|/)(test_[^/]*\.py|[^/]*_tests?\.py|tests?\.py|[^/]*_test\.go"
-                       r"|[^/]*\.(test|spec)\.[cm]?[jt]sx?)\Z|(^|/)(tests?|__tests__|spec)/"
-                       r"[^/]*\.(py|[cm]?[jt]sx?|go|rs)\Z")
+# and unittest's defaults, Django's tests.py, Go's and JavaScript's conventions
+TEST_MODULE = re.compile(r"(^|/)(test_[^/]*\.py|[^/]*_tests?\.py|tests?\.py|[^/]*_test\.go"
+                         r"|[^/]*\.(test|spec)\.[cm]?[jt]sx?)\Z")
+# the folders that hold tests and what they read — their helpers, data, snapshots, Rust's tests/:
+# every file under one is the base's test material, whatever it is named
+TEST_DIR = re.compile(r"(^|/)(tests?|__tests__|spec|testdata|__snapshots__|fixtures)/")
+
+
+def test_material(path):
+    """Whether `path` is a test or what tests read (by name: the base's runner names the rest)."""
+    return bool(TEST_MODULE.search(path) or TEST_DIR.search(path))
 
 
 # Beside the auditor, with fewer rights ###########################################################
@@ -54,6 +82,32 @@ class Isolation:
         self.user = user
         self.guarded = []       # what prepare() achieved, in words
         self.home = self.own = None
+        self.reaper = False
+        self.homes = []
+
+    def end_strays(self):
+        """Every process a check left that escaped its group (a daemon, `setsid`): reparented
+        to the auditor, a subreaper, and ended — nothing of one check lives into the next, or
+        past the audit."""
+        if not self.reaper:
+            return
+        import signal
+        me = str(os.getpid())
+        for _ in range(100):  # a stray's own children come back to us as it ends
+            strays = []
+            for entry in os.listdir("/proc"):
+                if entry.isdigit() and entry != me:
+                    fields = _read_small(f"/proc/{entry}/stat").rsplit(")", 1)[-1].split()
+                    if len(fields) > 1 and fields[1] == me:
+                        strays.append(int(entry))
+            if not strays:
+                return
+            for pid in strays:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                except (OSError, ChildProcessError):
+                    pass
 
     @classmethod
     def choose(cls, name):
@@ -88,6 +142,9 @@ class Isolation:
             self.guarded.append("the auditor cannot be traced or read")
         if prctl(38, 1, 0, 0, 0) == 0:         # PR_SET_NO_NEW_PRIVS
             self.guarded.append("no check gains privileges (sudo does nothing)")
+        if prctl(36, 1, 0, 0, 0) == 0:         # PR_SET_CHILD_SUBREAPER: a daemon a check left
+            self.reaper = True                 # comes back to the auditor, which ends it
+            self.guarded.append("what a check leaves running is ended after it")
 
     def scratch(self, wanted):
         """Where the re-run's trees go: `wanted`, unless a check user could not reach it (a
@@ -109,6 +166,23 @@ class Isolation:
         os.chmod(self.own, 0o711)
         return self.own
 
+    def fresh_home(self, scratch):
+        """A home of a check's own, made new for each run (HOME, TMPDIR in it): nothing a check
+        writes under its home — a user-site .pth, a tool's config — is read by the next, or by
+        the next audit on the same runner. The toolchains found under the real home stay
+        found (RUSTUP_HOME, CARGO_HOME)."""
+        home = tempfile.mkdtemp(prefix="fablize-home-", dir=scratch)
+        os.mkdir(os.path.join(home, "tmp"))
+        self.homes.append(home)
+        if self.user is not None:
+            self.give(home)
+        env = {"HOME": home, "TMPDIR": os.path.join(home, "tmp")}
+        for name, folder in (("RUSTUP_HOME", "~/.rustup"), ("CARGO_HOME", "~/.cargo")):
+            real = os.path.expanduser(folder)
+            if name not in os.environ and os.path.isdir(real):
+                env[name] = real
+        return env
+
     def popen(self, scratch):
         """What subprocess.Popen is given to start a check (with --check-user: as that user,
         in a home of its own)."""
@@ -123,12 +197,22 @@ class Isolation:
         return {"user": self.user.pw_uid, "group": self.user.pw_gid, "extra_groups": [],
                 "env": env}
 
-    def give(self, path):
-        """`path` (a tree, a report folder) made the check user's, so it can write there."""
+    def give(self, path, keep=()):
+        """`path` (a tree, a report folder) made the check user's, so it can write there — but
+        for `keep` (paths below it: the base's tests and harness) and the folders that hold
+        them, which stay the auditor's, and which the check may read, not change."""
         if self.user is None:
             return
+        kept = {os.path.join(path, *p.split("/")) for p in keep}
+        held = {os.path.dirname(p) for p in kept}
+        for p in list(held):
+            while p.startswith(path) and p != os.path.dirname(path):
+                held.add(p)
+                p = os.path.dirname(p)
         for folder, dirs, files in os.walk(path):
             for name in [folder] + [os.path.join(folder, x) for x in dirs + files]:
+                if name in kept or name in held:
+                    continue
                 try:
                     os.lchown(name, self.user.pw_uid, self.user.pw_gid)
                 except OSError:
@@ -140,6 +224,9 @@ class Isolation:
         if self.user is not None:
             who = f"the checks ran as {self.user.pw_name}, not as the auditor"
             rest = self.guarded
+        elif hasattr(os, "geteuid") and os.geteuid() == 0:
+            return ("the checks shared the auditor's user, root, and its rights: nothing kept "
+                    "them from tracing or signalling it (--check-user runs them as another user)")
         else:
             who = "the checks shared the auditor's user and its rights"
             rest = self.guarded + ([f"ptrace limited to descendants (Yama {yama})"]
@@ -149,7 +236,8 @@ class Isolation:
         return who + ("; " + "; ".join(rest) if rest else "")
 
     def shared(self):
-        return self.user is None and not self.guarded
+        return self.user is None and (not self.guarded or (hasattr(os, "geteuid")
+                                                           and os.geteuid() == 0))
 
 
 def _read_small(path):
@@ -190,16 +278,40 @@ class Trees:
                 if not deleted and path in self.head:
                     entries[path] = self.head[path]
         if tests == "agent":
-            for path in self.tree.get("base_tests") or ():
+            for path in self.tree.get("base_test_modules") or ():
                 entries.pop(path, None)
             entries.update(self.agent)
         return entries
+
+    def protected(self, code, tests):
+        """{path: object id} of the files of a tree the checks must not change: the base's tests
+        and harness, as the base holds them."""
+        entries = self.entries(code, tests)
+        keep = set(self.tree.get("base_tests") or ()) | set(self.tree.get("harness") or ())
+        return {p: v[1] for p, v in entries.items()
+                if self.base.get(p) == v and (p in keep or re.search(HARNESS, p))}
+
+    def tampered(self, folder, protected):
+        """The protected files a run changed, removed or replaced in its tree."""
+        changed = []
+        for path, oid in sorted(protected.items()):
+            target = os.path.join(folder, *path.split("/"))
+            try:
+                if os.path.islink(target):
+                    raise OSError
+                with open(target, "rb") as f:
+                    same = f.read(len(self.blobs.get(oid, b"")) + 1) == self.blobs.get(oid)
+            except OSError:
+                same = False
+            if not same:
+                changed.append(path)
+        return changed
 
     def build(self, code="branch", tests="base"):
         folder = tempfile.mkdtemp(prefix="fablize-rerun-", dir=self.scratch)
         try:
             write_tree(folder, self.entries(code, tests), self.blobs)
-            self.isolation.give(folder)
+            self.isolation.give(folder, self.protected(code, tests) if code == "branch" else ())
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -208,8 +320,9 @@ class Trees:
 
 def write_tree(folder, entries, blobs):
     """Each (path → mode, oid) written into `folder`: a file with its bytes and its executable
-    bit; a symlink only where it stays inside the tree; a path no folder can hold (a file where
-    a folder should be) skipped."""
+    bit; a symlink only where it stays inside the tree — each alone, then all together (a chain
+    of links that each stay inside can climb out: `a/up → ..`, `x → a/up/..`); a path no folder
+    can hold (a file where a folder should be) skipped."""
     for path in sorted(entries):
         mode, oid = entries[path]
         data = blobs.get(oid)
@@ -230,6 +343,11 @@ def write_tree(folder, entries, blobs):
         with open(target, "wb") as f:
             f.write(data)
         os.chmod(target, 0o755 if mode == "100755" else 0o644)
+    real = os.path.realpath(folder)
+    for path in sorted(entries):
+        target = os.path.join(folder, *path.split("/"))
+        if os.path.islink(target) and not within(os.path.realpath(target), real):
+            os.unlink(target)
 
 
 # The runs #########################################################################################
@@ -287,26 +405,29 @@ class Runner:
             root = top if folder is None else os.path.join(folder, self.trees.tree["root"])
             log = os.path.join(self.logs, f"{len(self.memo)}.log")
             popen = self.isolation.popen(self.scratch)
-            if self.hidden:  # a check never sees what the held-out checks are
-                env = dict(popen.get("env") or os.environ)
-                for name in self.hidden:
-                    env.pop(name, None)
-                popen["env"] = env
+            env = dict(popen.get("env") or os.environ)
+            for name in self.hidden:  # a check never sees what the held-out checks are
+                env.pop(name, None)
+            popen["env"] = dict(env, **self.isolation.fresh_home(self.scratch))
             record, report = run_command(cmd, root, self.timeout, None, log, popen=popen,
                                          trace=trace, detail=True, owner=self.isolation.user,
-                                         reports=self.scratch)
+                                         reports=self.scratch, top=top)
             known = self.trees.entries(code, tests) if self.trees is not None else {}
+            # the branch's code ran: the base's tests and harness must be as they were
+            tampered = (self.trees.tampered(folder, self.trees.protected(code, tests))
+                        if folder is not None and code == "branch" else [])
             self.memo[key] = {"record": record, "report": report, "top": top,
-                              "files": test_files(report, top, known),
+                              "files": test_files(report, top, known), "tampered": tampered,
                               "harness": traced_harness(log, top) if trace else set()}
         finally:
+            self.isolation.end_strays()
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
         return self.memo[key]
 
     def close(self):
         shutil.rmtree(self.logs, ignore_errors=True)
-        for folder in (self.isolation.home, self.isolation.own):
+        for folder in [self.isolation.home, self.isolation.own] + self.isolation.homes:
             if folder:
                 shutil.rmtree(folder, ignore_errors=True)
 
@@ -365,13 +486,14 @@ def rerun(store, plan, trust, opts, timeout):
     the agent's own test files, under `agent_tests: prove`, run red → green apart. Without a
     scope, in the checkout, judged by their own report alone."""
     tree = trust["tree"]
+    held_out, hidden = held_out_checks(opts)  # a job that set none fails before anything runs
     isolation = opts.get("isolation") or Isolation.choose(opts.get("check_user"))
     isolation.prepare()
-    held_out, hidden = held_out_checks(opts)
     checks = checks_in(plan, opts, held_out)
     scratch = isolation.scratch(tree["scratch"] if tree is not None else tempfile.gettempdir())
     trees = Trees(tree, isolation, scratch) if tree is not None else None
     runner = Runner(store, trees, isolation, timeout, scratch, hidden)
+    taken = [path for path, deleted in tree["take"] if not deleted] if tree else []
     result = {"where": "checkout" if tree is None else "tree", "checks": [],
               "isolation": isolation.words(), "shared": isolation.shared(),
               "held_out": len(held_out), "agent_tests": None, "tests_changed": []}
@@ -383,7 +505,7 @@ def rerun(store, plan, trust, opts, timeout):
         for c in checks:
             branch = runner.run(c.cmd)
             base = base_runs[c.cmd] if tree is not None else None
-            result["checks"].append(judged(c, branch, base))
+            result["checks"].append(judged(c, branch, base, taken))
         if tree is not None and opts.get("agent_tests") == "prove" and tree["agent_tests"]:
             result["agent_tests"] = agent_tests(runner, [c for c in checks if c.final
                                                          and not c.held_out],
@@ -418,9 +540,13 @@ def classify(tree, trees, base_runs):
     for run in base_runs:
         named |= set(run["files"].values())
         harness |= run["harness"]
-    listed = {p for p in trees.base if TEST_FILE.search(p)}
+    listed = {p for p in trees.base if test_material(p)}
     base_tests = (named | listed) - harness
     tree["base_tests"] = sorted(base_tests)
+    # what the agent's trees leave out: the base's test modules only — never the helpers, data
+    # or packages (tests/__init__.py) the agent's own tests may need beside them
+    tree["base_test_modules"] = sorted((named | {p for p in trees.base if TEST_MODULE.search(p)})
+                                       - harness)
     changed = {path for path, _ in tree["take"]} | set(tree["left"])
     tree["tests_changed"] = sorted(p for p in changed if p in base_tests)
     moved = [(p, d) for p, d in tree["take"] if p in base_tests or p in harness]
@@ -430,30 +556,47 @@ def classify(tree, trees, base_runs):
         tree["left"] = sorted(set(tree["left"]) | {p for p, _ in moved})
 
 
-def judged(check, branch, base):
+def hosted_in(report, test_id, taken):
+    """The file of the work a test lives in, when it lives in one the branch changed (a doctest
+    in the module it tests, a Rust unit test in src/): a test the work can rewrite proves
+    nothing about it."""
+    host = report.hosts.get(test_id)
+    if not host:
+        return None
+    return next((p for p in taken if p == host or p.endswith("/" + host.lstrip("./"))), None)
+
+
+def judged(check, branch, base, taken=()):
     """One check's result: its run on the branch's tree (or the checkout), and, with the base's
-    run beside it, the comparison test by test."""
+    run beside it, the comparison test by test. A test fixed in a file the work changed counts
+    for nothing (hosted)."""
     record, report = branch["record"], branch["report"]
-    out = {"id": check.sid, "check": check.number,
+    out = {"tampered": branch.get("tampered") or [], "id": check.sid, "check": check.number,
            "cmd": check.cmd if not check.held_out else None, "held_out": check.held_out,
            "on": "checkout" if base is None else "tree",
            "final": check.final, "required": check.required, "result": run_result(record),
            "tail": record["tail"] if not check.held_out else "",
            "report": record.get("report"), "passed": run_passed(record),
            "base": None, "compare": None}
-    out["ok"] = out["passed"]
+    out["ok"] = out["passed"] and not out["tampered"]
     if base is not None:
         brecord, breport = base["record"], base["report"]
         out["base"] = {"result": run_result(brecord), "passed": run_passed(brecord),
                        "report": brecord.get("report")}
         if breport is not None and report is not None and breport.per_test and report.per_test:
             cmp = compare(breport, report)
+            hosted = [t for t in cmp.fixed if hosted_in(breport, t, taken)]
+            cmp.fixed = [t for t in cmp.fixed if t not in hosted]
             out["compare"] = {k: getattr(cmp, k)[:MAX_IDS] for k in
                               ("fixed", "still_failing", "broken", "vanished")}
             out["compare"].update({f"{k}_count": len(getattr(cmp, k)) for k in
                                    ("fixed", "still_failing", "broken", "vanished", "new")})
-            out["compare"]["words"] = cmp.words()
-            out["ok"] = out["passed"] and cmp.ok()
+            out["compare"]["words"] = cmp.words() + ([
+                f"{len(hosted)} test{'s' if len(hosted) != 1 else ''} fixed inside a file the work "
+                f"changes count for nothing ({', '.join(one_line(t)[:60] for t in hosted[:3])}: a "
+                "doctest, a unit test inside the code)"] if hosted else [])
+            out["compare"]["hosted"] = hosted[:MAX_IDS]
+            out["ok"] = out["passed"] and cmp.ok() and not out["tampered"]
         elif not out["base"]["passed"] and out["passed"]:
             out["compare"] = {"fixed": [], "fixed_count": 1, "words": [], "whole": True}
     return out
@@ -498,7 +641,8 @@ def agent_tests(runner, checks, files, base_runs):
     # id without `::`, stands for its file's tests, which the green run names one by one)
     not_green += sorted(t for t in red if t not in green and "::" in t)
     return {"files": sorted(files), "proven": proven, "not_red": not_red,
-            "not_green": not_green, "unrun": sorted(files - seen)}
+            "not_green": not_green,
+            "unrun": sorted(f for f in files - seen if TEST_MODULE.search(f))}
 
 
 def runner_file(runner, test_id, known):
@@ -529,7 +673,12 @@ def failures(result, opts):
     for r in result["checks"]:
         what = ("held-out check " + str(r["check"]) if r["held_out"] else
                 f"{r['id']} check {r['check']} `{one_line(r['cmd'])}`")
-        if not r["passed"]:
+        if r.get("tampered"):
+            found.append(failure(
+                "tests_tampered", f"re-run — {what}: the check changed the base's tests or "
+                "harness while it ran (" + ", ".join(map(one_line, r["tampered"][:5])) + ")",
+                "the work's code must leave the tests alone: what a check reads is the base's"))
+        elif not r["passed"]:
             found.append(failure(
                 "rerun_failed", f"re-run failed — {what}: " + (r["result"] if not r["held_out"]
                                                                else "it failed"),

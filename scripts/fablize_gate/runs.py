@@ -822,7 +822,7 @@ class Run:
     are read back from the log on disk."""
 
     def __init__(self, cmd, cwd, stream, log_path, story=None, check=None, popen=None,
-                 trace=False, owner=None, reports=None):
+                 trace=False, owner=None, reports=None, top=None):
         import codecs
         import threading
         self.cwd, self.stream, self.log_path = cwd, stream, log_path
@@ -866,6 +866,7 @@ class Run:
         # CI's re-run: how the check is started beside the auditor (rerun.Isolation), whether
         # pytest says which plugins it loaded (--trace-config), whose the report folder is
         self.popen, self.trace, self.owner, self.report_dir = popen or {}, trace, owner, reports
+        self.top = top  # the tree the run is in, when it runs below its top (CI's re-run)
         self.gated = False  # its note could not be written: the check was never let go
         self.record = {"cmd": cmd, "cwd": repo_relative(cwd) or ".", "exit_code": None,
                        "signal": None, "timed_out": False, "error": None}
@@ -1035,8 +1036,8 @@ class Run:
             record["error"] = (f"its log could not be written whole "
                                f"({log_reason(self.log_error)}; {size:,} bytes kept): the run "
                                "counts for nothing")
-        self.detail = (self.reports.read(self.log_path, self.cwd) if self.reports is not None
-                       else None)
+        self.detail = (self.reports.read(self.log_path, self.cwd, self.top)
+                       if self.reports is not None else None)
         record.update(duration_s=round(time.monotonic() - self.started, 3), bytes=size,
                       sha256=sha, tail=tail.decode("utf-8", "replace")[-TAIL_CHARS:],
                       report=recorded(self.detail))
@@ -1099,7 +1100,7 @@ class ReportCollector:
             if self.done:
                 return
 
-    def read(self, log_path, root):
+    def read(self, log_path, root, top=None):
         """The Report (reports.read) once the run is over; the folder is removed."""
         import shutil
         self.done = True
@@ -1120,7 +1121,7 @@ class ReportCollector:
                 except OSError:
                     pass
         try:
-            return read_reports(self.asked, self.documents, log_path, root)
+            return read_reports(self.asked, self.documents, log_path, root, top)
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -1136,14 +1137,14 @@ GATE = 'read -r go || exit 125; exec /bin/sh -c "$1" </dev/null'
 
 
 def run_command(cmd, cwd, timeout, stream, log_path, story=None, check=None, popen=None,
-                trace=False, detail=False, owner=None, reports=None):
+                trace=False, detail=False, owner=None, reports=None, top=None):
     """Run `cmd` through the shell in `cwd` (Run): its record (with `detail`, and its runners'
     Report). Ctrl-C, an agent's tool timeout (SIGTERM) or a closed terminal must not leave the
     command running on its own in its new session: a stop signal kills its group as a timeout
     does, and the record says so. A kill -9 of the engine cannot be answered, so the run is
     noted in flight, durably, before it may start (end_orphaned_runs ends what it left).
     `popen`, `trace`, `owner`, `reports`: CI's re-run (Run)."""
-    run = Run(cmd, cwd, stream, log_path, story, check, popen, trace, owner, reports)
+    run = Run(cmd, cwd, stream, log_path, story, check, popen, trace, owner, reports, top)
     with StopSignals() as stop:
         proc = run.start()
         if proc is not None:

@@ -90,20 +90,14 @@ jobs:
       - name: The audit
         env:
           BASE_REF: ${{{{ github.base_ref }}}}
+        # the job's last process is the engine's verdict.py (exec: no shell left to trace): it
+        # passes only on the audit's exit code and the verdict file it wrote with verdict.py's
+        # nonce, together
         run: |
-          engine="$RUNNER_TEMP/fablize-engine/{engine}/goals.py"
-          verdict="$(mktemp -d "$RUNNER_TEMP/fablize-verdict.XXXXXX")/verdict.json"
-          nonce="$(od -An -N16 -tx1 /dev/urandom | tr -d ' \\n')"
-          status=0
-          FABLIZE_VERDICT_NONCE_FD=3 python3 -I "$engine" audit --base "origin/$BASE_REF" \\
-            --require-complete --rerun all --require-scope --allow-new-plan \\
-            --summary "$GITHUB_STEP_SUMMARY" --verdict "$verdict" 3<<<"$nonce" || status=$?
-          # the verdict is the exit code and the verdict file with this run's nonce, together
-          python3 -I -c 'import json, sys
-          v = json.load(open(sys.argv[1]))
-          sys.exit(0 if v.get("nonce") == sys.argv[2] and v.get("ok") is True else 1)' \\
-            "$verdict" "$nonce" || {{ [ "$status" -ne 0 ] || status=1; }}
-          exit "$status"
+          engine="$RUNNER_TEMP/fablize-engine/{engine}"
+          exec python3 -I "$engine/fablize_gate/verdict.py" -- "$engine/goals.py" audit \\
+            --base "origin/$BASE_REF" --require-complete --rerun all --require-scope \\
+            --allow-new-plan --summary "$GITHUB_STEP_SUMMARY"
 """
 
 

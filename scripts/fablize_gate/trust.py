@@ -47,29 +47,11 @@ from .runs import (
     run_tool, tree_entries)
 from .render import few_ids, grade_groups, GRADES_EACH, md_cell
 from .audit import audit_ledger
-from .rerun import failure
+from .rerun import ARTEFACT, failure, HARNESS
 
 
 SIGN_NAMESPACE = "fablize"
 MAX_LISTED = 10             # unclean runs named one a line in audit's text
-# never taken from the branch into the re-run's tree, whatever the scope: bytecode, compiled
-# objects, and installed-package metadata (a *.dist-info entry point loads a pytest plugin)
-ARTEFACT = (r"(^|/)(__pycache__|[^/]+\.(egg-info|dist-info))(/|$)"
-            r"|\.(pyc|pyo|pyd|so|dylib|dll|o|a|class|jar|whl|egg|pth)$")
-# the files that configure or extend a test run, never taken from the branch whatever the scope
-# says (issue 34): a conftest.py at any depth, the runners' and build tools' configuration (pytest
-# reads pytest.toml first), the interpreter's start-up hooks, a module that shadows a runner under
-# `python -m`, and what git itself reads from the tree (.gitattributes: a `-diff` would make git
-# print no lines). The base's own runner names the rest (rerun.classify).
-HARNESS = (r"(^|/)(conftest\.py|pytest\.ini|\.?pytest\.toml|pyproject\.toml|setup\.cfg|setup\.py"
-           r"|tox\.ini|noxfile\.py|sitecustomize\.py|usercustomize\.py|pytest\.py|unittest\.py"
-           r"|[Mm]akefile|GNUmakefile|[^/]*\.mk|package\.json|\.npmrc|\.yarnrc(\.yml)?"
-           r"|(jest|vitest|vite|babel|mocha|karma|ava)\.config\.[^/]*|\.babelrc[^/]*"
-           r"|\.mocharc[^/]*|\.coveragerc|\.pytest\.ini|\.cargo/config(\.toml)?"
-           r"|\.gitattributes|\.gitmodules)\Z"
-           r"|(^|/)\.cargo/")
-
-
 def parse_pin(text):
     """--since [SEQ:]HASH as (seq or None, hash); a malformed pin is a usage error."""
     seq_text, _, pin_hash = text.rpartition(":")
@@ -323,8 +305,8 @@ def changed_check_files(root, ref, plan):
     named = check_paths(plan, root, top)
     if not named:
         return []
-    code, out, _ = git(top, "diff", "--name-only", "-z", "--no-renames", "--no-relative", full,
-                       "--", *named, what="--base", env=LITERAL)
+    code, out, _ = git(top, "diff", "--name-only", "-z", "--no-renames", "--no-relative",
+                       fork_point(top, full), "--", *named, what="--base", env=LITERAL)
     changed = {x.decode("utf-8", "replace") for x in out.split(b"\0") if x} if code == 0 else set()
     code, out, _ = git(top, "ls-files", "-z", "--others", "--exclude-standard", "--",
                        *named, what="--base", env=LITERAL)
@@ -528,12 +510,14 @@ def policy_changes(store, ref):
     changed = []
     # the policy as each side's tree holds it: mode, type and object (a symlink put in its place,
     # or a .fablize folder that became a link, leaves no such entry: absent is a change too)
+    # against where the branch left the base: a policy the base changed since is not the branch's
     sides = [git(top, "ls-tree", "-z", side, "--", POLICY_PATH, env=LITERAL)[1]
-             for side in (full, "HEAD")]
+             for side in (fork_point(top, full), "HEAD")]
     if sides[0] != sides[1]:
         changed.append(POLICY_PATH)
-    code, out, _ = git(top, "diff", "--name-only", "-z", "--no-renames", "--no-relative", full,
-                       "HEAD", "--", ".github/workflows", what="--base", env=LITERAL)
+    code, out, _ = git(top, "diff", "--name-only", "-z", "--no-renames", "--no-relative",
+                       fork_point(top, full), "HEAD", "--", ".github/workflows", what="--base",
+                       env=LITERAL)
     names = ([x.decode("utf-8", "surrogateescape") for x in out.split(b"\0") if x]
              if code == 0 else [])
     ours = os.environ.get("GITHUB_WORKFLOW_REF", "").split("@")[0]
@@ -550,8 +534,8 @@ def github_changes(store, ref):
     """Every path under .github/ the branch changed: workflows, CODEOWNERS, actions — listed for
     the reviewer whatever they are."""
     top, full = branch_ref(store.root, ref, "--base")
-    code, out, _ = git(top, "diff", "--name-only", "-z", "--no-renames", "--no-relative", full,
-                       "HEAD", "--", ".github", env=LITERAL)
+    code, out, _ = git(top, "diff", "--name-only", "-z", "--no-renames", "--no-relative",
+                       fork_point(top, full), "HEAD", "--", ".github", env=LITERAL)
     return ([x.decode("utf-8", "surrogateescape") for x in out.split(b"\0") if x]
             if code == 0 else [])
 
@@ -911,9 +895,9 @@ def narrower(pattern, files):
     few of them."""
     inside = scope_matcher([pattern]) if files is not None else (lambda path: False)
     picks = []
-    from .rerun import TEST_FILE
+    from .rerun import test_material
     for path in files or ():
-        if (not inside(path) or TEST_FILE.search(path) or re.search(HARNESS, path)
+        if (not inside(path) or test_material(path) or re.search(HARNESS, path)
                 or any(part.startswith(".") for part in path.split("/"))):
             continue  # tests, harness, .fablize/, .github/, dotfiles: never what a work changes
         pick = path.split("/", 1)[0] + "/" if "/" in path else path
@@ -963,7 +947,7 @@ def tree_plan(store, plan, base, opts):
     branch adds (the agent's own tests), the files it would not take as they shadow a module,
     the state directory's and the root's place}. The base's runner adds what it names as tests
     and harness once it has run (rerun.classify)."""
-    from .rerun import TEST_FILE
+    from .rerun import test_material
     scope, source = scope_of(plan, base, opts["scope"], opts.get("scope_from", "CI"))
     if base is None or not scope:
         return None
@@ -978,7 +962,7 @@ def tree_plan(store, plan, base, opts):
             continue
         if re.search(HARNESS, path) or path in named:
             (harness if inside(path) else left).append(path)
-        elif TEST_FILE.search(path):
+        elif test_material(path):
             (agent if status == "A" else left).append(path)  # a base test changed: listed
         elif not inside(path) or re.search(ARTEFACT, path):
             left.append(path)
@@ -987,16 +971,24 @@ def tree_plan(store, plan, base, opts):
         else:
             take.append((path, status == "D"))
     scratch, moved = scratch_folder(top)
-    return {"top": top, "base": full, "take": take, "left": left + harness, "harness": harness,
+    return {"top": top, "base": full, "fork": fork_point(top, full), "take": take,
+            "left": left + harness, "harness": harness,
             "agent_tests": agent, "shadow": shadow, "scope": scope, "from": source,
             "scratch": scratch, "scratch_moved": moved,
             "root": os.path.relpath(os.path.realpath(store.root), top)}
 
 
+def fork_point(top, full):
+    """Where the branch left the base: their merge base (a base that moved on since is not the
+    branch's change), else the base itself."""
+    code, out, _ = git(top, "merge-base", full, "HEAD")
+    return out.decode().strip() if code == 0 and out.strip() else full
+
+
 def branch_changes(top, full):
-    """[(path, status)] the branch's HEAD changed since `full` (the base)."""
+    """[(path, status)] the branch's HEAD changed since it left `full` (the base)."""
     try:
-        return changed_paths(top, full)
+        return changed_paths(top, fork_point(top, full))
     except FablizeError as e:
         raise damaged(f"--base: git cannot compare HEAD with {one_line(full)} "
                       f"({one_line(e.message)[:200]}) — the branch under review must have a "
@@ -1165,7 +1157,7 @@ def tripwires(tree, limit=50, head="HEAD"):
     kept = [path for path, deleted in tree["take"] if not deleted]
     if not kept:
         return []
-    before = tree_entries(tree["top"], tree["base"], kept)
+    before = tree_entries(tree["top"], tree.get("fork") or tree["base"], kept)
     after = tree_entries(tree["top"], head, kept) if head else {}
     blobs = read_objects(tree["top"], [oid for _, oid in list(before.values())
                                        + list(after.values())])
@@ -1203,7 +1195,8 @@ def tripwires_since(store, plan, ref, limit=50):
         return (inside(path) and path != state_rel and not path.startswith(state_rel + "/")
                 and not re.search(ARTEFACT, path) and not re.search(HARNESS, path))
 
-    code, out, _ = git(top, "diff", "--name-only", "-z", "--no-renames", "--no-relative", full,
+    fork = fork_point(top, full)
+    code, out, _ = git(top, "diff", "--name-only", "-z", "--no-renames", "--no-relative", fork,
                        "--", what="--base", env=LITERAL)
     paths = set(x.decode("utf-8", "surrogateescape") for x in out.split(b"\0") if x) \
         if code == 0 else set()
@@ -1212,7 +1205,7 @@ def tripwires_since(store, plan, ref, limit=50):
         paths |= {x.decode("utf-8", "surrogateescape") for x in out.split(b"\0") if x}
     take = [(path, not os.path.lexists(os.path.join(top, path))) for path in sorted(paths)
             if kept(path)]
-    return tripwires({"top": top, "base": full, "take": take}, limit, head=None)
+    return tripwires({"top": top, "base": full, "fork": fork, "take": take}, limit, head=None)
 
 
 # Said once, rendered once: every finding of the trust room is a Block — a title and its items,
