@@ -10,7 +10,9 @@ import pytest
 from conftest import ROOT, SESSION_MARK
 
 
-@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist"])
+@pytest.mark.slow  # the xdist session is among the longest: started first (conftest)
+@pytest.mark.parametrize("workers", [[], ["-p", "xdist.plugin", "-n", "2"]],
+                         ids=["one-process", "xdist"])
 def test_a_process_a_test_leaves_running_fails_the_run_and_is_ended(tmp_path, workers):
     """A whole pytest session of its own, with and without xdist (the slower: workers start):
     a test that leaves a process running fails the run, the process is named and ended. It
@@ -18,6 +20,7 @@ def test_a_process_a_test_leaves_running_fails_the_run_and_is_ended(tmp_path, wo
     pid_file = tmp_path / "pid"
     env = {k: v for k, v in os.environ.items() if k != SESSION_MARK}  # a session of its own
     env["FZTEST_PROBE_PID"] = str(pid_file)
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # only what the probe needs (xdist, named)
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         *workers, str(ROOT / "tests" / "leak_probe.py")],
                        cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=300)

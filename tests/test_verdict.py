@@ -62,9 +62,9 @@ def origin(files, check, scope, policy):
         for rel, text in dict({".gitignore": "__pycache__/\n"}, **files).items():
             (human / rel).parent.mkdir(parents=True, exist_ok=True)
             (human / rel).write_text(text)
-        first = check[0] if isinstance(check, tuple) else check
+        # the first story's check costs nothing (the agent and CI run the final one's tests)
         args = ["create", "--brief", "mul multiplies", "--goal", "fix::mul returns the product",
-                "--goal", "verify::the tests pass", "--check", f"G001={first}"]
+                "--goal", "verify::the tests pass", "--check", "G001=true"]
         for final in (check if isinstance(check, tuple) else (check,)):
             args += ["--verify", final]
         for path in scope:
@@ -150,8 +150,9 @@ class Repo:
                               env=dict(git_env(self.home), **RUST_ENV, **(env or {})))
 
 
-def red_both(repo, *needles, recipe_env=None, strict=True):
-    """The attack makes CI red both ways, each naming why."""
+def red_both(repo, *needles, recipe_env=None, strict=False):
+    """The attack makes CI red, naming why: the action's recipe always, and with `strict` the
+    engine's strictest audit too (the same re-run under other gates: a few tests run both)."""
     p, summary = repo.recipe(env=recipe_env)
     assert p.returncode == 1, p
     assert summary.startswith("## ❌ audit failed"), summary
@@ -165,7 +166,7 @@ def red_both(repo, *needles, recipe_env=None, strict=True):
     return p, summary
 
 
-def green_both(repo, *more, recipe_env=None, strictest=True):
+def green_both(repo, *more, recipe_env=None, strictest=False):
     p, summary = repo.recipe(env=recipe_env)
     assert p.returncode == 0, p
     assert summary.startswith("## ✅ re-witnessed"), summary
@@ -185,7 +186,7 @@ def repo(tmp_path):
 
 def test_the_honest_pull_request_passes_the_recipe_and_the_strictest_audit(repo):
     repo.branch()
-    p, summary = green_both(repo)
+    p, summary = green_both(repo, strictest=True)
     assert "1 fixed (failed on the base, pass now)" in p.stdout, p
     assert summary.index("effective policy") < summary.index("| Story | Grade |"), summary
     assert "fail-to-pass: on — the policy on origin/main" in summary
@@ -211,7 +212,8 @@ def call_in_the_code(what):
 def test_attack_the_code_under_test_skips_its_own_failing_test(repo, what):
     repo.branch(fix=False, change=call_in_the_code(what))
     p, summary = red_both(repo, "tests_not_passing",
-                          "failed on the base and still do not pass (tests.test_calc::test_mul)")
+                          "failed on the base and still do not pass (tests.test_calc::test_mul)",
+                          strict=True)
     assert "tests_not_passing" in summary
 
 
@@ -284,7 +286,7 @@ def test_attack_a_tripwire_in_a_file_whose_name_git_would_quote(tmp_path):
         (t / "lib").mkdir(),
         (t / "lib" / "café\tnew\nline.py").write_text("import os\nos._exit(0)\n"),
         (t / "calc.py").write_text(FIXED)))
-    red_both(repo, "tripwire", "ends the process")
+    red_both(repo, "tripwire", "ends the process", strict=True)
 
 
 def test_names_with_newlines_tabs_quotes_and_accents_are_built_and_judged_whole(tmp_path):
@@ -348,7 +350,7 @@ def test_attack_the_policy_turned_into_a_symlink_to_nothing(repo):
         (tree / ".fablize" / "policy.json").unlink()
         (tree / ".fablize" / "policy.json").symlink_to("nowhere.json")
     repo.branch(after=drop)
-    p, summary = red_both(repo, "policy_changed", ".fablize/policy.json")
+    p, summary = red_both(repo, "policy_changed", ".fablize/policy.json", strict=True)
     assert "fail-to-pass: on — the policy on origin/main" in p.stdout  # it still binds
 
 
@@ -401,7 +403,7 @@ def test_honest_a_monorepo_package_scope_whose_check_enters_its_folder(tmp_path)
                                  "packages/b/other.py": "X = 1\n"},
                 check=f"cd packages/a && {PYTEST}", scope=("packages/a/",))
     repo.branch(fix=False, change=lambda t: (t / "packages" / "a" / "calc.py").write_text(FIXED))
-    p, summary = green_both(repo)
+    p, summary = green_both(repo, strictest=True)
     assert "1 fixed (failed on the base, pass now)" in p.stdout, p
 
 
@@ -426,7 +428,7 @@ def test_honest_unittest_discover_from_the_top(tmp_path):
                                  "tests/test_calc.py": UNITTEST},
                 check=f"{PY} -m unittest discover -s tests -t .")
     repo.branch()
-    p, _ = green_both(repo)
+    p, _ = green_both(repo, strictest=True)
     assert "(unittest: 2 passed)" in p.stdout, p
 
 
@@ -446,7 +448,7 @@ def agent_writes(tmp_path, policy, test=MUL_TEST, code=ADD + "\n\n" + FIXED):
 
 def test_honest_a_pull_request_that_writes_its_own_tests_passes_when_they_are_proven(tmp_path):
     repo = agent_writes(tmp_path, {"agent_tests": "prove"})
-    p, summary = green_both(repo)
+    p, summary = green_both(repo, strictest=True)
     assert "agent-written tests: 1 proven red → green — review what they test" in summary
     assert "proven red → green: `tests.test_mul::test_mul`" in summary, summary
 
@@ -686,7 +688,7 @@ def test_attack_code_that_rewrites_a_base_test_the_run_has_not_read_yet(tmp_path
                                  "import calc\n\n\ndef test_imports():\n    assert calc\n",
                                  "tests/test_mul.py": later})
     repo.branch(after=lambda t: (t / "calc.py").write_text(rewrite))
-    red_both(repo, "tests_tampered", "tests/test_mul.py")
+    red_both(repo, "tests_tampered", "tests/test_mul.py", strict=True)
 
 
 def test_what_a_check_writes_under_its_home_is_gone_before_the_next(tmp_path):
