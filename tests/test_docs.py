@@ -188,8 +188,10 @@ def engine_error_codes():
                 arg = node.args[2]
                 exit_code = getattr(engine, arg.id) if isinstance(arg, ast.Name) \
                     else getattr(engine, arg.attr) if isinstance(arg, ast.Attribute) \
-                    else arg.value
-                codes.setdefault(node.args[1].value, set()).add(exit_code)
+                    else arg.value if isinstance(arg, ast.Constant) else None
+                found = codes.setdefault(node.args[1].value, set())
+                if exit_code is not None:  # else a signal's own (EXIT_SIGNAL_BASE + signal)
+                    found.add(exit_code)
         elif isinstance(node, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == "code"
                                                 for k in node.keys) and \
                 any(isinstance(k, ast.Constant) and k.value == "fix" for k in node.keys):

@@ -272,3 +272,15 @@ def test_one_plan_advanced_differently_leaves_the_ledger_and_the_snapshot_in_con
     unmerged = git(repo, "diff", "--name-only", "--diff-filter=U").split()
     # never one merged without the other: the snapshot follows the ledger it describes
     assert {".fablize/ledger.jsonl", ".fablize/goals.json"} <= set(unmerged), unmerged
+
+
+def test_the_side_to_keep_of_a_diverged_plan_is_its_folder_whatever_file_found_it():
+    """Two branches that advanced one plan differently: the ledger, the snapshot and a run log
+    each name the plan's folder to keep whole (a run log named the repository's root before)."""
+    from fablize_gate.merge import keep_one
+    folder = "git checkout --<ours|theirs> -- :/.fablize"
+    for path in (".fablize/ledger.jsonl", ".fablize/goals.json", ".fablize/runs/3-G001.log"):
+        assert keep_one(path, whole=True) == folder, path
+    assert keep_one(".fablize/runs/3-G001.log") == folder + "/runs/3-G001.log"
+    assert keep_one("ledger.jsonl", whole=True) == "git checkout --<ours|theirs> -- :/."
+    assert keep_one(None) == ()

@@ -108,8 +108,6 @@ UNREACHABLE = {
                     "bad_event (refused_event)",
     "damaged": "a default of transitions a command reaches only with events it builds "
                "itself; replayed, refused_event reports it as bad_event",
-    "refused": "a default only: every core refusal names its code, and the error of a "
-               "signal is renamed interrupted at once",
 }
 
 

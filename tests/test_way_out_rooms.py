@@ -152,6 +152,8 @@ def room_codes():
                 found.add(defaults.get(called, "refused"))
             elif isinstance(code, ast.Constant):
                 found.add(code.value)
+            elif isinstance(code, ast.Attribute) and code.attr == "code":
+                pass  # a refusal raised elsewhere, worded again by the room that knows its way out
             else:
                 raise AssertionError(f"{name}.py:{node.lineno}: a code that is not a literal")
     return found

@@ -37,7 +37,9 @@ when it needs it, so a start loads only what it runs):
 Rooms, for what the original never had, use the layers below commands through the names they
 import from them: setup (setup, doctor, install-block, completion), sharing (share, sync,
 release, create --remote, audit --remote; its git runner in sharing_git), merge (merge-driver,
-install-merge) and trust (audit's --base/--since/--rerun and --require-* gates, decide --sign).
+install-merge), trust (audit's --base/--since/--rerun and --require-* gates, decide --sign;
+CI's re-run of the checks in rerun, a test runner's own report in reports, CI's last process in
+verdict) and setup_ci (setup github, doctor github).
 
 scripts/goals.py, beside this folder, is the one way in: it loads this package by its path.
 Exit codes: 0 done, 1 refused, 2 usage, 3 damaged; 128 + N when signal N stopped a run.

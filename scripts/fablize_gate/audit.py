@@ -8,8 +8,8 @@ from itertools import compress, repeat
 from operator import eq, itemgetter, methodcaller
 
 from .base import (
-    damaged, dumps, fast_sha256, LEDGER, load_json, no_plan, one_line, REPORT_RUNS, RUNS,
-    SNAPSHOT, SNAPSHOT_VERSION, with_step)
+    damaged, dumps, fast_sha256, LEDGER, load_json, no_plan, one_line, REPORT_RUNS, RUNS, SNAPSHOT,
+    SNAPSHOT_VERSION, Step)
 from .masking import looks_secret
 from .model import (
     _EVENT_KIND, _PREV, compact, find_story, is_original_snapshot, line_error, parse_event)
@@ -230,8 +230,9 @@ class Audit:
             mismatch = None
         elif self.version < 2:
             if snap_view["ledger"]["head"] != snap["ledger"]["head"]:
-                raise with_step(damaged(f"{SNAPSHOT} and {LEDGER} disagree at event {snap_seq} "
-                                        f"— {REBUILD_STEP}", "snapshot_mismatch"), "rebuild")
+                raise damaged(f"{SNAPSHOT} and {LEDGER} disagree at event {snap_seq} "
+                              f"— {REBUILD_STEP}", "snapshot_mismatch",
+                              steps=Step.engine("rebuild"))
             report["snapshot"] = ("in the format of fablize 1 (the next writing command "
                                   "rewrites it)")
             return
@@ -239,9 +240,9 @@ class Audit:
             mismatch = first_difference(forgive_new_keys(snap_view, snap),
                                         {k: v for k, v in snap.items() if k != "digest"})
         if mismatch:
-            raise with_step(damaged(f"{SNAPSHOT} disagrees with the replay of {LEDGER} up to line "
-                                    f"{snap_seq}: {mismatch} — {REBUILD_STEP}",
-                                    "snapshot_mismatch"), "rebuild")
+            raise damaged(f"{SNAPSHOT} disagrees with the replay of {LEDGER} up to line "
+                          f"{snap_seq}: {mismatch} — {REBUILD_STEP}",
+                          "snapshot_mismatch", steps=Step.engine("rebuild"))
         behind = replay.seq - snap_seq
         report["snapshot"] = ("in sync" if not behind else
             f"{behind} event{'s' if behind > 1 else ''} behind (rolled forward by the next "

@@ -72,33 +72,64 @@ runs/.*
 PLAN_EXISTS = "a plan already exists. Check it with `status`, or replace it with --force."
 
 
-class FablizeError(Exception):
-    """The one exception the engine raises on purpose: a message, a stable code, an exit code."""
+class Step(tuple):
+    """One runnable next step an error names, decided where the error is raised and printed
+    whole by the command line (render.step_text): the engine's own subcommand (`Step.engine`),
+    after the engine as it was started; the same as a person runs it in their own terminal
+    (`Step.human`: the plugin's launcher by its full path); or the command again as it was
+    started (`Step.again`: with `extra` arguments after it, a variable `env` set for it). A
+    plain string is a step printed as it is: git's, a shell's."""
 
-    def __init__(self, message, code="refused", exit_code=EXIT_REFUSED):
+    __slots__ = ()
+    kind = property(lambda self: self[0])
+    args = property(lambda self: self[1])
+    env = property(lambda self: self[2])
+
+    @classmethod
+    def engine(cls, args):
+        return cls(("engine", args, None))
+
+    @classmethod
+    def human(cls, args):
+        return cls(("human", args, None))
+
+    @classmethod
+    def again(cls, extra="", env=None):
+        return cls(("again", extra, env))
+
+
+def create_args(force=False):
+    """A new plan, as a human writes it (what to write is theirs), after the engine: the step
+    of `no plan`, and of a plan that cannot go on (its history damaged, or done and more work
+    found)."""
+    return (f"create{' --force' if force else ''} --brief \"<brief>\" "
+            "--goal \"<title>::<objective>\"")
+
+
+class FablizeError(Exception):
+    """The one exception the engine raises on purpose: a message, a stable code, an exit code,
+    and `steps`, the way out (a Step or a string, or a list of them), all decided where the
+    refusal is. Nothing above the raise edits it: the command line renders it once, naming the
+    step the error leaves to it — the command again, `--help` — where it names none."""
+
+    def __init__(self, message, code="refused", exit_code=EXIT_REFUSED, steps=()):
         super().__init__(message)
         self.message = message
         self.code = code
         self.exit_code = exit_code
+        self.steps = (steps,) if isinstance(steps, (str, Step)) else tuple(steps)
 
 
-def with_step(error, command):
-    """`error`, naming the one runnable next step: `command` is the engine's subcommand and its
-    arguments, which the command line prints whole, as the engine was started."""
-    error.run_next = command
-    return error
+def refused(message, code="refused", steps=()):
+    return FablizeError(message, code, EXIT_REFUSED, steps)
 
 
-def refused(message, code="refused"):
-    return FablizeError(message, code, EXIT_REFUSED)
+def usage(message, code="usage", steps=()):
+    return FablizeError(message, code, EXIT_USAGE, steps)
 
 
-def usage(message, code="usage"):
-    return FablizeError(message, code, EXIT_USAGE)
-
-
-def damaged(message, code="damaged"):
-    return FablizeError(message, code, EXIT_DAMAGED)
+def damaged(message, code="damaged", steps=()):
+    return FablizeError(message, code, EXIT_DAMAGED, steps)
 
 
 def no_plan():

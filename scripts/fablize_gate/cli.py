@@ -8,17 +8,17 @@ import re
 import sys
 
 from .base import (
-    clean, DECISIONS, DEFAULT_ROUNDS, DEFAULT_RUN_TIMEOUT, EXIT_DAMAGED, EXIT_OK,
+    clean, create_args, DECISIONS, DEFAULT_ROUNDS, DEFAULT_RUN_TIMEOUT, EXIT_DAMAGED, EXIT_OK,
     EXIT_SIGNAL_BASE, EXIT_USAGE, FablizeError, fix_argv_text, HOOK_AGENTS, id_arg, json_text,
-    one_line, PIN, quote_arg, regex, SCHEMA_VERSION, SHARE, usage, VERDICTS)
+    one_line, PIN, quote_arg, regex, SCHEMA_VERSION, SHARE, Step, usage, VERDICTS)
 from .masking import use_environment
 from .storage import find_state_dir, lock_timeout, project_state_dir, snapshot_damage, Store
 from .runs import plan_text
-from .render import create_command, ENTRY_FOLDER, invocation, rerun_command
+from .render import ENTRY_FOLDER, invocation, step_text
 from .commands import (
     cmd_add, cmd_audit, cmd_checkpoint, cmd_create, cmd_decide, cmd_guard, cmd_judge_packet,
     cmd_log, cmd_next, cmd_observe, cmd_pause, cmd_rebuild, cmd_report, cmd_status, cmd_unpause,
-    cmd_verdict, cmd_verify, history_steps, setup_room, sharing_room, store_opened)
+    cmd_verdict, cmd_verify, history_way_out, setup_room, sharing_room, store_opened)
 from . import __version__
 
 
@@ -101,8 +101,9 @@ class Output:
             sys.stdout.write(paint(text, sys.stdout) + "\n")
             self.lines.clear()
 
-    def render(self, command, error, code):
-        """The command's result on stdout and stderr."""
+    def render(self, command, error, code, said=None):
+        """The command's result on stdout and stderr; an `error` as the command line says it
+        (`said`: its message and its steps, whole — way_out)."""
         if self.raw is not None:  # a hook's answer: exactly that object, or nothing
             if self.raw:
                 sys.stdout.write(json_text(self.raw[0]) + "\n")
@@ -113,9 +114,9 @@ class Output:
             if self.warnings:
                 obj["warnings"] = self.warnings
             if error is not None:
-                obj["error"] = {"code": error.code, "message": error.message, "exit": code}
-                if getattr(error, "commands", None):
-                    obj["error"]["commands"] = error.commands
+                obj["error"] = {"code": error.code, "message": said[0], "exit": code}
+                if said[1]:
+                    obj["error"]["commands"] = said[1]
             sys.stdout.write(json_text(obj) + "\n")
             return
         if self.lines:
@@ -131,11 +132,12 @@ class Output:
         sys.stdout.flush()
         err = [f"fablize: warning: {clean(text)}" for text in self.warnings]
         if error is not None:
-            err.append("fablize: " + one_line(error.message))
+            message, commands = said
+            err.append("fablize: " + one_line(message))
             # each step whole on its own line, but a usage error's --help, which its line
             # names as argparse's do: `(see `goals.py COMMAND --help`)`
-            err += ["  " + one_line(cmd) for cmd in getattr(error, "commands", None) or ()
-                    if error.exit_code != EXIT_USAGE or f"`{cmd}`" not in error.message]
+            err += ["  " + one_line(cmd) for cmd in commands
+                    if error.exit_code != EXIT_USAGE or f"`{cmd}`" not in message]
         if err:
             sys.stderr.write(paint("\n".join(err), sys.stderr, error is not None,
                                    self.colour) + "\n")
@@ -638,9 +640,8 @@ def build_parser(only=None, prog="goals.py"):
 
     class Parser(argparse.ArgumentParser):
         def error(self, message):
-            error = usage(f"{better_usage_error(self, message)} (see `{self.prog} --help`)")
-            error.commands = [f"{self.prog} --help"]  # the step the message names, whole
-            raise error
+            raise usage(f"{better_usage_error(self, message)} (see `{self.prog} --help`)",
+                        steps=f"{self.prog} --help")
 
     # argparse makes a formatter for each option it is given, and one without a width imports
     # shutil (bz2, lzma) to ask for the terminal's: ~2.7 ms of every start (a hook's ~10%)
@@ -716,21 +717,16 @@ def answer_interrupts(interrupts):
             raise KeyboardInterrupt
 
 
-def no_plan_advice(ctx, error):
-    """After the original's refusal (its words first: scripts match them), the one case it
-    never had: a fresh clone of a shared plan — the branch pins it, or the remote shares one
-    (asked only here, on the way out, of the remote `sync` would use) — brings it in with
-    `sync`; `create` would start a second plan."""
-    store = ctx._store
+def shared_elsewhere(store):
+    """After the original's `no plan` refusal (its words first: scripts match them), the one
+    case it never had: a fresh clone of a shared plan — the branch pins it, or the remote
+    shares one (asked only here, on the way out, of the remote `sync` would use) — brings it
+    in with `sync`; `create` would start a second plan. What says so, or None."""
     if store is None or os.path.lexists(store.path(SHARE)):
-        return
-    where = "this repository pins a shared plan" if os.path.lexists(store.path(PIN)) else None
-    if where is None:
-        where = sharing_room().remote_sharing(store.root)
-    if where is not None:
-        error.message = (f"{error.message[:-1]}, or, as {where} this clone has not brought in "
-                         "yet, `sync` it:")
-        error.commands = [f"{ctx.prog} sync"]
+        return None
+    if os.path.lexists(store.path(PIN)):
+        return "this repository pins a shared plan"
+    return sharing_room().remote_sharing(store.root)
 
 
 def cwd_gone():
@@ -748,9 +744,7 @@ def cwd_gone():
     error = FablizeError(f"the working directory {where or ''} no longer exists (deleted or "
                          "moved away): change to the project's folder and run the command again"
                          + (f"; the nearest folder still there is {parent}:" if parent else "."),
-                         "cwd_gone", EXIT_DAMAGED)
-    if parent:
-        error.commands = [f"cd {quote_arg(parent)}"]
+                         "cwd_gone", EXIT_DAMAGED, f"cd {quote_arg(parent)}" if parent else ())
     return error
 
 
@@ -762,39 +756,48 @@ RUN_AGAIN = ("io_error", "tool_missing", "tool_timeout", "git_failed", "interrup
 HISTORY_DAMAGE = ("bad_event", "bad_seq", "broken_chain", "bad_line", "run_log_mismatch")
 
 
-def name_the_step(ctx, error, argv):
-    """The one runnable next step of `error`, whole, as the engine was started (its
-    `commands`), where what raised it named none: a usage error's `--help`; no plan's `create`
-    (what to write is a human's); the command again, where a lock, a tool or a signal stopped
-    it; `status` after an event that stands; a history no command repairs, a human's decision
-    (commands.history_steps). What a command knows better it names itself, and wins."""
-    if getattr(error, "commands", None):
-        return
+def way_out(ctx, error, argv):
+    """`error` as the command line says it, once: (its message, its steps as whole command
+    lines, runnable as printed — the engine as it was started). What only the command line
+    knows is said here, the error itself left as it was raised: an event this command recorded
+    before it failed stands (recorded_note), and where the error names no step, the one it
+    leaves to the command line — a usage error's `--help`; no plan's `create` (what to write is
+    a human's), or `sync` for a clone of a shared plan; the command again, where a lock, a tool
+    or a signal stopped it; `status` after an event that stands; a history no command repairs,
+    a human's decision (commands.history_way_out)."""
     prog = ctx.prog if ctx is not None else invocation()
-    if getattr(error, "run_next", None):
-        error.commands = [f"{prog} {error.run_next}"]
-        return
+    store = ctx._store if ctx is not None else None
+    message, steps = error.message, list(error.steps)
+    recorded = store.recorded if store is not None else ()
+    if recorded and error.exit_code == EXIT_DAMAGED:  # after a durable event: it stands
+        message += " " + recorded_note(store)
     code, command = error.code, command_in(argv)
-    recorded = ctx._store.recorded if ctx is not None and ctx._store is not None else ()
-    if error.exit_code == EXIT_USAGE:  # said as argparse says it, in the line itself
+    if steps:
+        pass
+    elif error.exit_code == EXIT_USAGE:  # said as argparse says it, in the line itself
         step = f"{prog} {command} --help" if command else f"{prog} --help"
-        error.message += f" (see `{step}`)"
-        error.commands = [step]
+        message += f" (see `{step}`)"
+        steps = [step]
     elif code == "no_plan":
-        error.commands = [create_command(prog)]
+        where = shared_elsewhere(store)
+        if where is not None:
+            message = (f"{message[:-1]}, or, as {where} this clone has not brought in "
+                       "yet, `sync` it:")
+        steps = [Step.engine("sync" if where is not None else create_args())]
     elif code == "interrupted":
-        error.commands = [rerun_command(prog, argv)]
-    elif recorded and not ctx._store.unrecorded:  # an event this command recorded stands:
-        error.commands = [f"{prog} status"]  # seen first, never run twice
+        steps = [Step.again()]
+    elif recorded and not store.unrecorded:  # an event this command recorded stands:
+        steps = [Step.engine("status")]  # seen first, never run twice
     elif code == "lock_timeout":
-        wait = max(60.0, 2 * lock_timeout())
-        error.commands = [rerun_command(prog, argv, f"FABLIZE_LOCK_TIMEOUT={wait:g}")]
-    elif code in RUN_AGAIN and "a human" not in error.message:  # else the message's repair
+        steps = [Step.again(env=f"FABLIZE_LOCK_TIMEOUT={max(60.0, 2 * lock_timeout()):g}")]
+    elif code in RUN_AGAIN and "a human" not in message:  # else the message's repair
         # is a human's first (a room says which): the command again would meet it again
-        error.commands = [rerun_command(prog, argv)]
-    elif (code in HISTORY_DAMAGE and ctx is not None and ctx._store is not None
+        steps = [Step.again()]
+    elif (code in HISTORY_DAMAGE and store is not None
           and not getattr(ctx.args, "remote", None)):  # a remote's history: the sharing room's
-        history_steps(ctx, error)
+        said, steps = history_way_out(store, error)
+        message += said
+    return message, [step_text(step, prog, argv) for step in steps]
 
 
 def recorded_note(store):
@@ -846,12 +849,6 @@ def main(argv=None, interrupts=None):
         code, error = EXIT_OK, None
     except FablizeError as e:
         code, error = e.exit_code, e
-        recorded = ctx._store.recorded if ctx is not None and ctx._store is not None else ()
-        if recorded and e.exit_code == EXIT_DAMAGED:  # after a durable event: it stands
-            e.message += " " + recorded_note(ctx._store)
-        if e.code == "no_plan" and ctx is not None and not getattr(e, "commands", None):
-            no_plan_advice(ctx, e)
-        name_the_step(ctx, e, argv)
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
         # a failure on what the snapshot holds is its damage; on a sound one, a genuine bug
         error = snapshot_damage(ctx._store) if ctx is not None and ctx._store else None
@@ -865,30 +862,24 @@ def main(argv=None, interrupts=None):
         code, error = EXIT_USAGE, FablizeError(
             f"{missing}.py is missing from the engine's folder fablize_gate/ — copy "
             "goals.py and fablize_gate/ from fablize's scripts/ folder together (README: Add it "
-            "to your project).", "room_missing", EXIT_USAGE)
-        error.commands = [f"cp \"<fablize>/scripts/fablize_gate/{missing}.py\" "
-                          f"{quote_arg(os.path.join(ENTRY_FOLDER, 'fablize_gate', ''))}"]
+            "to your project).", "room_missing", EXIT_USAGE,
+            f"cp \"<fablize>/scripts/fablize_gate/{missing}.py\" "
+            f"{quote_arg(os.path.join(ENTRY_FOLDER, 'fablize_gate', ''))}")
     except BrokenPipeError:  # the reader of a run's streamed output left
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
     except OSError as e:  # a failing disk, a full one, a permission: state stays old or new
         code, error = EXIT_DAMAGED, cwd_gone() or FablizeError(f"I/O error: {e}", "io_error",
                                                                EXIT_DAMAGED)
-        recorded = ctx._store.recorded if ctx is not None and ctx._store is not None else ()
-        if recorded and error.code == "io_error":  # what is durable stays: never a blind retry
-            error.message += " " + recorded_note(ctx._store)
-        name_the_step(ctx, error, argv)
     except KeyboardInterrupt:  # Ctrl-C outside a run: every write is whole or absent
         error = FablizeError("interrupted by SIGINT; the state is as the last completed write "
-                             "left it.", exit_code=EXIT_SIGNAL_BASE + 2)
-        error.code = "interrupted"
+                             "left it.", "interrupted", EXIT_SIGNAL_BASE + 2)
         code = error.exit_code
-        name_the_step(ctx, error, argv)
     except SystemExit as e:  # --help and --version
         return e.code if isinstance(e.code, int) else EXIT_OK
     keep_interrupts(interrupts)  # the command is over: a Ctrl-C now changes nothing it did or says
     try:
-        out.render(command, error, code)
+        out.render(command, error, code, way_out(ctx, error, argv) if error else None)
         sys.stdout.flush()
     except BrokenPipeError:  # `goals.py status | head`: the reader left; nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

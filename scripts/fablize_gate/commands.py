@@ -8,18 +8,18 @@ import time
 from operator import itemgetter
 
 from .base import (
-    ARCHIVE, blank, clean, count_noun, count_stories, defuse, defused_line, DONE, EXIT_REFUSED,
-    EXIT_SIGNAL_BASE, FablizeError, has_marker_word, indent, last_chars, LEDGER, limit_text,
-    MARKS, new_plan_id, no_plan, now_iso, one_line, parse_ids, PLAN_EXISTS, quote_arg, refused,
-    REPORT_RUNS, RESUME_LISTED, RESUME_TITLE, RUNS, scope_pattern, SHARE, short, SNAPSHOT,
-    split_assignment, STATE_DIRNAME, story_id, TAIL_CHARS, usage, ZERO_HASH)
+    ARCHIVE, blank, clean, count_noun, count_stories, create_args, defuse, defused_line, DONE,
+    EXIT_REFUSED, EXIT_SIGNAL_BASE, FablizeError, has_marker_word, indent, last_chars, LEDGER,
+    limit_text, MARKS, new_plan_id, no_plan, now_iso, one_line, parse_ids, PLAN_EXISTS, quote_arg,
+    refused, REPORT_RUNS, RESUME_LISTED, RESUME_TITLE, RUNS, scope_pattern, SHARE, short, SNAPSHOT,
+    split_assignment, STATE_DIRNAME, Step, story_id, TAIL_CHARS, usage, ZERO_HASH)
 from .masking import mask, mask_places, masked_tail, masked_text
 from .model import (
-    accepted_ids, active_stories, apply_event, BASE_FIELDS, blocked_because, checkpoint_gate,
-    claimed_final, current_packet, done_count, find_story, format_event, guard_capped,
-    guard_paused, ids_text, latest_run, not_an_event, observed_of, parse_event, pick_ready,
-    plan_done, round_label, rounds_left, run_passed, run_summary, status_counts, stories_in,
-    touch, unaddressed_failure, waits_for)
+    accepted_ids, active_stories, apply_event, BASE_FIELDS, blocked_because, checkpoint_args,
+    checkpoint_gate, claimed_final, current_packet, done_count, EVIDENCE_NOTES, find_story,
+    format_event, guard_capped, guard_paused, ids_text, latest_run, not_an_event, observed_of,
+    parse_event, pick_ready, plan_done, round_label, rounds_left, run_passed, run_summary,
+    status_counts, stories_in, touch, unaddressed_failure, waits_for)
 from .storage import (
     commit_start, find_state_dir, free_name, from_here, loose_snapshot, open_plan,
     read_state_file, replay_all, require_state_dir, shown_path, Store, symlink_refusal,
@@ -30,11 +30,10 @@ from .runs import (
     inflight_runs, merge_driver_missing, MERGE_QUIET, plan_text, repo_root, tree_state,
     unverifiable_checks, unverifiable_label, verification_runs)
 from .render import (
-    capped_line, checkpoint_command, completion_command, create_command, decide_commands,
-    DECISION_NOTES, done_line, grades_line, handoff_command, human_command, left_line,
+    capped_line, create_command, done_line, grades_line, handoff_command, human_command, left_line,
     next_action, next_line, plan_json, plan_summary, render_handoff, render_observed,
     render_report, render_resume, rerun_command, sequential, status_details, story_json,
-    TAKE_TURNS, verdict_command)
+    TAKE_TURNS)
 from .audit import audit_ledger
 from .hooks import (
     guard_answer, guard_reason, hook_fingerprint, is_verification, observed_outcome,
@@ -97,11 +96,9 @@ def stop_if_interrupted(ctx, records):
         drop_temp_logs(records)
         fate = (f"not recorded ({e.message if isinstance(e, FablizeError) else e}; its temp log "
                "was removed)")
-    error = FablizeError(f"interrupted by {name}: `{one_line(hit['cmd'])}` was stopped (its "
-                         f"whole process group killed) and {fate}; {sid} is unchanged.",
-                         exit_code=EXIT_SIGNAL_BASE + getattr(signal, name, 0))
-    error.code = "interrupted"
-    raise error
+    raise FablizeError(f"interrupted by {name}: `{one_line(hit['cmd'])}` was stopped (its "
+                       f"whole process group killed) and {fate}; {sid} is unchanged.",
+                       "interrupted", EXIT_SIGNAL_BASE + getattr(signal, name, 0))
 
 
 def record_judge_packet(ctx, sid):
@@ -207,9 +204,8 @@ def say_unverifiable(ctx, found):
 def plan_exists(ctx):
     """The original's refusal of a second plan, then its two ways, whole: the plan there, or
     this command again with --force (the plan there is archived whole): a human's choice."""
-    error = refused(PLAN_EXISTS, "plan_exists")
-    error.commands = [f"{ctx.prog} status", rerun_command(ctx.prog, ctx.argv) + " --force"]
-    return error
+    return refused(PLAN_EXISTS, "plan_exists",
+                   steps=[f"{ctx.prog} status", rerun_command(ctx.prog, ctx.argv) + " --force"])
 
 
 def cmd_create(ctx, a):
@@ -273,31 +269,25 @@ def stuck_error(ctx, plan, agent):
     """Why `next` has nothing to hand out (the plan is not done): the plan's next action."""
     action = next_action(ctx.prog, plan, agent)
     if action["kind"] == "decide":
-        error = refused(action["text"], "halted")
-        error.commands = action["commands"]  # each whole on its own line, after the message
-        return error
+        return refused(action["text"], "halted", steps=action["commands"])
     if action["kind"] == "judge":
-        error = refused(action["text"] + ".", "awaiting_review")
-        error.commands = [action["cmd"]]
-        return error
+        return refused(action["text"] + ".", "awaiting_review", steps=action["cmd"])
     # what the others hold: they finish it; an agent that is gone is a human's to release
     held = active_stories(plan)
     turns = f" ({TAKE_TURNS})" if agent is not None and held and sequential(plan) else ""
-    error = refused(action["text"] + turns + (" — if an agent is gone, a human releases its "
-                                              "story:" if held else "."), "nothing_ready")
-    error.commands = [f"{human_command(ctx.prog)} release --id {s['id']} --note "
-                      "\"<why its agent's claim ends>\"" for s in held[:3]]
-    return error
+    return refused(action["text"] + turns + (" — if an agent is gone, a human releases its "
+                                             "story:" if held else "."), "nothing_ready",
+                   steps=[f"{human_command(ctx.prog)} release --id {s['id']} --note "
+                          "\"<why its agent's claim ends>\"" for s in held[:3]])
 
 
 def held_by_other(ctx, story):
     """`next` without a name while an agent holds `story`: an unnamed caller is handed no other
     agent's story (it would work on it unseen by its agent) — one of its own takes a name."""
-    error = refused(f"{story['id']} is held by agent {one_line(story['agent'])}, not an unnamed "
-                    "caller (give --agent): an unnamed `next` hands out no agent's story — take "
-                    "one of your own by name:", "held_by_other")
-    error.commands = [f'{ctx.prog} next --agent "<your name>"']
-    return error
+    return refused(f"{story['id']} is held by agent {one_line(story['agent'])}, not an unnamed "
+                   "caller (give --agent): an unnamed `next` hands out no agent's story — take "
+                   "one of your own by name:", "held_by_other",
+                   steps=f'{ctx.prog} next --agent "<your name>"')
 
 
 def cmd_next(ctx, a):
@@ -361,61 +351,15 @@ def say_after_checkpoint(ctx, plan, story, agent=None):
     return action
 
 
-def advise_not_active(ctx, plan, error, agent):
-    """The whole command of the step a not-active refusal names, on its own line (the line
-    itself is the original's, which scripts match): its checkpoint for the story in progress, a
-    human's decisions for a blocked one, the judge's packet for one in review, `next` (for this
-    agent) to activate it — in a clone of a shared plan, whose copy may be behind what another
-    clone recorded, `sync` first — else `status`."""
-    step = getattr(error, "step", ("status",))
-    if step[0] == "finish":
-        error.commands = [completion_command(ctx.prog, plan, find_story(plan, step[1]))]
-    elif step[0] == "decide":
-        error.commands = decide_commands(ctx.prog, step[1])
-    elif step[0] == "judge":
-        error.commands = [f"{ctx.prog} judge-packet --id {step[1]}"]
-    elif step[0] != "next":
-        error.commands = [f"{ctx.prog} status"]
-    elif sharing_of(ctx.store) is not None:
-        error.message += (" This clone's copy of the shared plan may be behind what another "
-                          "clone recorded: sync it first.")
-        error.commands = [f"{ctx.prog} sync"]
-    else:  # an unnamed caller, while agents hold stories, takes one by name (cmd_next)
-        name = (quote_arg(agent) if agent else
-                '"<your name>"' if any(s["agent"] for s in active_stories(plan)) else None)
-        error.commands = [f"{ctx.prog} next" + (f" --agent {name}" if name else "")]
-
-
-# what a checkpoint's evidence says, by its status, where a step leaves it to the agent
-EVIDENCE_NOTES = {"complete": "<what shows it>", "failed": "<what is missing>",
-                  "blocked": "<why it cannot be done as specified>"}
-
-
-def checkpoint_step(ctx, plan, story, error, a):
-    """The whole command of the step a refused checkpoint names (error.commands): the
-    checkpoint the gate accepts — with what the agent has to write as a placeholder, and for
-    the final story the witnessed way — or, for a caller that does not hold the story, its own
-    step (`status --agent`: a caller that gave no name gives its own)."""
-    code, prog = error.code, ctx.prog
-    if code == "not_active":
-        advise_not_active(ctx, plan, error, a.agent)
-    elif code == "held_by_other":  # never the holder's name offered: each agent its own
-        error.commands = [f"{prog} status --agent "
-                          + (quote_arg(a.agent) if a.agent is not None else '"<your name>"')]
-    elif code == "no_evidence" and a.status != "complete":
-        error.commands = [checkpoint_command(prog, story, a.status, EVIDENCE_NOTES[a.status])]
-    elif code in ("no_evidence", "verification_gate", "run_required", "verification_missing",
-                  "verification_failed"):
-        error.commands = [completion_command(prog, plan, story)]
-
-
-def reason_required(status):
-    """failed and blocked carry a reason: the next round reads it, or the human who decides."""
+def reason_required(story, status):
+    """failed and blocked carry a reason: the next round reads it, or the human who decides;
+    the step is the checkpoint with what the agent has to write as a placeholder."""
+    step = Step.engine(checkpoint_args(story, status, EVIDENCE_NOTES[status]))
     if status == "failed":
         return refused("a failed checkpoint requires --evidence: what is missing (the next round "
-                       "is handed it).", "no_evidence")
+                       "is handed it).", "no_evidence", step)
     return refused("a blocked checkpoint requires --evidence: why it cannot be done as specified "
-                   "(the human who decides is handed it).", "no_evidence")
+                   "(the human who decides is handed it).", "no_evidence", step)
 
 
 def cmd_checkpoint(ctx, a):
@@ -441,22 +385,18 @@ def cmd_checkpoint(ctx, a):
     with open_plan(ctx) as s:
         plan = s.require_plan()
         story = find_story(plan, a.id)
-        try:
-            checkpoint_gate(plan, story, ev)
-            # here, not in the transition: ledgers written before this rule must still replay
-            if a.status != "complete" and blank(a.evidence):
-                raise reason_required(a.status)
-            if a.status == "complete":
-                commands, note = verification_runs(story, a.verify_cmd, a.run)
-                if note:
-                    ctx.out.warn(note)
-                if story["checks"]:
-                    ev.pop("run", None)  # the frozen checks are the run
-            if not commands:
-                s.commit("checkpoint", **ev)
-        except FablizeError as e:
-            checkpoint_step(ctx, plan, story, e, a)
-            raise
+        checkpoint_gate(plan, story, ev, shared=sharing_of(s.store) is not None)
+        # here, not in the transition: ledgers written before this rule must still replay
+        if a.status != "complete" and blank(a.evidence):
+            raise reason_required(story, a.status)
+        if a.status == "complete":
+            commands, note = verification_runs(story, a.verify_cmd, a.run)
+            if note:
+                ctx.out.warn(note)
+            if story["checks"]:
+                ev.pop("run", None)  # the frozen checks are the run
+        if not commands:
+            s.commit("checkpoint", **ev)
     runs = []
     if commands:
         records = execute_runs(ctx.store, a.id, commands, plan["ledger"]["seq"], ctx.timeout,
@@ -467,18 +407,17 @@ def cmd_checkpoint(ctx, a):
             runs = commit_runs(s, records)
             ev["runs"] = [r["seq"] for r in runs]
             ctx.data["runs"] = runs
+            failed = [r for r in runs if not run_passed(r)]
             try:
                 s.commit("checkpoint", **ev)
             except FablizeError as e:
-                failed = [r for r in runs if not run_passed(r)]
-                if failed:
-                    r = failed[0]
-                    e.message += (f" The run is recorded (event {r['seq']}, log "
-                                  f"{shown_path(ctx.store, r['log'])}); "
-                                  f"{a.id} stays in progress: fix it and checkpoint again:")
-                    e.code = "verification_failed"
-                checkpoint_step(ctx, s.plan, find_story(s.plan, a.id), e, a)
-                raise
+                if not failed:
+                    raise
+                # the gate refused what the runs showed: the refusal is theirs, and they stand
+                raise refused(f"{e.message} The run is recorded (event {failed[0]['seq']}, log "
+                              f"{shown_path(ctx.store, failed[0]['log'])}); {a.id} stays in "
+                              "progress: fix it and checkpoint again:", "verification_failed",
+                              e.steps) from e
     plan = s.plan  # as the session left it: a shared plan's publish may have pulled events
     story = find_story(plan, a.id)
     say_observed(ctx, story)
@@ -654,10 +593,9 @@ def cmd_verify(ctx, a):
         if note:
             ctx.out.warn(note)
         if not commands:
-            error = refused(f"{a.id} has no frozen checks — give --verify-cmd to run a command.",
-                            "no_checks")
-            error.commands = [f"{ctx.prog} verify --id {a.id} --verify-cmd \"<command>\""]
-            raise error
+            raise refused(f"{a.id} has no frozen checks — give --verify-cmd to run a command.",
+                          "no_checks",
+                          steps=f"{ctx.prog} verify --id {a.id} --verify-cmd \"<command>\"")
         after_seq = plan["ledger"]["seq"]
     records = execute_runs(ctx.store, a.id, commands, after_seq, ctx.timeout, ctx.out)
     stop_if_interrupted(ctx, records)
@@ -667,12 +605,10 @@ def cmd_verify(ctx, a):
     ctx.data["runs"] = runs
     failed = [r for r in runs if not run_passed(r)]
     if failed:  # recorded: once the cause is fixed, the same runs again
-        error = refused(f"{a.id}: {len(failed)} of {count_noun(len(runs), 'check')} failed — "
-                        f"first: {run_summary(failed[0])} (log "
-                        f"{shown_path(ctx.store, failed[0]['log'])}); fix it and verify again:",
-                        "verification_failed")
-        error.commands = [rerun_command(ctx.prog, ctx.argv)]
-        raise error
+        raise refused(f"{a.id}: {len(failed)} of {count_noun(len(runs), 'check')} failed — "
+                      f"first: {run_summary(failed[0])} (log "
+                      f"{shown_path(ctx.store, failed[0]['log'])}); fix it and verify again:",
+                      "verification_failed", steps=rerun_command(ctx.prog, ctx.argv))
     ctx.say(f"fablize: {a.id}: {'all ' if len(runs) > 1 else ''}{count_noun(len(runs), 'check')} "
             "passed (status unchanged: "
             f"{find_story(s.plan, a.id)['status']}).")
@@ -690,13 +626,7 @@ def cmd_decide(ctx, a):
     with open_plan(ctx) as s:
         s.require_plan()
         signed = trust.signed_fields(s.plan, signature, prev) if signature else {}
-        try:
-            s.commit("decision", id=a.id, decision=a.decision, note=note, **signed)
-        except FablizeError as e:
-            if e.code == "no_note":  # the note is the human's to write
-                e.commands = [f"{human_command(ctx.prog)} decide --id {a.id} {a.decision} "
-                              f"--note \"{dict(DECISION_NOTES)[a.decision]}\""]
-            raise
+        s.commit("decision", id=a.id, decision=a.decision, note=note, **signed)
         plan = s.plan
     story = find_story(plan, a.id)
     what = {"accept": "counts as done", "retry": "back to work, rounds reset",
@@ -726,12 +656,7 @@ def cmd_add(ctx, a):
         spec["accept"] = [plan_text("an acceptance item", t) for t in a.accept if not blank(t)]
         spec["judge"] = a.judge
         unverifiable = unverifiable_checks([spec], ctx.store.root)
-        try:
-            s.commit("story_added", story=spec, unverifiable=unverifiable)
-        except FablizeError as e:
-            if e.code == "final_started":
-                e.commands = reopen_final(ctx.prog, plan)
-            raise
+        s.commit("story_added", story=spec, unverifiable=unverifiable)
         plan = s.plan
     story = find_story(plan, spec["id"])
     ctx.say(f"fablize: added {story['id']} {defused_line(story['title'])} — before the final story "
@@ -739,19 +664,6 @@ def cmd_add(ctx, a):
                                             if story["after"] else ""))
     say_unverifiable(ctx, unverifiable)
     ctx.data.update(story=story_json(plan, story))
-
-
-def reopen_final(prog, plan):
-    """Where `add` found verification started: the step that lets a story come before the
-    final one again — the final story's checkpoint as failed (what is missing: the story to
-    add), a human's retry of it in review, or, once the plan is done, a new plan."""
-    final = find_story(plan, plan["goals"][-1]["id"])
-    if final["status"] == "in_progress":
-        return [checkpoint_command(prog, final, "failed", "<the story that must come first>")]
-    if final["status"] == "review":
-        return [f"{human_command(prog)} decide --id {final['id']} retry --note "
-                "\"<the story that must come first>\""]
-    return [create_command(prog, force=True)]
 
 
 # audit's options that the trust room answers; --allow-* only relax its gates
@@ -833,10 +745,9 @@ def audit_and_judge(ctx, a):
                                           if len(failures) == 1 else
                                           "; ".join(f["message"] for f in failures) +
                                           " (the fix of each is said above)"),
-                             failures[0]["code"], EXIT_REFUSED)
+                             failures[0]["code"], EXIT_REFUSED,
+                             failures[0].get("commands") or ())  # the first gate's, whole
         error.summarised = True
-        if failures[0].get("commands"):  # the first gate's step, whole
-            error.commands = failures[0]["commands"]
         raise error
 
 
@@ -1048,7 +959,7 @@ def cmd_rebuild(ctx, a):
         try:
             end = s.cut_torn_tail({"ledger": reflected})
         except FablizeError as e:
-            if getattr(e, "run_next", None) != "rebuild":
+            if Step.engine("rebuild") not in e.steps:
                 raise
             # the step that message named: the damaged event is set aside, said, not dropped
             end = s.cut_torn_tail({"ledger": {"seq": 0}})
@@ -1105,19 +1016,21 @@ def reconcile_shared(ctx, s):
     return max(0, s.plan["ledger"]["seq"] - before) if s.plan else 0
 
 
-def history_steps(ctx, error):
+def history_way_out(store, error):
     """The way out of damage no command repairs — a ledger line that is no event or breaks the
-    chain, an event fablize would not have written, a run log that is not the one recorded:
-    a human's decision, said, between the copy git holds as last committed (where it differs
-    from what is here) and a new plan (this one kept whole in archive/)."""
+    chain, an event fablize would not have written, a run log that is not the one recorded —
+    as (what the message adds, the steps): a human's decision, said, between the copy git holds
+    as last committed (where it differs from what is here) and a new plan (this one kept whole
+    in archive/). The storage room that found the damage cannot ask git what it holds."""
     log = getattr(error, "path", None)
-    restore = committed_copy(ctx.store, [log] if log else [LEDGER], whole=log is None)
+    restore = committed_copy(store, [log] if log else [LEDGER], whole=log is None)
+    said = ""
     if "a human decides" not in error.message:  # the message whole, then the way out
-        error.message += ((" No" if error.message.endswith(".") else " — no") +
-                          " command repairs a history: a human decides between "
-                          + ("its copy as last committed and " if restore else "") +
-                          "a new plan (this one is kept whole in archive/):")
-    error.commands = restore + [create_command(ctx.prog, force=True)]
+        said = ((" No" if error.message.endswith(".") else " — no") +
+                " command repairs a history: a human decides between "
+                + ("its copy as last committed and " if restore else "") +
+                "a new plan (this one is kept whole in archive/):")
+    return said, restore + [Step.engine(create_args(force=True))]
 
 
 def committed_copy(store, names, whole=False):
@@ -1304,14 +1217,10 @@ def cmd_report(ctx, a):
         raise usage(f"report --out {one_line(target)}: that is inside the state directory, whose "
                     "files only fablize writes.", "usage")
     if a.out:  # the user's file: in the project unless --outside, never through a symlink
-        try:
-            target, st = user_file(ctx.store.root, a.out, a.outside)
-        except FablizeError as e:  # the user's to choose: outside after all, or another file
-            e.commands = ([rerun_command(ctx.prog, ctx.argv) + " --outside"]
-                          if e.code == "outside_project" else
-                          [f"{ctx.prog} report --out \"<another file>\""
-                           + (" --outside" if a.outside else "")])
-            raise
+        # the user's to choose: outside after all, or another file
+        target, st = user_file(ctx.store.root, a.out, a.outside, (
+            Step.again("--outside"),
+            Step.engine("report --out \"<another file>\"" + (" --outside" if a.outside else ""))))
         write_atomic(target, text.encode("utf-8"), st.st_mode & 0o7777 if st else 0o644)
     elif target:  # CI's job summary, where CI keeps it: appended to
         with open(target, "ab+") as f:
@@ -1416,35 +1325,17 @@ def cmd_verdict(ctx, a):
         s.require_plan()
         fields = {"verdict": a.verdict,
                   "evidence": masked_text("--evidence", a.evidence, s.store.root)}
-        try:
-            s.commit("verdict", id=a.id, agent=a.agent, **dict(fields, **(void or {})))
-        except FablizeError as e:
-            verdict_step(ctx, a, e)
-            raise
+        s.commit("verdict", id=a.id, agent=a.agent, **dict(fields, **(void or {})))
         plan = s.plan
     story = find_story(plan, a.id)
     ctx.data.update(story=story_json(plan, story))
     if void:
-        error = refused(f"the working tree changed since the judge packet (event "
-                        f"{void['packet_seq']}): the verdict is refused and recorded as "
-                        f"not-achieved — {a.id} is {story['status']}; a judge must not change what "
-                        "it judges.", "tree_changed")
         action = next_action(ctx.prog, plan)
-        error.commands = [action["cmd"]] if action.get("cmd") else [f"{ctx.prog} status"]
-        raise error
+        raise refused(f"the working tree changed since the judge packet (event "
+                      f"{void['packet_seq']}): the verdict is refused and recorded as "
+                      f"not-achieved — {a.id} is {story['status']}; a judge must not change what "
+                      "it judges.", "tree_changed", action.get("cmd") or Step.engine("status"))
     say_after_checkpoint(ctx, plan, story)
-
-
-def verdict_step(ctx, a, error):
-    """The whole command of the step a refused verdict names: the verdict again with what the
-    judge has to write as a placeholder, or, for the story's own executor, the packet an
-    independent judge starts from."""
-    if error.code in ("no_evidence", "no_agent"):
-        error.commands = [verdict_command(
-            ctx.prog, a.id, a.verdict, None if blank(a.evidence) else a.evidence,
-            None if blank(a.agent) else a.agent)]
-    elif error.code == "judge_not_independent":
-        error.commands = [f"{ctx.prog} judge-packet --id {a.id}"]
 
 
 def session_start(ctx, a):

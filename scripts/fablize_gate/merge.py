@@ -16,8 +16,7 @@ import os
 import re
 
 from .base import (
-    damaged, FablizeError, LEDGER, load_json, one_line, quote_arg, refused, RUNS, SNAPSHOT,
-    with_step)
+    damaged, LEDGER, load_json, one_line, quote_arg, refused, RUNS, SNAPSHOT, Step)
 from .model import is_original_snapshot, make_event, misfit, PLAN_SPEC
 from .storage import read_state_file, symlink_refusal, within, write_atomic
 from .runs import git, git_out, MERGE_ATTRIBUTE, merge_driver_missing, read_plain, repo_root
@@ -30,8 +29,21 @@ MERGE_ATTRIBUTE = MERGE_ATTRIBUTE.decode()
 KEEP_ONE = "a human's choice, the other side's events are left out — then `git add` it:"
 
 
-def merge_ledgers(ours, theirs):
-    """The merged ledger.jsonl, or a refusal (git then leaves the conflict to a human)."""
+def keep_one(path, whole=False):
+    """The side to keep of `path` (git's own path of the file being merged), a human's choice:
+    the file, or (`whole`) the plan's folder — its ledger, snapshot and logs go together."""
+    if not path:
+        return ()
+    where = path
+    if whole:  # a run log's plan folder is above runs/; a ledger's or snapshot's, theirs
+        where = (path.split(f"/{RUNS}/")[0] if f"/{RUNS}/" in "/" + path
+                 else path.rpartition("/")[0]) or "."
+    return f"git checkout --<ours|theirs> -- {quote_arg(':/' + where)}"
+
+
+def merge_ledgers(ours, theirs, path=None):
+    """The merged ledger.jsonl, or a refusal (git then leaves the conflict to a human). `path`:
+    the file git merges (the ledger, or the snapshot or log that follows it)."""
     try:
         ours.decode("utf-8"), theirs.decode("utf-8")
     except UnicodeDecodeError:
@@ -47,7 +59,7 @@ def merge_ledgers(ours, theirs):
         at = next(i for i, (x, y) in enumerate(zip(lo, lt), 1) if x != y)
         raise refused(f"both branches advanced the same plan differently (from event {at}); "
                       f"keep one side: `git checkout --ours` or `--theirs` on it — {KEEP_ONE}",
-                      "diverged")
+                      "diverged", keep_one(path, whole=True))
     mine, other = audit_ledger(ours, None)["plan"], audit_ledger(theirs, None)["plan"]
     if (other["created"], other["plan_id"]) > (mine["created"], mine["plan_id"]):
         (mine, lo, ours), (other, lt, theirs) = (other, lt, theirs), (mine, lo, ours)
@@ -70,19 +82,19 @@ def merge_snapshots(ours, theirs, path=None):
             snap = None
         if (type(snap) is not dict or is_original_snapshot(snap) or
                 misfit(snap, PLAN_SPEC) is not None):
-            raise with_step(damaged(f"{SNAPSHOT}: one side is not a fablize snapshot — once "
-                                    f"{LEDGER} is merged, `rebuild` writes it anew from it (then "
-                                    "`git add` it):", "bad_snapshot"), "rebuild")
+            raise damaged(f"{SNAPSHOT}: one side is not a fablize snapshot — once "
+                          f"{LEDGER} is merged, `rebuild` writes it anew from it (then "
+                          "`git add` it):", "bad_snapshot", steps=Step.engine("rebuild"))
         sides.append((snap["plan_id"], snap["ledger"]["seq"], snap["created"]))
     ko, kt = sides
     if ko[0] == kt[0]:
         if ko[1] == kt[1]:
             raise refused("both branches changed the same plan's snapshot at the same event; "
                           f"keep one side of the plan (its {LEDGER} with it) — {KEEP_ONE}",
-                          "diverged")
+                          "diverged", keep_one(path, whole=True))
         ledgers = ledger_sides(path.rsplit("/", 1)[0] + "/" + LEDGER) if path else None
-        if ledgers is not None:
-            merge_ledgers(*ledgers)  # refuses a diverged plan: the snapshot stays in conflict
+        if ledgers is not None:  # refuses a diverged plan: the snapshot stays in conflict
+            merge_ledgers(*ledgers, path)
         return ours if ko[1] > kt[1] else theirs
     return ours if (ko[2], ko[0]) > (kt[2], kt[0]) else theirs
 
@@ -106,8 +118,8 @@ def merge_run_log(path, ours, theirs):
     if sides is None:
         raise refused(f"{one_line(path)}: both branches wrote a different run log here, and this "
                       f"is not a `git merge` of one branch whose sides both hold {LEDGER}; keep "
-                      f"the log of the plan that stays — {KEEP_ONE}", "conflict")
-    merged = merge_ledgers(*sides)
+                      f"the log of the plan that stays — {KEEP_ONE}", "conflict", keep_one(path))
+    merged = merge_ledgers(*sides, path)
     if merged == sides[1] or (merged != sides[0] and not merged.startswith(sides[0])):
         return theirs
     return ours
@@ -118,23 +130,16 @@ def cmd_merge_driver(ctx, a):
     name = os.path.basename(a.path or "")
     if ours == theirs:
         return
-    try:
-        if name == LEDGER:
-            merged = merge_ledgers(ours, theirs)
-        elif name == SNAPSHOT:
-            merged = merge_snapshots(ours, theirs, a.path)
-        elif f"/{RUNS}/" in "/" + (a.path or "") and name.endswith(".log"):
-            merged = merge_run_log(a.path, ours, theirs)
-        else:
-            raise refused(f"{one_line(a.path)}: both branches changed it and only {LEDGER} and "
-                          f"{SNAPSHOT} merge by replay; keep one side — {KEEP_ONE}", "conflict")
-    except FablizeError as e:
-        if e.message.endswith(KEEP_ONE) and a.path:  # the side to keep: a human's
-            # a plan's files go together: its ledger and snapshot (and logs), the folder whole
-            where = a.path if e.code == "conflict" else a.path.split(f"/{RUNS}/")[0].rpartition(
-                "/")[0] or "."
-            e.commands = [f"git checkout --<ours|theirs> -- {quote_arg(':/' + where)}"]
-        raise
+    if name == LEDGER:
+        merged = merge_ledgers(ours, theirs, a.path)
+    elif name == SNAPSHOT:
+        merged = merge_snapshots(ours, theirs, a.path)
+    elif f"/{RUNS}/" in "/" + (a.path or "") and name.endswith(".log"):
+        merged = merge_run_log(a.path, ours, theirs)
+    else:
+        raise refused(f"{one_line(a.path)}: both branches changed it and only {LEDGER} and "
+                      f"{SNAPSHOT} merge by replay; keep one side — {KEEP_ONE}", "conflict",
+                      keep_one(a.path))
     write_atomic(a.ours, merged)
     ctx.out.warn(f"merged {one_line(a.path)} by replay.")
 
@@ -191,10 +196,8 @@ def install(store, cli):
     driver in this clone's git config. Returns (the line, the driver command)."""
     root = store.root
     if git(root, "rev-parse", "--git-dir", what="install-merge")[0] != 0:
-        error = refused(f"{root} is not a git repository — `git init` makes it one:",
-                        "no_git_repo")
-        error.commands = ["git init"]
-        raise error
+        raise refused(f"{root} is not a git repository — `git init` makes it one:",
+                      "no_git_repo", steps="git init")
     rel = os.path.relpath(store.dir, root).replace(os.sep, "/")
     if rel.startswith(".."):
         raise refused("the state directory is outside the repository: nothing to merge.",

@@ -8,11 +8,11 @@ from itertools import repeat
 from operator import itemgetter
 
 from .base import (
-    _ESCAPE_LINE, blank, CHECKPOINT_STATUSES, count_noun, count_stories, damaged, DECISIONS,
-    DEFAULT_ROUNDS, defused_line, DONE, dumps, EXIT_DAMAGED, FablizeError, forged, is_plan_id,
-    last_chars, Lazy, LEDGER, load_json, new_plan_id, now_iso, OBSERVED_KEEP, one_line,
-    ORIGINAL_STATUSES, refused, regex, RUNS, scope_pattern, sha256_hex, SNAPSHOT,
-    SNAPSHOT_VERSION, STATUSES, story_id, TAIL_CHARS, usage, VERDICTS, with_step, ZERO_HASH)
+    _ESCAPE_LINE, blank, CHECKPOINT_STATUSES, count_noun, count_stories, create_args, damaged,
+    DECISIONS, DEFAULT_ROUNDS, defused_line, DONE, dumps, EXIT_DAMAGED, FablizeError, forged,
+    is_plan_id, last_chars, Lazy, LEDGER, load_json, new_plan_id, now_iso, OBSERVED_KEEP, one_line,
+    ORIGINAL_STATUSES, quote_arg, refused, regex, RUNS, scope_pattern, sha256_hex, SNAPSHOT,
+    SNAPSHOT_VERSION, STATUSES, story_id, TAIL_CHARS, Step, usage, VERDICTS, ZERO_HASH)
 from .masking import mask, mask_places
 
 
@@ -282,8 +282,8 @@ def find_story(plan, sid):
     """The story `sid`, touched; refused when the plan has none."""
     story = lookup(plan, sid)
     if story is None:
-        raise with_step(refused(f"{one_line(sid)} not found. {plan_ids(plan)}", "not_found"),
-                        "status")  # it lists them
+        raise refused(f"{one_line(sid)} not found. {plan_ids(plan)}", "not_found",
+                      steps=Step.engine("status"))  # it lists them
     return touch(story)
 
 
@@ -798,7 +798,9 @@ def _log_story_started(ev, sid):
 
 
 def verification_gap(plan, story, ev):
-    """Why a `complete` checkpoint of `story` is not verified, or None if it is."""
+    """Why a `complete` checkpoint of `story` is not verified, or None if it is: a refusal
+    naming the checkpoint the gate accepts."""
+    step = Step.engine(completion_args(plan, story))
     checks = story["checks"]
     if checks:
         for i, cmd in enumerate(checks):
@@ -806,95 +808,148 @@ def verification_gap(plan, story, ev):
             if run is None:
                 return refused(f"{story['id']}: frozen check {i + 1} (`{one_line(cmd)}`) has no "
                                "run "
-                               "since the story was activated.", "verification_missing")
+                               "since the story was activated.", "verification_missing", step)
             if not run["ok"]:
                 return refused(f"{story['id']}: frozen check {i + 1} (`{one_line(cmd)}`) failed "
-                               f"({describe_exit(run)}).", "verification_failed")
+                               f"({describe_exit(run)}).", "verification_failed", step)
         return None
     if ev.get("run"):
         run = latest_run(story, cmd=ev.get("verify_cmd"))
         if run is None:
             return refused(f"{story['id']}: no run of `{one_line(ev.get('verify_cmd'))}` since the "
-                           "story was activated.", "verification_missing")
+                           "story was activated.", "verification_missing", step)
         if not run["ok"]:
             return refused(f"{story['id']}: `{one_line(run['cmd'])}` failed "
-                           f"({describe_exit(run)}).", "verification_failed")
+                           f"({describe_exit(run)}).", "verification_failed", step)
         return None
     if not is_final(plan, story):
         return None
     if plan["options"]["require_run"]:
         return refused("this plan requires a witnessed run: the final story completes only "
                        "with --run (the engine runs --verify-cmd) or frozen checks.",
-                       "run_required")
+                       "run_required", step)
     if blank(ev.get("verify_cmd")) or blank(ev.get("verify_evidence")):
         return refused("the final story cannot complete without --verify-cmd and --verify-evidence "
                        "(verification gate). Witnessed is stronger than typed: --run --verify-cmd "
                        "CMD has the engine run it (or the story's frozen checks run by "
                        "themselves); a --verify-evidence you type is only claimed.",
-                       "verification_gate")
+                       "verification_gate", step)
     return None
 
 
-def not_active(plan, story, agent=None):
+# what a human may decide of a story that needs one, each with what its note says
+DECISION_NOTES = (("accept", "<why it is acceptable as it is>"),
+                  ("retry", "<what the next attempt should do>"),
+                  ("amend", "<what changes in the objective>"))
+# what a checkpoint's evidence says, by its status, where a step leaves it to the agent
+EVIDENCE_NOTES = {"complete": "<what shows it>", "failed": "<what is missing>",
+                  "blocked": "<why it cannot be done as specified>"}
+
+
+def checkpoint_args(story, status, evidence):
+    """A whole checkpoint of `story` (its agent named, as the gate asks), after the engine."""
+    return (f"checkpoint --id {story['id']} --status {status} --evidence \"{evidence}\""
+            + (f" --agent {quote_arg(story['agent'])}" if story["agent"] else ""))
+
+
+def completion_args(plan, story):
+    """The checkpoint that completes `story`, as its gate will accept it."""
+    args = checkpoint_args(story, "complete", "<evidence>")
+    if story["checks"] or not is_final(plan, story):
+        return args
+    return args + " --run --verify-cmd \"<command>\""  # witnessed first (SKILL.md: prefer --run)
+
+
+def verdict_args(sid, verdict, evidence=None, agent=None):
+    """A judge's verdict on `sid`, after the engine; what the judge has to write is a
+    placeholder."""
+    return (f"verdict --id {sid} {verdict} --evidence "
+            + (quote_arg(evidence) if evidence else '"<what you checked and saw>"')
+            + " --agent " + (quote_arg(agent) if agent else '"<you>"'))
+
+
+def reopen_final(plan):
+    """Where `add` found verification started: the step that lets a story come before the
+    final one again — the final story's checkpoint as failed (what is missing: the story to
+    add), a human's retry of it in review, or, once the plan is done, a new plan."""
+    final = plan["goals"][-1]
+    if final["status"] == "in_progress":
+        return Step.engine(checkpoint_args(final, "failed", "<the story that must come first>"))
+    if final["status"] == "review":
+        return Step.human(f"decide --id {final['id']} retry --note "
+                          "\"<the story that must come first>\"")
+    return Step.engine(create_args(force=True))
+
+
+def decide_steps(sid):
+    """What a human may run of a story that waits for one: in their own terminal."""
+    return [Step.human(f"decide --id {sid} {decision} --note \"{note}\"")
+            for decision, note in DECISION_NOTES]
+
+
+def not_active(plan, story, agent=None, shared=False):
     """The refusal of a checkpoint on a story that is not in progress: the original's opening
     (`G00X is not active (STATUS)`, which scripts match), then what is true of this story and
-    the one step that fits it. `.step` names that step for the command line to print whole:
-    ("status",), ("decide", id), ("judge", id), ("finish", id) or ("next",)."""
+    the one step that fits it, whole: `status`; a human's decisions for a blocked one; the
+    judge's packet for one in review; the checkpoint of the story this agent holds; `next` (for
+    this agent) to activate it — `sync` first in a clone of a `shared` plan, whose copy may be
+    behind what another clone recorded."""
     sid, status = story["id"], story["status"]
     head = f"{sid} is not active ({status})"
     if status in DONE:
-        error = refused(f"{head} — it is already done; nothing to do for it (`status` shows "
-                        "what is next).", "not_active")
-        error.step = ("status",)
-        return error
+        return refused(f"{head} — it is already done; nothing to do for it (`status` shows "
+                       "what is next).", "not_active", Step.engine("status"))
     if status == "blocked":
-        error = refused(f"{head} — a human decides it, with one of:", "not_active")
-        error.step = ("decide", sid)
-        return error
+        return refused(f"{head} — a human decides it, with one of:", "not_active",
+                       decide_steps(sid))
     if status == "review":
-        error = refused(f"{head} — its judge decides it: hand {sid} to an independent judge, who "
-                        "runs:", "not_active")
-        error.step = ("judge", sid)
-        return error
+        return refused(f"{head} — its judge decides it: hand {sid} to an independent judge, who "
+                       "runs:", "not_active", Step.engine(f"judge-packet --id {sid}"))
     mine = [s for s in active_stories(plan) if s["agent"] == agent]  # never another's
     if mine:
-        other = mine[0]["id"]
-        error = refused(f"{head} — {other} is in progress: finish {other} first (`next` would "
-                        f"hand out {other} again).", "not_active")
-        error.step = ("finish", other)
-        return error
+        other = mine[0]
+        return refused(f"{head} — {other['id']} is in progress: finish {other['id']} first "
+                       f"(`next` would hand out {other['id']} again).", "not_active",
+                       Step.engine(completion_args(plan, other)))
     ready = pick_ready(plan)  # what `next` would activate: the step names no other story
     waiting = waits_for(plan, story)
-    if ready is not None and ready["id"] == sid:
-        error = refused(f"{head} — activate it with `next` first.", "not_active")
-    elif ready is not None:
+    if ready is None:
+        return refused(f"{head} — it waits for {ids_text(waiting) or 'stories in progress'}, "
+                       "and nothing is ready to activate now: `status` says who holds what.",
+                       "not_active", Step.engine("status"))
+    if ready["id"] == sid:
+        said = f"{head} — activate it with `next` first."
+    else:
         why = (f"it waits for {ids_text(waiting)}" if waiting else
                "`next` hands out the ready stories in plan order")
-        error = refused(f"{head} — {why}; `next` activates {ready['id']} first.", "not_active")
-    else:
-        error = refused(f"{head} — it waits for {ids_text(waiting) or 'stories in progress'}, "
-                        "and nothing is ready to activate now: `status` says who holds what.",
-                        "not_active")
-        error.step = ("status",)
-        return error
-    error.step = ("next",)
-    return error
+        said = f"{head} — {why}; `next` activates {ready['id']} first."
+    if shared:
+        return refused(said + " This clone's copy of the shared plan may be behind what another "
+                       "clone recorded: sync it first.", "not_active", Step.engine("sync"))
+    # an unnamed caller, while agents hold stories, takes one by name (cmd_next)
+    name = (quote_arg(agent) if agent else
+            '"<your name>"' if any(s["agent"] for s in active_stories(plan)) else None)
+    return refused(said, "not_active", Step.engine("next" + (f" --agent {name}" if name else "")))
 
 
-def checkpoint_gate(plan, story, ev):
+def checkpoint_gate(plan, story, ev, shared=False):
     """The checks a checkpoint must pass before anything runs (the original's order)."""
-    if story["status"] != "in_progress":
-        raise not_active(plan, story, ev.get("agent"))
     agent = ev.get("agent")
+    if story["status"] != "in_progress":
+        raise not_active(plan, story, agent, shared)
     _refuse_blank_agent(agent)
     if story["agent"] is not None and agent != story["agent"]:
         caller = "an unnamed caller (give --agent)" if agent is None else one_line(agent)
+        # never the holder's name offered: each agent its own (a caller that gave none, its own)
         raise refused(f"{story['id']} is held by agent {one_line(story['agent'])}, "
-                      f"not {caller}.", "held_by_other")
+                      f"not {caller}.", "held_by_other", Step.engine(
+                          "status --agent "
+                          + (quote_arg(agent) if agent is not None else '"<your name>"')))
     # failed/blocked without evidence stays legal in a replay (the original allowed it);
     # `checkpoint` asks for a reason now (reason_required)
     if ev["status"] == "complete" and blank(ev.get("evidence")):
-        raise refused("a complete checkpoint requires non-empty --evidence.", "no_evidence")
+        raise refused("a complete checkpoint requires non-empty --evidence.", "no_evidence",
+                      Step.engine(completion_args(plan, story)))
 
 
 def _fail_round(plan, story, feedback):
@@ -1021,12 +1076,14 @@ def _ev_decision(plan, ev):
     decision, note = ev["decision"], ev["note"]
     if decision not in DECISIONS:
         raise usage(f"unknown decision {one_line(decision)}")
-    if blank(note):
+    if blank(note):  # the note is the human's to write
         raise refused("a decision requires a non-empty --note (the reason, or the feedback).",
-                      "no_note")
+                      "no_note", Step.human(f"decide --id {story['id']} {decision} --note "
+                                            f"\"{dict(DECISION_NOTES)[decision]}\""))
     if story["status"] not in ("blocked", "failed", "review"):
-        raise with_step(refused(f"{story['id']} is {story['status']} — `decide` applies to a "
-                                "blocked, failed or in-review story.", "not_decidable"), "status")
+        raise refused(f"{story['id']} is {story['status']} — `decide` applies to a "
+                      "blocked, failed or in-review story.", "not_decidable",
+                      steps=Step.engine("status"))
     story["decision"] = {"decision": decision, "note": note, "seq": ev["seq"], "ts": ev["ts"]}
     if ev.get("signature"):  # who signed it, shown wherever the decision is (not proof: audit)
         story["decision"]["signer"] = ev["signature"]["signer"]
@@ -1052,7 +1109,7 @@ def _ev_story_added(plan, ev):
     final = touch(plan["goals"][-1])
     if final["status"] not in ("pending", "failed", "blocked"):
         raise refused(f"the final story {final['id']} is {final['status']} — stories can be added "
-                      "only before verification starts.", "final_started")
+                      "only before verification starts.", "final_started", reopen_final(plan))
     expected = story_id(len(plan["goals"]) + 1)
     if spec["id"] != expected:
         raise damaged(f"added story has id {one_line(spec['id'])}, expected {expected}")
@@ -1082,16 +1139,20 @@ def _ev_verdict(plan, ev):
     if verdict not in VERDICTS:
         raise usage(f"unknown verdict {one_line(verdict)}")
     if story["status"] != "review":
-        raise with_step(refused(f"{story['id']} is {story['status']}, not in review — there is "
-                                "nothing to judge.", "not_in_review"), "status")
-    if blank(ev["evidence"]):
-        raise refused("a verdict requires non-empty --evidence (what you checked and saw).",
-                      "no_evidence")
-    if blank(agent):
-        raise refused("a verdict requires --agent (who judged).", "no_agent")
+        raise refused(f"{story['id']} is {story['status']}, not in review — there is "
+                      "nothing to judge.", "not_in_review", steps=Step.engine("status"))
+    # the verdict again, what the judge has to write a placeholder; for the story's own
+    # executor, the packet an independent judge starts from
+    if blank(ev["evidence"]) or blank(agent):
+        again = Step.engine(verdict_args(story["id"], verdict, None if blank(ev["evidence"])
+                                         else ev["evidence"], None if blank(agent) else agent))
+        if blank(ev["evidence"]):
+            raise refused("a verdict requires non-empty --evidence (what you checked and saw).",
+                          "no_evidence", again)
+        raise refused("a verdict requires --agent (who judged).", "no_agent", again)
     if story["executor"] is not None and agent == story["executor"]:
         raise refused(f"{one_line(agent)} did the work of {story['id']} and cannot judge it.",
-                      "judge_not_independent")
+                      "judge_not_independent", Step.engine(f"judge-packet --id {story['id']}"))
     story["judged_by"] = {"agent": agent, "verdict": verdict, "seq": ev["seq"]}
     if verdict == "achieved":
         story["status"] = "complete"  # the grade stays that of the checkpoint the judge checked
@@ -1161,8 +1222,8 @@ def guard_capped(plan):
 def _ev_paused(plan, ev):
     paused = plan["guard"].get("paused")
     if paused:
-        raise with_step(refused(f"the guard is already paused (since event {paused['seq']}) — "
-                                "`unpause` turns it back on.", "already_paused"), "status")
+        raise refused(f"the guard is already paused (since event {paused['seq']}) — "
+                      "`unpause` turns it back on.", "already_paused", steps=Step.engine("status"))
     plan["guard"]["paused"] = {"seq": ev["seq"], "ts": ev["ts"], "note": ev["note"]}
     return plan
 
@@ -1173,7 +1234,7 @@ def _log_paused(ev, sid):
 
 def _ev_unpaused(plan, ev):
     if not plan["guard"].get("paused"):
-        raise with_step(refused("the guard is not paused.", "not_paused"), "status")
+        raise refused("the guard is not paused.", "not_paused", steps=Step.engine("status"))
     plan["guard"]["paused"] = None
     return plan
 
@@ -1204,8 +1265,8 @@ def _log_observed_run(ev, sid):
 def _ev_story_released(plan, ev):
     story = find_story(plan, ev["id"])
     if story["status"] != "in_progress":
-        raise with_step(refused(f"{story['id']} is {story['status']}, not in progress — there is "
-                                "no claim to release.", "not_active"), "status")
+        raise refused(f"{story['id']} is {story['status']}, not in progress — there is "
+                      "no claim to release.", "not_active", steps=Step.engine("status"))
     _refuse_blank_agent(ev["agent"])
     if blank(ev["note"]):
         raise refused("a release requires a non-empty --note (why the agent's claim ends).",
@@ -1438,24 +1499,24 @@ def line_value(line):
 def not_a_snapshot(what):
     """goals.json is no snapshot this engine writes: the ledger is the source of truth, and
     `rebuild` regenerates the snapshot from it."""
-    return with_step(damaged(f"{SNAPSHOT}: not a fablize snapshot ({what}) — `rebuild` "
-                             "regenerates it from the ledger (the old one is kept as a .bak):",
-                             "bad_snapshot"), "rebuild")
+    return damaged(f"{SNAPSHOT}: not a fablize snapshot ({what}) — `rebuild` "
+                   "regenerates it from the ledger (the old one is kept as a .bak):",
+                   "bad_snapshot", steps=Step.engine("rebuild"))
 
 
-def line_error(lineno, what, code="bad_event"):
+def line_error(lineno, what, code="bad_event", steps=()):
     """Damage at one ledger line: every message about a line starts the same way."""
-    error = FablizeError(f"{LEDGER} line {lineno}: {what}", code, EXIT_DAMAGED)
+    error = FablizeError(f"{LEDGER} line {lineno}: {what}", code, EXIT_DAMAGED, steps)
     error.lineno = lineno
     return error
 
 
 def not_an_event(lineno, last=False):
     if last or lineno == "at the end":  # acknowledged, so damage; rebuild sets it aside, said
-        return with_step(line_error(
+        return line_error(
             lineno, "not a ledger event (unparsable, or no seq/event) — damaged or edited; "
             f"`rebuild` moves it to {LEDGER}.broken and regenerates the snapshot from the events "
-            "before it:", "bad_line"), "rebuild")
+            "before it:", "bad_line", steps=Step.engine("rebuild"))
     return line_error(lineno, "not a ledger event (unparsable, or no seq/event) — damaged or "
                       f"edited (if the ledger was committed, `git diff -- {LEDGER}` in its "
                       "folder shows the edit).", "bad_line")

@@ -7,15 +7,16 @@ import re
 import sys
 
 from .base import (
-    blank, count_noun, count_stories, defuse, defused_line, DONE, indent, last_chars,
+    blank, count_noun, count_stories, create_args, defuse, defused_line, DONE, indent, last_chars,
     MAP_LABELS, MAP_LOOKBACK, MAP_WINDOW, MARKS, one_line, PYTHON, quote_arg, RESUME_CARRIED,
     RESUME_MAP, RESUME_TAIL, RESUME_TITLE, short, STATUS_TABLE, TAIL_CHARS, time_label)
 from .model import (
-    _PRISTINE, accepted_ids, active_stories, blocked_because, DEFAULTS, describe_exit,
-    done_count, find_story, grade_detail, guard_capped, is_final, observed_of, observed_result,
+    _PRISTINE, accepted_ids, active_stories, blocked_because, checkpoint_args, completion_args,
+    decide_steps, DEFAULTS, describe_exit, done_count, find_story, grade_detail, guard_capped,
+    is_final, observed_of, observed_result,
     pick_ready, plan_done, REOPENED_BECAUSE, round_failures, round_label, rounds_left, run_evidence,
     run_outcome, run_summary, stories_in, touch, unaddressed_failure, ids_text,
-    waits_for)
+    verdict_args, waits_for)
 from .masking import mask
 from .runs import NOT_THERE, repo_root
 
@@ -52,25 +53,17 @@ def repository_command(rel):
 
 def checkpoint_command(prog, story, status, evidence):
     """A whole checkpoint command line for `story` (its agent named, as the gate asks)."""
-    return (f"{prog} checkpoint --id {story['id']} --status {status} --evidence \"{evidence}\""
-            + (f" --agent {quote_arg(story['agent'])}" if story["agent"] else ""))
+    return f"{prog} {checkpoint_args(story, status, evidence)}"
 
 
 def completion_command(prog, plan, story):
     """The checkpoint that completes `story`, as its gate will accept it."""
-    cmd = checkpoint_command(prog, story, "complete", "<evidence>")
-    if story["checks"]:
-        return cmd
-    if is_final(plan, story):  # witnessed first: the engine runs it (SKILL.md: prefer --run)
-        return cmd + " --run --verify-cmd \"<command>\""
-    return cmd
+    return f"{prog} {completion_args(plan, story)}"
 
 
 def create_command(prog, force=False):
-    """A new plan, as a human writes it (what to write is theirs): the step of `no plan`, and of
-    a plan that cannot go on (its history damaged, or done and more work found)."""
-    return (f"{prog} create{' --force' if force else ''} --brief \"<brief>\" "
-            "--goal \"<title>::<objective>\"")
+    """A new plan, as a human writes it (base.create_args)."""
+    return f"{prog} {create_args(force)}"
 
 
 def rerun_command(prog, argv, env=None):
@@ -82,10 +75,8 @@ def rerun_command(prog, argv, env=None):
 
 
 def verdict_command(prog, sid, verdict, evidence=None, agent=None):
-    """A judge's verdict on `sid`, whole; what the judge has to write is a placeholder."""
-    return (f"{prog} verdict --id {sid} {verdict} --evidence "
-            + (quote_arg(evidence) if evidence else '"<what you checked and saw>"')
-            + " --agent " + (quote_arg(agent) if agent else '"<you>"'))
+    """A judge's verdict on `sid`, whole (model.verdict_args)."""
+    return f"{prog} {verdict_args(sid, verdict, evidence, agent)}"
 
 
 def handoff_command(prog, story):
@@ -437,16 +428,22 @@ def with_commands(line, action):
     return "\n".join([line] + [f"  {cmd}" for cmd in action.get("commands", ())])
 
 
-# what a human may decide of a story that needs one, each with what its note says
-DECISION_NOTES = (("accept", "<why it is acceptable as it is>"),
-                  ("retry", "<what the next attempt should do>"),
-                  ("amend", "<what changes in the objective>"))
-
-
 def decide_commands(prog, sid):
     """What a human may run: in their own terminal, so the plugin's engine by its full path."""
-    return [f"{human_command(prog)} decide --id {sid} {decision} --note \"{note}\""
-            for decision, note in DECISION_NOTES]
+    return [step_text(step, prog) for step in decide_steps(sid)]
+
+
+def step_text(step, prog, argv=()):
+    """A step an error or a result names (base.Step, or a whole command as a string), as a
+    command line runnable as printed: the engine as it was started (`prog`, its arguments
+    `argv`), a person's engine in their own terminal for a human's step."""
+    if isinstance(step, str):
+        return step
+    if step.kind == "engine":
+        return f"{prog} {step.args}"
+    if step.kind == "human":
+        return f"{human_command(prog)} {step.args}"
+    return rerun_command(prog, argv, step.env) + (f" {step.args}" if step.args else "")
 
 
 def human_command(prog):

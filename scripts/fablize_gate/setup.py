@@ -20,12 +20,12 @@ import sys
 
 from .base import (
     DEFAULT_GUARD_MAX, DONE, FablizeError, last_chars, load_json, one_line, PYTHON, quote_arg,
-    refused, STATE_DIRNAME, STATE_GITIGNORE, usage, with_step)
+    refused, STATE_DIRNAME, STATE_GITIGNORE, Step, usage)
 from .storage import (
     file_to_write, fsync_dir, O_BINARY, O_CLOEXEC, O_NONBLOCK, read_state_file, user_file,
     write_atomic, write_state_gitignore)
 from .runs import command_programs, git, merge_driver_missing, repo_root, run_tool
-from .render import human_command, invocation, repository_command
+from .render import human_command, invocation, repository_command, step_text
 from . import merge
 from . import __version__
 
@@ -137,23 +137,19 @@ def refuse_missing_command(ctx, cli):
         return
     off_path = path_step()
     if off_path is not None:  # installed (pipx, uv tool, pip): its wheel holds no goals.py
-        error = refused(f"setup: the wiring would run `{cli}`, which is installed but not on "
-                        f"PATH here ({off_path[0]}) — nothing was written. Put it on PATH, open "
-                        f"a new terminal, then run `{cli} setup {ctx.args.agent}` again (or copy "
-                        "the engine from a checkout into the project: README, Add it to your "
-                        "project):", "command_missing")
-        error.commands = [off_path[1]]
-        raise error
+        raise refused(f"setup: the wiring would run `{cli}`, which is installed but not on "
+                      f"PATH here ({off_path[0]}) — nothing was written. Put it on PATH, open "
+                      f"a new terminal, then run `{cli} setup {ctx.args.agent}` again (or copy "
+                      "the engine from a checkout into the project: README, Add it to your "
+                      "project):", "command_missing", steps=off_path[1])
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this engine's scripts/
     copy = (f"mkdir -p scripts && cp -r {quote_arg(os.path.join(here, 'goals.py'))} "
             f"{quote_arg(os.path.join(here, 'fablize_gate'))} scripts/")
-    error = refused(f"setup: the wiring would run `{cli}`, which is not on PATH here, and this "
-                    "engine is not in the project — nothing was written. Copy the engine into "
-                    "the project (then run setup again with that copy: `python3 scripts/goals.py "
-                    f"setup {ctx.args.agent}`), or install fablize (README: Add it to your "
-                    "project):", "command_missing")
-    error.commands = [copy]
-    raise error
+    raise refused(f"setup: the wiring would run `{cli}`, which is not on PATH here, and this "
+                  "engine is not in the project — nothing was written. Copy the engine into "
+                  "the project (then run setup again with that copy: `python3 scripts/goals.py "
+                  f"setup {ctx.args.agent}`), or install fablize (README: Add it to your "
+                  "project):", "command_missing", steps=copy)
 
 
 def migration_note(text, name):
@@ -605,10 +601,9 @@ def cmd_install_block(ctx, a):
     directory = os.path.dirname(target)
     backup = target + BACKUP
     if os.path.islink(backup):  # fablize's own file: the link goes, never what it points at
-        error = refused(f"{backup} is a symlink — refusing to write through it; removing the "
-                        "link leaves what it points at:", "symlink")
-        error.commands = [f"rm {quote_arg(os.path.relpath(backup))}"]
-        raise error
+        raise refused(f"{backup} is a symlink — refusing to write through it; removing the "
+                      "link leaves what it points at:", "symlink",
+                      steps=f"rm {quote_arg(os.path.relpath(backup))}")
     if a.remove and not new and block_created(backup):
         # install-block made this file: removing the block removes it (no 0-byte file) and the
         # copy it kept of it, which held nothing but a block
@@ -667,11 +662,9 @@ def not_a_repository(root, what):
     the plugin): what setup writes is the project's, to be committed with it — the rules, the
     hooks (a copy's find the engine with `git rev-parse`), the merge driver (git's) — so both
     work inside a git repository only. The refusal of `what` outside one, naming `git init`."""
-    error = refused(f"{what}: {root} is not a git repository — what setup writes (the rules, the "
-                    "hooks, the merge driver) belongs in one, committed with the project: run "
-                    f"`git init` first, then {what} again:", "not_a_repository")
-    error.commands = ["git init"]
-    return error
+    return refused(f"{what}: {root} is not a git repository — what setup writes (the rules, the "
+                   "hooks, the merge driver) belongs in one, committed with the project: run "
+                   f"`git init` first, then {what} again:", "not_a_repository", steps="git init")
 
 
 def cmd_setup(ctx, a):
@@ -821,11 +814,9 @@ def cmd_doctor(ctx, a):
         raise not_a_repository(ctx.store.root, "doctor")
     agents = [a.agent] if a.agent else wired_agents(ctx.store.root)
     if not agents:
-        error = refused(f"doctor: no agent is wired in {ctx.store.root} — `{ctx.prog} setup "
-                        "claude` (or codex, gemini, cursor, agents-md) wires one; which agent is "
-                        "a human's choice:", "doctor_problems")
-        error.commands = [f"{ctx.prog} setup <agent>"]
-        raise error
+        raise refused(f"doctor: no agent is wired in {ctx.store.root} — `{ctx.prog} setup "
+                      "claude` (or codex, gemini, cursor, agents-md) wires one; which agent is "
+                      "a human's choice:", "doctor_problems", steps=f"{ctx.prog} setup <agent>")
     findings = []
     for agent in agents:
         if agent == "github":
@@ -849,15 +840,13 @@ def cmd_doctor(ctx, a):
     problems = [c for c in findings if not c["ok"]]
     if problems:
         fixes = list(dict.fromkeys(c["fix"] for c in problems))
-        error = refused(f"doctor: {len(problems)} problem{'s' if len(problems) > 1 else ''} — "
-                        + (f"{problems[0]['problem']}; fix: {fixes[0]}" if len(problems) == 1 else
-                           f"{len(fixes)} fix{'es' if len(fixes) > 1 else ''}, each said once "
-                           f"above; the first: {fixes[0]}"), "doctor_problems")
         # the first fix's command, when it is one (a fix that is a human's names none)
         step = re.match(r"`((?:git init|" + re.escape(ctx.prog) + r" [^`]+))`", fixes[0])
-        if step:
-            error.commands = [step.group(1)]
-        raise error
+        raise refused(f"doctor: {len(problems)} problem{'s' if len(problems) > 1 else ''} — "
+                      + (f"{problems[0]['problem']}; fix: {fixes[0]}" if len(problems) == 1 else
+                         f"{len(fixes)} fix{'es' if len(fixes) > 1 else ''}, each said once "
+                         f"above; the first: {fixes[0]}"), "doctor_problems",
+                      step.group(1) if step else ())
     ctx.say(f"fablize: doctor — {', '.join(agents)} {'is' if len(agents) == 1 else 'are'} wired "
             "and the state is healthy.")
 
@@ -943,9 +932,9 @@ def doctor_findings(ctx, agent):
             finding("state", None, None, "no plan yet" if plan is None else
                     f"plan readable, {done}/{len(plan['goals'])} done")
         except FablizeError as e:  # the step the plan's own error names, when it names one
-            step = getattr(e, "run_next", None)
+            steps = [step_text(step, ctx.prog) for step in e.steps]
             finding("state", f"the plan cannot be read: {one_line(e.message)}",
-                    f"`{ctx.prog} {step}`" if step else f"`{ctx.prog} audit` says what is "
+                    f"`{steps[0]}`" if steps else f"`{ctx.prog} audit` says what is "
                     f"wrong; `{ctx.prog} rebuild` regenerates goals.json from the ledger", None)
         present = read_state_file(os.path.join(ctx.store.dir, ".gitignore")) is not None
         finding(".gitignore", None if present else
@@ -1073,9 +1062,9 @@ COMPLETIONS = {"bash": completion_bash, "zsh": completion_zsh, "fish": completio
 def cmd_completion(ctx, a):
     """The completion script of `a.shell` for the `fablize` command, on stdout."""
     if not re.fullmatch(r"[\w.-]+", a.name or ""):
-        raise with_step(usage(f"--name {one_line(a.name)!r} is not a command's name: one word "
-                              "of letters, digits, ., - and _:", "bad_name"),
-                        f"completion {a.shell} --name <name>")
+        raise usage(f"--name {one_line(a.name)!r} is not a command's name: one word "
+                    "of letters, digits, ., - and _:", "bad_name",
+                    steps=Step.engine(f"completion {a.shell} --name <name>"))
     script = COMPLETIONS[a.shell](a.name, command_table(ctx.build_parser(None, a.name)))
     ctx.say(script.rstrip("\n"))
     ctx.data.update(shell=a.shell, script=script)

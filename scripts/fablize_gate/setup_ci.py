@@ -116,12 +116,11 @@ def policy_of(ctx, a):
     if not scope or not checks:
         missing = " and ".join(x for x, have in (("what the work may change", scope),
                                                  ("the check that proves it", checks)) if not have)
-        error = usage(f"setup github: CI's policy needs {missing} — give them "
-                      "(`--scope PATH --required-check CMD`, each repeatable), or make the plan "
-                      "with them first (`create --scope PATH … --verify CMD`).", "policy_unknown")
-        error.commands = [f"{ctx.prog} setup github --scope <path> --required-check \"<test "
-                          "command>\""]
-        raise error
+        raise usage(f"setup github: CI's policy needs {missing} — give them "
+                    "(`--scope PATH --required-check CMD`, each repeatable), or make the plan "
+                    "with them first (`create --scope PATH … --verify CMD`).", "policy_unknown",
+                    steps=f"{ctx.prog} setup github --scope <path> --required-check \"<test "
+                          "command>\"")
     from .trust import check_scope
     check_scope(scope, ctx.store.root, [], "setup github --scope")
     return dict({"scope": scope, "required_checks": checks}, **GATES)
@@ -140,11 +139,9 @@ def owner_of(root, given, prog):
     m = re.search(r"github\.com[:/]([\w.-]+)/[\w.-]+?(?:\.git)?/?$", url)
     if m:
         return "@" + m.group(1)
-    error = usage("setup github: who reviews changes to the audit is a human's to say — "
-                  "`--owner @you` (or @org/team): origin is not a GitHub repository here.",
-                  "bad_owner")
-    error.commands = [f"{prog} setup github --owner <@owner>"]
-    raise error
+    raise usage("setup github: who reviews changes to the audit is a human's to say — "
+                "`--owner @you` (or @org/team): origin is not a GitHub repository here.",
+                "bad_owner", steps=f"{prog} setup github --owner <@owner>")
 
 
 def codeowners_lines(owner, engine):

@@ -49,8 +49,8 @@ import time
 
 from .base import (
     ARCHIVE, count_noun, damaged, dumps, FablizeError, id_arg, is_plan_id, LEDGER, load_json,
-    now_iso, one_line, PIN, quote_arg, refused, RUNS, sha256_hex, SHARE, SNAPSHOT,
-    STATE_DIRNAME, STATE_GITIGNORE, with_step, ZERO_HASH)
+    now_iso, one_line, PIN, quote_arg, refused, RUNS, sha256_hex, SHARE, SNAPSHOT, STATE_DIRNAME,
+    STATE_GITIGNORE, Step, ZERO_HASH)
 from .masking import masked_text
 from .model import (
     active_stories, apply_event, find_story, misfit, parse_event, pick_ready, ready_stories,
@@ -119,10 +119,10 @@ def share_config(store):
     if (misfit(cfg, SHARE_SPEC) is not None or not re.fullmatch(REMOTE_NAME, cfg["remote"])
             or not is_plan_id(cfg["plan_id"])):
         remote = guessed_remote(store)
-        raise with_step(damaged(f"{SHARE} is not a fablize share record — `share --remote "
-                                f"{remote}` reconnects this clone to the shared plan (the damaged "
-                                f"record is kept as {SHARE}.broken):", "bad_share"),
-                        f"share --remote {remote}")
+        raise damaged(f"{SHARE} is not a fablize share record — `share --remote "
+                      f"{remote}` reconnects this clone to the shared plan (the damaged "
+                      f"record is kept as {SHARE}.broken):", "bad_share",
+                      steps=Step.engine(f"share --remote {remote}"))
     return cfg
 
 
@@ -173,10 +173,9 @@ def read_pending(store):
         records = None
     if not isinstance(records, list) or not all(isinstance(r, dict) and isinstance(
             r.get("event"), dict) for r in records):
-        error = damaged(f"{PENDING} is not a list of events set aside — its events are all in "
-                        f"{REJECTED}; remove it:", "bad_share")
-        error.commands = [f"rm {quote_arg(shown_path(store, PENDING))}"]
-        raise error
+        raise damaged(f"{PENDING} is not a list of events set aside — its events are all in "
+                      f"{REJECTED}; remove it:", "bad_share",
+                      steps=f"rm {quote_arg(shown_path(store, PENDING))}")
     return records
 
 
@@ -1256,12 +1255,12 @@ class Contention:
         span = max(BACKOFF_BASE, now - self.round_started)
         delay = uniform() * min(BACKOFF_CAP, span * BACKOFF_ROUNDS * 2 ** (self.lost - 1))
         if self.elapsed() + delay > self.limit:
-            error = refused(f"gave up publishing to {self.remote} after {self.elapsed():.1f} s: "
-                            f"{self.lost} pushes lost to other writers"
-                            + (f" (last: {one_line(self.why)[:200]})" if self.why else "")
-                            + "; the events are kept here — try again (`sync` publishes them; "
-                            "FABLIZE_SHARE_WAIT sets how long to wait):", "push_contended")
-            raise with_step(error, "sync")
+            raise refused(f"gave up publishing to {self.remote} after {self.elapsed():.1f} s: "
+                          f"{self.lost} pushes lost to other writers"
+                          + (f" (last: {one_line(self.why)[:200]})" if self.why else "")
+                          + "; the events are kept here — try again (`sync` publishes them; "
+                          "FABLIZE_SHARE_WAIT sets how long to wait):", "push_contended",
+                          Step.engine("sync"))
         return delay
 
     def again(self):
@@ -1311,9 +1310,9 @@ def push(store, remote, updates):
         said = (f"{one_line(remote)} refused the push: {one_line(refusals[0])[:200]}"
                 + (f" — {one_line('; '.join(told))[:300]}" if told else "")
                 + "; the events are kept here.")
-        error = with_step(refused(said + " The remote's own rule (a hook, a policy) refused it: "
-                                  "a human who runs that remote changes it, then `sync` "
-                                  "publishes them:", "push_refused"), "sync")
+        error = refused(said + " The remote's own rule (a hook, a policy) refused it: "
+                        "a human who runs that remote changes it, then `sync` "
+                        "publishes them:", "push_refused", steps=Step.engine("sync"))
         error.said = said
         raise error
     if lost:
@@ -1471,25 +1470,24 @@ def fork_error(store, cfg, ref):
     """The remote's history and this clone's differ (neither holds the other): a fork, which
     no command resolves alone. Names the command that shows both and the way to keep one."""
     remote, plan_id = cfg["remote"], cfg["plan_id"]
-    error = damaged(
-        f"the shared plan on {remote} and this clone's copy differ (a fork: the remote's ref "
-        "was rewritten and both went on). `git log --oneline --graph "
-        f"{(cfg['commit'] or '')[:12]} {ref}` shows both; which to keep is a human's decision. "
-        "To keep this clone's: "
-        f"`git push --force {remote} {(cfg['commit'] or '')[:12]}:{SHARED_REFS}{plan_id}`, then "
-        f"sync; to keep the remote's: move {STATE_DIRNAME}/ aside and sync (docs/reference.md: "
-        "A fork of a shared plan):", "remote_history_rewritten")
-    error.commands = [f"git log --oneline --graph {cfg['commit']} {ref}"]
-    return error
+    return damaged(
+       f"the shared plan on {remote} and this clone's copy differ (a fork: the remote's ref "
+       "was rewritten and both went on). `git log --oneline --graph "
+       f"{(cfg['commit'] or '')[:12]} {ref}` shows both; which to keep is a human's decision. "
+       "To keep this clone's: "
+       f"`git push --force {remote} {(cfg['commit'] or '')[:12]}:{SHARED_REFS}{plan_id}`, then "
+       f"sync; to keep the remote's: move {STATE_DIRNAME}/ aside and sync (docs/reference.md: "
+       "A fork of a shared plan):", "remote_history_rewritten",
+                   steps=f"git log --oneline --graph {cfg['commit']} {ref}")
 
 
 def ref_deleted(cfg, plan):
     held = plan["ledger"]["seq"] if plan else cfg["seq"]
-    return with_step(damaged(
+    return damaged(
         f"{cfg['remote']} no longer holds {SHARED_REFS}{cfg['plan_id']}: the shared plan's ref "
         f"was deleted there. This clone keeps all {count_noun(held, 'event')} — `share --remote "
-        f"{cfg['remote']}` publishes them again:", "remote_history_rewritten"),
-        f"share --remote {cfg['remote']}")
+        f"{cfg['remote']}` publishes them again:", "remote_history_rewritten",
+                   steps=Step.engine(f"share --remote {cfg['remote']}"))
 
 
 def publish_replacement(session, cfg):
@@ -1591,18 +1589,18 @@ def undo_replacement(session, cfg, folder):
         taken += rebase.apply(session, cfg)
     keep_position(session, cfg)
     if cfg["plan_id"] != old_id:
-        raise with_step(refused(
+        raise refused(
             f"plan {old_id} was replaced on {remote} by {cfg['plan_id']} first (another clone's "
             f"`create --force`): this clone's replacement {mine} was not published — it is kept "
             f"in {journal.archive}/ — and this clone follows {cfg['plan_id']} now; whether to "
-            "replace that one too is a human's decision, made looking at it:", "plan_replaced"),
-        "status")
+            "replace that one too is a human's decision, made looking at it:", "plan_replaced",
+            steps=Step.engine("status"))
     moved = count_noun(session.plan["ledger"]["seq"] - before + len(taken), "new event")
-    raise with_step(refused(
+    raise refused(
         f"plan {old_id} moved on {remote} since this clone last synced ({moved}): the "
         f"replacement {mine} was not published — it is kept in {journal.archive}/ and {old_id} "
         "is current here again, with those events; look at them (`status`), then run `create "
-        "--force` again:", "plan_replaced"), "status")
+        "--force` again:", "plan_replaced", steps=Step.engine("status"))
 
 
 def others_active(plan, own):
@@ -1658,10 +1656,11 @@ def publish(session, claim=False, fetch_first=None):
     if mine is not None:
         ev = mine["event"]
         if mine["code"] == "plan_replaced":
-            raise with_step(refused(
+            raise refused(
                 f"this {ev['event']} was not published: {one_line(mine['reason'])} meanwhile "
                 f"(set aside in {REJECTED}); this clone follows that plan now, and what of this "
-                "work carries over to it is a human's decision:", "plan_replaced"), "status")
+                "work carries over to it is a human's decision:", "plan_replaced",
+                steps=Step.engine("status"))
         held = find_story(session.plan, ev["id"]) if ev.get("id") else None
         who = f" — agent {one_line(held['agent'])} holds it" if held and held["agent"] else ""
         said_instead(store, mine)
@@ -1670,9 +1669,9 @@ def publish(session, claim=False, fetch_first=None):
         lost = (f"{one_line(ev.get('id') or ev['event'])} {moved} on {cfg['remote']} "
                 f"meanwhile{who}; this {ev['event']} was not published "
                 f"({one_line(mine['reason']).rstrip('.')})")
-        error = refused(f"{lost} — see who holds what now:", "claim_lost")
+        error = refused(f"{lost} — see who holds what now:", "claim_lost", Step.engine("status"))
         error.lost = lost  # what a claim made instead says of it
-        raise with_step(error, "status")
+        raise error
     return session.plan
 
 
@@ -1756,9 +1755,9 @@ def claim(session, story, agent):
         ready = ready_stories(session.plan)
         if not ready:
             if sequential(session.plan) and getattr(lost, "lost", None):
-                lost.message = (f"{lost.lost}; nothing else is ready for agent "
-                                f"{one_line(agent or 'unnamed')} ({TAKE_TURNS}) — see who holds "
-                                "what now:")
+                raise refused(f"{lost.lost}; nothing else is ready for agent "
+                              f"{one_line(agent or 'unnamed')} ({TAKE_TURNS}) — see who holds "
+                              "what now:", lost.code, lost.steps) from lost
             raise lost
         # the other writers just won the first ready story: a random one avoids a convoy
         story = ready[int(uniform() * len(ready))]
@@ -2001,12 +2000,11 @@ def start(store, remote):
         set_aside_share(store)
         cfg = share_config(store)
         if cfg is not None and cfg["plan_id"] == plan["plan_id"] and cfg["remote"] != remote:
-            error = refused(f"this plan is already shared through {cfg['remote']}. To move it "
-                            f"to {remote}'s repository — every clone with it, a human's "
-                            f"decision — point {cfg['remote']} there, then `share --remote "
-                            f"{cfg['remote']}`:", "already_shared")
-            error.commands = [f"git remote set-url {quote_arg(cfg['remote'])} <url>"]
-            raise error
+            raise refused(f"this plan is already shared through {cfg['remote']}. To move it "
+                          f"to {remote}'s repository — every clone with it, a human's "
+                          f"decision — point {cfg['remote']} there, then `share --remote "
+                          f"{cfg['remote']}`:", "already_shared",
+                          steps=f"git remote set-url {quote_arg(cfg['remote'])} <url>")
         replacing = (cfg is not None and cfg["remote"] == remote
                      and (plan.get("replaces") or {}).get("plan_id") == cfg["plan_id"])
         if cfg is None or (cfg["plan_id"] != plan["plan_id"] and not replacing) or (
@@ -2073,18 +2071,20 @@ def choose_plan(store, remote, asked, step):
     plans = shared_plan_refs(store, remote)
     if asked:
         if plan_id_arg(asked, step) not in plans:
-            raise with_step(refused(f"{remote} shares no plan {one_line(asked)}" + (
-                f" (it shares {', '.join(sorted(plans))}):" if plans else ":"), "not_found"),
-                step.replace("{}", "<plan-id>", 1) if plans else NEW_PLAN.replace("{}", remote))
+            raise refused(f"{remote} shares no plan {one_line(asked)}" + (
+                f" (it shares {', '.join(sorted(plans))}):" if plans else ":"), "not_found",
+                steps=Step.engine(step.replace("{}", "<plan-id>", 1) if plans
+                                  else NEW_PLAN.replace("{}", remote)))
         return asked
     live = live_plans(store, remote, plans)
     if len(live) == 1:
         return next(iter(live))
-    raise with_step(refused(
+    raise refused(
         f"{remote} shares {len(live) or 'no'} plans" + (
             f" ({', '.join(sorted(live))}): say which with --plan ID:" if live else
-            " — a human writes the plan; `create … --remote` shares it there:"), "which_plan"),
-        step.replace("{}", "<plan-id>", 1) if live else NEW_PLAN.replace("{}", remote))
+            " — a human writes the plan; `create … --remote` shares it there:"), "which_plan",
+        steps=Step.engine(step.replace("{}", "<plan-id>", 1) if live
+                          else NEW_PLAN.replace("{}", remote)))
 
 
 
@@ -2094,9 +2094,10 @@ def cmd_sync(ctx, a):
     if cfg is None:
         if store.exists() and store.has_plan_files():
             remote = a.remote or guessed_remote(store)
-            raise with_step(refused("this plan is local — share it first: `share --remote "
-                                    "NAME`:", "not_shared"),
-                            f"share --remote {'<remote>' if remote == 'NAME' else remote}")
+            raise refused("this plan is local — share it first: `share --remote "
+                          "NAME`:", "not_shared",
+                          steps=Step.engine("share --remote "
+                                            + ("<remote>" if remote == "NAME" else remote)))
         # the steps of what this can refuse: `sync` as it was run, one value to choose
         asked = f" --plan {quote_arg(a.plan)}" if a.plan else ""
         remote = remote_arg(store, a.remote or default_remote(store, "sync --remote {}" + asked),
@@ -2107,15 +2108,16 @@ def cmd_sync(ctx, a):
         with store.session() as s:
             s.load()
             if store.has_plan_files():  # made here while sync looked (sync has no --force)
-                raise with_step(refused("a plan already exists — made here while `sync` ran: "
-                                        "check it with `status`:", "plan_exists"), "status")
+                raise refused("a plan already exists — made here while `sync` ran: "
+                              "check it with `status`:", "plan_exists",
+                              steps=Step.engine("status"))
             cfg = new_config(remote, plan_id)
             save_share_config(store, cfg)
             ignore_shared_dir(store)
     elif a.remote and a.remote != cfg["remote"]:
-        raise with_step(refused(f"this plan is shared through {cfg['remote']}, not "
-                                f"{one_line(a.remote)}; `sync` uses {cfg['remote']}:",
-                                "other_remote"), "sync")
+        raise refused(f"this plan is shared through {cfg['remote']}, not "
+                      f"{one_line(a.remote)}; `sync` uses {cfg['remote']}:",
+                      "other_remote", steps=Step.engine("sync"))
     with store.session() as s:
         s.load()
         cfg = share_config(store)  # again under the lock: another command may have published
@@ -2128,11 +2130,10 @@ def cmd_sync(ctx, a):
         seen = acknowledge(store) if a.acknowledge else []
         pinned = a.pin and plan is not None and pin_here(store, plan)
     if plan is None:
-        error = refused(f"{cfg['remote']} holds nothing for plan {cfg['plan_id']} yet, and this "
-                        f"clone holds none of it: forget the plan it named ({SHARE} is all there "
-                        "is of it here), then `sync` finds what the remote shares:", "no_plan")
-        error.commands = [f"rm {quote_arg(shown_path(store, SHARE))}"]
-        raise error
+        raise refused(f"{cfg['remote']} holds nothing for plan {cfg['plan_id']} yet, and this "
+                      f"clone holds none of it: forget the plan it named ({SHARE} is all there "
+                      "is of it here), then `sync` finds what the remote shares:", "no_plan",
+                      steps=f"rm {quote_arg(shown_path(store, SHARE))}")
     if plan["plan_id"] != before_id:  # the plan was replaced on the remote: this clone follows
         pulled, sent = plan["ledger"]["seq"], 0
     else:

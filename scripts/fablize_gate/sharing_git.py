@@ -9,7 +9,7 @@ import time
 
 from .base import (
     damaged, EXIT_DAMAGED, FablizeError, is_plan_id, one_line, quote_arg, refused, usage,
-    with_step)
+    Step)
 from .storage import env_seconds, read_state_file
 from .runs import git, repo_root
 
@@ -43,9 +43,9 @@ def unreachable(remote, detail):
     said = f"the remote {one_line(remote)} cannot be reached ({one_line(detail)[:300]})."
     error = FablizeError(f"{said[:-1]} — if it moved, point {one_line(remote)} at its new URL; if "
                          "it is down, run the command again once it answers:",
-                         "remote_unreachable", EXIT_DAMAGED)
+                         "remote_unreachable", EXIT_DAMAGED,
+                         f"git remote set-url {quote_arg(remote)} <url>")
     error.said = said
-    error.commands = [f"git remote set-url {quote_arg(remote)} <url>"]
     return error
 
 
@@ -64,13 +64,12 @@ def remote_failure(remote, err, what):
     broken = [line for line in said if any(p in line.lower() for p in CORRUPT)]
     if broken:
         name = one_line(remote)
-        error = damaged(f"the remote {name} is damaged — git says: {one_line(broken[0])[:300]}. "
-                        "This is not a network problem: repair that repository (`git fsck` in it "
-                        f"says what is broken), or point {name} at a sound one, where `share "
-                        f"--remote {name}` publishes the plan again from a clone that holds it; "
-                        "this clone keeps its events:", "remote_damaged")
-        error.commands = [f"git remote set-url {quote_arg(remote)} <url>"]
-        return error
+        return damaged(f"the remote {name} is damaged — git says: {one_line(broken[0])[:300]}. "
+                       "This is not a network problem: repair that repository (`git fsck` in it "
+                       f"says what is broken), or point {name} at a sound one, where `share "
+                       f"--remote {name}` publishes the plan again from a clone that holds it; "
+                       "this clone keeps its events:", "remote_damaged",
+                       f"git remote set-url {quote_arg(remote)} <url>")
     # git's own reason is its first fatal or error line; the advice after it is the same always
     reason = [line for line in said if line.startswith(("fatal:", "error:"))] or said[-1:]
     return unreachable(remote, reason[0] if reason else what)
@@ -173,14 +172,13 @@ def remote_arg(store, remote, step=None):
     """`remote`, a git remote of the plan's repository. `step`: the command that was run, with
     `{}` where --remote's value goes (named with a placeholder when the name is not one)."""
     if not re.fullmatch(REMOTE_NAME, remote or ""):
-        error = usage(f"--remote takes the name of a git remote (as `git remote` lists them), not "
-                      f"{one_line(remote)!r}" + (":" if step else "."), "bad_remote")
-        raise with_step(error, step.replace("{}", "<remote>", 1)) if step else error
+        raise usage(f"--remote takes the name of a git remote (as `git remote` lists them), not "
+                    f"{one_line(remote)!r}" + (":" if step else "."), "bad_remote",
+                    steps=Step.engine(step.replace("{}", "<remote>", 1)) if step else ())
     if git(store.root, "remote", "get-url", remote, what="a shared plan")[0] != 0:
-        error = refused(f"{one_line(remote)} is not a git remote of {store.root} — add it with "
-                        f"`git remote add {one_line(remote)} URL`:", "no_remote")
-        error.commands = [f"git remote add {quote_arg(remote)} <url>"]
-        raise error
+        raise refused(f"{one_line(remote)} is not a git remote of {store.root} — add it with "
+                      f"`git remote add {one_line(remote)} URL`:", "no_remote",
+                      steps=f"git remote add {quote_arg(remote)} <url>")
     return remote
 
 
@@ -193,44 +191,41 @@ def default_remote(store, step="sync --remote {}"):
     if len(names) == 1:
         return names[0]
     if not names:
-        error = refused(f"{store.root} has no git remote — add one with `git remote add NAME "
-                        "URL`:", "no_remote")
-        error.commands = ["git remote add origin <url>"]
-        raise error
-    raise with_step(usage(f"several git remotes ({', '.join(names)}): say which with --remote "
-                          "NAME:"), step.replace("{}", "<remote>", 1))
+        raise refused(f"{store.root} has no git remote — add one with `git remote add NAME "
+                      "URL`:", "no_remote", steps="git remote add origin <url>")
+    raise usage(f"several git remotes ({', '.join(names)}): say which with --remote "
+                "NAME:", steps=Step.engine(step.replace("{}", "<remote>", 1)))
 
 
 def plan_id_arg(plan_id, step=None):
     """`plan_id`, a plan id; `step` as remote_arg's, with `{}` where --plan's value goes."""
     if not is_plan_id(plan_id):
-        error = usage(f"--plan takes a plan id (as `sync` lists them), not {one_line(plan_id)!r}"
-                      + (":" if step else "."), "bad_plan_id")
-        raise with_step(error, step.replace("{}", "<plan-id>", 1)) if step else error
+        raise usage(f"--plan takes a plan id (as `sync` lists them), not {one_line(plan_id)!r}"
+                    + (":" if step else "."), "bad_plan_id",
+                    steps=Step.engine(step.replace("{}", "<plan-id>", 1)) if step else ())
     return plan_id
 
 
 def written_elsewhere(error, cfg, ref):
-    """`error`, when it says the remote's ref holds what fablize did not write there (a commit
-    with no ledger line, an event that does not chain or is not legal, a log that is not its
-    run's), with the command that shows it and the way to put this clone's history back: what
-    the plan's history is, is a human's decision."""
+    """What `error` means when it says the remote's ref holds what fablize did not write there
+    (a commit with no ledger line, an event that does not chain or is not legal, a log that is
+    not its run's): the sharing room's refusal, which the replay that found it could not word —
+    with the command that shows it and the way to put this clone's history back (what the
+    plan's history is, is a human's decision). Any other error is returned as it is."""
     if error.code not in ("bad_remote_event", "run_log_mismatch", "remote_history_rewritten"):
         return error
     mine, remote = cfg["commit"], cfg["remote"]
     if mine is None:  # a clone that never held the plan has no history of its own to offer
-        error.message += (f" A clone that holds the plan repairs {SHARED_REFS}"
-                          f"{cfg['plan_id']} on {remote} (a ref that holds no plan at all, at "
-                          f"its next command; else a human who holds the plan); `git log "
-                          f"--oneline {ref}` shows what it holds now:")
-        error.commands = [f"git log --oneline {ref}"]
-        return error
-    error.message += (f" What the plan's history is, is a human's decision: `git log --oneline "
-                      f"--graph {mine[:12]} {ref}` shows this clone's and the remote's; to keep "
-                      f"this clone's, `git push --force {remote} {mine[:12]}:{SHARED_REFS}"
-                      f"{cfg['plan_id']}`, then `sync`:")
-    error.commands = [f"git log --oneline --graph {mine} {ref}"]
-    return error
+        return FablizeError(
+            f"{error.message} A clone that holds the plan repairs {SHARED_REFS}{cfg['plan_id']} "
+            f"on {remote} (a ref that holds no plan at all, at its next command; else a human "
+            f"who holds the plan); `git log --oneline {ref}` shows what it holds now:",
+            error.code, error.exit_code, f"git log --oneline {ref}")
+    return FablizeError(
+        f"{error.message} What the plan's history is, is a human's decision: `git log --oneline "
+        f"--graph {mine[:12]} {ref}` shows this clone's and the remote's; to keep this clone's, "
+        f"`git push --force {remote} {mine[:12]}:{SHARED_REFS}{cfg['plan_id']}`, then `sync`:",
+        error.code, error.exit_code, f"git log --oneline --graph {mine} {ref}")
 
 
 def share_wait():

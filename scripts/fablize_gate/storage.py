@@ -11,10 +11,9 @@ from itertools import accumulate, chain, repeat
 from operator import add, itemgetter, sub
 
 from .base import (
-    ARCHIVE, damaged, DEFAULT_LOCK_TIMEOUT, dumps, FablizeError, fast_sha256,
-    has_surrogate_escape, is_plan_id, LEDGER, load_json, LOCK, no_plan, one_line, quote_arg,
-    READ_CHUNK, refused, RUNS, sha256_hex, SNAPSHOT, SNAPSHOT_VERSION, STATE_DIRNAME,
-    STATE_GITIGNORE, usage, with_step, ZERO_HASH)
+    ARCHIVE, damaged, DEFAULT_LOCK_TIMEOUT, dumps, FablizeError, fast_sha256, has_surrogate_escape,
+    is_plan_id, LEDGER, load_json, LOCK, no_plan, one_line, quote_arg, READ_CHUNK, refused, RUNS,
+    sha256_hex, SNAPSHOT, SNAPSHOT_VERSION, STATE_DIRNAME, STATE_GITIGNORE, Step, usage, ZERO_HASH)
 from .model import (
     _EVENT_KIND, check_graph, compact, is_original_snapshot, line_error, line_value, make_event,
     not_an_event, original_plan_fields, parse_event, Replay, validate_snapshot)
@@ -72,17 +71,15 @@ def project_state_dir(path, out):
 
 
 def symlink_refusal(path):
-    return set_aside(damaged(f"{path} is a symlink — refusing to follow it (state files must be "
-                             "regular files inside the state directory).", "symlink"), path)
+    return damaged(f"{path} is a symlink — refusing to follow it (state files must be regular "
+                   "files inside the state directory).", "symlink", set_aside(path))
 
 
-def set_aside(error, path):
-    """`error` (a state file, a folder or the state directory that is a link or of the wrong
-    kind), naming its step: what stands there moved aside, whole, to a free name beside it —
-    nothing is lost, and what the engine writes there again is its own."""
-    free = free_name(path + ".aside")
-    error.commands = [f"mv {quote_arg(from_here(path))} {quote_arg(from_here(free))}"]
-    return error
+def set_aside(path):
+    """The step of a state file, a folder or the state directory at `path` that is a link or of
+    the wrong kind: what stands there moved aside, whole, to a free name beside it — nothing is
+    lost, and what the engine writes there again is its own."""
+    return f"mv {quote_arg(from_here(path))} {quote_arg(from_here(free_name(path + '.aside')))}"
 
 
 def from_here(path):
@@ -104,11 +101,11 @@ def open_state_file(path, flags, mode=0o644):
             raise symlink_refusal(path)
         if e.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO without a reader, or a folder,
             # opened for writing: a writer says what a reader says of it, with the same step
-            raise set_aside(damaged(f"{path} is not a regular file.", "not_a_file"), path)
+            raise damaged(f"{path} is not a regular file.", "not_a_file", set_aside(path))
         raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise set_aside(damaged(f"{path} is not a regular file.", "not_a_file"), path)
+        raise damaged(f"{path} is not a regular file.", "not_a_file", set_aside(path))
     return fd
 
 
@@ -164,7 +161,7 @@ def ensure_subdir(path):
         if stat.S_ISLNK(st.st_mode):
             raise symlink_refusal(path)
         if not stat.S_ISDIR(st.st_mode):
-            raise set_aside(damaged(f"{path} is not a directory.", "not_a_directory"), path)
+            raise damaged(f"{path} is not a directory.", "not_a_directory", set_aside(path))
     return path
 
 
@@ -200,11 +197,12 @@ def within(path, folder):
     return os.path.commonpath([path, folder]) == folder
 
 
-def user_file(root, path, outside=False):
+def user_file(root, path, outside=False, steps=((), ())):
     """Where a file written on the user's behalf (`install-block`, `report --out`) goes:
     `path`, inside the project at `root` unless the user passed --outside, and never through
     a symlink — not the file itself, not a folder on the way that leads out of the project.
-    Returns (path, its lstat or None when it does not exist yet)."""
+    Returns (path, its lstat or None when it does not exist yet). `steps`: the caller's way out
+    of a path outside the project, and of a file it cannot write."""
     target = os.path.abspath(path)
     top = os.path.realpath(root)
     if not outside and not within(os.path.realpath(os.path.dirname(target)), top):
@@ -213,11 +211,11 @@ def user_file(root, path, outside=False):
             "it is not inside it")
         raise refused(f"{one_line(path)} is outside the project ({one_line(root)}): {where} — "
                       "fablize writes a file there only when asked with --outside.",
-                      "outside_project")
-    return target, file_to_write(target)
+                      "outside_project", steps[0])
+    return target, file_to_write(target, steps[1])
 
 
-def file_to_write(path):
+def file_to_write(path, steps=()):
     """The lstat of a file about to be written on the user's behalf, or None when there is none
     yet; refuses a symlink (never written through) or anything but a regular file."""
     try:
@@ -225,9 +223,9 @@ def file_to_write(path):
     except FileNotFoundError:
         return None
     if stat.S_ISLNK(st.st_mode):
-        raise refused(f"{path} is a symlink — refusing to write through it.", "symlink")
+        raise refused(f"{path} is a symlink — refusing to write through it.", "symlink", steps)
     if not stat.S_ISREG(st.st_mode):
-        raise refused(f"{path} is not a regular file.", "not_a_file")
+        raise refused(f"{path} is not a regular file.", "not_a_file", steps)
     return st
 
 
@@ -678,8 +676,8 @@ def parse_snapshot(raw, whole=False):
         snap = load_json(raw)
     except ValueError as e:
         what = "empty" if not raw.strip() else f"not valid JSON ({e})"
-        raise with_step(damaged(f"{SNAPSHOT} is {what} — {REBUILD_STEP}", "bad_snapshot"),
-                        "rebuild")
+        raise damaged(f"{SNAPSHOT} is {what} — {REBUILD_STEP}", "bad_snapshot",
+                      steps=Step.engine("rebuild"))
     validate_snapshot(snap, whole)
     if is_original_snapshot(snap):
         return snap
@@ -690,8 +688,8 @@ def parse_snapshot(raw, whole=False):
     else:
         good = snap.get("digest") == canonical_digest(snap)  # version 1's digest
     if not good:
-        raise with_step(damaged(f"{SNAPSHOT} was changed outside fablize (its digest does not "
-                                f"match) — {REBUILD_STEP}", "snapshot_edited"), "rebuild")
+        raise damaged(f"{SNAPSHOT} was changed outside fablize (its digest does not "
+                      f"match) — {REBUILD_STEP}", "snapshot_edited", steps=Step.engine("rebuild"))
     return snap
 
 
@@ -714,11 +712,11 @@ def position_error(snap_seq, ledger_seq, missing=False):
     keeps what the ledger still holds (a shared plan's: what its remote holds)."""
     where = ("is empty (the file is missing)" if missing else "is empty" if not ledger_seq else
              f"ends at event {ledger_seq}")
-    return with_step(damaged(
+    return damaged(
         f"{SNAPSHOT} reflects event {snap_seq} but {LEDGER} {where}: the ledger lost events. "
         f"If it was committed, `git checkout HEAD -- {STATE_DIRNAME}/` restores both files as "
         f"last committed; else `rebuild` makes {SNAPSHOT} match the ledger (the old one is kept "
-        "as a .bak):", "disagree"), "rebuild")
+        "as a .bak):", "disagree", steps=Step.engine("rebuild"))
 
 
 def snapshot_damage(store):
@@ -747,15 +745,15 @@ def loose_snapshot(store):
 
 
 def stripped_snapshot_error():
-    return with_step(damaged(f"{SNAPSHOT} lost its ledger position and digest but {LEDGER} is "
-                             f"hash-chained: it was edited by hand — {REBUILD_STEP}",
-                             "snapshot_edited"), "rebuild")
+    return damaged(f"{SNAPSHOT} lost its ledger position and digest but {LEDGER} is "
+                   f"hash-chained: it was edited by hand — {REBUILD_STEP}",
+                   "snapshot_edited", steps=Step.engine("rebuild"))
 
 
 def legacy_refusal():
-    return with_step(damaged(f"{SNAPSHOT} was written by the original goals.py; run `status` (or "
-                             "any writing command) to import it into a hash-chained ledger first.",
-                             "legacy"), "status")
+    return damaged(f"{SNAPSHOT} was written by the original goals.py; run `status` (or "
+                   "any writing command) to import it into a hash-chained ledger first.",
+                   "legacy", steps=Step.engine("status"))
 
 
 class Store:
@@ -789,8 +787,8 @@ class Store:
                                          os.path.basename(self.dir) == STATE_DIRNAME):
             raise symlink_refusal(self.dir)  # a cloned repository's `.fablize -> elsewhere`
         if not stat.S_ISDIR(os.stat(self.dir).st_mode):
-            raise set_aside(damaged(f"{self.dir} is not a directory.", "not_a_directory"),
-                            self.dir)
+            raise damaged(f"{self.dir} is not a directory.", "not_a_directory",
+                          set_aside(self.dir))
         return True
 
     def create_dir(self):
@@ -894,9 +892,10 @@ class Reading:
             if found is None or found[0] < snap_seq:
                 raise position_error(snap_seq, found[0] if found else 0, ledger.fd is None)
             if not found[2] and sha256_hex(found[1]) != snap["ledger"]["head"]:
-                raise with_step(damaged(
-                    f"{SNAPSHOT} and {LEDGER} disagree at event {snap_seq} (line {snap_seq} is not "
-                    f"the one the snapshot reflects) — {REBUILD_STEP}", "disagree"), "rebuild")
+                raise damaged(
+          f"{SNAPSHOT} and {LEDGER} disagree at event {snap_seq} (line {snap_seq} is not "
+          f"the one the snapshot reflects) — {REBUILD_STEP}", "disagree",
+                              steps=Step.engine("rebuild"))
         self.plan = snap
         if newer:
             self.plan = self.roll_forward(snap, newer[::-1])
@@ -960,13 +959,13 @@ class Reading:
                           f"repaired: restore {LEDGER} (`git checkout HEAD -- {STATE_DIRNAME}/` "
                           "when it was committed); a human decides:", "bad_line")
         if (prev_ev["seq"] if prev_ev else 0) < snap_seq:
-            raise with_step(line_error(
-                snap_seq, f"the last line is damaged but {SNAPSHOT} reflects event {snap_seq}: "
-                f"an acknowledged event was damaged. If it was committed, `git checkout HEAD "
-                f"-- {STATE_DIRNAME}/` restores both files; else `rebuild` keeps the events "
-                f"before it (the damaged line goes to {LEDGER}.broken, the old snapshot to a "
-                ".bak):",
-                "bad_line"), "rebuild")
+            raise line_error(
+      snap_seq, f"the last line is damaged but {SNAPSHOT} reflects event {snap_seq}: "
+      f"an acknowledged event was damaged. If it was committed, `git checkout HEAD "
+      f"-- {STATE_DIRNAME}/` restores both files; else `rebuild` keeps the events "
+      f"before it (the damaged line goes to {LEDGER}.broken, the old snapshot to a "
+      ".bak):",
+      "bad_line", steps=Step.engine("rebuild"))
         return end, torn
 
     def roll_forward(self, plan, events):

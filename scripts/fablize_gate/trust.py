@@ -179,19 +179,14 @@ def branch_ref(root, ref, what):
         raise usage(f"{what}: {one_line(ref)!r} is not a git ref.", "bad_ref")
     top = repo_root(root)
     if top is None:
-        error = refused(f"{what}: {root} is not inside a git repository — run it in the "
-                        "checkout of the branch under review (where it is, is a human's to "
-                        "say):", "not_a_repository")
-        error.commands = ["cd <checkout>"]
-        raise error
+        raise refused(f"{what}: {root} is not inside a git repository — run it in the "
+                      "checkout of the branch under review (where it is, is a human's to "
+                      "say):", "not_a_repository", steps="cd <checkout>")
     code, _, _ = git(top, "rev-parse", "--verify", "--quiet", ref + "^{commit}", what=what)
     if code != 0:
-        error = usage(f"{what}: {one_line(ref)} is not a commit here (fetch it first?)", "bad_ref")
         fetch = fetch_step(top, ref)
-        error.message += (": " if len(fetch) > 1 else " — ") + fetch[0]
-        if len(fetch) > 1:
-            error.commands = [fetch[1]]
-        raise error
+        raise usage(f"{what}: {one_line(ref)} is not a commit here (fetch it first?)"
+                    + (": " if len(fetch) > 1 else " — ") + fetch[0], "bad_ref", fetch[1:])
     # the ref as git resolves it: a tag the pull request pushed must not stand in for the base
     # branch (git prefers refs/tags/X to refs/heads/X and refs/remotes/X)
     code, out, err = git(top, "rev-parse", "--symbolic-full-name", ref, what=what)
@@ -629,12 +624,10 @@ def read_small(path):
 def not_the_pr_base(ref, step):
     """The refusal of a --base that is not the pull request's (pr_base), naming `step`: the
     same audit on the pull request's base."""
-    error = refused(f"--base {one_line(ref)} is not the pull request's base branch "
-                    f"{one_line(os.environ.get('GITHUB_BASE_REF', ''))} (GITHUB_BASE_REF): the "
-                    "pin, the policy and the tree the checks re-run on come from that branch "
-                    "only — was the workflow edited?", "base_not_pr_base")
-    error.commands = [step]
-    return error
+    return refused(f"--base {one_line(ref)} is not the pull request's base branch "
+                   f"{one_line(os.environ.get('GITHUB_BASE_REF', ''))} (GITHUB_BASE_REF): the "
+                   "pin, the policy and the tree the checks re-run on come from that branch "
+                   "only — was the workflow edited?", "base_not_pr_base", steps=step)
 
 
 def allowed_signers_file(store, signers, base):
