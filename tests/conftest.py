@@ -33,12 +33,12 @@ SESSION_MARK = "FZTEST_SESSION"
 os.environ.setdefault(SESSION_MARK, f"{os.getpid()}-{os.urandom(6).hex()}")
 
 import fablize_gate  # noqa: E402  (the engine package beside goals.py)
-from fablize_gate import (audit, base, cli, commands, hooks, masking, merge, model,  # noqa: E402
-                          render, reports, rerun, runs, setup, sharing, sharing_git, storage,
-                          trust)
+from fablize_gate import (audit, base, cli, commands, history, hooks, masking,  # noqa: E402
+                          merge, model, render, reports, rerun, runs, setup, sharing, sharing_git,
+                          storage, trust)
 
-MODULES = [fablize_gate, base, masking, model, reports, storage, runs, render, audit, hooks,
-           commands, cli, setup, sharing, sharing_git, merge, rerun, trust]
+MODULES = [fablize_gate, base, masking, model, reports, storage, history, runs, render, hooks,
+           commands, cli, setup, sharing, sharing_git, merge, rerun, trust, audit]
 
 
 class EngineView:

@@ -28,14 +28,15 @@ when it needs it, so a start loads only what it runs):
   masking    secrets and this machine's places, kept out of what is recorded
   model      stories, events, transitions with their log lines, the gates, Replay (pure)
   storage    discovery, files, lock, ledger, snapshot, transactions, streaming replay
+  history    the whole ledger replayed and judged, event by event (audit_ledger)
   runs       the one place processes start: git, tools, checks, provenance
   render     handoff, status, plan map, report: text only
-  audit      the whole ledger replayed and judged
   hooks      what an agent's harness runs (guard, observe)
   commands   one function a command
-  cli        the parser, Output, Context and `main`, the one exit point
-Rooms, for what the original never had, use the layers below commands through the names they
-import from them: setup (setup, doctor, install-block, completion), sharing (share, sync,
+  cli        the parser, Output, Context and `main`, the one exit point; an error said once
+Rooms use the layers below commands through the names they import from them, and are loaded
+by the command line only for their own commands: audit (the audit command: its gates, the
+trust room's and the re-run's assembled into one verdict; its options one table), setup (setup, doctor, install-block, completion), sharing (share, sync,
 release, create --remote, audit --remote; its git runner in sharing_git), merge (merge-driver,
 install-merge), trust (audit's --base/--since/--rerun and --require-* gates, decide --sign;
 CI's re-run of the checks in rerun, a test runner's own report in reports, CI's last process in

@@ -1,304 +1,400 @@
-"""Audit: replaying the whole ledger and what it finds (audit_ledger), beside the snapshot.
+"""The audit command: the whole ledger replayed and judged (history.audit_ledger), then what CI
+can believe of it — the engine's own gates here, the trust room's (the pin, the policy, the
+scope, signatures) and its re-run on the base's tree (rerun) — said once as one verdict, the
+job summary and the verdict file CI's last process reads.
+
+Interface: COMMANDS (audit), TRUST_OPTIONS.
 """
 
-import collections
-import json
 import os
-from itertools import compress, repeat
-from operator import eq, itemgetter, methodcaller
 
 from .base import (
-    damaged, dumps, fast_sha256, LEDGER, load_json, no_plan, one_line, REPORT_RUNS, RUNS, SNAPSHOT,
-    SNAPSHOT_VERSION, Step)
-from .masking import looks_secret
-from .model import (
-    _EVENT_KIND, _PREV, compact, find_story, is_original_snapshot, line_error, parse_event)
+    ARCHIVE, count_noun, create_args, defused_line, DONE, EXIT_REFUSED, FablizeError, last_chars,
+    one_line, quote_arg, RUNS, SNAPSHOT, STATE_DIRNAME, Step, TIMEOUT_OPTION, usage)
+from .history import audit_ledger
+from .model import accepted_ids, claimed_final, not_an_event, stories_in, unaddressed_failure
+from .render import (
+    capped_line, grades_line, next_action, plan_summary, render_report, rerun_command)
+from .runs import committed_copy
 from .storage import (
-    MemoryLedger, parse_snapshot, position_error, read_state_file, REBUILD_STEP, replay_all,
-    snapshot_bytes, stripped_snapshot_error)
+    last_line_alone_damaged, loose_snapshot, read_state_file, symlink_refusal, write_atomic)
 
 
-# the fields of an event where a secret could have been recorded (an older engine masked none)
-SECRET_FIELDS = {"verify_run": ("cmd", "tail"), "observed_run": ("cmd", "detail", "tool"),
-                 "checkpoint": ("evidence", "verify_cmd", "verify_evidence", "agent?"),
-                 "verdict": ("evidence", "agent"), "paused": ("note",), "decision": ("note",),
-                 "story_released": ("note", "agent"), "guard_block": ("reason",),
-                 "story_started": ("agent",), "plan_created": ("brief",)}
-_STORY_TEXTS = ("title", "objective", "evidence")  # (and its checks and acceptance items)
+def cmd_audit(ctx, a):
+    """audit: replay the whole ledger (chain, every field, every transition, the snapshot, the
+    run logs), then, with the trust room, what CI can believe of it (the pin, the scope, a
+    re-run on the base's tree). Every gate that says no is named at once, the verdict first;
+    `--summary` writes the same for a CI job summary, also when the ledger is damaged."""
+    try:
+        audit_and_judge(ctx, a)
+    except FablizeError as e:
+        if a.summary and not getattr(e, "summarised", False):
+            write_summary(a.summary, f"❌ audit failed: {e.message}", "")
+        raise
 
 
-def story_texts(ev):
-    """The words of the stories an event holds (plan_created's, story_added's), and the plan's
-    scope: what a forger could hide a secret in besides the fields of SECRET_FIELDS."""
-    stories = ev["stories"] if ev["event"] == "plan_created" else [ev["story"]]
-    for story in stories:
-        yield from (story.get(key) for key in _STORY_TEXTS)
-        yield from story.get("checks") or ()
-        yield from story.get("accept") or ()
-    yield from ev.get("scope") or ()
+def audit_and_judge(ctx, a):
+    """The audit itself: replay the whole ledger (locally, or a shared plan as its remote holds
+    it) with the trust room's scan alongside; then the gates — independence, logs,
+    completeness, secrets, and the trust room's (pin, scope, required checks, witnesses,
+    signatures) — and the re-run on the base's tree; then one verdict, every failed gate with
+    its reason and fix, the grades, and the job summary. Exit 1 names the first gate."""
+    from . import trust, rerun
+    opts = {name: getattr(a, name) for name in TRUST_OPTIONS}
+    opts["held_out_checks"] = None
+    nonce = verdict_nonce() if a.verdict else None
+    shared = {"plan": a.plan} if a.remote else None
+    opts["isolation"] = rerun.Isolation.choose(a.check_user)  # a name that is none: at once
+    wanted = trust.pr_base(ctx.store, a.base) if a.base else None
+    if wanted:
+        raise trust.not_the_pr_base(a.base, rerun_command(
+            ctx.prog, swapped_option(ctx.argv, "--base", wanted)))
+    pin, base = trust.pin_of(ctx.store, a.base, a.since, shared)
+    policy = trust.base_policy(ctx.store, a.base) if a.base else None
+    if policy:  # CI's policy, as the base holds it: the workflow's inputs cannot loosen it
+        opts = trust.apply_policy(opts, policy)
+    scan = trust.Scan(ctx.store.root, pin)
+    report = audited(ctx, a, scan, base)
+    plan, recent = report.pop("plan"), report.pop("recent_runs")
+    bad_logs = report.pop("bad_logs")
+    if bad_logs:
+        raise bad_logs[0]
+    review = trust.review(ctx.store, plan, scan, pin, base, opts)
+    report.update(plan_summary(plan), brief=plan["brief"], accepted=accepted_ids(plan))
+    failures = audit_failures(ctx, report, plan, a)
+    for warning in review["warnings"]:
+        ctx.out.warn(warning)
+    failures += trust.gates(ctx.store, plan, review, opts)
+    results = rerun.rerun(ctx.store, plan, review, opts, ctx.timeout) if a.rerun or (
+        opts["fail_to_pass"] or opts["require_fail_to_pass"]) else None
+    if results is not None:
+        failures += rerun.failures(results, opts)
+    grades = trust.grades(plan, results)
+    report["trust"] = {k: v for k, v in review.items()
+                       if k not in ("decisions", "warnings", "tree")}
+    report["trust"]["tree"] = review["tree"] and {
+        k: review["tree"][k] for k in ("scope", "from", "left", "agent_tests")}
+    if results is not None:  # `rerun`: a check a row, as before; the rest beside it
+        report["rerun"] = results["checks"]
+        report["rerun_context"] = {k: v for k, v in results.items() if k != "checks"}
+    report.update(grades=grades, failures=failures)
+    ctx.data.update(report)
+    verdict = say_audit(ctx, report, plan, failures, results, review, grades)
+    if a.summary:
+        write_summary(a.summary, None, trust.summary(verdict, failures,
+                                                     render_report(plan, recent), review,
+                                                     results, grades))
+    if a.verdict:
+        write_verdict(a.verdict, verdict, failures, results, nonce)
+    if failures:  # each gate's fix is said above (and under --json, in `failures`)
+        error = FablizeError("audit: " + (f"{failures[0]['message']} — {failures[0]['fix']}"
+                                          if len(failures) == 1 else
+                                          "; ".join(f["message"] for f in failures) +
+                                          " (the fix of each is said above)"),
+                             failures[0]["code"], EXIT_REFUSED,
+                             failures[0].get("commands") or ())  # the first gate's, whole
+        error.summarised = True
+        raise error
 
 
-MAX_SECRET_LINES = 20
-EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
-_SHA256, _LOG = itemgetter("sha256"), itemgetter("log")
-
-
-def secret_seqs(groups, secret):
-    """The lines (seqs, in order) of the events in `groups` ({kind: its events, as replay
-    accepted them}) whose recorded text looks secret: each text of a batch is asked of
-    `secret` once, however many events recorded it."""
-    seqs = []
-    for kind, fields in SECRET_FIELDS.items():
-        group = groups.get(kind)
-        if not group:
+def swapped_option(argv, option, value):
+    """`argv` with `option`'s value (`--base X` or `--base=X`) replaced by `value`."""
+    out, skip = [], False
+    for i, word in enumerate(argv):
+        if skip:
+            skip = False
             continue
-        texts = set()
-        for name in fields:  # text or None, each (replay checked); `name?` may be missing
-            texts.update(map(methodcaller("get", name[:-1]) if name.endswith("?") else
-                             itemgetter(name), group))
-        flagged = {text for text in texts if text and secret(text)}
-        if flagged:
-            seqs += [ev["seq"] for ev in group
-                     if any(ev.get(name.rstrip("?")) in flagged for name in fields)]
-    for kind in ("plan_created", "story_added"):  # a few events, each read whole
-        seqs += [ev["seq"] for ev in groups.get(kind, ())
-                 if any(type(text) is str and secret(text) for text in story_texts(ev))]
-    return sorted(set(seqs))
-
-
-def audit_ledger(source, snapshot_raw, require_independent=False, runs_dir=None, scan=None,
-                 logs=None):
-    """Replay every line of `source` (a Ledger, or a ledger's bytes), streaming; returns a report
-    dict. Raises FablizeError(exit 3) at the first line that cannot be trusted, naming it and
-    why. With `runs_dir` (or `logs`, {log path: bytes} as a shared plan's commits carry them),
-    each run's log found there is checked against its recorded digest;
-    `scan(lineno, head, ev)` sees every line after it replayed (the trust checks' pass; a scan
-    with a `batch` method is given each batch at once instead)."""
-    audit = Audit(source, snapshot_raw, require_independent, runs_dir, scan, logs)
-    replay = audit.replay()
-    report = audit.report(replay)
-    audit.compare_snapshot(replay, report)
-    return report
-
-
-class Audit:
-    """One audit of a ledger, in the steps audit_ledger takes: the snapshot read, the replay
-    (each batch checked as it passes: secrets, run logs, the trust scan; each event the
-    independence of its verdict), the report, the snapshot compared."""
-
-    def __init__(self, source, snapshot_raw, require_independent, runs_dir, scan, logs):
-        self.ledger = MemoryLedger(source) if isinstance(source, bytes) else source
-        self.end, self.torn = self.ledger.end() if self.ledger.fd is not None else (0, b"")
-        self.snapshot_raw = snapshot_raw
-        snap = parse_snapshot(snapshot_raw, whole=True) if snapshot_raw is not None else None
-        if snap is not None and is_original_snapshot(snap):
-            raise stripped_snapshot_error()  # beside a chained ledger (else refuse_original)
-        self.snap_seq = snap["ledger"]["seq"] if snap is not None else None
-        self.version = snap["schema_version"] if snap is not None else None
-        if self.version == SNAPSHOT_VERSION:
-            # this engine's snapshot is compared as the bytes it would write at that event: the
-            # parsed copy is let go before the replay builds its own, and parsed again only on
-            # a mismatch (audit of a 100,000-story plan: max RSS 496 → 309 MiB, CPU 2.85 → 1.96 s)
-            snap = True
-        self.snap, self.snap_view = snap, None
-        self.require_independent, self.scan = require_independent, scan
-        self.runs_dir, self.logs = runs_dir, logs
-        self.independence, self.bad_logs, self.secrets = [], [], []
-        self.checked = 0
-        self.digest = fast_sha256()
-        self.recent = collections.deque(maxlen=REPORT_RUNS)  # the latest runs, for the summary
-        present = set(os.listdir(runs_dir)) if runs_dir and os.path.isdir(runs_dir) else set()
-        # a run's log is runs/<seq>-<story>.log (replay checked): where it is looked for
-        self.log_key = itemgetter(slice(len(RUNS) + 1, None)) if logs is None else None
-        found = logs.keys() if logs is not None else present
-        self.has_log = found.__contains__
-        # the seqs whose log may be here, from the names (<seq>-<story>.log): a batch none of
-        # whose seqs is among them has no log to look up
-        self.logged = {int(seq) for seq in
-                       (name.rpartition("/")[2].partition("-")[0] for name in found)
-                       if seq.isascii() and seq.isdigit()}
-        # the snapshot is compared as of its own event: after the replay when that is the last
-        # line (a snapshot in sync), else as the replay passes it
-        last = parse_event(self.ledger.last(self.end) or b"") if self.snap_seq is not None else None
-        self.at_end = self.snap_seq is None or (last is not None and last["seq"] == self.snap_seq)
-
-    def replay(self):
-        kinds = {"verdict"} if self.require_independent else set()
-        replay = replay_all(self.ledger, self.end,
-                            self.on_event if kinds or not self.at_end else None,
-                            kinds if self.at_end else None, self.on_batch)
-        if self.snap_seq is not None and self.at_end and replay.seq == self.snap_seq:
-            self.view(replay)
-        return replay
-
-    def on_batch(self, replay, events):
-        """What audit checks of each batch the replay accepted, in C loops where it can (with
-        the trust scan's batch: audit of 100,000 real runs, bench.py section 4's ledger, 1.42 →
-        1.32 s CPU, against checking each event in Python as it replayed)."""
-        kinds = list(map(_EVENT_KIND, events))
-        distinct = set(kinds)
-        groups = ({kinds[0]: events} if len(distinct) == 1 else  # most batches: runs only
-            {kind: list(compress(events, map(eq, kinds, repeat(kind)))) for kind in distinct})
-        if len(self.secrets) < MAX_SECRET_LINES:
-            self.secrets.extend(
-                secret_seqs(groups, looks_secret)[:MAX_SECRET_LINES - len(self.secrets)])
-        runs = groups.get("verify_run", ())
-        self.recent.extend(runs)
-        self.check_logs(runs)
-        if self.scan is not None:
-            heads = [*map(_PREV, events[1:]), replay.head]  # each line's hash, as the next names
-            if hasattr(self.scan, "batch"):
-                self.scan.batch(events, groups, heads)
-            else:
-                for ev, head in zip(events, heads):
-                    self.scan(ev["seq"], head, ev)
-
-    def check_logs(self, runs):
-        """Each run's log found here against the digest its run recorded."""
-        logless = set()  # runs whose log could not be made: no log to show, none claimed
-        if EMPTY_SHA256 in map(_SHA256, runs):
-            logless = {ev["seq"] for ev in runs if not ev["bytes"] and ev["error"] and
-                       ev["sha256"] == EMPTY_SHA256}
-            self.checked += len(logless)
-        names = ()
-        if runs and not self.logged.isdisjoint(range(runs[0]["seq"], runs[-1]["seq"] + 1)):
-            names = (map(_LOG, runs) if self.log_key is None else
-                map(self.log_key, map(_LOG, runs)))
-        for ev in compress(runs, map(self.has_log, names)):  # most batches: none of their logs
-            if ev["seq"] in logless:
-                continue
-            self.checked += 1
-            log = ev["log"]
-            content = (self.logs.get(log) if self.logs is not None else
-                read_state_file(os.path.join(self.runs_dir, self.log_key(log))))
-            if content is None or self.digest(content) != ev["sha256"]:
-                error = line_error(ev["seq"], f"{one_line(log)} does not match the sha256 "
-                                   "recorded for that run — the log was edited or replaced.",
-                                   "run_log_mismatch")
-                if self.logs is None:  # the file here: what a way back restores
-                    error.path = os.path.join(self.runs_dir, self.log_key(log))
-                self.bad_logs.append(error)
-
-    def view(self, replay):
-        """The snapshot this engine would have written at this event."""
-        replay.plan["ledger"] = replay.position()
-        self.snap_view = (snapshot_bytes(replay.plan) if self.snap is True else
-                          snapshot_view(replay.plan, self.version))
-
-    def on_event(self, replay, line, ev):
-        if self.require_independent and ev["event"] == "verdict":  # it leaves executor as it was
-            story = find_story(replay.plan, ev["id"])
-            if story["executor"] is None or story["executor"] == ev["agent"]:
-                self.independence.append(f"line {replay.seq}: {story['id']} judged by "
-                                         f"{one_line(ev['agent'])}, executor "
-                                         f"{one_line(story['executor'] or 'unnamed')}")
-        if replay.seq == self.snap_seq and not self.at_end:
-            self.view(replay)
-
-    def report(self, replay):
-        runs = replay.counts["verify_run"]
-        plan = replay.plan
-        if plan is None:
-            if self.snap is not None:
-                raise position_error(self.snap_seq, 0)
-            raise no_plan()
-        plan["ledger"] = replay.position()
-        return {"event_count": replay.seq, "head": f"{replay.seq}:{replay.head}",
-                "torn_tail_bytes": len(self.torn), "snapshot": "missing", "plan": plan,
-                "independence": self.independence, "run_count": runs,
-                "missing_logs": runs - self.checked, "recent_runs": list(self.recent),
-                "bad_logs": self.bad_logs, "secret_lines": self.secrets}
-
-    def compare_snapshot(self, replay, report):
-        """The snapshot against the replay at its own event: report["snapshot"] says how it
-        stands; exit 3 when it differs."""
-        snap, snap_seq, snap_view = self.snap, self.snap_seq, self.snap_view
-        if snap is None:
-            return
-        if replay.seq < snap_seq:
-            raise position_error(snap_seq, replay.seq)
-        if snap is True:  # this engine's snapshot: the very bytes it would write, or else
-            if snap_view == self.snapshot_raw:  # what differs, from both parsed
-                snap_view = None
-            else:
-                snap = parse_snapshot(self.snapshot_raw, whole=True)
-                view = load_json(snap_view)
-                # in the plan's own key order, as a view of any other version is compared
-                snap_view = {k: view[k] for k in [*report["plan"], *view]
-                             if k in view and k != "digest"}
-        if snap_view is None:
-            mismatch = None
-        elif self.version < 2:
-            if snap_view["ledger"]["head"] != snap["ledger"]["head"]:
-                raise damaged(f"{SNAPSHOT} and {LEDGER} disagree at event {snap_seq} "
-                              f"— {REBUILD_STEP}", "snapshot_mismatch",
-                              steps=Step.engine("rebuild"))
-            report["snapshot"] = ("in the format of fablize 1 (the next writing command "
-                                  "rewrites it)")
-            return
+        if word == option and i + 1 < len(argv):
+            out += [option, value]
+            skip = True
+        elif word.startswith(option + "="):
+            out.append(f"{option}={value}")
         else:
-            mismatch = first_difference(forgive_new_keys(snap_view, snap),
-                                        {k: v for k, v in snap.items() if k != "digest"})
-        if mismatch:
-            raise damaged(f"{SNAPSHOT} disagrees with the replay of {LEDGER} up to line "
-                          f"{snap_seq}: {mismatch} — {REBUILD_STEP}",
-                          "snapshot_mismatch", steps=Step.engine("rebuild"))
-        behind = replay.seq - snap_seq
-        report["snapshot"] = ("in sync" if not behind else
-            f"{behind} event{'s' if behind > 1 else ''} behind (rolled forward by the next "
-            "writing command)")
+            out.append(word)
+    return out
 
 
-def first_difference(expected, actual, path=""):
-    if type(expected) is not type(actual):
-        return (f"{path or 'top level'} is {one_line(repr(actual))[:80]}, the ledger says "
-               f"{one_line(repr(expected))[:80]}")
-    if isinstance(expected, dict):
-        for key in list(expected) + [k for k in actual if k not in expected]:
-            if key not in actual or key not in expected:
-                return f"{path}{key} is {'missing' if key not in actual else 'extra'}"
-            found = first_difference(expected[key], actual[key], f"{path}{key}.")
-            if found:
-                return found
+def audited(ctx, a, scan, base):
+    """audit_ledger's report of the plan: a shared plan as its remote holds it (no local state
+    needed), else the local state directory's, read as readers read it."""
+    if a.remote:
+        # the plan CI names, else the one the base's pin names, else the remote's only plan
+        plan_id = a.plan or (base or {}).get("plan_id")
+        named_by = ("--plan" if a.plan else f"the pin on {base['ref']}" if plan_id else None)
+        from . import sharing
+        data, logs, which = sharing.audit_source(ctx.store, a.remote, plan_id, named_by)
+        # pinned: CI named the plan, or the base's pin did; else the tree under audit chose it
+        which["pinned"] = base is not None and base.get("plan_id") == which["plan_id"]
+        report = audit_ledger(data, None, a.require_independent_judge, logs=logs, scan=scan)
+        report["snapshot"] = "none on a remote (its ledger is the whole of it)"
+        report["remote_plan"] = which
+        return report
+    with ctx.store.plan_session(exclusive=False) as s:
+        s.refuse_original()
+        for name in (RUNS, ARCHIVE):  # a planted link would have audit read another tree
+            if os.path.islink(s.store.path(name)):
+                raise symlink_refusal(s.store.path(name))
+        snapshot = read_state_file(s.store.path(SNAPSHOT))  # before the ledger, as readers do
+        s.ledger.open()
+        s.see_lost_newline(loose_snapshot(s.store))
+        try:
+            return audit_ledger(s.ledger, snapshot, a.require_independent_judge,
+                                runs_dir=s.store.path(RUNS), scan=scan)
+        except FablizeError as e:
+            lineno = getattr(e, "lineno", None)
+            if e.code == "bad_line" and lineno and last_line_alone_damaged(s.ledger):
+                raise not_an_event(lineno, last=True) from None  # rebuild sets it aside
+            raise
+
+
+def audit_failures(ctx, report, plan, a):
+    """The engine's own gates (the trust room's come after): a verdict not independent, run
+    logs missing (--require-logs), a secret recorded, a plan not complete (--require-complete).
+    Each with its fix and the step it names, whole (`commands`); what the ledger holds stays
+    in it, so a gate the history fails for good is a human's call: a new plan."""
+    failures = []
+    missing_logs = report["missing_logs"]
+    anew = [Step.engine(create_args(force=True))]  # the plan kept whole in archive/
+    if report["independence"]:
+        failures.append({"code": "judge_not_independent", "message": "a verdict was not given by "
+                         "an independent judge — " + "; ".join(report["independence"]),
+                         "fix": "the verdict stays in the plan's history, so this plan fails the "
+                         "gate for good: a human decides whether to start a new one, whose "
+                         "executors checkpoint with --agent and whose judge is another agent",
+                         "commands": anew})
+    if a.require_logs and missing_logs:
+        runs = (os.path.relpath(ctx.store.path(RUNS), ctx.store.root).replace(os.sep, "/")
+                if not a.remote else f"{STATE_DIRNAME}/{RUNS}")  # from the clone's top
+        failures.append({"code": "missing_logs", "message":
+                         f"{count_noun(missing_logs, 'verification run log')} "
+                         f"{'is' if missing_logs == 1 else 'are'} missing, so "
+                         f"{'that run' if missing_logs == 1 else 'those runs'} cannot be shown to "
+                         "have happened", "fix": "commit .fablize/runs/",
+                         "commands": (not a.remote and committed_copy(ctx.store, [RUNS])) or [
+                             f"git -C \"<the clone that ran them>\" add {quote_arg(runs)}/"]})
+    if report["secret_lines"]:
+        lines = report["secret_lines"]
+        failures.append({"code": "secret_in_ledger", "message":
+                         f"{count_noun(len(lines), 'event')} "
+                         "recorded what looks like a secret (line " + ", ".join(map(str, lines)) +
+                         ") — everyone who can read the plan can read it",
+                         "fix": "rotate that secret now: what was committed or shared stays in the "
+                         "repository's history (and in this plan's, which fails the gate for "
+                         "good: a new plan passes it)", "commands": anew})
+    if a.require_complete and not report["complete"]:
+        left = [f"{x['id']} [{x['status']}]" for x in plan["goals"] if x["status"] not in DONE]
+        action = next_action(ctx.prog, plan)
+        failures.append({"code": "incomplete", "message": "trusted but incomplete — "
+                         + ", ".join(left), "fix": "finish the plan: `next`, then `checkpoint`",
+                         "commands": action.get("commands") or (
+                             [action["cmd"]] if action["cmd"] else [f"{ctx.prog} status"])})
+    return failures
+
+
+def say_audit(ctx, report, plan, failures, results, review, grades):
+    """What audit says: its verdict (returned, for the job summary), every failed gate with its
+    fix, the ledger, the head to keep, the plan, the trust room's findings, the re-run, the
+    grades, and completed stories whose last observed run failed."""
+    from . import trust
+    ledger_line = (f"{count_noun(report['event_count'], 'event')}, hash chain intact, every event "
+                   f"one fablize writes and legal when replayed; snapshot {report['snapshot']}.")
+    checks = results["checks"] if results else []
+    rerun_passed = checks and all(r["ok"] for r in checks)
+    if failures:
+        verdict = (f"❌ audit failed: {count_noun(len(failures), 'gate')} said no — " +
+            ", ".join(f["code"] for f in failures))
+        ctx.say(f"fablize: {verdict}")
+        for line in trust.gate_lines(failures):
+            ctx.say(line)
+        ctx.say(f"  ledger: {ledger_line}")
+    else:
+        verdict = ("✅ re-witnessed: every frozen check passed again; " if rerun_passed else
+                   "✅ ") + f"audit ok — {report['done']}/{report['total']} done"
+        if rerun_passed:
+            ctx.say(f"fablize: ✅ re-witnessed — {count_noun(len(checks), 'frozen check')} "
+                    "passed again, run by this audit")
+        ctx.say(f"fablize: audit ok — {ledger_line}")
+    ctx.say(f"  head: {report['head']}   (keep it; `audit --since` proves later history only grew)")
+    accepted = report["accepted"]
+    ctx.say(f"  plan: {report['done']}/{report['total']} done — {defused_line(plan['brief'])}"
+            + (f" ({', '.join(accepted)} accepted by a human decision)" if accepted else ""))
+    which = report.get("remote_plan")
+    if which is not None:
+        ctx.say(f"  shared plan: {which['plan_id']} as {one_line(which['remote'])} holds it, "
+                f"named by {one_line(which['named_by'])}" + ("" if which["pinned"] else
+                " — unpinned: nothing the pull request cannot write chose it (give --base, "
+                "whose pin names the plan)"))
+    if report["torn_tail_bytes"]:
+        ctx.say(f"  torn tail: {report['torn_tail_bytes']} bytes after the last event — a write "
+                "that never completed; the next writing command moves it aside.")
+    missing_logs = report["missing_logs"]
+    if missing_logs:
+        ctx.say(f"  {count_noun(missing_logs, 'run log')} not present here (not committed?); their "
+                "digests are in the ledger.")
+    for line in trust.lines(review, results):
+        ctx.say(line)
+    if grades:
+        ctx.say("  " + grades_line(grades))
+    if capped_line(plan):  # a warning, not a failure: --require-complete fails the plan
+        ctx.say("  " + capped_line(plan))
+    claimed = claimed_final(plan)
+    if claimed:  # a warning, not a failure: the strict recipe's --require-witnessed fails it
+        ctx.say("  " + claimed)
+        ctx.data["claimed_final"] = plan["goals"][-1]["id"]
+    for s in stories_in(plan, "complete"):
+        o = unaddressed_failure(s)
+        if o is not None:
+            ctx.say(f"  {s['id']}: the harness last saw `{one_line(last_chars(o['cmd'], 120))}` "
+                    f"fail (event {o.get('seq')}) before it was checkpointed")
+    return verdict
+
+
+def verdict_nonce():
+    """The nonce CI's script hands the audit on a descriptor of its own
+    (FABLIZE_VERDICT_NONCE_FD), read before any check runs: no check inherits the descriptor,
+    none may read the auditor's memory (rerun.Isolation), so a verdict file a check forged lacks
+    it. None when no descriptor is named."""
+    fd = os.environ.get("FABLIZE_VERDICT_NONCE_FD", "")
+    if not fd.isdigit():
         return None
-    if isinstance(expected, list):
-        if len(expected) != len(actual):
-            return f"{path.rstrip('.')} has {len(actual)} entries, the ledger says {len(expected)}"
-        for i, (e, a) in enumerate(zip(expected, actual)):
-            label = e.get("id", i) if isinstance(e, dict) else i
-            found = first_difference(e, a, f"{path.rstrip('.')}[{label}].")
-            if found:
-                return found
-        return None
-    if expected != actual:
-        return (f"{path.rstrip('.')} is {one_line(repr(actual))[:80]}, the ledger says "
-               f"{one_line(repr(expected))[:80]}")
-    return None
+    try:
+        with os.fdopen(int(fd), "rb", closefd=True) as f:
+            return f.read(256).decode("ascii", "replace").strip() or None
+    except (OSError, ValueError):
+        raise usage(f"FABLIZE_VERDICT_NONCE_FD={one_line(fd)} names no open descriptor: CI's "
+                    "script opens it (`3<<<\"$nonce\"`) for the audit it starts.", "usage")
 
 
-def snapshot_view(plan, version):
-    """The plan as a snapshot of `version` holds it, what audit compares goals.json with:
-    compact stories from version 3, every field of every story before."""
-    view = json.loads(dumps(plan))
-    view["schema_version"] = version
-    if version >= 3:
-        view["goals"] = [compact(story) for story in view["goals"]]
-    return view
+def write_verdict(path, verdict, failures, results, nonce):
+    """The verdict as a file CI's script reads beside the exit code: written last and whole (an
+    atomic rename) by the one process that judged. A check that traced the auditor into exiting
+    0 leaves no verdict file; one a check wrote itself lacks the nonce."""
+    import json
+    record = {"schema_version": 1, "ok": not failures, "verdict": verdict,
+              "failures": [f["code"] for f in failures], "nonce": nonce,
+              "isolation": results["isolation"] if results else None}
+    write_atomic(path, (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"), 0o600)
 
 
-def forgive_new_keys(view, snap):
-    """The replayed plan as a snapshot written before this engine held it: without the keys it
-    lacks (grade, a decision's signer), and with a blocked checkpoint's reason kept twice, as
-    it was."""
-    for mine, theirs in zip(view.get("goals", []), snap.get("goals", [])):
-        if not isinstance(theirs, dict):
-            continue
-        if "grade" not in theirs:
-            mine.pop("grade", None)
-        if (mine.get("blocked_reason") is None and theirs.get("blocked_reason") is not None and
-                theirs.get("blocked_reason") == theirs.get("evidence")):
-            mine["blocked_reason"] = theirs["blocked_reason"]
-        decision, kept = mine.get("decision"), theirs.get("decision")
-        if isinstance(decision, dict) and isinstance(kept, dict) and "signer" not in kept:
-            decision.pop("signer", None)  # a signed decision's signer, not yet kept then
-    return view
+def write_summary(path, verdict, markdown):
+    """Append a job summary (Markdown) to `path`: `verdict` alone when the audit could not go
+    further (a damaged ledger), else what the audit wrote."""
+    text = markdown if verdict is None else f"## {verdict}\n"
+    with open(path, "ab") as f:
+        if f.tell() > 0:
+            f.write(b"\n")
+        f.write(text.encode("utf-8") + b"\n")
+
+
+TRUST_MODEL = """\
+Trust model — three grades of evidence:
+  claimed       text the agent typed (--evidence, --verify-cmd + --verify-evidence).
+  witnessed     the engine ran the command (--run, frozen checks) and recorded its exit
+                code, digest and log. It proves the command ran and what it printed, in
+                the agent's environment; not that the environment was honest.
+  re-witnessed  CI, with its own copy of the engine (python3 -I) and its own environment,
+                re-ran the plan's frozen checks on the committed tree (--rerun).
+The hash chain proves only that history after a pin grew, not who wrote it. Trust comes
+from what the agent cannot write: the base branch's committed ledger and archives (--base),
+CI's own re-run (--rerun), checks CI requires (--require-check) and a human's key
+(decide --sign, verified with --allowed-signers read from the base branch)."""
+
+
+def option(*flags, trust=False, **kwargs):
+    """A row of OPTIONS: the flags, argparse's options, and whether the trust room answers it."""
+    return flags, kwargs, trust
+
+
+# audit's options in --help's order, the one table the parser and the trust room read: a row
+# with trust=True is answered by the trust room (TRUST_OPTIONS); --allow-* only relax its gates
+OPTIONS = (
+    option("--require-complete", action="store_true",
+           help="exit 1 unless every story is complete or accepted"),
+    option("--since", trust=True, metavar="[SEQ:]HASH",
+           help="exit 3 unless the ledger still holds this earlier head "
+                "(history only grew)"),
+    option("--require-independent-judge", action="store_true",
+           help="exit 1 unless every verdict came from an agent other than the executor"),
+    option("--require-logs", action="store_true",
+           help="exit 1 unless every verification run has its log present (and matching)"),
+    option("--base", trust=True, metavar="REF",
+           help="take the pin from the ledger committed at this git ref (e.g. "
+                "origin/main); "
+                "files named by --allowed-signers are read from it too"),
+    option("--allow-new-plan", trust=True, action="store_true",
+           help="accept a plan created after the pin (its frozen checks are printed)"),
+    option("--allow-imported", trust=True, action="store_true",
+           help="accept a plan imported from the original goals.py format after the pin"),
+    option("--rerun", trust=True, nargs="?", const="all", choices=["final", "all"],
+           help="re-run the frozen checks (of all stories, or of the final one), recording "
+                "nothing: with --base and a scope, on the base's tree with the branch's "
+                "in-scope files; exit 1 if any fails"),
+    option("--scope", trust=True, action="append", default=[], metavar="PATH",
+           help="the paths the work may change, as CI gives them (repeatable; wins over "
+                "the plan's): the re-run takes only these from the branch"),
+    option("--require-scope", trust=True, action="store_true",
+           help="exit 1 unless a scope is known (CI's, or the plan's as the base holds it)"),
+    option("--forbid-out-of-scope", trust=True, action="store_true",
+           help="with --base: exit 1 if the branch changed files outside the scope"),
+    option("--fail-to-pass", trust=True, action="store_true",
+           help="with --base: also run the final story's frozen checks on the base's tree "
+                "alone and say which of their tests failed there and pass now"),
+    option("--require-fail-to-pass", trust=True, action="store_true",
+           help="with --base: exit 1 unless a test of the final story's checks fails on "
+                "the base's tree and passes with the branch (or, with --agent-tests "
+                "prove, an agent-written test is proven red → green)"),
+    option("--agent-tests", trust=True, choices=["prove", "forbid"],
+           help="with --base and a scope: test files the branch adds run apart, red on the "
+                "base's code and green on the branch's, and may carry fail-to-pass "
+                "(prove); or fail the audit (forbid). Default: listed as changes outside "
+                "the scope. The base's policy wins"),
+    option("--check-user", trust=True, metavar="NAME",
+           help="run each re-run check as this user (the audit runs as root): checks "
+                "can then neither trace, signal nor write what the auditor writes"),
+    option("--verdict", metavar="FILE",
+           help="also write the verdict as JSON to FILE, last and whole (CI's script "
+                "reads it beside the exit code)"),
+    option("--summary", metavar="FILE",
+           help="append the verdict, every failed gate and the report to FILE as Markdown "
+                "(a CI job summary), even when the ledger is damaged"),
+    option("--require-check", trust=True, action="append", default=[], metavar="CMD",
+           help="exit 1 unless the final story carries exactly this frozen check "
+                "(repeatable; with --rerun it must pass)"),
+    option("--require-witnessed", trust=True, action="store_true",
+           help="exit 1 unless every completed story rests on its frozen checks run by "
+                "the engine (not a claim, not an ad-hoc --run)"),
+    option("--require-clean-runs", trust=True, action="store_true",
+           help="exit 1 if a run was made outside the repository root, on a dirty tree, "
+                "or under an environment different from the plan's first run"),
+    option("--allowed-signers", trust=True, metavar="PATH",
+           help="exit 1 unless every decision is signed (decide --sign) by a key in this "
+                "ssh allowed-signers file"),
+    option("--forbid-tripwires", trust=True, action="store_true",
+           help="with --base and a scope: exit 1 if the branch's code inside the scope "
+                "reaches into the test run or looks for CI or the audit, unless the final "
+                "story was accepted by a decision signed by an --allowed-signers key"),
+    option("--forbid-accepted", trust=True, action="store_true",
+           help="exit 1 if any story was accepted by a decision instead of completed"),
+    option("--require-unchanged-checks", trust=True, action="store_true",
+           help="with --base: exit 1 if a file a frozen check runs differs from the base "
+                "branch (a frozen `python3 check.py` is only as good as check.py)"),
+    option(*TIMEOUT_OPTION[0], **TIMEOUT_OPTION[1]),
+    option("--remote", metavar="NAME",
+           help="audit the shared plan as this git remote holds it (fetched; no local "
+                "state needed)"),
+    option("--plan", metavar="ID",
+           help="with --remote: which shared plan (default: the only one)"),
+)
+TRUST_OPTIONS = tuple(flags[0][2:].replace("-", "_") for flags, _, trust in OPTIONS if trust)
+
+
+def add_audit(command):
+    c = command("audit", cmd_audit, "check that the whole ledger can be trusted",
+                "replay every line: hash chain, every field, every transition, the snapshot and "
+                "the run logs")
+    c.epilog, c.raw_epilog = TRUST_MODEL, True
+    for flags, kwargs, _ in OPTIONS:
+        c.add_argument(*flags, **kwargs)
+
+
+COMMANDS = {"audit": add_audit}

@@ -50,6 +50,11 @@ RESUME_TAIL = 200           # characters of a dependency's evidence and output i
 MAX_TEXT = 1 << 20          # one user-supplied text field, in UTF-8 bytes
 DEFAULT_ROUNDS = 3
 DEFAULT_RUN_TIMEOUT = 600.0
+# every command that runs checks takes it: (flags, argparse's options)
+TIMEOUT_OPTION = (("--timeout",), {
+    "type": float, "metavar": "SECONDS",
+    "help": f"limit for each run; the whole process group is killed at expiry (default "
+            f"{DEFAULT_RUN_TIMEOUT:g})"})
 DEFAULT_LOCK_TIMEOUT = 10.0
 DEFAULT_GUARD_MAX = 3       # Stop-hook blocks in a row before the guard lets go
 READ_CHUNK = 1 << 16

@@ -10,13 +10,14 @@ import sys
 from .base import (
     clean, create_args, DECISIONS, DEFAULT_ROUNDS, DEFAULT_RUN_TIMEOUT, EXIT_DAMAGED, EXIT_OK,
     EXIT_SIGNAL_BASE, EXIT_USAGE, FablizeError, fix_argv_text, HOOK_AGENTS, id_arg, json_text,
-    one_line, PIN, quote_arg, regex, SCHEMA_VERSION, SHARE, Step, usage, VERDICTS)
+    one_line, PIN, quote_arg, regex, SCHEMA_VERSION, SHARE, Step, TIMEOUT_OPTION, usage,
+    VERDICTS)
 from .masking import use_environment
 from .storage import find_state_dir, lock_timeout, project_state_dir, snapshot_damage, Store
 from .runs import plan_text
 from .render import ENTRY_FOLDER, invocation, step_text
 from .commands import (
-    cmd_add, cmd_audit, cmd_checkpoint, cmd_create, cmd_decide, cmd_guard, cmd_judge_packet,
+    cmd_add, cmd_checkpoint, cmd_create, cmd_decide, cmd_guard, cmd_judge_packet,
     cmd_log, cmd_next, cmd_observe, cmd_pause, cmd_rebuild, cmd_report, cmd_status, cmd_unpause,
     cmd_verdict, cmd_verify, history_way_out, setup_room, sharing_room, store_opened)
 from . import __version__
@@ -25,7 +26,7 @@ from . import __version__
 ROOM_COMMANDS = {"install-block": "setup", "setup": "setup", "doctor": "setup",
                  "completion": "setup",
                  "share": "sharing", "sync": "sharing", "release": "sharing",
-                 "merge-driver": "merge", "install-merge": "merge"}
+                 "merge-driver": "merge", "install-merge": "merge", "audit": "audit"}
 
 
 def colour_on(stream):
@@ -229,9 +230,7 @@ def add_next(command):
 
 
 def add_timeout(c):
-    c.add_argument("--timeout", type=float, metavar="SECONDS",
-                   help=f"limit for each run; the whole process group is killed at expiry "
-                        f"(default {DEFAULT_RUN_TIMEOUT:g})")
+    c.add_argument(*TIMEOUT_OPTION[0], **TIMEOUT_OPTION[1])
 
 
 def add_checkpoint(command):
@@ -303,107 +302,6 @@ def add_add(command):
     c.add_argument("--accept", action="append", default=[], metavar="TEXT",
                    help="an acceptance item for a judge (repeatable)")
     c.add_argument("--judge", action="store_true", help="require an independent judge's verdict")
-
-
-def add_audit(command):
-    c = command("audit", cmd_audit, "check that the whole ledger can be trusted",
-            "replay every line: hash chain, every field, every transition, the snapshot and the "
-            "run logs")
-    c.add_argument("--require-complete", action="store_true",
-                   help="exit 1 unless every story is complete or accepted")
-    c.add_argument("--since", metavar="[SEQ:]HASH",
-                   help="exit 3 unless the ledger still holds this earlier head "
-                        "(history only grew)")
-    c.add_argument("--require-independent-judge", action="store_true",
-                   help="exit 1 unless every verdict came from an agent other than the executor")
-    c.add_argument("--require-logs", action="store_true",
-                   help="exit 1 unless every verification run has its log present (and matching)")
-    add_audit_trust(c)
-
-
-TRUST_MODEL = """\
-Trust model — three grades of evidence:
-  claimed       text the agent typed (--evidence, --verify-cmd + --verify-evidence).
-  witnessed     the engine ran the command (--run, frozen checks) and recorded its exit
-                code, digest and log. It proves the command ran and what it printed, in
-                the agent's environment; not that the environment was honest.
-  re-witnessed  CI, with its own copy of the engine (python3 -I) and its own environment,
-                re-ran the plan's frozen checks on the committed tree (--rerun).
-The hash chain proves only that history after a pin grew, not who wrote it. Trust comes
-from what the agent cannot write: the base branch's committed ledger and archives (--base),
-CI's own re-run (--rerun), checks CI requires (--require-check) and a human's key
-(decide --sign, verified with --allowed-signers read from the base branch)."""
-
-
-def add_audit_trust(c):
-    c.epilog, c.raw_epilog = TRUST_MODEL, True
-    c.add_argument("--base", metavar="REF",
-                   help="take the pin from the ledger committed at this git ref (e.g. "
-                        "origin/main); "
-                        "files named by --allowed-signers are read from it too")
-    c.add_argument("--allow-new-plan", action="store_true",
-                   help="accept a plan created after the pin (its frozen checks are printed)")
-    c.add_argument("--allow-imported", action="store_true",
-                   help="accept a plan imported from the original goals.py format after the pin")
-    c.add_argument("--rerun", nargs="?", const="all", choices=["final", "all"],
-                   help="re-run the frozen checks (of all stories, or of the final one), recording "
-                        "nothing: with --base and a scope, on the base's tree with the branch's "
-                        "in-scope files; exit 1 if any fails")
-    c.add_argument("--scope", action="append", default=[], metavar="PATH",
-                   help="the paths the work may change, as CI gives them (repeatable; wins over "
-                        "the plan's): the re-run takes only these from the branch")
-    c.add_argument("--require-scope", action="store_true",
-                   help="exit 1 unless a scope is known (CI's, or the plan's as the base holds it)")
-    c.add_argument("--forbid-out-of-scope", action="store_true",
-                   help="with --base: exit 1 if the branch changed files outside the scope")
-    c.add_argument("--fail-to-pass", action="store_true",
-                   help="with --base: also run the final story's frozen checks on the base's tree "
-                        "alone and say which of their tests failed there and pass now")
-    c.add_argument("--require-fail-to-pass", action="store_true",
-                   help="with --base: exit 1 unless a test of the final story's checks fails on "
-                        "the base's tree and passes with the branch (or, with --agent-tests "
-                        "prove, an agent-written test is proven red → green)")
-    c.add_argument("--agent-tests", choices=["prove", "forbid"],
-                   help="with --base and a scope: test files the branch adds run apart, red on the "
-                        "base's code and green on the branch's, and may carry fail-to-pass "
-                        "(prove); or fail the audit (forbid). Default: listed as changes outside "
-                        "the scope. The base's policy wins")
-    c.add_argument("--check-user", metavar="NAME",
-                   help="run each re-run check as this user (the audit runs as root): checks "
-                        "can then neither trace, signal nor write what the auditor writes")
-    c.add_argument("--verdict", metavar="FILE",
-                   help="also write the verdict as JSON to FILE, last and whole (CI's script "
-                        "reads it beside the exit code)")
-    c.add_argument("--summary", metavar="FILE",
-                   help="append the verdict, every failed gate and the report to FILE as Markdown "
-                        "(a CI job summary), even when the ledger is damaged")
-    c.add_argument("--require-check", action="append", default=[], metavar="CMD",
-                   help="exit 1 unless the final story carries exactly this frozen check "
-                        "(repeatable; with --rerun it must pass)")
-    c.add_argument("--require-witnessed", action="store_true",
-                   help="exit 1 unless every completed story rests on its frozen checks run by "
-                        "the engine (not a claim, not an ad-hoc --run)")
-    c.add_argument("--require-clean-runs", action="store_true",
-                   help="exit 1 if a run was made outside the repository root, on a dirty tree, "
-                        "or under an environment different from the plan's first run")
-    c.add_argument("--allowed-signers", metavar="PATH",
-                   help="exit 1 unless every decision is signed (decide --sign) by a key in this "
-                        "ssh allowed-signers file")
-    c.add_argument("--forbid-tripwires", action="store_true",
-                   help="with --base and a scope: exit 1 if the branch's code inside the scope "
-                        "reaches into the test run or looks for CI or the audit, unless the final "
-                        "story was accepted by a decision signed by an --allowed-signers key")
-    c.add_argument("--forbid-accepted", action="store_true",
-                   help="exit 1 if any story was accepted by a decision instead of completed")
-    c.add_argument("--require-unchanged-checks", action="store_true",
-                   help="with --base: exit 1 if a file a frozen check runs differs from the base "
-                        "branch (a frozen `python3 check.py` is only as good as check.py)")
-    add_timeout(c)
-    c.add_argument("--remote", metavar="NAME",
-                   help="audit the shared plan as this git remote holds it (fetched; no local "
-                        "state needed)")
-    c.add_argument("--plan", metavar="ID",
-                   help="with --remote: which shared plan (default: the only one)")
 
 
 def add_rebuild(command):
@@ -487,7 +385,7 @@ def add_observe(command):
 # The core's commands, by their builders; the rooms' (ROOM_COMMANDS) come from their rooms.
 COMMANDS = {"create": add_create, "next": add_next, "checkpoint": add_checkpoint,
             "status": add_status, "verify": add_verify, "decide": add_decide, "add": add_add,
-            "audit": add_audit, "rebuild": add_rebuild, "log": add_log, "guard": add_guard,
+            "rebuild": add_rebuild, "log": add_log, "guard": add_guard,
             "report": add_report, "judge-packet": add_judge_packet, "verdict": add_verdict,
             "pause": add_pause, "unpause": add_unpause, "observe": add_observe}
 
@@ -541,6 +439,9 @@ def room_of(command):
         return setup_room()
     if room == "sharing":
         return sharing_room()
+    if room == "audit":
+        from . import audit
+        return audit
     from . import merge
     return merge
 

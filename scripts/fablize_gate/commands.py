@@ -8,33 +8,30 @@ import time
 from operator import itemgetter
 
 from .base import (
-    ARCHIVE, blank, clean, count_noun, count_stories, create_args, defuse, defused_line, DONE,
-    EXIT_REFUSED, EXIT_SIGNAL_BASE, FablizeError, has_marker_word, indent, last_chars, LEDGER,
+    blank, clean, count_noun, count_stories, create_args, defuse, defused_line, DONE,
+    EXIT_SIGNAL_BASE, FablizeError, has_marker_word, indent, last_chars, LEDGER,
     limit_text, MARKS, new_plan_id, no_plan, now_iso, one_line, parse_ids, PLAN_EXISTS, quote_arg,
-    refused, REPORT_RUNS, RESUME_LISTED, RESUME_TITLE, RUNS, scope_pattern, SHARE, short, SNAPSHOT,
+    refused, REPORT_RUNS, RESUME_LISTED, RESUME_TITLE, scope_pattern, SHARE, short, SNAPSHOT,
     split_assignment, STATE_DIRNAME, Step, story_id, TAIL_CHARS, usage, ZERO_HASH)
 from .masking import mask, mask_places, masked_tail, masked_text
 from .model import (
     accepted_ids, active_stories, apply_event, BASE_FIELDS, blocked_because, checkpoint_args,
     checkpoint_gate, claimed_final, current_packet, done_count, EVIDENCE_NOTES, find_story,
-    format_event, guard_capped, guard_paused, ids_text, latest_run, not_an_event, observed_of,
+    format_event, guard_capped, guard_paused, ids_text, latest_run, observed_of,
     parse_event, pick_ready, plan_done, round_label, rounds_left, run_passed, run_summary,
-    status_counts, stories_in, touch, unaddressed_failure, waits_for)
+    status_counts, touch, unaddressed_failure, waits_for)
 from .storage import (
-    commit_start, find_state_dir, free_name, from_here, loose_snapshot, open_plan,
-    read_state_file, replay_all, require_state_dir, shown_path, Store, symlink_refusal,
-    user_file, within, write_atomic)
+    commit_start, find_state_dir, free_name, loose_snapshot,
+    replay_all, shown_path, Store, user_file, within, write_atomic)
 from .runs import (
-    check_command, commit_runs, drop_temp_logs, end_orphaned_runs, execute_runs,
-    file_not_there_yet, git,
-    inflight_runs, merge_driver_missing, MERGE_QUIET, plan_text, repo_root, tree_state,
+    check_command, committed_copy, commit_runs, drop_temp_logs, end_orphaned_runs, execute_runs,
+    file_not_there_yet, inflight_runs, merge_driver_missing, MERGE_QUIET, plan_text, tree_state,
     unverifiable_checks, unverifiable_label, verification_runs)
 from .render import (
-    capped_line, create_command, done_line, grades_line, handoff_command, human_command, left_line,
+    capped_line, create_command, done_line, handoff_command, human_command, left_line,
     next_action, next_line, plan_json, plan_summary, render_handoff, render_observed,
     render_report, render_resume, rerun_command, sequential, status_details, story_json,
     TAKE_TURNS)
-from .audit import audit_ledger
 from .hooks import (
     guard_answer, guard_reason, hook_fingerprint, is_verification, observed_outcome,
     read_hook_stdin, shell_command_of)
@@ -86,7 +83,7 @@ def stop_if_interrupted(ctx, records):
     import signal
     name, sid = hit["interrupted"], hit["id"]
     try:
-        with open_plan(ctx) as s:
+        with ctx.store.plan_session() as s:
             s.require_plan()
             runs = commit_runs(s, records)
         ctx.data["runs"] = runs
@@ -104,7 +101,7 @@ def stop_if_interrupted(ctx, records):
 def record_judge_packet(ctx, sid):
     """Record the working tree as the judge sees it first; a verdict compares against it."""
     digest, count = tree_state(ctx.store.root, ctx.store.dir)
-    with open_plan(ctx) as s:
+    with ctx.store.plan_session() as s:
         plan = s.require_plan()
         if find_story(plan, sid)["status"] != "review":
             return plan, None
@@ -115,7 +112,7 @@ def record_judge_packet(ctx, sid):
 def tree_changed_verdict(ctx, a):
     """The verdict event's fields when the tree changed since the judge packet: the judge's
     finding goes back as not-achieved (a judge that fixed the work judged nothing); else None."""
-    with open_plan(ctx, exclusive=False) as s:
+    with ctx.store.plan_session(exclusive=False) as s:
         plan = s.require_plan()
     packet = current_packet(find_story(plan, a.id))
     if packet is None:
@@ -298,7 +295,7 @@ def cmd_next(ctx, a):
     agent = a.agent
     if agent is not None and blank(agent):
         raise usage("--agent needs a name.")
-    with open_plan(ctx) as s:
+    with ctx.store.plan_session() as s:
         plan = s.require_plan()
         sharing = sharing_of(s.store)
         if sharing is not None:
@@ -382,7 +379,7 @@ def cmd_checkpoint(ctx, a):
             raise usage("--run needs --verify-cmd: the command the engine runs.")
         ev["run"] = True
     commands = []
-    with open_plan(ctx) as s:
+    with ctx.store.plan_session() as s:
         plan = s.require_plan()
         story = find_story(plan, a.id)
         checkpoint_gate(plan, story, ev, shared=sharing_of(s.store) is not None)
@@ -402,7 +399,7 @@ def cmd_checkpoint(ctx, a):
         records = execute_runs(ctx.store, a.id, commands, plan["ledger"]["seq"], ctx.timeout,
                                ctx.out)
         stop_if_interrupted(ctx, records)
-        with open_plan(ctx) as s:
+        with ctx.store.plan_session() as s:
             s.require_plan()
             runs = commit_runs(s, records)
             ev["runs"] = [r["seq"] for r in runs]
@@ -546,7 +543,7 @@ def read_plan_and_share(store, imports=False):
 def cmd_status(ctx, a):
     if a.resume:
         return session_start(ctx, a)
-    require_state_dir(ctx.store)
+    ctx.store.require()
     plan, share, sharing = read_plan_and_share(ctx.store, imports=True)
     if plan is None:
         raise no_plan()
@@ -587,7 +584,7 @@ def inflight_lines(prog, inflight):
 
 
 def cmd_verify(ctx, a):
-    with open_plan(ctx) as s:
+    with ctx.store.plan_session() as s:
         plan = s.require_plan()
         commands, note = verification_runs(find_story(plan, a.id), a.verify_cmd, True)
         if note:
@@ -599,7 +596,7 @@ def cmd_verify(ctx, a):
         after_seq = plan["ledger"]["seq"]
     records = execute_runs(ctx.store, a.id, commands, after_seq, ctx.timeout, ctx.out)
     stop_if_interrupted(ctx, records)
-    with open_plan(ctx) as s:
+    with ctx.store.plan_session() as s:
         s.require_plan()
         runs = commit_runs(s, records)
     ctx.data["runs"] = runs
@@ -620,10 +617,10 @@ def cmd_decide(ctx, a):
     if a.sign or a.signer:  # signed outside the lock, over the head the decision follows
         from . import trust
         trust.check_signer(a.sign, a.signer)
-        with open_plan(ctx, exclusive=False) as s:
+        with ctx.store.plan_session(exclusive=False) as s:
             plan = s.require_plan()
         signature, prev = trust.sign(plan, a.id, a.decision, note, a.sign, a.signer)
-    with open_plan(ctx) as s:
+    with ctx.store.plan_session() as s:
         s.require_plan()
         signed = trust.signed_fields(s.plan, signature, prev) if signature else {}
         s.commit("decision", id=a.id, decision=a.decision, note=note, **signed)
@@ -637,7 +634,7 @@ def cmd_decide(ctx, a):
 
 
 def cmd_add(ctx, a):
-    with open_plan(ctx) as s:
+    with ctx.store.plan_session() as s:
         plan = s.require_plan()
         spec = parse_goal(a.goal, len(plan["goals"]) + 1)
         if a.after is None:
@@ -666,285 +663,12 @@ def cmd_add(ctx, a):
     ctx.data.update(story=story_json(plan, story))
 
 
-# audit's options that the trust room answers; --allow-* only relax its gates
-TRUST_OPTIONS = ("base", "since", "rerun", "require_check", "require_witnessed",
-                 "require_clean_runs", "allowed_signers", "forbid_accepted",
-                 "require_unchanged_checks", "scope", "require_scope", "forbid_out_of_scope",
-                 "fail_to_pass", "require_fail_to_pass", "allow_new_plan", "allow_imported",
-                 "forbid_tripwires", "agent_tests", "check_user")
-
-
-def cmd_audit(ctx, a):
-    """audit: replay the whole ledger (chain, every field, every transition, the snapshot, the
-    run logs), then, with the trust room, what CI can believe of it (the pin, the scope, a
-    re-run on the base's tree). Every gate that says no is named at once, the verdict first;
-    `--summary` writes the same for a CI job summary, also when the ledger is damaged."""
-    try:
-        audit_and_judge(ctx, a)
-    except FablizeError as e:
-        if a.summary and not getattr(e, "summarised", False):
-            write_summary(a.summary, f"❌ audit failed: {e.message}", "")
-        raise
-
-
-def audit_and_judge(ctx, a):
-    """The audit itself: replay the whole ledger (locally, or a shared plan as its remote holds
-    it) with the trust room's scan alongside; then the gates — independence, logs,
-    completeness, secrets, and the trust room's (pin, scope, required checks, witnesses,
-    signatures) — and the re-run on the base's tree; then one verdict, every failed gate with
-    its reason and fix, the grades, and the job summary. Exit 1 names the first gate."""
-    from . import trust, rerun
-    opts = {name: getattr(a, name) for name in TRUST_OPTIONS}
-    opts["held_out_checks"] = None
-    nonce = verdict_nonce() if a.verdict else None
-    shared = {"plan": a.plan} if a.remote else None
-    opts["isolation"] = rerun.Isolation.choose(a.check_user)  # a name that is none: at once
-    wanted = trust.pr_base(ctx.store, a.base) if a.base else None
-    if wanted:
-        raise trust.not_the_pr_base(a.base, rerun_command(
-            ctx.prog, swapped_option(ctx.argv, "--base", wanted)))
-    pin, base = trust.pin_of(ctx.store, a.base, a.since, shared)
-    policy = trust.base_policy(ctx.store, a.base) if a.base else None
-    if policy:  # CI's policy, as the base holds it: the workflow's inputs cannot loosen it
-        opts = trust.apply_policy(opts, policy)
-    scan = trust.Scan(ctx.store.root, pin)
-    report = audited(ctx, a, scan, base)
-    plan, recent = report.pop("plan"), report.pop("recent_runs")
-    bad_logs = report.pop("bad_logs")
-    if bad_logs:
-        raise bad_logs[0]
-    review = trust.review(ctx.store, plan, scan, pin, base, opts)
-    report.update(plan_summary(plan), brief=plan["brief"], accepted=accepted_ids(plan))
-    failures = audit_failures(ctx, report, plan, a)
-    for warning in review["warnings"]:
-        ctx.out.warn(warning)
-    failures += trust.gates(ctx.store, plan, review, opts)
-    results = rerun.rerun(ctx.store, plan, review, opts, ctx.timeout) if a.rerun or (
-        opts["fail_to_pass"] or opts["require_fail_to_pass"]) else None
-    if results is not None:
-        failures += rerun.failures(results, opts)
-    grades = trust.grades(plan, results)
-    report["trust"] = {k: v for k, v in review.items()
-                       if k not in ("decisions", "warnings", "tree")}
-    report["trust"]["tree"] = review["tree"] and {
-        k: review["tree"][k] for k in ("scope", "from", "left", "agent_tests")}
-    if results is not None:  # `rerun`: a check a row, as before; the rest beside it
-        report["rerun"] = results["checks"]
-        report["rerun_context"] = {k: v for k, v in results.items() if k != "checks"}
-    report.update(grades=grades, failures=failures)
-    ctx.data.update(report)
-    verdict = say_audit(ctx, report, plan, failures, results, review, grades)
-    if a.summary:
-        write_summary(a.summary, None, trust.summary(verdict, failures,
-                                                     render_report(plan, recent), review,
-                                                     results, grades))
-    if a.verdict:
-        write_verdict(a.verdict, verdict, failures, results, nonce)
-    if failures:  # each gate's fix is said above (and under --json, in `failures`)
-        error = FablizeError("audit: " + (f"{failures[0]['message']} — {failures[0]['fix']}"
-                                          if len(failures) == 1 else
-                                          "; ".join(f["message"] for f in failures) +
-                                          " (the fix of each is said above)"),
-                             failures[0]["code"], EXIT_REFUSED,
-                             failures[0].get("commands") or ())  # the first gate's, whole
-        error.summarised = True
-        raise error
-
-
-def swapped_option(argv, option, value):
-    """`argv` with `option`'s value (`--base X` or `--base=X`) replaced by `value`."""
-    out, skip = [], False
-    for i, word in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        if word == option and i + 1 < len(argv):
-            out += [option, value]
-            skip = True
-        elif word.startswith(option + "="):
-            out.append(f"{option}={value}")
-        else:
-            out.append(word)
-    return out
-
-
-def audited(ctx, a, scan, base):
-    """audit_ledger's report of the plan: a shared plan as its remote holds it (no local state
-    needed), else the local state directory's, read as readers read it."""
-    if a.remote:
-        # the plan CI names, else the one the base's pin names, else the remote's only plan
-        plan_id = a.plan or (base or {}).get("plan_id")
-        named_by = ("--plan" if a.plan else f"the pin on {base['ref']}" if plan_id else None)
-        data, logs, which = sharing_room().audit_source(ctx.store, a.remote, plan_id, named_by)
-        # pinned: CI named the plan, or the base's pin did; else the tree under audit chose it
-        which["pinned"] = base is not None and base.get("plan_id") == which["plan_id"]
-        report = audit_ledger(data, None, a.require_independent_judge, logs=logs, scan=scan)
-        report["snapshot"] = "none on a remote (its ledger is the whole of it)"
-        report["remote_plan"] = which
-        return report
-    with open_plan(ctx, exclusive=False) as s:
-        s.refuse_original()
-        for name in (RUNS, ARCHIVE):  # a planted link would have audit read another tree
-            if os.path.islink(s.store.path(name)):
-                raise symlink_refusal(s.store.path(name))
-        snapshot = read_state_file(s.store.path(SNAPSHOT))  # before the ledger, as readers do
-        s.ledger.open()
-        s.see_lost_newline(loose_snapshot(s.store))
-        try:
-            return audit_ledger(s.ledger, snapshot, a.require_independent_judge,
-                                runs_dir=s.store.path(RUNS), scan=scan)
-        except FablizeError as e:
-            lineno = getattr(e, "lineno", None)
-            if e.code == "bad_line" and lineno and last_line_alone_damaged(s.ledger):
-                raise not_an_event(lineno, last=True) from None  # rebuild sets it aside
-            raise
-
-
-def audit_failures(ctx, report, plan, a):
-    """The engine's own gates (the trust room's come after): a verdict not independent, run
-    logs missing (--require-logs), a secret recorded, a plan not complete (--require-complete).
-    Each with its fix and the step it names, whole (`commands`); what the ledger holds stays
-    in it, so a gate the history fails for good is a human's call: a new plan."""
-    failures = []
-    missing_logs = report["missing_logs"]
-    anew = [create_command(ctx.prog, force=True)]  # the plan kept whole in archive/
-    if report["independence"]:
-        failures.append({"code": "judge_not_independent", "message": "a verdict was not given by "
-                         "an independent judge — " + "; ".join(report["independence"]),
-                         "fix": "the verdict stays in the plan's history, so this plan fails the "
-                         "gate for good: a human decides whether to start a new one, whose "
-                         "executors checkpoint with --agent and whose judge is another agent",
-                         "commands": anew})
-    if a.require_logs and missing_logs:
-        runs = (os.path.relpath(ctx.store.path(RUNS), ctx.store.root).replace(os.sep, "/")
-                if not a.remote else f"{STATE_DIRNAME}/{RUNS}")  # from the clone's top
-        failures.append({"code": "missing_logs", "message":
-                         f"{count_noun(missing_logs, 'verification run log')} "
-                         f"{'is' if missing_logs == 1 else 'are'} missing, so "
-                         f"{'that run' if missing_logs == 1 else 'those runs'} cannot be shown to "
-                         "have happened", "fix": "commit .fablize/runs/",
-                         "commands": (not a.remote and committed_copy(ctx.store, [RUNS])) or [
-                             f"git -C \"<the clone that ran them>\" add {quote_arg(runs)}/"]})
-    if report["secret_lines"]:
-        lines = report["secret_lines"]
-        failures.append({"code": "secret_in_ledger", "message":
-                         f"{count_noun(len(lines), 'event')} "
-                         "recorded what looks like a secret (line " + ", ".join(map(str, lines)) +
-                         ") — everyone who can read the plan can read it",
-                         "fix": "rotate that secret now: what was committed or shared stays in the "
-                         "repository's history (and in this plan's, which fails the gate for "
-                         "good: a new plan passes it)", "commands": anew})
-    if a.require_complete and not report["complete"]:
-        left = [f"{x['id']} [{x['status']}]" for x in plan["goals"] if x["status"] not in DONE]
-        action = next_action(ctx.prog, plan)
-        failures.append({"code": "incomplete", "message": "trusted but incomplete — "
-                         + ", ".join(left), "fix": "finish the plan: `next`, then `checkpoint`",
-                         "commands": action.get("commands") or (
-                             [action["cmd"]] if action["cmd"] else [f"{ctx.prog} status"])})
-    return failures
-
-
-def say_audit(ctx, report, plan, failures, results, review, grades):
-    """What audit says: its verdict (returned, for the job summary), every failed gate with its
-    fix, the ledger, the head to keep, the plan, the trust room's findings, the re-run, the
-    grades, and completed stories whose last observed run failed."""
-    from . import trust
-    ledger_line = (f"{count_noun(report['event_count'], 'event')}, hash chain intact, every event "
-                   f"one fablize writes and legal when replayed; snapshot {report['snapshot']}.")
-    checks = results["checks"] if results else []
-    rerun_passed = checks and all(r["ok"] for r in checks)
-    if failures:
-        verdict = (f"❌ audit failed: {count_noun(len(failures), 'gate')} said no — " +
-            ", ".join(f["code"] for f in failures))
-        ctx.say(f"fablize: {verdict}")
-        for line in trust.gate_lines(failures):
-            ctx.say(line)
-        ctx.say(f"  ledger: {ledger_line}")
-    else:
-        verdict = ("✅ re-witnessed: every frozen check passed again; " if rerun_passed else
-                   "✅ ") + f"audit ok — {report['done']}/{report['total']} done"
-        if rerun_passed:
-            ctx.say(f"fablize: ✅ re-witnessed — {count_noun(len(checks), 'frozen check')} "
-                    "passed again, run by this audit")
-        ctx.say(f"fablize: audit ok — {ledger_line}")
-    ctx.say(f"  head: {report['head']}   (keep it; `audit --since` proves later history only grew)")
-    accepted = report["accepted"]
-    ctx.say(f"  plan: {report['done']}/{report['total']} done — {defused_line(plan['brief'])}"
-            + (f" ({', '.join(accepted)} accepted by a human decision)" if accepted else ""))
-    which = report.get("remote_plan")
-    if which is not None:
-        ctx.say(f"  shared plan: {which['plan_id']} as {one_line(which['remote'])} holds it, "
-                f"named by {one_line(which['named_by'])}" + ("" if which["pinned"] else
-                " — unpinned: nothing the pull request cannot write chose it (give --base, "
-                "whose pin names the plan)"))
-    if report["torn_tail_bytes"]:
-        ctx.say(f"  torn tail: {report['torn_tail_bytes']} bytes after the last event — a write "
-                "that never completed; the next writing command moves it aside.")
-    missing_logs = report["missing_logs"]
-    if missing_logs:
-        ctx.say(f"  {count_noun(missing_logs, 'run log')} not present here (not committed?); their "
-                "digests are in the ledger.")
-    for line in trust.lines(review, results):
-        ctx.say(line)
-    if grades:
-        ctx.say("  " + grades_line(grades))
-    if capped_line(plan):  # a warning, not a failure: --require-complete fails the plan
-        ctx.say("  " + capped_line(plan))
-    claimed = claimed_final(plan)
-    if claimed:  # a warning, not a failure: the strict recipe's --require-witnessed fails it
-        ctx.say("  " + claimed)
-        ctx.data["claimed_final"] = plan["goals"][-1]["id"]
-    for s in stories_in(plan, "complete"):
-        o = unaddressed_failure(s)
-        if o is not None:
-            ctx.say(f"  {s['id']}: the harness last saw `{one_line(last_chars(o['cmd'], 120))}` "
-                    f"fail (event {o.get('seq')}) before it was checkpointed")
-    return verdict
-
-
-def verdict_nonce():
-    """The nonce CI's script hands the audit on a descriptor of its own
-    (FABLIZE_VERDICT_NONCE_FD), read before any check runs: no check inherits the descriptor,
-    none may read the auditor's memory (rerun.Isolation), so a verdict file a check forged lacks
-    it. None when no descriptor is named."""
-    fd = os.environ.get("FABLIZE_VERDICT_NONCE_FD", "")
-    if not fd.isdigit():
-        return None
-    try:
-        with os.fdopen(int(fd), "rb", closefd=True) as f:
-            return f.read(256).decode("ascii", "replace").strip() or None
-    except (OSError, ValueError):
-        raise usage(f"FABLIZE_VERDICT_NONCE_FD={one_line(fd)} names no open descriptor: CI's "
-                    "script opens it (`3<<<\"$nonce\"`) for the audit it starts.", "usage")
-
-
-def write_verdict(path, verdict, failures, results, nonce):
-    """The verdict as a file CI's script reads beside the exit code: written last and whole (an
-    atomic rename) by the one process that judged. A check that traced the auditor into exiting
-    0 leaves no verdict file; one a check wrote itself lacks the nonce."""
-    import json
-    record = {"schema_version": 1, "ok": not failures, "verdict": verdict,
-              "failures": [f["code"] for f in failures], "nonce": nonce,
-              "isolation": results["isolation"] if results else None}
-    write_atomic(path, (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"), 0o600)
-
-
-def write_summary(path, verdict, markdown):
-    """Append a job summary (Markdown) to `path`: `verdict` alone when the audit could not go
-    further (a damaged ledger), else what the audit wrote."""
-    text = markdown if verdict is None else f"## {verdict}\n"
-    with open(path, "ab") as f:
-        if f.tell() > 0:
-            f.write(b"\n")
-        f.write(text.encode("utf-8") + b"\n")
-
-
 def cmd_rebuild(ctx, a):
     """rebuild: goals.json regenerated from the ledger, the old one kept. The way out of every
     snapshot that is not the ledger's, and of a last line that is no event (kept in
     ledger.jsonl.broken, said); a ledger with no event leaves no plan, said with the old
     snapshot's name, for a human to start again."""
-    with open_plan(ctx) as s:
+    with ctx.store.plan_session() as s:
         s.refuse_original()
         target = s.store.path(SNAPSHOT)
         # no ledger under a snapshot: its history is gone (or, shared, on the remote) — rebuild
@@ -1033,43 +757,6 @@ def history_way_out(store, error):
     return said, restore + [Step.engine(create_args(force=True))]
 
 
-def committed_copy(store, names, whole=False):
-    """[`git checkout HEAD -- …`] of the state files `names` (or, `whole`, of the state
-    directory) when git holds them as last committed and what is here differs — the way back
-    to them, as runnable from where the user stands — else [] (no repository, never committed,
-    the same as committed, or no git)."""
-    top = repo_root(store.root)
-    if top is None or not os.path.lexists(os.path.join(top, ".git", "HEAD")) and os.path.isdir(
-            os.path.join(top, ".git")):  # no repository there (an empty .git): no git started
-        return []
-    paths = [store.path(name) for name in names]
-    try:  # outside a repository `git diff` compares files (--no-index): HEAD's first
-        if git(store.root, "rev-parse", "--verify", "--quiet", "HEAD")[0] != 0:
-            return []
-        if git(store.root, "diff", "--quiet", "--no-ext-diff", "--no-textconv", "HEAD", "--",
-               *paths)[0] != 1:
-            return []
-    except FablizeError:
-        return []
-    end = "/" if whole else ""
-    targets = [store.dir] if whole else paths
-    if within(os.path.realpath("."), os.path.realpath(store.root)):  # inside: as typed there
-        return ["git checkout HEAD -- " + " ".join(quote_arg(from_here(p) + end)
-                                                  for p in targets)]
-    return [f"git -C {quote_arg(store.root)} checkout HEAD -- " + " ".join(
-        quote_arg(os.path.relpath(p, store.root) + end) for p in targets)]
-
-
-def last_line_alone_damaged(ledger):
-    """Whether the ledger's last whole line, and only it, is no event."""
-    end = ledger.end()[0]
-    if not end:
-        return False
-    offset, line = next(ledger.backward(end))
-    prev = ledger.last(offset) if offset else None
-    return parse_event(line) is None and (prev is None or parse_event(prev) is not None)
-
-
 def set_aside_last_line(ctx, s, end, reflected):
     """rebuild's repair of a whole last line that is no event (a hand edit, a merge's conflict
     marker) when the line before it is one and no snapshot reflects it: moved to
@@ -1112,7 +799,7 @@ def cmd_log(ctx, a):
         if len(said) >= 512:
             ctx.out.flush(escaped=True)
 
-    with open_plan(ctx, exclusive=False) as s:
+    with ctx.store.plan_session(exclusive=False) as s:
         s.refuse_original()
         if s.ledger.open() is None:
             raise no_plan()
@@ -1200,7 +887,7 @@ def cmd_guard(ctx, a):
 
 
 def cmd_report(ctx, a):
-    with open_plan(ctx, exclusive=False) as s:
+    with ctx.store.plan_session(exclusive=False) as s:
         plan = s.require_plan()
         runs = collections.deque(maxlen=REPORT_RUNS)
         # the whole history, checked as audit does; the latest runs kept
@@ -1244,7 +931,7 @@ def cmd_judge_packet(ctx, a):
     evidence and runs, and the three verdict commands. For a story in review it also records
     the working tree (record_judge_packet), so a verdict given after the judge changed it is
     void; for any other story it is for reading only and offers no verdict."""
-    with open_plan(ctx, exclusive=False) as s:
+    with ctx.store.plan_session(exclusive=False) as s:
         plan = s.require_plan()
     packet = None
     if find_story(plan, a.id)["status"] == "review":
@@ -1321,7 +1008,7 @@ def cmd_judge_packet(ctx, a):
 
 def cmd_verdict(ctx, a):
     void = tree_changed_verdict(ctx, a)
-    with open_plan(ctx) as s:
+    with ctx.store.plan_session() as s:
         s.require_plan()
         fields = {"verdict": a.verdict,
                   "evidence": masked_text("--evidence", a.evidence, s.store.root)}
@@ -1376,7 +1063,7 @@ def session_start(ctx, a):
 
 
 def cmd_pause(ctx, a):
-    with open_plan(ctx) as s:
+    with ctx.store.plan_session() as s:
         s.require_plan()
         s.commit("paused", note=masked_text("--note", a.note, s.store.root))
         plan = s.plan
@@ -1386,7 +1073,7 @@ def cmd_pause(ctx, a):
 
 
 def cmd_unpause(ctx, a):
-    with open_plan(ctx) as s:
+    with ctx.store.plan_session() as s:
         s.require_plan()
         s.commit("unpaused")
         plan = s.plan

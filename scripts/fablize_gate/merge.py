@@ -20,7 +20,7 @@ from .base import (
 from .model import is_original_snapshot, make_event, misfit, PLAN_SPEC
 from .storage import read_state_file, symlink_refusal, within, write_atomic
 from .runs import git, git_out, MERGE_ATTRIBUTE, merge_driver_missing, read_plain, repo_root
-from .audit import audit_ledger
+from .history import audit_ledger
 
 
 MERGE_ATTRIBUTE = MERGE_ATTRIBUTE.decode()

@@ -9,12 +9,13 @@ import time
 
 from .base import (
     _sha256, blank, clean, damaged, FablizeError, fix_argv_text, Lazy, limit_text,
-    now_iso, one_line, READ_CHUNK, refused, RUNS, sha256_hex, TAIL_CHARS, usage)
+    now_iso, one_line, quote_arg, READ_CHUNK, refused, RUNS, sha256_hex, TAIL_CHARS, usage)
 from .masking import looks_secret, mask, mask_places, Masker
 from .model import run_outcome, run_result
 from .reports import ask as ask_reports, read as read_reports, recorded
 from .storage import (
-    crash_point, ensure_subdir, fsync_dir, open_state_file, pid_alive, write_all, write_atomic)
+    crash_point, ensure_subdir, from_here, fsync_dir, open_state_file, pid_alive, within, write_all,
+    write_atomic)
 
 
 # One policy for every program the engine and its rooms start (git, ssh-keygen, a shell for
@@ -118,6 +119,33 @@ def repo_root(start):
         if parent == d:
             return None
         d = parent
+
+
+def committed_copy(store, names, whole=False):
+    """[`git checkout HEAD -- …`] of the state files `names` (or, `whole`, of the state
+    directory) when git holds them as last committed and what is here differs — the way back
+    to them, as runnable from where the user stands — else [] (no repository, never committed,
+    the same as committed, or no git)."""
+    top = repo_root(store.root)
+    if top is None or not os.path.lexists(os.path.join(top, ".git", "HEAD")) and os.path.isdir(
+            os.path.join(top, ".git")):  # no repository there (an empty .git): no git started
+        return []
+    paths = [store.path(name) for name in names]
+    try:  # outside a repository `git diff` compares files (--no-index): HEAD's first
+        if git(store.root, "rev-parse", "--verify", "--quiet", "HEAD")[0] != 0:
+            return []
+        if git(store.root, "diff", "--quiet", "--no-ext-diff", "--no-textconv", "HEAD", "--",
+               *paths)[0] != 1:
+            return []
+    except FablizeError:
+        return []
+    end = "/" if whole else ""
+    targets = [store.dir] if whole else paths
+    if within(os.path.realpath("."), os.path.realpath(store.root)):  # inside: as typed there
+        return ["git checkout HEAD -- " + " ".join(quote_arg(from_here(p) + end)
+                                                  for p in targets)]
+    return [f"git -C {quote_arg(store.root)} checkout HEAD -- " + " ".join(
+        quote_arg(os.path.relpath(p, store.root) + end) for p in targets)]
 
 
 def repo_relative(path):

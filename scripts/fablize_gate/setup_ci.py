@@ -107,8 +107,7 @@ def policy_of(ctx, a):
     scope, checks = list(a.scope or ()), list(a.required_check or ())
     plan = None
     if not (scope and checks) and ctx.store.has_plan_files():
-        from .commands import open_plan
-        with open_plan(ctx, exclusive=False) as s:
+        with ctx.store.plan_session(exclusive=False) as s:
             plan = s.plan
     if plan is not None:
         scope = scope or [p for p in plan.get("scope") or () if isinstance(p, str)]

@@ -57,11 +57,11 @@ from .model import (
     TEXT, touch)
 from .storage import (
     commit_start, crash_point, ensure_subdir, free_name, fsync_dir, Ledger, link_or_copy, O_BINARY,
-    open_plan, open_state_file, read_state_file, require_state_dir, shown_path, write_all,
+    open_state_file, read_state_file, shown_path, write_all,
     write_atomic)
 from .runs import git, repo_root, run_tool
 from .render import invocation, plan_json, sequential, story_json, TAKE_TURNS
-from .audit import audit_ledger
+from .history import audit_ledger
 from .sharing_git import (
     cat_objects, default_remote, git_call, git_dirs, git_out, plan_id_arg, remote_arg,
     remote_failure, REMOTE_NAME, share_wait, SHARED_REFS, uniform, written_elsewhere)
@@ -1757,7 +1757,7 @@ def claim(session, story, agent):
             if sequential(session.plan) and getattr(lost, "lost", None):
                 raise refused(f"{lost.lost}; nothing else is ready for agent "
                               f"{one_line(agent or 'unnamed')} ({TAKE_TURNS}) — see who holds "
-                              "what now:", lost.code, lost.steps) from lost
+                              "what now:", "claim_lost", lost.steps) from lost
             raise lost
         # the other writers just won the first ready story: a random one avoids a convoy
         story = ready[int(uniform() * len(ready))]
@@ -2056,7 +2056,7 @@ def remote_sharing(root):
 
 
 def cmd_share(ctx, a):
-    require_state_dir(ctx.store)
+    ctx.store.require()
     share, line = start(ctx.store, remote_arg(ctx.store, a.remote, "share --remote {}"))
     ctx.say(line)
     ctx.data.update(share=share)
@@ -2207,7 +2207,7 @@ def refresh_first(session):
 
 
 def cmd_release(ctx, a):
-    with open_plan(ctx) as s:
+    with ctx.store.plan_session() as s:
         s.require_plan()
         plan = refresh_first(s)
         holder = find_story(plan, a.id)["agent"]

@@ -807,6 +807,17 @@ class Store:
     def session(self, exclusive=True, imports=False):
         return Transaction(self) if exclusive else Reading(self, imports)
 
+    def require(self):
+        """Refuses with the original's `no plan` when the state directory does not exist."""
+        if not self.exists():
+            raise no_plan()
+
+    def plan_session(self, exclusive=True):
+        """A session on an existing plan (under the lock when `exclusive`); refuses with the
+        original's message when there is none."""
+        self.require()
+        return self.session(exclusive)
+
 
 class Reading:
     """The plan as a reader sees it: no lock taken, nothing written. The snapshot is read before
@@ -1247,24 +1258,17 @@ class Transaction(Reading):
 
 
 #
-# Each command is a thin layer: it opens the plan (under the lock when it writes), lets the
-# transitions judge the events it builds, and states the result once — ctx.say for the text,
-# ctx.data for the --json object, both rendered by Output. Nothing below this section takes the
-# command line's objects.
-
-
-def require_state_dir(store):
-    if not store.exists():
-        raise no_plan()
-
-
-def open_plan(ctx, exclusive=True):
-    """A session on an existing plan; refuses with the original message when there is none."""
-    require_state_dir(ctx.store)
-    return ctx.store.session(exclusive)
-
-
 def commit_start(session, story, agent):
     """`next`'s event: `story` in progress, for `agent` (None: whoever calls)."""
     session.commit("story_started", id=story["id"], title=story["title"], round=story["round"] + 1,
                    agent=agent)
+
+
+def last_line_alone_damaged(ledger):
+    """Whether the ledger's last whole line, and only it, is no event."""
+    end = ledger.end()[0]
+    if not end:
+        return False
+    offset, line = next(ledger.backward(end))
+    prev = ledger.last(offset) if offset else None
+    return parse_event(line) is None and (prev is None or parse_event(prev) is not None)

@@ -46,7 +46,7 @@ from .runs import (
     changed_paths, git, git_out, LITERAL, OUTPUT_BAR, read_objects, repo_relative, repo_root,
     run_tool, tree_entries)
 from .render import few_ids, grade_groups, GRADES_EACH, md_cell
-from .audit import audit_ledger
+from .history import audit_ledger
 from .rerun import ARTEFACT, failure, HARNESS
 
 
