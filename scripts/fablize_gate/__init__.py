@@ -36,11 +36,12 @@ when it needs it, so a start loads only what it runs):
   cli        the parser, Output, Context and `main`, the one exit point; an error said once
 Rooms use the layers below commands through the names they import from them, and are loaded
 by the command line only for their own commands: audit (the audit command: its gates, the
-trust room's and the re-run's assembled into one verdict; its options one table), setup (setup, doctor, install-block, completion), sharing (share, sync,
-release, create --remote, audit --remote; its git runner in sharing_git), merge (merge-driver,
-install-merge), trust (audit's --base/--since/--rerun and --require-* gates, decide --sign;
-CI's re-run of the checks in rerun, a test runner's own report in reports, CI's last process in
-verdict) and setup_ci (setup github, doctor github).
+trust room's and the re-run's assembled into one verdict; its options one table), setup
+(setup, doctor, install-block, completion), sharing (share, sync, release, create --remote,
+audit --remote; its git runner in sharing_git), merge (merge-driver, install-merge), trust
+(audit's --base/--since/--rerun and --require-* gates, decide --sign; CI's re-run of the checks
+in rerun, a test runner's own report in reports, CI's last process in verdict) and setup_ci
+(setup github, doctor github).
 
 scripts/goals.py, beside this folder, is the one way in: it loads this package by its path.
 Exit codes: 0 done, 1 refused, 2 usage, 3 damaged; 128 + N when signal N stopped a run.
