@@ -12,9 +12,8 @@ from .base import (
     EXIT_SIGNAL_BASE, EXIT_USAGE, FablizeError, fix_argv_text, HOOK_AGENTS, id_arg, json_text,
     one_line, PIN, quote_arg, regex, SCHEMA_VERSION, SHARE, Step, TIMEOUT_OPTION, usage,
     VERDICTS)
-from .masking import use_environment
+from .masking import plan_text, use_environment
 from .storage import find_state_dir, lock_timeout, project_state_dir, snapshot_damage, Store
-from .runs import plan_text
 from .render import ENTRY_FOLDER, invocation, step_text
 from .commands import (
     cmd_add, cmd_checkpoint, cmd_create, cmd_decide, cmd_guard, cmd_judge_packet,

@@ -13,7 +13,7 @@ from .base import (
     limit_text, MARKS, new_plan_id, no_plan, now_iso, one_line, parse_ids, PLAN_EXISTS, quote_arg,
     refused, REPORT_RUNS, RESUME_LISTED, RESUME_TITLE, scope_pattern, SHARE, short, SNAPSHOT,
     split_assignment, STATE_DIRNAME, Step, story_id, TAIL_CHARS, usage, ZERO_HASH)
-from .masking import mask, mask_places, masked_tail, masked_text
+from .masking import check_command, mask, mask_places, masked_tail, masked_text, plan_text
 from .model import (
     accepted_ids, active_stories, apply_event, BASE_FIELDS, blocked_because, checkpoint_args,
     checkpoint_gate, claimed_final, current_packet, done_count, EVIDENCE_NOTES, find_story,
@@ -24,8 +24,8 @@ from .storage import (
     commit_start, find_state_dir, free_name, loose_snapshot,
     replay_all, shown_path, Store, user_file, within, write_atomic)
 from .runs import (
-    check_command, committed_copy, commit_runs, drop_temp_logs, end_orphaned_runs, execute_runs,
-    file_not_there_yet, inflight_runs, merge_driver_missing, MERGE_QUIET, plan_text, tree_state,
+    committed_copy, commit_runs, drop_temp_logs, end_orphaned_runs, execute_runs,
+    file_not_there_yet, inflight_runs, merge_driver_missing, MERGE_QUIET, tree_state,
     unverifiable_checks, unverifiable_label, verification_runs)
 from .render import (
     capped_line, create_command, done_line, handoff_command, human_command, left_line,

@@ -7,7 +7,7 @@ import json
 import os
 import re
 
-from .base import fix_argv_text, last_chars, Lazy, limit_text, READ_CHUNK, regex
+from .base import fix_argv_text, last_chars, Lazy, limit_text, one_line, READ_CHUNK, regex, usage
 
 
 # Secrets: whatever looks like one is masked before anything is written — a run's log and tail,
@@ -301,3 +301,28 @@ class Masker:
                     line[len(line.rstrip(b"\r\n")):])
             out.append(line)
         return b"".join(out)
+
+
+# What the plan records is read by everyone who can read the repository: a command or a text
+# that carries a secret is refused where it is typed, never recorded masked.
+
+
+def check_command(option, cmd):
+    """A command the engine will run and record: never one that carries a secret, which the
+    plan would publish and a re-run could not repeat masked."""
+    if looks_secret(cmd, command=True):
+        raise usage(f"{option} `{one_line(mask(cmd, command=True))}` holds what looks like a "
+                    "secret, and a plan is read by everyone who can read the repository: keep "
+                    "it in the environment (the command sees it there) and leave it out of the "
+                    "command.", "secret_in_command")
+    return limit_text(option, cmd)
+
+
+def plan_text(name, text):
+    """The plan's own words (its brief, a story's title, objective, acceptance items) as typed:
+    never one that carries a secret, which masking would silently change."""
+    if looks_secret(text):  # a token's shape or a secret's value; `max_tokens=…` is words
+        raise usage(f"{name} `{one_line(mask(text))}` holds what looks like a secret, and a "
+                    "plan is read by everyone who can read the repository: leave it out.",
+                    "secret_in_plan")
+    return limit_text(name, text)

@@ -8,11 +8,11 @@ import stat
 import time
 
 from .base import (
-    _sha256, blank, clean, damaged, FablizeError, fix_argv_text, Lazy, limit_text,
-    now_iso, one_line, quote_arg, READ_CHUNK, refused, RUNS, sha256_hex, TAIL_CHARS, usage)
-from .masking import looks_secret, mask, mask_places, Masker
+    blank, clean, damaged, FablizeError, fix_argv_text, now_iso, one_line, quote_arg,
+    READ_CHUNK, refused, regex, RUNS, _sha256, sha256_hex, TAIL_CHARS)
+from .masking import mask, mask_places, Masker
 from .model import run_outcome, run_result
-from .reports import ask as ask_reports, read as read_reports, recorded
+from .reports import ask as ask_reports, read as read_reports, recorded, shell_segments
 from .storage import (
     crash_point, ensure_subdir, from_here, fsync_dir, open_state_file, pid_alive, within, write_all,
     write_atomic)
@@ -326,27 +326,6 @@ def run_provenance(root, cmd):
             "program_sha256": file_sha256(program) if program else None, "env": witness_env()}
 
 
-def check_command(option, cmd):
-    """A command the engine will run and record: never one that carries a secret, which the
-    plan would publish and a re-run could not repeat masked."""
-    if looks_secret(cmd, command=True):
-        raise usage(f"{option} `{one_line(mask(cmd, command=True))}` holds what looks like a "
-                    "secret, and a plan is read by everyone who can read the repository: keep "
-                    "it in the environment (the command sees it there) and leave it out of the "
-                    "command.", "secret_in_command")
-    return limit_text(option, cmd)
-
-
-def plan_text(name, text):
-    """The plan's own words (its brief, a story's title, objective, acceptance items) as typed:
-    never one that carries a secret, which masking would silently change."""
-    if looks_secret(text):  # a token's shape or a secret's value; `max_tokens=…` is words
-        raise usage(f"{name} `{one_line(mask(text))}` holds what looks like a secret, and a "
-                    "plan is read by everyone who can read the repository: leave it out.",
-                    "secret_in_plan")
-    return limit_text(name, text)
-
-
 _SHELL_BUILTINS = frozenset(
     "! : . [ [[ alias bg break builtin case cd command continue declare do done echo elif else "
     "esac eval exec exit export false fi for function getopts hash if in let local printf pwd "
@@ -363,19 +342,13 @@ def command_programs(cmd, root):
     builtin or a program named by a variable (nothing to look up). The one program finder: a
     check that cannot run, a run's provenance and doctor's interpreter all read it. Raises
     ValueError for a line the shell could not parse either."""
-    import shlex
     import shutil
-    lexer = shlex.shlex(cmd, posix=True, punctuation_chars=True)
-    lexer.whitespace_split = True
-    found, expect = [], True
-    for token in lexer:
-        if token and all(c in "();<>|&" for c in token):
-            expect = token in (";", "&&", "||", "|", "&", "(", "((")
+    found = []
+    for segment in shell_segments(cmd):  # the one shell lexer (reports)
+        token = next((word for word, _, _ in segment if word not in _PREFIX_WORDS
+                      and not regex(r"[A-Za-z_]\w*=.*", re.S | re.A).fullmatch(word)), None)
+        if token is None:
             continue
-        if not expect or token in _PREFIX_WORDS or re.fullmatch(r"[A-Za-z_]\w*=.*", token,
-                                                                  re.S | re.A):
-            continue
-        expect = False
         if token in _SHELL_BUILTINS or "$" in token or "`" in token:
             found.append((token, ""))
         elif "/" in token:
@@ -1284,7 +1257,7 @@ def commit_runs(session, records):
 # Observed runs (the agent's own commands, seen by a hook) have only their output: a runner's
 # closing summary is what they can be read by. A witnessed run reads the runner's own report
 # (reports.py) instead: any test can print a summary.
-_RX = Lazy(re.compile)  # compiled on first use: most commands never read a runner's summary
+# (compiled on first use, by base.regex: most commands never read a runner's summary)
 
 
 _ANSI = r"\x1b\[[0-9;?]*[A-Za-z]"
@@ -1314,20 +1287,20 @@ def runner_counts(runner, lines):
     for line in lines:
         line = line.strip()
         if runner == "pytest":
-            m = _RX[_PYTEST_LINE].match(line)
+            m = regex(_PYTEST_LINE).match(line)
             if m:
                 seen = True
-                items = {w: int(n) for n, w in _RX[_COUNT].findall(m.group(1))}
+                items = {w: int(n) for n, w in regex(_COUNT).findall(m.group(1))}
                 add(passed=items.get("passed", 0) + items.get("xpassed", 0),
                     failed=items.get("failed", 0),
                     errors=items.get("error", 0) + items.get("errors", 0),
                     skipped=items.get("skipped", 0) + items.get("xfailed", 0))
         elif runner == "unittest":
-            m = _RX[_UNITTEST_RAN].match(line)
+            m = regex(_UNITTEST_RAN).match(line)
             if m:
                 ran = int(m.group(1))
                 continue
-            m = _RX[_UNITTEST_END].match(line) if ran is not None else None
+            m = regex(_UNITTEST_END).match(line) if ran is not None else None
             if m:
                 seen = True
                 items = {w.strip(): int(n)
@@ -1339,7 +1312,7 @@ def runner_counts(runner, lines):
                     errors=errors, skipped=skipped)
                 ran = None
         elif runner == "go":
-            m = _RX[_GO_LINE].match(line)
+            m = regex(_GO_LINE).match(line)
             if m and (m.group(1) == "FAIL" or "no tests to run" not in m.group(2)):
                 seen = True
                 if m.group(1) == "ok":
@@ -1349,21 +1322,21 @@ def runner_counts(runner, lines):
                 else:
                     add(failed=1)
         elif runner == "cargo":
-            m = _RX[_CARGO_LINE].match(line)
+            m = regex(_CARGO_LINE).match(line)
             if m:
                 seen = True
                 add(passed=int(m.group(1)), failed=int(m.group(2)), skipped=int(m.group(3)))
         elif runner == "node":
-            m = _RX[_NODE_LINE].match(line)
+            m = regex(_NODE_LINE).match(line)
             if m:
                 seen = seen or m.group(1) == "tests"
                 n = int(m.group(2))
                 add(**{"pass": {"passed": n}, "fail": {"failed": n}, "cancelled": {"errors": n},
                        "skipped": {"skipped": n}, "todo": {"skipped": n}}.get(m.group(1), {}))
         elif runner in ("jest", "vitest"):
-            m = _RX[_JEST_LINE if runner == "jest" else _VITEST_LINE].match(line)
+            m = regex(_JEST_LINE if runner == "jest" else _VITEST_LINE).match(line)
             if m:
-                items = {w: int(n) for n, w in _RX[_COUNT].findall(m.group(2))}
+                items = {w: int(n) for n, w in regex(_COUNT).findall(m.group(2))}
                 if m.group(1) == "Tests":
                     seen = True
                     add(passed=items.get("passed", 0), failed=items.get("failed", 0),
