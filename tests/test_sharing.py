@@ -295,6 +295,10 @@ def test_release_ends_a_silent_agents_claim_by_a_recorded_act(net):
     assert r.code == 0 and r.json["released_from"] == "silent", r
     r = b("next", "--agent", "fresh")
     assert r.code == 0 and "handoff — G001" in r.out and "no heartbeat" in r.out, r
+    # a release is worded as one, never as a failed attempt
+    assert "released the claim of the agent that held it, not a failed attempt" in r.out, r
+    assert "## Why it came back (round 1, from a human's release)" in r.out, r
+    assert "did not achieve" not in r.out and "What was missing" not in r.out, r
     # the silent agent's late checkpoint is refused, naming who holds the story now
     r = a("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "late",
           "--agent", "silent")

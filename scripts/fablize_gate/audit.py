@@ -10,7 +10,7 @@ import os
 
 from .base import (
     ARCHIVE, count_noun, create_args, defused_line, DONE, EXIT_REFUSED, FablizeError, last_chars,
-    one_line, quote_arg, RUNS, SNAPSHOT, STATE_DIRNAME, Step, TIMEOUT_OPTION, usage)
+    one_line, quote_arg, RUNS, SNAPSHOT, STATE_DIRNAME, Step, TIMEOUT_OPTION, TRIPWIRE, usage)
 from .history import audit_ledger
 from .model import accepted_ids, claimed_final, not_an_event, stories_in, unaddressed_failure
 from .render import (
@@ -370,9 +370,9 @@ OPTIONS = (
            help="exit 1 unless every decision is signed (decide --sign) by a key in this "
                 "ssh allowed-signers file"),
     option("--forbid-tripwires", trust=True, action="store_true",
-           help="with --base and a scope: exit 1 if the branch's code inside the scope "
-                "reaches into the test run or looks for CI or the audit, unless the final "
-                "story was accepted by a decision signed by an --allowed-signers key"),
+           help=f"with --base and a scope: exit 1 if the branch's code inside the scope "
+                f"{TRIPWIRE}, unless the final story was accepted by a decision signed by an "
+                "--allowed-signers key"),
     option("--forbid-accepted", trust=True, action="store_true",
            help="exit 1 if any story was accepted by a decision instead of completed"),
     option("--require-unchanged-checks", trust=True, action="store_true",

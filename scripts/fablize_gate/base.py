@@ -74,6 +74,8 @@ lock.owner
 *.fablize-backup
 runs/.*
 """
+# what a tripwire is, wherever one is said (report, judge-packet, audit's gate and its help)
+TRIPWIRE = "reaches into the test run or looks for its judge (CI, the audit)"
 PLAN_EXISTS = "a plan already exists. Check it with `status`, or replace it with --force."
 
 
@@ -470,11 +472,13 @@ def new_plan_id():
 
 
 def count_noun(n, noun):
-    """`1 event`, `2 events`, `1 story`, `3 stories`: a count and its noun, never `event(s)`."""
+    """`1 event`, `2 events`, `1 story`, `3 stories`, `2 fixes`: a count and its noun, never
+    `event(s)`; the one place a plural is made."""
     if n == 1:
         return f"1 {noun}"
-    return (f"{n} {noun[:-1]}ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else
-        f"{n} {noun}s")
+    if noun.endswith("y") and noun[-2:-1] not in "aeiou":
+        return f"{n} {noun[:-1]}ies"
+    return f"{n} {noun}{'es' if noun.endswith(('s', 'x', 'sh', 'ch')) else 's'}"
 
 
 def count_stories(n):

@@ -10,8 +10,8 @@ import sys
 from .base import (
     clean, create_args, DECISIONS, DEFAULT_ROUNDS, DEFAULT_RUN_TIMEOUT, EXIT_DAMAGED, EXIT_OK,
     EXIT_SIGNAL_BASE, EXIT_USAGE, FablizeError, fix_argv_text, HOOK_AGENTS, id_arg, json_text,
-    one_line, PIN, quote_arg, regex, SCHEMA_VERSION, SHARE, Step, TIMEOUT_OPTION, usage,
-    VERDICTS)
+    one_line, PIN, quote_arg, regex, SCHEMA_VERSION, SHARE, Step, TIMEOUT_OPTION, TRIPWIRE,
+    usage, VERDICTS)
 from .masking import plan_text, use_environment
 from .storage import find_state_dir, lock_timeout, project_state_dir, snapshot_damage, Store
 from .render import ENTRY_FOLDER, invocation, step_text
@@ -341,8 +341,8 @@ def add_judge_packet(command):
 
 def add_tripwire_base(c):
     c.add_argument("--base", metavar="REF",
-                   help="list the work's lines since this git ref (e.g. origin/main) that reach "
-                        "into the test run or look for CI or the audit (tripwires)")
+                   help="list the work's lines since this git ref (e.g. origin/main) whose code "
+                        f"{TRIPWIRE} (tripwires)")
 
 
 def add_verdict(command):

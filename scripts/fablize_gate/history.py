@@ -8,8 +8,8 @@ from itertools import compress, repeat
 from operator import eq, itemgetter, methodcaller
 
 from .base import (
-    damaged, dumps, fast_sha256, LEDGER, load_json, no_plan, one_line, REPORT_RUNS, RUNS, SNAPSHOT,
-    SNAPSHOT_VERSION, Step)
+    count_noun, damaged, dumps, fast_sha256, LEDGER, load_json, no_plan, one_line, REPORT_RUNS,
+    RUNS, SNAPSHOT, SNAPSHOT_VERSION, Step)
 from .masking import looks_secret
 from .model import (
     _EVENT_KIND, _PREV, compact, find_story, is_original_snapshot, line_error, parse_event)
@@ -245,7 +245,7 @@ class Audit:
                           "snapshot_mismatch", steps=Step.engine("rebuild"))
         behind = replay.seq - snap_seq
         report["snapshot"] = ("in sync" if not behind else
-            f"{behind} event{'s' if behind > 1 else ''} behind (rolled forward by the next "
+            f"{count_noun(behind, 'event')} behind (rolled forward by the next "
             "writing command)")
 
 

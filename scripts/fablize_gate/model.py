@@ -449,11 +449,21 @@ def round_label(plan, story):
             "since a human's decision)")
 
 
-# why a story came back, by who sent it back (its feedback's source)
-REOPENED_BECAUSE = {"checkpoint": "the earlier attempt did not achieve the objective",
-                    "judge": "the judge found the objective not achieved",
-                    "retry": "a human asked for another attempt",
-                    "amend": "a human amended the objective (above)"}
+# why a story came back, by who sent it back (its feedback's source): (the handoff's reason,
+# who the feedback is from). A release is no failed attempt: the agent holding it was gone.
+CAME_BACK = {"checkpoint": ("the earlier attempt did not achieve the objective",
+                            "the failed checkpoint"),
+             "judge": ("the judge found the objective not achieved", "the judge"),
+             "retry": ("a human asked for another attempt", "a human's retry"),
+             "amend": ("a human amended the objective (above)", "a human's amendment"),
+             "release": ("a human released the claim of the agent that held it, not a failed "
+                         "attempt", "a human's release")}
+
+
+def came_back(story):
+    """(why `story` came back, who said so), from its feedback."""
+    source = (story["feedback"] or {}).get("source")
+    return CAME_BACK.get(source) or (CAME_BACK["checkpoint"][0], source)
 
 
 def validate_graph(stories):
@@ -523,8 +533,7 @@ def report_refusal(run):
                 + (" (pytest writes none under -p no:junitxml)"
                    if "pytest" in report["missing"] else ""))
     bad = [f"{report['failed']} failed"] if report["failed"] else []
-    bad += [f"{report['errors']} error" + ("s" if report["errors"] != 1 else "")
-            ] if report["errors"] else []
+    bad += [count_noun(report["errors"], "error")] if report["errors"] else []
     if bad:
         return f"{report['runner']} reported " + ", ".join(bad)
     if not report["passed"]:

@@ -11,12 +11,11 @@ from .base import (
     MAP_LABELS, MAP_LOOKBACK, MAP_WINDOW, MARKS, one_line, PYTHON, quote_arg, RESUME_CARRIED,
     RESUME_MAP, RESUME_TAIL, RESUME_TITLE, short, STATUS_TABLE, TAIL_CHARS, time_label)
 from .model import (
-    _PRISTINE, accepted_ids, active_stories, blocked_because, checkpoint_args, completion_args,
+    accepted_ids, active_stories, blocked_because, came_back, checkpoint_args, completion_args,
     decide_steps, DEFAULTS, describe_exit, done_count, find_story, grade_detail, guard_capped,
-    is_final, observed_of, observed_result,
-    pick_ready, plan_done, REOPENED_BECAUSE, round_failures, round_label, rounds_left, run_evidence,
-    run_outcome, run_summary, stories_in, touch, unaddressed_failure, ids_text,
-    verdict_args, waits_for)
+    ids_text, is_final, observed_of, observed_result, pick_ready, plan_done, _PRISTINE,
+    round_failures, round_label, rounds_left, run_evidence, run_outcome, run_summary, stories_in,
+    touch, unaddressed_failure, verdict_args, waits_for)
 from .masking import mask
 from .runs import NOT_THERE, repo_root
 
@@ -142,10 +141,8 @@ def render_feedback(story):
     fb = story["feedback"]
     if not fb:
         return []
-    source = {"checkpoint": "the failed checkpoint", "judge": "the judge",
-              "retry": "a human's retry", "amend": "a human's amendment"}
-    source = source.get(fb["source"], fb["source"])
-    lines = [f"## What was missing (round {fb['round']}, from {source})"]
+    what = "Why it came back" if fb["source"] == "release" else "What was missing"
+    lines = [f"## {what} (round {fb['round']}, from {came_back(story)[1]})"]
     lines.append(indent(defuse(last_chars(fb["text"]))) if not blank(fb["text"])
                  else "    (no reason was given)")
     for run in fb.get("runs", []):
@@ -205,10 +202,10 @@ def render_handoff(prog, plan, story, reshown, brief=False):
                      "started "
                      f"{time_label(story['started_ts'])}). Continue it; do not restart it.")
     elif story["round"] > 1:
-        fb = story["feedback"] or {}
-        lines.append(f"⚠ Reopened: {round_label(plan, story)} — "
-                     f"{REOPENED_BECAUSE.get(fb.get('source'), REOPENED_BECAUSE['checkpoint'])}; "
-                     "what was missing is below. Continue the work; do not restart it.")
+        released = (story["feedback"] or {}).get("source") == "release"
+        lines.append(f"⚠ Reopened: {round_label(plan, story)} — {came_back(story)[0]}; "
+                     f"{'why' if released else 'what was missing'} is below. Continue the work; "
+                     "do not restart it.")
     if reshown:
         lines += render_round_failures(story, "Resumed: ", prog)
     if reshown or story["round"] > 1:

@@ -22,7 +22,7 @@ import json
 import os
 import re
 
-from .base import one_line
+from .base import count_noun, one_line
 
 PASSED, FAILED, ERROR, SKIPPED, XFAILED = "passed", "failed", "error", "skipped", "xfailed"
 NOT_RUN = (SKIPPED, XFAILED)
@@ -490,7 +490,7 @@ def _read_unittest(report, log):
             else FAILED
     ran = sum(runs)
     if len(found) != ran:
-        report.problems.append(f"unittest ran {ran} test{'s' if ran != 1 else ''} by its own "
+        report.problems.append(f"unittest ran {count_noun(ran, 'test')} by its own "
                                f"count but named {len(found)} (its -v lines)")
     for test_id, outcome in found.items():
         if outcome is None:
@@ -622,7 +622,7 @@ class Comparison:
             if ids:
                 named = ", ".join(one_line(x)[:80] for x in ids[:limit])
                 more = f" and {len(ids) - limit} more" if len(ids) > limit else ""
-                out.append(f"{len(ids)} test{'s' if len(ids) != 1 else ''} {what} ({named}{more})")
+                out.append(f"{count_noun(len(ids), 'test')} {what} ({named}{more})")
         return out
 
 

@@ -592,7 +592,7 @@ def judged(check, branch, base, taken=()):
             out["compare"].update({f"{k}_count": len(getattr(cmp, k)) for k in
                                    ("fixed", "still_failing", "broken", "vanished", "new")})
             out["compare"]["words"] = cmp.words() + ([
-                f"{len(hosted)} test{'s' if len(hosted) != 1 else ''} fixed inside a file the work "
+                f"{count_noun(len(hosted), 'test')} fixed inside a file the work "
                 f"changes count for nothing ({', '.join(one_line(t)[:60] for t in hosted[:3])}: a "
                 "doctest, a unit test inside the code)"] if hosted else [])
             out["compare"]["hosted"] = hosted[:MAX_IDS]

@@ -19,8 +19,8 @@ import stat
 import sys
 
 from .base import (
-    DEFAULT_GUARD_MAX, DONE, FablizeError, last_chars, load_json, one_line, PYTHON, quote_arg,
-    refused, STATE_DIRNAME, STATE_GITIGNORE, Step, usage)
+    count_noun, DEFAULT_GUARD_MAX, DONE, FablizeError, last_chars, load_json, one_line, PYTHON,
+    quote_arg, refused, STATE_DIRNAME, STATE_GITIGNORE, Step, usage)
 from .storage import (
     file_to_write, fsync_dir, O_BINARY, O_CLOEXEC, O_NONBLOCK, read_state_file, user_file,
     write_atomic, write_state_gitignore)
@@ -842,9 +842,9 @@ def cmd_doctor(ctx, a):
         fixes = list(dict.fromkeys(c["fix"] for c in problems))
         # the first fix's command, when it is one (a fix that is a human's names none)
         step = re.match(r"`((?:git init|" + re.escape(ctx.prog) + r" [^`]+))`", fixes[0])
-        raise refused(f"doctor: {len(problems)} problem{'s' if len(problems) > 1 else ''} — "
+        raise refused(f"doctor: {count_noun(len(problems), 'problem')} — "
                       + (f"{problems[0]['problem']}; fix: {fixes[0]}" if len(problems) == 1 else
-                         f"{len(fixes)} fix{'es' if len(fixes) > 1 else ''}, each said once "
+                         f"{count_noun(len(fixes), 'fix')}, each said once "
                          f"above; the first: {fixes[0]}"), "doctor_problems",
                       step.group(1) if step else ())
     ctx.say(f"fablize: doctor — {', '.join(agents)} {'is' if len(agents) == 1 else 'are'} wired "

@@ -39,7 +39,7 @@ from operator import ne
 
 from .base import (
     ARCHIVE, blank, count_noun, damaged, defused_line, DONE, FablizeError, last_chars, LEDGER,
-    one_line, PIN, quote_arg, refused, scope_pattern, sha256_hex, usage)
+    one_line, PIN, quote_arg, refused, scope_pattern, sha256_hex, TRIPWIRE, usage)
 from .model import latest_run, parse_event, stories_in, touch
 from .storage import MemoryLedger, read_state_file, symlink_refusal, within
 from .runs import (
@@ -1268,8 +1268,7 @@ def block_lines(block, md=False, indent="  ", limit=MAX_LISTED):
 
 
 def tripwire_block(wires, empty=None):
-    return Block("The work's code reaches into the test run or looks for its judge (a tripwire "
-                 "for the reviewer, not a proof):",
+    return Block(f"The work's code {TRIPWIRE} (a tripwire for the reviewer, not a proof):",
                  [[path(f"{t['path']}:{t['line']}"), f" {t['what']} — ", code(t["text"])]
                   for t in wires], empty)
 
@@ -1531,8 +1530,8 @@ def gates(store, plan, trust, opts):
     if opts["forbid_tripwires"] and trust["tripwires"] and not signed:
         first = trust["tripwires"][0]
         found.append(failure(
-            "tripwire", "the branch's code inside the scope reaches into the test run or looks "
-            f"for its judge ({count_noun(len(trust['tripwires']), 'line')}) — "
+            "tripwire", f"the branch's code inside the scope {TRIPWIRE} "
+            f"({count_noun(len(trust['tripwires']), 'line')}) — "
             f"{one_line(first['path'])}:{first['line']} {first['what']}",
             "take it out of the work; or a human reviews it and accepts the final story with a "
             f"signed decision (`decide --id {final_id} accept --note \"<why>\" --sign KEY "
