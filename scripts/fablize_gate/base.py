@@ -75,7 +75,7 @@ lock.owner
 runs/.*
 """
 # what a tripwire is, wherever one is said (report, judge-packet, audit's gate and its help)
-TRIPWIRE = "reaches into the test run or looks for its judge (CI, the audit)"
+TRIPWIRE = "reaches into the test run or looks for its judge"
 PLAN_EXISTS = "a plan already exists. Check it with `status`, or replace it with --force."
 
 
