@@ -40,6 +40,9 @@ release, create --remote, audit --remote; its git runner in sharing_git), merge 
 install-merge) and trust (audit's --base/--since/--rerun and --require-* gates, decide --sign).
 
 scripts/goals.py, beside this folder, is the one way in: it loads this package by its path.
+scripts/ holds what a user copies (goals.py, this folder, and fablize.py for hooks written by
+3.0); the developer's tools are in the checkout's tools/ (demo.sh, bench.py, dist.py), and CI's
+script fablize-ci.sh beside action.yml.
 Exit codes: 0 done, 1 refused, 2 usage, 3 damaged; 128 + N when signal N stopped a run.
 Stdlib only, Python 3.9+.
 """
