@@ -29,9 +29,9 @@ when it needs it, so a start loads only what it runs):
   model      stories, events, transitions with their log lines, the gates, Replay (pure)
   storage    discovery, files, lock, ledger, snapshot, transactions, streaming replay
   runs       the one place processes start: git, tools, checks, provenance
-  render     handoff, status, plan map, report: text only
+  render     handoff, status, session start, plan map, report: text only
   audit      the whole ledger replayed and judged
-  hooks      what an agent's harness runs (guard, observe)
+  hooks      what an agent's harness runs, each a command: guard, observe, status --resume
   commands   one function a command
   cli        the parser, Output, Context and `main`, the one exit point
 Rooms, for what the original never had, use the layers below commands through the names they
