@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # Files that must run on Python 3.9. vermin's `union-types` feature is not used: it
 # mistakes every bitwise `|` of os.O_* flags for a 3.10 union type. The engine has no
 # annotations, so there is no `X | Y` type for it to find.
-VERMIN_FILES := scripts/*.py scripts/fablize_gate/*.py
+VERMIN_FILES := scripts/*.py scripts/fablize_gate/*.py tools/*.py
 VERMIN_FLAGS := --no-tips --violations -t=3.9- --eval-annotations
 
 # four workers on two cores: most tests wait on a subprocess (git, the engine); an idle worker
@@ -38,7 +38,7 @@ TEST39_LOG := .test39.log
 
 test: venv
 	$(BIN)/vermin $(VERMIN_FLAGS) $(VERMIN_FILES)
-	$(BIN)/ruff check --no-cache scripts tests
+	$(BIN)/ruff check --no-cache scripts tests tools
 	@$(MAKE) --no-print-directory test39 > $(TEST39_LOG) 2>&1 & t39=$$!; \
 	echo "$(BIN)/python -m pytest $(PYTEST_ARGS)"; \
 	$(BIN)/python -m pytest $(PYTEST_ARGS); main=$$?; \
@@ -49,19 +49,19 @@ test39: venv
 ifeq ($(PY39),)
 	@echo "test39: no python3.9 here (looked in /usr/bin, /usr/local/bin, ~/.pyenv) — skipped"
 else
-	PYTHON="$(PY39)" bash scripts/demo.sh > /dev/null
+	PYTHON="$(PY39)" bash tools/demo.sh > /dev/null
 	FABLIZE_TEST_PYTHON="$(PY39)" $(BIN)/python -m pytest -q -n 2 $(PY39_TESTS)
 endif
 
 demo:
-	PYTHON="$(PYTHON)" bash scripts/demo.sh
+	PYTHON="$(PYTHON)" bash tools/demo.sh
 
 bench:
-	$(PYTHON) scripts/bench.py
+	$(PYTHON) tools/bench.py
 
-# the wheel, the sdist, the plugin archive and the skill folder, into dist/ (see scripts/dist.py)
+# the wheel, the sdist, the plugin archive and the skill folder, into dist/ (see tools/dist.py)
 dist: venv
-	$(BIN)/python scripts/dist.py dist
+	$(BIN)/python tools/dist.py dist
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build dist *.egg-info scripts/*.egg-info

@@ -80,6 +80,8 @@ subprocess.run([ENGINE_PYTHON, "-m", "compileall", "-q", str(SCRIPT.parent / "fa
 ENGINE_DIR = SCRIPT.parent / "fablize_gate"
 # the engine's files: the entry, the launcher of hooks written by 3.0, and the package
 ENGINE_FILES = [SCRIPT, SCRIPT.parent / "fablize.py", *sorted(ENGINE_DIR.glob("*.py"))]
+# CI's recipe, what action.yml runs: beside it, outside the folder a user copies
+CI_SCRIPT = ROOT / "fablize-ci.sh"
 
 
 def copy_engine(folder, bytecode=True):
@@ -96,6 +98,16 @@ def copy_engine(folder, bytecode=True):
         shutil.copytree(ENGINE_DIR / "__pycache__", folder / "fablize_gate" / "__pycache__",
                         dirs_exist_ok=True)
     return folder / "goals.py"
+
+
+def copy_action(folder, bytecode=True):
+    """The action's checkout as its steps see it ($GITHUB_ACTION_PATH): action.yml and the CI
+    script beside it at the top, the engine in scripts/; returns the copy of the CI script."""
+    folder = Path(folder)
+    copy_engine(folder / "scripts", bytecode)
+    for name in ("action.yml", CI_SCRIPT.name):
+        shutil.copy2(ROOT / name, folder / name)
+    return folder / CI_SCRIPT.name
 
 
 class Result:

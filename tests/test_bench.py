@@ -1,4 +1,4 @@
-"""scripts/bench.py renders its figures from saved measurements alone (`--from`), README's
+"""tools/bench.py renders its figures from saved measurements alone (`--from`), README's
 performance section quotes lines it prints, and docs/performance.md is its output whole.
 Nothing here measures anything: the saved files are written by the tests, with made-up
 numbers chosen so that a median of per-round ratios and a ratio of medians differ."""
@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCH = ROOT / "scripts" / "bench.py"
+BENCH = ROOT / "tools" / "bench.py"
 README = ROOT / "README.md"
 SAVED = ROOT / "docs" / "bench.json"
 PERFORMANCE = ROOT / "docs" / "performance.md"
 # docs/performance.md's one line above the output: the command that prints the rest
-REGENERATE = "python3 scripts/bench.py --from docs/bench.json --markdown"
+REGENERATE = "python3 tools/bench.py --from docs/bench.json --markdown"
 # a figure: a digit followed by a unit (ms, %, ×, MiB, MB, /s, s), or a ratio written ×N
 FIGURE = re.compile(r"\d\s?(?:ms\b|%|×|MiB\b|MB\b|/s\b|s\b)|×\s?\d")
 
@@ -252,7 +252,7 @@ def saved_markdown():
     """What `bench.py --from docs/bench.json --markdown` prints (skips without the saved run)."""
     if not SAVED.exists():
         pytest.skip("docs/bench.json does not exist yet: the figures cannot be checked "
-                    "against a saved bench run (`scripts/bench.py --markdown --save "
+                    "against a saved bench run (`tools/bench.py --markdown --save "
                     "docs/bench.json` writes it)")
     r = subprocess.run([sys.executable, str(BENCH), "--from", str(SAVED), "--markdown"],
                        capture_output=True, text=True, encoding="utf-8", timeout=60)

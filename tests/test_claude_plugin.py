@@ -17,8 +17,8 @@ import pytest
 
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "scripts"))
-import dist  # noqa: E402
+sys.path.insert(0, str(ROOT / "tools"))
+import dist  # noqa: E402  (tools/dist.py: what `make dist` builds)
 
 CACHE = Path(os.environ.get("FABLIZE_CLAUDE_CACHE",
                             os.path.join(tempfile.gettempdir(), "fablize-claude-code-cache")))

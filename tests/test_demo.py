@@ -21,7 +21,7 @@ def machine_env(**extra):
 
 
 def demo(**extra):
-    return subprocess.Popen(["bash", str(ROOT / "scripts" / "demo.sh")], stdout=subprocess.PIPE,
+    return subprocess.Popen(["bash", str(ROOT / "tools" / "demo.sh")], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=machine_env(PYTHON=sys.executable, **extra))
 
 
@@ -66,7 +66,7 @@ def test_the_demo_fails_when_a_gate_lets_a_claim_through(tmp_path):
     lenient.write_text(f'#!/bin/sh\n"{sys.executable}" "$@"; rc=$?\n'
                        '[ "$rc" -eq 1 ] && exit 0\nexit "$rc"\n')
     lenient.chmod(0o755)
-    p = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh")], capture_output=True,
+    p = subprocess.run(["bash", str(ROOT / "tools" / "demo.sh")], capture_output=True,
                        timeout=60, env=dict(os.environ, PYTHON=str(lenient)))
     assert p.returncode != 0, p.stdout.decode()
     assert b"demo: expected exit 1, got exit 0" in p.stderr, p.stderr

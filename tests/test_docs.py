@@ -478,7 +478,7 @@ def test_readme_documents_the_make_targets_and_the_version():
     for target in ("demo", "test"):
         assert f"`make {target}`" in text
         assert re.search(r"^%s:" % target, makefile, re.M), f"Makefile has no `{target}` target"
-    assert "scripts/demo.sh" in text and "scripts/demo.sh" in makefile
+    assert "tools/demo.sh" in text and "tools/demo.sh" in makefile
     assert "vermin" in text and "vermin" in makefile
     assert f"`fablize {engine.__version__}`" in text
 

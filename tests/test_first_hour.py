@@ -16,8 +16,8 @@ from test_sharing import create
 
 pytest_plugins = ["test_sharing"]  # its `net` fixture: a bare remote and its clones
 
-sys.path.insert(0, str(ROOT / "scripts"))
-import dist  # noqa: E402
+sys.path.insert(0, str(ROOT / "tools"))
+import dist  # noqa: E402  (tools/dist.py: what `make dist` builds)
 
 
 def env_without_fablize(home, **extra):

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SCRIPT, complete, engine, make_plan, run_cli, state_files
+from conftest import (ENGINE_FILES, ROOT, SCRIPT, complete, engine, make_plan, run_cli,
+                      state_files)
 
 BEGIN, END = "<!-- fablize:begin -->", "<!-- fablize:end -->"
 CLI = f"python3 {SCRIPT}"
@@ -332,6 +333,17 @@ def test_the_script_runs_without_installing_anything(tmp_path):
     assert script("create", "--brief", "b", "--goal", "A::a").returncode == 0
     p = script("status", "--json")
     assert p.returncode == 0 and json.loads(p.stdout)["total"] == 1
+
+
+def test_scripts_holds_only_what_a_user_copies():
+    """scripts/ is what a user copies: goals.py, the engine's folder and the launcher hooks
+    written by 3.0 run — no developer tool (they live in tools/, CI's script beside action.yml)."""
+    held = sorted(p.relative_to(ROOT) for p in (ROOT / "scripts").rglob("*")
+                  if p.is_file() and not {"__pycache__"} & set(p.parts)
+                  and not any(part.endswith(".egg-info") for part in p.parts))
+    assert held == sorted(p.relative_to(ROOT) for p in ENGINE_FILES), held
+    assert (ROOT / "tools" / "bench.py").is_file() and (ROOT / "fablize-ci.sh").is_file()
+    assert (ROOT / "action.yml").is_file()
 
 
 def lone_copy(tmp_path, *left_out, engine=True):

@@ -6,7 +6,7 @@ agent cannot edit).
 Every test is real: a bare origin; main holding a human's plan whose real test fails (add()
 subtracts) with the scope `src/`; a pull-request branch where an agent cheats, completes the plan
 (its own runs pass, in its own tree) and pushes; a CI clone that audits with the action's own
-copy of the engine — scripts/fablize-ci.sh, the action's recipe, and the engine's strictest
+copy of the engine — fablize-ci.sh, the action's recipe, and the engine's strictest
 audit. Each attack is a test named by what it tries; each must fail both, and the honest pull
 request must pass both.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ENGINE, ROOT, copy_engine, git, git_env
+from conftest import ENGINE, ROOT, copy_action, copy_engine, git, git_env
 
 PY = shlex.quote(sys.executable)
 # without the venv's own plugins (40% of a pytest start); the plugin attack loads its own
@@ -132,18 +132,18 @@ class Project:
         return ci
 
     def action(self, env_extra=None, **settings):
-        """The action's recipe: scripts/fablize-ci.sh from the action's own checkout."""
+        """The action's recipe: fablize-ci.sh from the action's own checkout."""
         ci = self.ci_clone() if not (self.top / "ci").exists() else self.top / "ci"
         action = self.top / "action"
         if not action.exists():
-            shutil.copytree(ROOT / "scripts", action / "scripts")  # bytecode too: see copy_engine
+            copy_action(action)  # bytecode too: see copy_engine
         self.scratch = self.top / "runner-temp"  # where the re-run's trees go: emptied after
         self.scratch.mkdir(exist_ok=True)
         env = dict(git_env(self.home), FABLIZE_BASE="origin/main", GITHUB_ACTION_PATH=str(action),
                    RUNNER_TEMP=str(self.scratch))
         env.update({f"FABLIZE_{k.upper()}": v for k, v in settings.items()})
         env.update(env_extra or {})
-        p = subprocess.run(["bash", str(action / "scripts" / "fablize-ci.sh")], cwd=str(ci),
+        p = subprocess.run(["bash", str(action / "fablize-ci.sh")], cwd=str(ci),
                            capture_output=True, text=True, env=env)
         return p
 
@@ -336,7 +336,7 @@ def test_attack_the_branchs_code_rewrites_the_running_ci_script(project):
     """Code of the work (inside the scope, so it runs in the re-run) appends `exit 0` to the
     action's own script while bash runs it; the script is read whole first."""
     rewrite = ("import os\n\npath = os.environ.get('GITHUB_ACTION_PATH')\nif path:\n"
-               "    with open(os.path.join(path, 'scripts', 'fablize-ci.sh'), 'a') as f:\n"
+               "    with open(os.path.join(path, 'fablize-ci.sh'), 'a') as f:\n"
                "        f.write('\\nexit 0\\n')\n")
     def cheat(tree):  # the edited test passes the agent's own runs; calc.py is the rewriter
         (tree / "tests" / "test_calc.py").write_text(TEST.replace("add(2, 3), 5", "add(2, 3), -1"))
@@ -344,7 +344,7 @@ def test_attack_the_branchs_code_rewrites_the_running_ci_script(project):
     project.agent(cheat)
     action = project.action()
     assert action.returncode == 1 and "re-run failed" in action.stderr, action
-    assert (project.top / "action" / "scripts" / "fablize-ci.sh").read_text().endswith("exit 0\n")
+    assert (project.top / "action" / "fablize-ci.sh").read_text().endswith("exit 0\n")
 
 
 def test_attack_a_non_final_story_resting_on_its_own_runs_fails_the_full_re_run(tmp_path):

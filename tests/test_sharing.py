@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ENGINE, SCRIPT, assert_refused, git, engine, run_cli, state_files
+from conftest import ENGINE, ROOT, SCRIPT, assert_refused, git, engine, run_cli, state_files
 
 GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
            "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid",
@@ -805,7 +805,7 @@ def test_bar_four_clones_four_agents_each_complete_a_40_story_parallel_plan(net)
 
 
 def test_bench_measures_a_shared_plan_command_against_a_local_bare_remote(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import bench
     results = bench.shared_plan_cost(str(tmp_path), 1)
     assert set(results) == {"local", "shared"} and all(x > 0 for r in results.values() for x in r)

@@ -16,9 +16,9 @@ import sys
 
 import pytest
 
-from conftest import (ROOT, SCRIPT, Result, assert_refused, complete, copy_engine, encode, forge,
-                      git, engine, ledger, make_plan, raw_lines, rechain, run_cli, sha256_hex,
-                      state_files, write_lines)
+from conftest import (CI_SCRIPT, ROOT, SCRIPT, Result, assert_refused, complete, copy_engine,
+                      encode, forge, git, engine, ledger, make_plan, raw_lines, rechain, run_cli,
+                      sha256_hex, state_files, write_lines)
 
 BAR = ["audit", "--base", "main", "--require-complete", "--require-witnessed", "--rerun", "all"]
 CHECK_PY = "import sys\nsys.exit(0 if open('impl.txt').read().strip() == 'done' else 1)\n"
@@ -420,13 +420,13 @@ def doctor_the_trees_engine(work):
 
 
 def ci_script(work, env=None, **settings):
-    """scripts/fablize-ci.sh — the action's own commands — from the action's checkout, with the
+    """fablize-ci.sh — the action's own commands — from the action's checkout, with the
     work's scope (impl.txt, what the plan's stories change) given by CI unless a test says."""
     full = clean_env(work.top)
     settings.setdefault("scope", "impl.txt\n")
     full.update({f"FABLIZE_{k.upper()}": v for k, v in settings.items() if v is not None})
     full.update(env or {})
-    p = subprocess.run(["bash", str(ROOT / "scripts" / "fablize-ci.sh")], cwd=str(work.repo),
+    p = subprocess.run(["bash", str(CI_SCRIPT)], cwd=str(work.repo),
                        capture_output=True, env=full)
     return Result(p.returncode, p.stdout.decode("utf-8", "replace"),
                   p.stderr.decode("utf-8", "replace"))
@@ -777,7 +777,7 @@ def test_judge_agent_denies_file_writing_tools_through_a_hook():
 
 def test_action_runs_the_ci_script_with_every_input():
     text = (ROOT / "action.yml").read_text()
-    assert "using: composite" in text and 'bash "$GITHUB_ACTION_PATH/scripts/fablize-ci.sh"' in text
+    assert "using: composite" in text and 'bash "$GITHUB_ACTION_PATH/fablize-ci.sh"' in text
     for name, var in (("required-checks", "REQUIRED_CHECKS"),
                       ("allowed-signers", "ALLOWED_SIGNERS"),
                       ("allow-new-plan", "ALLOW_NEW_PLAN"), ("skip-if-no-plan", "SKIP_IF_NO_PLAN"),
@@ -787,10 +787,10 @@ def test_action_runs_the_ci_script_with_every_input():
                       ("require-witnessed", "REQUIRE_WITNESSED"), ("remote", "REMOTE"),
                       ("plan", "PLAN")):
         assert f"  {name}:" in text and f"FABLIZE_{var}: ${{{{ inputs.{name} }}}}" in text
-    script = (ROOT / "scripts" / "fablize-ci.sh").read_text()
+    script = CI_SCRIPT.read_text()
     assert ('exec python3 -I "$work/fablize_gate/verdict.py" --remove "$work" -- '
             '"$work/goals.py"') in script
-    assert 'cp -R "$here/goals.py" "$here/fablize_gate" "$work/"' in script
+    assert 'cp -R "$here/scripts/goals.py" "$here/scripts/fablize_gate" "$work/"' in script
 
 
 def test_action_passes_the_honest_plan_and_writes_the_job_summary(work):

@@ -2,7 +2,7 @@
 branch made green on undone work, and every honest pull request that failed, as a test against
 real git — a bare origin, a main where a human committed the code, its tests, the plan and CI's
 policy (every gate on), a pull-request branch, and CI emulated twice: the action's script
-(scripts/fablize-ci.sh, with the engine kept outside the tree) and the engine's strictest audit
+(fablize-ci.sh, with the engine kept outside the tree) and the engine's strictest audit
 (`python3 -I`, its own copy). Each attack must fail both; each honest pull request must pass
 both. Named by what they try.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ENGINE, ROOT, copy_engine, git, git_env
+from conftest import ENGINE, copy_action, copy_engine, git, git_env
 
 PY = shlex.quote(sys.executable)
 PYTEST = f"PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 {PY} -m pytest -q -p no:cacheprovider"
@@ -126,7 +126,7 @@ class Repo:
         """The action's script, as README's recipe runs it: (process, job summary)."""
         ci, action = self.ci(), self.top / "action"
         if not action.exists():
-            shutil.copytree(ROOT / "scripts", action / "scripts")
+            copy_action(action)
         scratch = self.top / "runner-temp"
         scratch.mkdir(exist_ok=True)
         summary = self.top / "summary.md"
@@ -136,7 +136,7 @@ class Repo:
                        GITHUB_STEP_SUMMARY=str(summary), **RUST_ENV)
         run_env.update({f"FABLIZE_{k.upper()}": v for k, v in settings.items()})
         run_env.update(env or {})
-        p = subprocess.run(["bash", str(action / "scripts" / "fablize-ci.sh")], cwd=str(ci),
+        p = subprocess.run(["bash", str(action / "fablize-ci.sh")], cwd=str(ci),
                            capture_output=True, text=True, env=run_env)
         return p, summary.read_text() if summary.exists() else ""
 
@@ -603,13 +603,12 @@ def test_checks_sharing_a_plain_users_rights_cannot_trace_their_auditor(tmp_path
         repo = reaching_repo(top, REACHES_EVERY_ANCESTOR)
         repo.ci()
         action = top / "action"
-        shutil.copytree(ROOT / "scripts", action / "scripts",
-                        ignore=shutil.ignore_patterns("__pycache__"))
+        copy_action(action, bytecode=False)
         subprocess.run(["chown", "-R", "nobody:", str(top)], check=True)
         env = dict(git_env(top / "home"), PATH="/usr/bin:/bin", FABLIZE_BASE="origin/main",
                    RUNNER_TEMP=str(top), GITHUB_STEP_SUMMARY=str(top / "summary.md"))
         p = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
-                            "bash", str(action / "scripts" / "fablize-ci.sh")],
+                            "bash", str(action / "fablize-ci.sh")],
                            cwd=str(top / "ci"), capture_output=True, text=True, env=env,
                            timeout=300)
         assert p.returncode == 1, p

@@ -118,8 +118,8 @@ def core_codes():
     defaults = {"refused": "refused", "usage": "usage", "damaged": "damaged",
                 "line_error": "bad_event", "FablizeError": "refused"}
     codes = set()
-    for name in ("base", "model", "storage", "runs", "render", "history", "audit", "hooks",
-                 "commands", "cli"):
+    for name in ("base", "masking", "model", "storage", "runs", "render", "history", "audit",
+                 "hooks", "commands", "cli"):
         tree = ast.parse((ENGINE_DIR / f"{name}.py").read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \

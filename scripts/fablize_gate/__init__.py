@@ -30,8 +30,8 @@ when it needs it, so a start loads only what it runs):
   storage    discovery, files, lock, ledger, snapshot, transactions, streaming replay
   history    the whole ledger replayed and judged, event by event (audit_ledger)
   runs       the one place processes start: git, tools, checks, provenance
-  render     handoff, status, plan map, report: text only
-  hooks      what an agent's harness runs (guard, observe)
+  render     handoff, status, session start, plan map, report: text only
+  hooks      what an agent's harness runs, each a command: guard, observe, status --resume
   commands   one function a command
   cli        the parser, Output, Context and `main`, the one exit point; an error said once
 Rooms use the layers below commands through the names they import from them, and are loaded
@@ -44,6 +44,9 @@ in rerun, a test runner's own report in reports, CI's last process in verdict) a
 (setup github, doctor github).
 
 scripts/goals.py, beside this folder, is the one way in: it loads this package by its path.
+scripts/ holds what a user copies (goals.py, this folder, and fablize.py for hooks written by
+3.0); the developer's tools are in the checkout's tools/ (demo.sh, bench.py, dist.py), and CI's
+script fablize-ci.sh beside action.yml.
 Exit codes: 0 done, 1 refused, 2 usage, 3 damaged; 128 + N when signal N stopped a run.
 Stdlib only, Python 3.9+.
 """

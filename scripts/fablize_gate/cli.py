@@ -15,10 +15,11 @@ from .base import (
 from .masking import plan_text, use_environment
 from .storage import find_state_dir, lock_timeout, project_state_dir, snapshot_damage, Store
 from .render import ENTRY_FOLDER, invocation, step_text
+from .hooks import cmd_guard, cmd_observe
 from .commands import (
-    cmd_add, cmd_checkpoint, cmd_create, cmd_decide, cmd_guard, cmd_judge_packet,
-    cmd_log, cmd_next, cmd_observe, cmd_pause, cmd_rebuild, cmd_report, cmd_status, cmd_unpause,
-    cmd_verdict, cmd_verify, history_way_out, setup_room, sharing_room, store_opened)
+    cmd_add, cmd_checkpoint, cmd_create, cmd_decide, cmd_judge_packet, cmd_log, cmd_next,
+    cmd_pause, cmd_rebuild, cmd_report, cmd_status, cmd_unpause, cmd_verdict, cmd_verify,
+    history_way_out, setup_room, sharing_room, store_opened)
 from . import __version__
 
 

@@ -11,30 +11,29 @@ from .base import (
     blank, clean, count_noun, count_stories, create_args, defuse, defused_line, DONE,
     EXIT_SIGNAL_BASE, FablizeError, has_marker_word, indent, last_chars, LEDGER,
     limit_text, MARKS, new_plan_id, no_plan, now_iso, one_line, parse_ids, PLAN_EXISTS, quote_arg,
-    refused, REPORT_RUNS, RESUME_LISTED, RESUME_TITLE, scope_pattern, SHARE, short, SNAPSHOT,
-    split_assignment, STATE_DIRNAME, Step, story_id, TAIL_CHARS, usage, ZERO_HASH)
-from .masking import check_command, mask, mask_places, masked_tail, masked_text, plan_text
+    refused, REPORT_RUNS, scope_pattern, SNAPSHOT,
+    split_assignment, STATE_DIRNAME, Step, story_id, usage, ZERO_HASH)
+from .masking import check_command, mask, masked_text, plan_text
 from .model import (
-    accepted_ids, active_stories, apply_event, BASE_FIELDS, blocked_because, checkpoint_args,
-    checkpoint_gate, claimed_final, current_packet, done_count, EVIDENCE_NOTES, find_story,
-    format_event, guard_capped, guard_paused, ids_text, latest_run, observed_of,
+    active_stories, apply_event, BASE_FIELDS, checkpoint_args,
+    checkpoint_gate, claimed_final, current_packet, EVIDENCE_NOTES, find_story,
+    format_event, guard_capped, guard_paused, latest_run, observed_of,
     parse_event, pick_ready, plan_done, round_label, rounds_left, run_passed, run_summary,
-    status_counts, touch, unaddressed_failure, waits_for)
+    unaddressed_failure, waits_for)
 from .storage import (
-    commit_start, find_state_dir, free_name, loose_snapshot,
-    replay_all, shown_path, Store, user_file, within, write_atomic)
+    commit_start, free_name, loose_snapshot,
+    replay_all, shown_path, user_file, within, write_atomic)
 from .runs import (
     committed_copy, commit_runs, drop_temp_logs, end_orphaned_runs, execute_runs,
     file_not_there_yet, inflight_runs, merge_driver_missing, MERGE_QUIET, tree_state,
     unverifiable_checks, unverifiable_label, verification_runs)
 from .render import (
-    capped_line, create_command, done_line, handoff_command, human_command, left_line,
-    next_action, next_line, plan_json, plan_summary, render_handoff, render_observed,
-    render_report, render_resume, rerun_command, sequential, status_details, story_json,
-    TAKE_TURNS)
+    capped_line, count_line, create_command, done_line, human_command,
+    left_line, next_action, next_line, paused_line, plan_json, plan_summary, render_handoff,
+    render_observed, render_report, render_resume, rerun_command, sequential, status_details,
+    story_json, TAKE_TURNS)
 from .hooks import (
-    guard_answer, guard_reason, hook_fingerprint, is_verification, observed_outcome,
-    read_hook_stdin, shell_command_of)
+    read_plan_and_share, session_start, sharing_of)
 
 
 def sharing_room():
@@ -66,12 +65,6 @@ def store_opened(ctx, store):
                      "which this clone's git config does not have: a merge of two branches' "
                      f"plans would leave conflict markers — `{ctx.prog} install-merge` (once in "
                      "each clone; `setup` does it too).")
-
-
-def sharing_of(store):
-    """The sharing room when the plan in `store` is shared (its share.json: one lstat), else
-    None: a local plan never loads it."""
-    return sharing_room() if os.path.lexists(store.path(SHARE)) else None
 
 
 def stop_if_interrupted(ctx, records):
@@ -465,81 +458,6 @@ def render_status(prog, plan, share=(), agent=None, step=None):
     return lines, action, guard_paused(plan)
 
 
-def render_session_start(prog, plan, share=(), step=None):
-    """What a session start hands a new session, bounded however large the plan: the count,
-    the stories by status, those a human or a judge must look at (a few), the next step, the
-    first story in progress with its whole handoff (a short map window, its latest
-    dependencies), a line for each other one; `status` for the rest."""
-    lines = [count_line(plan)]
-    counts = collections.Counter(s["status"] for s in plan["goals"])
-    lines.append("  " + " · ".join(f"{counts[status]} {word}" for status, word in
-                                   STATUS_WORDS.items() if counts[status]))
-    stuck = [s for s in plan["goals"] if s["status"] in ("failed", "blocked", "review")]
-    for story in stuck[:RESUME_LISTED]:
-        story = touch(story)
-        why = (f": {one_line(last_chars(blocked_because(story), 120))}"
-               if story["status"] == "blocked" else "")
-        lines.append(f"  {MARKS[story['status']]} {story['id']} [{story['status']}] "
-                     f"{one_line(short(story['title'], RESUME_TITLE))}{why}")
-    if len(stuck) > RESUME_LISTED:
-        lines.append(f"  … and {len(stuck) - RESUME_LISTED} more: `{prog} status` lists them")
-    if plan["unverifiable"]:
-        lines.append(f"  ⚠ {count_noun(len(plan['unverifiable']), 'frozen check')} cannot run "
-                     f"here yet: `{prog} status` lists them")
-    lines += paused_line(prog, plan)
-    if capped_line(plan):
-        lines.append("  " + capped_line(plan))
-    action = step or next_action(prog, plan)
-    lines.append(next_line(action))
-    lines += share
-    active = active_stories(plan)
-    if active:
-        lines.append("")
-        lines += render_handoff(prog, plan, active[0], True, brief=True)
-    for story in active[1:RESUME_LISTED + 1]:
-        lines.append(f"Also in progress: {story['id']} "
-                     f"{one_line(short(story['title'], RESUME_TITLE))}"
-                     + (f" (agent {one_line(story['agent'])})" if story["agent"] else "")
-                     + f" — its handoff: {handoff_command(prog, story)}")
-    if len(active) > RESUME_LISTED + 1:
-        lines.append(f"… and {len(active) - RESUME_LISTED - 1} more in progress: "
-                     f"`{prog} status` lists them")
-    return lines
-
-
-# each status as a session start counts it, in the order it counts them
-STATUS_WORDS = {"complete": "complete", "accepted": "accepted", "in_progress": "in progress",
-                "review": "in review", "failed": "failed", "blocked": "blocked",
-                "pending": "pending"}
-
-
-def count_line(plan):
-    """The plan's first line: how much is done, and its brief."""
-    counts = status_counts(plan)  # one pass, not two (a status of 100,000 stories: 14 → 6 ms)
-    # a human's accept is not a completion: with one, the count says `done`, never `complete`
-    counted = (f"done ({ids_text(accepted_ids(plan))} accepted by a human decision)"
-               if counts["accepted"] else "complete")
-    return (f"fablize: {sum(counts[s] for s in DONE)}/{len(plan['goals'])} {counted} — "
-            f"{defused_line(plan['brief'])}")
-
-
-def paused_line(prog, plan):
-    paused = guard_paused(plan)
-    if not paused:
-        return []
-    return [f"  ⏸ guard paused since event {paused['seq']}"
-            f"{': ' + one_line(paused['note']) if paused['note'] else ''}"
-            f" — `{human_command(prog)} unpause` turns it back on"]
-
-
-def read_plan_and_share(store, imports=False):
-    """(plan or None, what a shared plan's remote says or None), read without the lock."""
-    with store.session(exclusive=False, imports=imports) as s:
-        plan = s.load()
-    sharing = sharing_of(store) if plan is not None else None
-    return plan, sharing and sharing.status(store, plan), sharing
-
-
 def cmd_status(ctx, a):
     if a.resume:
         return session_start(ctx, a)
@@ -818,74 +736,6 @@ def cmd_log(ctx, a):
     ctx.data["events"] = events
 
 
-def guard_verdict(ctx, payload, fingerprint):
-    """(reason to block or None, message for the user or None) for a Stop hook. A stop at the
-    guard's cap, with work left, is recorded once (guard_capped): `status`, `report` and `audit`
-    say the agent stopped with work left."""
-    if not hook_store(ctx, payload).exists():
-        return None, None
-    with ctx.store.session(exclusive=False) as s:
-        kind, text, _ = guard_reason(ctx.cli, s.load(), payload, fingerprint)
-        if kind in (None, "wait"):
-            return None, text  # most stops: decided without the lock, nothing written
-    with ctx.store.session() as s:
-        plan = s.load()
-        kind, text, dup = guard_reason(ctx.cli, plan, payload, fingerprint)
-        if kind in (None, "wait"):
-            return None, text
-        if kind == "capped":
-            if guard_capped(plan) is None:  # said once however often the agent stops after it
-                action = next_action(ctx.cli, plan, anyone=True)
-                s.commit("guard_capped", blocks=plan["guard"]["blocks"], id=action["id"])
-            return None, text
-        if not dup:  # a second registration of the guard answers the same, writes nothing
-            s.commit("guard_block", reason=mask_places(text, s.store.root),
-                     fresh=payload.get("stop_hook_active") is not True,
-                     **({"hook": fingerprint} if fingerprint else {}))
-        return text, None
-
-
-def hook_trouble(role, doing, e):
-    """The one line a hook says when the state cannot be read or written (damage, a busy lock, a
-    read-only folder, a directory where a file should be): what it could not do, and why."""
-    why = e.message if isinstance(e, FablizeError) else f"I/O error: {one_line(str(e))}"
-    return f"fablize {role}: {doing} — {why.rstrip('.')}"
-
-
-def steps_aside(a, root, role):
-    """Whether this is the plugin's copy of a hook (`--plugin`) in a project whose committed
-    settings register their own: then the project's runs, and this one answers nothing."""
-    return bool(getattr(a, "plugin", False)) and setup_room().registers(root, role)
-
-
-def cmd_guard(ctx, a):
-    """guard: the Stop hook. It always answers in its harness's words and exits 0: bad input,
-    damage, a busy lock or an I/O error never trap the agent — it may stop, and is told in one
-    line what the guard could not do."""
-    raw, payload = read_hook_stdin()
-    if payload is None:
-        return  # empty or malformed input never blocks
-    if a.hook_for == "cursor":  # Cursor counts its own follow-ups and says how the turn ended
-        if payload.get("status", "completed") != "completed":
-            return ctx.emit_raw(None)
-        count = payload.get("loop_count")
-        payload["stop_hook_active"] = isinstance(count, int) and count > 0
-    try:
-        if steps_aside(a, hook_store(ctx, payload).root, "guard"):
-            return ctx.emit_raw(None)
-        reason, message = guard_verdict(ctx, payload, hook_fingerprint(raw, payload))
-    except (FablizeError, OSError) as e:  # say so, never trap the agent
-        reason, message = None, (f"fablize guard: {e.message}" if isinstance(e, FablizeError)
-                                 else hook_trouble("guard", "the plan could not be checked or "
-                                                   "its block recorded, so the agent may stop", e))
-    if reason:
-        ctx.emit_raw(guard_answer(a.hook_for, reason))
-    elif message and a.hook_for != "cursor":
-        ctx.emit_raw({"systemMessage": message})
-    else:
-        ctx.emit_raw({} if a.hook_for == "gemini" else None)  # Gemini CLI reads stdout as JSON
-
-
 def cmd_report(ctx, a):
     with ctx.store.plan_session(exclusive=False) as s:
         plan = s.require_plan()
@@ -1025,41 +875,6 @@ def cmd_verdict(ctx, a):
     say_after_checkpoint(ctx, plan, story)
 
 
-def session_start(ctx, a):
-    """`status --resume` for a SessionStart hook: the plan and its active handoffs; one line for
-    a finished plan; nothing without a plan; one warning line, still exit 0, for a damaged one
-    (an exit 3 there is a message the agent never sees). Codex and Gemini CLI take it as JSON
-    context. Never coloured: an agent reads it."""
-    ctx.out.colour = False
-    lines = []
-    try:
-        if steps_aside(a, ctx.store.root, "status"):
-            return ctx.emit_raw({} if a.hook_for in ("codex", "gemini") else None)
-        plan, share, sharing = (read_plan_and_share(ctx.store, imports=True)
-            if ctx.store.exists() else (None, None, None))
-        if plan is not None and plan_done(plan):
-            lines.append(f"fablize: plan finished ({done_count(plan)}/{len(plan['goals'])} done) — "
-                         f"{defused_line(last_chars(plan['brief'], 200))}; nothing to resume.")
-        elif plan is not None:
-            first, step = (sharing.behind_step(share, ctx.prog) if share else None) or (
-                None, None)
-            lines = render_session_start(
-                ctx.prog, plan, sharing.status_lines(share, ctx.prog) if share else (), step)
-            lines[:0] = [first] if first else []
-            if share:
-                ctx.data["share"] = share
-    except (FablizeError, OSError) as e:
-        why = e.message if isinstance(e, FablizeError) else f"I/O error: {e}"
-        where = ctx._store.dir if ctx._store is not None else "this project"
-        lines.append(f"fablize: warning: the plan in {where} cannot be read — "
-                     f"{one_line(why)} (`{ctx.prog} audit` says more).")
-    if a.hook_for in ("codex", "gemini"):
-        ctx.emit_raw({"hookSpecificOutput": {"hookEventName": "SessionStart",
-                                             "additionalContext": "\n".join(map(clean, lines))}}
-                     if lines else {})
-    else:
-        for line in lines:
-            ctx.say(line)
 
 
 def cmd_pause(ctx, a):
@@ -1080,50 +895,6 @@ def cmd_unpause(ctx, a):
     ctx.say(f"fablize: guard on again (event {plan['ledger']['seq']}) — the Stop hook keeps the "
             "agent at work while the plan has some.")
     ctx.data.update(paused=None)
-
-
-def hook_store(ctx, payload):
-    """A hook runs wherever the agent's harness started it: the plan is the one of the
-    directory the payload names."""
-    cwd = payload.get("cwd")
-    if not isinstance(cwd, str) or "\x00" in cwd or not os.path.isdir(cwd):
-        cwd = os.getcwd()  # the payload's own, when it names a directory at all
-    if ctx.args.dir is None and not os.environ.get("FABLIZE_DIR"):
-        ctx.store = Store(*find_state_dir(None, cwd), ctx.out.warnings)
-    return ctx.store
-
-
-def cmd_observe(ctx, a):
-    """observe: the PostToolUse hook. It only records, and always answers in its harness's
-    words with exit 0: what it could not record (damage, a busy lock, an I/O error) is said in
-    one line, never a failure of the agent's tool call."""
-    raw, payload = read_hook_stdin()
-    ctx.emit_raw({} if a.hook_for == "gemini" else None)  # it only records; Gemini wants JSON
-    cmd = shell_command_of(payload) if payload else None
-    if cmd is None:
-        return
-    try:
-        store = hook_store(ctx, payload)
-        if steps_aside(a, store.root, "observe"):
-            return
-        if not store.exists():
-            return
-        with store.session() as s:
-            plan = s.load()
-            active = active_stories(plan) if plan else []
-            if len(active) != 1 or not is_verification(cmd, active[0]):
-                return  # nothing to attribute it to, or not a verification
-            seen = observed_outcome(payload, cmd, active[0])
-            tool = payload.get("tool_name")
-            if seen.get("report", {}).get("failing"):
-                seen["report"]["failing"] = [masked_tail(t, 300, store.root)
-                                             for t in seen["report"]["failing"]]
-            s.commit("observed_run", id=active[0]["id"], cmd=masked_tail(cmd, 2000, store.root),
-                     tool=masked_tail(tool, 200, None) if isinstance(tool, str) else a.hook_for,
-                     **dict(seen, detail=masked_tail(seen["detail"], TAIL_CHARS, store.root)))
-    except (FablizeError, OSError) as e:  # never fail the agent's tool call over our bookkeeping
-        ctx.emit_raw({"systemMessage": hook_trouble(
-            "observe", f"`{one_line(last_chars(cmd, 120))}` was not recorded", e)})
 
 
 def say_observed(ctx, story):

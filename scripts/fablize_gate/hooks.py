@@ -1,5 +1,6 @@
-"""Hooks: what an agent's harness runs (guard, observe): reading its payloads and answering
-in its protocol.
+"""Hooks: what an agent's harness runs — the Stop guard (`guard`), the PostToolUse recorder
+(`observe`) and the session start (`status --resume`): reading its payloads and answering in its
+protocol, always with exit 0.
 """
 
 import os
@@ -8,10 +9,14 @@ import sys
 import time
 
 from .base import (
-    count_noun, DEFAULT_GUARD_MAX, defused_line, DUPLICATE_WINDOW, json_text, last_chars,
-    load_json, one_line, regex, sha256_hex)
-from .model import find_story, guard_paused, observed_words, unaddressed_failure
-from .render import hand_to_judge, human_command, next_action
+    clean, count_noun, DEFAULT_GUARD_MAX, defused_line, DUPLICATE_WINDOW, FablizeError,
+    json_text, last_chars, load_json, one_line, regex, SHARE, sha256_hex, TAIL_CHARS)
+from .masking import mask_places, masked_tail
+from .model import (
+    active_stories, done_count, find_story, guard_capped, guard_paused, observed_words,
+    plan_done, unaddressed_failure)
+from .storage import find_state_dir, Store
+from .render import hand_to_judge, human_command, next_action, render_session_start
 from . import reports
 from .reports import test_runners
 from .runs import _ANSI as ANSI, runner_counts
@@ -414,3 +419,175 @@ def is_verification(cmd, story):
         return False
     return (any(c.strip() and c.strip() in cmd for c in story["checks"]) or
         bool(re.search(VERIFY_LIKE, cmd)))
+
+
+# The hook commands, and what they share with the others ###########################################
+
+
+def sharing_of(store):
+    """The sharing room when the plan in `store` is shared (its share.json: one lstat), else
+    None: a local plan never loads it."""
+    if not os.path.lexists(store.path(SHARE)):
+        return None
+    from . import sharing
+    return sharing
+
+
+def read_plan_and_share(store, imports=False):
+    """(plan or None, what a shared plan's remote says or None), read without the lock."""
+    with store.session(exclusive=False, imports=imports) as s:
+        plan = s.load()
+    sharing = sharing_of(store) if plan is not None else None
+    return plan, sharing and sharing.status(store, plan), sharing
+
+
+def hook_store(ctx, payload):
+    """A hook runs wherever the agent's harness started it: the plan is the one of the
+    directory the payload names."""
+    cwd = payload.get("cwd")
+    if not isinstance(cwd, str) or "\x00" in cwd or not os.path.isdir(cwd):
+        cwd = os.getcwd()  # the payload's own, when it names a directory at all
+    if ctx.args.dir is None and not os.environ.get("FABLIZE_DIR"):
+        ctx.store = Store(*find_state_dir(None, cwd), ctx.out.warnings)
+    return ctx.store
+
+
+def steps_aside(a, root, role):
+    """Whether this is the plugin's copy of a hook (`--plugin`) in a project whose committed
+    settings register their own: then the project's runs, and this one answers nothing."""
+    if not getattr(a, "plugin", False):
+        return False
+    from .setup import registers  # the setup room, only for the plugin's copy of a hook
+    return registers(root, role)
+
+
+def hook_trouble(role, doing, e):
+    """The one line a hook says when the state cannot be read or written (damage, a busy lock, a
+    read-only folder, a directory where a file should be): what it could not do, and why."""
+    why = e.message if isinstance(e, FablizeError) else f"I/O error: {one_line(str(e))}"
+    return f"fablize {role}: {doing} — {why.rstrip('.')}"
+
+
+def cmd_guard(ctx, a):
+    """guard: the Stop hook. It always answers in its harness's words and exits 0: bad input,
+    damage, a busy lock or an I/O error never trap the agent — it may stop, and is told in one
+    line what the guard could not do."""
+    raw, payload = read_hook_stdin()
+    if payload is None:
+        return  # empty or malformed input never blocks
+    if a.hook_for == "cursor":  # Cursor counts its own follow-ups and says how the turn ended
+        if payload.get("status", "completed") != "completed":
+            return ctx.emit_raw(None)
+        count = payload.get("loop_count")
+        payload["stop_hook_active"] = isinstance(count, int) and count > 0
+    try:
+        if steps_aside(a, hook_store(ctx, payload).root, "guard"):
+            return ctx.emit_raw(None)
+        reason, message = guard_verdict(ctx, payload, hook_fingerprint(raw, payload))
+    except (FablizeError, OSError) as e:  # say so, never trap the agent
+        reason, message = None, (f"fablize guard: {e.message}" if isinstance(e, FablizeError)
+                                 else hook_trouble("guard", "the plan could not be checked or "
+                                                   "its block recorded, so the agent may stop", e))
+    if reason:
+        ctx.emit_raw(guard_answer(a.hook_for, reason))
+    elif message and a.hook_for != "cursor":
+        ctx.emit_raw({"systemMessage": message})
+    else:
+        ctx.emit_raw({} if a.hook_for == "gemini" else None)  # Gemini CLI reads stdout as JSON
+
+
+def guard_verdict(ctx, payload, fingerprint):
+    """(reason to block or None, message for the user or None) for a Stop hook. A stop at the
+    guard's cap, with work left, is recorded once (guard_capped): `status`, `report` and `audit`
+    say the agent stopped with work left."""
+    if not hook_store(ctx, payload).exists():
+        return None, None
+    with ctx.store.session(exclusive=False) as s:
+        kind, text, _ = guard_reason(ctx.cli, s.load(), payload, fingerprint)
+        if kind in (None, "wait"):
+            return None, text  # most stops: decided without the lock, nothing written
+    with ctx.store.session() as s:
+        plan = s.load()
+        kind, text, dup = guard_reason(ctx.cli, plan, payload, fingerprint)
+        if kind in (None, "wait"):
+            return None, text
+        if kind == "capped":
+            if guard_capped(plan) is None:  # said once however often the agent stops after it
+                action = next_action(ctx.cli, plan, anyone=True)
+                s.commit("guard_capped", blocks=plan["guard"]["blocks"], id=action["id"])
+            return None, text
+        if not dup:  # a second registration of the guard answers the same, writes nothing
+            s.commit("guard_block", reason=mask_places(text, s.store.root),
+                     fresh=payload.get("stop_hook_active") is not True,
+                     **({"hook": fingerprint} if fingerprint else {}))
+        return text, None
+
+
+def cmd_observe(ctx, a):
+    """observe: the PostToolUse hook. It only records, and always answers in its harness's
+    words with exit 0: what it could not record (damage, a busy lock, an I/O error) is said in
+    one line, never a failure of the agent's tool call."""
+    raw, payload = read_hook_stdin()
+    ctx.emit_raw({} if a.hook_for == "gemini" else None)  # it only records; Gemini wants JSON
+    cmd = shell_command_of(payload) if payload else None
+    if cmd is None:
+        return
+    try:
+        store = hook_store(ctx, payload)
+        if steps_aside(a, store.root, "observe"):
+            return
+        if not store.exists():
+            return
+        with store.session() as s:
+            plan = s.load()
+            active = active_stories(plan) if plan else []
+            if len(active) != 1 or not is_verification(cmd, active[0]):
+                return  # nothing to attribute it to, or not a verification
+            seen = observed_outcome(payload, cmd, active[0])
+            tool = payload.get("tool_name")
+            if seen.get("report", {}).get("failing"):
+                seen["report"]["failing"] = [masked_tail(t, 300, store.root)
+                                             for t in seen["report"]["failing"]]
+            s.commit("observed_run", id=active[0]["id"], cmd=masked_tail(cmd, 2000, store.root),
+                     tool=masked_tail(tool, 200, None) if isinstance(tool, str) else a.hook_for,
+                     **dict(seen, detail=masked_tail(seen["detail"], TAIL_CHARS, store.root)))
+    except (FablizeError, OSError) as e:  # never fail the agent's tool call over our bookkeeping
+        ctx.emit_raw({"systemMessage": hook_trouble(
+            "observe", f"`{one_line(last_chars(cmd, 120))}` was not recorded", e)})
+
+
+def session_start(ctx, a):
+    """`status --resume` for a SessionStart hook: the plan and its active handoffs; one line for
+    a finished plan; nothing without a plan; one warning line, still exit 0, for a damaged one
+    (an exit 3 there is a message the agent never sees). Codex and Gemini CLI take it as JSON
+    context. Never coloured: an agent reads it."""
+    ctx.out.colour = False
+    lines = []
+    try:
+        if steps_aside(a, ctx.store.root, "status"):
+            return ctx.emit_raw({} if a.hook_for in ("codex", "gemini") else None)
+        plan, share, sharing = (read_plan_and_share(ctx.store, imports=True)
+            if ctx.store.exists() else (None, None, None))
+        if plan is not None and plan_done(plan):
+            lines.append(f"fablize: plan finished ({done_count(plan)}/{len(plan['goals'])} done) — "
+                         f"{defused_line(last_chars(plan['brief'], 200))}; nothing to resume.")
+        elif plan is not None:
+            first, step = (sharing.behind_step(share, ctx.prog) if share else None) or (
+                None, None)
+            lines = render_session_start(
+                ctx.prog, plan, sharing.status_lines(share, ctx.prog) if share else (), step)
+            lines[:0] = [first] if first else []
+            if share:
+                ctx.data["share"] = share
+    except (FablizeError, OSError) as e:
+        why = e.message if isinstance(e, FablizeError) else f"I/O error: {e}"
+        where = ctx._store.dir if ctx._store is not None else "this project"
+        lines.append(f"fablize: warning: the plan in {where} cannot be read — "
+                     f"{one_line(why)} (`{ctx.prog} audit` says more).")
+    if a.hook_for in ("codex", "gemini"):
+        ctx.emit_raw({"hookSpecificOutput": {"hookEventName": "SessionStart",
+                                             "additionalContext": "\n".join(map(clean, lines))}}
+                     if lines else {})
+    else:
+        for line in lines:
+            ctx.say(line)

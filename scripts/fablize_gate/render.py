@@ -2,20 +2,22 @@
 only: nothing here writes state.
 """
 
+import collections
 import os
 import re
 import sys
 
 from .base import (
-    blank, count_noun, count_stories, create_args, defuse, defused_line, DONE, indent, last_chars,
-    MAP_LABELS, MAP_LOOKBACK, MAP_WINDOW, MARKS, one_line, PYTHON, quote_arg, RESUME_CARRIED,
-    RESUME_MAP, RESUME_TAIL, RESUME_TITLE, short, STATUS_TABLE, TAIL_CHARS, time_label)
+    blank, count_noun, count_stories, create_args, defuse, defused_line, DONE, indent,
+    last_chars, MAP_LABELS, MAP_LOOKBACK, MAP_WINDOW, MARKS, one_line, PYTHON, quote_arg,
+    RESUME_CARRIED, RESUME_LISTED, RESUME_MAP, RESUME_TAIL, RESUME_TITLE, short, STATUS_TABLE,
+    TAIL_CHARS, time_label)
 from .model import (
     accepted_ids, active_stories, blocked_because, came_back, checkpoint_args, completion_args,
     decide_steps, DEFAULTS, describe_exit, done_count, find_story, grade_detail, guard_capped,
-    ids_text, is_final, observed_of, observed_result, pick_ready, plan_done, _PRISTINE,
-    round_failures, round_label, rounds_left, run_evidence, run_outcome, run_summary, stories_in,
-    touch, unaddressed_failure, verdict_args, waits_for)
+    guard_paused, ids_text, is_final, observed_of, observed_result, pick_ready, plan_done,
+    _PRISTINE, round_failures, round_label, rounds_left, run_evidence, run_outcome, run_summary,
+    status_counts, stories_in, touch, unaddressed_failure, verdict_args, waits_for)
 from .masking import mask
 from .runs import NOT_THERE, repo_root
 
@@ -274,6 +276,73 @@ def render_resume(prog, plan, story):
     lines.append(f"  or, for every story in progress: {prog} status --resume")
     lines.append("Then: " + completion_command(prog, plan, story))
     return lines
+
+
+def render_session_start(prog, plan, share=(), step=None):
+    """What a session start hands a new session, bounded however large the plan: the count,
+    the stories by status, those a human or a judge must look at (a few), the next step, the
+    first story in progress with its whole handoff (a short map window, its latest
+    dependencies), a line for each other one; `status` for the rest."""
+    lines = [count_line(plan)]
+    counts = collections.Counter(s["status"] for s in plan["goals"])
+    lines.append("  " + " · ".join(f"{counts[status]} {word}" for status, word in
+                                   STATUS_WORDS.items() if counts[status]))
+    stuck = [s for s in plan["goals"] if s["status"] in ("failed", "blocked", "review")]
+    for story in stuck[:RESUME_LISTED]:
+        story = touch(story)
+        why = (f": {one_line(last_chars(blocked_because(story), 120))}"
+               if story["status"] == "blocked" else "")
+        lines.append(f"  {MARKS[story['status']]} {story['id']} [{story['status']}] "
+                     f"{one_line(short(story['title'], RESUME_TITLE))}{why}")
+    if len(stuck) > RESUME_LISTED:
+        lines.append(f"  … and {len(stuck) - RESUME_LISTED} more: `{prog} status` lists them")
+    if plan["unverifiable"]:
+        lines.append(f"  ⚠ {count_noun(len(plan['unverifiable']), 'frozen check')} cannot run "
+                     f"here yet: `{prog} status` lists them")
+    lines += paused_line(prog, plan)
+    if capped_line(plan):
+        lines.append("  " + capped_line(plan))
+    action = step or next_action(prog, plan)
+    lines.append(next_line(action))
+    lines += share
+    active = active_stories(plan)
+    if active:
+        lines.append("")
+        lines += render_handoff(prog, plan, active[0], True, brief=True)
+    for story in active[1:RESUME_LISTED + 1]:
+        lines.append(f"Also in progress: {story['id']} "
+                     f"{one_line(short(story['title'], RESUME_TITLE))}"
+                     + (f" (agent {one_line(story['agent'])})" if story["agent"] else "")
+                     + f" — its handoff: {handoff_command(prog, story)}")
+    if len(active) > RESUME_LISTED + 1:
+        lines.append(f"… and {len(active) - RESUME_LISTED - 1} more in progress: "
+                     f"`{prog} status` lists them")
+    return lines
+
+
+# each status as a session start counts it, in the order it counts them
+STATUS_WORDS = {"complete": "complete", "accepted": "accepted", "in_progress": "in progress",
+                "review": "in review", "failed": "failed", "blocked": "blocked",
+                "pending": "pending"}
+
+
+def count_line(plan):
+    """The plan's first line: how much is done, and its brief."""
+    counts = status_counts(plan)  # one pass, not two (a status of 100,000 stories: 14 → 6 ms)
+    # a human's accept is not a completion: with one, the count says `done`, never `complete`
+    counted = (f"done ({ids_text(accepted_ids(plan))} accepted by a human decision)"
+               if counts["accepted"] else "complete")
+    return (f"fablize: {sum(counts[s] for s in DONE)}/{len(plan['goals'])} {counted} — "
+            f"{defused_line(plan['brief'])}")
+
+
+def paused_line(prog, plan):
+    paused = guard_paused(plan)
+    if not paused:
+        return []
+    return [f"  ⏸ guard paused since event {paused['seq']}"
+            f"{': ' + one_line(paused['note']) if paused['note'] else ''}"
+            f" — `{human_command(prog)} unpause` turns it back on"]
 
 
 def waits_line(plan, story, previous=None, in_order=False):

@@ -26,10 +26,10 @@ counts what it inherited at exec, every max RSS figure is the measured command's
   7. huge states  (only with --huge) status without goals.json on 10,000,000 events against
                   rebuild, and audit of 1,000,000 stories
 
-  python3 scripts/bench.py --original DIR            # all but --huge (some 15 minutes)
-  python3 scripts/bench.py --quick --original DIR    # fewer rounds, smaller ledgers
-  python3 scripts/bench.py --markdown --save docs/bench.json --original DIR
-  python3 scripts/bench.py --from docs/bench.json --markdown   # the same output, measuring nothing
+  python3 tools/bench.py --original DIR            # all but --huge (some 15 minutes)
+  python3 tools/bench.py --quick --original DIR    # fewer rounds, smaller ledgers
+  python3 tools/bench.py --markdown --save docs/bench.json --original DIR
+  python3 tools/bench.py --from docs/bench.json --markdown   # the same output, measuring nothing
 DIR is a checkout of https://github.com/fivetaku/fablize; without it the rows that need it say
 so. `--from` renders only what the saved file holds, so it reproduces the printed output.
 Stdlib only, Python 3.9+.
@@ -49,11 +49,11 @@ import tempfile
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-SCRIPT = os.path.join(HERE, "goals.py")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this file is in tools/
+ENGINE = os.path.join(REPO, "scripts")  # goals.py and its package, as a user copies them
+SCRIPT = os.path.join(ENGINE, "goals.py")
 PLUGIN = os.path.join(REPO, "bin", "fablize")
-sys.path.insert(0, HERE)
+sys.path.insert(0, ENGINE)
 
 import fablize_gate  # noqa: E402  (the engine's own transitions build the states)
 from fablize_gate import base, model, storage  # noqa: E402
@@ -70,7 +70,7 @@ NEEDS_ORIGINAL = "(needs --original DIR)"
 ORIGINAL_FILES = ("scripts/goals.py", "hooks/gate_stop.py", "hooks/gate_post_tool.py",
                   "hooks/gate_prompt.py", "hooks/router.sh", "hooks/finish-the-work.sh")
 # the installed command's start (`from fablize_gate import run; run()`), without installing it
-CACHED = f"import sys; sys.path.insert(0, {HERE!r}); from fablize_gate import cli; cli.run()"
+CACHED = f"import sys; sys.path.insert(0, {ENGINE!r}); from fablize_gate import cli; cli.run()"
 GIT_ENV = {"GIT_AUTHOR_NAME": "bench", "GIT_AUTHOR_EMAIL": "bench@localhost",
            "GIT_COMMITTER_NAME": "bench", "GIT_COMMITTER_EMAIL": "bench@localhost",
            "GIT_CONFIG_NOSYSTEM": "1"}
@@ -317,7 +317,7 @@ def cache_engine():
     them), should the engine change while the bench runs."""
     import importlib.util
     import py_compile
-    package = os.path.join(HERE, "fablize_gate")
+    package = os.path.join(ENGINE, "fablize_gate")
     for path in sorted(os.path.join(package, name) for name in os.listdir(package)
                        if name.endswith(".py")):
         py_compile.compile(path, cfile=importlib.util.cache_from_source(path), doraise=True,

@@ -41,10 +41,10 @@ set -euo pipefail
 
 is_true() { [ "${1:-}" = "true" ]; }
 
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"  # the action's checkout: action.yml beside
 work="$(mktemp -d "${RUNNER_TEMP:-${TMPDIR:-/tmp}}/fablize-engine.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
-cp -R "$here/goals.py" "$here/fablize_gate" "$work/"
+cp -R "$here/scripts/goals.py" "$here/scripts/fablize_gate" "$work/"
 rm -rf "$work/fablize_gate/__pycache__"
 state="${FABLIZE_STATE:-.fablize}"
 report="${FABLIZE_REPORT:-${GITHUB_STEP_SUMMARY:-}}"
