@@ -63,7 +63,7 @@ from .runs import git, repo_root, run_tool
 from .render import invocation, plan_json, sequential, story_json, TAKE_TURNS
 from .audit import audit_ledger
 from .sharing_git import (
-    cat_objects, default_remote, git_call, git_dirs, git_out, plan_id_arg, remote_arg,
+    cat, default_remote, git_call, git_out, own_git_dirs, plan_id_arg, remote_arg,
     remote_failure, REMOTE_NAME, share_wait, SHARED_REFS, uniform, written_elsewhere)
 
 
@@ -421,7 +421,7 @@ class Objects:
     def of(cls, store, commit):
         if commit is None or len(commit) not in (40, 64):
             return None
-        dirs = git_dirs(store)
+        dirs = own_git_dirs(store)
         if dirs is None:
             return None
         common = dirs[1]
@@ -501,9 +501,9 @@ def remote_tip(store, remote, plan_id):
         raise remote_failure(remote, err, f"git ls-remote exit {code}")
     rows = [row.split("\t") for row in out.decode("utf-8", "replace").splitlines()]
     sha = next((row[0] for row in rows if len(row) == 2 and row[1] == ref), None)
-    if sha is not None and cat_objects(store, [sha])[0] is None:
+    if sha is not None and cat(store, [sha])[0] is None:
         fetch_objects(store, remote, [ref])
-        if cat_objects(store, [sha])[0] is None:  # the ref moved back or away meanwhile
+        if cat(store, [sha])[0] is None:  # the ref moved back or away meanwhile
             raise refused(f"{remote}'s {ref} moved while it was read — run the command "
                           "again.", "push_contended")
     return sha
@@ -546,7 +546,7 @@ class Chain:
         self.replaced = None
         if commits and commits[0][2] is not None:
             self.replaced = self.replacement(commits[0])
-            first = cat_objects(store, [f"{commits[0][0]}:{FIRST}"])[0]
+            first = cat(store, [f"{commits[0][0]}:{FIRST}"])[0]
             self.replaced["first_line"] = first and first[1]
             commits = commits[1:]
         self.events = []
@@ -574,7 +574,7 @@ class Chain:
     def walk(self, store, revs, base, found):
         """Read the commits `revs` (each the parent of the one before) into `found`; returns
         the parent to go on from, or None once `base` or the first commit is reached."""
-        got = cat_objects(store, [name for rev in revs for name in (
+        got = cat(store, [name for rev in revs for name in (
             rev, f"{rev}:event.jsonl", f"{rev}:{REPLACED}", f"{rev}:log")])
         parent = None
         for i in range(len(revs)):
@@ -738,7 +738,7 @@ def realign(session, cfg):
     def published_line(seq):
         if seq not in published:  # read CHAIN_BATCH commits down from there, in one git process
             steps = range(n - seq, min(n, n - seq + CHAIN_BATCH))
-            got = cat_objects(store, [name for i in steps for name in (
+            got = cat(store, [name for i in steps for name in (
                 f"{tip}~{i}", f"{tip}~{i}:event.jsonl")])
             for j, i in enumerate(steps):
                 commit, blob = got[2 * j:2 * j + 2]
@@ -1520,7 +1520,7 @@ def publish_replacement(session, cfg):
             # lost: unless the remote's ref is still where this clone saw it (the winner of a
             # race at the remote's ref lock is not done yet, or failed too: try again)
             ref = fetch_plan(store, remote, old_id)
-            tip = cat_objects(store, [ref])[0] if ref else None
+            tip = cat(store, [ref])[0] if ref else None
             if tip is not None and tip[0] == old_tip:
                 break  # this very replacement, pushed before a kill: published
             if tip is None or tip[0] != cfg["commit"]:
@@ -1829,7 +1829,7 @@ def status(store, plan):
         return info
     try:
         ref = remote_tip(store, cfg["remote"], cfg["plan_id"])
-        tip = cat_objects(store, [ref, f"{ref}:{REPLACED}"]) if ref else None
+        tip = cat(store, [ref, f"{ref}:{REPLACED}"]) if ref else None
     except FablizeError as e:
         info["error"] = getattr(e, "said", e.message)
         return info
@@ -1919,7 +1919,7 @@ def live_plans(store, remote, plans):
     if len(plans) < 2:
         return plans
     fetch_objects(store, remote, [SHARED_REFS + p for p in sorted(plans)])  # no ref written
-    ends = cat_objects(store, [f"{plans[p]}:{REPLACED}" for p in sorted(plans)])
+    ends = cat(store, [f"{plans[p]}:{REPLACED}" for p in sorted(plans)])
     return {p: plans[p] for p, end in zip(sorted(plans), ends) if end is None}
 
 
@@ -1964,7 +1964,7 @@ def exclude_path(store):
     """(this clone's info/exclude, the state directory relative to the repository) — or None
     where git would not read them (a GIT_DIR-style variable, no repository, a name a pattern
     would misread)."""
-    dirs = git_dirs(store)
+    dirs = own_git_dirs(store)
     top = repo_root(store.root)
     if dirs is None or top is None:
         return None

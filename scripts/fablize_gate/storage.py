@@ -286,8 +286,13 @@ def write_state_gitignore(state_dir):
     return True
 
 
-def pid_alive(pid):
-    if os.name == "nt":
+PROC = "/proc"
+
+
+def process_alive(pid):
+    """Whether process `pid` runs: one of another user counts, a zombie (ended, not yet reaped)
+    does not. The engine's one test of a process's life (the lock's owner, a run's engine)."""
+    if os.name == "nt":  # os.kill(pid, 0) there would end the process (TerminateProcess)
         import ctypes
         handle = ctypes.windll.kernel32.OpenProcess(0x1000, False, pid)  # QUERY_LIMITED_INFORMATION
         if not handle:
@@ -298,11 +303,22 @@ def pid_alive(pid):
         return code.value == 259  # STILL_ACTIVE
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, ValueError, OverflowError):
         return False
-    except PermissionError:
+    except OSError:  # another user's process: alive
         return True
-    return True
+    fields = proc_stat(pid)
+    return fields is None or fields[0] not in (b"Z", b"X")
+
+
+def proc_stat(pid):
+    """The fields of /proc/<pid>/stat after the command's name (the state first), or None when
+    there is no such process or no /proc."""
+    try:
+        with open(f"{PROC}/{int(pid)}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def env_seconds(name, default):
@@ -381,7 +397,7 @@ class Lock:
             if pid is None and self._owner_age() > 5:
                 # created but never written: its creator died between the two steps
                 self.warnings.append("removed a stale lock file that no process finished writing.")
-            elif pid is not None and not pid_alive(pid):
+            elif pid is not None and not process_alive(pid):
                 self.warnings.append(f"removed a stale lock left by process {pid}, which is no "
                                      "longer running.")
             else:
