@@ -39,13 +39,16 @@ Interface (for the engine's commands):
   audit_source(store, remote, plan_id, named_by)  (ledger bytes, run logs, which plan)
   COMMANDS                 share, sync, release
 Imported by the commands that run it (cli.room_of, commands), when they run; what it
-uses of the engine's layers is the names it imports from them, listed at its top.
+uses of the engine's layers is the names it imports from them, listed at its top. Of a writing
+session it uses the interface storage gives a room (Transaction): it lets the lock go only
+through session.unlocked(), and keeps what it knows of a session in a Share of its own.
 """
 
 import json
 import os
 import re
 import time
+import weakref
 
 from .base import (
     ARCHIVE, count_noun, damaged, dumps, FablizeError, id_arg, is_plan_id, LEDGER, load_json,
@@ -98,6 +101,31 @@ LOST_RACE = ("fetch first", "non-fast-forward", "stale info", "already exists")
 # ... and when the remote was updating the ref at that moment (its ref lock)
 SERVER_RACE = ("failed to update ref", "cannot lock ref", "failed to lock", "unable to lock",
                "incorrect old value")
+
+
+# What this room keeps of a writing session ####################################################
+
+
+class Share:
+    """The sharing room's state of one writing session (one command under the lock), kept here
+    beside the session, never on it: storage's session is storage's."""
+
+    def __init__(self):
+        self.unsaved = False      # take_events moved share.json's position on in memory only
+        self.busy = False         # the remote brought other clones' events (claim: spread)
+        self.paused = False       # the command waited without the lock once (pause)
+        self.contention = None    # the command's one Contention: its pushes share one wait
+
+
+SHARES = weakref.WeakKeyDictionary()  # session → its Share, gone with the session
+
+
+def share_of(session):
+    """The session's Share, made at its first use."""
+    found = SHARES.get(session)
+    if found is None:
+        found = SHARES[session] = Share()
+    return found
 
 
 # share.json and the events set aside ##########################################################
@@ -895,7 +923,7 @@ class Journal:
                 say_set_aside(store, self.rejected)
         crash_point("sync-set-aside")
         save_share_config(store, self.share)
-        session.share_unsaved = False
+        share_of(session).unsaved = False
         crash_point("sync-share-saved")
         if self.restored and os.path.lexists(store.path(self.restored)):
             remove_tree(store.path(self.restored))
@@ -968,7 +996,7 @@ def integrate(session, cfg, chain):
     again)."""
     replaced = chain.replaced
     if chain.events:
-        session.share_busy = True  # other clones are at work right now (claim: spread)
+        share_of(session).busy = True  # other clones are at work right now (claim: spread)
     rebase = take_events(session, cfg, chain, replaced and replaced["plan_id"])
     if replaced is None:
         return rebase, [], True
@@ -1005,22 +1033,21 @@ def take_events(session, cfg, chain, replaced_by=None):
         write_run_log(store, ev, log, cfg["remote"])
         lines.append(line)
     if lines:
-        session.ledger.append(b"\n".join(lines), session.ledger.open(create=True))
-        session.save_snapshot(plan)
-        session.plan = plan
+        session.append_lines(lines, plan)
     if chain.last != cfg["commit"]:
         # written with the push that usually follows (keep_position): a share.json behind the
         # ledger is always safe, it only makes the next sync read those events again
         cfg.update(seq=seq, head=head, commit=chain.last)
-        session.share_unsaved = True
+        share_of(session).unsaved = True
     return None
 
 
 def keep_position(session, cfg):
     """share.json written, if take_events moved it on in memory only."""
-    if getattr(session, "share_unsaved", False):
+    share = share_of(session)
+    if share.unsaved:
         save_share_config(session.store, cfg)
-        session.share_unsaved = False
+        share.unsaved = False
 
 
 class Rebase:
@@ -1275,10 +1302,10 @@ class Contention:
 
 def contention(session, remote):
     """The command's one Contention: every push of the command shares its wait."""
-    found = getattr(session, "share_contention", None)
-    if found is None or found.remote != remote:
-        found = session.share_contention = Contention(remote)
-    return found
+    share = share_of(session)
+    if share.contention is None or share.contention.remote != remote:
+        share.contention = Contention(remote)
+    return share.contention
 
 
 def push(store, remote, updates):
@@ -1374,7 +1401,7 @@ def sync_shared(session, cfg, fetch_first=True):
                 cfg.update(seq=session.plan["ledger"]["seq"], head=session.plan["ledger"]["head"],
                            commit=tip)
                 save_share_config(store, cfg)
-            session.share_unsaved = False
+            share_of(session).unsaved = False
             wait.say_wait(store)
             return rejected
         fetch = True
@@ -1391,14 +1418,9 @@ def pause(session, cfg, seconds):
     if seconds <= 0:
         return
     keep_position(session, cfg)
-    session.ledger.close()
-    session.lock.__exit__(None, None, None)
-    session.share_unlocked = True  # until the lock is held again: nothing may be written
-    time.sleep(seconds)
-    session.lock.__enter__()
-    session.share_unlocked = False
-    session.share_paused = True
-    session.load()
+    with session.unlocked():
+        time.sleep(seconds)
+    share_of(session).paused = True
     cfg.clear()
     cfg.update(share_config(session.store))
 
@@ -1707,7 +1729,7 @@ def own_set_aside(session, own, rejected):
     for r in rejected:
         if same_event(r["event"], own):
             return r
-    if not getattr(session, "share_paused", False):
+    if not share_of(session).paused:
         return None
     data = read_state_file(session.store.path(LEDGER)) or b""
     needle = b'"ts":"' + str(own.get("ts")).encode() + b'"'
@@ -1737,7 +1759,7 @@ def claim(session, story, agent):
     claim lost to another machine (said, set aside) moves on to another ready story, a bounded
     number of times. A successful claim acknowledges the agent's claims set aside before.
     Returns the story now held."""
-    if getattr(session, "share_busy", False):
+    if share_of(session).busy:
         story = spread(session.plan, story)
     for attempt in range(CLAIM_ATTEMPTS):
         commit_start(session, touch(story), agent)
@@ -1787,9 +1809,8 @@ def withdraw_claim(session):
     before, the fetch would have failed first.) It is the ledger's last line, found by what it
     is (a rebase may have moved it), and only while the remote is not known to hold it."""
     last, cfg = session.last, share_config(session.store)
-    if last is None or last["event"] != "story_started" or cfg is None or getattr(
-            session, "share_unlocked", False):
-        return
+    if last is None or last["event"] != "story_started" or cfg is None or not session.held:
+        return  # a pause let the lock go and could not take it again: nothing is written
     data = read_state_file(session.store.path(LEDGER)) or b""
     cut = data.rstrip(b"\n").rfind(b"\n") + 1
     ev = parse_event(data[cut:].rstrip(b"\n"))
@@ -1797,10 +1818,7 @@ def withdraw_claim(session):
         return
     if cfg["plan_id"] == session.plan["plan_id"] and cfg["seq"] >= ev["seq"]:
         return  # published (by another command of this clone, while this one waited)
-    recorded = session.store.recorded  # the claim no longer stands: never said to
-    kept = [r for r in recorded if r[0] < ev["seq"]]
-    session.swap_ledger(data[:cut], replay(data[:cut]))
-    recorded[:] = kept
+    session.withdraw(data[:cut], replay(data[:cut]), ev["seq"])
 
 
 def status(store, plan):
