@@ -1,6 +1,7 @@
-"""Git for a shared plan: the one runner of the sharing room's git commands, and what their
-failures mean (a remote that cannot be reached, a corrupt repository, a ref lock git left).
-Part of the sharing room; imported by it alone.
+"""Git for a shared plan: the sharing room's calls of the engine's one git runner (runs.git,
+runs.cat_objects), with the room's own rule for a ref lock a killed git left under
+refs/fablize/, and what their failures mean (a remote that cannot be reached, a corrupt
+repository). Part of the sharing room; imported by it alone.
 """
 
 import os
@@ -32,7 +33,7 @@ REF_LOCK_STALE = 2.0     # seconds: git holds a ref lock for milliseconds; older
 DEFAULT_WAIT = 30.0      # seconds a command waits out other writers (FABLIZE_SHARE_WAIT)
 
 
-# Git: one runner, and what its failures mean ##################################################
+# Git: its calls, and what their failures mean #####################################################
 
 
 def unreachable(remote, detail):
