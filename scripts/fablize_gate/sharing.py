@@ -1779,10 +1779,10 @@ def claim(session, story, agent):
             lost = e
         ready = ready_stories(session.plan)
         if not ready:
-            if sequential(session.plan) and getattr(lost, "lost", None):
+            if sequential(session.plan) and getattr(lost, "lost", None):  # claim_lost carries it
                 raise refused(f"{lost.lost}; nothing else is ready for agent "
                               f"{one_line(agent or 'unnamed')} ({TAKE_TURNS}) — see who holds "
-                              "what now:", lost.code, lost.steps) from lost
+                              "what now:", "claim_lost", lost.steps) from lost
             raise lost
         # the other writers just won the first ready story: a random one avoids a convoy
         story = ready[int(uniform() * len(ready))]
