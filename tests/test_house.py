@@ -59,3 +59,48 @@ def test_every_engine_module_is_where_the_package_says():
     missing = [p.stem for p in ENGINE_DIR.glob("*.py")
                if p.stem != "__init__" and f"{p.stem}" not in doc]
     assert missing == []
+
+
+# what names a storage object in the sharing room: a session (`session`, `s`, `tx`), the store,
+# its ledger or its lock — whatever attribute path leads to it
+STORAGE_OBJECTS = {"session", "s", "tx", "store", "ledger", "lock"}
+
+
+def path_names(node):
+    """The names along `a.b.c` (a, b, c), or of the call or subscript it starts from."""
+    while True:
+        if isinstance(node, ast.Attribute):
+            yield node.attr
+            node = node.value
+        elif isinstance(node, (ast.Call, ast.Subscript)):
+            node = node.func if isinstance(node, ast.Call) else node.value
+        elif isinstance(node, ast.Name):
+            yield node.id
+            return
+        else:
+            return
+
+
+def test_sharing_sets_no_attribute_on_storages_objects():
+    """Storage takes and lets go of the lock and owns its session; the sharing room keeps its
+    own state (sharing.Share) and uses the session's interface (Transaction's docstring): no
+    `session.x = …`, no setattr on a session, the store, its ledger or its lock, and no
+    getattr with a default (the reading side of an attribute hung on one)."""
+    found = []
+    files = sorted(ENGINE_DIR.glob("sharing*.py"))
+    assert [p.name for p in files] == ["sharing.py", "sharing_git.py"]
+    for path in files:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            for target in targets:
+                if isinstance(target, ast.Attribute) and STORAGE_OBJECTS & set(
+                        path_names(target.value)):
+                    found.append(f"{path.name}:{node.lineno}: .{target.attr} =")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args
+                    and (node.func.id in ("setattr", "delattr") or node.func.id == "getattr"
+                         and len(node.args) == 3)
+                    and STORAGE_OBJECTS & set(path_names(node.args[0]))):
+                found.append(f"{path.name}:{node.lineno}: {node.func.id}")
+    assert found == []

@@ -243,6 +243,20 @@ def test_a_shared_plan_in_a_clone_without_the_driver_is_not_warned_of_it(repo, t
     assert r.code == 0 and "which this clone's git config" not in r.err, r
 
 
+def test_a_worktree_reads_its_repositorys_config_for_the_driver(repo, tmp_path):
+    """A worktree's .git is a file; the driver is in the config of the repository its git dir
+    names (commondir): wired there, the worktree is not warned; unwired, it is."""
+    origin = diverged_origin(repo, tmp_path)
+    fresh = tmp_path / "fresh"
+    git(tmp_path, "clone", "-q", str(origin), str(fresh))
+    git(fresh, "worktree", "add", "-q", str(tmp_path / "wt"), "a")
+    warning = "which this clone's git config does not have"
+    assert warning in fab(tmp_path / "wt", "status").err
+    assert fab(fresh, "install-merge").code == 0
+    r = fab(tmp_path / "wt", "status")
+    assert r.code == 0 and warning not in r.err, r
+
+
 def test_doctor_fails_a_clone_without_the_driver_its_gitattributes_names(repo, tmp_path):
     origin = diverged_origin(repo, tmp_path)
     fresh = tmp_path / "fresh"

@@ -871,6 +871,32 @@ def test_sharing_a_plan_changes_no_committed_file_and_another_clones_pull_stays_
     assert a("share", "--remote", "origin").out.count("info/exclude") == 0  # once is enough
 
 
+def test_a_plan_shared_from_a_worktree_finds_the_repository_through_its_git_file(
+        net, monkeypatch):
+    """A worktree's .git is a file naming its git dir, whose commondir names the repository's
+    (runs.git_dirs): the exclusion goes to the repository's info/exclude, where git reads it
+    for every worktree, and the commits are written into the repository's objects."""
+    a = net.clone("a")
+    (a.root / "README").write_text("x\n")
+    git(a.root, "add", "README")
+    git(a.root, "commit", "-q", "-m", "start")
+    git(a.root, "worktree", "add", "-q", str(net.tmp / "wt"))
+    w = net.at(net.tmp / "wt")
+    assert w("create", "--brief", "b", "--goal", "x::y", "--goal", "z::w",
+             "--remote", "origin").code == 0
+    assert "/.fablize/*" in (a.root / ".git" / "info" / "exclude").read_text()
+    assert git(w.root, "status", "--porcelain", "--untracked-files=all").split() == []
+    written = []
+    room = engine.room("sharing")
+    put = room.Objects.put
+    monkeypatch.setattr(room.Objects, "put", lambda self, *a: written.append(self.dir) or put(
+        self, *a))
+    assert w("next").code == 0
+    assert set(written) == {os.path.realpath(a.root / ".git" / "objects")}
+    plan_id = w("status", "--json").json["plan_id"]
+    assert net.remote_lines(plan_id) == [x + b"\n" for x in ledger_lines(w)]
+
+
 def test_a_damaged_share_record_names_share_which_reconnects_the_clone(net):
     """The issue's reproducer: a damaged share.json used to say `sync` after removing it, which
     answered "this plan is local". The step named now is `share --remote origin`, and it

@@ -204,3 +204,31 @@ def test_a_swapped_ledger_is_recorded_as_its_last_event_not_as_plan_created(fab)
         s.swap_ledger(data, plan)
     assert store.recorded == [(2, "story_started")]
     assert (fab.dir / "ledger.jsonl").read_bytes() == data
+
+
+def test_a_session_that_lets_the_lock_go_writes_nothing_and_then_sees_what_others_wrote(
+        fab, monkeypatch):
+    """Transaction.unlocked, the sharing room's wait on other machines: while its block runs
+    another command takes the lock at once (a lock timeout of 0) and writes, and the session
+    itself writes nothing; after it, the session holds the lock again and has read the other
+    command's event."""
+    monkeypatch.setenv("FABLIZE_LOCK_TIMEOUT", "0")
+    make_plan(fab, 3, "--parallel")
+    store = engine.Store(str(fab.dir), True)
+    with store.session() as s:
+        plan = s.load()
+        assert s.held and fab("next").code == 3  # held: the other command times out at once
+        with s.unlocked():
+            assert not s.held
+            assert fab("next").code == 0
+            before = state_files(fab.dir)
+            for write in (lambda: engine.commit_start(s, engine.touch(plan["goals"][1]), None),
+                          lambda: s.save_snapshot(plan),
+                          lambda: s.swap_ledger(b"", plan)):
+                with pytest.raises(RuntimeError, match="without the state lock"):
+                    write()
+            assert state_files(fab.dir) == before
+        assert s.held and s.plan["goals"][0]["status"] == "in_progress"
+        r = fab("status")
+        assert fab("next").code == 3 and r.code == 0  # held again; a reader reads meanwhile
+    assert fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "e").code == 0

@@ -14,8 +14,8 @@ from .masking import mask, mask_places, Masker
 from .model import run_outcome, run_result
 from .reports import ask as ask_reports, read as read_reports, recorded, shell_segments
 from .storage import (
-    crash_point, ensure_subdir, from_here, fsync_dir, open_state_file, pid_alive, within, write_all,
-    write_atomic)
+    crash_point, ensure_subdir, from_here, fsync_dir, open_state_file, PROC, proc_stat,
+    process_alive, within, write_all, write_atomic)
 
 
 # One policy for every program the engine and its rooms start (git, ssh-keygen, a shell for
@@ -49,12 +49,24 @@ def git(root, *args, data=None, what=None, env=None):
     return run_tool(["git", "-C", root, *args], data=data, what=what or "this command", env=env)
 
 
-def git_out(root, *args, data=None, what=None, env=None):
-    """git's stdout; a failure is damage, with git's own reason."""
+def git_out(root, *args, data=None, what=None, env=None, repair=False):
+    """git's stdout; a failure is damage, with git's own reason (git_failed)."""
     code, out, err = git(root, *args, data=data, what=what, env=env)
     if code != 0:
-        raise damaged(f"git {args[0]} failed: {one_line(err)[:300]}", "git_failed")
+        raise git_failed(args, err, root if repair else None)
     return out
+
+
+def git_failed(args, err, repair=None):
+    """The damage of the git command `args` that failed, in git's own words. `repair`: the
+    repository whose failure is its own damage (a shared plan's clone), named with its repair."""
+    name = next(a for a in args if not a.startswith("-") and "=" not in a)
+    said = f"git {name} failed: {one_line(err)[:300]}"
+    if repair is None:
+        return damaged(said, "git_failed")
+    return damaged(f"{said} — the repository at {one_line(repair)} is broken or its disk is full: "
+                   "a human repairs it (`git fsck` says what is broken), then runs the command "
+                   "again.", "git_failed")
 
 
 # Git read as data (issue 40): NUL-separated listings, objects fetched by their id, never a diff's
@@ -78,23 +90,32 @@ def tree_entries(top, rev, paths=()):
     return entries
 
 
-def read_objects(top, oids):
-    """{object id: its bytes} of each blob, through one `git cat-file --batch` (asked by id:
-    hex, one a line, whatever the files are named)."""
-    wanted = list(dict.fromkeys(oids))
-    if not wanted:
-        return {}
-    out = git_out(top, "cat-file", "--batch", data="".join(o + "\n" for o in wanted).encode())
-    found, pos = {}, 0
-    for oid in wanted:
+def cat_objects(root, names, what=None, repair=False):
+    """[(object id, bytes), or None where there is no such object] of each name (an object id,
+    `rev`, `rev:path`), through one `git cat-file --batch`: the engine's one reader of git
+    objects (a failure as git_out's)."""
+    if not names:
+        return []
+    out = git_out(root, "cat-file", "--batch", data="".join(n + "\n" for n in names).encode(),
+                  what=what, repair=repair)
+    found, pos = [], 0
+    for _ in names:
         end = out.index(b"\n", pos)
         header, pos = out[pos:end].split(), end + 1
-        if len(header) != 3:
-            continue  # `<id> missing`: nothing follows
+        if header[-1] in (b"missing", b"ambiguous"):  # nothing follows
+            found.append(None)
+            continue
         size = int(header[2])
-        found[oid] = out[pos:pos + size]
+        found.append((header[0].decode(), out[pos:pos + size]))
         pos += size + 1
     return found
+
+
+def read_objects(top, oids):
+    """{object id: its bytes} of each blob there is (asked by id: hex, one a line, whatever the
+    files are named)."""
+    wanted = list(dict.fromkeys(oids))
+    return {oid: got[1] for oid, got in zip(wanted, cat_objects(top, wanted)) if got}
 
 
 def changed_paths(top, base, head="HEAD"):
@@ -148,6 +169,24 @@ def committed_copy(store, names, whole=False):
         quote_arg(os.path.relpath(p, store.root) + end) for p in targets)]
 
 
+def git_dirs(start):
+    """(git dir, common dir) of the repository holding `start`, found from its files as git
+    finds them — .git, a folder or a worktree's or submodule's `gitdir: PATH` file, and that
+    folder's commondir — or None (no repository, an unreadable .git). No git process. A
+    GIT_DIR-style variable, where one is set, decides for git instead: its caller asks."""
+    top = repo_root(start)
+    if top is None:
+        return None
+    gitdir = os.path.join(top, ".git")
+    if not os.path.isdir(gitdir):
+        raw = read_plain(gitdir)
+        if not raw.startswith(b"gitdir:"):
+            return None
+        gitdir = os.path.join(top, raw[7:].strip().decode("utf-8", "replace"))
+    common = read_plain(os.path.join(gitdir, "commondir")).strip().decode("utf-8", "replace")
+    return os.path.realpath(gitdir), os.path.realpath(os.path.join(gitdir, common))
+
+
 def repo_relative(path):
     """`path` relative to its repository ("." at the top), or None outside one."""
     top = repo_root(path)
@@ -166,12 +205,8 @@ def merge_driver_missing(root):
     top = repo_root(root)
     if top is None or MERGE_ATTRIBUTE not in (read_plain(os.path.join(top, ".gitattributes"))):
         return False
-    git_dir = os.path.join(top, ".git")
-    if os.path.isfile(git_dir):  # a worktree or submodule: `gitdir: PATH`, maybe a commondir
-        link = read_plain(git_dir).decode("utf-8", "replace").partition("gitdir:")[2].strip()
-        git_dir = os.path.join(top, link)
-        common = read_plain(os.path.join(git_dir, "commondir")).decode("utf-8", "replace").strip()
-        git_dir = os.path.join(git_dir, common) if common else git_dir
+    dirs = git_dirs(top)
+    git_dir = dirs[1] if dirs else os.path.join(top, ".git")
     home = os.path.expanduser("~")
     xdg = os.environ.get("XDG_CONFIG_HOME") or os.path.join(home, ".config")
     return not any(MERGE_DRIVER in read_plain(path) for path in (
@@ -486,17 +521,6 @@ class StopSignals:
 # Where /proc cannot tell (macOS, the BSDs) nothing is ever signalled: the message says how to
 # end it by hand.
 INFLIGHT = ".inflight"
-PROC = "/proc"
-
-
-def proc_stat(pid):
-    """The fields of /proc/<pid>/stat after the command's name (the state first), or None when
-    there is no such process or no /proc."""
-    try:
-        with open(f"{PROC}/{int(pid)}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def process_identity(pid):
@@ -667,23 +691,6 @@ def inflight_runs(store):
         found.append((rec, engine_alive(rec["engine"], rec.get("engine_start"),
                                         rec.get("boot"))))
     return found
-
-
-def process_alive(pid):
-    if os.name == "nt":  # os.kill(pid, 0) there would end the process (TerminateProcess)
-        return pid_alive(pid)
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, ValueError, OverflowError):
-        return False
-    except OSError:  # another user's process: alive
-        return True
-    return not is_zombie(pid)
-
-
-def is_zombie(pid):
-    fields = proc_stat(pid)
-    return fields is not None and fields[0] in (b"Z", b"X")
 
 
 def group_members(pgid):

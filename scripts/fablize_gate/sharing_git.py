@@ -1,6 +1,7 @@
-"""Git for a shared plan: the one runner of the sharing room's git commands, and what their
-failures mean (a remote that cannot be reached, a corrupt repository, a ref lock git left).
-Part of the sharing room; imported by it alone.
+"""Git for a shared plan: the sharing room's calls of the engine's one git runner (runs.git,
+runs.cat_objects), with the room's own rule for a ref lock a killed git left under
+refs/fablize/, and what their failures mean (a remote that cannot be reached, a corrupt
+repository). Part of the sharing room; imported by it alone.
 """
 
 import os
@@ -8,10 +9,9 @@ import re
 import time
 
 from .base import (
-    damaged, EXIT_DAMAGED, FablizeError, is_plan_id, one_line, quote_arg, refused, usage,
-    Step)
-from .storage import env_seconds, read_state_file
-from .runs import git, repo_root
+    damaged, EXIT_DAMAGED, FablizeError, is_plan_id, one_line, quote_arg, refused, usage, Step)
+from .storage import env_seconds
+from .runs import cat_objects, git, git_dirs, git_failed
 
 REMOTE_NAME = r"[A-Za-z0-9][\w.-]*"
 SHARED_REFS = "refs/fablize/plans/"
@@ -33,7 +33,7 @@ REF_LOCK_STALE = 2.0     # seconds: git holds a ref lock for milliseconds; older
 DEFAULT_WAIT = 30.0      # seconds a command waits out other writers (FABLIZE_SHARE_WAIT)
 
 
-# Git: one runner, and what its failures mean ##################################################
+# Git: its calls, and what their failures mean #####################################################
 
 
 def unreachable(remote, detail):
@@ -75,33 +75,19 @@ def remote_failure(remote, err, what):
     return unreachable(remote, reason[0] if reason else what)
 
 
-def git_dirs(store):
-    """(git dir, common dir) of the repository holding the state directory, found as git finds
-    them from there (.git, a folder or a worktree's file, and its commondir), or None when a
-    GIT_DIR-style variable decides instead."""
+def own_git_dirs(store):
+    """runs.git_dirs of the plan's repository, or None when a GIT_DIR-style variable decides
+    where git looks instead."""
     if any(name in os.environ for name in GIT_LOCATION):
         return None
-    top = repo_root(store.root)
-    if top is None:
-        return None
-    gitdir = os.path.join(top, ".git")
-    if not os.path.isdir(gitdir):
-        raw = read_state_file(gitdir) or b""
-        if not raw.startswith(b"gitdir: "):
-            return None
-        gitdir = os.path.join(top, raw[8:].strip().decode("utf-8", "replace"))
-    common = gitdir
-    if os.path.isfile(os.path.join(gitdir, "commondir")):
-        raw = read_state_file(os.path.join(gitdir, "commondir")) or b""
-        common = os.path.join(gitdir, raw.strip().decode("utf-8", "replace"))
-    return os.path.realpath(gitdir), os.path.realpath(common)
+    return git_dirs(store.root)
 
 
 def own_ref_lock(store, err):
     """The path of a ref lock under refs/fablize/ of this clone's own repository that git
     reported it could not take, or None (a lock of the remote's is never this clone's)."""
     found = re.search(STALE_LOCK, err)
-    dirs = git_dirs(store) if found else None
+    dirs = own_git_dirs(store) if found else None
     if dirs is None:
         return None
     path = os.path.realpath(found.group(1))
@@ -137,35 +123,16 @@ def git_call(store, *args, data=None):
 
 
 def git_out(store, *args, data=None):
-    """git's stdout; a failure is damage, with git's own reason."""
+    """git's stdout, through git_call; a failure is this clone's damage (runs.git_failed)."""
     code, out, err = git_call(store, *args, data=data)
     if code != 0:
-        name = next(a for a in args if not a.startswith("-") and "=" not in a)
-        raise damaged(f"git {name} failed: {one_line(err)[:300]} — the repository at "
-                      f"{one_line(store.root)} is broken or its disk is full: a human repairs it "
-                      "(`git fsck` says what is broken), then runs the command again.",
-                      "git_failed")
+        raise git_failed(args, err, store.root)
     return out
 
 
-def cat_objects(store, names):
-    """[(object id, bytes) or None where missing] of each name (`rev`, `rev:path`), through one
-    git cat-file."""
-    if not names:
-        return []
-    out = git_out(store, "cat-file", "--batch", data="".join(n + "\n" for n in names).encode())
-    found, pos = [], 0
-    for _ in names:
-        end = out.index(b"\n", pos)
-        header = out[pos:end].split()
-        pos = end + 1
-        if header[-1] in (b"missing", b"ambiguous"):
-            found.append(None)
-            continue
-        size = int(header[2])
-        found.append((header[0].decode(), out[pos:pos + size]))
-        pos += size + 1
-    return found
+def cat(store, names):
+    """runs.cat_objects in the plan's repository: [(object id, bytes) or None] of each name."""
+    return cat_objects(store.root, names, what="a shared plan", repair=True)
 
 
 def remote_arg(store, remote, step=None):

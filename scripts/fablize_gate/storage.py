@@ -286,8 +286,13 @@ def write_state_gitignore(state_dir):
     return True
 
 
-def pid_alive(pid):
-    if os.name == "nt":
+PROC = "/proc"
+
+
+def process_alive(pid):
+    """Whether process `pid` runs: one of another user counts, a zombie (ended, not yet reaped)
+    does not. The engine's one test of a process's life (the lock's owner, a run's engine)."""
+    if os.name == "nt":  # os.kill(pid, 0) there would end the process (TerminateProcess)
         import ctypes
         handle = ctypes.windll.kernel32.OpenProcess(0x1000, False, pid)  # QUERY_LIMITED_INFORMATION
         if not handle:
@@ -298,11 +303,22 @@ def pid_alive(pid):
         return code.value == 259  # STILL_ACTIVE
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, ValueError, OverflowError):
         return False
-    except PermissionError:
+    except OSError:  # another user's process: alive
         return True
-    return True
+    fields = proc_stat(pid)
+    return fields is None or fields[0] not in (b"Z", b"X")
+
+
+def proc_stat(pid):
+    """The fields of /proc/<pid>/stat after the command's name (the state first), or None when
+    there is no such process or no /proc."""
+    try:
+        with open(f"{PROC}/{int(pid)}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def env_seconds(name, default):
@@ -381,7 +397,7 @@ class Lock:
             if pid is None and self._owner_age() > 5:
                 # created but never written: its creator died between the two steps
                 self.warnings.append("removed a stale lock file that no process finished writing.")
-            elif pid is not None and not pid_alive(pid):
+            elif pid is not None and not process_alive(pid):
                 self.warnings.append(f"removed a stale lock left by process {pid}, which is no "
                                      "longer running.")
             else:
@@ -1045,9 +1061,38 @@ class Reading:
             raise legacy_refusal()
 
 
+class Unlocked:
+    """Transaction.unlocked's block."""
+
+    def __init__(self, session):
+        self.session = session
+
+    def __enter__(self):
+        session = self.session
+        session.ledger.close()
+        session.held = False
+        session.lock.__exit__(None, None, None)
+        return session
+
+    def __exit__(self, kind, *exc):
+        if kind is None:
+            session = self.session
+            session.lock.__enter__()
+            session.held = True
+            session.load()
+        return False
+
+
 class Transaction(Reading):
-    """A write: the lock held throughout; load() moves a torn last line aside and saves a rolled
-    forward plan; commit() appends one event (one write, fsync) and then replaces the snapshot."""
+    """A write: the lock held throughout (but while `unlocked` lets it go); load() moves a torn
+    last line aside and saves a rolled forward plan; commit() appends one event (one write,
+    fsync) and then replaces the snapshot.
+
+    What a room is given of a writing session (the sharing room uses no more): `store`, `plan`,
+    `last` (the event this session committed last), `held`, `ledger` to read, and load(),
+    commit(), cut_torn_tail(), save_snapshot(), append_lines(), swap_ledger(), withdraw() and
+    unlocked(). Storage takes and lets go of the lock; a room never does, and keeps its own
+    state of a session in objects of its own."""
 
     writer = True
 
@@ -1055,13 +1100,16 @@ class Transaction(Reading):
         super().__init__(store)
         self.lock = Lock(store.dir, store.warnings)
         self.last = None
+        self.held = False  # whether this session holds the lock: it writes only then
 
     def __enter__(self):
         self.lock.__enter__()
+        self.held = True
         try:
             for step in self.store.on_lock:
                 step(self.store)
         except BaseException:
+            self.held = False
             self.lock.__exit__(None, None, None)
             raise
         return self
@@ -1079,8 +1127,22 @@ class Transaction(Reading):
                             "finishes it.")
         finally:
             self.ledger.close()
+            self.held = False
             self.lock.__exit__(*exc)
         return False
+
+    def unlocked(self):
+        """`with session.unlocked():` the lock let go while the block runs — a wait on other
+        machines, which would otherwise keep this clone's other commands waiting past their lock
+        timeout — then taken again, and the plan read again (another command may have written
+        meanwhile). Meanwhile the session writes nothing: `held` is False and a write raises (a
+        bug). A block that raises, or a lock that cannot be taken again, leaves the session
+        without the lock: the error goes up, and nothing more is written."""
+        return Unlocked(self)
+
+    def require_lock(self):
+        if not self.held:
+            raise RuntimeError("a write without the state lock (inside Transaction.unlocked)")
 
     def keep_lost_newline(self, seq):
         """Under the lock: the newline written back, so the line is whole on disk too."""
@@ -1121,6 +1183,7 @@ class Transaction(Reading):
 
     def commit(self, kind, **fields):
         """Append one event (checked by apply_event first) and save the snapshot."""
+        self.require_lock()
         plan, line = self.prepare(kind, fields)
         try:
             self.ledger.append(line, self.ledger.open(create=True))
@@ -1156,7 +1219,17 @@ class Transaction(Reading):
         self.plan = plan
 
     def save_snapshot(self, plan):
+        self.require_lock()
         write_atomic(self.store.path(SNAPSHOT), snapshot_bytes(plan), sweep=True)
+
+    def append_lines(self, lines, plan):
+        """Append ledger lines already checked and chained — events another machine recorded,
+        replayed by the room that brought them into `plan` — and save `plan`'s snapshot. They
+        are not this command's events: `recorded` does not list them."""
+        self.require_lock()
+        self.ledger.append(b"\n".join(lines), self.ledger.open(create=True))
+        self.save_snapshot(plan)
+        self.plan = plan
 
     def replace_plan(self, fields):
         """Start a new plan over the current one, which moves whole to archive/<plan id>/.
@@ -1189,6 +1262,7 @@ class Transaction(Reading):
         crash replays the new ledger from nothing), and one rename swaps it in. The rename is
         the moment the new ledger becomes current; before it, the old one still is. `kind`: the
         last event's, as a later failure names it (read from `data` when not given)."""
+        self.require_lock()
         if kind is None:
             last = parse_event(data.rstrip(b"\n").rsplit(b"\n", 1)[-1])
             kind = last["event"] if last else "event"
@@ -1215,6 +1289,16 @@ class Transaction(Reading):
             store.warn(f"event {plan['ledger']['seq']} ({kind}) is recorded in {LEDGER}, but "
                        f"its folder could not be synced to disk ({e.strerror or e}).")
         self.recorded(plan, kind)
+
+    def withdraw(self, data, plan, seq):
+        """Take back this command's events from `seq` on, never acknowledged (a claim no other
+        machine saw): the ledger becomes `data`, `plan` its plan (swap_ledger), and they no
+        longer count as recorded by this command — as after a torn write, nothing of them
+        stands."""
+        recorded = self.store.recorded
+        kept = [r for r in recorded if r[0] < seq]
+        self.swap_ledger(data, plan)
+        recorded[:] = kept
 
     def archive_current(self):
         """Copy the current plan into archive/<plan id>/, its run logs too (hard links: a
