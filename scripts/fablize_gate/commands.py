@@ -5,33 +5,30 @@ states the result once (ctx.say, ctx.data), rendered by cli.Output.
 import collections
 import os
 import time
-from operator import itemgetter
 
 from .base import (
-    blank, clean, count_noun, count_stories, create_args, defuse, defused_line, DONE,
-    EXIT_SIGNAL_BASE, FablizeError, has_marker_word, indent, last_chars, LEDGER,
-    limit_text, MARKS, new_plan_id, no_plan, now_iso, one_line, parse_ids, PLAN_EXISTS, quote_arg,
-    refused, REPORT_RUNS, scope_pattern, SNAPSHOT,
-    split_assignment, STATE_DIRNAME, Step, story_id, usage, ZERO_HASH)
+    blank, clean, count_noun, count_stories, create_args, defused_line, DONE,
+    EXIT_SIGNAL_BASE, FablizeError, LEDGER, limit_text, new_plan_id, no_plan,
+    now_iso, one_line, parse_ids, PLAN_EXISTS, refused, REPORT_RUNS, scope_pattern, SNAPSHOT,
+    split_assignment, STATE_DIRNAME, Step, story_id, TRIPWIRE, usage, ZERO_HASH)
 from .masking import check_command, mask, masked_text, plan_text
 from .model import (
-    active_stories, apply_event, BASE_FIELDS, checkpoint_args,
-    checkpoint_gate, claimed_final, current_packet, EVIDENCE_NOTES, find_story,
-    format_event, guard_capped, guard_paused, latest_run, observed_of,
+    active_stories, apply_event, checkpoint_args,
+    checkpoint_gate, current_packet, EVIDENCE_NOTES, find_story,
+    format_event, guard_capped, guard_paused, observed_of,
     parse_event, pick_ready, plan_done, round_label, rounds_left, run_passed, run_summary,
-    unaddressed_failure, waits_for)
+    unaddressed_failure)
 from .storage import (
     commit_start, free_name, loose_snapshot,
     replay_all, shown_path, user_file, within, write_atomic)
 from .runs import (
     committed_copy, commit_runs, drop_temp_logs, end_orphaned_runs, execute_runs,
     file_not_there_yet, inflight_runs, merge_driver_missing, MERGE_QUIET, tree_state,
-    unverifiable_checks, unverifiable_label, verification_runs)
+    unverifiable_checks, verification_runs)
 from .render import (
-    capped_line, count_line, create_command, done_line, human_command,
-    left_line, next_action, next_line, paused_line, plan_json, plan_summary, render_handoff,
-    render_observed, render_report, render_resume, rerun_command, sequential, status_details,
-    story_json, TAKE_TURNS)
+    create_command, done_line, human_command, inflight_lines, left_line, next_action, next_line,
+    plan_json, plan_summary, render_handoff, render_judge_packet, render_observed, render_report,
+    render_status, rerun_command, sequential, story_json, TAKE_TURNS)
 from .hooks import (
     read_plan_and_share, session_start, sharing_of)
 
@@ -416,48 +413,6 @@ def cmd_checkpoint(ctx, a):
     ctx.data.update(plan_summary(plan), story=story_json(plan, story), runs=runs, next=action)
 
 
-def render_status(prog, plan, share=(), agent=None, step=None):
-    """What `status` says, whole, for a human: the plan's count and brief, a line per story
-    with its details, checks that cannot run here, a pause, the next step (`step`, when one
-    comes before the plan's own: a shared copy behind its remote syncs first), the shared
-    plan's state, and how to pick up each story in progress."""
-    lines = [count_line(plan)]
-    goals = plan["goals"]
-    # titles that need no escaping and carry no marker word are shown as they are: checked in
-    # one pass over them all (a status of 100,000 stories renders in 50 ms, not 120)
-    titles = " ".join(map(str, map(itemgetter("title"), goals)))
-    plain = titles.isascii() and titles.isprintable() and not has_marker_word(titles)
-    say, marks, base = lines.append, MARKS, len(BASE_FIELDS)
-    # the final story of a sequential plan waits for every other one: its order says so
-    in_order = bool(waits_for(plan, goals[-1])) and sequential(plan)
-    previous = None
-    for story in goals:
-        status = story["status"]
-        title = story["title"] if plain else defused_line(story["title"])
-        say(f"  {marks[status]} {story['id']} [{status}] {title}")
-        if len(story) > base:  # a story with only the original's fields has no details
-            lines += [f"      {detail}"
-                      for detail in status_details(plan, story, previous, in_order)]
-        previous = story["id"]
-    for u in plan["unverifiable"]:
-        lines.append(f"  {unverifiable_label(u)}: `{one_line(u['cmd'])}` — "
-                     f"{one_line(u['reason'])}{' yet' if file_not_there_yet(u) else ''}")
-    lines += paused_line(prog, plan)
-    if capped_line(plan):
-        lines.append("  " + capped_line(plan))
-    claimed = claimed_final(plan)
-    if claimed:
-        lines.append("  " + claimed)
-    # the step of the agent asking: never another's
-    action = step or next_action(prog, plan, agent)
-    lines.append(next_line(action))
-    lines += share
-    for story in active_stories(plan):
-        lines.append("")
-        lines += render_resume(prog, plan, story)
-    return lines, action, guard_paused(plan)
-
-
 def cmd_status(ctx, a):
     if a.resume:
         return session_start(ctx, a)
@@ -479,26 +434,6 @@ def cmd_status(ctx, a):
                                     "cmd": rec.get("cmd"), "started": rec.get("started"),
                                     "engine": rec["engine"], "running": alive}
                                    for rec, alive in inflight])
-
-
-def inflight_lines(prog, inflight):
-    """A line for each run noted in flight: running now, or never finished (its engine died)."""
-    lines = []
-    for rec, alive in inflight:
-        what = f"`{one_line(str(rec.get('cmd')))}` for {one_line(str(rec.get('id')))}"
-        started = one_line(str(rec.get("started", "")))[:19].replace("T", " ")
-        if alive:
-            lines.append(f"  ▷ a run is in flight: {what} (started {started} UTC, engine pid "
-                         f"{rec['engine']})")
-        else:
-            again = f"{prog} verify --id {one_line(str(rec.get('id')))}" + (
-                f" --verify-cmd {quote_arg(str(rec.get('cmd')))}" if rec.get("check") is None
-                else "")
-            lines.append(f"  ⚠ a run of {what} was in flight and never finished (started "
-                         f"{started} UTC; its engine, pid {rec['engine']}, died): the next "
-                         "writing command ends what is left of it; it recorded nothing — run it "
-                         f"again: {again}")
-    return lines
 
 
 def cmd_verify(ctx, a):
@@ -787,64 +722,14 @@ def cmd_judge_packet(ctx, a):
     if find_story(plan, a.id)["status"] == "review":
         plan, packet = record_judge_packet(ctx, a.id)
     story = find_story(plan, a.id)
-    items = [{"kind": "check", "text": cmd, "run": latest_run(story, check=i) or next(
-        (r for r in reversed(story["runs"]) if r["check"] == i), None)}
-        for i, cmd in enumerate(story["checks"])]
-    items += [{"kind": "item", "text": text} for text in story["accept"]]
-    lines = [f"=== fablize judge packet — {story['id']} {defused_line(story['title'])} "
-             f"[{story['status']}, round {story['round']}]",
-             "You are the judge. You did not do this work: judge the artifact itself, not anyone's "
-             "account of it.",
-             f"Objective: {defused_line(story['objective'])}"]
-    lines += [f"Amended: {one_line(x['note'])}" for x in story["amendments"]]
-    lines.append("Checklist — every item must be seen to pass:")
-    for n, item in enumerate(items, 1):
-        if item["kind"] == "check":
-            run = item["run"]
-            seen = f" — witnessed: {run_summary(run)}" if run else " — no run this round"
-            lines.append(f"  [ ] {n}. run `{one_line(item['text'])}`{seen}")
-        else:
-            lines.append(f"  [ ] {n}. {one_line(item['text'])}")
-    if not items:
-        lines.append("  [ ] 1. the objective above, as stated")
-    lines.append("Executor's evidence (this round):")
-    lines.append(indent(defuse(story["evidence"])) if not blank(story["evidence"])
-                 else "    (none)")
-    if story["runs"]:
-        lines.append("Witnessed runs (this round):")
-        for r in story["runs"]:
-            lines.append(f"  event {r['seq']}: {defuse(run_summary(r))} — output tail:")
-            lines.append(indent(defuse(last_chars(r["tail"])), "      "))
-    wires = None
+    wires, said = None, []
     if a.base:  # what the work's code does to its judge, since the base
         from . import trust
         wires = trust.tripwires_since(ctx.store, plan, a.base)
-        lines += trust.tripwire_lines(wires) or [
-            f"Tripwires since {one_line(a.base)}: none (no line of the work reaches into the test "
-            "run or looks for its judge)."]
+        said = trust.tripwire_lines(wires) or [
+            f"Tripwires since {one_line(a.base)}: none (no line of the work {TRIPWIRE})."]
+    lines, items, instructions, verdicts = render_judge_packet(ctx.prog, story, packet, said)
     sid = story["id"]
-    instructions = [
-        "Go to the artifact (files, the running program, its output) and check every item.",
-        "An item without evidence you saw yourself is not passed. Ambiguous means not achieved.",
-        "Do not fix the work. Answer with exactly one verdict:"]
-    verdicts = [
-        f"{ctx.prog} verdict --id {sid} achieved --evidence \"<what you checked and saw>\" --agent "
-        "<you>",
-        f"{ctx.prog} verdict --id {sid} not-achieved --evidence \"<what is missing, not how to fix "
-        "it>\" --agent <you>",
-        f"{ctx.prog} verdict --id {sid} unachievable --evidence \"<why more rounds cannot help>\" "
-        "--agent <you>",
-    ]
-    if story["status"] != "review":  # a verdict on it would be refused: offer none
-        verdicts = []
-        instructions = [f"{sid} is {story['status']}, not in review: there is nothing to judge "
-                        "now, and a verdict would be refused. This packet is for reading only."]
-    lines += ["How to judge:"] + [f"  - {x}" for x in instructions] + [f"    {x}" for x in verdicts]
-    if packet:
-        lines.append(f"Working tree recorded (event {packet['seq']}: {packet['files']} files, "
-                     "sha256 "
-                     f"{packet['tree'][:16]}…): a verdict given after any change to it is void and "
-                     "goes back as not-achieved.")
     for line in lines:
         ctx.say(line)
     ctx.data["packet"] = packet

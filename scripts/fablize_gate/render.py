@@ -6,20 +6,22 @@ import collections
 import os
 import re
 import sys
+from operator import itemgetter
 
 from .base import (
-    blank, count_noun, count_stories, create_args, defuse, defused_line, DONE, indent,
-    last_chars, MAP_LABELS, MAP_LOOKBACK, MAP_WINDOW, MARKS, one_line, PYTHON, quote_arg,
+    blank, count_noun, count_stories, create_args, defuse, defused_line, DONE, has_marker_word,
+    indent, last_chars, MAP_LABELS, MAP_LOOKBACK, MAP_WINDOW, MARKS, one_line, PYTHON, quote_arg,
     RESUME_CARRIED, RESUME_LISTED, RESUME_MAP, RESUME_TAIL, RESUME_TITLE, short, STATUS_TABLE,
     TAIL_CHARS, time_label)
 from .model import (
-    accepted_ids, active_stories, blocked_because, came_back, checkpoint_args, completion_args,
-    decide_steps, DEFAULTS, describe_exit, done_count, find_story, grade_detail, guard_capped,
-    guard_paused, ids_text, is_final, observed_of, observed_result, pick_ready, plan_done,
-    _PRISTINE, round_failures, round_label, rounds_left, run_evidence, run_outcome, run_summary,
-    status_counts, stories_in, touch, unaddressed_failure, verdict_args, waits_for)
+    accepted_ids, active_stories, BASE_FIELDS, blocked_because, came_back, checkpoint_args,
+    claimed_final, completion_args, decide_steps, DEFAULTS, describe_exit, done_count, find_story,
+    grade_detail, guard_capped, guard_paused, ids_text, is_final, latest_run, observed_of,
+    observed_result, pick_ready, plan_done, _PRISTINE, round_failures, round_label, rounds_left,
+    run_evidence, run_outcome, run_summary, status_counts, stories_in, touch, unaddressed_failure,
+    verdict_args, waits_for)
 from .masking import mask
-from .runs import NOT_THERE, repo_root
+from .runs import file_not_there_yet, NOT_THERE, repo_root, unverifiable_label
 
 # the folder that holds goals.py and this package (scripts/ in a checkout or a copy)
 ENTRY_FOLDER = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
@@ -648,3 +650,126 @@ def render_report(plan, runs, total=None):
                          f"`{plan['ledger']['seq']}:{md_cell(plan['ledger']['head'])}` "
               f"(plan `{md_cell(plan['plan_id'])}`)", ""]
     return "\n".join(lines)
+
+
+def render_status(prog, plan, share=(), agent=None, step=None):
+    """What `status` says, whole, for a human: the plan's count and brief, a line per story
+    with its details, checks that cannot run here, a pause, the next step (`step`, when one
+    comes before the plan's own: a shared copy behind its remote syncs first), the shared
+    plan's state, and how to pick up each story in progress."""
+    lines = [count_line(plan)]
+    goals = plan["goals"]
+    # titles that need no escaping and carry no marker word are shown as they are: checked in
+    # one pass over them all (a status of 100,000 stories renders in 50 ms, not 120)
+    titles = " ".join(map(str, map(itemgetter("title"), goals)))
+    plain = titles.isascii() and titles.isprintable() and not has_marker_word(titles)
+    say, marks, base = lines.append, MARKS, len(BASE_FIELDS)
+    # the final story of a sequential plan waits for every other one: its order says so
+    in_order = bool(waits_for(plan, goals[-1])) and sequential(plan)
+    previous = None
+    for story in goals:
+        status = story["status"]
+        title = story["title"] if plain else defused_line(story["title"])
+        say(f"  {marks[status]} {story['id']} [{status}] {title}")
+        if len(story) > base:  # a story with only the original's fields has no details
+            lines += [f"      {detail}"
+                      for detail in status_details(plan, story, previous, in_order)]
+        previous = story["id"]
+    for u in plan["unverifiable"]:
+        lines.append(f"  {unverifiable_label(u)}: `{one_line(u['cmd'])}` — "
+                     f"{one_line(u['reason'])}{' yet' if file_not_there_yet(u) else ''}")
+    lines += paused_line(prog, plan)
+    if capped_line(plan):
+        lines.append("  " + capped_line(plan))
+    claimed = claimed_final(plan)
+    if claimed:
+        lines.append("  " + claimed)
+    # the step of the agent asking: never another's
+    action = step or next_action(prog, plan, agent)
+    lines.append(next_line(action))
+    lines += share
+    for story in active_stories(plan):
+        lines.append("")
+        lines += render_resume(prog, plan, story)
+    return lines, action, guard_paused(plan)
+
+
+def inflight_lines(prog, inflight):
+    """A line for each run noted in flight: running now, or never finished (its engine died)."""
+    lines = []
+    for rec, alive in inflight:
+        what = f"`{one_line(str(rec.get('cmd')))}` for {one_line(str(rec.get('id')))}"
+        started = one_line(str(rec.get("started", "")))[:19].replace("T", " ")
+        if alive:
+            lines.append(f"  ▷ a run is in flight: {what} (started {started} UTC, engine pid "
+                         f"{rec['engine']})")
+        else:
+            again = f"{prog} verify --id {one_line(str(rec.get('id')))}" + (
+                f" --verify-cmd {quote_arg(str(rec.get('cmd')))}" if rec.get("check") is None
+                else "")
+            lines.append(f"  ⚠ a run of {what} was in flight and never finished (started "
+                         f"{started} UTC; its engine, pid {rec['engine']}, died): the next "
+                         "writing command ends what is left of it; it recorded nothing — run it "
+                         f"again: {again}")
+    return lines
+
+
+def render_judge_packet(prog, story, packet, tripwires=()):
+    """What an independent judge needs of `story` (judge-packet): the objective, a checklist of
+    every frozen check (with this round's witnessed run) and acceptance item, the executor's
+    evidence and runs, the `tripwires` said of the work, and the three verdict commands — none
+    for a story not in review. `packet`: the working tree recorded for the verdict, or None.
+    Returns (lines, checklist items, instructions, verdict commands)."""
+    items = [{"kind": "check", "text": cmd, "run": latest_run(story, check=i) or next(
+        (r for r in reversed(story["runs"]) if r["check"] == i), None)}
+        for i, cmd in enumerate(story["checks"])]
+    items += [{"kind": "item", "text": text} for text in story["accept"]]
+    lines = [f"=== fablize judge packet — {story['id']} {defused_line(story['title'])} "
+             f"[{story['status']}, round {story['round']}]",
+             "You are the judge. You did not do this work: judge the artifact itself, not anyone's "
+             "account of it.",
+             f"Objective: {defused_line(story['objective'])}"]
+    lines += [f"Amended: {one_line(x['note'])}" for x in story["amendments"]]
+    lines.append("Checklist — every item must be seen to pass:")
+    for n, item in enumerate(items, 1):
+        if item["kind"] == "check":
+            run = item["run"]
+            seen = f" — witnessed: {run_summary(run)}" if run else " — no run this round"
+            lines.append(f"  [ ] {n}. run `{one_line(item['text'])}`{seen}")
+        else:
+            lines.append(f"  [ ] {n}. {one_line(item['text'])}")
+    if not items:
+        lines.append("  [ ] 1. the objective above, as stated")
+    lines.append("Executor's evidence (this round):")
+    lines.append(indent(defuse(story["evidence"])) if not blank(story["evidence"])
+                 else "    (none)")
+    if story["runs"]:
+        lines.append("Witnessed runs (this round):")
+        for r in story["runs"]:
+            lines.append(f"  event {r['seq']}: {defuse(run_summary(r))} — output tail:")
+            lines.append(indent(defuse(last_chars(r["tail"])), "      "))
+    lines += tripwires
+    sid = story["id"]
+    instructions = [
+        "Go to the artifact (files, the running program, its output) and check every item.",
+        "An item without evidence you saw yourself is not passed. Ambiguous means not achieved.",
+        "Do not fix the work. Answer with exactly one verdict:"]
+    verdicts = [
+        f"{prog} verdict --id {sid} achieved --evidence \"<what you checked and saw>\" --agent "
+        "<you>",
+        f"{prog} verdict --id {sid} not-achieved --evidence \"<what is missing, not how to fix "
+        "it>\" --agent <you>",
+        f"{prog} verdict --id {sid} unachievable --evidence \"<why more rounds cannot help>\" "
+        "--agent <you>",
+    ]
+    if story["status"] != "review":  # a verdict on it would be refused: offer none
+        verdicts = []
+        instructions = [f"{sid} is {story['status']}, not in review: there is nothing to judge "
+                        "now, and a verdict would be refused. This packet is for reading only."]
+    lines += ["How to judge:"] + [f"  - {x}" for x in instructions] + [f"    {x}" for x in verdicts]
+    if packet:
+        lines.append(f"Working tree recorded (event {packet['seq']}: {packet['files']} files, "
+                     "sha256 "
+                     f"{packet['tree'][:16]}…): a verdict given after any change to it is void and "
+                     "goes back as not-achieved.")
+    return lines, items, instructions, verdicts
