@@ -23,10 +23,9 @@ from .storage import (
     commit_start, free_name, from_here, loose_snapshot, open_plan, read_state_file, replay_all,
     require_state_dir, shown_path, symlink_refusal, user_file, within, write_atomic)
 from .runs import (
-    check_command, commit_runs, drop_temp_logs, end_orphaned_runs, execute_runs,
-    file_not_there_yet, git,
-    inflight_runs, merge_driver_missing, MERGE_QUIET, plan_text, repo_root, tree_state,
-    unverifiable_checks, unverifiable_label, verification_runs)
+    check_command, commit_runs, drop_temp_logs, execute_runs, file_not_there_yet, git,
+    inflight_runs, plan_text, repo_root, tree_state, unverifiable_checks, unverifiable_label,
+    verification_runs)
 from .render import (
     capped_line, checkpoint_command, completion_command, count_line, create_command,
     decide_commands, DECISION_NOTES, done_line, grades_line, human_command, left_line,
@@ -34,38 +33,7 @@ from .render import (
     render_observed, render_report, render_resume, rerun_command, sequential, status_details,
     story_json, TAKE_TURNS, verdict_command)
 from .audit import audit_ledger
-from .hooks import read_plan_and_share, session_start, sharing_of
-
-
-def sharing_room():
-    """The sharing room (share, sync, release, create --remote, audit --remote)."""
-    from . import sharing
-    return sharing
-
-
-def setup_room():
-    """The setup room (setup, doctor, install-block, completion; the plugin's hooks)."""
-    from . import setup
-    return setup
-
-
-def store_opened(ctx, store):
-    """What every command does as it opens the state directory `store`: what is left of a run
-    whose engine died is ended when the lock is next taken (runs.end_orphaned_runs); a shared
-    plan's store publishes after each write (the sharing room attaches to it); a clone whose git
-    config lacks the merge driver that .gitattributes names is warned — not where no branch
-    merge can touch the plan (a shared plan lives in refs), by the commands that wire the
-    driver, nor by audit (CI's copy of the engine is no clone). Read from files, no git process."""
-    store.on_lock.append(end_orphaned_runs)  # a run whose engine died: ended under the lock
-    sharing = sharing_of(store)
-    if sharing is not None:
-        sharing.attach(store)
-    elif (getattr(ctx.args, "command", None) not in MERGE_QUIET
-          and merge_driver_missing(store.root)):
-        ctx.out.warn(f".gitattributes merges {STATE_DIRNAME}/ with fablize's merge driver, "
-                     "which this clone's git config does not have: a merge of two branches' "
-                     f"plans would leave conflict markers — `{ctx.prog} install-merge` (once in "
-                     "each clone; `setup` does it too).")
+from .hooks import read_plan_and_share, session_start, sharing_of, sharing_room
 
 
 def stop_if_interrupted(ctx, records):

@@ -9,9 +9,9 @@ import sys
 
 from .base import (
     blank, count_noun, count_stories, defuse, defused_line, DONE, indent, last_chars,
-    MAP_LABELS, MAP_LOOKBACK, MAP_WINDOW, MARKS, one_line, PYTHON, quote_arg, RESUME_CARRIED,
-    RESUME_LISTED, RESUME_MAP, RESUME_TAIL, RESUME_TITLE, short, STATUS_TABLE, TAIL_CHARS,
-    time_label)
+    MAP_LABELS, MAP_LOOKBACK, MAP_WINDOW, MARKS, NOT_THERE, one_line, PYTHON, quote_arg,
+    RESUME_CARRIED, RESUME_LISTED, RESUME_MAP, RESUME_TAIL, RESUME_TITLE, short, STATUS_TABLE,
+    TAIL_CHARS, time_label)
 from .model import (
     _PRISTINE, accepted_ids, active_stories, blocked_because, DEFAULTS, describe_exit,
     done_count, find_story, grade_detail, guard_capped, guard_paused, is_final, observed_of,
@@ -19,7 +19,7 @@ from .model import (
     rounds_left, run_evidence, run_outcome, run_summary, status_counts, stories_in, touch,
     unaddressed_failure, ids_text, waits_for)
 from .masking import mask
-from .runs import NOT_THERE, repo_root
+from .storage import repo_root
 
 # the folder that holds goals.py and this package (scripts/ in a checkout or a copy)
 ENTRY_FOLDER = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
