@@ -279,3 +279,40 @@ def test_readme_quotes_only_figures_the_bench_prints_from_docs_bench_json():
     assert not stray, ("README's performance section holds figures that "
                        "`bench.py --from docs/bench.json --markdown` does not print:\n"
                        + "\n".join(stray))
+
+
+def hook_floor(hook_cpu, floor_cpu=(10, 10, 10)):
+    """A saved section 2b: each hook's floor and its line, set and unset, three rounds."""
+    line = ('python3 -I -S "${CLAUDE_PROJECT_DIR:-$(git rev-parse --show-toplevel)}'
+            '/scripts/goals.py"')
+    return {"rounds": 3, "stories": 100, "groups": {
+        event: {"line": f"{line} {args}", "writes": writes,
+                "variants": {"floor": samples(ms(*floor_cpu)), "hook": samples(ms(*hook_cpu)),
+                             "hook, unset": samples(ms(*(x + 2 for x in hook_cpu)))}}
+        for event, args, writes in (("SessionStart", "status --resume", False),
+                                    ("Stop", "guard", True), ("PostToolUse", "observe", True),
+                                    ("PostToolUseFailure", "observe", True))}}
+
+
+def test_each_hook_setup_writes_is_judged_against_its_floor_by_the_median_of_its_rounds(
+        tmp_path):
+    """`--hooks` measures section 2b alone: each hook line against the floor run the same way;
+    the ratio is the median of per-round ratios, CPU, judged against 1.3."""
+    data = fake_data()
+    data["sections"] = {"hook_floor": hook_floor((12, 14, 13), (10, 10, 10))}
+    out = render(tmp_path, data, "--markdown")
+    assert "### 2b. Hooks against the floor" in out and "### 1. Starts" not in out
+    line, = lines_with(out, "- Stop hook ÷ its floor (a write):")
+    assert "×1.30 (wall ×1.30), bar ≤ 1.3: met; with CLAUDE_PROJECT_DIR unset ×1.50" in line
+    lines_with(out, "- SessionStart hook ÷ its floor (a read):")
+    data["sections"] = {"hook_floor": hook_floor((12, 14, 14), (10, 10, 10))}
+    line, = lines_with(render(tmp_path, data, "--markdown"), "- PostToolUse hook ÷ its floor")
+    assert "×1.40 (wall ×1.40), bar ≤ 1.3: NOT met" in line
+    row, = [r for r in out.splitlines() if r.startswith("| Stop `python3 -I -S")]
+    assert row.endswith("| 10.0 (10.0) | 13.0 (13.0) | 15.0 (15.0) |"), row
+
+
+def test_the_hooks_mode_is_one_command_that_says_what_it_measures():
+    r = subprocess.run([sys.executable, str(BENCH), "--help"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and "--hooks" in r.stdout and "setup claude" in r.stdout, r

@@ -19,6 +19,9 @@ from conftest import engine
 # what setup writes for a repository holding the engine: its launcher, with the bytecode cached
 PORTABLE = 'python3 "$(git rev-parse --show-toplevel)/scripts/goals.py"'
 HOOK = 'python3 -I -S "$(git rev-parse --show-toplevel)/scripts/goals.py"'  # hooks start it lean
+# Claude Code's hooks find the project in the folder it names for them, else through git
+CLAUDE_HOOK = ('python3 -I -S "${CLAUDE_PROJECT_DIR:-$(git rev-parse --show-toplevel)}'
+               '/scripts/goals.py"')
 
 
 @pytest.fixture
@@ -161,7 +164,7 @@ def test_setup_then_doctor_pass_and_setup_again_changes_no_file(repo, home):
     assert f"`{PORTABLE} next`" in block and str(repo) not in block and str(home) not in block
     settings = json.loads((repo / ".claude" / "settings.json").read_text())
     assert [h["command"] for g in settings["hooks"]["Stop"] for h in g["hooks"]] == \
-        [f"{HOOK} guard"]
+        [f"{CLAUDE_HOOK} guard"]
     assert str(repo) not in (repo / ".claude" / "settings.json").read_text()
     assert (repo / ".fablize" / ".gitignore").read_text() == engine.STATE_GITIGNORE
     files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in repo.rglob("*")
@@ -174,6 +177,103 @@ def test_setup_then_doctor_pass_and_setup_again_changes_no_file(repo, home):
     assert code == 0, out + err
     assert "✓ Stop hook: registered once (.claude/settings.json)" in out
     assert "✓ command:" in out and "doctor — claude is wired" in out
+
+
+def written_hooks(repo):
+    """{event: command line} of each hook `setup claude` wrote into .claude/settings.json."""
+    settings = json.loads((repo / ".claude" / "settings.json").read_text())
+    return {event: group["hooks"][0]["command"]
+            for event, groups in settings["hooks"].items() for group in groups}
+
+
+def run_hook(line, cwd, home, payload, path=None, **harness):
+    """A hook's line as Claude Code runs it: /bin/sh -c LINE in the session's folder, the
+    payload on stdin, the variables the harness sets (`harness`)."""
+    env = env_for(home, **harness)
+    if path is not None:
+        env["PATH"] = path
+    p = subprocess.run(["/bin/sh", "-c", line], cwd=str(cwd), env=env, input=json.dumps(payload),
+                       capture_output=True, text=True, timeout=120)
+    return p.returncode, p.stdout, p.stderr
+
+
+def test_each_hook_setup_writes_finds_the_project_from_a_subdirectory_without_git(repo, home,
+                                                                                 tmp_path):
+    """The lines `setup claude` writes, run as Claude Code runs them from a folder deep in the
+    project: with $CLAUDE_PROJECT_DIR set they find the engine and the plan without git (none is
+    on PATH: no git process a call); with it unset, through git, as before."""
+    assert script(repo, home, "setup", "claude")[0] == 0
+    lines = written_hooks(repo)
+    assert set(lines) == {"SessionStart", "Stop", "PostToolUse", "PostToolUseFailure"}
+    assert all(line.startswith(CLAUDE_HOOK) for line in lines.values()), lines
+    assert script(repo, home, "create", "--brief", "b", "--goal", "A::a", "--goal", "V::v")[0] == 0
+    assert script(repo, home, "next")[0] == 0
+    deep = repo / "src" / "deep"
+    no_git = tmp_path / "no-git"  # a PATH that holds python3 and nothing else
+    no_git.mkdir()
+    (no_git / "python3").symlink_to(shutil.which("python3"))
+    common = {"session_id": "s", "cwd": str(deep), "transcript_path": str(tmp_path / "t.jsonl")}
+    ran = {"tool_name": "Bash", "tool_input": {"command": "pytest -q"}}
+    for path, harness in ((str(no_git), {"CLAUDE_PROJECT_DIR": str(repo)}), (None, {})):
+        events = len(ledger(repo / ".fablize"))
+        code, out, err = run_hook(lines["SessionStart"], deep, home,
+                                  dict(common, hook_event_name="SessionStart", source="startup"),
+                                  path, **harness)
+        assert code == 0 and "=== fablize handoff — G001 A" in out, (harness, out, err)
+        code, out, err = run_hook(lines["Stop"], deep, home,
+                                  dict(common, hook_event_name="Stop", stop_hook_active=False),
+                                  path, **harness)
+        assert code == 0 and json.loads(out)["decision"] == "block", (harness, out, err)
+        code, out, err = run_hook(
+            lines["PostToolUse"], deep, home,
+            dict(common, **ran, hook_event_name="PostToolUse",
+                 tool_response={"stdout": "4 passed in 0.05s", "stderr": "", "exit_code": 0}),
+            path, **harness)
+        assert code == 0 and out == "", (harness, out, err)
+        code, out, err = run_hook(
+            lines["PostToolUseFailure"], deep, home,
+            dict(common, **ran, hook_event_name="PostToolUseFailure",
+                 error="Exit code 1\n1 failed, 3 passed in 0.06s"), path, **harness)
+        assert code == 0 and out == "", (harness, out, err)
+        recorded = [e["event"] for e in ledger(repo / ".fablize")[events:]]
+        assert recorded == ["guard_block", "observed_run", "observed_run"], (harness, recorded)
+    # without the harness's folder, and no git to find the project, the line fails as any
+    # command that is not found does (exit 127), never answering for another project
+    code, out, err = run_hook(lines["Stop"], deep, home,
+                              dict(common, hook_event_name="Stop", stop_hook_active=False),
+                              str(no_git))
+    assert code != 0 and out == "", (out, err)
+
+
+@pytest.mark.parametrize("line, payload, absent", [
+    ("guard", {"hook_event_name": "Stop", "stop_hook_active": False},
+     ("argparse", "fablize_gate.commands", "fablize_gate.audit", "fablize_gate.runs",
+      "fablize_gate.reports")),
+    ("status --resume", {"hook_event_name": "SessionStart", "source": "startup"},
+     ("argparse", "fablize_gate.commands", "fablize_gate.audit")),
+    ("observe", {"hook_event_name": "PostToolUse", "tool_name": "Bash",
+                 "tool_input": {"command": "pytest -q"},
+                 "tool_response": {"stdout": "4 passed in 0.05s", "exit_code": 0}},
+     ("argparse", "fablize_gate.commands", "fablize_gate.audit", "fablize_gate.runs")),
+    ("observe", {"hook_event_name": "PostToolUse", "tool_name": "Bash",
+                 "tool_input": {"command": "git status"}, "tool_response": {"exit_code": 0}},
+     ("argparse", "fablize_gate.commands", "fablize_gate.audit", "fablize_gate.runs")),
+])
+def test_a_hook_loads_only_what_it_needs(repo, home, line, payload, absent):
+    """A hook runs at every tool call: its start reads its line without the parser (argparse)
+    and loads neither the other commands nor what it does not use — told by the modules the
+    interpreter says it imported (-X importtime), not by a clock."""
+    assert script(repo, home, "create", "--brief", "b", "--goal", "A::a", "--goal", "V::v")[0] == 0
+    assert script(repo, home, "next")[0] == 0
+    p = subprocess.run([ENGINE_PYTHON, "-X", "importtime", "-I", "-S",
+                        str(repo / "scripts" / "goals.py"), *line.split()], cwd=str(repo),
+                       env=env_for(home), input=json.dumps(dict(payload, cwd=str(repo))),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p
+    imported = {row.split("|")[-1].strip() for row in p.stderr.splitlines()
+                if row.startswith("import time:")}
+    assert "fablize_gate.hooks" in imported and "fablize_gate.cli" in imported, p.stderr[-2000:]
+    assert not set(absent) & imported, sorted(set(absent) & imported)
 
 
 def test_setup_remove_undoes_exactly_what_setup_did(repo, home):

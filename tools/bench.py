@@ -17,6 +17,8 @@ counts what it inherited at exec, every max RSS figure is the measured command's
                   (bare interpreters, a floor script, the script, setup's hooks, the plugin,
                   the engine imported with site as installed), against the original's goals.py
   2. hooks        every hook setup writes and the plugin runs, against the original's hooks
+  2b. the floor   every hook `setup claude` writes, run as written, against a floor script
+                  doing the same file work with the same interpreter flags (--hooks: alone)
   3. large plans  10,000 and 100,000 stories, against the original (time and max RSS)
   4. a long real-run ledger   audit, rebuild, log, report against a bare parse+hash loop;
                   its events replay the fields real `verify` runs recorded
@@ -30,6 +32,7 @@ counts what it inherited at exec, every max RSS figure is the measured command's
   python3 tools/bench.py --quick --original DIR    # fewer rounds, smaller ledgers
   python3 tools/bench.py --markdown --save docs/bench.json --original DIR
   python3 tools/bench.py --from docs/bench.json --markdown   # the same output, measuring nothing
+  python3 tools/bench.py --hooks                     # 2b alone: the hooks against their floor
 DIR is a checkout of https://github.com/fivetaku/fablize; without it the rows that need it say
 so. `--from` renders only what the saved file holds, so it reproduces the printed output.
 Stdlib only, Python 3.9+.
@@ -713,6 +716,93 @@ def bench_hooks(lab, rounds):
     return {"rounds": rounds, "groups": groups}
 
 
+# 2b. Hooks against the floor #################################################################
+
+# What a hook must do at the least, with the same interpreter and flags as the line setup writes:
+# read and parse its payload and the plan; for a writing hook, under the lock, one ledger append
+# + fsync and one atomic snapshot (temp file, fsync, rename, fsync of the folder). A reader takes
+# no lock, as the engine's readers take none.
+HOOK_FLOOR = r"""
+import fcntl, json, os, sys
+d, write = sys.argv[1], sys.argv[2:] == ["write"]
+payload = json.loads(sys.stdin.buffer.read())
+if write:
+    lock = os.open(os.path.join(d, "lock"), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+with open(os.path.join(d, "goals.json"), "rb") as f:
+    plan = json.loads(f.read())
+if write:
+    fd = os.open(os.path.join(d, "ledger.jsonl"), os.O_WRONLY | os.O_APPEND)
+    os.write(fd, json.dumps({"seq": 0, "event": "floor", "payload": payload}).encode() + b"\n")
+    os.fsync(fd)
+    os.close(fd)
+    tmp = os.path.join(d, "goals.json.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.write(fd, json.dumps(plan).encode())
+    os.fsync(fd)
+    os.close(fd)
+    os.replace(tmp, os.path.join(d, "goals.json"))
+    dfd = os.open(d, os.O_RDONLY)
+    os.fsync(dfd)
+    os.close(dfd)
+"""
+# each hook `setup claude` writes: (its event, its payload, whether it writes in this state)
+FLOOR_HOOKS = (("SessionStart", "SessionStart", False), ("Stop", "Stop", True),
+               ("PostToolUse", "PostToolUse", True),
+               ("PostToolUseFailure", "PostToolUseFailure", True))
+HOOK_FLOOR_BAR = 1.3  # every hook setup writes, against the floor doing the same file work
+
+
+def written_hooks(project):
+    """{event: command line} of the hooks `setup claude` wrote into the project's settings."""
+    with open(os.path.join(project, ".claude", "settings.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    return {event: group["hooks"][0]["command"]
+            for event, groups in config["hooks"].items() for group in groups}
+
+
+def bench_hook_floor(lab, rounds):
+    """Each hook `setup claude` writes, run as written — through `sh -c`, as Claude Code runs a
+    hook command, in the project with CLAUDE_PROJECT_DIR set as Claude Code sets it, its payload
+    on stdin — against the floor script run the same way with the interpreter and flags of the
+    same line; and the same line without CLAUDE_PROJECT_DIR (its fallback). The project holds a
+    copy of the engine (scripts/goals.py and fablize_gate/, bytecode cached) as a user's does,
+    and a 100-story plan with a story in progress: the guard blocks and records it, observe
+    records the run. The plan is put back before every run."""
+    project, reset = lab.project("hook-floor", 100, True)
+    shutil.copytree(os.path.join(ENGINE, "fablize_gate"),
+                    os.path.join(project, "scripts", "fablize_gate"))
+    shutil.copy2(SCRIPT, os.path.join(project, "scripts", "goals.py"))
+    lab.run([PY, os.path.join(project, "scripts", "goals.py"), "setup", "claude"], project,
+            env=lab.git_env)
+    lines = written_hooks(project)
+    floor = write(lab.path("hook-floor.py"), HOOK_FLOOR)
+    transcript = os.path.join(lab.home, "transcript.jsonl")
+    write(transcript, "".join(json.dumps(line) + "\n" for line in TRANSCRIPT))
+    payloads = hook_payloads(project, transcript)
+    payloads["PostToolUseFailure"] = dict(
+        payloads["PostToolUse"], hook_event_name="PostToolUseFailure",
+        error="Exit code 1\n....F\n1 failed, 4 passed in 0.06s")
+    del payloads["PostToolUseFailure"]["tool_response"]
+    harness = dict(lab.env, CLAUDE_PROJECT_DIR=project)
+    unset = {k: v for k, v in lab.git_env.items() if k != "CLAUDE_PROJECT_DIR"}  # git finds it
+    state = os.path.join(project, ".fablize")
+    groups = {}
+    for event, shape, writes in FLOOR_HOOKS:
+        line = lines[event]
+        flags = line[:line.index('"')]  # `python3 -I -S `: the interpreter as the line starts it
+        stdin = write(lab.path("payloads", f"floor-{event}.json"), json.dumps(payloads[shape]))
+        floor_line = f"{flags}{floor} {state}" + (" write" if writes else "")
+        variants = [Variant("floor", ["sh", "-c", floor_line], project, stdin, reset, env=harness),
+                    Variant("hook", ["sh", "-c", line], project, stdin, reset, env=harness),
+                    Variant("hook, unset", ["sh", "-c", line], project, stdin, reset,
+                            env=unset)]
+        say(f"hooks against the floor: {event}, {rounds} rounds")
+        groups[event] = {"line": line.replace(project, "<project>"), "writes": writes,
+                         "variants": lab.measure(variants, rounds)}
+    return {"rounds": rounds, "stories": 100, "groups": groups}
+
+
 # 3. Large plans ###############################################################################
 
 
@@ -1328,6 +1418,32 @@ def render_hooks(page, sec):
             page.figure(f"{head}: {parts}; bar ≤ {HOOK_BAR}: {verdict}")
 
 
+def render_hook_floor(page, sec):
+    page.heading(f"2b. Hooks against the floor: what `setup claude` writes, run as written "
+                 f"({sec['rounds']} rounds)")
+    page.text("each hook line exactly as `setup claude` writes it into .claude/settings.json, run "
+              "through `sh -c` in the project as Claude Code runs it, with CLAUDE_PROJECT_DIR "
+              "set (hook) and unset (hook, unset: the line's fallback finds the project with "
+              "`git rev-parse`); floor = a script run the same way with the same interpreter and "
+              "flags that reads and parses the payload and goals.json and, for a hook that "
+              f"writes, under the lock appends one ledger line + fsync and rewrites the snapshot "
+              f"atomically; a {sec['stories']}-story plan with a story in progress (the guard "
+              "blocks and records it, observe records the run), put back before every run")
+    rows = []
+    for event, g in sec["groups"].items():
+        v = g["variants"]
+        rows.append([f"{event} `{g['line']}`", cell(v["floor"]), cell(v["hook"]),
+                     cell(v["hook, unset"])])
+    page.table(["hook line, ms CPU (wall)", "floor", "hook", "hook, unset"], rows)
+    for event, g in sec["groups"].items():
+        v = g["variants"]
+        ratio = per_round(v["hook"], v["floor"], "cpu")
+        page.figure(f"{event} hook ÷ its floor ({'a write' if g['writes'] else 'a read'}): "
+                    f"{times(v['hook'], v['floor'])}, bar ≤ {HOOK_FLOOR_BAR}: "
+                    f"{met(ratio <= HOOK_FLOOR_BAR)}; with CLAUDE_PROJECT_DIR unset "
+                    f"{times(v['hook, unset'], v['floor'])}")
+
+
 HOOK_BAR = 0.6  # every hook setup writes, against the original plugin's for the same event
 LARGE = [("script", "scripts/goals.py"), ("hook", "-I -S scripts/goals.py"),
          ("original", "original")]
@@ -1555,15 +1671,15 @@ def render(data, markdown=False):
     page = Page(markdown)
     render_header(page, data)
     s = data["sections"]
-    render_starts(page, s["starts"])
-    render_hooks(page, s["hooks"])
-    render_large(page, s["large"])
-    render_ledger(page, s["ledger"])
-    if "worked" in s:  # (a file saved before it was measured has none)
-        render_worked(page, s["worked"])
-    render_long_line(page, s["long_line"])
-    render_sharing(page, s["sharing"])
-    render_huge(page, s["huge"])
+    # each section a run measured, in order (--hooks measures 2b alone; a file saved before a
+    # section was measured has none of it)
+    for name, render_section in (("starts", render_starts), ("hooks", render_hooks),
+                                 ("hook_floor", render_hook_floor), ("large", render_large),
+                                 ("ledger", render_ledger), ("worked", render_worked),
+                                 ("long_line", render_long_line), ("sharing", render_sharing),
+                                 ("huge", render_huge)):
+        if name in s:
+            render_section(page, s[name])
     lines, out = page.lines, []
     for line in lines:  # one blank line at most between blocks
         if line or (out and out[-1]):
@@ -1602,8 +1718,12 @@ def measure_all(a, rounds, events):
     root = tempfile.mkdtemp(prefix="fablize-bench-")
     try:
         lab = Lab(root, original)
+        if a.hooks:  # section 2b alone
+            s["hook_floor"] = bench_hook_floor(lab, rounds)
+            return data
         s["starts"] = bench_starts(lab, rounds)
         s["hooks"] = bench_hooks(lab, rounds)
+        s["hook_floor"] = bench_hook_floor(lab, rounds)
         s["large"] = bench_large(lab, (10_000, 100_000), (rounds, max(3, rounds // 2)))
         s["ledger"] = bench_ledger(lab, events, max(5, rounds // 3))
         s["worked"] = bench_worked(lab, events, max(5, rounds // 3))
@@ -1616,7 +1736,7 @@ def measure_all(a, rounds, events):
             s["huge"] = bench_huge(lab, a.huge_events, a.huge_stories)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    data["meta"]["load_end"] = list(os.getloadavg())
+        data["meta"]["load_end"] = list(os.getloadavg())
     return data
 
 
@@ -1630,6 +1750,9 @@ def main(argv=None):
     p.add_argument("--events", type=int,
                    help="events in the real-run ledger (default 1,000,000, quick 100,000)")
     p.add_argument("--no-sharing", action="store_true", help="skip section 6 (a shared plan)")
+    p.add_argument("--hooks", action="store_true",
+                   help="measure only section 2b: each hook `setup claude` writes, run as "
+                        "written, against the floor script (about a minute)")
     p.add_argument("--huge", action="store_true", help="run section 7 (huge states; slow)")
     p.add_argument("--huge-events", type=int, default=10_000_000, metavar="N",
                    help="events of section 7's ledger (default 10,000,000)")

@@ -27,13 +27,19 @@ when it needs it, so a start loads only what it runs):
   base       constants, FablizeError (the one exception type), small helpers
   masking    secrets and this machine's places, kept out of what is recorded
   model      stories, events, transitions with their log lines, the gates, Replay (pure)
-  storage    discovery, files, lock, ledger, snapshot, transactions, streaming replay
+  storage    discovery (the state directory, the repository's root), files, lock, ledger,
+             snapshot, transactions, streaming replay
   history    the whole ledger replayed and judged, event by event (audit_ledger)
   runs       the one place processes start: git, tools, checks, provenance
   render     handoff, status, session start, plan map, report: text only
   hooks      what an agent's harness runs, each a command: guard, observe, status --resume
+             (and the sharing room's door, which they share with the commands)
   commands   one function a command
-  cli        the parser, Output, Context and `main`, the one exit point; an error said once
+  cli        the parser, Output, Context (what opening the state directory does) and `main`,
+             the one exit point, where an error is said once; a hook's line is read without the
+             parser, and a hook's start loads neither commands nor runs (a hook runs at every
+             tool call: tools/bench.py --hooks holds each to 1.3 times a floor script doing its
+             file work)
 Rooms use the layers below commands through the names they import from them, and are loaded
 by the command line only for their own commands: audit (the audit command: its gates, the
 trust room's and the re-run's assembled into one verdict; its options one table), setup

@@ -6,21 +6,21 @@ import _signal
 import os
 import re
 import sys
+import types
 
 from .base import (
     clean, create_args, DECISIONS, DEFAULT_ROUNDS, DEFAULT_RUN_TIMEOUT, EXIT_DAMAGED, EXIT_OK,
-    EXIT_SIGNAL_BASE, EXIT_USAGE, FablizeError, fix_argv_text, HOOK_AGENTS, id_arg, json_text,
-    one_line, PIN, quote_arg, regex, SCHEMA_VERSION, SHARE, Step, TIMEOUT_OPTION, TRIPWIRE,
-    usage, VERDICTS)
+    EXIT_SIGNAL_BASE, EXIT_USAGE, FablizeError, fix_argv_text, HOOK_AGENTS, id_arg, INFLIGHT,
+    json_text, one_line, PIN, quote_arg, regex, RUNS, SCHEMA_VERSION, SHARE, STATE_DIRNAME, Step,
+    TIMEOUT_OPTION, TRIPWIRE, usage, VERDICTS)
 from .masking import plan_text, use_environment
 from .storage import find_state_dir, lock_timeout, project_state_dir, snapshot_damage, Store
 from .render import ENTRY_FOLDER, invocation, step_text
-from .hooks import cmd_guard, cmd_observe
-from .commands import (
-    cmd_add, cmd_checkpoint, cmd_create, cmd_decide, cmd_judge_packet, cmd_log, cmd_next,
-    cmd_pause, cmd_rebuild, cmd_report, cmd_status, cmd_unpause, cmd_verdict, cmd_verify,
-    history_way_out, setup_room, sharing_room, store_opened)
+from .hooks import cmd_guard, cmd_observe, session_start, sharing_of, sharing_room
 from . import __version__
+# The core's other commands (commands.py) are named in their builders and loaded when one of
+# them is built (Command): a hook's start — guard, observe, status --resume, read without the
+# parser (hook_args) — loads neither them nor runs.py, which what starts a process loads.
 
 
 ROOM_COMMANDS = {"install-block": "setup", "setup": "setup", "doctor": "setup",
@@ -185,8 +185,44 @@ class Context:
         self.out.raw = [obj] if obj is not None else []
 
 
+# No merge-driver warning from the commands that wire the driver, nor from audit (CI's copy of
+# the engine is no clone), doctor (a finding says it), or the hooks whose answer is their
+# harness's JSON (a warning reaches no one there)
+MERGE_QUIET = ("install-merge", "setup", "merge-driver", "audit", "doctor", "guard", "observe")
+
+
+def store_opened(ctx, store):
+    """What every command does as it opens the state directory `store`: what is left of a run
+    whose engine died is ended when the lock is next taken (end_orphans); a shared plan's store
+    publishes after each write (the sharing room attaches to it); a clone whose git config
+    lacks the merge driver that .gitattributes names is warned — not where no branch merge can
+    touch the plan (a shared plan lives in refs), nor by MERGE_QUIET's commands. Read from
+    files, no git process."""
+    store.on_lock.append(end_orphans)  # a run whose engine died: ended under the lock
+    sharing = sharing_of(store)
+    if sharing is not None:
+        sharing.attach(store)
+    elif getattr(ctx.args, "command", None) not in MERGE_QUIET:
+        from .runs import merge_driver_missing
+        if merge_driver_missing(store.root):
+            ctx.out.warn(f".gitattributes merges {STATE_DIRNAME}/ with fablize's merge driver, "
+                         "which this clone's git config does not have: a merge of two "
+                         f"branches' plans would leave conflict markers — `{ctx.prog} "
+                         "install-merge` (once in each clone; `setup` does it too).")
+
+
+def end_orphans(store):
+    """runs.end_orphaned_runs, under the lock, where a run was noted in flight since it last
+    tidied: it reads only the notes' folder, runs/.inflight/ (and removes it once empty), so
+    it has nothing to do where there is none — as for most writes a hook makes, which then do
+    not load runs.py (0.45 ms of a start)."""
+    if os.path.lexists(os.path.join(store.path(RUNS), INFLIGHT)):
+        from .runs import end_orphaned_runs
+        end_orphaned_runs(store)
+
+
 def add_create(command):
-    c = command("create", cmd_create, "create a plan of sequential stories",
+    c = command("create", "cmd_create", "create a plan of sequential stories",
             "the last one is the verification gate; freeze the commands that prove a story with "
             "--check and --verify")
     c.add_argument("--brief", required=True, help="the task, in one line")
@@ -222,7 +258,7 @@ def add_create(command):
 
 
 def add_next(command):
-    c = command("next", cmd_next, "activate the next ready story, print its handoff",
+    c = command("next", "cmd_next", "activate the next ready story, print its handoff",
             'a story already in progress for this agent is printed again, never restarted; '
             'without --agent, none an agent holds is handed out')
     c.add_argument("--agent", metavar="NAME",
@@ -234,7 +270,7 @@ def add_timeout(c):
 
 
 def add_checkpoint(command):
-    c = command("checkpoint", cmd_checkpoint, "record a story's result, with evidence",
+    c = command("checkpoint", "cmd_checkpoint", "record a story's result, with evidence",
             "complete needs evidence, and the final story needs verification; frozen checks run "
             "by themselves")
     c.add_argument("--id", required=True, type=id_arg, help="the story, e.g. G001 (g1 works too)")
@@ -256,7 +292,7 @@ def add_checkpoint(command):
 
 
 def add_status(command):
-    c = command("status", cmd_status, "show the plan and what to do next",
+    c = command("status", "cmd_status", "show the plan and what to do next",
             "every story, what it waits for, and the next command (the first command when "
             "resuming)")
     c.add_argument("--resume", action="store_true",
@@ -268,7 +304,7 @@ def add_status(command):
 
 
 def add_verify(command):
-    c = command("verify", cmd_verify, "run a story's frozen checks now",
+    c = command("verify", "cmd_verify", "run a story's frozen checks now",
             "the runs are recorded; the story's status does not change")
     c.add_argument("--id", required=True, type=id_arg, help="the story, e.g. G001")
     c.add_argument("--verify-cmd", dest="verify_cmd", default="",
@@ -277,7 +313,7 @@ def add_verify(command):
 
 
 def add_decide(command):
-    c = command("decide", cmd_decide, "a human's call on a blocked, failed or in-review story",
+    c = command("decide", "cmd_decide", "a human's call on a blocked, failed or in-review story",
             "accept it, retry it, or amend its objective")
     c.add_argument("--id", required=True, type=id_arg, help="the story, e.g. G001")
     c.add_argument("decision", choices=DECISIONS,
@@ -291,7 +327,7 @@ def add_decide(command):
 
 
 def add_add(command):
-    c = command("add", cmd_add, "add a story before the final one",
+    c = command("add", "cmd_add", "add a story before the final one",
             'stories can be added until the final story starts')
     c.add_argument("--goal", required=True, metavar="TITLE::OBJECTIVE", help="the new story")
     c.add_argument("--check", action="append", default=[], metavar="CMD",
@@ -305,12 +341,12 @@ def add_add(command):
 
 
 def add_rebuild(command):
-    command("rebuild", cmd_rebuild, "regenerate goals.json from the ledger",
+    command("rebuild", "cmd_rebuild", "regenerate goals.json from the ledger",
             'the old snapshot is kept beside it')
 
 
 def add_log(command):
-    c = command("log", cmd_log, "the plan's history, readable",
+    c = command("log", "cmd_log", "the plan's history, readable",
             "every event of the ledger, checked as audit checks it")
     c.add_argument("--id", type=id_arg, help="only this story's events, e.g. G001")
 
@@ -323,7 +359,7 @@ def add_guard(command):
 
 
 def add_report(command):
-    c = command("report", cmd_report, "a Markdown summary for a PR or CI job",
+    c = command("report", "cmd_report", "a Markdown summary for a PR or CI job",
             'progress, stories, the latest runs and the dependency graph')
     c.add_argument("--out", metavar="FILE",
                    help="write it here (default: append to $GITHUB_STEP_SUMMARY when set, else "
@@ -334,7 +370,7 @@ def add_report(command):
 
 
 def add_judge_packet(command):
-    c = command("judge-packet", cmd_judge_packet, "what a judge needs to judge a story",
+    c = command("judge-packet", "cmd_judge_packet", "what a judge needs to judge a story",
             "the objective, the checklist and this round's evidence and runs")
     c.add_argument("--id", required=True, type=id_arg, help="the story, e.g. G001")
     add_tripwire_base(c)
@@ -347,7 +383,7 @@ def add_tripwire_base(c):
 
 
 def add_verdict(command):
-    c = command("verdict", cmd_verdict, "a judge's verdict on a story in review",
+    c = command("verdict", "cmd_verdict", "a judge's verdict on a story in review",
             "the judge must not be the story's executor")
     c.add_argument("--id", required=True, type=id_arg, help="the story, e.g. G001")
     c.add_argument("verdict", choices=VERDICTS,
@@ -366,13 +402,13 @@ def add_hook_for(c, what):
 
 
 def add_pause(command):
-    c = command("pause", cmd_pause, "let the Stop guard rest (recorded)",
+    c = command("pause", "cmd_pause", "let the Stop guard rest (recorded)",
                 "the agent may stop although the plan has work; recorded in the ledger")
     c.add_argument("--note", help="why (shown in status and the history)")
 
 
 def add_unpause(command):
-    command("unpause", cmd_unpause, "turn the Stop guard back on", "recorded in the ledger")
+    command("unpause", "cmd_unpause", "turn the Stop guard back on", "recorded in the ledger")
 
 
 def add_observe(command):
@@ -414,6 +450,43 @@ def command_in(argv):
     return None
 
 
+def hook_args(argv, name):
+    """The arguments of a hook's command line — `guard`, `observe`, `status --resume`, with the
+    options they declare (add_hook_for; --dir, --json) — as the parser would give them, read
+    without it: a hook runs at every tool call, and the parser (argparse, the patterns it
+    compiles, the commands it names) is some 4 ms of its CPU (`status --resume` on a 100-story
+    plan: 22.0 ms, 25.8 ms through the parser). None for anything else (help, an abbreviation,
+    a value it would refuse): then the parser reads the line, with its own errors."""
+    if name not in ("guard", "observe", "status"):
+        return None
+    values = {"dir": None, "json": False, "command": name, "hook_for": "claude", "plugin": False}
+    flags = {"--json": "json", "--plugin": "plugin"}
+    takes = {"--dir": "dir", "--for": "hook_for"}
+    if name == "status":  # a session start: cmd_status hands --resume to it
+        values.update(resume=False, agent=None, func=session_start)
+        flags["--resume"], takes["--agent"] = "resume", "agent"
+    else:
+        values["func"] = cmd_guard if name == "guard" else cmd_observe
+    tokens, named = list(argv), False
+    while tokens:
+        token = tokens.pop(0)
+        option, equals, value = token.partition("=")
+        if token == name and not named:
+            named = True
+        elif token in flags:
+            values[flags[token]] = True
+        elif option in takes and (equals or tokens):
+            value = value if equals else tokens.pop(0)
+            if not equals and value.startswith("-"):
+                return None  # argparse's: it expected a value
+            values[takes[option]] = value
+        else:
+            return None
+    if values["hook_for"] not in HOOK_AGENTS or (name == "status" and not values["resume"]):
+        return None
+    return types.SimpleNamespace(**values)
+
+
 class Command:
     """One command as its builder declares it: its --help lines and the add_argument calls
     argparse is given, kept, so that only the command named is built (build_parser) and its
@@ -421,6 +494,9 @@ class Command:
 
     def __init__(self, name, func, summary, details):
         self.name, self.summary, self.description = name, summary, f"{summary}: {details}"
+        if isinstance(func, str):  # a core command's, by its name in commands.py
+            from . import commands
+            func = getattr(commands, func)
         self.defaults = {"func": func}
         self.arguments = []  # (option strings, add_argument's keywords)
         self.epilog, self.raw_epilog = None, False
@@ -435,10 +511,11 @@ class Command:
 def room_of(command):
     """The room that declares `command` (ROOM_COMMANDS), imported when one of its commands runs."""
     room = ROOM_COMMANDS[command]
-    if room == "setup":
-        return setup_room()
     if room == "sharing":
         return sharing_room()
+    if room == "setup":
+        from . import setup
+        return setup
     if room == "audit":
         from . import audit
         return audit
@@ -696,6 +773,7 @@ def way_out(ctx, error, argv):
         steps = [Step.again()]
     elif (code in HISTORY_DAMAGE and store is not None
           and not getattr(ctx.args, "remote", None)):  # a remote's history: the sharing room's
+        from .commands import history_way_out
         said, steps = history_way_out(store, error)
         message += said
     return message, [step_text(step, prog, argv) for step in steps]
@@ -742,7 +820,7 @@ def main(argv=None, interrupts=None):
         # usage errors and --help name the engine as it was started, runnable as printed
         prog = invocation()  # once a start: the usage line and every printed command use it
         name = command_in(argv)
-        args = build_parser(name, prog).parse_args(argv)
+        args = hook_args(argv, name) or build_parser(name, prog).parse_args(argv)
         command = args.command
         out.json = args.json and command != "guard"
         ctx = Context(args, out, prog, argv)

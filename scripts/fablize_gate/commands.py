@@ -10,7 +10,7 @@ from .base import (
     blank, clean, count_noun, count_stories, create_args, defused_line, DONE,
     EXIT_SIGNAL_BASE, FablizeError, LEDGER, limit_text, new_plan_id, no_plan,
     now_iso, one_line, parse_ids, PLAN_EXISTS, refused, REPORT_RUNS, scope_pattern, SNAPSHOT,
-    split_assignment, STATE_DIRNAME, Step, story_id, TRIPWIRE, usage, ZERO_HASH)
+    split_assignment, Step, story_id, TRIPWIRE, usage, ZERO_HASH)
 from .masking import check_command, mask, masked_text, plan_text
 from .model import (
     active_stories, apply_event, checkpoint_args,
@@ -22,46 +22,14 @@ from .storage import (
     commit_start, free_name, loose_snapshot,
     replay_all, shown_path, user_file, within, write_atomic)
 from .runs import (
-    committed_copy, commit_runs, drop_temp_logs, end_orphaned_runs, execute_runs,
-    file_not_there_yet, inflight_runs, merge_driver_missing, MERGE_QUIET, tree_state,
-    unverifiable_checks, verification_runs)
+    committed_copy, commit_runs, drop_temp_logs, execute_runs,
+    inflight_runs, tree_state, unverifiable_checks, verification_runs)
 from .render import (
-    create_command, done_line, human_command, inflight_lines, left_line, next_action, next_line,
-    plan_json, plan_summary, render_handoff, render_judge_packet, render_observed, render_report,
-    render_status, rerun_command, sequential, story_json, TAKE_TURNS)
-from .hooks import (
-    read_plan_and_share, session_start, sharing_of)
-
-
-def sharing_room():
-    """The sharing room (share, sync, release, create --remote, audit --remote)."""
-    from . import sharing
-    return sharing
-
-
-def setup_room():
-    """The setup room (setup, doctor, install-block, completion; the plugin's hooks)."""
-    from . import setup
-    return setup
-
-
-def store_opened(ctx, store):
-    """What every command does as it opens the state directory `store`: what is left of a run
-    whose engine died is ended when the lock is next taken (runs.end_orphaned_runs); a shared
-    plan's store publishes after each write (the sharing room attaches to it); a clone whose git
-    config lacks the merge driver that .gitattributes names is warned — not where no branch
-    merge can touch the plan (a shared plan lives in refs), by the commands that wire the
-    driver, nor by audit (CI's copy of the engine is no clone). Read from files, no git process."""
-    store.on_lock.append(end_orphaned_runs)  # a run whose engine died: ended under the lock
-    sharing = sharing_of(store)
-    if sharing is not None:
-        sharing.attach(store)
-    elif (getattr(ctx.args, "command", None) not in MERGE_QUIET
-          and merge_driver_missing(store.root)):
-        ctx.out.warn(f".gitattributes merges {STATE_DIRNAME}/ with fablize's merge driver, "
-                     "which this clone's git config does not have: a merge of two branches' "
-                     f"plans would leave conflict markers — `{ctx.prog} install-merge` (once in "
-                     "each clone; `setup` does it too).")
+    create_command, done_line, file_not_there_yet, human_command, inflight_lines, left_line,
+    next_action, next_line, plan_json, plan_summary, render_handoff, render_judge_packet,
+    render_observed, render_report, render_status, rerun_command, sequential, story_json,
+    TAKE_TURNS)
+from .hooks import read_plan_and_share, session_start, sharing_of, sharing_room
 
 
 def stop_if_interrupted(ctx, records):

@@ -168,9 +168,9 @@ def masked_text(name, text, root=None):
 # the harness and of an agent's words shows them as a shell would let one type them: the
 # repository's root as `.`, the home folder as `~`. A command the engine runs again (a frozen
 # check, a --run) is kept as given: it must run as written.
-def _places(key):
-    """(pattern, {place: shown}) for text of `kind` (str or bytes) under `root`, or None."""
-    kind, root, home, pwd = key
+def _shown(key):
+    """{place: how it is shown} of the places masked under `root` (key: root, home, pwd)."""
+    root, home, pwd = key
     shown = {}
     for path, name in ((root, "."), (logical_root(root, pwd), "."), (home, "~")):
         for p in (path, path and os.path.realpath(path)):
@@ -179,6 +179,13 @@ def _places(key):
             # stays, as it does on other machines in the output (`scp x web:/root/`, GET /app/x)
             if p.startswith("/") and p.count("/") >= 2 and p not in shown:
                 shown[p] = name
+    return shown
+
+
+def _places(key):
+    """(pattern, {place: shown}) for text of `kind` (str or bytes) under `root`, or None."""
+    kind, root, home, pwd = key
+    shown = _SHOWN[root, home, pwd]
     if not shown:
         return None
     # a whole place only, the longest first (a root inside the home folder is `.`): not the end
@@ -211,6 +218,7 @@ def logical_root(root, pwd):
     return pwd.rstrip("/")[:-len(tail)]
 
 
+_SHOWN = Lazy(_shown)  # (root, home, pwd) -> {place: shown}
 _PLACES = Lazy(_places)  # (str or bytes, root, home, pwd) -> (pattern, shown) or None
 
 
@@ -223,7 +231,16 @@ def places_of(kind, root):
 def mask_places(text, root):
     """`text` (str or bytes) with the repository's root (`root`, when given) shown as `.` and
     the home folder as `~`, wherever a whole one of them is named."""
-    places = places_of(type(text), root) if text else None
+    if not text:
+        return text
+    # a whole place is first of all the place's text: most text names none (a hook's reason,
+    # an observed command), and then no pattern is compiled (0.3 ms)
+    shown = _SHOWN[root, ENVIRONMENT.home, ENVIRONMENT.pwd]
+    if type(text) is bytes:
+        shown = [p.encode("utf-8", "surrogateescape") for p in shown]
+    if not any(p in text for p in shown):
+        return text
+    places = places_of(type(text), root)
     if places is None:
         return text
     pattern, shown = places
@@ -246,7 +263,7 @@ def masked_tail(text, n, root):
     return last_chars(mask_places(mask(text, True), root), n)
 
 
-_LAST_BREAK = re.compile(rb"[^\w./~:%+=@\\-][\w./~:%+=@\\-]*\Z")  # the last byte no token holds
+_LAST_BREAK = rb"[^\w./~:%+=@\\-][\w./~:%+=@\\-]*\Z"  # the last byte no token holds
 HOLD = 4096  # bytes of a line too long to hold that wait for what follows them
 
 
@@ -267,7 +284,7 @@ class Masker:
         past it (a secret's value or a path may hold a space). What matches over more than
         HOLD bytes is no token: cut through, so that the line held back stays short."""
         end = len(data) - HOLD
-        found = _LAST_BREAK.search(data, end - READ_CHUNK // 4, end)
+        found = regex(_LAST_BREAK).search(data, end - READ_CHUNK // 4, end)
         cut = found.start() + 1 if found else end
         for pattern in (secrets_of(bytes), (places_of(bytes, self.root) or [None])[0]):
             for m in pattern.finditer(data) if pattern is not None else ():

@@ -10,7 +10,8 @@ from operator import itemgetter
 
 from .base import (
     blank, count_noun, count_stories, create_args, defuse, defused_line, DONE, has_marker_word,
-    indent, last_chars, MAP_LABELS, MAP_LOOKBACK, MAP_WINDOW, MARKS, one_line, PYTHON, quote_arg,
+    indent, last_chars, MAP_LABELS, MAP_LOOKBACK, MAP_WINDOW, MARKS, NOT_THERE, one_line, PYTHON,
+    quote_arg,
     RESUME_CARRIED, RESUME_LISTED, RESUME_MAP, RESUME_TAIL, RESUME_TITLE, short, STATUS_TABLE,
     TAIL_CHARS, time_label)
 from .model import (
@@ -21,7 +22,7 @@ from .model import (
     run_evidence, run_outcome, run_summary, status_counts, stories_in, touch, unaddressed_failure,
     verdict_args, waits_for)
 from .masking import mask
-from .runs import file_not_there_yet, NOT_THERE, repo_root, unverifiable_label
+from .storage import repo_root
 
 # the folder that holds goals.py and this package (scripts/ in a checkout or a copy)
 ENTRY_FOLDER = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
@@ -650,6 +651,17 @@ def render_report(plan, runs, total=None):
                          f"`{plan['ledger']['seq']}:{md_cell(plan['ledger']['head'])}` "
               f"(plan `{md_cell(plan['plan_id'])}`)", ""]
     return "\n".join(lines)
+
+
+def file_not_there_yet(u):
+    """Whether an unverifiable check only waits for its file (a story may write it)."""
+    return u["reason"].endswith(NOT_THERE)
+
+
+def unverifiable_label(u):
+    where = f"{one_line(u['id'])} check {u['check'] + 1}"
+    return (f"· {where} waits for its file" if file_not_there_yet(u)
+            else f"⚠ {where} cannot run here")
 
 
 def render_status(prog, plan, share=(), agent=None, step=None):

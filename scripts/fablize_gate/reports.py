@@ -22,7 +22,7 @@ import json
 import os
 import re
 
-from .base import count_noun, one_line
+from .base import count_noun, one_line, regex
 
 PASSED, FAILED, ERROR, SKIPPED, XFAILED = "passed", "failed", "error", "skipped", "xfailed"
 NOT_RUN = (SKIPPED, XFAILED)
@@ -139,8 +139,10 @@ def _word(cmd, i):
 WRAPPERS = frozenset("env nohup time nice timeout xvfb-run npx yarn pnpm bunx bun uv poetry pdm "
                      "hatch run exec command builtin if then elif else while until do ! { "
                      "sudo".split())
-_ASSIGNMENT = re.compile(r"[A-Za-z_]\w*=.*", re.S | re.A)
-_PYTHON = re.compile(r"(python[\d.]*|pypy[\d.]*|py|coverage)\Z")
+# this module's patterns are text, compiled on first use (base.regex): compiled as it loaded,
+# they (and masking's one) were 1.2 ms of every start, a hook's too, that reads no runner
+_ASSIGNMENT = r"(?sa)[A-Za-z_]\w*=.*"
+_PYTHON = r"(python[\d.]*|pypy[\d.]*|py|coverage)\Z"
 _DIRECT = {"pytest": "pytest", "py.test": "pytest", "jest": "jest", "vitest": "vitest"}
 RUNNER_NAMES = ("pytest", "unittest", "go", "cargo", "node", "jest", "vitest")
 
@@ -149,7 +151,8 @@ def _runner_in(words):
     """(runner, index of the word its report options follow) of one simple command, or None."""
     i = 0
     while i < len(words) and (words[i][0] in WRAPPERS or words[i][0].startswith("-")
-                              or words[i][0].isdigit() or _ASSIGNMENT.fullmatch(words[i][0])):
+                              or words[i][0].isdigit()
+                              or regex(_ASSIGNMENT).fullmatch(words[i][0])):
         i += 1
     if i >= len(words):
         return None
@@ -157,7 +160,7 @@ def _runner_in(words):
     if name in _DIRECT:
         return _DIRECT[name], (len(words) - 1 if name in ("pytest", "py.test") else
                                _after_subcommand(words, i, name))
-    if _PYTHON.match(name) and "-m" in args[:-1]:
+    if regex(_PYTHON).match(name) and "-m" in args[:-1]:
         module = args[args.index("-m") + 1]
         if module == "pytest":  # last: its own --junitxml would otherwise win over the engine's
             return "pytest", len(words) - 1
@@ -444,10 +447,10 @@ _READERS = {"pytest": _read_pytest, "node": _read_node, "jest": _read_jest, "vit
 # a test's line: its name, its dotted id, a sub-test's parameters, and — when its docstring is
 # printed — the docstring's line, before ` ... ` and its outcome
 # (a module that did not load is named dotted: `tests.test_calc (unittest.loader._FailedTest…)`)
-_UNITTEST_TEST = re.compile(r"(?:^|(?<=\s))([\w.]+) \(([\w.]+)\)(?: \(([^\n]*?)\))?"
-                            r"(?:\n[^\n]*?)? \.\.\. ", re.M)
-_UNITTEST_BLOCK = re.compile(r"^(FAIL|ERROR|UNEXPECTED SUCCESS): ([\w.]+) \(([\w.]+)\)", re.M)
-_UNITTEST_RAN = re.compile(r"^Ran (\d+) tests? in ", re.M)
+_UNITTEST_TEST = (r"(?m)(?:^|(?<=\s))([\w.]+) \(([\w.]+)\)(?: \(([^\n]*?)\))?"
+                  r"(?:\n[^\n]*?)? \.\.\. ")
+_UNITTEST_BLOCK = r"(?m)^(FAIL|ERROR|UNEXPECTED SUCCESS): ([\w.]+) \(([\w.]+)\)"
+_UNITTEST_RAN = r"(?m)^Ran (\d+) tests? in "
 _UNITTEST_RESULT = (("ok", PASSED), ("FAIL", FAILED), ("ERROR", ERROR), ("skipped", SKIPPED),
                     ("expected failure", XFAILED), ("unexpected success", FAILED))
 
@@ -461,11 +464,11 @@ def _unittest_id(name, dotted):
 def _read_unittest(report, log):
     """unittest's -v lines (`test_x (mod.Class.test_x) ... ok`), then its FAIL/ERROR blocks
     (which name a failed sub-test too). Each `Ran N tests` must be matched by N tests named."""
-    runs = [int(m.group(1)) for m in _UNITTEST_RAN.finditer(log)]
+    runs = [int(m.group(1)) for m in regex(_UNITTEST_RAN).finditer(log)]
     if not runs:
         return False
     found = {}
-    for m in _UNITTEST_TEST.finditer(log):
+    for m in regex(_UNITTEST_TEST).finditer(log):
         test_id = _unittest_id(m.group(1), m.group(2))
         rest = log[m.end():m.end() + 200]
         if m.group(3) is not None:  # a sub-test's own line: it failed
@@ -476,7 +479,7 @@ def _read_unittest(report, log):
             # what it printed (log lines, however many), before the next test's line
             following = log[m.end():m.end() + 65536].split("\n")[1:]
             for line in following:
-                if _UNITTEST_TEST.match(line) or line.startswith(("=" * 20, "-" * 20)):
+                if regex(_UNITTEST_TEST).match(line) or line.startswith(("=" * 20, "-" * 20)):
                     break
                 outcome = next((o for word, o in _UNITTEST_RESULT
                                 if line.strip() == word or line.startswith(word + " ")), None)
@@ -484,7 +487,7 @@ def _read_unittest(report, log):
                     break
         if test_id not in found or found[test_id] is None:
             found[test_id] = outcome
-    for m in _UNITTEST_BLOCK.finditer(log):
+    for m in regex(_UNITTEST_BLOCK).finditer(log):
         test_id = _unittest_id(m.group(2), m.group(3))
         found[test_id] = ERROR if m.group(1) == "ERROR" and found.get(test_id) != FAILED \
             else FAILED
@@ -504,10 +507,10 @@ def _read_unittest(report, log):
     return True
 
 
-_CARGO_RUNNING = re.compile(r"^\s*(Running|Doc-tests)\s+(.*?)\s*(?:\((.*)\))?$")
-_CARGO_COUNT = re.compile(r"^running (\d+) tests?$")
-_CARGO_TEST = re.compile(r"^test (.+?) \.\.\. (ok|FAILED|ignored(?:, .*)?)$")
-_CARGO_RESULT = re.compile(r"^test result: \w+\. (\d+) passed; (\d+) failed; (\d+) ignored;")
+_CARGO_RUNNING = r"^\s*(Running|Doc-tests)\s+(.*?)\s*(?:\((.*)\))?$"
+_CARGO_COUNT = r"^running (\d+) tests?$"
+_CARGO_TEST = r"^test (.+?) \.\.\. (ok|FAILED|ignored(?:, .*)?)$"
+_CARGO_RESULT = r"^test result: \w+\. (\d+) passed; (\d+) failed; (\d+) ignored;"
 
 
 def _read_cargo(report, log):
@@ -533,19 +536,19 @@ def _read_cargo(report, log):
 
     for line in log.split("\n"):
         line = line.rstrip("\r")
-        m = _CARGO_RUNNING.match(line)
+        m = regex(_CARGO_RUNNING).match(line)
         if m and block is None:
             source = m.group(2) if m.group(1) == "Running" else "doc-tests " + m.group(2)
             source = source.replace("unittests ", "")
             continue
-        m = _CARGO_COUNT.match(line)
+        m = regex(_CARGO_COUNT).match(line)
         if m:
             close(block)
             block, seen = [0, int(m.group(1)), None], True
             continue
         if block is None:
             continue
-        m = _CARGO_TEST.match(line)
+        m = regex(_CARGO_TEST).match(line)
         if m:
             block[0] += 1
             outcome = {"ok": PASSED, "FAILED": FAILED}.get(m.group(2), SKIPPED)
@@ -554,7 +557,7 @@ def _read_cargo(report, log):
                        source if source.startswith("tests/") else None,
                        host=None if source.startswith(("tests/", "doc-tests ")) else source)
             continue
-        m = _CARGO_RESULT.match(line)
+        m = regex(_CARGO_RESULT).match(line)
         if m:
             block[2] = tuple(int(x) for x in m.groups())
             close(block)

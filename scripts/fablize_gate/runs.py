@@ -8,14 +8,14 @@ import stat
 import time
 
 from .base import (
-    blank, clean, damaged, FablizeError, fix_argv_text, now_iso, one_line, quote_arg,
-    READ_CHUNK, refused, regex, RUNS, _sha256, sha256_hex, TAIL_CHARS)
+    blank, clean, damaged, FablizeError, fix_argv_text, INFLIGHT, NOT_THERE, now_iso, one_line,
+    quote_arg, READ_CHUNK, refused, regex, RUNS, _sha256, sha256_hex, TAIL_CHARS)
 from .masking import mask, mask_places, Masker
 from .model import run_outcome, run_result
 from .reports import ask as ask_reports, read as read_reports, recorded, shell_segments
 from .storage import (
     crash_point, ensure_subdir, from_here, fsync_dir, open_state_file, PROC, proc_stat,
-    process_alive, within, write_all, write_atomic)
+    process_alive, repo_root, within, write_all, write_atomic)
 
 
 # One policy for every program the engine and its rooms start (git, ssh-keygen, a shell for
@@ -128,20 +128,6 @@ def changed_paths(top, base, head="HEAD"):
             for status, path in zip(fields[0::2], fields[1::2]) if path]
 
 
-def repo_root(start):
-    """The repository holding `start`: the nearest directory at or above it that holds `.git`
-    (a folder, or the file of a worktree or submodule), or None. The one root finder: no git
-    process, so every start can afford it."""
-    d = os.path.realpath(start)
-    while True:
-        if os.path.lexists(os.path.join(d, ".git")):
-            return d
-        parent = os.path.dirname(d)
-        if parent == d:
-            return None
-        d = parent
-
-
 def committed_copy(store, names, whole=False):
     """[`git checkout HEAD -- …`] of the state files `names` (or, `whole`, of the state
     directory) when git holds them as last committed and what is here differs — the way back
@@ -215,7 +201,6 @@ def merge_driver_missing(root):
 
 
 MERGE_ATTRIBUTE = b"merge=fablize"
-MERGE_QUIET = ("install-merge", "setup", "merge-driver", "audit", "doctor")  # doctor: a finding
 
 
 def read_plain(path):
@@ -407,20 +392,6 @@ def unverifiable_reason(cmd, root):
     return None
 
 
-NOT_THERE = " does not exist"  # a check's file: a story may yet write it (test-first)
-
-
-def file_not_there_yet(u):
-    """Whether an unverifiable check only waits for its file (a story may write it)."""
-    return u["reason"].endswith(NOT_THERE)
-
-
-def unverifiable_label(u):
-    where = f"{one_line(u['id'])} check {u['check'] + 1}"
-    return (f"· {where} waits for its file" if file_not_there_yet(u)
-            else f"⚠ {where} cannot run here")
-
-
 def unverifiable_checks(stories, root):
     found = []
     for story in stories:
@@ -520,7 +491,6 @@ class StopSignals:
 # leader is the process the note names, started when the note says, leading its own session.
 # Where /proc cannot tell (macOS, the BSDs) nothing is ever signalled: the message says how to
 # end it by hand.
-INFLIGHT = ".inflight"
 
 
 def process_identity(pid):
@@ -1259,99 +1229,3 @@ def commit_runs(session, records):
         record["log"] = log_rel
         committed.append(session.commit("verify_run", **record))
     return committed
-
-
-# Observed runs (the agent's own commands, seen by a hook) have only their output: a runner's
-# closing summary is what they can be read by. A witnessed run reads the runner's own report
-# (reports.py) instead: any test can print a summary.
-# (compiled on first use, by base.regex: most commands never read a runner's summary)
-
-
-_ANSI = r"\x1b\[[0-9;?]*[A-Za-z]"
-_PYTEST_LINE = (r"=* ?((?:\d+ \w+(?:, )?)+|no tests ran) in \d+(?:\.\d+)?s"
-                r"(?: \(\d+:\d\d:\d\d\))? ?=*\Z")
-_UNITTEST_RAN = r"Ran (\d+) tests? in "
-_UNITTEST_END = r"(OK|FAILED|NO TESTS RAN)(?: \((.*)\))?\Z"
-_GO_LINE = r"(ok|FAIL)\s+\S+\s+(.*)\Z"
-_CARGO_LINE = r"test result: \w+\. (\d+) passed; (\d+) failed; (\d+) ignored;"
-_NODE_LINE = r"[#\u2139] (tests|pass|fail|cancelled|skipped|todo) (\d+)\Z"
-_JEST_LINE = r"(Tests|Test Suites):\s+(.*\d+ total)\Z"
-_VITEST_LINE = r"(Tests|Test Files)\s+(.*)\(\d+\)\Z"
-_COUNT = r"(\d+) ([a-z]+(?: [a-z]+)?)"
-
-
-def runner_counts(runner, lines):
-    """{passed, failed, errors, skipped} summed over every summary `runner` printed in `lines`
-    (the run's output, escape sequences already taken out), or None when it printed none. For
-    `go test` the counts are packages (its summary without -v names no single test)."""
-    counts, seen = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}, False
-    ran = None
-
-    def add(**more):
-        for key, n in more.items():
-            counts[key] += n
-
-    for line in lines:
-        line = line.strip()
-        if runner == "pytest":
-            m = regex(_PYTEST_LINE).match(line)
-            if m:
-                seen = True
-                items = {w: int(n) for n, w in regex(_COUNT).findall(m.group(1))}
-                add(passed=items.get("passed", 0) + items.get("xpassed", 0),
-                    failed=items.get("failed", 0),
-                    errors=items.get("error", 0) + items.get("errors", 0),
-                    skipped=items.get("skipped", 0) + items.get("xfailed", 0))
-        elif runner == "unittest":
-            m = regex(_UNITTEST_RAN).match(line)
-            if m:
-                ran = int(m.group(1))
-                continue
-            m = regex(_UNITTEST_END).match(line) if ran is not None else None
-            if m:
-                seen = True
-                items = {w.strip(): int(n)
-                         for w, n in re.findall(r"([a-z ]+)=(\d+)", m.group(2) or "")}
-                failed = items.get("failures", 0) + items.get("unexpected successes", 0)
-                errors, skipped = items.get("errors", 0), (items.get("skipped", 0)
-                                                           + items.get("expected failures", 0))
-                add(passed=max(ran - failed - errors - skipped, 0), failed=failed,
-                    errors=errors, skipped=skipped)
-                ran = None
-        elif runner == "go":
-            m = regex(_GO_LINE).match(line)
-            if m and (m.group(1) == "FAIL" or "no tests to run" not in m.group(2)):
-                seen = True
-                if m.group(1) == "ok":
-                    add(passed=1)
-                elif "build failed" in m.group(2) or "setup failed" in m.group(2):
-                    add(errors=1)
-                else:
-                    add(failed=1)
-        elif runner == "cargo":
-            m = regex(_CARGO_LINE).match(line)
-            if m:
-                seen = True
-                add(passed=int(m.group(1)), failed=int(m.group(2)), skipped=int(m.group(3)))
-        elif runner == "node":
-            m = regex(_NODE_LINE).match(line)
-            if m:
-                seen = seen or m.group(1) == "tests"
-                n = int(m.group(2))
-                add(**{"pass": {"passed": n}, "fail": {"failed": n}, "cancelled": {"errors": n},
-                       "skipped": {"skipped": n}, "todo": {"skipped": n}}.get(m.group(1), {}))
-        elif runner in ("jest", "vitest"):
-            m = regex(_JEST_LINE if runner == "jest" else _VITEST_LINE).match(line)
-            if m:
-                items = {w: int(n) for n, w in regex(_COUNT).findall(m.group(2))}
-                if m.group(1) == "Tests":
-                    seen = True
-                    add(passed=items.get("passed", 0), failed=items.get("failed", 0),
-                        skipped=items.get("skipped", 0) + items.get("todo", 0))
-                else:  # a suite or file that failed without a failing test did not load
-                    counts["suite_failed"] = counts.get("suite_failed", 0) + items.get("failed", 0)
-    suites = counts.pop("suite_failed", 0)
-    if suites and not counts["failed"]:
-        counts["errors"] += suites
-        seen = True
-    return counts if seen else None

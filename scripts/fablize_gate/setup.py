@@ -176,17 +176,26 @@ def cut_original_block(text):
     return text[:m.start()] + text[m.end():], m.start()
 
 
-def lean(cli):
+# the repository's top as a hook of Claude Code finds it: the folder Claude Code names in
+# $CLAUDE_PROJECT_DIR for its hooks (no process started), else git's answer — where it is unset
+# (a hook run by hand, a harness that does not set it) the line still finds the engine
+CLAUDE_TOP = '${CLAUDE_PROJECT_DIR:-$(git rev-parse --show-toplevel)}'
+
+
+def lean(cli, agent=None):
     """The command a hook runs: the repository's goals.py started lean (-I -S: no site, so no
-    .pth file and no site-packages runs before it; hooks run at every tool call), else `cli`."""
+    .pth file and no site-packages runs before it; hooks run at every tool call), found through
+    $CLAUDE_PROJECT_DIR for Claude Code (CLAUDE_TOP); else `cli`."""
     if cli.startswith(PYTHON + ' "$(git rev-parse'):
-        return PYTHON + " -I -S" + cli[len(PYTHON):]
+        cli = PYTHON + " -I -S" + cli[len(PYTHON):]
+        if agent == "claude":
+            cli = cli.replace("$(git rev-parse --show-toplevel)", CLAUDE_TOP, 1)
     return cli
 
 
 def hook_entries(agent, cli):
     """[(event, matcher, role, hook object)] that wire `agent` to the engine run as `cli`."""
-    cli = lean(cli)
+    cli = lean(cli, agent)
     def command(args, timeout=30):
         return {"type": "command", "command": f"{cli} {args}", "timeout": timeout}
     if agent == "claude":
@@ -262,9 +271,13 @@ def runs_here(cmd, root):
     """Whether a hook command of ours finds its program and its engine here."""
     if interpreter_problem(cmd, root):
         return False
-    m = re.search(r"\$\(git rev-parse --show-toplevel\)/([^\"'\s]+)", cmd)
-    top = repo_root(root)
-    return m is None or (top is not None and os.path.isfile(os.path.join(top, m.group(1))))
+    m = re.search(r"(\$\(git rev-parse --show-toplevel\)|" + re.escape(CLAUDE_TOP)
+                  + r")/([^\"'\s]+)", cmd)
+    if m is None:
+        return True
+    # the folder the line's shell would name: Claude Code's for its hooks, else git's
+    top = (m.group(1) == CLAUDE_TOP and os.environ.get("CLAUDE_PROJECT_DIR")) or repo_root(root)
+    return top is not None and os.path.isfile(os.path.join(top, m.group(2)))
 
 
 def merge_hooks(config, agent, cli, remove=False, where="its settings file"):

@@ -37,6 +37,20 @@ def crash_point(name):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def repo_root(start):
+    """The repository holding `start`: the nearest directory at or above it that holds `.git`
+    (a folder, or the file of a worktree or submodule), or None. The one root finder: no git
+    process, so every start can afford it."""
+    d = os.path.realpath(start)
+    while True:
+        if os.path.lexists(os.path.join(d, ".git")):
+            return d
+        parent = os.path.dirname(d)
+        if parent == d:
+            return None
+        d = parent
+
+
 def find_state_dir(explicit, cwd):
     """--dir, then $FABLIZE_DIR, then the nearest .fablize/ up to the repository root, then
     .fablize/ at that root, then ./.fablize/. Returns (path, discovered)."""
