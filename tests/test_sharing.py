@@ -874,7 +874,7 @@ def test_sharing_a_plan_changes_no_committed_file_and_another_clones_pull_stays_
 def test_a_plan_shared_from_a_worktree_finds_the_repository_through_its_git_file(
         net, monkeypatch):
     """A worktree's .git is a file naming its git dir, whose commondir names the repository's
-    (runs.git_dirs): the exclusion goes to the repository's info/exclude, where git reads it
+    (storage.git_dirs): the exclusion goes to the repository's info/exclude, where git reads it
     for every worktree, and the commits are written into the repository's objects."""
     a = net.clone("a")
     (a.root / "README").write_text("x\n")

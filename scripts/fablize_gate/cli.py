@@ -203,7 +203,7 @@ def store_opened(ctx, store):
     if sharing is not None:
         sharing.attach(store)
     elif getattr(ctx.args, "command", None) not in MERGE_QUIET:
-        from .runs import merge_driver_missing
+        from .merge import merge_driver_missing
         if merge_driver_missing(store.root):
             ctx.out.warn(f".gitattributes merges {STATE_DIRNAME}/ with fablize's merge driver, "
                          "which this clone's git config does not have: a merge of two "

@@ -18,12 +18,32 @@ import re
 from .base import (
     damaged, LEDGER, load_json, one_line, quote_arg, refused, RUNS, SNAPSHOT, Step)
 from .model import is_original_snapshot, make_event, misfit, PLAN_SPEC
-from .storage import read_state_file, symlink_refusal, within, write_atomic
-from .runs import git, git_out, MERGE_ATTRIBUTE, merge_driver_missing, read_plain, repo_root
-from .history import audit_ledger
+from .storage import (
+    git_dirs, read_plain, read_state_file, repo_root, symlink_refusal, within, write_atomic)
 
 
-MERGE_ATTRIBUTE = MERGE_ATTRIBUTE.decode()
+# runs (git) and history are imported by the functions that use them: a command's start that
+# asks only merge_driver_missing loads neither
+MERGE_ATTRIBUTE = "merge=fablize"  # what .gitattributes says of a plan's files
+MERGE_DRIVER = b'[merge "fablize"]'  # the git config section install-merge writes
+
+
+def merge_driver_missing(root):
+    """Whether the repository's committed .gitattributes names fablize's merge driver while
+    this clone's git config (its own, the user's, the global one) lacks it: a fresh clone,
+    whose merges would leave conflict markers in the plan. Read from the files, no git
+    process and nothing but storage loaded: every command can afford it, a session start too."""
+    top = repo_root(root)
+    if top is None or MERGE_ATTRIBUTE.encode() not in read_plain(
+            os.path.join(top, ".gitattributes")):
+        return False
+    dirs = git_dirs(top)
+    git_dir = dirs[1] if dirs else os.path.join(top, ".git")
+    home = os.path.expanduser("~")
+    xdg = os.environ.get("XDG_CONFIG_HOME") or os.path.join(home, ".config")
+    return not any(MERGE_DRIVER in read_plain(path) for path in (
+        os.path.join(git_dir, "config"), os.path.join(home, ".gitconfig"),
+        os.path.join(xdg, "git", "config")))
 # what a refusal of the driver leaves: git's conflict, which a human resolves (cmd_merge_driver
 # names the command, with the state directory's path)
 KEEP_ONE = "a human's choice, the other side's events are left out — then `git add` it:"
@@ -60,6 +80,7 @@ def merge_ledgers(ours, theirs, path=None):
         raise refused(f"both branches advanced the same plan differently (from event {at}); "
                       f"keep one side: `git checkout --ours` or `--theirs` on it — {KEEP_ONE}",
                       "diverged", keep_one(path, whole=True))
+    from .history import audit_ledger  # two plans to merge: each replayed whole
     mine, other = audit_ledger(ours, None)["plan"], audit_ledger(theirs, None)["plan"]
     if (other["created"], other["plan_id"]) > (mine["created"], mine["plan_id"]):
         (mine, lo, ours), (other, lt, theirs) = (other, lt, theirs), (mine, lo, ours)
@@ -102,6 +123,7 @@ def merge_snapshots(ours, theirs, path=None):
 def ledger_sides(ledger):
     """(ours, theirs) of the ledger at `ledger` during a `git merge` of one branch (named only
     by the GITHEAD_<commit> variable git sets), or None when that cannot be told."""
+    from .runs import git
     heads = [k[len("GITHEAD_"):] for k in os.environ if re.fullmatch(r"GITHEAD_[0-9a-f]{40,64}", k)]
     if len(heads) != 1:
         return None
@@ -147,6 +169,7 @@ def cmd_merge_driver(ctx, a):
 def wanted(store):
     """Whether `store` lies in a real git repository whose .gitattributes does not yet merge it
     with the driver, or whose clone lacks the driver's config: setup then installs it."""
+    from .runs import git
     top = repo_root(store.root)
     if top is None or not within(os.path.realpath(store.dir), os.path.realpath(top)):
         return False
@@ -158,6 +181,7 @@ def wanted(store):
 
 def committed(store):
     """Whether the plan's ledger is tracked by git (committed, or staged to be)."""
+    from .runs import git
     rel = os.path.relpath(store.path(LEDGER), store.root)
     return git(store.root, "ls-files", "--error-unmatch", "--", rel,
                       what="doctor")[0] == 0
@@ -171,6 +195,7 @@ def attribute_line(store):
 def uninstall(store):
     """Undo what install did (the .gitattributes line, this clone's driver config); returns
     ([(the file it changed, what it did)], whether the config held the driver)."""
+    from .runs import git
     top = repo_root(store.root)
     if top is None:
         return [], False
@@ -194,6 +219,7 @@ def uninstall(store):
 def install(store, cli):
     """Wire `git merge` for the plans under `store`: the .gitattributes line (to commit) and the
     driver in this clone's git config. Returns (the line, the driver command)."""
+    from .runs import git, git_out
     root = store.root
     if git(root, "rev-parse", "--git-dir", what="install-merge")[0] != 0:
         raise refused(f"{root} is not a git repository — `git init` makes it one:",

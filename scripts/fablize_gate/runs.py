@@ -155,61 +155,11 @@ def committed_copy(store, names, whole=False):
         quote_arg(os.path.relpath(p, store.root) + end) for p in targets)]
 
 
-def git_dirs(start):
-    """(git dir, common dir) of the repository holding `start`, found from its files as git
-    finds them — .git, a folder or a worktree's or submodule's `gitdir: PATH` file, and that
-    folder's commondir — or None (no repository, an unreadable .git). No git process. A
-    GIT_DIR-style variable, where one is set, decides for git instead: its caller asks."""
-    top = repo_root(start)
-    if top is None:
-        return None
-    gitdir = os.path.join(top, ".git")
-    if not os.path.isdir(gitdir):
-        raw = read_plain(gitdir)
-        if not raw.startswith(b"gitdir:"):
-            return None
-        gitdir = os.path.join(top, raw[7:].strip().decode("utf-8", "replace"))
-    common = read_plain(os.path.join(gitdir, "commondir")).strip().decode("utf-8", "replace")
-    return os.path.realpath(gitdir), os.path.realpath(os.path.join(gitdir, common))
-
-
 def repo_relative(path):
     """`path` relative to its repository ("." at the top), or None outside one."""
     top = repo_root(path)
     return (None if top is None else
         os.path.relpath(os.path.realpath(path), top).replace(os.sep, "/"))
-
-
-MERGE_DRIVER = b'[merge "fablize"]'  # the git config section install-merge writes
-
-
-def merge_driver_missing(root):
-    """Whether the repository's committed .gitattributes names fablize's merge driver while
-    this clone's git config (its own, the user's, the global one) lacks it: a fresh clone,
-    whose merges would leave conflict markers in the plan. Read from the files, no git
-    process: every command can afford it."""
-    top = repo_root(root)
-    if top is None or MERGE_ATTRIBUTE not in (read_plain(os.path.join(top, ".gitattributes"))):
-        return False
-    dirs = git_dirs(top)
-    git_dir = dirs[1] if dirs else os.path.join(top, ".git")
-    home = os.path.expanduser("~")
-    xdg = os.environ.get("XDG_CONFIG_HOME") or os.path.join(home, ".config")
-    return not any(MERGE_DRIVER in read_plain(path) for path in (
-        os.path.join(git_dir, "config"), os.path.join(home, ".gitconfig"),
-        os.path.join(xdg, "git", "config")))
-
-
-MERGE_ATTRIBUTE = b"merge=fablize"
-
-
-def read_plain(path):
-    """A small file's bytes, or b"" when it cannot be read (a config, an attributes file)."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(1 << 20)
-    except OSError:
-        return b""
 
 
 def git_state(root, state_dir):

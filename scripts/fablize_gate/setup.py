@@ -24,7 +24,7 @@ from .base import (
 from .storage import (
     file_to_write, fsync_dir, O_BINARY, O_CLOEXEC, O_NONBLOCK, read_state_file, user_file,
     write_atomic, write_state_gitignore)
-from .runs import command_programs, git, merge_driver_missing, repo_root, run_tool
+from .runs import command_programs, git, repo_root, run_tool
 from .render import human_command, invocation, repository_command, step_text
 from . import merge
 from . import __version__
@@ -923,12 +923,12 @@ def doctor_findings(ctx, agent):
                 finding(f"{event} hook command",
                         bad and f"`{one_line(cmd)}` {bad} (in {hooks_rel})", fix,
                         f"runs and answers as {agent} reads it")
-    if merge.wanted(ctx.store) or merge_driver_missing(root):
+    if merge.wanted(ctx.store) or merge.merge_driver_missing(root):
         committed = merge.committed(ctx.store)
         finding("merge driver", (
             "this clone's git config lacks fablize's merge driver, which .gitattributes names: "
             "a merge of two branches' plans would leave conflict markers"
-            if merge_driver_missing(root) else
+            if merge.merge_driver_missing(root) else
             ".gitattributes does not name fablize's merge driver, and the plan is committed: a "
             "merge of two branches' plans would leave conflict markers" if committed else None),
             f"`{ctx.prog} install-merge` (or `{ctx.prog} setup {agent}`)",

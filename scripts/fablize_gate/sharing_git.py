@@ -11,7 +11,8 @@ import time
 from .base import (
     damaged, EXIT_DAMAGED, FablizeError, is_plan_id, one_line, quote_arg, refused, usage, Step)
 from .storage import env_seconds
-from .runs import cat_objects, git, git_dirs, git_failed
+from .runs import cat_objects, git, git_failed
+from .storage import git_dirs
 
 REMOTE_NAME = r"[A-Za-z0-9][\w.-]*"
 SHARED_REFS = "refs/fablize/plans/"
@@ -76,7 +77,7 @@ def remote_failure(remote, err, what):
 
 
 def own_git_dirs(store):
-    """runs.git_dirs of the plan's repository, or None when a GIT_DIR-style variable decides
+    """storage.git_dirs of the plan's repository, or None when a GIT_DIR-style variable decides
     where git looks instead."""
     if any(name in os.environ for name in GIT_LOCATION):
         return None

@@ -51,6 +51,33 @@ def repo_root(start):
         d = parent
 
 
+def git_dirs(start):
+    """(git dir, common dir) of the repository holding `start`, found from its files as git
+    finds them — .git, a folder or a worktree's or submodule's `gitdir: PATH` file, and that
+    folder's commondir — or None (no repository, an unreadable .git). No git process. A
+    GIT_DIR-style variable, where one is set, decides for git instead: its caller asks."""
+    top = repo_root(start)
+    if top is None:
+        return None
+    gitdir = os.path.join(top, ".git")
+    if not os.path.isdir(gitdir):
+        raw = read_plain(gitdir)
+        if not raw.startswith(b"gitdir:"):
+            return None
+        gitdir = os.path.join(top, raw[7:].strip().decode("utf-8", "replace"))
+    common = read_plain(os.path.join(gitdir, "commondir")).strip().decode("utf-8", "replace")
+    return os.path.realpath(gitdir), os.path.realpath(os.path.join(gitdir, common))
+
+
+def read_plain(path):
+    """A small file's bytes, or b"" when it cannot be read (a config, an attributes file)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(1 << 20)
+    except OSError:
+        return b""
+
+
 def find_state_dir(explicit, cwd):
     """--dir, then $FABLIZE_DIR, then the nearest .fablize/ up to the repository root, then
     .fablize/ at that root, then ./.fablize/. Returns (path, discovered)."""
