@@ -27,12 +27,17 @@ counts what it inherited at exec, every max RSS figure is the measured command's
                   clones of one bare remote (--no-sharing skips it)
   7. huge states  (only with --huge) status without goals.json on 10,000,000 events against
                   rebuild, and audit of 1,000,000 stories
+  8. sizes users have (--sizes: alone) a plan worked as agents work it at 20, 200 and 2,000
+                  stories: status, next, log, report, audit, rebuild — against another copy of
+                  the engine with --against DIR (its scripts/ folder): how an optimisation is
+                  judged, its twin without it measured beside it
 
   python3 tools/bench.py --original DIR            # all but --huge (some 15 minutes)
   python3 tools/bench.py --quick --original DIR    # fewer rounds, smaller ledgers
   python3 tools/bench.py --markdown --save docs/bench.json --original DIR
   python3 tools/bench.py --from docs/bench.json --markdown   # the same output, measuring nothing
   python3 tools/bench.py --hooks                     # 2b alone: the hooks against their floor
+  python3 tools/bench.py --sizes --against DIR2      # 8 alone: this engine against DIR2's
 DIR is a checkout of https://github.com/fivetaku/fablize; without it the rows that need it say
 so. `--from` renders only what the saved file holds, so it reproduces the printed output.
 Stdlib only, Python 3.9+.
@@ -313,14 +318,15 @@ def child_build(*args):
 # Measuring ####################################################################################
 
 
-def cache_engine():
-    """The engine's bytecode, written into __pycache__ as an import would write it, even where
-    PYTHONDONTWRITEBYTECODE is set: a missing or stale .pyc makes every "cached" start compile
-    the engine again. The timed processes may refresh it themselves (their environment lets
-    them), should the engine change while the bench runs."""
+def cache_engine(engine=None):
+    """The engine's bytecode (`engine`: another copy's scripts/ folder), written into
+    __pycache__ as an import would write it, even where PYTHONDONTWRITEBYTECODE is set: a
+    missing or stale .pyc makes every "cached" start compile the engine again. The timed
+    processes may refresh it themselves (their environment lets them), should the engine change
+    while the bench runs."""
     import importlib.util
     import py_compile
-    package = os.path.join(ENGINE, "fablize_gate")
+    package = os.path.join(engine or ENGINE, "fablize_gate")
     for path in sorted(os.path.join(package, name) for name in os.listdir(package)
                        if name.endswith(".py")):
         py_compile.compile(path, cfile=importlib.util.cache_from_source(path), doraise=True,
@@ -996,6 +1002,71 @@ def bench_worked(lab, events, rounds):
             "logs_checked": report["run_count"] - report["missing_logs"],
             "rounds": rounds, "commands": commands, "rebuild_small": small["rebuild"],
             "audit_small": small["audit"]}
+
+
+# 8. Sizes users have ##########################################################################
+
+
+SIZES = (20, 200, 2000)
+SIZE_COMMANDS = (("status",), ("next",), ("log",), ("report",), ("audit",), ("rebuild",))
+
+
+def worked_events(source, stories):
+    """The events of a worked plan of `stories` stories (build_worked's count for it)."""
+    with open(os.path.join(source, base.LEDGER), "rb") as f:
+        real = [json.loads(line) for line in f]
+    work = real[0]["stories"][0]["id"]
+    last = max(i for i, e in enumerate(real) if e.get("id") == work)
+    block, final_block = last, len(real) - last - 1
+    return 1 + (stories - 1) * block + final_block
+
+
+def bench_sizes(lab, rounds, against=None):
+    """Each command at the plan sizes users have — a plan worked as agents work it (worked_plan's
+    session, story after story, to the end) at 20, 200 and 2,000 stories — for this engine and,
+    with `against`, another copy of it, run interleaved: the figure that keeps an optimisation
+    or takes it out."""
+    source = worked_plan(lab)
+    engines = [("this", SCRIPT)]
+    if against:
+        cache_engine(against)
+        engines.append(("against", os.path.join(against, "goals.py")))
+    rows = {}
+    for stories in SIZES:
+        state = lab.path(f"sizes-{stories}", ".fablize")
+        say(f"sizes: building a worked plan of {stories:,} stories")
+        child_build("--build-worked", state, source, worked_events(source, stories), RUN_LOGS)
+        pristine = lab.path(f"sizes-{stories}-pristine")
+        shutil.copytree(state, pristine)
+        reset = copier(pristine, state)
+        variants = [Variant(f"{cmd[0]}/{name}", [PY, script, "--dir", state, *cmd], lab.root,
+                            reset=reset, ok=(0, 1))
+                    for cmd in SIZE_COMMANDS for name, script in engines]
+        say(f"sizes: {stories:,} stories, {rounds} rounds")
+        rows[str(stories)] = {"size": worked_size(state), "samples": lab.measure(variants, rounds)}
+    return {"rounds": rounds, "against": against, "sizes": rows}
+
+
+def render_sizes(page, sec):
+    page.heading("8. Sizes users have: a plan worked as agents work it")
+    against = sec.get("against")
+    page.text("CPU median (wall in parentheses) of each command on a worked plan of each size"
+              + (f"; `against`: the engine in {against}, run interleaved with this one, and the "
+                 "median per-round ratio against / this" if against else "") + ".")
+    headers = ["stories (events)", *[c[0] for c in SIZE_COMMANDS]]
+    rows = []
+    for stories, row in sec["sizes"].items():
+        samples = row["samples"]
+        cells = [f"{int(stories):,} ({row['size']['events']:,})"]
+        for cmd in SIZE_COMMANDS:
+            this = samples[f"{cmd[0]}/this"]
+            text = cell(this)
+            if against:
+                text += " vs " + cell(samples[f"{cmd[0]}/against"]) + " " + times(
+                    samples[f"{cmd[0]}/against"], this)
+            cells.append(text)
+        rows.append(cells)
+    page.table(headers, rows)
 
 
 def worked_size(state):
@@ -1677,7 +1748,7 @@ def render(data, markdown=False):
                                  ("hook_floor", render_hook_floor), ("large", render_large),
                                  ("ledger", render_ledger), ("worked", render_worked),
                                  ("long_line", render_long_line), ("sharing", render_sharing),
-                                 ("huge", render_huge)):
+                                 ("huge", render_huge), ("sizes", render_sizes)):
         if name in s:
             render_section(page, s[name])
     lines, out = page.lines, []
@@ -1721,6 +1792,9 @@ def measure_all(a, rounds, events):
         if a.hooks:  # section 2b alone
             s["hook_floor"] = bench_hook_floor(lab, rounds)
             return data
+        if a.sizes:  # section 8 alone
+            s["sizes"] = bench_sizes(lab, rounds, a.against and os.path.abspath(a.against))
+            return data
         s["starts"] = bench_starts(lab, rounds)
         s["hooks"] = bench_hooks(lab, rounds)
         s["hook_floor"] = bench_hook_floor(lab, rounds)
@@ -1753,6 +1827,12 @@ def main(argv=None):
     p.add_argument("--hooks", action="store_true",
                    help="measure only section 2b: each hook `setup claude` writes, run as "
                         "written, against the floor script (about a minute)")
+    p.add_argument("--sizes", action="store_true",
+                   help="measure only section 8: each command on worked plans of 20, 200 and "
+                        "2,000 stories")
+    p.add_argument("--against", metavar="DIR",
+                   help="with --sizes: also run another copy of the engine (its scripts/ folder) "
+                        "beside this one")
     p.add_argument("--huge", action="store_true", help="run section 7 (huge states; slow)")
     p.add_argument("--huge-events", type=int, default=10_000_000, metavar="N",
                    help="events of section 7's ledger (default 10,000,000)")

@@ -92,16 +92,6 @@ class Output:
         stream.write(clean(text) + "\n")
         stream.flush()
 
-    def flush(self, escaped=False):
-        """Write the lines said so far now (text mode): a long answer streams, memory flat.
-        `escaped`: each line is one_line's already (format_event's), which clean() leaves as it
-        is, so they are not looked through again (log of 100,000 real runs: 0.66 → 0.22 µs a
-        line)."""
-        if self.lines and not self.json:
-            text = "\n".join(self.lines) if escaped else clean("\n".join(map(str, self.lines)))
-            sys.stdout.write(paint(text, sys.stdout) + "\n")
-            self.lines.clear()
-
     def render(self, command, error, code, said=None):
         """The command's result on stdout and stderr; an `error` as the command line says it
         (`said`: its message and its steps, whole — way_out)."""
@@ -121,12 +111,7 @@ class Output:
             sys.stdout.write(json_text(obj) + "\n")
             return
         if self.lines:
-            lines = list(map(str, self.lines))
-            text = "\n".join(lines)
-            # most output holds nothing to escape: told line by line, with no copy (a status of
-            # 100,000 stories: 19 → 7 ms); a line holding a newline is cleaned with the rest
-            if not all(map(str.isprintable, lines)):
-                text = clean(text)
+            text = clean("\n".join(map(str, self.lines)))
             sys.stdout.write(paint(text, sys.stdout, allowed=self.colour) + "\n")
         # stdout whole before stderr: a CI log that merges the two shows what the error points
         # at ("said above") above it, not after it
@@ -870,8 +855,8 @@ def run(interrupts=None):
     lock released, so the interpreter's teardown would only free memory, which costs a start
     about 4 ms (more with a large plan loaded)."""
     import gc
-    gc.disable()  # a short-lived process: what it allocates is freed on exit (a 10,000-story plan
-    # is some 10 ms of collections otherwise); reference counting still frees everything else
+    gc.disable()  # a short-lived process: what it allocates is freed on exit; reference
+    # counting still frees everything else
     code = main(None, [] if interrupts is None else interrupts)
     for stream in (sys.stdout, sys.stderr):
         try:

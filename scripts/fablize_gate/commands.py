@@ -598,11 +598,9 @@ def set_aside_last_line(ctx, s, end, reflected):
 
 
 def cmd_log(ctx, a):
-    """log: every event, checked as audit checks it, a line each. The whole history is printed
-    as it is replayed, in batches (memory flat in the ledger's length; damage stops it at the
-    line it names); under --json, or for one story, it is gathered first."""
+    """log: every event, checked as audit checks it, a line each (under --json, the events);
+    damage stops it at the line it names, and only the damage is said."""
     events = []
-    streaming = not ctx.json and a.id is None
 
     def pick(replay, line, ev):
         if (a.id is None or ev.get("id") == a.id or ev["event"] == "plan_created" or
@@ -612,23 +610,13 @@ def cmd_log(ctx, a):
             else:
                 ctx.say(format_event(ev))
 
-    def stream(replay, batch):  # the whole history as text: each batch said once it replayed,
-        # written every 512 lines or so, which the CPU's cache still holds as they are joined
-        # and encoded (log of 100,000 real runs, medians of 15: 1.29 → 1.25 s CPU against
-        # every 4,096)
-        said.extend(map(format_event, batch))
-        if len(said) >= 512:
-            ctx.out.flush(escaped=True)
-
     with ctx.store.plan_session(exclusive=False) as s:
         s.refuse_original()
         if s.ledger.open() is None:
             raise no_plan()
         s.see_lost_newline(loose_snapshot(s.store))
         try:
-            said = ctx.out.lines
-            replay = (replay_all(s.ledger, s.good_end(None), on_batch=stream) if streaming else
-                      replay_all(s.ledger, s.good_end(None), pick))
+            replay = replay_all(s.ledger, s.good_end(None), pick)
         except FablizeError:
             ctx.out.lines.clear()  # what was not yet written stays unsaid: the damage is the news
             raise

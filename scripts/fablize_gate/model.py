@@ -324,8 +324,8 @@ def waits_for(plan, story):
     return [d for d in after if lookup(plan, d)["status"] not in DONE]
 
 
-# how many story ids a line names: the final story of a plan of 100,000 waits for 99,999 (a
-# 700 KB line); `status --json` and `next`'s map list them all
+# how many story ids a line names: the final story waits for every other one; `status --json`
+# and `next`'s map list them all
 IDS_SHOWN = 10
 
 
@@ -350,26 +350,9 @@ def ready_stories(plan):
 def pick_ready(plan):
     """The story `next` would activate, touched: reopened stories first (failed, or pending
     with a round behind them), then plan order."""
-    goals, done = plan["goals"], None
-    # most plans have no reopened story: one pass tells (6 ms at 100,000 stories; two passes in C
-    # took 13), and the first ready story is then near the front; the stories done are gathered
-    # (another pass) only once a candidate has dependencies (status at 100,000: 21 → 7 ms)
-    reopened = any(s["status"] == "failed" or s.get("round", 0) > 0 for s in goals)
-    first = None
-    for story in goals:
-        status = story["status"]
-        if status not in ("pending", "failed"):
-            continue
-        after = story.get("after")
-        if after:
-            done = done_ids(plan) if done is None else done
-            if not done.issuperset(after):
-                continue
-        if not reopened or status == "failed" or story.get("round", 0) > 0:
-            return touch(story)
-        if first is None:
-            first = story
-    return first and touch(first)
+    ready = ready_stories(plan)
+    reopened = [s for s in ready if s["status"] == "failed" or s.get("round", 0) > 0]
+    return touch((reopened or ready)[0]) if ready else None
 
 
 def stories_in(plan, status):
@@ -377,14 +360,15 @@ def stories_in(plan, status):
     return [touch(s) for s in plan["goals"] if s["status"] == status]
 
 
-# Which stories are in progress, known without a pass over the plan: a replay starts stories
-# thousands of times, and each start asks it (one story at a time; one an agent). A pass each
-# time made the replay quadratic in the stories (rebuild of a 10,000-story plan worked as agents
-# work it, 100,000 events, bench.py section 4: 7.8 → 1.4 s CPU). Held for the one plan last
-# asked about (its list of stories, by identity): the ids that may be in progress. Every story in
-# progress is among them — a story starts only in _ev_story_started, which adds its id, and a
-# plan read or made anew is a new list, scanned once — and an id whose story has since moved on
-# is dropped when read.
+# Which stories are in progress, known without a pass over the plan: a replay starts every
+# story, and each start asks it. A pass each time makes the replay quadratic in the stories: on a
+# plan of 2,000 stories worked as agents work it (19,995 events), rebuild takes 613 ms of CPU
+# with a pass, 411 with this; log 634 → 394, report 584 → 363, audit 792 → 571; at 200 stories
+# the two are level (`python3 tools/bench.py --sizes --against DIR`, DIR a copy without it).
+# Held for the one plan last asked about (its list of stories, by identity): the ids that may be
+# in progress. Every story in progress is among them — a story starts only in
+# _ev_story_started, which adds its id, and a plan read or made anew is a new list, scanned
+# once — and an id whose story has since moved on is dropped when read.
 _IN_PROGRESS = [None, set()]
 
 
@@ -1069,14 +1053,6 @@ def _ev_verify_run(plan, ev):
 
 
 def _log_verify_run(ev, sid):
-    if not (ev["error"] or ev["timed_out"] or ev["signal"] or ev.get("interrupted")
-            or "report" in ev):
-        # a run that exited, the common case: run_text's words in one string (log of 100,000
-        # real runs: 3.7 → 3.1 µs a line; test_a_history_line_is_its_fields_escaped holds the
-        # two together)
-        return (f"{sid} run `{ev['cmd']}` → exit {ev['exit_code']}, {ev['duration_s']} s, "
-                f"{ev['bytes']} bytes, sha256 {str(ev['sha256'])[:16]}… · log {ev['log']} · "
-                f"in {ev['cwd']}")
     return f"{sid} run {run_text(ev)} · log {ev['log']} · in {ev['cwd']}"
 
 
@@ -1402,8 +1378,8 @@ def format_event(ev):
     kind's renderer says of it (EVENTS, beside each transition). Only events a replay accepted
     are shown, so each has the fields its kind names, and a time TIMESTAMP matched (its label
     is time_label's, cut from it). The line is escaped whole, once: one_line works a character
-    at a time, so that is each field escaped, and a renderer may give its fields as they are
-    (log of 100,000 real runs: 4.8 → 3.7 µs a line rendered)."""
+    at a time, so that is each field escaped, and a renderer may give its fields as they
+    are."""
     ts = ev["ts"]
     line = (f"#{ev['seq']}  {ts[:10]} {ts[11:19]} UTC  "
             f"{EVENTS[ev['event']][2](ev, ev.get('id', ''))}")
@@ -1418,8 +1394,8 @@ def is_original_snapshot(snap):
 def validate_snapshot(plan, whole=True):
     """A snapshot of the right shape, or exit 3 saying what is wrong. A command reads what it
     touches: once the snapshot's digest verifies, it checks the plan's own fields and leaves
-    each story to touch() (`whole=False`: a status of 100,000 stories does not pay 0.7 µs a
-    story for it); audit and rebuild check everything, and so does a command that failed on
+    each story to touch(), which fills in the fields a compact snapshot leaves out
+    (`whole=False`); audit and rebuild check everything, and so does a command that failed on
     what a story holds (snapshot_damage), so a hand-made snapshot is exit 3, never a
     traceback."""
     bad = not_a_snapshot

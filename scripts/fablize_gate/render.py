@@ -6,12 +6,10 @@ import collections
 import os
 import re
 import sys
-from operator import itemgetter
 
 from .base import (
-    blank, count_noun, count_stories, create_args, defuse, defused_line, DONE, has_marker_word,
-    indent, last_chars, MAP_LABELS, MAP_LOOKBACK, MAP_WINDOW, MARKS, NOT_THERE, one_line, PYTHON,
-    quote_arg,
+    blank, count_noun, count_stories, create_args, defuse, defused_line, DONE, indent, last_chars,
+    MAP_LABELS, MAP_LOOKBACK, MAP_WINDOW, MARKS, NOT_THERE, one_line, PYTHON, quote_arg,
     RESUME_CARRIED, RESUME_LISTED, RESUME_MAP, RESUME_TAIL, RESUME_TITLE, short, STATUS_TABLE,
     TAIL_CHARS, time_label)
 from .model import (
@@ -331,7 +329,7 @@ STATUS_WORDS = {"complete": "complete", "accepted": "accepted", "in_progress": "
 
 def count_line(plan):
     """The plan's first line: how much is done, and its brief."""
-    counts = status_counts(plan)  # one pass, not two (a status of 100,000 stories: 14 → 6 ms)
+    counts = status_counts(plan)
     # a human's accept is not a completion: with one, the count says `done`, never `complete`
     counted = (f"done ({ids_text(accepted_ids(plan))} accepted by a human decision)"
                if counts["accepted"] else "complete")
@@ -352,8 +350,7 @@ def waits_line(plan, story, previous=None, in_order=False):
     """`waits for G002, G005` under a story in `status`, or None: not when the plan's order
     already says it — a story waiting only for the one before it (`previous`, its id), or the
     final story of a sequential plan (`in_order`: each story after the one before it), which
-    waits for all of them one by one. A plan of 100,000 sequential stories is one line a story,
-    not two."""
+    waits for all of them one by one: a sequential plan is one line a story, not two."""
     waiting = waits_for(plan, story)
     if not waiting or waiting == [previous] or (in_order and story is plan["goals"][-1]):
         return None
@@ -671,18 +668,13 @@ def render_status(prog, plan, share=(), agent=None, step=None):
     plan's state, and how to pick up each story in progress."""
     lines = [count_line(plan)]
     goals = plan["goals"]
-    # titles that need no escaping and carry no marker word are shown as they are: checked in
-    # one pass over them all (a status of 100,000 stories renders in 50 ms, not 120)
-    titles = " ".join(map(str, map(itemgetter("title"), goals)))
-    plain = titles.isascii() and titles.isprintable() and not has_marker_word(titles)
     say, marks, base = lines.append, MARKS, len(BASE_FIELDS)
     # the final story of a sequential plan waits for every other one: its order says so
     in_order = bool(waits_for(plan, goals[-1])) and sequential(plan)
     previous = None
     for story in goals:
         status = story["status"]
-        title = story["title"] if plain else defused_line(story["title"])
-        say(f"  {marks[status]} {story['id']} [{status}] {title}")
+        say(f"  {marks[status]} {story['id']} [{status}] {defused_line(story['title'])}")
         if len(story) > base:  # a story with only the original's fields has no details
             lines += [f"      {detail}"
                       for detail in status_details(plan, story, previous, in_order)]

@@ -590,9 +590,9 @@ class Ledger:
         is read once, so a long line costs what its length costs."""
         if end <= 0:
             return
-        pos, parts, step = end - 1, [], READ_CHUNK
+        pos, parts = end - 1, []
         while pos > 0:
-            start = max(0, pos - step)
+            start = max(0, pos - READ_CHUNK)
             chunk = self.read(start, pos - start)
             i = len(chunk)
             while True:
@@ -604,9 +604,6 @@ class Ledger:
                 yield start + j + 1, b"".join(reversed(parts))
                 parts = []
                 i = j
-            # a line longer than a read (a plan_created of 100,000 stories is 12 MB) is read in
-            # reads twice as long each time: 9 of them, not 190 (status there: 24 → 9 ms)
-            step = READ_CHUNK if not parts else min(step * 2, 1 << 24)
             pos = start
         yield 0, b"".join(reversed(parts))
 
@@ -740,7 +737,7 @@ def parse_snapshot(raw, whole=False):
         return snap
     n = len(_DIGEST_PREFIX)
     if raw.startswith(_DIGEST_PREFIX) and raw[n + 64:n + 66] == b'",':
-        # a view, not a slice: no copy of the body (11 MB at 100,000 stories: ~3 ms)
+        # a view, not a slice: no copy of the body
         good = raw[n:n + 64].decode("ascii", "replace") == sha256_hex(memoryview(raw)[n + 66:])
     else:
         good = snap.get("digest") == canonical_digest(snap)  # version 1's digest
@@ -1005,8 +1002,7 @@ class Reading:
         if not torn and end:
             offset, line = next(ledger.backward(end))
             # The load that follows reuses it, and knows whether it is the line the snapshot
-            # reflects: one hash of it a start, and no parse of the acknowledged event (a
-            # plan_created of 100,000 stories is a 12 MB line, 0.15 s of json).
+            # reflects: one hash of it a start, and no parse of the acknowledged event.
             pos = snap.get("ledger") if snap else None
             if (type(pos) is dict and line.startswith(b'{"seq":%d,' % pos["seq"]) and
                     line[-75:-66] == b',"prev":"' and line.endswith(b'"}') and

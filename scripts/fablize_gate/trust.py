@@ -34,8 +34,6 @@ import os
 import re
 import shutil
 import tempfile
-from itertools import repeat
-from operator import ne
 
 from .base import (
     ARCHIVE, blank, count_noun, damaged, defused_line, DONE, FablizeError, last_chars, LEDGER,
@@ -65,8 +63,8 @@ def parse_pin(text):
 
 
 def first_event(ev):
-    """What the trust checks keep of the ledger's first line: all but its stories (a plan of
-    1,000,000 stories would be held twice for the whole audit)."""
+    """What the trust checks keep of the ledger's first line: all but its stories, which the
+    replay holds already."""
     return {k: v for k, v in ev.items() if k != "stories"}
 
 
@@ -744,27 +742,6 @@ class Scan:
         elif kind == "verify_run":
             self.run(lineno, ev)
 
-    def batch(self, events, groups, heads):
-        """__call__ for each line of a batch replay accepted (`groups`: its events by kind,
-        `heads`: each line's hash). With a pin it is line by line; without one, what the trust
-        checks keep is the first event, the decisions and the runs that are not clean — and a
-        batch of runs whose provenance is the last one judged, found clean, each on a clean
-        tree, is passed over in C (audit_ledger's on_batch gives the number)."""
-        if self.pin is not None:
-            for ev, head in zip(events, heads):
-                self(ev["seq"], head, ev)
-            return
-        if events[0]["seq"] == 1:
-            self.first = first_event(events[0])
-        self.decisions += groups.get("decision", ())
-        runs = groups.get("verify_run", ())
-        if (runs and not self.why and isinstance(self.prov, dict) and
-                not any(map(ne, map(dict.get, runs, repeat("provenance")), repeat(self.prov))) and
-                not any(map(dict.get, runs, repeat("git_dirty")))):
-            return
-        for ev in runs:
-            self.run(ev["seq"], ev)
-
     def run(self, lineno, ev):
         """Why a witnessed run is not clean: outside the repository root, or under an environment
         different from the plan's first run. A run made on a dirty tree is kept apart: review
@@ -773,9 +750,7 @@ class Scan:
         if not isinstance(prov, dict):
             self.unrecorded += 1  # counted apart: every run of an older engine would be listed
             why = ()
-        elif prov == self.prov:  # most runs share one provenance: it is judged once (this,
-            # audit's memo of secret texts and the batch replay together, audit of 100,000 real
-            # runs: 1.60 → 1.39 s CPU)
+        elif prov == self.prov:  # most runs share one provenance: it is judged once
             why = self.why
         else:
             self.prov = prov
