@@ -41,6 +41,29 @@ MODULES = [fablize_gate, base, masking, model, reports, storage, history, runs, 
            commands, cli, setup, sharing, sharing_git, merge, rerun, trust, audit]
 
 
+def group_members(pgid):
+    """Live (not zombie) pids of the run-like process group `pgid`, which leads its own session,
+    as the engine sees them (runs.group_members); [] where /proc cannot tell."""
+    return engine.group_members(pgid) or []
+
+
+def group_alive(pgid):
+    """Whether a process of the group still runs; where /proc cannot tell, whether the group
+    can still be signalled."""
+    if engine.group_members(pgid) is not None:
+        return bool(group_members(pgid))
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def process_running(pid):
+    """Whether `pid` runs (a zombie does not), as the engine tells (storage.process_alive)."""
+    return engine.process_alive(pid)
+
+
 class EngineView:
     """The engine's modules as one namespace, for tests: `engine.misfit` is model.misfit,
     `engine.main` cli.main. Setting a name (monkeypatch.setattr(engine, "invocation", ...))

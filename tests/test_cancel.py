@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, SCRIPT, engine, ledger
+from conftest import ROOT, SCRIPT, engine, group_alive, ledger
 
 pytestmark = pytest.mark.skipif(os.name == "nt", reason="POSIX signals and process groups")
 
@@ -66,25 +66,6 @@ def wait_for_run(root, proc):
         assert time.monotonic() < deadline, "the run never started"
         time.sleep(0.02)
     return int(pid_file.read_text())
-
-
-def group_alive(pgid):
-    """Whether a process of the group still runs (a zombie waiting for init to reap it does not)."""
-    if not os.path.isdir("/proc/self"):
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
-            return True
-    return False
 
 
 def assert_group_gone(pgid):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import engine, run_cli, state_files
+from conftest import engine, group_members, run_cli, state_files
 from test_sharing import audit_ok, cli_env, create, git, ledger_lines, reject_pushes
 
 pytest_plugins = ["test_sharing"]  # its `net` fixture: a bare remote and its clones
@@ -684,11 +684,6 @@ def end_group(proc):
             return
         time.sleep(0.01)
     pytest.fail(f"process group {proc.pid} outlived its kill: {group_members(proc.pid)}")
-
-
-def group_members(pgid):
-    """Live pids of process group `pgid` (where /proc tells; elsewhere, none known)."""
-    return engine.group_members(pgid) or []
 
 
 def test_a_plan_shared_through_a_git_daemon_works_the_whole_round(net, git_daemon):

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (SCRIPT, assert_refused, git, engine, ledger, make_plan, run_cli, snapshot,
-                      start, state_files, story)
+from conftest import (SCRIPT, assert_refused, git, engine, ledger, make_plan, process_running,
+                      run_cli, snapshot, start, state_files, story)
 
 # What a test waits for is an event (a run's record, a process gone); these bound only a wait
 # that would otherwise never end: far beyond what a loaded machine needs, yet far below the time
@@ -75,16 +75,6 @@ def assert_refused_keeping_runs(fab, args, message):
 
 def checkpoint(*extra, sid="G001", status="complete", evidence="did it"):
     return ["checkpoint", "--id", sid, "--status", status, "--evidence", evidence, *extra]
-
-
-def process_running(pid):
-    """True while `pid` is a live (not zombie) process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
 
 
 def wait_until(predicate, limit=WAIT_LIMIT):
