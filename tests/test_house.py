@@ -6,7 +6,7 @@ import ast
 from conftest import ENGINE_DIR, ENGINE_FILES
 
 # what an error is, fixed at its construction (base.FablizeError.__init__ sets them once)
-ERROR_FIELDS = {"message", "code", "exit_code", "steps", "commands", "run_next", "step"}
+ERROR_FIELDS = {"message", "code", "exit_code", "steps", "commands", "run_next", "step", "said"}
 
 
 def assignments(tree):

@@ -119,11 +119,14 @@ class FablizeError(Exception):
     """The one exception the engine raises on purpose: a message, a stable code, an exit code,
     and `steps`, the way out (a Step or a string, or a list of them), all decided where the
     refusal is. Nothing above the raise edits it: the command line renders it once, naming the
-    step the error leaves to it — the command again, `--help` — where it names none."""
+    step the error leaves to it — the command again, `--help` — where it names none. `said`:
+    what happened without the way out (the message where it is not given), for a caller that
+    goes on and says it as a warning."""
 
-    def __init__(self, message, code="refused", exit_code=EXIT_REFUSED, steps=()):
+    def __init__(self, message, code="refused", exit_code=EXIT_REFUSED, steps=(), said=None):
         super().__init__(message)
         self.message = message
+        self.said = message if said is None else said
         self.code = code
         self.exit_code = exit_code
         self.steps = (steps,) if isinstance(steps, (str, Step)) else tuple(steps)

@@ -521,8 +521,7 @@ def cmd_rebuild(ctx, a):
                 os.replace(target, s.store.path(kept))
         if plan is not None:
             plan["ledger"] = replay.position()
-            s.save_snapshot(plan)
-        s.plan = plan
+        s.rebuilt(plan)
         taken = reconcile_shared(ctx, s)
         plan = s.plan
         if plan is None:

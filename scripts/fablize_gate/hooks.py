@@ -249,7 +249,7 @@ def frozen_check_reading(runner, text):
     holds them whole (a reading that disagrees with the runner's own count, as a cut output
     does, is no reading); else None."""
     from . import reports
-    reader = getattr(reports, "_LINE_READERS", {}).get(runner)
+    reader = reports.LINE_READERS.get(runner)
     if reader is None:
         return None
     found = reports.Report([runner])
@@ -452,37 +452,29 @@ def exit_hidden(cmd, verifies):
     """Whether the exit status a shell reports for `cmd` may not be its verification's — the
     last command `verifies` (its text) says is one, else the first: anything but `&&` (and
     redirections) after it — a pipe (`| tail -3` exits 0 whatever pytest said) unless
-    `set -o pipefail` came before, `;`, `||`, `&`, a new line."""
-    import shlex
-    lexer = shlex.shlex(cmd, posix=True, punctuation_chars="();<>|&\n")
-    lexer.whitespace = " \t\r"
-    lexer.whitespace_split = True
+    `set -o pipefail` came before, `;`, `||`, `&`, a new line. The line is read by the lexer
+    the check commands are read with (reports.shell_parts)."""
+    from .reports import shell_parts  # loaded for a verification's command only, as below
     try:
-        tokens = list(lexer)
+        parts = shell_parts(cmd)
     except ValueError:
         return True  # it cannot be read: nothing says the exit status is the runner's
-    words, first, last, pipefail = [], None, None, False
-    for i, token in enumerate(tokens + [";"]):
-        if token and all(c in "();<>|&\n" for c in token):
-            if words[:1] == ["set"] and "pipefail" in words:
-                pipefail = True
-            if words and first is None and words[0] not in ("cd", "set", "export"):
-                first = (i, pipefail)
-            if words and verifies(shlex.join(words)):
-                last = (i, pipefail)
-            words = []
-        else:
-            words.append(token)
+    first, last, pipefail = None, None, False
+    for i, (words, _) in enumerate(parts):
+        if not words:
+            continue
+        texts = [text for text, _, _ in words]
+        if texts[0] == "set" and "pipefail" in texts:
+            pipefail = True
+        if first is None and texts[0] not in ("cd", "set", "export"):
+            first = (i, pipefail)
+        if verifies(cmd[words[0][1]:words[-1][2]]):
+            last = (i, pipefail)
     if (last or first) is None:
         return False
     at, pipefail = last or first
-    for token in tokens[at:]:
-        if not all(c in "();<>|&\n" for c in token):
-            continue
-        ops = token.replace("&&", "").replace(">&", "").replace("<&", "").replace("&>", "")
-        if "||" in ops or any(c in ops for c in ";&\n"):
-            return True
-        if "|" in ops and not pipefail:
+    for _, op in parts[at:]:
+        if op in ("||", ";", ";;", "&", "\n") or (op == "|" and not pipefail):
             return True
     return False
 

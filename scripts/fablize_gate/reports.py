@@ -41,7 +41,14 @@ def shell_segments(cmd):
     quotes taken off, and where its raw text starts and ends in `cmd` (a report option is put
     right after a word). Redirections and their targets are no words; `$(…)` and backquotes stay
     inside the word that holds them. Raises ValueError when a quote does not close."""
-    segments, words = [], []
+    return [words for words, _ in shell_parts(cmd) if words]
+
+
+def shell_parts(cmd):
+    """The line as shell_segments reads it, each part with the operator that ends it — `&&`,
+    `|`, `;`, a new line, … ("" for the last) — [(words, operator)]; a part may have no word
+    (`( pytest )` starts with one)."""
+    parts, words = [], []
     i, n = 0, len(cmd)
     while i < n:
         c = cmd[i]
@@ -54,7 +61,7 @@ def shell_segments(cmd):
             continue
         op = next((s for s in _SEPARATORS if cmd.startswith(s, i)), None)
         if op is not None and not (op == "&" and cmd.startswith(">", i + 1)):
-            segments.append(words)
+            parts.append((words, op))
             words = []
             i += len(op)
             continue
@@ -66,8 +73,8 @@ def shell_segments(cmd):
             i = _skip_redirection(cmd, i)
             continue
         words.append((text, start, i))
-    segments.append(words)
-    return [w for w in segments if w]
+    parts.append((words, ""))
+    return parts
 
 
 def _skip_redirection(cmd, i):
@@ -337,7 +344,7 @@ def read(asked, documents, log_path, root=None, top=None):
         else:
             if log is None:
                 log = _log_text(log_path)
-            if not _LINE_READERS[runner](report, log):
+            if not LINE_READERS[runner](report, log):
                 if runner not in report.missing:
                     report.missing.append(runner)
     return report
@@ -598,7 +605,7 @@ def _read_go(report, log):
     return seen
 
 
-_LINE_READERS = {"unittest": _read_unittest, "cargo": _read_cargo, "go": _read_go}
+LINE_READERS = {"unittest": _read_unittest, "cargo": _read_cargo, "go": _read_go}
 
 
 # Comparing the branch's run with the base's ######################################################

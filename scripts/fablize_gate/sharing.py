@@ -51,9 +51,9 @@ import time
 import weakref
 
 from .base import (
-    ARCHIVE, count_noun, damaged, dumps, FablizeError, id_arg, is_plan_id, LEDGER, load_json,
-    now_iso, one_line, PIN, quote_arg, refused, RUNS, sha256_hex, SHARE, SNAPSHOT, STATE_DIRNAME,
-    STATE_GITIGNORE, Step, ZERO_HASH)
+    ARCHIVE, count_noun, damaged, dumps, EXIT_REFUSED, FablizeError, id_arg, is_plan_id, LEDGER,
+    load_json, now_iso, one_line, PIN, quote_arg, refused, RUNS, sha256_hex, SHARE, SNAPSHOT,
+    STATE_DIRNAME, STATE_GITIGNORE, Step, ZERO_HASH)
 from .masking import masked_text
 from .model import (
     active_stories, apply_event, find_story, misfit, parse_event, pick_ready, ready_stories,
@@ -1340,11 +1340,10 @@ def push(store, remote, updates):
         said = (f"{one_line(remote)} refused the push: {one_line(refusals[0])[:200]}"
                 + (f" — {one_line('; '.join(told))[:300]}" if told else "")
                 + "; the events are kept here.")
-        error = refused(said + " The remote's own rule (a hook, a policy) refused it: "
-                        "a human who runs that remote changes it, then `sync` "
-                        "publishes them:", "push_refused", steps=Step.engine("sync"))
-        error.said = said
-        raise error
+        raise FablizeError(said + " The remote's own rule (a hook, a policy) refused it: "
+                           "a human who runs that remote changes it, then `sync` "
+                           "publishes them:", "push_refused", EXIT_REFUSED,
+                           Step.engine("sync"), said)
     if lost:
         return False
     raise remote_failure(remote, err, f"git push exit {code}")
@@ -1672,7 +1671,7 @@ def publish(session, claim=False, fetch_first=None):
     except FablizeError as e:
         if claim or e.code not in TOLERATED:
             raise
-        said = getattr(e, "said", e.message).rstrip(".:").replace(  # said once:
+        said = e.said.rstrip(".:").replace(  # said once:
             "; the events are kept here", "")
         store.warn(f"not published: {said}. The events are kept here; the next command "
                    "or `sync` publishes them.")
@@ -1694,9 +1693,9 @@ def publish(session, claim=False, fetch_first=None):
         lost = (f"{one_line(ev.get('id') or ev['event'])} {moved} on {cfg['remote']} "
                 f"meanwhile{who}; this {ev['event']} was not published "
                 f"({one_line(mine['reason']).rstrip('.')})")
-        error = refused(f"{lost} — see who holds what now:", "claim_lost", Step.engine("status"))
-        error.lost = lost  # what a claim made instead says of it
-        raise error
+        # said: what a claim made instead says of it
+        raise FablizeError(f"{lost} — see who holds what now:", "claim_lost", EXIT_REFUSED,
+                           Step.engine("status"), lost)
     return session.plan
 
 
@@ -1713,7 +1712,7 @@ def reconcile(session):
     except FablizeError as e:
         if e.code not in TOLERATED:
             raise
-        said = getattr(e, "said", e.message).rstrip(".:").replace("; the events are kept here", "")
+        said = e.said.rstrip(".:").replace("; the events are kept here", "")
         session.store.warn(f"not reconciled with the remote: {said}. The next writing command "
                            "or `sync` does it.")
     return session.plan
@@ -1779,14 +1778,14 @@ def claim(session, story, agent):
             lost = e
         ready = ready_stories(session.plan)
         if not ready:
-            if sequential(session.plan) and getattr(lost, "lost", None):  # claim_lost carries it
-                raise refused(f"{lost.lost}; nothing else is ready for agent "
+            if sequential(session.plan) and lost.code == "claim_lost":
+                raise refused(f"{lost.said}; nothing else is ready for agent "
                               f"{one_line(agent or 'unnamed')} ({TAKE_TURNS}) — see who holds "
                               "what now:", "claim_lost", lost.steps) from lost
             raise lost
         # the other writers just won the first ready story: a random one avoids a convoy
         story = ready[int(uniform() * len(ready))]
-        session.store.warn(f"{getattr(lost, 'lost', lost.message)}. Claiming {story['id']} "
+        session.store.warn(f"{lost.said}. Claiming {story['id']} "
                            "instead.")
     raise lost
 
@@ -1852,7 +1851,7 @@ def status(store, plan):
         ref = remote_tip(store, cfg["remote"], cfg["plan_id"])
         tip = cat(store, [ref, f"{ref}:{REPLACED}"]) if ref else None
     except FablizeError as e:
-        info["error"] = getattr(e, "said", e.message)
+        info["error"] = e.said
         return info
     if tip is None:
         if cfg["commit"] is not None:

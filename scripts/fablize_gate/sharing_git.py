@@ -42,12 +42,10 @@ def unreachable(remote, detail):
     (which URL); if it is down, the same command once it answers. `said`: the message without
     the step, for a warning that keeps the events (publish) and for `status`."""
     said = f"the remote {one_line(remote)} cannot be reached ({one_line(detail)[:300]})."
-    error = FablizeError(f"{said[:-1]} — if it moved, point {one_line(remote)} at its new URL; if "
-                         "it is down, run the command again once it answers:",
-                         "remote_unreachable", EXIT_DAMAGED,
-                         f"git remote set-url {quote_arg(remote)} <url>")
-    error.said = said
-    return error
+    return FablizeError(f"{said[:-1]} — if it moved, point {one_line(remote)} at its new URL; if "
+                        "it is down, run the command again once it answers:",
+                        "remote_unreachable", EXIT_DAMAGED,
+                        f"git remote set-url {quote_arg(remote)} <url>", said)
 
 
 def remote_failure(remote, err, what):

@@ -1138,6 +1138,7 @@ class Transaction(Reading):
         self.lock = Lock(store.dir, store.warnings)
         self.last = None
         self.held = False  # whether this session holds the lock: it writes only then
+        self.unsaved = False  # a recorded event's snapshot could not be written (said once)
 
     def __enter__(self):
         self.lock.__enter__()
@@ -1241,7 +1242,7 @@ class Transaction(Reading):
             self.settle(plan)
         except OSError as e:
             self.plan = plan
-            if not getattr(self, "unsaved", False):
+            if not self.unsaved:
                 self.unsaved = True
                 self.store.warn(f"event {plan['ledger']['seq']} ({kind}) is recorded in {LEDGER}, "
                                 f"but {SNAPSHOT} could not be written ({e.strerror or e}); the "
@@ -1253,6 +1254,13 @@ class Transaction(Reading):
 
     def settle(self, plan):
         self.save_snapshot(plan)
+        self.plan = plan
+
+    def rebuilt(self, plan):
+        """Replaying the whole ledger gave `plan` (None: it holds none): it is the session's
+        plan from here, its snapshot written."""
+        if plan is not None:
+            self.save_snapshot(plan)
         self.plan = plan
 
     def save_snapshot(self, plan):
