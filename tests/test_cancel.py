@@ -130,6 +130,7 @@ def test_a_stop_signal_kills_the_runs_group_records_it_and_exits_128_plus_n(acti
     _, report, _ = run_goals(active, "report")  # the runs' table: interrupted, not FAIL
     row = next(line for line in report.splitlines() if line.startswith(f"| {run['seq']} |"))
     assert f"| interrupted by {name}" in row and "FAIL" not in row, row
+    assert "exit code only" not in row, row  # the run never ended: its runner said nothing
     # said as interrupted, with "run it again" as its step: never a failure to fix
     _, text, _ = run_goals(active, "status")
     assert "already failed" not in text and "fix what" not in text, text
@@ -158,6 +159,10 @@ def test_a_run_whose_engine_was_killed_is_said_by_status_and_ended_by_the_next_w
         _, text, _ = run_goals(active, "status")
         assert "was in flight and never finished" in text, text
         assert f"its engine, pid {proc.pid}, died" in text and "run it again: " in text, text
+        # the session that resumes the work is told too (a session start reads, ends nothing)
+        _, text, _ = run_goals(active, "status", "--resume")
+        assert "was in flight and never finished" in text and "run it again: " in text, text
+        assert group_alive(pgid)
         code, out, err = run_goals(active, "next")  # a writer: it takes the lock
         assert code == 0, err
         assert f"a run of `{SLOW}` for G001 was in flight when its engine (pid {proc.pid}) " \
@@ -170,6 +175,8 @@ def test_a_run_whose_engine_was_killed_is_said_by_status_and_ended_by_the_next_w
     assert temp_logs(active) == []  # its temp log went with it: the run counts for nothing
     assert list((active / ".fablize" / "runs" / ".inflight").glob("*.json")) == []
     _, text, _ = run_goals(active, "status")
+    assert "in flight" not in text, text
+    _, text, _ = run_goals(active, "status", "--resume")
     assert "in flight" not in text, text
     assert not (active / "after.txt").exists()
 

@@ -9,14 +9,15 @@ import sys
 import time
 
 from .base import (
-    clean, count_noun, DEFAULT_GUARD_MAX, defused_line, DUPLICATE_WINDOW, FablizeError,
-    json_text, last_chars, load_json, one_line, regex, SHARE, sha256_hex, TAIL_CHARS)
+    clean, count_noun, DEFAULT_GUARD_MAX, defused_line, DUPLICATE_WINDOW, FablizeError, INFLIGHT,
+    json_text, last_chars, load_json, one_line, regex, RUNS, SHARE, sha256_hex, TAIL_CHARS)
 from .masking import mask_places, masked_tail
 from .model import (
     active_stories, done_count, find_story, guard_capped, guard_paused, observed_words,
     plan_done, unaddressed_failure)
 from .storage import find_state_dir, Store
-from .render import hand_to_judge, human_command, next_action, render_session_start
+from .render import (
+    hand_to_judge, human_command, inflight_lines, next_action, render_session_start)
 
 
 def read_hook_stdin():
@@ -666,6 +667,16 @@ def cmd_observe(ctx, a):
             "observe", f"`{one_line(last_chars(cmd, 120))}` was not recorded", e)})
 
 
+def runs_in_flight(ctx):
+    """status's lines for the runs noted in flight — one a session that died mid-run left, which
+    the resumed session is to run again — read only where a note's folder is (runs.py is loaded
+    then alone)."""
+    if not os.path.lexists(os.path.join(ctx.store.path(RUNS), INFLIGHT)):
+        return []
+    from .runs import inflight_runs
+    return inflight_lines(ctx.prog, inflight_runs(ctx.store))
+
+
 def session_start(ctx, a):
     """`status --resume` for a SessionStart hook: the plan and its active handoffs; one line for
     a finished plan; nothing without a plan; one warning line, still exit 0, for a damaged one
@@ -687,6 +698,7 @@ def session_start(ctx, a):
             lines = render_session_start(
                 ctx.prog, plan, sharing.status_lines(share, ctx.prog) if share else (), step)
             lines[:0] = [first] if first else []
+            lines += runs_in_flight(ctx)
             if share:
                 ctx.data["share"] = share
     except (FablizeError, OSError) as e:

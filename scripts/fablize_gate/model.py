@@ -528,12 +528,14 @@ def report_refusal(run):
 def run_evidence(run):
     """What the run's runner counted, as its evidence: `pytest: 12 passed, 1 skipped`; `exit code
     only` for a command whose runner the engine does not read; "" for a run recorded before the
-    engine read summaries."""
+    engine read summaries, and for one that did not end (interrupted, timed out, killed, never
+    started): its runner said nothing, and how it ended is said beside it."""
     if "report" not in run:
         return ""
     report = run["report"]
     if not report:
-        return "exit code only"
+        unended = any(run.get(k) for k in ("interrupted", "timed_out", "signal", "error"))
+        return "" if unended else "exit code only"
     counts = [f"{report[k]} {k if k != 'errors' or report[k] != 1 else 'error'}"
               for k in ("failed", "errors", "passed", "skipped") if report[k]]
     if report.get("missing"):
