@@ -773,6 +773,21 @@ def test_a_pull_request_that_changes_the_policy_or_its_workflow_fails_naming_it(
     assert strictest.returncode == 1 and "policy_changed" in strictest.stdout, strictest
 
 
+def test_a_changed_workflow_is_named_on_a_detached_checkout_too(tmp_path):
+    """CI checks the pull request out detached (GitLab's merge-request pipeline, GitHub's merge
+    commit): outside GitHub's variables, the workflow files the branch changed are read on the
+    base and at HEAD — HEAD is no branch there, and the audit still names the change."""
+    project = Project(tmp_path, files=POLICY)
+    project.agent(fix=True, after=lambda t: (t / ".github" / "workflows").mkdir(parents=True, exist_ok=True)
+                  or (t / ".github" / "workflows" / "ci.yml").write_text("# runs fablize\n"))
+    ci = project.ci_clone()
+    git(ci, "checkout", "-q", "--detach", "pr")
+    strictest = project.strictest()
+    assert strictest.returncode == 1, strictest
+    assert "policy_changed" in strictest.stdout and ".github/workflows/ci.yml" in strictest.stdout
+    assert "must name one branch" not in strictest.stderr, strictest
+
+
 def test_the_policy_setup_github_writes_is_the_one_the_audit_reads(tmp_path):
     """`setup github --scope cli.py …` on main: this tree has no cli.py, so the scope takes no
     file the branch changed and the fix is not taken — red, by the base's policy, which the

@@ -34,6 +34,7 @@ import os
 import re
 import shutil
 import tempfile
+import weakref
 
 from .base import (
     ARCHIVE, blank, count_noun, damaged, defused_line, DONE, FablizeError, last_chars, LEDGER,
@@ -162,14 +163,6 @@ UNVERIFIED = ("Whether to trust this plan is a human's decision: a reviewer comp
               "them), and only a plan that replays from its pin passes.")
 
 
-def git_show(root, ref, path, what):
-    """The bytes of `path` (relative to the repository top) at `ref`, or None when the ref has
-    no such file. An unknown ref is a usage error."""
-    top, full = branch_ref(root, ref, what)
-    code, out, _ = git(top, "cat-file", "blob", f"{full}:{path}", what=what)
-    return out if code == 0 else None
-
-
 def branch_ref(root, ref, what):
     """(repository top, the full name of the one branch `ref` names); anything else — an
     unknown ref, a tag, a bare commit, an ambiguous name — is a usage error."""
@@ -195,6 +188,41 @@ def branch_ref(root, ref, what):
                     f"refs/remotes/…), not {one_line(full) or 'a tag or a commit'}"
                     + (" — it is ambiguous" if "ambiguous" in err else "") + ".", "bad_ref")
     return top, full
+
+
+BASES = weakref.WeakKeyDictionary()  # a command's store → {ref: Base}, gone with the command
+
+
+class Base:
+    """The base branch `--base` names, resolved once a command (base_of): every gate of an audit
+    reads the same branch, and git is asked once — an audit asked it 8 times (16 rev-parses)
+    and where the branch left it 5 times; a command's store is the key, so an in-process
+    command after a fetch resolves it again."""
+
+    def __init__(self, top, full):
+        self.top, self.full, self._fork = top, full, None
+
+    @property
+    def fork(self):
+        """Where the branch left the base (fork_point), asked once."""
+        if self._fork is None:
+            self._fork = fork_point(self.top, self.full)
+        return self._fork
+
+    def show(self, path, what="--base", rev=None):
+        """The bytes of `path` (relative to the repository top) on the base — or at `rev`, the
+        branch's HEAD — or None where it has no such file."""
+        code, out, _ = git(self.top, "cat-file", "blob", f"{rev or self.full}:{path}", what=what)
+        return out if code == 0 else None
+
+
+def base_of(store, ref, what="--base"):
+    """The Base `ref` names for the command whose store is `store` (branch_ref's refusals when
+    it names no one branch: `what` is the option said in them)."""
+    bases = BASES.setdefault(store, {})
+    if ref not in bases:
+        bases[ref] = Base(*branch_ref(store.root, ref, what))
+    return bases[ref]
 
 
 def fetch_step(top, ref):
@@ -291,15 +319,16 @@ def check_paths(plan, root, top):
     return sorted(named)
 
 
-def changed_check_files(root, ref, plan):
+def changed_check_files(store, ref, plan):
     """The files the plan's frozen checks run which differ between the base branch and the
     working tree: a frozen `python3 check.py` proves nothing if the branch rewrote check.py."""
-    top, full = branch_ref(root, ref, "--base")
-    named = check_paths(plan, root, top)
+    base = base_of(store, ref)
+    top = base.top
+    named = check_paths(plan, store.root, top)
     if not named:
         return []
     code, out, _ = git(top, "diff", "--name-only", "-z", "--no-renames", "--no-relative",
-                       fork_point(top, full), "--", *named, what="--base", env=LITERAL)
+                       base.fork, "--", *named, what="--base", env=LITERAL)
     changed = {x.decode("utf-8", "replace") for x in out.split(b"\0") if x} if code == 0 else set()
     code, out, _ = git(top, "ls-files", "-z", "--others", "--exclude-standard", "--",
                        *named, what="--base", env=LITERAL)
@@ -317,7 +346,7 @@ def base_pin(store, ref, shared=None):
     if shared is not None:
         return shared_pin(store, ref, rel, shared["plan"])
     info = {"ref": ref, "path": f"{rel}/{LEDGER}", "plan": False, "scope": []}
-    data = git_show(store.root, ref, f"{rel}/{LEDGER}", "--base")
+    data = base_of(store, ref).show(f"{rel}/{LEDGER}")
     committed = MemoryLedger(data or b"")
     end = committed.end()[0]
     last = committed.last(end) if end else None
@@ -337,7 +366,7 @@ def shared_pin(store, ref, rel, plan_id):
     copy counts: a pull request's own pin.json is the next pin, once merged. A pin of another
     plan than the one CI names pins nothing (the plan is new)."""
     info = {"ref": ref, "path": f"{rel}/{PIN}", "plan": False, "scope": []}
-    data = git_show(store.root, ref, info["path"], "--base")
+    data = base_of(store, ref).show(info["path"])
     if data is None:
         return None, info
     try:
@@ -397,7 +426,8 @@ def policy_path(store):
 def base_policy(store, ref):
     """The policy committed on `ref` ({…, path, ref}), or None when it holds none; a policy that
     is not one, or a symlink, is damage (exit 3): CI must not run on a policy it cannot read."""
-    top, full = branch_ref(store.root, ref, "--base")
+    base = base_of(store, ref)
+    top, full = base.top, base.full
     entry = tree_entries(top, full, [POLICY_PATH]).get(POLICY_PATH)
     if entry is None:
         return None
@@ -499,17 +529,18 @@ def policy_changes(store, ref):
     its mode, its type — a symlink, a folder where .fablize was — or its absence), and the
     workflow that runs the audit (GitHub's GITHUB_WORKFLOW_REF names it; else every workflow
     under .github/workflows/ that names fablize, on either side)."""
-    top, full = branch_ref(store.root, ref, "--base")
+    base = base_of(store, ref)
+    top = base.top
     changed = []
     # the policy as each side's tree holds it: mode, type and object (a symlink put in its place,
     # or a .fablize folder that became a link, leaves no such entry: absent is a change too)
     # against where the branch left the base: a policy the base changed since is not the branch's
     sides = [git(top, "ls-tree", "-z", side, "--", POLICY_PATH, env=LITERAL)[1]
-             for side in (fork_point(top, full), "HEAD")]
+             for side in (base.fork, "HEAD")]
     if sides[0] != sides[1]:
         changed.append(POLICY_PATH)
     code, out, _ = git(top, "diff", "--name-only", "-z", "--no-renames", "--no-relative",
-                       fork_point(top, full), "HEAD", "--", ".github/workflows", what="--base",
+                       base.fork, "HEAD", "--", ".github/workflows", what="--base",
                        env=LITERAL)
     names = ([x.decode("utf-8", "surrogateescape") for x in out.split(b"\0") if x]
              if code == 0 else [])
@@ -517,8 +548,8 @@ def policy_changes(store, ref):
     for name in names:
         if ours and ours.endswith("/" + name):
             changed.append(name)
-        elif not ours and any(b"fablize" in (git_show(store.root, side, name, "--base") or b"")
-                              for side in (ref, "HEAD")):
+        elif not ours and any(b"fablize" in (base.show(name, rev=side) or b"")
+                              for side in (None, "HEAD")):
             changed.append(name)
     return changed
 
@@ -526,9 +557,10 @@ def policy_changes(store, ref):
 def github_changes(store, ref):
     """Every path under .github/ the branch changed: workflows, CODEOWNERS, actions — listed for
     the reviewer whatever they are."""
-    top, full = branch_ref(store.root, ref, "--base")
+    base = base_of(store, ref)
+    top = base.top
     code, out, _ = git(top, "diff", "--name-only", "-z", "--no-renames", "--no-relative",
-                       fork_point(top, full), "HEAD", "--", ".github", env=LITERAL)
+                       base.fork, "HEAD", "--", ".github", env=LITERAL)
     return ([x.decode("utf-8", "surrogateescape") for x in out.split(b"\0") if x]
             if code == 0 else [])
 
@@ -537,7 +569,8 @@ def policy_history(store, ref, pin_path):
     """{commit, subject, after_pin} of the commit on `ref` that last changed the policy, or None:
     a policy loosened by an earlier pull request merged over a red check shows in every later
     audit. `after_pin`: it came after the commit that last changed the plan's ledger there."""
-    top, full = branch_ref(store.root, ref, "--base")
+    base = base_of(store, ref)
+    top, full = base.top, base.full
     code, out, _ = git(top, "log", "-1", "--format=%H%x00%s", full, "--", POLICY_PATH,
                        env=LITERAL)
     if code != 0 or not out.strip():
@@ -557,7 +590,8 @@ def pr_base(store, ref):
     wanted = os.environ.get("GITHUB_BASE_REF", "")
     if not wanted or os.environ.get("GITHUB_ACTIONS") != "true":
         return None
-    top, full = branch_ref(store.root, ref, "--base")
+    base = base_of(store, ref)
+    top, full = base.top, base.full
     if full == f"refs/heads/{wanted}" or (full.startswith("refs/remotes/")
                                           and full.split("/", 3)[-1] == wanted):
         return None
@@ -572,7 +606,8 @@ def anchor(store, ref):
     (the base's committed copy — scripts/ or .github/fablize/ — file for file, or another) and,
     under GitHub Actions, the workflow (the base's, as a required workflow runs it, or the pull
     request's copy: identical to the base's, or not — then policy_changed names it too)."""
-    top, full = branch_ref(store.root, ref, "--base")
+    base = base_of(store, ref)
+    top, full = base.top, base.full
     here = os.path.dirname(os.path.abspath(__file__))
     own = {"goals.py": os.path.join(os.path.dirname(here), "goals.py")}
     own.update({f"fablize_gate/{n}": os.path.join(here, n) for n in os.listdir(here)
@@ -642,7 +677,7 @@ def allowed_signers_file(store, signers, base):
     if rel.startswith(".."):
         raise usage("--allowed-signers with --base names a file inside the repository.",
                     "no_signers")
-    data = git_show(store.root, base, rel, "--allowed-signers")
+    data = base_of(store, base, "--allowed-signers").show(rel, "--allowed-signers")
     if data is None:
         raise refused(f"--allowed-signers: {one_line(rel)} is not committed at {one_line(base)} "
                       "— only signers the base branch lists count: a human commits it there "
@@ -919,13 +954,14 @@ def tree_plan(store, plan, base, opts):
     scope, source = scope_of(plan, base, opts["scope"], opts.get("scope_from", "CI"))
     if base is None or not scope:
         return None
-    top, full = branch_ref(store.root, base["ref"], "--base")
+    b = base_of(store, base["ref"])
+    top, full = b.top, b.full
     state_rel = os.path.relpath(os.path.realpath(store.dir), top).replace(os.sep, "/")
     inside = scope_matcher(scope)
     named = set(check_paths(plan, store.root, top))  # what a check runs is the base's
     shadows = Shadows(top, full, plan)
     take, left, harness, agent, shadow = [], [], [], [], []
-    for path, status in branch_changes(top, full):
+    for path, status in branch_changes(b):
         if path == state_rel or path.startswith(state_rel + "/") or path == POLICY_PATH:
             continue
         if re.search(HARNESS, path) or path in named:
@@ -939,7 +975,7 @@ def tree_plan(store, plan, base, opts):
         else:
             take.append((path, status == "D"))
     scratch, moved = scratch_folder(top)
-    return {"top": top, "base": full, "fork": fork_point(top, full), "take": take,
+    return {"top": top, "base": full, "fork": b.fork, "take": take,
             "left": left + harness, "harness": harness,
             "agent_tests": agent, "shadow": shadow, "scope": scope, "from": source,
             "scratch": scratch, "scratch_moved": moved,
@@ -953,12 +989,12 @@ def fork_point(top, full):
     return out.decode().strip() if code == 0 and out.strip() else full
 
 
-def branch_changes(top, full):
-    """[(path, status)] the branch's HEAD changed since it left `full` (the base)."""
+def branch_changes(base):
+    """[(path, status)] the branch's HEAD changed since it left the Base `base`."""
     try:
-        return changed_paths(top, fork_point(top, full))
+        return changed_paths(base.top, base.fork)
     except FablizeError as e:
-        raise damaged(f"--base: git cannot compare HEAD with {one_line(full)} "
+        raise damaged(f"--base: git cannot compare HEAD with {one_line(base.full)} "
                       f"({one_line(e.message)[:200]}) — the branch under review must have a "
                       "commit: a human commits its work (or checks out the branch), then the "
                       "audit runs again.", "git_failed")
@@ -1154,7 +1190,8 @@ def tripwires_since(store, plan, ref, limit=50):
     """The tripwires of the work in this working tree since `ref` (committed or not, new files
     too), inside the plan's scope (every file without one), the state directory, artefacts and
     the harness left out: what `judge-packet --base` and `report --base` show."""
-    top, full = branch_ref(store.root, ref, "--base")
+    base = base_of(store, ref)
+    top, full = base.top, base.full
     state_rel = os.path.relpath(os.path.realpath(store.dir), top).replace(os.sep, "/")
     scope = [p for p in plan.get("scope") or () if isinstance(p, str)]
     inside = scope_matcher(scope) if scope else (lambda path: True)
@@ -1163,7 +1200,7 @@ def tripwires_since(store, plan, ref, limit=50):
         return (inside(path) and path != state_rel and not path.startswith(state_rel + "/")
                 and not re.search(ARTEFACT, path) and not re.search(HARNESS, path))
 
-    fork = fork_point(top, full)
+    fork = base.fork
     code, out, _ = git(top, "diff", "--name-only", "-z", "--no-renames", "--no-relative", fork,
                        "--", what="--base", env=LITERAL)
     paths = set(x.decode("utf-8", "surrogateescape") for x in out.split(b"\0") if x) \
@@ -1367,7 +1404,7 @@ def review(store, plan, scan, pin, base, opts):
                                   "signer": sig.get("signer") if isinstance(sig, dict) else None})
     trust["frozen_checks"] = [{"id": s["id"], "checks": s["checks"]} for s in plan["goals"]
                               if s.get("checks")]
-    trust["check_files_changed"] = (changed_check_files(store.root, base["ref"], plan)
+    trust["check_files_changed"] = (changed_check_files(store, base["ref"], plan)
         if base is not None else [])
     trust["added_after_pin"] = ([{"id": x["id"], "title": x["title"], "checks": x.get("checks", [])}
                                  for x in scan.added]
