@@ -116,6 +116,22 @@ def test_a_checkpoint_on_a_story_not_active_names_the_story_next_would_activate(
     assert fab("next").out.startswith("=== fablize handoff — G001 S1\n")  # the step does that
 
 
+@pytest.mark.parametrize("bad", [("--goal", "noseparator"), ("--brief", " ")],
+                         ids=["goal", "brief"])
+def test_create_over_a_plan_with_a_malformed_story_names_the_malformation_not_force(fab, bad):
+    """A plan exists and the new one is malformed: the step `--force` would only meet the
+    malformation, so the malformation is said first; nothing changes."""
+    make_plan(fab, 2)
+    before = state_files(fab.dir)
+    args = {"--brief": "b", "--goal": "A::a"}
+    args[bad[0]] = bad[1]
+    r = fab("create", *[x for kv in args.items() for x in kv])
+    assert r.code == 2, r
+    assert "already exists" not in r.err and "--force" not in r.err, r
+    assert ("title::objective" if bad[0] == "--goal" else "--brief must not be empty") in r.err
+    assert state_files(fab.dir) == before
+
+
 def test_a_story_waiting_on_another_agents_work_names_status_not_next(fab):
     make_plan(fab, 3)
     assert fab("next", "--agent", "alice").code == 0

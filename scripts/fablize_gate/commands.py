@@ -168,8 +168,6 @@ def cmd_create(ctx, a):
     program missing now; a file a story will write, test-first), the previous plan archived
     whole under --force, published with --remote; ends with the next step."""
     store = ctx.store
-    if not a.force and store.exists() and store.has_plan_files():
-        raise plan_exists(ctx)
     plan_text("--brief", a.brief)
     if blank(a.brief):
         raise usage("--brief must not be empty: it is the task every handoff starts from.",
@@ -186,9 +184,12 @@ def cmd_create(ctx, a):
         from . import trust
         trust.check_scope(scope, store.root, specs)
         fields["scope"] = scope
-    # judge the new plan before anything moves: a bad one must not archive the old one
+    # judge the new plan before anything moves: a bad one must not archive the old one — and
+    # before saying a plan exists, whose step (`--force`) would only meet the same refusal
     apply_event(None, dict(fields, seq=1, ts=now_iso(), event="plan_created", prev=ZERO_HASH,
                            replaces=None))
+    if not a.force and store.exists() and store.has_plan_files():
+        raise plan_exists(ctx)
     store.create_dir()
     with store.session() as s:
         replaces = None
