@@ -1157,6 +1157,19 @@ def test_an_ordinary_lost_claim_is_never_called_a_hand_edit(world):
     ok(a, "audit", "--remote", "origin")
 
 
+def test_a_claim_lost_to_another_agent_in_the_same_round_says_it_was_taken(world):
+    """b's agent claims G001 on an old copy while a's agent holds it, in the round b's claim
+    was for: said as taken, by whom — never as another round."""
+    a, b = world.clone("a"), world.clone("b")
+    shared(a, 3, "--parallel")
+    ok(b, "sync")
+    ok(a, "next", "--agent", "alice")
+    r = ok(b, "next", "--agent", "bob")  # its copy says G001 is pending, round 0
+    assert "on origin, G001 was taken by agent alice meanwhile (it is in progress, round 1: " \
+           "the round this claim was for)" in r.err, r
+    assert "another round" not in r.err and "handoff — G002" in r.out, r
+
+
 RACE_HOOK = """#!/bin/sh
 # git runs this in every ref transaction of this clone. While a reading command's fetch holds
 # the refs it writes (prepared), a writer of this clone runs, racing it, as an agent would.

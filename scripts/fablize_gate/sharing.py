@@ -1176,6 +1176,10 @@ def moved_on(plan, ev, remote):
     if story is None or ev.get("round") == touch(story)["round"] + 1:
         return None
     story = touch(story)
+    if story["status"] == "in_progress" and story["round"] == ev.get("round"):
+        who = f" by agent {one_line(story['agent'])}" if story.get("agent") else ""
+        return (f"on {remote}, {story['id']} was taken{who} meanwhile (it is in progress, "
+                f"round {story['round']}: the round this claim was for)", "claim_lost")
     return (f"on {remote}, {story['id']} went another round meanwhile (it is "
             f"{story['status']}, round {story['round']}; this claim was for round "
             f"{one_line(str(ev.get('round')))})", "claim_lost")
