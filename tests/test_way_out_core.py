@@ -976,7 +976,8 @@ def test_history_damage_outside_git_names_only_a_new_plan(fab):
     forge(fab.dir, event="approve", id="G001")
     j = fab("--json", "audit")
     assert j.json["error"]["commands"] == [NEW_PLAN], j
-    assert "a human decides between a new plan" in j.json["error"]["message"]
+    assert "a human decides whether to start a new plan (this one is kept whole in archive/):" \
+        in j.json["error"]["message"], j  # one way out, not a choice "between" it
 
 
 def test_a_story_another_agent_holds_is_never_offered_under_its_name(fab):

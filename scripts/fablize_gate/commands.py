@@ -572,9 +572,9 @@ def history_way_out(store, error):
     said = ""
     if "a human decides" not in error.message:  # the message whole, then the way out
         said = ((" No" if error.message.endswith(".") else " — no") +
-                " command repairs a history: a human decides between "
-                + ("its copy as last committed and " if restore else "") +
-                "a new plan (this one is kept whole in archive/):")
+                " command repairs a history: a human decides "
+                + ("between its copy as last committed and a new plan" if restore else
+                   "whether to start a new plan") + " (this one is kept whole in archive/):")
     return said, restore + [Step.engine(create_args(force=True))]
 
 
