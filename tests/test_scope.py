@@ -748,6 +748,9 @@ def test_the_policy_on_the_base_wins_over_a_workflow_the_pull_request_loosened(t
     assert "out_of_scope" in action.stdout and "tests/test_calc.py" in action.stderr, action
     assert "scope (the policy on origin/main): src/\n" in action.stdout, action
     assert "fail-to-pass: on — the policy on origin/main" in action.stdout
+    # its fix widens the scope where it came from: the policy, not the plan nor the workflow
+    assert "widen the scope in .fablize/policy.json on origin/main (a human's change" \
+        in action.stdout and "create --scope" not in action.stdout, action
 
 
 def test_honest_work_passes_under_the_bases_policy(tmp_path):
@@ -778,8 +781,11 @@ def test_a_changed_workflow_is_named_on_a_detached_checkout_too(tmp_path):
     commit): outside GitHub's variables, the workflow files the branch changed are read on the
     base and at HEAD — HEAD is no branch there, and the audit still names the change."""
     project = Project(tmp_path, files=POLICY)
-    project.agent(fix=True, after=lambda t: (t / ".github" / "workflows").mkdir(parents=True, exist_ok=True)
-                  or (t / ".github" / "workflows" / "ci.yml").write_text("# runs fablize\n"))
+    def workflow(tree):
+        (tree / ".github" / "workflows").mkdir(parents=True, exist_ok=True)
+        (tree / ".github" / "workflows" / "ci.yml").write_text("# runs fablize\n")
+
+    project.agent(fix=True, after=workflow)
     ci = project.ci_clone()
     git(ci, "checkout", "-q", "--detach", "pr")
     strictest = project.strictest()

@@ -943,6 +943,17 @@ def scope_of(plan, base, given, given_from="CI"):
     return scope, ("the plan" if scope else None)
 
 
+def widen_where(source):
+    """Where the scope that came from `source` (scope_of's) is widened — the place it came
+    from, so the step is one that changes it."""
+    if source and source.startswith("the policy on "):
+        return (f"in {POLICY_PATH} on {source[len('the policy on '):]} (a human's change on the "
+                "base: the policy wins over the plan's and CI's)")
+    if source == "CI":
+        return "CI gives (`--scope`, FABLIZE_SCOPE, the action's `scope`)"
+    return "on the base (`create --scope`)"
+
+
 def tree_plan(store, plan, base, opts):
     """How the re-run builds its trees: None to run in the checkout (no scope, or no --base);
     else {top, base commit, the branch's files it takes, those it leaves (outside the scope, the
@@ -1484,7 +1495,8 @@ def gates(store, plan, trust, opts):
             "out_of_scope", "the branch changed files outside the work's scope"
             + (" or the test harness" if trust["harness"] else "") + " — "
             + ", ".join(map(one_line, trust["out_of_scope"][:MAX_LISTED])),
-            "take them out of the branch, or widen the scope on the base (`create --scope`)"
+            "take them out of the branch, or widen the scope "
+            + widen_where(trust["scope"]["from"])
             + ("; the new test files are the agent's own: the policy on the base runs them red "
                "→ green with \"agent_tests\": \"prove\"" if agent else "")))
     if trust.get("shadow"):
