@@ -115,3 +115,21 @@ def test_no_placeholder_owner_in_readme_the_docs_or_what_setup_writes(project):
                  *sorted((project.human / ".github").rglob("*"))]:
         if path.is_file():
             assert "<owner>" not in path.read_text(errors="replace"), path
+
+
+def test_setup_github_takes_the_policy_from_the_plan_its_refusal_names(project):
+    """Without --scope and --required-check, the policy is the plan's scope and its final
+    story's frozen checks: the plan the refusal says to make first is read, not skipped."""
+    human = project.human
+    r = project.engine(human, "setup", "github")
+    assert r.returncode == 2 and "make the plan with them first" in r.stderr, r
+    assert not (human / ".fablize" / "policy.json").exists()
+    r = project.engine(human, "create", "--brief", "the version flag", "--scope", "cli.py",
+                       "--goal", "version::cli --version prints it", "--verify",
+                       "python3 -m pytest -q tests")
+    assert r.returncode == 0, r
+    r = project.engine(human, "setup", "github")
+    assert r.returncode == 0, r
+    policy = json.loads((human / ".fablize" / "policy.json").read_text())
+    assert policy["scope"] == ["cli.py"], policy
+    assert policy["required_checks"] == ["python3 -m pytest -q tests"], policy

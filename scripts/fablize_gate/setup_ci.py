@@ -108,7 +108,7 @@ def policy_of(ctx, a):
     plan = None
     if not (scope and checks) and ctx.store.has_plan_files():
         with ctx.store.plan_session(exclusive=False) as s:
-            plan = s.plan
+            plan = s.load()
     if plan is not None:
         scope = scope or [p for p in plan.get("scope") or () if isinstance(p, str)]
         checks = checks or list(plan["goals"][-1].get("checks") or ())
