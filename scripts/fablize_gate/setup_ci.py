@@ -22,7 +22,7 @@ import json
 import os
 import re
 
-from .base import FablizeError, one_line, refused, STATE_DIRNAME, usage
+from .base import FablizeError, one_line, refused, STATE_DIRNAME, Step, usage
 from .runs import git, repo_root
 from .reports import test_runners
 
@@ -101,33 +101,31 @@ jobs:
 """
 
 
-def policy_of(ctx, a):
-    """CI's policy: the scope and the required checks (given to setup, else the plan's: its scope
-    and its final story's frozen checks), every gate on."""
-    scope, checks = list(a.scope or ()), list(a.required_check or ())
+def policy_parts(ctx, scope=(), checks=()):
+    """The scope and the required checks CI's policy holds: given to setup, else the plan's (its
+    scope and its final story's frozen checks); either is empty where neither has it."""
+    scope, checks = list(scope or ()), list(checks or ())
     plan = None
     if not (scope and checks) and ctx.store.has_plan_files():
         with ctx.store.plan_session(exclusive=False) as s:
-            plan = s.plan
+            plan = s.load()
     if plan is not None:
         scope = scope or [p for p in plan.get("scope") or () if isinstance(p, str)]
         checks = checks or list(plan["goals"][-1].get("checks") or ())
-    if not scope or not checks:
-        missing = " and ".join(x for x, have in (("what the work may change", scope),
-                                                 ("the check that proves it", checks)) if not have)
-        raise usage(f"setup github: CI's policy needs {missing} — give them "
-                    "(`--scope PATH --required-check CMD`, each repeatable), or make the plan "
-                    "with them first (`create --scope PATH … --verify CMD`).", "policy_unknown",
-                    steps=f"{ctx.prog} setup github --scope <path> --required-check \"<test "
-                          "command>\"")
+    return scope, checks
+
+
+def policy_of(ctx, scope, checks):
+    """CI's policy: the scope and the required checks (policy_parts), every gate on."""
     from .trust import check_scope
     check_scope(scope, ctx.store.root, [], "setup github --scope")
     return dict({"scope": scope, "required_checks": checks}, **GATES)
 
 
-def owner_of(root, given, prog):
+def owner_of(root, given):
     """The code owner CODEOWNERS names: --owner, else the owner of the GitHub repository
-    `origin` points at (a user; an organisation's team is given with --owner @org/team)."""
+    `origin` points at (a user; an organisation's team is given with --owner @org/team); None
+    when neither names one — who reviews changes to the audit is then a human's to say."""
     if given:
         if not re.fullmatch(r"@[\w.-]+(/[\w.-]+)?|[^@\s]+@[^@\s]+", given, re.A):
             raise usage(f"--owner {one_line(given)!r}: a GitHub user (@name), a team "
@@ -136,11 +134,52 @@ def owner_of(root, given, prog):
     code, out, _ = git(root, "remote", "get-url", "origin")
     url = out.decode("utf-8", "replace").strip() if code == 0 else ""
     m = re.search(r"github\.com[:/]([\w.-]+)/[\w.-]+?(?:\.git)?/?$", url)
-    if m:
-        return "@" + m.group(1)
-    raise usage("setup github: who reviews changes to the audit is a human's to say — "
-                "`--owner @you` (or @org/team): origin is not a GitHub repository here.",
-                "bad_owner", steps=f"{prog} setup github --owner <@owner>")
+    return "@" + m.group(1) if m else None
+
+
+# what setup github may have to be told, each as the option a step adds with a placeholder for
+# its value, and as the option's help names it
+UNTOLD = {"--scope": ("what the work may change", "--scope <path>", "--scope PATH"),
+          "--required-check": ("the check that proves it", '--required-check "<test command>"',
+                               "--required-check CMD"),
+          "--owner": ("who reviews changes to the audit", "--owner <@owner>", "--owner @you")}
+
+
+def told(ctx, scope=(), checks=(), owner=None):
+    """What setup github goes by — CI's policy's (scope, checks) when it writes the policy (none
+    is there, or --scope/--required-check are given; else None), and the reviewer CODEOWNERS
+    names — and `gaps`: the options (UNTOLD) whose values neither the command line nor the
+    clone gives. Setup names every gap in one refusal, its step the user's own command with
+    each added, and doctor adds them to the setup step it names: steps that named one gap at a
+    time, dropping what the user had said, sent them in a circle between two refusals."""
+    gaps, parts = [], None
+    if scope or checks or not os.path.isfile(os.path.join(ctx.store.root, *POLICY.split("/"))):
+        parts = policy_parts(ctx, scope, checks)
+        gaps += [opt for opt, have in zip(("--scope", "--required-check"), parts) if not have]
+    who = owner_of(ctx.store.root, owner)
+    if who is None:
+        gaps.append("--owner")
+    return parts, who, gaps
+
+
+def untold(gaps):
+    """The refusal of a setup github that lacks `gaps` (told): each said, all in one, and the
+    step the user's command line with each option added, a placeholder for its value."""
+    said, give = [], []
+    policy = [g for g in gaps if g != "--owner"]
+    if policy:
+        said.append("CI's policy needs " + " and ".join(UNTOLD[g][0] for g in policy))
+        give.append(" and ".join(f"`{UNTOLD[g][2]}`" for g in policy) + " (each repeatable; or "
+                    "make the plan with them first: `create --scope PATH … --verify CMD`)")
+    if "--owner" in gaps:
+        said.append(f"CODEOWNERS needs {UNTOLD['--owner'][0]}, a human's to say (origin is not a "
+                    "GitHub repository here)")
+        give.append(f"`{UNTOLD['--owner'][2]}` (or @org/team)")
+    message = f"setup github: {'; '.join(said)} — give {', and '.join(give)}."
+    step = Step.again(" ".join(UNTOLD[g][1] for g in gaps))
+    if policy:
+        return usage(message, "policy_unknown", steps=step)
+    return usage(message, "bad_owner", steps=step)
 
 
 def codeowners_lines(owner, engine):
@@ -191,6 +230,11 @@ def plan_changes(ctx, a):
     root = ctx.store.root
     engine = engine_path(root)
     changes, notes = [], []
+    parts = owner = None
+    if not a.remove:  # what it must be told, all of it at once, before anything else
+        parts, owner, gaps = told(ctx, a.scope, a.required_check, a.owner)
+        if gaps:
+            raise untold(gaps)
 
     def current(rel):
         path, st = project_file(root, rel)
@@ -218,13 +262,13 @@ def plan_changes(ctx, a):
             notes.append(f"{POLICY} kept: CI's policy is the team's once written (`git rm "
                          f"{POLICY}` takes it out)")
     elif raw is None:
-        policy = policy_of(ctx, a)
+        policy = policy_of(ctx, *parts)
         changes.append((POLICY, (json.dumps(policy, indent=2) + "\n").encode("utf-8"),
                         "CI's policy — scope " + ", ".join(policy["scope"]) + "; every gate on"))
     else:
         given = a.scope or a.required_check
         if given:
-            policy = policy_of(ctx, a)
+            policy = policy_of(ctx, *parts)
             new = (json.dumps(policy, indent=2) + "\n").encode("utf-8")
             if new != raw:
                 changes.append((POLICY, new, "CI's policy, as --scope/--required-check give it"))
@@ -254,7 +298,7 @@ def plan_changes(ctx, a):
             changes.append((CODEOWNERS, rest.encode("utf-8") if rest.strip() else None,
                             "fablize's lines removed"))
     else:
-        lines = codeowners_lines(owner_of(root, a.owner, ctx.prog), engine)
+        lines = codeowners_lines(owner, engine)
         if text is None and not others:
             changes.append((CODEOWNERS, ("\n".join(lines) + "\n").encode("utf-8"),
                             "its reviewers for the workflow, the engine and the policy"))
@@ -331,20 +375,31 @@ def doctor_findings(ctx):
     itself cannot be (it lives on GitHub), and the last finding says so."""
     from .setup import read_project_file
     root = ctx.store.root
-    prog = ctx.prog
     findings = []
 
     def finding(item, problem, fix, fine):
         findings.append({"item": item, "ok": problem is None, "problem": problem, "fix": fix,
                          "detail": fine if problem is None else None})
 
-    step = f"`{prog} setup github`"
+    step = f"`{setup_command(ctx)}`"
     path = os.path.join(root, *WORKFLOW.split("/"))
     try:
         raw = read_project_file(path) if os.path.isfile(path) else None
     except FablizeError:
         raw = None
     engine = engine_path(root)
+    owners = [p for p in (CODEOWNERS,) + OTHER_CODEOWNERS if os.path.isfile(os.path.join(root, p))]
+    # what CI and GitHub read from the base branch is what HEAD holds, as for the policy: a
+    # file that is only in this checkout reads as healthy here and is absent there. One step
+    # commits every one of them (each gap points at it)
+    wired = [p for p in [WORKFLOW, f"{engine}/goals.py", f"{engine}/fablize_gate", POLICY]
+             + owners[:1] if os.path.exists(os.path.join(root, *p.split("/")))]
+    code, out, _ = git(root, "ls-tree", "-z", "--name-only", "HEAD", "--", *wired) if wired \
+        else (0, b"", b"")
+    held = set(out.decode("utf-8", "replace").split("\0")) if code == 0 else set()
+    loose = [p for p in wired if p not in held]
+    commit = (f"`git add {' '.join(loose)} && git commit -m \"fablize: CI's audit\"` on the "
+              "default branch")
     if raw is None:
         finding("workflow", f"{WORKFLOW} does not exist", step, None)
     elif not raw.startswith(MARK.encode()):
@@ -353,19 +408,22 @@ def doctor_findings(ctx):
     elif raw != workflow_text(engine).encode("utf-8"):
         finding("workflow", f"{WORKFLOW} is not the one this engine writes (an older setup, or "
                 "edited)", step, None)
+    elif WORKFLOW in loose:
+        finding("workflow", f"{WORKFLOW} is not committed here (a pull request runs the workflow "
+                "its branch holds)", commit, None)
     else:
         finding("workflow", None, None, f"{WORKFLOW} runs the engine the base commits "
                 f"({engine}/goals.py, python3 -I) and passes only on its verdict file")
-    if engine == ENGINE_COPY:
-        copy = os.path.join(root, ENGINE_COPY, "goals.py")
-        finding("engine", None if os.path.isfile(copy) else f"no engine at {ENGINE_COPY}/ for CI "
-                "to read from the base", step, f"{ENGINE_COPY}/ (this project commits no engine "
-                "of its own)")
+    unheld = [p for p in loose if p.startswith(engine + "/")]
+    if engine == ENGINE_COPY and not os.path.isfile(os.path.join(root, ENGINE_COPY, "goals.py")):
+        finding("engine", f"no engine at {ENGINE_COPY}/ for CI to read from the base", step, None)
+    elif unheld:
+        finding("engine", f"{' and '.join(unheld)} {'is' if len(unheld) == 1 else 'are'} not "
+                "committed here (CI reads the engine from the base branch)", commit, None)
     else:
-        finding("engine", None, None, f"{engine}/goals.py and {engine}/fablize_gate/, as the "
-                "project commits them")
-    code, out, _ = git(root, "ls-tree", "HEAD", "--", POLICY)
-    committed = code == 0 and bool(out.strip())
+        finding("engine", None, None, f"{ENGINE_COPY}/ (this project commits no engine of its "
+                "own)" if engine == ENGINE_COPY else f"{engine}/goals.py and "
+                f"{engine}/fablize_gate/, as the project commits them")
     policy = None
     policy_path = os.path.join(root, *POLICY.split("/"))
     if not os.path.isfile(policy_path):
@@ -382,11 +440,9 @@ def doctor_findings(ctx):
             finding("policy", f"{POLICY} is not a policy (a JSON object of its keys)",
                     f"a human fixes it, or removes it and runs {step}", None)
         else:
-            finding("policy", None if committed else f"{POLICY} is not committed here (CI reads "
-                    "it from the base branch)", f"`git add {POLICY}` and commit it on the "
-                    "default branch", "scope " + ", ".join(map(str, policy.get("scope") or
-                                                            ["(none)"])))
-    owners = [p for p in (CODEOWNERS,) + OTHER_CODEOWNERS if os.path.isfile(os.path.join(root, p))]
+            finding("policy", None if POLICY not in loose else f"{POLICY} is not committed here "
+                    "(CI reads it from the base branch)", commit, "scope " + ", ".join(
+                        map(str, policy.get("scope") or ["(none)"])))
     text = ""
     if owners:
         try:
@@ -395,20 +451,35 @@ def doctor_findings(ctx):
             text = ""
     covered = {p: owned(text, p) for p in ("/.github/", f"/{POLICY}")}
     missing = [p for p, ok in covered.items() if not ok]
-    finding("codeowners", None if not missing else
-            (f"{owners[0]} does not name a reviewer for " + ", ".join(missing)) if owners else
-            "no CODEOWNERS file names a reviewer for .github/ and the policy",
-            step if not owners or owners[0] == CODEOWNERS else
-            f"a human adds lines for {', '.join(missing)} to {owners[0]}",
-            f"{owners[0] if owners else ''} covers .github/ and {POLICY}")
+    if owners and not missing and owners[0] in loose:
+        finding("codeowners", f"{owners[0]} is not committed here (GitHub reads it from the base "
+                "branch)", commit, None)
+    else:
+        finding("codeowners", None if not missing else
+                (f"{owners[0]} does not name a reviewer for " + ", ".join(missing)) if owners
+                else "no CODEOWNERS file names a reviewer for .github/ and the policy",
+                step if not owners or owners[0] == CODEOWNERS else
+                f"a human adds lines for {', '.join(missing)} to {owners[0]}",
+                f"{owners[0] if owners else ''} covers .github/ and {POLICY}")
     for cmd in (policy or {}).get("required_checks") or ():
         runners = test_runners(cmd)
         finding("required check", None, None,
                 f"`{one_line(cmd)}` — " + (f"{'+'.join(runners)}: read test by test" if runners
                                            else "exit code only (no runner the engine reads)"))
     finding("ruleset", None, None, "cannot be checked from a clone: a repository admin makes "
-            f"{WORKFLOW} required on the default branch (`{prog} setup github` prints how)")
+            f"{WORKFLOW} required on the default branch ({step} prints how)")
     return findings
+
+
+def setup_command(ctx):
+    """`setup github` as doctor names it: with each option it cannot go without here (told), a
+    placeholder for the value, so that the step runs as printed."""
+    try:
+        gaps = told(ctx)[2]
+    except FablizeError:  # a plan setup cannot read: the policy's options spare it the plan
+        gaps = ["--scope", "--required-check"] + (
+            ["--owner"] if owner_of(ctx.store.root, None) is None else [])
+    return " ".join([f"{ctx.prog} setup github"] + [UNTOLD[g][1] for g in gaps])
 
 
 def owned(text, path):
