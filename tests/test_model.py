@@ -866,7 +866,11 @@ class GoalEngineMachine(RuleBasedStateMachine):
             self.check_done_line(run)
 
     def do_create_again(self, spec, as_json):
-        self.step(create_argv(spec), as_json, lambda: refuse("plan_exists"))
+        # the new plan is judged first: a malformed one is refused as itself (its step is not
+        # `--force`, which would only meet the same refusal), a sound one as plan_exists
+        refusal, _ = model_create(spec, self.files)
+        self.step(create_argv(spec), as_json,
+                  raising(refusal) if refusal is not None else lambda: refuse("plan_exists"))
 
     def do_create_force(self, spec, as_json):
         self.engine_create(spec, as_json, force=True)

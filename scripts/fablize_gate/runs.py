@@ -44,9 +44,11 @@ def run_tool(argv, cwd=None, data=None, what=None, timeout=TOOL_TIMEOUT, shell=F
     return p.returncode, p.stdout, p.stderr.decode("utf-8", "replace").strip()
 
 
-def git(root, *args, data=None, what=None, env=None):
-    """(exit code, stdout bytes, stderr text) of git in the repository at `root`."""
-    return run_tool(["git", "-C", root, *args], data=data, what=what or "this command", env=env)
+def git(root, *args, data=None, what=None, env=None, timeout=None):
+    """(exit code, stdout bytes, stderr text) of git in the repository at `root`: every git
+    process of the engine starts here (`timeout`: another than run_tool's)."""
+    return run_tool(["git", "-C", root, *args], data=data, what=what or "this command", env=env,
+                    **({} if timeout is None else {"timeout": timeout}))
 
 
 def git_out(root, *args, data=None, what=None, env=None, repair=False):

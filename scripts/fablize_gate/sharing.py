@@ -62,7 +62,7 @@ from .storage import (
     commit_start, crash_point, ensure_subdir, free_name, fsync_dir, Ledger, link_or_copy, O_BINARY,
     open_state_file, read_state_file, shown_path, write_all,
     write_atomic)
-from .runs import git, repo_root, run_tool
+from .runs import git, repo_root
 from .render import invocation, plan_json, sequential, story_json, TAKE_TURNS
 from .history import audit_ledger
 from .sharing_git import (
@@ -2070,10 +2070,10 @@ def remote_sharing(root):
             return None
         # a refusal must not hang on a remote that does not answer: a few seconds, then the
         # original's advice stands
-        code, out, _ = run_tool(["git", "-C", root, "ls-remote", remote, "refs/fablize/plans/*"],
-                                what="a shared plan", timeout=NO_PLAN_PROBE,
-                                env=None if "GIT_SSH_COMMAND" in os.environ else {
-                                    "GIT_SSH_COMMAND": "ssh -o BatchMode=yes -o ConnectTimeout=3"})
+        code, out, _ = git(root, "ls-remote", remote, "refs/fablize/plans/*",
+                           what="a shared plan", timeout=NO_PLAN_PROBE,
+                           env=None if "GIT_SSH_COMMAND" in os.environ else {
+                               "GIT_SSH_COMMAND": "ssh -o BatchMode=yes -o ConnectTimeout=3"})
     except (FablizeError, OSError):  # no git, or a remote that does not answer in time
         return None
     return f"{remote} shares a plan" if code == 0 and out.strip() else None
