@@ -196,6 +196,7 @@ def test_doctor_github_flags_what_ci_reads_from_the_base_when_it_is_not_committe
     assert tree(human) == before, "doctor changed the checkout"
     fix = re.search(rf"  ✗ {item}: .* — fix: `([^`]+)` on the default branch", r.stdout)
     assert fix and fix.group(1).startswith("git add ") and left in fix.group(1), r.stdout
+    assert r.stderr.splitlines()[1:] == ["  " + fix.group(1)], r  # the step, on its own line
     committed = shell(project, fix.group(1))
     assert committed.returncode == 0, committed
     r = project.engine(human, "doctor", "github")

@@ -853,8 +853,10 @@ def cmd_doctor(ctx, a):
     problems = [c for c in findings if not c["ok"]]
     if problems:
         fixes = list(dict.fromkeys(c["fix"] for c in problems))
-        # the first fix's command, when it is one (a fix that is a human's names none)
-        step = re.match(r"`((?:git init|" + re.escape(ctx.prog) + r" [^`]+))`", fixes[0])
+        # the first fix's command, when it is one (a fix that is a human's names none): git's
+        # (`git init`, the commit of what CI reads from the base) or the engine's
+        step = re.match(r"`((?:git init|git add [^`]+|" + re.escape(ctx.prog) + r" [^`]+))`",
+                        fixes[0])
         raise refused(f"doctor: {count_noun(len(problems), 'problem')} — "
                       + (f"{problems[0]['problem']}; fix: {fixes[0]}" if len(problems) == 1 else
                          f"{count_noun(len(fixes), 'fix')}, each said once "
