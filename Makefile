@@ -12,8 +12,9 @@ VERMIN_FILES := scripts/*.py scripts/fablize_gate/*.py tools/*.py
 VERMIN_FLAGS := --no-tips --violations -t=3.9- --eval-annotations
 
 # four workers on two cores: most tests wait on a subprocess (git, the engine); an idle worker
-# takes tests queued for another (worksteal): on this project's idle 2-core machine `make test`
-# takes 1m40s–1m43s so, 2m04s with xdist's default split (and 2m23s with six workers)
+# takes tests queued for another (worksteal). On this project's idle 2-core machine `make test`
+# takes about 3m05s (`time make test`: user+sys ~356 s of CPU, both cores busy throughout; the
+# end-to-end audits of tests/test_scope.py and tests/test_verdict.py are 40% of the tests' time)
 PYTEST_ARGS ?= -q -n 4 --dist worksteal tests
 # The oldest supported Python, proven rather than assumed: where a 3.9 is installed, `make test`
 # also runs the demo and the engine's subprocess tests on it (the test tools themselves need a
@@ -33,7 +34,7 @@ $(VENV)/.stamp: requirements-dev.txt
 	touch $@
 
 # test39 runs beside the main suite (its output is said after it, whole): one wall clock, not
-# two in a row (~6 s of the idle machine's ~2 min)
+# two in a row (~6 s of the idle machine's ~3 min)
 TEST39_LOG := .test39.log
 
 test: venv
