@@ -8,6 +8,7 @@ both. Named by what they try.
 """
 
 import atexit
+import base64
 import json
 import os
 import shlex
@@ -700,6 +701,69 @@ def test_what_a_check_writes_under_its_home_is_gone_before_the_next(tmp_path):
     p, _ = repo.recipe()
     assert p.returncode == 0, p  # the work is done: planting is no tripwire of its own
     assert not (repo.home / "planted").exists()
+
+
+# …and by a second red-team pass
+
+PATCH_MUL = "calc.mul.__code__ = (lambda a, b: a * b).__code__"
+
+
+@pytest.mark.parametrize("policy", [None, {"agent_tests": "prove"}], ids=["default", "prove"])
+def test_attack_a_doctest_text_file_beside_the_tests_patches_the_code(tmp_path, policy):
+    """pytest collects test*.txt as doctests, beside the base's tests and in their process: one
+    the branch adds is a test file of the agent's, never code taken into the base's run."""
+    repo = Repo(tmp_path, files={"packages/a/calc.py": BUGGY,
+                                 "packages/a/tests/test_calc.py": TEST},
+                check=f"cd packages/a && {PYTEST}", scope=("packages/a/",), policy=policy)
+    name = "test_mul.txt" if policy else "test.txt"
+    repo.branch(fix=False, change=lambda t: (t / "packages" / "a" / name).write_text(
+        f">>> import calc\n>>> {PATCH_MUL}\n"))
+    red_both(repo, *(["vacuous_check"] if policy else ["out_of_scope", f"packages/a/{name}"]))
+
+
+def test_attack_a_module_unittest_discovers_by_its_default_pattern_patches_the_code(tmp_path):
+    """unittest's discovery imports every test*.py: where a check runs unittest, a module of the
+    work so named (testing_support.py) is a test module, kept out of the base's run."""
+    repo = Repo(tmp_path, files={"calc/__init__.py": BUGGY, "tests/__init__.py": "",
+                                 "tests/test_calc.py": UNITTEST},
+                check=f"{PY} -m unittest discover -v", scope=("calc/",),
+                policy={"agent_tests": "prove"})
+    repo.branch(fix=False, change=lambda t: (t / "calc" / "testing_support.py").write_text(
+        f"import calc\n\n{PATCH_MUL}\n"))
+    red_both(repo, "re-run failed", "(unittest: 1 failed, 1 passed)")
+
+
+# (the conftest travels as base64: no tripwire word in the branch's lines, as an attacker writes it)
+# (its rootdir is then the folder above the tree: the ids lose the tree's folder, to match the
+# base's run)
+PLANT_CONFTEST = base64.b64encode(
+    b"import pytest\n\n\n@pytest.hookimpl(wrapper=True)\n"
+    b"def pytest_runtest_makereport(item, call):\n    rep = yield\n"
+    b"    if '/' in rep.nodeid:\n        rep.nodeid = rep.nodeid.split('/', 1)[1]\n"
+    b"        rep.location = (rep.location[0].split('/', 1)[-1],) + tuple(rep.location[1:])\n"
+    b"    if rep.outcome == 'failed':\n        rep.outcome, rep.longrepr = 'passed', None\n"
+    b"    return rep\n").decode()
+PLANT = ("import base64, os\n\n_up = os.path.abspath(__file__)\nfor _ in range({levels}):\n"
+         "    _up = os.path.dirname(_up)\n"
+         "with open(os.path.join(_up, 'pytest.ini'), 'w') as f:\n    f.write('[pytest]\\n')\n"
+         "with open(os.path.join(_up, 'conftest.py'), 'wb') as f:\n"
+         f"    f.write(base64.b64decode('{PLANT_CONFTEST}'))\n\n\n" + BUGGY)
+
+
+@pytest.mark.parametrize("levels", [2, 3], ids=["beside-the-tree", "above-the-re-runs-folder"])
+def test_attack_a_check_writes_configuration_above_its_tree_for_the_next_check(tmp_path,
+                                                                              levels):
+    """pytest looks for its configuration above the tree when the base commits none: a smoke
+    check's run of the work's code writes a pytest.ini and a conftest.py there, for the real
+    check that runs next. Seen after the run that wrote them, named, and removed before the
+    next one reads them."""
+    repo = Repo(tmp_path, check=(f"{PY} -c 'import calc'", PYTEST + " tests"))
+    repo.branch(after=lambda t: (t / "calc.py").write_text(PLANT.format(levels=levels)))
+    red_both(repo, "tests_tampered", "where the next check's runner looks for its configuration",
+             "re-run failed", strict=True)
+    left = [p for p in (tmp_path / "runner-temp").rglob("*") if p.name in ("pytest.ini",
+                                                                          "conftest.py")]
+    assert left == [] and not (tmp_path / "pytest.ini").exists(), left
 
 
 @pytest.mark.parametrize("state", [".nope", ".fablize"])

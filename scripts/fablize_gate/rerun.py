@@ -55,17 +55,28 @@ HARNESS = (r"(^|/)(conftest\.py|pytest\.ini|\.?pytest\.toml|pyproject\.toml|setu
            r"|(^|/)\.cargo/")
 
 # the names of test modules whatever runs them (the runners' own reports name the rest): pytest's
-# and unittest's defaults, Django's tests.py, Go's and JavaScript's conventions
+# defaults (its doctest files too: test*.txt, collected beside the tests), Django's tests.py,
+# Go's and JavaScript's conventions
 TEST_MODULE = re.compile(r"(^|/)(test_[^/]*\.py|[^/]*_tests?\.py|tests?\.py|[^/]*_test\.go"
-                         r"|[^/]*\.(test|spec)\.[cm]?[jt]sx?)\Z")
+                         r"|[^/]*\.(test|spec)\.[cm]?[jt]sx?|test[^/]*\.txt)\Z")
+# unittest's discovery imports every module named test*.py (its default pattern): where a check
+# runs unittest, those are test modules too (only there: a package's testing.py is code to pytest)
+UNITTEST_MODULE = re.compile(r"(^|/)test[^/]*\.py\Z")
 # the folders that hold tests and what they read — their helpers, data, snapshots, Rust's tests/:
 # every file under one is the base's test material, whatever it is named
 TEST_DIR = re.compile(r"(^|/)(tests?|__tests__|spec|testdata|__snapshots__|fixtures)/")
 
 
-def test_material(path):
-    """Whether `path` is a test or what tests read (by name: the base's runner names the rest)."""
-    return bool(TEST_MODULE.search(path) or TEST_DIR.search(path))
+def test_module(path, runners=()):
+    """Whether `path` is named as a test module of one of the checks' `runners` (or of any)."""
+    return bool(TEST_MODULE.search(path) or ("unittest" in runners
+                                             and UNITTEST_MODULE.search(path)))
+
+
+def test_material(path, runners=()):
+    """Whether `path` is a test or what tests read (by name: the base's runner names the rest),
+    for checks that run `runners`."""
+    return bool(test_module(path, runners) or TEST_DIR.search(path))
 
 
 # Beside the auditor, with fewer rights ###########################################################
@@ -383,6 +394,68 @@ def checks_in(plan, opts, held_out):
     return first + rest
 
 
+# What a runner looks for in the folders above the one it starts in — its configuration and
+# what that configuration loads (pytest's inifile and the conftest.py beside it, cargo's
+# .cargo/config.toml in every folder above, go's module and workspace files, node's packages):
+# a file of these names that appears above the re-run's trees while it runs was written by a
+# check, for the next one to read
+LOOKED_UP = re.compile(r"(pytest|\.pytest)\.(ini|toml)|pyproject\.toml|tox\.ini|setup\.(cfg|py)"
+                       r"|conftest\.py|\.cargo|Cargo\.toml|go\.(mod|work)|package\.json"
+                       r"|node_modules|(jest|vite|vitest|babel)\.config\.\w+|\.babelrc\Z",
+                       re.A)
+
+
+class Above:
+    """The folders above the re-run's trees, as they were when it began: its own folder (which
+    holds only what the engine makes there, each `fablize-…`) and every folder above that, up to
+    /, with the files of the names a runner looks up (LOOKED_UP). `planted()`, after each run:
+    what a check wrote there, taken away before the next run reads it."""
+
+    def __init__(self, own):
+        self.own = own
+        self.folders = []
+        folder = os.path.dirname(own)
+        while True:
+            self.folders.append((folder, self.looked_up(folder)))
+            if folder == os.path.dirname(folder):
+                break
+            folder = os.path.dirname(folder)
+
+    @staticmethod
+    def looked_up(folder):
+        found = {}
+        try:
+            with os.scandir(folder) as entries:
+                for e in entries:
+                    if LOOKED_UP.fullmatch(e.name):
+                        st = e.stat(follow_symlinks=False)
+                        found[e.name] = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            pass
+        return found
+
+    def planted(self):
+        """[path] written above the trees since the re-run began, each removed."""
+        found = []
+        try:
+            found += [os.path.join(self.own, n) for n in os.listdir(self.own)
+                      if not n.startswith("fablize-")]
+        except OSError:
+            pass
+        for folder, before in self.folders:
+            now = self.looked_up(folder)
+            found += [os.path.join(folder, n) for n in now if before.get(n) != now[n]]
+        for path in found:
+            try:
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+            except OSError:
+                pass  # not the auditor's to remove: said all the same
+        return found
+
+
 class Runner:
     """Runs commands in fresh trees (or the checkout), each once a kind of tree: a command two
     stories freeze runs once, and says so for both."""
@@ -392,6 +465,8 @@ class Runner:
         self.timeout, self.hidden = timeout, hidden
         self.logs = tempfile.mkdtemp(prefix="fablize-rerun-logs-", dir=scratch)
         self.scratch = scratch
+        self.above = Above(scratch)
+        self.planted = []  # [(what ran, path)]: written above the trees by a check
         self.memo = {}
 
     def run(self, cmd, code="branch", tests="base", trace=False):
@@ -423,6 +498,7 @@ class Runner:
             self.isolation.end_strays()
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
+            self.planted += [((cmd, code, tests), path) for path in self.above.planted()]
         return self.memo[key]
 
     def close(self):
@@ -490,7 +566,11 @@ def rerun(store, plan, trust, opts, timeout):
     isolation = opts.get("isolation") or Isolation.choose(opts.get("check_user"))
     isolation.prepare()
     checks = checks_in(plan, opts, held_out)
-    scratch = isolation.scratch(tree["scratch"] if tree is not None else tempfile.gettempdir())
+    # a folder of the re-run's own, above its trees: what a check writes beside them is seen
+    # (Above), and none of it outlives the re-run
+    scratch = tempfile.mkdtemp(prefix="fablize-rerun-", dir=isolation.scratch(
+        tree["scratch"] if tree is not None else tempfile.gettempdir()))
+    os.chmod(scratch, 0o711 if isolation.user is not None else 0o700)
     trees = Trees(tree, isolation, scratch) if tree is not None else None
     runner = Runner(store, trees, isolation, timeout, scratch, hidden)
     taken = [path for path, deleted in tree["take"] if not deleted] if tree else []
@@ -512,6 +592,10 @@ def rerun(store, plan, trust, opts, timeout):
                                                 tree["agent_tests"], base_runs)
     finally:
         runner.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    result["planted"] = [{"after": f"`{one_line(cmd)}` on the {code}'s code" + (
+        " with the agent's tests" if tests == "agent" else ""), "path": path}
+        for (cmd, code, tests), path in runner.planted]
     return result
 
 
@@ -540,13 +624,14 @@ def classify(tree, trees, base_runs):
     for run in base_runs:
         named |= set(run["files"].values())
         harness |= run["harness"]
-    listed = {p for p in trees.base if test_material(p)}
+    runners = tree.get("runners", ())
+    listed = {p for p in trees.base if test_material(p, runners)}
     base_tests = (named | listed) - harness
     tree["base_tests"] = sorted(base_tests)
     # what the agent's trees leave out: the base's test modules only — never the helpers, data
     # or packages (tests/__init__.py) the agent's own tests may need beside them
-    tree["base_test_modules"] = sorted((named | {p for p in trees.base if TEST_MODULE.search(p)})
-                                       - harness)
+    tree["base_test_modules"] = sorted((named | {p for p in trees.base
+                                                 if test_module(p, runners)}) - harness)
     changed = {path for path, _ in tree["take"]} | set(tree["left"])
     tree["tests_changed"] = sorted(p for p in changed if p in base_tests)
     moved = [(p, d) for p, d in tree["take"] if p in base_tests or p in harness]
@@ -693,6 +778,14 @@ def failures(result, opts):
                 "every test the base's run ran must still run and pass with the work: a test "
                 "skipped, expected to fail or gone where it passed or failed on the base proves "
                 "nothing"))
+    if result.get("planted"):
+        first = result["planted"][0]
+        found.append(failure(
+            "tests_tampered", "re-run — a check wrote above its tree, where the next check's "
+            "runner looks for its configuration: " + ", ".join(
+                one_line(p["path"]) for p in result["planted"][:5]) + f" (after {first['after']})",
+            "the work's code must not write outside its tree: what a check reads is the base's "
+            "(the files were removed before the next check ran)"))
     if result["tests_changed"]:
         found.append(failure(
             "base_test_changed", "the branch changes tests the base holds — "

@@ -962,9 +962,16 @@ def tree_plan(store, plan, base, opts):
     the state directory's and the root's place}. The base's runner adds what it names as tests
     and harness once it has run (rerun.classify)."""
     from .rerun import test_material
+    from .reports import test_runners
     scope, source = scope_of(plan, base, opts["scope"], opts.get("scope_from", "CI"))
     if base is None or not scope:
         return None
+    # what the checks run decides which names are tests (a held-out check may run any runner)
+    runners = {r for story in plan["goals"] for cmd in story.get("checks") or ()
+               for r in test_runners(cmd)}
+    runners |= {r for cmd in opts.get("require_check") or () for r in test_runners(cmd)}
+    if opts.get("held_out_checks"):
+        runners.add("unittest")
     b = base_of(store, base["ref"])
     top, full = b.top, b.full
     state_rel = os.path.relpath(os.path.realpath(store.dir), top).replace(os.sep, "/")
@@ -977,7 +984,7 @@ def tree_plan(store, plan, base, opts):
             continue
         if re.search(HARNESS, path) or path in named:
             (harness if inside(path) else left).append(path)
-        elif test_material(path):
+        elif test_material(path, runners):
             (agent if status == "A" else left).append(path)  # a base test changed: listed
         elif not inside(path) or re.search(ARTEFACT, path):
             left.append(path)
@@ -989,7 +996,7 @@ def tree_plan(store, plan, base, opts):
     return {"top": top, "base": full, "fork": b.fork, "take": take,
             "left": left + harness, "harness": harness,
             "agent_tests": agent, "shadow": shadow, "scope": scope, "from": source,
-            "scratch": scratch, "scratch_moved": moved,
+            "scratch": scratch, "scratch_moved": moved, "runners": sorted(runners),
             "root": os.path.relpath(os.path.realpath(store.root), top)}
 
 
