@@ -225,3 +225,26 @@ def test_a_suite_that_failed_to_load_is_an_error_for_jest_and_vitest():
 def test_coloured_pytest_output_is_read(fab):
     one_check(fab, PYTEST + " --color=yes test_calc.py || true", {"test_calc.py": TESTS})
     refused_keeping_runs(fab, "G001", "exit 0 but pytest reported 1 failed")
+
+
+def test_a_test_reported_twice_is_fixed_only_when_no_run_of_it_failed():
+    """A test id the branch's report names twice (a twin of the failing test under its id)
+    is fixed, or still passing, only when no run of it failed: a pass beside a failure proves
+    nothing."""
+    from fablize_gate.reports import compare, ERROR, FAILED, PASSED, Report
+
+    def report(**tests):
+        r = Report(["pytest"])
+        for test_id, outcomes in tests.items():
+            for outcome in outcomes:
+                r.add(test_id, outcome, "tests/test_calc.py")
+        return r
+
+    cmp = compare(report(t=[FAILED]), report(t=[FAILED, PASSED]))
+    assert (cmp.fixed, cmp.still_failing) == ([], ["t"])
+    cmp = compare(report(t=[PASSED]), report(t=[PASSED, ERROR]))
+    assert (cmp.fixed, cmp.broken) == ([], ["t"])
+    cmp = compare(report(t=[FAILED]), report(t=[PASSED]))
+    assert cmp.fixed == ["t"] and cmp.ok()
+    cmp = compare(report(t=[PASSED, PASSED]), report(t=[PASSED, PASSED]))
+    assert cmp.ok() and cmp.broken == []

@@ -759,11 +759,17 @@ def test_attack_a_check_writes_configuration_above_its_tree_for_the_next_check(t
     next one reads them."""
     repo = Repo(tmp_path, check=(f"{PY} -c 'import calc'", PYTEST + " tests"))
     repo.branch(after=lambda t: (t / "calc.py").write_text(PLANT.format(levels=levels)))
-    red_both(repo, "tests_tampered", "where the next check's runner looks for its configuration",
-             "re-run failed", strict=True)
-    left = [p for p in (tmp_path / "runner-temp").rglob("*") if p.name in ("pytest.ini",
-                                                                          "conftest.py")]
-    assert left == [] and not (tmp_path / "pytest.ini").exists(), left
+    said = ("tests_tampered", "where the next check's runner looks for its configuration",
+            "re-run failed")
+    red_both(repo, *said)
+    # the strictest audit's temporary folder is this test's own: above it is no other test's
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    s = repo.strictest(env={"TMPDIR": str(tmp)})
+    assert s.returncode == 1 and all(x in s.stdout + s.stderr for x in said), s
+    left = [p for p in tmp_path.rglob("*") if p.name in ("pytest.ini", "conftest.py")
+            and "agent" not in p.parts]
+    assert left == [], left
 
 
 @pytest.mark.parametrize("state", [".nope", ".fablize"])

@@ -669,6 +669,9 @@ def compare(base, branch):
         passed_before = before.count(PASSED)
         broken_before = sum(before.count(o) for o in BROKEN + (XFAILED,))
         passed_after = after.count(PASSED)
+        if any(o in BROKEN for o in after):  # a run of it failed: a twin's pass beside it
+            (result.still_failing if broken_before else result.broken).append(test_id)
+            continue                          # proves nothing
         if passed_after < passed_before + sum(before.count(o) for o in BROKEN):
             (result.still_failing if passed_after >= passed_before and broken_before
              else result.broken).append(test_id)
