@@ -4,6 +4,7 @@ observed runs, and what git sees."""
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -775,6 +776,39 @@ def test_readme_copy_the_engine_lines_run_as_shown(repo, home):
     assert sorted(p.name for p in (repo / "scripts").iterdir()) == ["fablize_gate", "goals.py"]
     assert sorted(p.name for p in (repo / "scripts" / "fablize_gate").glob("*.py")) == sorted(
         p.name for p in (ROOT / "scripts" / "fablize_gate").glob("*.py"))
+
+
+def test_the_plugins_merge_driver_runs_from_a_terminal_without_it_on_path(tmp_path, home):
+    """The plugin's bin/ is on the PATH of Claude Code's tools only, and git runs the merge
+    driver from any terminal: setup through the plugin (no engine copied into the project)
+    writes the driver with the launcher's full path, and a plain `git merge` of two branches'
+    plans replays them there."""
+    repo = tmp_path / "plain"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    git(repo, "config", "user.email", "t@example.com")
+    git(repo, "config", "user.name", "t")
+    (repo / "README").write_text("a project\n")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "init")
+    fablize = shlex.quote(str(ROOT / "bin" / "fablize"))
+    code, out, err = sh(f"{fablize} setup claude", repo, home)
+    assert code == 0, (out, err)
+    assert git(repo, "config", "merge.fablize.driver").strip() == \
+        f"{fablize} merge-driver %O %A %B %P"
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "fablize set up")
+    base = git(repo, "rev-parse", "HEAD").strip()
+    for branch in ("x", "y"):
+        git(repo, "checkout", "-q", "-b", branch, base)
+        code, out, err = sh(f"{fablize} create --brief {branch} --goal A::a --goal B::b", repo,
+                            home)
+        assert code == 0, (out, err)
+        git(repo, "add", "-A")
+        git(repo, "commit", "-qm", f"plan {branch}")
+    code, out, err = sh("git merge -q --no-edit x", repo, home)  # no plugin bin/ on PATH
+    assert code == 0, (out, err)
+    assert "<<<<<<<" not in (repo / ".fablize" / "ledger.jsonl").read_text()
 
 
 def test_readme_three_commands_run_as_shown_through_the_plugin_command(repo, home):

@@ -18,6 +18,7 @@ import re
 from .base import (
     damaged, LEDGER, load_json, one_line, quote_arg, refused, RUNS, SNAPSHOT, Step)
 from .model import is_original_snapshot, make_event, misfit, PLAN_SPEC
+from .render import human_command
 from .storage import (
     git_dirs, read_plain, read_state_file, repo_root, symlink_refusal, within, write_atomic)
 
@@ -243,7 +244,7 @@ def install(store, cli):
 
 
 def cmd_install_merge(ctx, a):
-    line, driver = install(ctx.store, ctx.cli)
+    line, driver = install(ctx.store, human_command(ctx.cli))  # git runs it from any terminal
     ctx.say(f"fablize: .gitattributes has `{line}` (commit it); this clone's git config runs "
             f"`{driver}` for those files.")
     ctx.data.update(attribute=line, driver=driver)

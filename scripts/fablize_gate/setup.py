@@ -724,7 +724,8 @@ def cmd_setup(ctx, a):
         if driver:
             ctx.say("fablize: fablize's merge driver taken out of this clone's git config")
     elif merge.wanted(ctx.store):
-        line, _ = merge.install(ctx.store, portable_command(root))
+        # git runs the driver from a person's terminal too: the engine as it runs there
+        line, _ = merge.install(ctx.store, human_command(portable_command(root)))
         ctx.say(f"fablize: .gitattributes: `{line}` (commit it) — git merges, rebases and "
                 "cherry-picks of committed plans replay them, through this clone's git config")
         done.append(".gitattributes")
