@@ -104,3 +104,46 @@ def test_sharing_sets_no_attribute_on_storages_objects():
                     and STORAGE_OBJECTS & set(path_names(node.args[0]))):
                 found.append(f"{path.name}:{node.lineno}: {node.func.id}")
     assert found == []
+
+
+def test_every_command_returns_one_result_its_text_drawn_from_it():
+    """A command states its result once — `ctx.show(text_renderer, fields, **view)` — and the
+    command line draws the text from those fields (or prints them as --json): no engine module
+    says a line of its own beside the data (`say`, `out.lines`), and every renderer a command
+    names takes the result's fields first."""
+    said, shows, renderers = [], [], {}
+    for path in ENGINE_FILES:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "say":
+                said.append(f"{path.name}:{node.lineno}: .say")
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("text_"):
+                renderers[node.name] = [a.arg for a in node.args.args]
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "show" and node.args
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "ctx"):
+                shows.append((path.name, node.lineno, ast.unparse(node.args[0])))
+    assert said == []
+    assert len(shows) >= 25, shows  # every command that says something on stdout
+    for name, line, renderer in shows:
+        renderer = renderer.split(".")[-1].split(" and ")[-1]
+        assert renderer in renderers, f"{name}:{line}: {renderer} is no text_ renderer"
+        assert renderers[renderer][0] == "data", f"{renderer} must take the result first"
+
+
+def test_text_and_json_are_one_result(fab):
+    """The same command on the same state, as text and as --json: the text is drawn from the
+    JSON's fields (a field the text names is the JSON's), never computed beside them."""
+    import json
+    import shutil
+    assert fab("create", "--brief", "b", "--goal", "a::do a", "--goal", "v::verify",
+               "--check", "G001=true").code == 0
+    assert fab("next").code == 0
+    twin = fab.dir.parent / "twin"
+    shutil.copytree(fab.dir.parent, twin, symlinks=True)
+    text = fab("checkpoint", "--id", "G001", "--status", "complete", "--evidence", "done")
+    data = json.loads(fab("--dir", str(twin / fab.dir.name), "--json", "checkpoint", "--id",
+                          "G001", "--status", "complete", "--evidence", "done").out)
+    assert text.code == 0 and data["ok"]
+    assert f"{data['story']['id']} → {data['story']['status']}" in text.out
+    assert data["next"]["text"] in text.out and data["next"]["cmd"] in text.out

@@ -31,12 +31,16 @@ when it needs it, so a start loads only what it runs):
              snapshot, transactions, streaming replay
   history    the whole ledger replayed and judged, event by event (audit_ledger)
   runs       the one place processes start: git, tools, checks, provenance
-  render     handoff, status, session start, plan map, report: text only
+  render     handoff, status, session start, plan map, report, and each command's text drawn
+             from its result (text_*): text only
   hooks      what an agent's harness runs, each a command: guard, observe, status --resume
              (and the sharing room's door, which they share with the commands)
-  commands   one function a command
-  cli        the parser, Output, Context (what opening the state directory does) and `main`,
-             the one exit point, where an error is said once; a hook's line is read without the
+  commands   one function a command: it states one result, `ctx.show(text_x, fields, **view)`
+             — its --json fields, the text_ renderer that draws its text from them, and the
+             state they describe (the plan); a room's commands render in the room
+  cli        the parser, Output (the one result), Context (what opening the state directory
+             does) and `main`, the one exit point, where the result is rendered once, as text
+             or as the --json envelope, and an error is said once; a hook's line is read without the
              parser, and a hook's start loads neither commands nor runs (a hook runs at every
              tool call: tools/bench.py --hooks holds each to 1.3 times a floor script doing its
              file work)

@@ -78,8 +78,10 @@ def audit_and_judge(ctx, a):
         report["rerun"] = results["checks"]
         report["rerun_context"] = {k: v for k, v in results.items() if k != "checks"}
     report.update(grades=grades, failures=failures)
-    ctx.data.update(report)
-    verdict = say_audit(ctx, report, plan, failures, results, review, grades)
+    if claimed_final(plan):  # a warning, not a failure: --require-witnessed fails it
+        report["claimed_final"] = plan["goals"][-1]["id"]
+    ctx.show(text_audit, report, plan=plan, review=review, results=results)
+    verdict = audit_verdict(report)
     if a.summary:
         write_summary(a.summary, None, trust.summary(verdict, failures,
                                                      render_report(plan, recent), review,
@@ -191,62 +193,69 @@ def audit_failures(ctx, report, plan, a):
     return failures
 
 
-def say_audit(ctx, report, plan, failures, results, review, grades):
-    """What audit says: its verdict (returned, for the job summary), every failed gate with its
-    fix, the ledger, the head to keep, the plan, the trust room's findings, the re-run, the
-    grades, and completed stories whose last observed run failed."""
+def audit_verdict(report):
+    """The audit's verdict in a line (its text's first, the job summary's heading)."""
+    failures, checks = report["failures"], report.get("rerun") or []
+    if failures:
+        return (f"❌ audit failed: {count_noun(len(failures), 'gate')} said no — " +
+                ", ".join(f["code"] for f in failures))
+    return ("✅ re-witnessed: every frozen check passed again; " if rerun_passed(checks) else
+            "✅ ") + f"audit ok — {report['done']}/{report['total']} done"
+
+
+def rerun_passed(checks):
+    return bool(checks) and all(r["ok"] for r in checks)
+
+
+def text_audit(data, plan, review, results):
+    """What audit says, from its report (`data`): its verdict, every failed gate with its fix,
+    the ledger, the head to keep, the plan, the trust room's findings (`review`, and the
+    re-run's `results`), the grades, and completed stories whose last observed run failed."""
     from . import trust
+    report = data
     ledger_line = (f"{count_noun(report['event_count'], 'event')}, hash chain intact, every event "
                    f"one fablize writes and legal when replayed; snapshot {report['snapshot']}.")
-    checks = results["checks"] if results else []
-    rerun_passed = checks and all(r["ok"] for r in checks)
+    failures, checks = report["failures"], report.get("rerun") or []
     if failures:
-        verdict = (f"❌ audit failed: {count_noun(len(failures), 'gate')} said no — " +
-            ", ".join(f["code"] for f in failures))
-        ctx.say(f"fablize: {verdict}")
-        for line in trust.gate_lines(failures):
-            ctx.say(line)
-        ctx.say(f"  ledger: {ledger_line}")
+        lines = [f"fablize: {audit_verdict(report)}"] + trust.gate_lines(failures)
+        lines.append(f"  ledger: {ledger_line}")
     else:
-        verdict = ("✅ re-witnessed: every frozen check passed again; " if rerun_passed else
-                   "✅ ") + f"audit ok — {report['done']}/{report['total']} done"
-        if rerun_passed:
-            ctx.say(f"fablize: ✅ re-witnessed — {count_noun(len(checks), 'frozen check')} "
-                    "passed again, run by this audit")
-        ctx.say(f"fablize: audit ok — {ledger_line}")
-    ctx.say(f"  head: {report['head']}   (keep it; `audit --since` proves later history only grew)")
+        lines = ([f"fablize: ✅ re-witnessed — {count_noun(len(checks), 'frozen check')} passed "
+                  "again, run by this audit"] if rerun_passed(checks) else [])
+        lines.append(f"fablize: audit ok — {ledger_line}")
+    lines.append(f"  head: {report['head']}   (keep it; `audit --since` proves later history "
+                 "only grew)")
     accepted = report["accepted"]
-    ctx.say(f"  plan: {report['done']}/{report['total']} done — {defused_line(plan['brief'])}"
-            + (f" ({', '.join(accepted)} accepted by a human decision)" if accepted else ""))
+    lines.append(f"  plan: {report['done']}/{report['total']} done — "
+                 f"{defused_line(report['brief'])}"
+                 + (f" ({', '.join(accepted)} accepted by a human decision)" if accepted else ""))
     which = report.get("remote_plan")
     if which is not None:
-        ctx.say(f"  shared plan: {which['plan_id']} as {one_line(which['remote'])} holds it, "
-                f"named by {one_line(which['named_by'])}" + ("" if which["pinned"] else
-                " — unpinned: nothing the pull request cannot write chose it (give --base, "
-                "whose pin names the plan)"))
+        lines.append(f"  shared plan: {which['plan_id']} as {one_line(which['remote'])} holds it, "
+                     f"named by {one_line(which['named_by'])}" + ("" if which["pinned"] else
+                     " — unpinned: nothing the pull request cannot write chose it (give --base, "
+                     "whose pin names the plan)"))
     if report["torn_tail_bytes"]:
-        ctx.say(f"  torn tail: {report['torn_tail_bytes']} bytes after the last event — a write "
-                "that never completed; the next writing command moves it aside.")
+        lines.append(f"  torn tail: {report['torn_tail_bytes']} bytes after the last event — a "
+                     "write that never completed; the next writing command moves it aside.")
     missing_logs = report["missing_logs"]
     if missing_logs:
-        ctx.say(f"  {count_noun(missing_logs, 'run log')} not present here (not committed?); their "
-                "digests are in the ledger.")
-    for line in trust.lines(review, results):
-        ctx.say(line)
-    if grades:
-        ctx.say("  " + grades_line(grades))
+        lines.append(f"  {count_noun(missing_logs, 'run log')} not present here (not "
+                     "committed?); their digests are in the ledger.")
+    lines += trust.lines(review, results)
+    if report["grades"]:
+        lines.append("  " + grades_line(report["grades"]))
     if capped_line(plan):  # a warning, not a failure: --require-complete fails the plan
-        ctx.say("  " + capped_line(plan))
-    claimed = claimed_final(plan)
-    if claimed:  # a warning, not a failure: the strict recipe's --require-witnessed fails it
-        ctx.say("  " + claimed)
-        ctx.data["claimed_final"] = plan["goals"][-1]["id"]
+        lines.append("  " + capped_line(plan))
+    if "claimed_final" in report:
+        lines.append("  " + claimed_final(plan))
     for s in stories_in(plan, "complete"):
         o = unaddressed_failure(s)
         if o is not None:
-            ctx.say(f"  {s['id']}: the harness last saw `{one_line(last_chars(o['cmd'], 120))}` "
-                    f"fail (event {o.get('seq')}) before it was checkpointed")
-    return verdict
+            lines.append(f"  {s['id']}: the harness last saw "
+                         f"`{one_line(last_chars(o['cmd'], 120))}` fail (event {o.get('seq')}) "
+                         "before it was checkpointed")
+    return lines
 
 
 def verdict_nonce():

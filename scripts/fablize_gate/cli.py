@@ -64,20 +64,28 @@ def paint(text, stream, error=False, allowed=True):
 
 
 class Output:
-    """A command's result: the lines it says, its --json data, its warnings (storage's too).
-    Nothing below `main` prints, except the progress of a run while it runs; `main` renders the
-    rest once, as text or as the one JSON object."""
+    """A command's one result: its fields (`data`, what --json carries), its warnings (storage's
+    too), and how its text is drawn from those fields (`shown`: a renderer and the state the
+    fields describe — set by `Context.show`). Nothing below `main` prints, except the progress
+    of a run while it runs; `main` renders the result once, as text or as the one JSON object."""
 
     def __init__(self, json_mode):
         self.json = json_mode
-        self.lines = []
         self.data = {}
+        self.shown = self.drawn = None
         self.warnings = []
         self.raw = None
         self.colour = True  # false for what an agent's harness reads (a session start)
 
-    def say(self, text=""):
-        self.lines.append(text)
+    def lines(self):
+        """The result as text, a line an item: the renderer `Context.show` named, given the
+        fields and the state they describe (none: the command says nothing on stdout). Drawn
+        once, by `main` where a command's own failures are met (damage in the snapshot a
+        renderer reads is said as damage); never under --json."""
+        if self.drawn is None and self.shown is not None and not self.json:
+            text, view = self.shown
+            self.drawn = text(self.data, **view)
+        return self.drawn or []
 
     def warn(self, text):
         self.warnings.append(text)
@@ -110,8 +118,9 @@ class Output:
                     obj["error"]["commands"] = said[1]
             sys.stdout.write(json_text(obj) + "\n")
             return
-        if self.lines:
-            text = clean("\n".join(map(str, self.lines)))
+        lines = self.lines()
+        if lines:
+            text = clean("\n".join(map(str, lines)))
             sys.stdout.write(paint(text, sys.stdout, allowed=self.colour) + "\n")
         # stdout whole before stderr: a CI log that merges the two shows what the error points
         # at ("said above") above it, not after it
@@ -135,7 +144,6 @@ class Context:
         self.argv = list(argv)  # as given: a step that is this command again prints it whole
         self.build_parser = build_parser  # for a room that reads the command table (completion)
         self.out = out
-        self.say = out.say
         self.data = out.data
         self.json = out.json
         self.timeout = getattr(args, "timeout", None)
@@ -164,6 +172,13 @@ class Context:
         """The state directory commands work in (store_opened says what opening it does)."""
         self._store = value
         store_opened(self, value)
+
+    def show(self, text, fields=(), **view):
+        """The command's result: `fields` join its --json data, and its text is `text(data,
+        **view)` — `view` the state the data describes (the plan it left, a review), which the
+        JSON carries only as the data's projection of it. Rendered once, by `main`."""
+        self.data.update(fields)
+        self.out.shown = (text, view)
 
     def emit_raw(self, obj):
         """Hook output: exactly this object (or nothing), whatever --json says."""
@@ -810,6 +825,7 @@ def main(argv=None, interrupts=None):
         out.json = args.json and command != "guard"
         ctx = Context(args, out, prog, argv)
         args.func(ctx, args)
+        out.lines()  # drawn here: what the text meets in the snapshot is the snapshot's damage
         code, error = EXIT_OK, None
     except FablizeError as e:
         code, error = e.exit_code, e

@@ -1,5 +1,6 @@
 """The commands: each opens the plan, lets the transitions judge the events it builds, and
-states the result once (ctx.say, ctx.data), rendered by cli.Output.
+returns its result once (ctx.show: its --json fields, and the render.text_* function that draws its
+text from them), rendered by cli.Output.
 """
 
 import collections
@@ -7,7 +8,7 @@ import os
 import time
 
 from .base import (
-    blank, clean, count_noun, count_stories, create_args, defused_line, DONE,
+    blank, clean, count_noun, create_args, DONE,
     EXIT_SIGNAL_BASE, FablizeError, LEDGER, limit_text, new_plan_id, no_plan,
     now_iso, one_line, parse_ids, PLAN_EXISTS, refused, REPORT_RUNS, scope_pattern, SNAPSHOT,
     split_assignment, Step, story_id, TRIPWIRE, usage, ZERO_HASH)
@@ -15,8 +16,8 @@ from .masking import check_command, mask, masked_text, plan_text
 from .model import (
     active_stories, apply_event, checkpoint_args,
     checkpoint_gate, current_packet, EVIDENCE_NOTES, find_story,
-    format_event, guard_capped, guard_paused, observed_of,
-    parse_event, pick_ready, plan_done, round_label, rounds_left, run_passed, run_summary,
+    guard_capped, guard_paused, observed_of,
+    parse_event, pick_ready, plan_done, run_passed, run_summary,
     unaddressed_failure)
 from .storage import (
     commit_start, free_name, loose_snapshot,
@@ -25,10 +26,10 @@ from .runs import (
     committed_copy, commit_runs, drop_temp_logs, execute_runs,
     inflight_runs, tree_state, unverifiable_checks, verification_runs)
 from .render import (
-    create_command, done_line, file_not_there_yet, human_command, inflight_lines, left_line,
-    next_action, next_line, plan_json, plan_summary, render_handoff, render_judge_packet,
-    render_observed, render_report, render_status, rerun_command, sequential, story_json,
-    TAKE_TURNS)
+    human_command, inflight_json, judge_packet, next_action, plan_json, plan_summary,
+    render_handoff, render_report, rerun_command, sequential, story_json, TAKE_TURNS, text_add,
+    text_checkpoint, text_create, text_decide, text_judge_packet, text_log, text_next,
+    text_pause, text_rebuild, text_report, text_status, text_unpause, text_verify)
 from .hooks import read_plan_and_share, session_start, sharing_of, sharing_room
 
 
@@ -135,27 +136,6 @@ def build_stories(a):
     return specs
 
 
-def say_unverifiable(ctx, found):
-    """What create and add say of frozen checks that cannot run yet: a program that is missing
-    here must be fixed now; a file not there yet is a test-first check, fine."""
-    later = [u for u in found if file_not_there_yet(u)]
-    now = [u for u in found if u not in later]
-    if now:
-        ctx.say(f"fablize: ⚠ {count_noun(len(now), 'frozen check')} cannot run here — fix the "
-                "command or install what it needs now: found at the gate, it costs the whole run:")
-    for u in now:
-        ctx.say(f"  {one_line(u['id'])} check {u['check'] + 1}: `{one_line(u['cmd'])}` — "
-                f"{one_line(u['reason'])}")
-    if later:
-        ctx.say(f"fablize: {count_noun(len(later), 'frozen check')} "
-                f"{'starts' if len(later) == 1 else 'start'} a file that does not exist yet — "
-                "fine for a test-first plan: a story writes it, and each check runs when its "
-                "own story completes:")
-    for u in later:
-        ctx.say(f"  {one_line(u['id'])} check {u['check'] + 1}: `{one_line(u['cmd'])}` — "
-                f"{one_line(u['reason'])} yet")
-
-
 def plan_exists(ctx):
     """The original's refusal of a second plan, then its two ways, whole: the plan there, or
     this command again with --force (the plan there is archived whole): a human's choice."""
@@ -200,25 +180,11 @@ def cmd_create(ctx, a):
         else:
             s.commit("plan_created", **fields, replaces=None)
         plan = s.plan
-    ctx.say(f"fablize: plan created — {count_stories(len(specs))}")
-    for story in plan["goals"]:
-        ctx.say(f"  {story['id']} {defused_line(story['title'])}: "
-                f"{defused_line(story['objective'])}")
-    if scope:
-        ctx.say("  scope: " + ", ".join(map(one_line, scope)) + " — the paths the work may change "
-                "(CI re-runs the checks with only these taken from the branch)")
-    if replaces:
-        ctx.say(f"fablize: the previous plan {replaces['plan_id']} is kept whole in "
-                f"{replaces['path']}/ (head {replaces['head']}).")
-    say_unverifiable(ctx, unverifiable)
     ctx.data.update(plan=plan_json(plan), replaces=replaces)
     if remote:  # the new plan's ledger published
-        share, line = sharing.start(store, remote)
-        ctx.say(line)
-        ctx.data.update(share=share)
-    action = next_action(ctx.prog, plan)
-    ctx.say(next_line(action))  # the last line: what to do now
-    ctx.data["next"] = action
+        ctx.data["share"] = sharing.start(store, remote)
+    ctx.show(text_create, {"next": next_action(ctx.prog, plan)},
+             shared=sharing and sharing.text_share)
 
 
 def stuck_error(ctx, plan, agent):
@@ -270,9 +236,8 @@ def cmd_next(ctx, a):
             story = pick_ready(plan)
             if story is None:
                 if plan_done(plan):
-                    ctx.say(done_line(plan))
-                    ctx.data.update(plan_summary(plan), story=None, plan=plan_json(plan))
-                    return
+                    return ctx.show(text_next, dict(plan_summary(plan), story=None,
+                                                    plan=plan_json(plan)), plan=plan)
                 raise stuck_error(ctx, plan, agent)
             if sharing is not None:  # on the remote before it is handed out
                 story = sharing.claim(s, story, agent)
@@ -280,31 +245,9 @@ def cmd_next(ctx, a):
                 commit_start(s, story, agent)
                 story = find_story(s.plan, story["id"])
             plan = s.plan
-    lines = render_handoff(ctx.prog, plan, story, reshown)
-    for line in lines:
-        ctx.say(line)
-    ctx.data.update(plan_summary(plan), activated=not reshown, story=story_json(plan, story),
-                    handoff="\n".join(clean(x) for x in lines))
-
-
-def say_after_checkpoint(ctx, plan, story, agent=None):
-    """What a checkpoint or a verdict left; returns the next action it named (for `agent`,
-    when one checkpointed: never a story another agent holds)."""
-    sid, status = story["id"], story["status"]
-    if status == "failed":
-        left = count_noun(rounds_left(plan, story), "round")
-        ctx.say(f"fablize: {sid} → failed ({round_label(plan, story)}; {left} left) — "
-                f"`{ctx.prog} next` reopens it as round {story['round'] + 1} "
-                "with what was missing.")
-    elif status == "blocked":
-        ctx.say(f"fablize: {sid} → blocked — a human must decide.")
-    elif status == "review":
-        ctx.say(f"fablize: {sid} → review — an independent judge decides.")
-    else:
-        ctx.say(f"fablize: {sid} → {status}")
-    action = next_action(ctx.prog, plan, agent)
-    ctx.say(left_line(plan, action))
-    return action
+    handoff = "\n".join(clean(x) for x in render_handoff(ctx.prog, plan, story, reshown))
+    ctx.show(text_next, dict(plan_summary(plan), activated=not reshown,
+                             story=story_json(plan, story), handoff=handoff), plan=plan)
 
 
 def reason_required(story, status):
@@ -376,10 +319,12 @@ def cmd_checkpoint(ctx, a):
                               e.steps) from e
     plan = s.plan  # as the session left it: a shared plan's publish may have pulled events
     story = find_story(plan, a.id)
-    say_observed(ctx, story)
+    warn_observed(ctx, story)
     # the next step is the last thing said, for the agent that checkpointed
-    action = say_after_checkpoint(ctx, plan, story, a.agent)
-    ctx.data.update(plan_summary(plan), story=story_json(plan, story), runs=runs, next=action)
+    ctx.show(text_checkpoint, dict(plan_summary(plan), story=story_json(plan, story), runs=runs,
+                                   observed=observed_of(story),
+                                   next=next_action(ctx.prog, plan, a.agent)),
+             plan=plan, prog=ctx.prog)
 
 
 def cmd_status(ctx, a):
@@ -389,20 +334,14 @@ def cmd_status(ctx, a):
     plan, share, sharing = read_plan_and_share(ctx.store, imports=True)
     if plan is None:
         raise no_plan()
-    shared = sharing.status_lines(share, ctx.prog) if share else ()
-    first, step = (sharing.behind_step(share, ctx.prog) if share else None) or (None, None)
-    lines, action, paused = render_status(ctx.prog, plan, share=shared, agent=a.agent, step=step)
-    inflight = inflight_runs(ctx.store)
-    # a copy behind its remote says so first: the stories below are as this clone last saw them
-    ctx.out.lines += ([first] if first else []) + lines + inflight_lines(ctx.prog, inflight)
+    behind = sharing.behind_step(share, ctx.prog) if share else None
     if share:
         ctx.data["share"] = share
-    if ctx.json:
-        ctx.data.update(plan_json(plan), next=action, paused=paused, capped=guard_capped(plan),
-                        in_flight=[{"id": rec.get("id"), "check": rec.get("check"),
-                                    "cmd": rec.get("cmd"), "started": rec.get("started"),
-                                    "engine": rec["engine"], "running": alive}
-                                   for rec, alive in inflight])
+    # the step of the agent asking (never another's) — but a copy behind its remote syncs first
+    ctx.show(text_status, dict(plan_json(plan), next=behind[1] if behind else next_action(
+        ctx.prog, plan, a.agent), paused=guard_paused(plan), capped=guard_capped(plan),
+        in_flight=inflight_json(inflight_runs(ctx.store))),
+        plan=plan, prog=ctx.prog, sharing=sharing)
 
 
 def cmd_verify(ctx, a):
@@ -428,9 +367,7 @@ def cmd_verify(ctx, a):
                       f"first: {run_summary(failed[0])} (log "
                       f"{shown_path(ctx.store, failed[0]['log'])}); fix it and verify again:",
                       "verification_failed", steps=rerun_command(ctx.prog, ctx.argv))
-    ctx.say(f"fablize: {a.id}: {'all ' if len(runs) > 1 else ''}{count_noun(len(runs), 'check')} "
-            "passed (status unchanged: "
-            f"{find_story(s.plan, a.id)['status']}).")
+    ctx.show(text_verify, {"id": a.id}, status=find_story(s.plan, a.id)["status"])
 
 
 def cmd_decide(ctx, a):
@@ -447,12 +384,8 @@ def cmd_decide(ctx, a):
         signed = trust.signed_fields(s.plan, signature, prev) if signature else {}
         s.commit("decision", id=a.id, decision=a.decision, note=note, **signed)
         plan = s.plan
-    story = find_story(plan, a.id)
-    what = {"accept": "counts as done", "retry": "back to work, rounds reset",
-            "amend": "objective amended, back to work"}[a.decision]
-    ctx.say(f"fablize: {a.id} → {story['status']} ({what}; decision recorded in the ledger).")
-    ctx.say(next_line(next_action(ctx.prog, plan)))
-    ctx.data.update(story=story_json(plan, story))
+    ctx.show(text_decide, {"story": story_json(plan, find_story(plan, a.id)),
+                           "next": next_action(ctx.prog, plan)}, decision=a.decision)
 
 
 def cmd_add(ctx, a):
@@ -477,12 +410,8 @@ def cmd_add(ctx, a):
         unverifiable = unverifiable_checks([spec], ctx.store.root)
         s.commit("story_added", story=spec, unverifiable=unverifiable)
         plan = s.plan
-    story = find_story(plan, spec["id"])
-    ctx.say(f"fablize: added {story['id']} {defused_line(story['title'])} — before the final story "
-            f"{plan['goals'][-1]['id']}" + (f", after {', '.join(story['after'])}"
-                                            if story["after"] else ""))
-    say_unverifiable(ctx, unverifiable)
-    ctx.data.update(story=story_json(plan, story))
+    ctx.show(text_add, {"story": story_json(plan, find_story(plan, spec["id"])),
+                        "unverifiable": unverifiable}, final=plan["goals"][-1]["id"])
 
 
 def cmd_rebuild(ctx, a):
@@ -528,18 +457,12 @@ def cmd_rebuild(ctx, a):
         if plan is None:
             if kept is None:
                 raise no_plan()
-            held = "is missing" if s.ledger.open() is None else "holds no event"
-            ctx.say(f"fablize: {LEDGER} {held}: the plan's history is gone, so there is "
-                    f"no plan to rebuild; the old {SNAPSHOT} is kept as {kept} (it lists the "
-                    "stories). A human starts again:")
-            ctx.say(f"  {create_command(ctx.prog)}")
-            ctx.data.update(event_count=0, kept=kept, plan=None)
-            return
-    ctx.say(f"fablize: rebuilt {SNAPSHOT} from {count_noun(replay.seq, 'ledger event')}"
-            + (f"; the old one is kept as {kept}." if kept else ".")
-            + (f" Then {count_noun(taken, 'event')} came in from the shared plan's remote "
-               "(the events it holds, damaged here)." if taken else ""))
-    ctx.data.update(event_count=plan["ledger"]["seq"], kept=kept, plan=plan_json(plan))
+            return ctx.show(text_rebuild, {"event_count": 0, "kept": kept, "plan": None},
+                            prog=ctx.prog, history="is missing" if s.ledger.open() is None
+                            else "holds no event")
+    ctx.show(text_rebuild, {"event_count": plan["ledger"]["seq"], "kept": kept,
+                            "plan": plan_json(plan)}, prog=ctx.prog, replayed=replay.seq,
+             taken=taken)
 
 
 def reconcile_shared(ctx, s):
@@ -605,26 +528,20 @@ def cmd_log(ctx, a):
     def pick(replay, line, ev):
         if (a.id is None or ev.get("id") == a.id or ev["event"] == "plan_created" or
                 (ev["event"] == "story_added" and ev["story"]["id"] == a.id)):
-            if ctx.json:
-                events.append(ev)
-            else:
-                ctx.say(format_event(ev))
+            events.append(ev)
 
     with ctx.store.plan_session(exclusive=False) as s:
         s.refuse_original()
         if s.ledger.open() is None:
             raise no_plan()
         s.see_lost_newline(loose_snapshot(s.store))
-        try:
-            replay = replay_all(s.ledger, s.good_end(None), pick)
-        except FablizeError:
-            ctx.out.lines.clear()  # what was not yet written stays unsaid: the damage is the news
-            raise
+        # damage raises: what was read before it stays unsaid, the damage is the news
+        replay = replay_all(s.ledger, s.good_end(None), pick)
     if replay.plan is None:
         raise no_plan()
     if a.id is not None:
         find_story(replay.plan, a.id)
-    ctx.data["events"] = events
+    ctx.show(text_log, {"events": events})
 
 
 def cmd_report(ctx, a):
@@ -657,13 +574,9 @@ def cmd_report(ctx, a):
                 if f.read(1) != b"\n":
                     f.write(b"\n")  # a heading must start its own line
             f.write(text.encode("utf-8"))
-    if target:
-        ctx.say(f"fablize: report written to {target}")
-    else:
-        ctx.say(text)
-    ctx.data.update(markdown=text, path=target)
     if wires is not None:
         ctx.data["tripwires"] = wires
+    ctx.show(text_report, {"markdown": text, "path": target})
 
 
 def cmd_judge_packet(ctx, a):
@@ -678,23 +591,13 @@ def cmd_judge_packet(ctx, a):
     if find_story(plan, a.id)["status"] == "review":
         plan, packet = record_judge_packet(ctx, a.id)
     story = find_story(plan, a.id)
-    wires, said = None, []
+    said = []
     if a.base:  # what the work's code does to its judge, since the base
         from . import trust
-        wires = trust.tripwires_since(ctx.store, plan, a.base)
+        wires = ctx.data["tripwires"] = trust.tripwires_since(ctx.store, plan, a.base)
         said = trust.tripwire_lines(wires) or [
             f"Tripwires since {one_line(a.base)}: none (no line of the work {TRIPWIRE})."]
-    lines, items, instructions, verdicts = render_judge_packet(ctx.prog, story, packet, said)
-    sid = story["id"]
-    for line in lines:
-        ctx.say(line)
-    ctx.data["packet"] = packet
-    ctx.data.update(id=sid, status=story["status"], round=story["round"],
-                    objective=story["objective"], amendments=story["amendments"],
-                    checklist=items, evidence=story["evidence"], runs=story["runs"],
-                    instructions=instructions, verdicts=verdicts)
-    if wires is not None:
-        ctx.data["tripwires"] = wires
+    ctx.show(text_judge_packet, judge_packet(ctx.prog, story, packet), tripwires=said)
 
 
 def cmd_verdict(ctx, a):
@@ -706,16 +609,14 @@ def cmd_verdict(ctx, a):
         s.commit("verdict", id=a.id, agent=a.agent, **dict(fields, **(void or {})))
         plan = s.plan
     story = find_story(plan, a.id)
-    ctx.data.update(story=story_json(plan, story))
+    ctx.data["story"] = story_json(plan, story)
     if void:
         action = next_action(ctx.prog, plan)
         raise refused(f"the working tree changed since the judge packet (event "
                       f"{void['packet_seq']}): the verdict is refused and recorded as "
                       f"not-achieved — {a.id} is {story['status']}; a judge must not change what "
                       "it judges.", "tree_changed", action.get("cmd") or Step.engine("status"))
-    say_after_checkpoint(ctx, plan, story)
-
-
+    ctx.show(text_checkpoint, {"next": next_action(ctx.prog, plan)}, plan=plan, prog=ctx.prog)
 
 
 def cmd_pause(ctx, a):
@@ -723,9 +624,8 @@ def cmd_pause(ctx, a):
         s.require_plan()
         s.commit("paused", note=masked_text("--note", a.note, s.store.root))
         plan = s.plan
-    ctx.say(f"fablize: guard paused (event {plan['ledger']['seq']}) — the Stop hook lets the agent "
-            f"stop until `{ctx.prog} unpause`.")
-    ctx.data.update(paused=guard_paused(plan))
+    ctx.show(text_pause, {"paused": guard_paused(plan)}, prog=ctx.prog,
+             seq=plan["ledger"]["seq"])
 
 
 def cmd_unpause(ctx, a):
@@ -733,17 +633,11 @@ def cmd_unpause(ctx, a):
         s.require_plan()
         s.commit("unpaused")
         plan = s.plan
-    ctx.say(f"fablize: guard on again (event {plan['ledger']['seq']}) — the Stop hook keeps the "
-            "agent at work while the plan has some.")
-    ctx.data.update(paused=None)
+    ctx.show(text_unpause, {"paused": None}, seq=plan["ledger"]["seq"])
 
 
-def say_observed(ctx, story):
-    """After a checkpoint: the observed runs of the round, and a failure left standing."""
-    seen = observed_of(story)
-    ctx.data["observed"] = seen
-    for line in render_observed(story):
-        ctx.say(line)
+def warn_observed(ctx, story):
+    """After a checkpoint: a failure the harness saw left standing."""
     bad = unaddressed_failure(story)
     if bad is not None and story["status"] in DONE + ("review",):
         ctx.out.warn(f"{story['id']} was checkpointed while the harness last saw "

@@ -13,11 +13,11 @@ from .base import (
     json_text, last_chars, load_json, one_line, regex, RUNS, SHARE, sha256_hex, TAIL_CHARS)
 from .masking import mask_places, masked_tail
 from .model import (
-    active_stories, done_count, find_story, guard_capped, guard_paused, observed_words,
+    active_stories, find_story, guard_capped, guard_paused, observed_words,
     plan_done, unaddressed_failure)
 from .storage import find_state_dir, Store
 from .render import (
-    hand_to_judge, human_command, inflight_lines, next_action, render_session_start)
+    hand_to_judge, human_command, inflight_json, next_action, text_session_start)
 
 
 def read_hook_stdin():
@@ -668,13 +668,13 @@ def cmd_observe(ctx, a):
 
 
 def runs_in_flight(ctx):
-    """status's lines for the runs noted in flight — one a session that died mid-run left, which
+    """The runs noted in flight (inflight_json) — one a session that died mid-run left, which
     the resumed session is to run again — read only where a note's folder is (runs.py is loaded
     then alone)."""
     if not os.path.lexists(os.path.join(ctx.store.path(RUNS), INFLIGHT)):
         return []
     from .runs import inflight_runs
-    return inflight_lines(ctx.prog, inflight_runs(ctx.store))
+    return inflight_json(inflight_runs(ctx.store))
 
 
 def session_start(ctx, a):
@@ -683,33 +683,24 @@ def session_start(ctx, a):
     (an exit 3 there is a message the agent never sees). Codex and Gemini CLI take it as JSON
     context. Never coloured: an agent reads it."""
     ctx.out.colour = False
-    lines = []
+    view = {"prog": ctx.prog}
     try:
         if steps_aside(a, ctx.store.root, "status"):
             return ctx.emit_raw({} if a.hook_for in ("codex", "gemini") else None)
         plan, share, sharing = (read_plan_and_share(ctx.store, imports=True)
             if ctx.store.exists() else (None, None, None))
-        if plan is not None and plan_done(plan):
-            lines.append(f"fablize: plan finished ({done_count(plan)}/{len(plan['goals'])} done) — "
-                         f"{defused_line(last_chars(plan['brief'], 200))}; nothing to resume.")
-        elif plan is not None:
-            first, step = (sharing.behind_step(share, ctx.prog) if share else None) or (
-                None, None)
-            lines = render_session_start(
-                ctx.prog, plan, sharing.status_lines(share, ctx.prog) if share else (), step)
-            lines[:0] = [first] if first else []
-            lines += runs_in_flight(ctx)
+        view.update(plan=plan, sharing=sharing)
+        if plan is not None and not plan_done(plan):
             if share:
                 ctx.data["share"] = share
+            view["in_flight"] = runs_in_flight(ctx)
     except (FablizeError, OSError) as e:
-        why = e.message if isinstance(e, FablizeError) else f"I/O error: {e}"
-        where = ctx._store.dir if ctx._store is not None else "this project"
-        lines.append(f"fablize: warning: the plan in {where} cannot be read — "
-                     f"{one_line(why)} (`{ctx.prog} audit` says more).")
+        view["unreadable"] = (ctx._store.dir if ctx._store is not None else "this project",
+                              e.message if isinstance(e, FablizeError) else f"I/O error: {e}")
     if a.hook_for in ("codex", "gemini"):
+        lines = text_session_start(ctx.data, **view)
         ctx.emit_raw({"hookSpecificOutput": {"hookEventName": "SessionStart",
                                              "additionalContext": "\n".join(map(clean, lines))}}
                      if lines else {})
     else:
-        for line in lines:
-            ctx.say(line)
+        ctx.show(text_session_start, **view)

@@ -245,9 +245,12 @@ def install(store, cli):
 
 def cmd_install_merge(ctx, a):
     line, driver = install(ctx.store, human_command(ctx.cli))  # git runs it from any terminal
-    ctx.say(f"fablize: .gitattributes has `{line}` (commit it); this clone's git config runs "
-            f"`{driver}` for those files.")
-    ctx.data.update(attribute=line, driver=driver)
+    ctx.show(text_install_merge, {"attribute": line, "driver": driver})
+
+
+def text_install_merge(data):
+    return [f"fablize: .gitattributes has `{data['attribute']}` (commit it); this clone's git "
+            f"config runs `{data['driver']}` for those files."]
 
 
 def add_merge_driver(command):

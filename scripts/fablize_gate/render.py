@@ -9,12 +9,13 @@ import sys
 
 from .base import (
     blank, count_noun, count_stories, create_args, defuse, defused_line, DONE, indent, last_chars,
-    MAP_LABELS, MAP_LOOKBACK, MAP_WINDOW, MARKS, NOT_THERE, one_line, PYTHON, quote_arg,
-    RESUME_CARRIED, RESUME_LISTED, RESUME_MAP, RESUME_TAIL, RESUME_TITLE, short, STATUS_TABLE,
-    TAIL_CHARS, time_label)
+    LEDGER, MAP_LABELS, MAP_LOOKBACK, MAP_WINDOW, MARKS, NOT_THERE, one_line, PYTHON, quote_arg,
+    RESUME_CARRIED, RESUME_LISTED, RESUME_MAP, RESUME_TAIL, RESUME_TITLE, short, SNAPSHOT,
+    STATUS_TABLE, TAIL_CHARS, time_label)
 from .model import (
     accepted_ids, active_stories, BASE_FIELDS, blocked_because, came_back, checkpoint_args,
     claimed_final, completion_args, decide_steps, DEFAULTS, describe_exit, done_count, find_story,
+    format_event,
     grade_detail, guard_capped, guard_paused, ids_text, is_final, latest_run, observed_of,
     observed_result, pick_ready, plan_done, _PRISTINE, round_failures, round_label, rounds_left,
     run_evidence, run_outcome, run_summary, status_counts, stories_in, touch, unaddressed_failure,
@@ -181,8 +182,8 @@ def render_round_failures(story, prefix, prog="goals.py"):
     return lines
 
 
-def render_observed(story):
-    seen = observed_of(story)
+def render_observed(seen):
+    """The observed runs of a round (model.observed_of), the last five."""
     if not seen:
         return []
     lines = ["## Observed runs — what your harness reported about commands you ran (observed: "
@@ -248,7 +249,7 @@ def render_handoff(prog, plan, story, reshown, brief=False):
         lines += [f"  - {one_line(item)}" for item in story["accept"]]
     if story["judge"]:
         lines.append("Judged story: `complete` moves it to review; an independent judge decides.")
-    lines += render_observed(story)
+    lines += render_observed(observed_of(story))
     lines.append("Not achieved yet: " + checkpoint_command(prog, story, "failed",
                                                             "<what is missing>"))
     lines.append("Impossible as specified: " + checkpoint_command(prog, story, "blocked", "<why>")
@@ -318,6 +319,26 @@ def render_session_start(prog, plan, share=(), step=None):
     if len(active) > RESUME_LISTED + 1:
         lines.append(f"… and {len(active) - RESUME_LISTED - 1} more in progress: "
                      f"`{prog} status` lists them")
+    return lines
+
+
+def text_session_start(data, prog, plan=None, sharing=None, in_flight=(), unreadable=None):
+    """What a session start says (hooks.session_start): a copy behind its remote says so first,
+    then render_session_start, the runs in flight; one line for a finished plan; a warning
+    line for a plan that cannot be read (`unreadable`: where, why)."""
+    lines = []
+    if plan is not None and plan_done(plan):
+        lines.append(f"fablize: plan finished ({done_count(plan)}/{len(plan['goals'])} done) — "
+                     f"{defused_line(last_chars(plan['brief'], 200))}; nothing to resume.")
+    elif plan is not None:
+        share = data.get("share")
+        first, step = (sharing.behind_step(share, prog) if share else None) or (None, None)
+        lines = ([first] if first else []) + render_session_start(
+            prog, plan, sharing.status_lines(share, prog) if share else (), step)
+        lines += inflight_lines(prog, in_flight)
+    if unreadable:
+        lines.append(f"fablize: warning: the plan in {unreadable[0]} cannot be read — "
+                     f"{one_line(unreadable[1])} (`{prog} audit` says more).")
     return lines
 
 
@@ -548,6 +569,7 @@ def done_line(plan):
 def story_json(plan, story):
     """A story in --json: every field of STORY_FIELDS (defaults filled in), and what follows
     from the plan: whether it is the final story, its rounds left, what it waits for."""
+    touch(story)  # checked, and a snapshot's story from before grades given its grade
     data = {key: story.get(key, default) for key, default in DEFAULTS.items()}
     data.update(final=is_final(plan, story), rounds_left=rounds_left(plan, data),
                 waits_for=waits_for(plan, story))
@@ -661,11 +683,11 @@ def unverifiable_label(u):
             else f"⚠ {where} cannot run here")
 
 
-def render_status(prog, plan, share=(), agent=None, step=None):
+def render_status(prog, plan, action, share=()):
     """What `status` says, whole, for a human: the plan's count and brief, a line per story
-    with its details, checks that cannot run here, a pause, the next step (`step`, when one
-    comes before the plan's own: a shared copy behind its remote syncs first), the shared
-    plan's state, and how to pick up each story in progress."""
+    with its details, checks that cannot run here, a pause, the next step (`action`: the
+    asker's, or a step that comes before the plan's own: a shared copy behind its remote syncs
+    first), the shared plan's state, and how to pick up each story in progress."""
     lines = [count_line(plan)]
     goals = plan["goals"]
     say, marks, base = lines.append, MARKS, len(BASE_FIELDS)
@@ -688,20 +710,27 @@ def render_status(prog, plan, share=(), agent=None, step=None):
     claimed = claimed_final(plan)
     if claimed:
         lines.append("  " + claimed)
-    # the step of the agent asking: never another's
-    action = step or next_action(prog, plan, agent)
     lines.append(next_line(action))
     lines += share
     for story in active_stories(plan):
         lines.append("")
         lines += render_resume(prog, plan, story)
-    return lines, action, guard_paused(plan)
+    return lines
+
+
+def inflight_json(inflight):
+    """The runs noted in flight (runs.inflight_runs: (note, alive) pairs) as --json has them."""
+    return [{"id": rec.get("id"), "check": rec.get("check"), "cmd": rec.get("cmd"),
+             "started": rec.get("started"), "engine": rec["engine"], "running": alive}
+            for rec, alive in inflight]
 
 
 def inflight_lines(prog, inflight):
-    """A line for each run noted in flight: running now, or never finished (its engine died)."""
+    """A line for each run noted in flight (inflight_json): running now, or never finished (its
+    engine died)."""
     lines = []
-    for rec, alive in inflight:
+    for rec in inflight:
+        alive = rec["running"]
         what = f"`{one_line(str(rec.get('cmd')))}` for {one_line(str(rec.get('id')))}"
         started = one_line(str(rec.get("started", "")))[:19].replace("T", " ")
         if alive:
@@ -718,41 +747,15 @@ def inflight_lines(prog, inflight):
     return lines
 
 
-def render_judge_packet(prog, story, packet, tripwires=()):
-    """What an independent judge needs of `story` (judge-packet): the objective, a checklist of
-    every frozen check (with this round's witnessed run) and acceptance item, the executor's
-    evidence and runs, the `tripwires` said of the work, and the three verdict commands — none
-    for a story not in review. `packet`: the working tree recorded for the verdict, or None.
-    Returns (lines, checklist items, instructions, verdict commands)."""
+def judge_packet(prog, story, packet):
+    """What an independent judge needs of `story` (judge-packet), as --json carries it: the
+    objective, a checklist of every frozen check (with this round's witnessed run) and
+    acceptance item, the executor's evidence and runs, and the three verdict commands — none
+    for a story not in review. `packet`: the working tree recorded for the verdict, or None."""
     items = [{"kind": "check", "text": cmd, "run": latest_run(story, check=i) or next(
         (r for r in reversed(story["runs"]) if r["check"] == i), None)}
         for i, cmd in enumerate(story["checks"])]
     items += [{"kind": "item", "text": text} for text in story["accept"]]
-    lines = [f"=== fablize judge packet — {story['id']} {defused_line(story['title'])} "
-             f"[{story['status']}, round {story['round']}]",
-             "You are the judge. You did not do this work: judge the artifact itself, not anyone's "
-             "account of it.",
-             f"Objective: {defused_line(story['objective'])}"]
-    lines += [f"Amended: {one_line(x['note'])}" for x in story["amendments"]]
-    lines.append("Checklist — every item must be seen to pass:")
-    for n, item in enumerate(items, 1):
-        if item["kind"] == "check":
-            run = item["run"]
-            seen = f" — witnessed: {run_summary(run)}" if run else " — no run this round"
-            lines.append(f"  [ ] {n}. run `{one_line(item['text'])}`{seen}")
-        else:
-            lines.append(f"  [ ] {n}. {one_line(item['text'])}")
-    if not items:
-        lines.append("  [ ] 1. the objective above, as stated")
-    lines.append("Executor's evidence (this round):")
-    lines.append(indent(defuse(story["evidence"])) if not blank(story["evidence"])
-                 else "    (none)")
-    if story["runs"]:
-        lines.append("Witnessed runs (this round):")
-        for r in story["runs"]:
-            lines.append(f"  event {r['seq']}: {defuse(run_summary(r))} — output tail:")
-            lines.append(indent(defuse(last_chars(r["tail"])), "      "))
-    lines += tripwires
     sid = story["id"]
     instructions = [
         "Go to the artifact (files, the running program, its output) and check every item.",
@@ -770,10 +773,181 @@ def render_judge_packet(prog, story, packet, tripwires=()):
         verdicts = []
         instructions = [f"{sid} is {story['status']}, not in review: there is nothing to judge "
                         "now, and a verdict would be refused. This packet is for reading only."]
-    lines += ["How to judge:"] + [f"  - {x}" for x in instructions] + [f"    {x}" for x in verdicts]
+    return {"packet": packet, "id": sid, "title": story["title"], "status": story["status"],
+            "round": story["round"], "objective": story["objective"],
+            "amendments": story["amendments"], "checklist": items, "evidence": story["evidence"],
+            "runs": story["runs"], "instructions": instructions, "verdicts": verdicts}
+
+
+def text_judge_packet(data, tripwires=()):
+    """judge-packet's text, from its result: the packet, the `tripwires` said of the work."""
+    items, packet = data["checklist"], data["packet"]
+    lines = [f"=== fablize judge packet — {data['id']} {defused_line(data['title'])} "
+             f"[{data['status']}, round {data['round']}]",
+             "You are the judge. You did not do this work: judge the artifact itself, not anyone's "
+             "account of it.",
+             f"Objective: {defused_line(data['objective'])}"]
+    lines += [f"Amended: {one_line(x['note'])}" for x in data["amendments"]]
+    lines.append("Checklist — every item must be seen to pass:")
+    for n, item in enumerate(items, 1):
+        if item["kind"] == "check":
+            run = item["run"]
+            seen = f" — witnessed: {run_summary(run)}" if run else " — no run this round"
+            lines.append(f"  [ ] {n}. run `{one_line(item['text'])}`{seen}")
+        else:
+            lines.append(f"  [ ] {n}. {one_line(item['text'])}")
+    if not items:
+        lines.append("  [ ] 1. the objective above, as stated")
+    lines.append("Executor's evidence (this round):")
+    lines.append(indent(defuse(data["evidence"])) if not blank(data["evidence"])
+                 else "    (none)")
+    if data["runs"]:
+        lines.append("Witnessed runs (this round):")
+        for r in data["runs"]:
+            lines.append(f"  event {r['seq']}: {defuse(run_summary(r))} — output tail:")
+            lines.append(indent(defuse(last_chars(r["tail"])), "      "))
+    lines += tripwires
+    lines += (["How to judge:"] + [f"  - {x}" for x in data["instructions"]]
+              + [f"    {x}" for x in data["verdicts"]])
     if packet:
         lines.append(f"Working tree recorded (event {packet['seq']}: {packet['files']} files, "
                      "sha256 "
                      f"{packet['tree'][:16]}…): a verdict given after any change to it is void and "
                      "goes back as not-achieved.")
-    return lines, items, instructions, verdicts
+    return lines
+
+
+# each command's text, drawn from its result (Context.show): the --json fields, and the state
+# they describe — the plan the command left
+
+
+def unverifiable_lines(found):
+    """What create and add say of frozen checks that cannot run yet: a program that is missing
+    here must be fixed now; a file not there yet is a test-first check, fine."""
+    later = [u for u in found if file_not_there_yet(u)]
+    now = [u for u in found if u not in later]
+    lines = []
+    if now:
+        lines.append(f"fablize: ⚠ {count_noun(len(now), 'frozen check')} cannot run here — fix "
+                     "the command or install what it needs now: found at the gate, it costs the "
+                     "whole run:")
+    lines += [f"  {one_line(u['id'])} check {u['check'] + 1}: `{one_line(u['cmd'])}` — "
+              f"{one_line(u['reason'])}" for u in now]
+    if later:
+        lines.append(f"fablize: {count_noun(len(later), 'frozen check')} "
+                     f"{'starts' if len(later) == 1 else 'start'} a file that does not exist yet "
+                     "— fine for a test-first plan: a story writes it, and each check runs when "
+                     "its own story completes:")
+    lines += [f"  {one_line(u['id'])} check {u['check'] + 1}: `{one_line(u['cmd'])}` — "
+              f"{one_line(u['reason'])} yet" for u in later]
+    return lines
+
+
+def text_create(data, shared=None):
+    """create: the stories, the scope, the plan it replaced, its checks that cannot run yet,
+    where it is shared (`shared`: the sharing room's renderer), and the next step, last."""
+    plan, replaces = data["plan"], data["replaces"]
+    lines = [f"fablize: plan created — {count_stories(len(plan['stories']))}"]
+    lines += [f"  {story['id']} {defused_line(story['title'])}: "
+              f"{defused_line(story['objective'])}" for story in plan["stories"]]
+    if plan["scope"]:
+        lines.append("  scope: " + ", ".join(map(one_line, plan["scope"])) + " — the paths the "
+                     "work may change (CI re-runs the checks with only these taken from the "
+                     "branch)")
+    if replaces:
+        lines.append(f"fablize: the previous plan {replaces['plan_id']} is kept whole in "
+                     f"{replaces['path']}/ (head {replaces['head']}).")
+    lines += unverifiable_lines(plan["unverifiable"])
+    if "share" in data:
+        lines += shared(data)
+    return lines + [next_line(data["next"])]  # the last line: what to do now
+
+
+def text_next(data, plan):
+    """next: the handoff (or, with the plan done, the line that says so)."""
+    return [done_line(plan)] if data["story"] is None else data["handoff"].split("\n")
+
+
+def text_checkpoint(data, plan, prog):
+    """checkpoint (and verdict): the round's observed runs (checkpoint's), where the story went,
+    what is left and the next step, last."""
+    story = find_story(plan, data["story"]["id"])
+    lines = render_observed(data.get("observed"))
+    sid, status = story["id"], story["status"]
+    if status == "failed":
+        left = count_noun(rounds_left(plan, story), "round")
+        lines.append(f"fablize: {sid} → failed ({round_label(plan, story)}; {left} left) — "
+                     f"`{prog} next` reopens it as round {story['round'] + 1} "
+                     "with what was missing.")
+    elif status == "blocked":
+        lines.append(f"fablize: {sid} → blocked — a human must decide.")
+    elif status == "review":
+        lines.append(f"fablize: {sid} → review — an independent judge decides.")
+    else:
+        lines.append(f"fablize: {sid} → {status}")
+    return lines + [left_line(plan, data["next"])]
+
+
+def text_status(data, plan, prog, sharing=None):
+    """status: a copy behind its remote says so first (the stories below are as this clone
+    last saw them), then the plan (render_status), then the runs in flight."""
+    share = data.get("share")
+    first = sharing.behind_step(share, prog) if share else None
+    shared = sharing.status_lines(share, prog) if share else ()
+    return (([first[0]] if first else []) + render_status(prog, plan, data["next"], shared)
+            + inflight_lines(prog, data["in_flight"]))
+
+
+def text_verify(data, status):
+    runs = data["runs"]
+    return [f"fablize: {data['id']}: {'all ' if len(runs) > 1 else ''}"
+            f"{count_noun(len(runs), 'check')} passed (status unchanged: {status})."]
+
+
+DECIDED = {"accept": "counts as done", "retry": "back to work, rounds reset",
+           "amend": "objective amended, back to work"}
+
+
+def text_decide(data, decision):
+    story = data["story"]
+    return [f"fablize: {story['id']} → {story['status']} ({DECIDED[decision]}; decision recorded "
+            "in the ledger).", next_line(data["next"])]
+
+
+def text_add(data, final):
+    story = data["story"]
+    return [f"fablize: added {story['id']} {defused_line(story['title'])} — before the final "
+            f"story {final}" + (f", after {', '.join(story['after'])}" if story["after"] else "")
+            ] + unverifiable_lines(data["unverifiable"])
+
+
+def text_rebuild(data, prog, replayed=0, taken=0, history=None):
+    """rebuild: what the snapshot was rebuilt from — or, the history gone, that there is no plan
+    to rebuild and how a human starts again."""
+    kept = data["kept"]
+    if data["plan"] is None:
+        return [f"fablize: {LEDGER} {history}: the plan's history is gone, so there is "
+                f"no plan to rebuild; the old {SNAPSHOT} is kept as {kept} (it lists the "
+                "stories). A human starts again:", f"  {create_command(prog)}"]
+    return [f"fablize: rebuilt {SNAPSHOT} from {count_noun(replayed, 'ledger event')}"
+            + (f"; the old one is kept as {kept}." if kept else ".")
+            + (f" Then {count_noun(taken, 'event')} came in from the shared plan's remote "
+               "(the events it holds, damaged here)." if taken else "")]
+
+
+def text_log(data):
+    return [format_event(ev) for ev in data["events"]]
+
+
+def text_report(data):
+    return [f"fablize: report written to {data['path']}" if data["path"] else data["markdown"]]
+
+
+def text_pause(data, prog, seq):
+    return [f"fablize: guard paused (event {seq}) — the Stop hook lets the agent stop until "
+            f"`{prog} unpause`."]
+
+
+def text_unpause(data, seq):
+    return [f"fablize: guard on again (event {seq}) — the Stop hook keeps the agent at work "
+            "while the plan has some."]

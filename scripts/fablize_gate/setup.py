@@ -607,10 +607,7 @@ def cmd_install_block(ctx, a):
     new = install_block(text, render_block(portable_command(ctx.store.root)), a.remove,
                         target)
     if new == text:
-        ctx.say(f"fablize: {target} already {'has no' if a.remove else 'has this'} fablize block; "
-                "nothing changed.")
-        ctx.data.update(path=target, changed=False)
-        return
+        return ctx.show(text_install_block, {"path": target, "changed": False}, remove=a.remove)
     directory = os.path.dirname(target)
     backup = target + BACKUP
     if os.path.islink(backup):  # fablize's own file: the link goes, never what it points at
@@ -624,9 +621,8 @@ def cmd_install_block(ctx, a):
             if os.path.lexists(path):
                 os.unlink(path)
         fsync_dir(directory)
-        ctx.say(f"fablize: removed {target}: the fablize block was all it held")
-        ctx.data.update(path=target, changed=True, backup=None, deleted=True)
-        return
+        return ctx.show(text_install_block, {"path": target, "changed": True, "backup": None,
+                                             "deleted": True}, remove=a.remove)
     if a.remove and new.endswith("\n") and not new.endswith("\n\n"):
         kept = read_state_file(backup) if os.path.lexists(backup) else None
         if kept is not None and kept.decode("utf-8", "replace") == new[:-1]:
@@ -637,11 +633,22 @@ def cmd_install_block(ctx, a):
         backup = None
     write_atomic(target, new.encode("utf-8"), st.st_mode & 0o7777 if st else 0o644)
     fsync_dir(directory)
-    verb = "removed the fablize block from" if a.remove else "installed the fablize block in"
-    note = migration_note(text, os.path.basename(target)) if not a.remove else ""
-    ctx.say(f"fablize: {verb} {target}" + (f" (previous file kept as {backup})" if backup else "")
-            + note)
-    ctx.data.update(path=target, changed=True, backup=backup)
+    ctx.show(text_install_block, {"path": target, "changed": True, "backup": backup},
+             remove=a.remove, note=migration_note(text, os.path.basename(target))
+             if not a.remove else "")
+
+
+def text_install_block(data, remove, note=""):
+    target = data["path"]
+    if not data["changed"]:
+        return [f"fablize: {target} already {'has no' if remove else 'has this'} fablize block; "
+                "nothing changed."]
+    if data.get("deleted"):
+        return [f"fablize: removed {target}: the fablize block was all it held"]
+    verb = "removed the fablize block from" if remove else "installed the fablize block in"
+    backup = data["backup"]
+    return [f"fablize: {verb} {target}" + (f" (previous file kept as {backup})" if backup else "")
+            + note]
 
 
 def block_created(backup):
@@ -694,57 +701,62 @@ def cmd_setup(ctx, a):
     changes, notes = setup_plan(root, a.agent, a.remove)
     if not a.remove:  # checked before anything is written
         refuse_missing_command(ctx, cli)
-    done = []
+    done = []  # what changed, in order: {"file": its path, or None for git config; "what"}
     for rel, path, st, data, what in changes:
         put_project_file(path, st, data)
-        ctx.say(f"fablize: {rel}: {what}")
-        done.append(rel)
+        done.append({"file": rel, "what": what})
     ignore = os.path.join(ctx.store.dir, ".gitignore")
     if not a.remove:
         if not ctx.store.exists():
             os.makedirs(ctx.store.dir, exist_ok=True)
         if write_state_gitignore(ctx.store.dir):
-            ctx.say(f"fablize: {os.path.relpath(ignore, root)}: written — the lock, temporary and "
-                    "torn-line files stay out of git")
-            done.append(os.path.relpath(ignore, root))
+            done.append({"file": os.path.relpath(ignore, root), "what": "written — the lock, "
+                         "temporary and torn-line files stay out of git"})
     elif (read_state_file(ignore) == STATE_GITIGNORE.encode()
           and not ctx.store.has_plan_files()):
         os.unlink(ignore)
-        done.append(os.path.relpath(ignore, root))
-        ctx.say(f"fablize: {os.path.relpath(ignore, root)}: removed")
+        done.append({"file": os.path.relpath(ignore, root), "what": "removed"})
         try:
             os.rmdir(ctx.store.dir)
         except OSError:
             pass
     if a.remove:
         changed, driver = merge.uninstall(ctx.store)
-        for rel, what in changed:
-            ctx.say(f"fablize: {rel}: {what}")
-            done.append(rel)
+        done += [{"file": rel, "what": what} for rel, what in changed]
         if driver:
-            ctx.say("fablize: fablize's merge driver taken out of this clone's git config")
+            done.append({"file": None,
+                         "what": "fablize's merge driver taken out of this clone's git config"})
     elif merge.wanted(ctx.store):
         # git runs the driver from a person's terminal too: the engine as it runs there
         line, _ = merge.install(ctx.store, human_command(portable_command(root)))
-        ctx.say(f"fablize: .gitattributes: `{line}` (commit it) — git merges, rebases and "
-                "cherry-picks of committed plans replay them, through this clone's git config")
-        done.append(".gitattributes")
-    for note in notes:
-        ctx.say(f"fablize: {note}")
-    if not done:
-        ctx.say(f"fablize: {a.agent} is already {'unwired' if a.remove else 'set up'} here; "
-                "nothing changed.")
-    elif not a.remove:
-        human = human_command(portable_command(root))
-        if human != portable_command(root):
-            ctx.say(f"fablize: in your own terminal, the plugin's bin/ is not on PATH (Claude "
-                    f"Code's Bash tool has it): `alias fablize={human}` in your shell's profile "
-                    "runs it there")
-        if a.agent in LOAD_HOOKS:
-            ctx.say(f"fablize: for the hooks to load: {LOAD_HOOKS[a.agent]}")
-        ctx.say(f"fablize: next — `{ctx.prog} doctor {a.agent}` checks the wiring; the agent's "
-                f"commands are `{portable_command(root)} …`")
-    ctx.data.update(agent=a.agent, files=done, notes=notes, cli=portable_command(root))
+        done.append({"file": ".gitattributes", "what": f"`{line}` (commit it) — git merges, "
+                     "rebases and cherry-picks of committed plans replay them, through this "
+                     "clone's git config"})
+    ctx.show(text_setup, {"agent": a.agent, "files": [c["file"] for c in done if c["file"]],
+                          "changes": done, "notes": notes, "cli": portable_command(root)},
+             prog=ctx.prog, remove=a.remove, human=human_command(portable_command(root)))
+
+
+def text_setup(data, prog, remove, human):
+    """What `setup` says: each change, the notes, and — something set up — how to run the
+    command from a terminal, how the agent loads its hooks, and doctor, last."""
+    agent, cli = data["agent"], data["cli"]
+    lines = [f"fablize: {c['file']}: {c['what']}" if c["file"] else f"fablize: {c['what']}"
+             for c in data["changes"]]
+    lines += [f"fablize: {note}" for note in data["notes"]]
+    if not data["files"]:
+        lines.append(f"fablize: {agent} is already {'unwired' if remove else 'set up'} here; "
+                     "nothing changed.")
+    elif not remove:
+        if human != cli:
+            lines.append(f"fablize: in your own terminal, the plugin's bin/ is not on PATH "
+                         f"(Claude Code's Bash tool has it): `alias fablize={human}` in your "
+                         "shell's profile runs it there")
+        if agent in LOAD_HOOKS:
+            lines.append(f"fablize: for the hooks to load: {LOAD_HOOKS[agent]}")
+        lines.append(f"fablize: next — `{prog} doctor {agent}` checks the wiring; the agent's "
+                     f"commands are `{cli} …`")
+    return lines
 
 
 # what each hook of ours is sent, as its agent's harness sends it, when doctor runs it
@@ -838,19 +850,9 @@ def cmd_doctor(ctx, a):
             findings += [dict(f, agent=agent) for f in setup_ci.doctor_findings(ctx)]
             continue
         findings += [dict(f, agent=agent) for f in doctor_findings(ctx, agent)]
-    said = {}  # each fix is said once: a problem that shares one points at it
-    for agent in agents:
-        if len(agents) > 1:
-            ctx.say(f"fablize: doctor — {agent}")
-        for c in (f for f in findings if f["agent"] == agent):
-            if c["ok"]:
-                ctx.say(f"  ✓ {c['item']}: {c['detail']}")
-            elif c["fix"] in said:
-                ctx.say(f"  ✗ {c['item']}: {c['problem']} — fix: the same as {said[c['fix']]}'s")
-            else:
-                said[c["fix"]] = c["item"]
-                ctx.say(f"  ✗ {c['item']}: {c['problem']} — fix: {c['fix']}")
-    ctx.data.update(agent=agents[0] if len(agents) == 1 else agents, findings=findings)
+    # said also when doctor then refuses: the refusal points at the fixes said
+    ctx.show(text_doctor, {"agent": agents[0] if len(agents) == 1 else agents,
+                           "findings": findings}, agents=agents)
     problems = [c for c in findings if not c["ok"]]
     if problems:
         fixes = list(dict.fromkeys(c["fix"] for c in problems))
@@ -863,8 +865,28 @@ def cmd_doctor(ctx, a):
                          f"{count_noun(len(fixes), 'fix')}, each said once "
                          f"above; the first: {fixes[0]}"), "doctor_problems",
                       step.group(1) if step else ())
-    ctx.say(f"fablize: doctor — {', '.join(agents)} {'is' if len(agents) == 1 else 'are'} wired "
-            "and the state is healthy.")
+
+
+def text_doctor(data, agents):
+    """What doctor says: each agent's findings, each fix said once (a problem that shares one
+    points at it); all well, that it is."""
+    lines, said, findings = [], {}, data["findings"]
+    for agent in agents:
+        if len(agents) > 1:
+            lines.append(f"fablize: doctor — {agent}")
+        for c in (f for f in findings if f["agent"] == agent):
+            if c["ok"]:
+                lines.append(f"  ✓ {c['item']}: {c['detail']}")
+            elif c["fix"] in said:
+                lines.append(f"  ✗ {c['item']}: {c['problem']} — fix: the same as "
+                             f"{said[c['fix']]}'s")
+            else:
+                said[c["fix"]] = c["item"]
+                lines.append(f"  ✗ {c['item']}: {c['problem']} — fix: {c['fix']}")
+    if all(c["ok"] for c in findings):
+        lines.append(f"fablize: doctor — {', '.join(agents)} "
+                     f"{'is' if len(agents) == 1 else 'are'} wired and the state is healthy.")
+    return lines
 
 
 def doctor_findings(ctx, agent):
@@ -1082,8 +1104,11 @@ def cmd_completion(ctx, a):
                     "of letters, digits, ., - and _:", "bad_name",
                     steps=Step.engine(f"completion {a.shell} --name <name>"))
     script = COMPLETIONS[a.shell](a.name, command_table(ctx.build_parser(None, a.name)))
-    ctx.say(script.rstrip("\n"))
-    ctx.data.update(shell=a.shell, script=script)
+    ctx.show(text_completion, {"shell": a.shell, "script": script})
+
+
+def text_completion(data):
+    return [data["script"].rstrip("\n")]
 
 
 def add_completion(command):

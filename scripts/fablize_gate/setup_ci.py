@@ -333,29 +333,34 @@ def setup(ctx, a):
                 except OSError:
                     pass
         done.append(rel)
-    shown = set()
-    for rel, data, what in changes:  # the engine's files said once, as one folder
-        key = ENGINE_COPY + "/" if rel.startswith(ENGINE_COPY + "/") else rel
-        if key not in shown:
-            shown.add(key)
-            ctx.say(f"fablize: {key}: {what}")
-    for note in notes:
-        ctx.say(f"fablize: {note}")
-    if not done:
-        ctx.say(f"fablize: github is already {'unwired' if a.remove else 'set up'} here; nothing "
-                "changed.")
-    if not a.remove:
-        ctx.say("fablize: commit them on the default branch; the audit judges with the engine "
-                f"and the policy as that branch holds them ({engine}/, {POLICY}).")
-        ctx.say("fablize: one step is a repository admin's, and no clone can take or check it: "
-                "make the workflow required, so that a pull request cannot edit what judges it —")
-        ctx.say("  Settings → Rules → Rulesets → New branch ruleset: target the default branch, "
-                "\"Require workflows to pass before merging\", this repository, "
-                f"{WORKFLOW}, ref = the default branch. Or, with GitHub's CLI:")
-        for line in ruleset_command():
-            ctx.say("  " + line)
-    ctx.data.update(agent="github", files=done, notes=notes, engine=engine,
-                    ruleset=None if a.remove else ruleset_command())
+    said = {}  # the engine's files said once, as one folder
+    for rel, data, what in changes:
+        said.setdefault(ENGINE_COPY + "/" if rel.startswith(ENGINE_COPY + "/") else rel, what)
+    ctx.show(text_setup, {"agent": "github", "files": done,
+                          "changes": [{"file": k, "what": v} for k, v in said.items()],
+                          "notes": notes, "engine": engine,
+                          "ruleset": None if a.remove else ruleset_command()}, remove=a.remove)
+
+
+def text_setup(data, remove):
+    """What `setup github` says: each change, the notes; set up, where the audit reads what it
+    judges with, and the ruleset step that is a repository admin's."""
+    lines = [f"fablize: {c['file']}: {c['what']}" for c in data["changes"]]
+    lines += [f"fablize: {note}" for note in data["notes"]]
+    if not data["files"]:
+        lines.append(f"fablize: github is already {'unwired' if remove else 'set up'} here; "
+                     "nothing changed.")
+    if not remove:
+        lines += ["fablize: commit them on the default branch; the audit judges with the engine "
+                  f"and the policy as that branch holds them ({data['engine']}/, {POLICY}).",
+                  "fablize: one step is a repository admin's, and no clone can take or check it: "
+                  "make the workflow required, so that a pull request cannot edit what judges "
+                  "it —",
+                  "  Settings → Rules → Rulesets → New branch ruleset: target the default branch, "
+                  "\"Require workflows to pass before merging\", this repository, "
+                  f"{WORKFLOW}, ref = the default branch. Or, with GitHub's CLI:"]
+        lines += ["  " + line for line in data["ruleset"]]
+    return lines
 
 
 def ruleset_command():

@@ -2042,16 +2042,25 @@ def start(store, remote):
         excluded = ignore_shared_dir(store)
         sync_shared(s, cfg)
         plan = s.plan
-    line = (f"fablize: plan {plan['plan_id']} shared through {remote} "
-            f"({SHARED_REFS}{plan['plan_id']}, {count_noun(cfg['seq'], 'event')}).")
-    if excluded:  # said once, when this clone first keeps it out of git
-        line += ("\nfablize: the plan's state directory (but its pin) is kept out of git by this "
-                 "clone's .git/info/exclude — no committed file changes.")
-    if first:  # said once, when the plan first goes out
-        line += "\n" + PUBLISHES.format(remote=remote)
-        if len(plan["goals"]) > 2 and sequential(plan):  # what its agents will get
-            line += f"\nfablize: {TAKE_TURNS}."
-    return {"remote": remote, "ref": SHARED_REFS + plan["plan_id"], "published": cfg["seq"]}, line
+    return {"remote": remote, "ref": SHARED_REFS + plan["plan_id"], "published": cfg["seq"],
+            "first": first, "excluded": bool(excluded),
+            "turns": first and len(plan["goals"]) > 2 and sequential(plan)}
+
+
+def text_share(data):
+    """What `share` (and `create --remote`) says of its `share` result: where the plan went; the
+    first time, what that publishes and, for a plan whose agents take turns, that they do."""
+    share = data["share"]
+    lines = [f"fablize: plan {share['ref'][len(SHARED_REFS):]} shared through {share['remote']} "
+             f"({share['ref']}, {count_noun(share['published'], 'event')})."]
+    if share["excluded"]:  # said once, when this clone first keeps it out of git
+        lines.append("fablize: the plan's state directory (but its pin) is kept out of git by "
+                     "this clone's .git/info/exclude — no committed file changes.")
+    if share["first"]:  # said once, when the plan first goes out
+        lines.append(PUBLISHES.format(remote=share["remote"]))
+    if share["turns"]:  # what its agents will get
+        lines.append(f"fablize: {TAKE_TURNS}.")
+    return lines
 
 
 NO_PLAN_PROBE = 5.0  # seconds the no-plan refusal asks the remote whether it shares a plan
@@ -2081,9 +2090,8 @@ def remote_sharing(root):
 
 def cmd_share(ctx, a):
     ctx.store.require()
-    share, line = start(ctx.store, remote_arg(ctx.store, a.remote, "share --remote {}"))
-    ctx.say(line)
-    ctx.data.update(share=share)
+    ctx.show(text_share, {"share": start(ctx.store, remote_arg(ctx.store, a.remote,
+                                                               "share --remote {}"))})
 
 
 NEW_PLAN = 'create --brief "<task>" --goal "<title>::<objective>" --remote {}'
@@ -2163,24 +2171,31 @@ def cmd_sync(ctx, a):
     else:
         pulled = 0 if replacing else plan["ledger"]["seq"] - before + len(rejected)
         sent = ahead - len(rejected)
-    ctx.say(f"fablize: in sync with {cfg['remote']} — "
-            f"{count_noun(plan['ledger']['seq'], 'event')} "
-            f"({SHARED_REFS}{cfg['plan_id']}): {pulled} pulled, {sent} published"
-            + (f", {len(rejected)} set aside in {REJECTED}" if rejected else "") + ".")
-    if pinned:
-        ctx.data["pin"] = pinned
-        ctx.say(f"fablize: pinned {pinned['pin'][:24]}… in {shown_path(store, PIN)}"
-                " — commit it with this branch: once merged, CI's `audit --remote --base` holds "
-                "the plan to it.")
     for r in seen:
-        ctx.say(f"  acknowledged: {said_event(r['event'])}) — {one_line(r['reason'])}")
         if pending_line(r) in store.warnings:  # said by attach before: acknowledged now
             store.warnings.remove(pending_line(r))
-    ctx.data.update(share={"remote": cfg["remote"], "ref": SHARED_REFS + cfg["plan_id"],
-                           "events": plan["ledger"]["seq"], "pulled": pulled, "published": sent,
-                           "rejected": [r["event"] for r in rejected],
-                           "acknowledged": [r["event"] for r in seen]},
-                    plan=plan_json(plan))
+    ctx.show(text_sync, {"share": {
+        "remote": cfg["remote"], "ref": SHARED_REFS + cfg["plan_id"],
+        "events": plan["ledger"]["seq"], "pulled": pulled, "published": sent,
+        "rejected": [r["event"] for r in rejected], "acknowledged": [r["event"] for r in seen]},
+        "plan": plan_json(plan), **({"pin": pinned} if pinned else {})},
+        acknowledged=seen, pin_path=shown_path(store, PIN))
+
+
+def text_sync(data, acknowledged, pin_path):
+    """What `sync` says: the events pulled and published, the pin written, each acknowledged
+    refusal (`acknowledged`: the records, with the reason each event was refused)."""
+    share = data["share"]
+    rejected = share["rejected"]
+    lines = [f"fablize: in sync with {share['remote']} — {count_noun(share['events'], 'event')} "
+             f"({share['ref']}): {share['pulled']} pulled, {share['published']} published"
+             + (f", {len(rejected)} set aside in {REJECTED}" if rejected else "") + "."]
+    if "pin" in data:
+        lines.append(f"fablize: pinned {data['pin']['pin'][:24]}… in {pin_path} — commit it with "
+                     "this branch: once merged, CI's `audit --remote --base` holds the plan to it.")
+    lines += [f"  acknowledged: {said_event(r['event'])}) — {one_line(r['reason'])}"
+              for r in acknowledged]
+    return lines
 
 
 def remote_ledger(store, remote, plan_id):
@@ -2239,10 +2254,14 @@ def cmd_release(ctx, a):
                  agent=holder)
         publish(s, claim=True, fetch_first=False)
         plan = s.plan
-    ctx.say(f"fablize: {a.id} released from agent {one_line(holder or 'unnamed')} → pending (its "
-            "round is given back; the release is recorded in the ledger).")
-    ctx.data.update(story=story_json(plan, find_story(plan, a.id)),
-                    released_from=holder)
+    ctx.show(text_release, {"story": story_json(plan, find_story(plan, a.id)),
+                            "released_from": holder})
+
+
+def text_release(data):
+    return [f"fablize: {data['story']['id']} released from agent "
+            f"{one_line(data['released_from'] or 'unnamed')} → pending (its round is given back; "
+            "the release is recorded in the ledger)."]
 
 
 def add_share(command):
