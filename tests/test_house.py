@@ -6,7 +6,8 @@ import ast
 from conftest import ENGINE_DIR, ENGINE_FILES
 
 # what an error is, fixed at its construction (base.FablizeError.__init__ sets them once)
-ERROR_FIELDS = {"message", "code", "exit_code", "steps", "commands", "run_next", "step", "said"}
+ERROR_FIELDS = {"message", "code", "exit_code", "steps", "commands", "run_next", "step", "said",
+                "lineno", "no_plan_at", "summarised"}
 
 
 def assignments(tree):

@@ -28,7 +28,7 @@ def cmd_audit(ctx, a):
     try:
         audit_and_judge(ctx, a)
     except FablizeError as e:
-        if a.summary and not getattr(e, "summarised", False):
+        if a.summary and not e.detail.get("summarised"):
             write_summary(a.summary, f"❌ audit failed: {e.message}", "")
         raise
 
@@ -89,14 +89,13 @@ def audit_and_judge(ctx, a):
     if a.verdict:
         write_verdict(a.verdict, verdict, failures, results, nonce)
     if failures:  # each gate's fix is said above (and under --json, in `failures`)
-        error = FablizeError("audit: " + (f"{failures[0]['message']} — {failures[0]['fix']}"
-                                          if len(failures) == 1 else
-                                          "; ".join(f["message"] for f in failures) +
-                                          " (the fix of each is said above)"),
-                             failures[0]["code"], EXIT_REFUSED,
-                             failures[0].get("commands") or ())  # the first gate's, whole
-        error.summarised = True
-        raise error
+        raise FablizeError("audit: " + (f"{failures[0]['message']} — {failures[0]['fix']}"
+                                        if len(failures) == 1 else
+                                        "; ".join(f["message"] for f in failures) +
+                                        " (the fix of each is said above)"),
+                           failures[0]["code"], EXIT_REFUSED,
+                           failures[0].get("commands") or (),  # the first gate's, whole
+                           detail={"summarised": True})
 
 
 def swapped_option(argv, option, value):
@@ -143,7 +142,7 @@ def audited(ctx, a, scan, base):
             return audit_ledger(s.ledger, snapshot, a.require_independent_judge,
                                 runs_dir=s.store.path(RUNS), scan=scan)
         except FablizeError as e:
-            lineno = getattr(e, "lineno", None)
+            lineno = e.detail.get("lineno")
             if e.code == "bad_line" and lineno and last_line_alone_damaged(s.ledger):
                 raise not_an_event(lineno, last=True) from None  # rebuild sets it aside
             raise

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import time
+from types import MappingProxyType
 
 
 SCHEMA_VERSION = 2          # of the --json envelope (2: `done` is a count everywhere)
@@ -121,27 +122,32 @@ class FablizeError(Exception):
     refusal is. Nothing above the raise edits it: the command line renders it once, naming the
     step the error leaves to it — the command again, `--help` — where it names none. `said`:
     what happened without the way out (the message where it is not given), for a caller that
-    goes on and says it as a warning."""
+    goes on and says it as a warning. `detail`: what a caller that handles it may read, fixed
+    here too (read-only): `lineno` (the ledger line damaged), `path` (the run log that does not
+    match), `no_plan_at` (a shared ref's commit that holds no plan), `summarised` (audit's job
+    summary already says it)."""
 
-    def __init__(self, message, code="refused", exit_code=EXIT_REFUSED, steps=(), said=None):
+    def __init__(self, message, code="refused", exit_code=EXIT_REFUSED, steps=(), said=None,
+                 detail=None):
         super().__init__(message)
         self.message = message
         self.said = message if said is None else said
         self.code = code
         self.exit_code = exit_code
         self.steps = (steps,) if isinstance(steps, (str, Step)) else tuple(steps)
+        self.detail = MappingProxyType(dict(detail or {}))
 
 
-def refused(message, code="refused", steps=()):
-    return FablizeError(message, code, EXIT_REFUSED, steps)
+def refused(message, code="refused", steps=(), detail=None):
+    return FablizeError(message, code, EXIT_REFUSED, steps, detail=detail)
 
 
 def usage(message, code="usage", steps=()):
     return FablizeError(message, code, EXIT_USAGE, steps)
 
 
-def damaged(message, code="damaged", steps=()):
-    return FablizeError(message, code, EXIT_DAMAGED, steps)
+def damaged(message, code="damaged", steps=(), detail=None):
+    return FablizeError(message, code, EXIT_DAMAGED, steps, detail=detail)
 
 
 def no_plan():

@@ -490,7 +490,7 @@ def history_way_out(store, error):
     as (what the message adds, the steps): a human's decision, said, between the copy git holds
     as last committed (where it differs from what is here) and a new plan (this one kept whole
     in archive/). The storage room that found the damage cannot ask git what it holds."""
-    log = getattr(error, "path", None)
+    log = error.detail.get("path")
     restore = committed_copy(store, [log] if log else [LEDGER], whole=log is None)
     said = ""
     if "a human decides" not in error.message:  # the message whole, then the way out

@@ -168,12 +168,12 @@ class Audit:
             content = (self.logs.get(log) if self.logs is not None else
                 read_state_file(os.path.join(self.runs_dir, self.log_key(log))))
             if content is None or self.digest(content) != ev["sha256"]:
-                error = line_error(ev["seq"], f"{one_line(log)} does not match the sha256 "
-                                   "recorded for that run — the log was edited or replaced.",
-                                   "run_log_mismatch")
-                if self.logs is None:  # the file here: what a way back restores
-                    error.path = os.path.join(self.runs_dir, self.log_key(log))
-                self.bad_logs.append(error)
+                self.bad_logs.append(line_error(
+                    ev["seq"], f"{one_line(log)} does not match the sha256 recorded for that "
+                    "run — the log was edited or replaced.", "run_log_mismatch",
+                    # the file here: what a way back restores
+                    path=os.path.join(self.runs_dir, self.log_key(log))
+                    if self.logs is None else None))
 
     def view(self, replay):
         """The snapshot this engine would have written at this event."""

@@ -1491,11 +1491,11 @@ def not_a_snapshot(what):
                    "bad_snapshot", steps=Step.engine("rebuild"))
 
 
-def line_error(lineno, what, code="bad_event", steps=()):
-    """Damage at one ledger line: every message about a line starts the same way."""
-    error = FablizeError(f"{LEDGER} line {lineno}: {what}", code, EXIT_DAMAGED, steps)
-    error.lineno = lineno
-    return error
+def line_error(lineno, what, code="bad_event", steps=(), path=None):
+    """Damage at one ledger line: every message about a line starts the same way (`path`: the
+    run log it names, when that is what does not match)."""
+    return FablizeError(f"{LEDGER} line {lineno}: {what}", code, EXIT_DAMAGED, steps,
+                        detail={"lineno": lineno, "path": path})
 
 
 def not_an_event(lineno, last=False):

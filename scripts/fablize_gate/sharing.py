@@ -650,16 +650,14 @@ class Chain:
             raise self.foreign(sha)
         return named
 
-    def foreign(self, sha):
+    def foreign(self, sha, detail=None):
         return damaged(f"the shared plan on {self.remote} has a commit {sha[:12]} that holds "
                        "no ledger line — the ref was written by something else.",
-                       "bad_remote_event")
+                       "bad_remote_event", detail=detail)
 
     def no_plan(self, sha):
         """The ref's own commit holds no plan at all (a branch pushed over the ref)."""
-        error = self.foreign(sha)
-        error.no_plan_at = sha
-        return error
+        return self.foreign(sha, {"no_plan_at": sha})
 
     def rewritten(self):
         return damaged(f"the shared plan on {self.remote} no longer holds the commit this clone "
@@ -1443,8 +1441,8 @@ def refresh(session, cfg, restores=3):
     try:
         chain = Chain(store, ref, cfg["commit"], cfg["remote"])
     except FablizeError as e:
-        if restores and getattr(e, "no_plan_at", None) and restore_overwritten(
-                store, cfg, e.no_plan_at):
+        if restores and e.detail.get("no_plan_at") and restore_overwritten(
+                store, cfg, e.detail["no_plan_at"]):
             return refresh(session, cfg, restores - 1)  # the plan is on the remote again
         if e.code != "remote_history_rewritten":
             raise written_elsewhere(e, cfg, ref)
