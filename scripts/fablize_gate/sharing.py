@@ -2042,7 +2042,7 @@ def start(store, remote):
         plan = s.plan
     return {"remote": remote, "ref": SHARED_REFS + plan["plan_id"], "published": cfg["seq"],
             "first": first, "excluded": bool(excluded),
-            "turns": first and len(plan["goals"]) > 2 and sequential(plan)}
+            "turns": len(plan["goals"]) > 2 and sequential(plan)}
 
 
 def text_share(data):
@@ -2056,8 +2056,8 @@ def text_share(data):
                      "this clone's .git/info/exclude — no committed file changes.")
     if share["first"]:  # said once, when the plan first goes out
         lines.append(PUBLISHES.format(remote=share["remote"]))
-    if share["turns"]:  # what its agents will get
-        lines.append(f"fablize: {TAKE_TURNS}.")
+        if share["turns"]:  # what its agents will get
+            lines.append(f"fablize: {TAKE_TURNS}.")
     return lines
 
 
