@@ -65,11 +65,9 @@ def process_running(pid):
 
 
 class EngineView:
-    """The engine's modules as one namespace, for tests: `engine.misfit` is model.misfit,
-    `engine.main` cli.main. Setting a name (monkeypatch.setattr(engine, "invocation", ...))
-    sets it in every module that holds the same object, since each imports what it uses by
-    name; undoing it puts the old one back the same way. It has no __dict__ (monkeypatch would
-    read the old value from one)."""
+    """The engine's modules as one namespace to read, for tests: `engine.misfit` is
+    model.misfit, `engine.main` cli.main. Read-only: a test replaces a name with
+    `replace_everywhere`, which says that it touches every module holding it."""
     __slots__ = ()
 
     def __getattr__(self, name):
@@ -79,10 +77,8 @@ class EngineView:
         raise AttributeError(f"no engine module defines {name}")
 
     def __setattr__(self, name, value):
-        old = getattr(self, name)
-        for module in MODULES:
-            if vars(module).get(name, value) is old:
-                setattr(module, name, value)
+        raise AttributeError(f"engine.{name} is read-only: replace_everywhere(monkeypatch, "
+                             f"{name!r}, …) replaces it in each module that imported it")
 
     @staticmethod
     def room(name, needed_by=None):
@@ -91,6 +87,15 @@ class EngineView:
 
 
 engine = EngineView()
+
+
+def replace_everywhere(monkeypatch, name, value):
+    """Replace the engine's `name` with `value` in every module holding the same object (each
+    module imports what it uses by name), through `monkeypatch`, which puts each back."""
+    old = getattr(engine, name)
+    for module in MODULES:
+        if vars(module).get(name, value) is old:
+            monkeypatch.setattr(module, name, value)
 
 # The engine in a subprocess, started as users start it: `python3 scripts/goals.py`, the package's
 # bytecode cached (written once here, even where PYTHONDONTWRITEBYTECODE is set: a changed module
@@ -165,7 +170,7 @@ def project(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     # in-process, the engine names itself `goals.py` in what it prints; how it names itself when
     # really started (installed, plugin, script) is tested through subprocesses
-    monkeypatch.setattr(engine, "invocation", lambda cwd=None: "goals.py")
+    replace_everywhere(monkeypatch, "invocation", lambda cwd=None: "goals.py")
     monkeypatch.setenv("PATH", os.environ.get("PATH", ""))  # whatever a test puts on it goes again
     return tmp_path
 

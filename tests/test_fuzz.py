@@ -37,7 +37,7 @@ import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import engine, rechain, state_files
+from conftest import engine, rechain, replace_everywhere, state_files
 
 try:
     DEPTH = max(1, int(os.environ.get("FABLIZE_TEST_DEPTH", "1")))
@@ -78,8 +78,8 @@ def sandbox():
         for var in ("FABLIZE_DIR", "FABLIZE_CRASH_AT", "FABLIZE_LOCK_TIMEOUT",
                     "GITHUB_STEP_SUMMARY", "FABLIZE_GUARD_MAX"):
             mp.delenv(var, raising=False)
-        mp.setattr(engine, "run_command", _stub_run_command)
-        mp.setattr(engine, "git_state", lambda root, state_dir: (None, None, None))
+        replace_everywhere(mp, "run_command", _stub_run_command)
+        replace_everywhere(mp, "git_state", lambda root, state_dir: (None, None, None))
         yield
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (ENGINE_FILES, ROOT, SCRIPT, complete, engine, make_plan, run_cli,
-                      state_files)
+from conftest import (ENGINE_FILES, ROOT, SCRIPT, complete, engine, make_plan,
+                      replace_everywhere, run_cli, state_files)
 
 BEGIN, END = "<!-- fablize:begin -->", "<!-- fablize:end -->"
 CLI = f"python3 {SCRIPT}"
@@ -423,7 +423,7 @@ def test_setup_with_a_room_missing_writes_nothing(tmp_path):
 
 @pytest.fixture
 def no_fcntl(monkeypatch):
-    monkeypatch.setattr(engine, "flock_module", lambda: None)
+    replace_everywhere(monkeypatch, "flock_module", lambda: None)
 
 
 def dead_pid():

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from conftest import (ENGINE_DIR, ENGINE_PYTHON, Result, copy_engine, engine, forge, git,
-                      git_env, make_plan, raw_lines, start, state_files, story, write_lines)
+                      git_env, make_plan, raw_lines, replace_everywhere, start, state_files, story,
+                      write_lines)
 
 PLACEHOLDER = re.compile(r"<[^<>]*>")
 TOKEN = "ghp_" + "A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"  # the shape of a GitHub token
@@ -653,8 +654,8 @@ def _(fab, mp):
 
     def ctrl_c(*args):
         raise KeyboardInterrupt  # the user's Ctrl-C, as the event is about to be written
-    mp.setattr(engine, "commit_start", ctrl_c)
-    return ["next"], lambda: mp.setattr(engine, "commit_start", real)
+    replace_everywhere(mp, "commit_start", ctrl_c)
+    return ["next"], lambda: replace_everywhere(mp, "commit_start", real)
 
 
 @state("git_failed", 3, "git config failed", "good")
@@ -946,7 +947,7 @@ def test_a_copy_of_the_engine_without_a_room_names_the_file_to_copy_in(tmp_path)
 def test_a_step_names_the_engine_as_it_was_started(fab, monkeypatch):
     """Run from elsewhere (the plugin's launcher, a copy by its path), each step is printed
     with the engine as it was started, never a bare `goals.py`."""
-    monkeypatch.setattr(engine, "invocation", lambda cwd=None: 'python3 "/x y/goals.py"')
+    replace_everywhere(monkeypatch, "invocation", lambda cwd=None: 'python3 "/x y/goals.py"')
     make_plan(fab, 2)
     j = fab("--json", *checkpoint("G002"))
     assert j.json["error"]["commands"] == ['python3 "/x y/goals.py" next'], j

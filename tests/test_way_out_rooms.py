@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, Result, copy_engine, engine, git, run_cli, state_files
+from conftest import (ROOT, Result, copy_engine, engine, git, replace_everywhere, run_cli,
+                      state_files)
 from test_sharing import create as shared  # a plan of n stories shared through origin: its id
 
 ROOMS = ["setup", "sharing", "sharing_git", "merge", "trust", "rerun"]
@@ -255,7 +256,7 @@ def env(tmp_path, monkeypatch):
     monkeypatch.setenv("GIT_CONFIG_GLOBAL", os.devnull)
     for k, v in GIT_ENV.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(engine, "invocation", lambda cwd=None: "goals.py")
+    replace_everywhere(monkeypatch, "invocation", lambda cwd=None: "goals.py")
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
