@@ -855,3 +855,72 @@ def test_a_chain_of_links_that_each_stay_inside_never_leaves_the_tree(tmp_path):
     for name in ("x", "y", "calc.py"):
         path = folder / name
         assert not path.is_symlink() or os.path.realpath(path).startswith(str(folder)), name
+
+
+XFAILED = ("import pytest\n\nfrom calc import mul\n\n\n"
+           "@pytest.mark.xfail(strict=True, reason=\"mul adds\")  # the known bug\n"
+           "def test_mul():\n    assert mul(2, 3) == 6\n\n\n"
+           "def test_zero():\n    assert mul(0, 0) == 0\n")
+
+
+def test_honest_a_strict_xfail_the_work_fixes_loses_its_mark_and_must_pass(tmp_path):
+    """The base documents a known bug with a strict xfail; the work fixes it, so the test
+    XPASSes and strict fails it — the branch takes the mark out. That change to a base test is
+    stricter, never weaker: the re-run runs the branch's copy, where the test must pass."""
+    repo = Repo(tmp_path, files={"calc.py": BUGGY, "tests/test_calc.py": XFAILED})
+    repo.branch(change=lambda t: (t / "tests" / "test_calc.py").write_text(
+        XFAILED.replace('@pytest.mark.xfail(strict=True, reason="mul adds")  # the known bug\n',
+                        "")))
+    p, summary = green_both(repo, strictest=True)
+    assert "1 fixed (failed on the base, pass now)" in p.stdout, p
+    assert "xfail marks the branch takes out" in p.stdout and "tests/test_calc.py" in summary, p
+
+
+@pytest.mark.parametrize("edit", [
+    ("    assert mul(2, 3) == 6\n", "    assert mul(2, 3) in (5, 6)\n"),  # and the assertion
+    ("def test_zero():\n    assert mul(0, 0) == 0\n", ""),  # and a test
+    ("@pytest.mark.xfail(strict=True, reason=\"mul adds\")  # the known bug\n",
+     "@pytest.mark.xfail(strict=False)\n"),  # a mark changed, not taken out
+], ids=["assertion-too", "a-test-too", "mark-loosened"])
+def test_attack_a_base_test_changed_beside_its_xfail_mark_is_a_base_test_changed(tmp_path, edit):
+    """Only lines that are xfail marks may go: anything else changed in the file is a change to
+    a base test (base_test_changed), and the re-run runs the base's copy."""
+    repo = Repo(tmp_path, files={"calc.py": BUGGY, "tests/test_calc.py": XFAILED})
+    lifted = XFAILED.replace('@pytest.mark.xfail(strict=True, reason="mul adds")  # the known '
+                             'bug\n', "") if edit[0].startswith("    ") or "zero" in edit[0] \
+        else XFAILED
+    repo.branch(change=lambda t: (t / "tests" / "test_calc.py").write_text(
+        lifted.replace(*edit)))
+    red_both(repo, "base_test_changed")
+
+
+def test_only_a_mark_with_literal_arguments_may_be_taken_out():
+    from fablize_gate.rerun import only_marks_lifted
+    base = ("import pytest\n\n@pytest.mark.xfail({})\ndef test_a():\n    assert f()\n")
+    for args in ("", "strict=True", "reason='x', strict=True", 'raises=ValueError, run=False'):
+        text = base.format(args).encode()
+        assert only_marks_lifted(text, text.replace(f"@pytest.mark.xfail({args})\n".encode(),
+                                                    b"")), args
+    for args in ("reason=setup()", "condition", "reason='x' if a else 'y'"):
+        text = base.format(args).encode()
+        assert not only_marks_lifted(text, text.replace(
+            f"@pytest.mark.xfail({args})\n".encode(), b"")), args
+    text = base.format("").encode()
+    assert not only_marks_lifted(text, text)  # nothing taken out
+    assert not only_marks_lifted(text, text.replace(b"    assert f()\n", b""))
+    assert not only_marks_lifted(text + b"\n", text.replace(b"@pytest.mark.xfail()\n", b"")
+                                 + b"\ndef test_b():\n    pass\n")
+
+
+def test_without_a_rerun_a_lifted_xfail_mark_is_a_change_outside_the_scope(tmp_path):
+    """Only a re-run that runs the stricter copy makes taking out a mark no change: an audit
+    that runs no check lists the edited base test outside the scope, as any other."""
+    repo = Repo(tmp_path, files={"calc.py": BUGGY, "tests/test_calc.py": XFAILED},
+                policy={"fail_to_pass": False})
+    repo.branch(change=lambda t: (t / "tests" / "test_calc.py").write_text(
+        XFAILED.replace('@pytest.mark.xfail(strict=True, reason="mul adds")  # the known bug\n',
+                        "")))
+    ci = repo.ci()
+    r = engine(ci, repo.home, "audit", "--base", "origin/main", "--forbid-out-of-scope")
+    assert r.returncode == 1 and "out_of_scope" in r.stdout + r.stderr, r
+    assert "tests/test_calc.py" in r.stdout + r.stderr, r

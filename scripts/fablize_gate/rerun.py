@@ -270,6 +270,7 @@ class Trees:
         top = tree["top"]
         self.base = tree_entries(top, tree["base"])
         kept = [path for path, deleted in tree["take"] if not deleted]
+        kept += tree.get("marks_lifted") or []
         self.head = tree_entries(top, "HEAD", kept) if kept else {}
         agent = tree.get("agent_tests") or []
         self.agent = tree_entries(top, "HEAD", agent) if agent else {}
@@ -288,6 +289,8 @@ class Trees:
                     del entries[other]  # a folder the branch turned into a file
                 if not deleted and path in self.head:
                     entries[path] = self.head[path]
+            for path in self.tree.get("marks_lifted") or ():  # the stricter copy
+                entries[path] = self.head[path]
         if tests == "agent":
             for path in self.tree.get("base_test_modules") or ():
                 entries.pop(path, None)
@@ -299,8 +302,10 @@ class Trees:
         and harness, as the base holds them."""
         entries = self.entries(code, tests)
         keep = set(self.tree.get("base_tests") or ()) | set(self.tree.get("harness") or ())
+        lifted = set(self.tree.get("marks_lifted") or ())
         return {p: v[1] for p, v in entries.items()
-                if self.base.get(p) == v and (p in keep or re.search(HARNESS, p))}
+                if (self.base.get(p) == v and (p in keep or re.search(HARNESS, p)))
+                or (p in lifted and self.head.get(p) == v)}
 
     def tampered(self, folder, protected):
         """The protected files a run changed, removed or replaced in its tree."""
@@ -576,7 +581,8 @@ def rerun(store, plan, trust, opts, timeout):
     taken = [path for path, deleted in tree["take"] if not deleted] if tree else []
     result = {"where": "checkout" if tree is None else "tree", "checks": [],
               "isolation": isolation.words(), "shared": isolation.shared(),
-              "held_out": len(held_out), "agent_tests": None, "tests_changed": []}
+              "held_out": len(held_out), "agent_tests": None, "tests_changed": [],
+              "marks_lifted": tree["marks_lifted"] if tree else []}
     try:
         if tree is not None:
             base_runs = {c.cmd: runner.run(c.cmd, code="base", trace=True) for c in checks}
@@ -613,6 +619,33 @@ def held_out_checks(opts):
                       f"makes the job fill {name} (from a secret, another repository or an "
                       "artifact) before the audit runs.", "held_out_missing")
     return commands, [name]
+
+
+# a line that only marks a test as expected to fail, its arguments literals: taking it out makes
+# the test stricter (it must now pass), never weaker
+XFAIL_MARK = re.compile(
+    r"[ \t]*@(?:pytest\.)?mark\.xfail(?:\((?:\s*(?:strict\s*=\s*(?:True|False)|run\s*=\s*"
+    r"(?:True|False)|reason\s*=\s*(?:\"[^\"\\\n]*\"|'[^'\\\n]*')|raises\s*=\s*[A-Za-z_][\w.]*)"
+    r"\s*,?)*\s*\))?[ \t]*(?:#[^\n]*)?")
+
+
+def only_marks_lifted(base, head):
+    """Whether `head` (bytes) is `base` with lines taken out and nothing else, each an xfail
+    mark (XFAIL_MARK): a base test the work fixes, its expected failure lifted."""
+    try:
+        old = base.decode("utf-8").splitlines(True)
+        new = head.decode("utf-8").splitlines(True)
+    except (AttributeError, UnicodeDecodeError):  # a blob there is not, or not text
+        return False
+    if len(new) >= len(old):
+        return False
+    i = 0
+    for line in old:  # `new` is `old` less some lines; each line left out is a mark
+        if i < len(new) and new[i] == line:
+            i += 1
+        elif not XFAIL_MARK.fullmatch(line.rstrip("\r\n")):
+            return False
+    return i == len(new)
 
 
 def classify(tree, trees, base_runs):

@@ -978,14 +978,19 @@ def tree_plan(store, plan, base, opts):
     inside = scope_matcher(scope)
     named = set(check_paths(plan, store.root, top))  # what a check runs is the base's
     shadows = Shadows(top, full, plan)
-    take, left, harness, agent, shadow = [], [], [], [], []
+    take, left, harness, agent, shadow, lifted = [], [], [], [], [], []
     for path, status in branch_changes(b):
         if path == state_rel or path.startswith(state_rel + "/") or path == POLICY_PATH:
             continue
         if re.search(HARNESS, path) or path in named:
             (harness if inside(path) else left).append(path)
         elif test_material(path, runners):
-            (agent if status == "A" else left).append(path)  # a base test changed: listed
+            if status == "A":
+                agent.append(path)
+            elif status == "M" and marks_lifted(b, path):
+                lifted.append(path)  # stricter, never weaker: the branch's copy runs
+            else:
+                left.append(path)  # a base test changed: listed
         elif not inside(path) or re.search(ARTEFACT, path):
             left.append(path)
         elif status != "D" and shadows.module_of(path):
@@ -996,8 +1001,23 @@ def tree_plan(store, plan, base, opts):
     return {"top": top, "base": full, "fork": b.fork, "take": take,
             "left": left + harness, "harness": harness,
             "agent_tests": agent, "shadow": shadow, "scope": scope, "from": source,
+            "marks_lifted": lifted,
             "scratch": scratch, "scratch_moved": moved, "runners": sorted(runners),
             "root": os.path.relpath(os.path.realpath(store.root), top)}
+
+
+def marks_lifted(base, path):
+    """Whether the branch's `path` is the base's with lines taken out and nothing else, each an
+    xfail mark with literal arguments (rerun.only_marks_lifted) — a base test the work fixes,
+    now required to pass: stricter, never weaker. Compared with the base as it is now, so that
+    nothing the base changed since the branch left it is undone."""
+    from .rerun import only_marks_lifted
+    before = tree_entries(base.top, base.full, [path])
+    after = tree_entries(base.top, "HEAD", [path])
+    if path not in before or path not in after or before[path][0] != after[path][0]:
+        return False
+    blobs = read_objects(base.top, [before[path][1], after[path][1]])
+    return only_marks_lifted(blobs.get(before[path][1]), blobs.get(after[path][1]))
 
 
 def fork_point(top, full):
@@ -1437,8 +1457,11 @@ def review(store, plan, scan, pin, base, opts):
         or opts["forbid_tripwires"]) else None)
     agent = tree["agent_tests"] if tree else []
     trust["agent_test_files"] = agent
+    # a base test whose xfail marks the branch takes out is no change outside the scope where
+    # the re-run runs its stricter copy; else it is one, listed
+    reruns = opts["rerun"] or opts["fail_to_pass"] or opts["require_fail_to_pass"]
     trust["out_of_scope"] = (tree["left"] + ([] if opts.get("agent_tests") == "prove" else agent)
-                             if tree else [])
+                             + ([] if reruns else tree["marks_lifted"]) if tree else [])
     trust["harness"] = tree["harness"] if tree else []
     trust["shadow"] = tree["shadow"] if tree else []
     trust["tripwires"] = tripwires(tree) if tree else []
@@ -1741,6 +1764,10 @@ def rerun_blocks(trust, rerun):
     if rerun.get("tests_changed"):
         out.append(Block("base tests the branch changes (the re-run ran the base's):",
                          [[path(p)] for p in rerun["tests_changed"]], inline=True))
+    if rerun.get("marks_lifted"):
+        out.append(Block("base tests whose xfail marks the branch takes out (the re-run ran the "
+                         "branch's copy: each test must pass now):",
+                         [[path(p)] for p in rerun["marks_lifted"]], inline=True))
     exit_only = sorted({r["cmd"] for r in checks if not r["held_out"] and r["report"] is None})
     out.append(Block("what this verdict cannot see (inherent — review the diff):", [
         ["code inside a test's own process can rewrite its runner's report"],
