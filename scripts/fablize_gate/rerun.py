@@ -631,21 +631,39 @@ XFAIL_MARK = re.compile(
 
 def only_marks_lifted(base, head):
     """Whether `head` (bytes) is `base` with lines taken out and nothing else, each an xfail
-    mark (XFAIL_MARK): a base test the work fixes, its expected failure lifted."""
+    mark (XFAIL_MARK) that Python reads as a decorator of a test — never such a line inside a
+    string, whose text a test may compare: a base test the work fixes, its expected failure
+    lifted."""
     try:
-        old = base.decode("utf-8").splitlines(True)
+        text = base.decode("utf-8")
         new = head.decode("utf-8").splitlines(True)
     except (AttributeError, UnicodeDecodeError):  # a blob there is not, or not text
         return False
+    old = text.splitlines(True)
     if len(new) >= len(old):
         return False
-    i = 0
-    for line in old:  # `new` is `old` less some lines; each line left out is a mark
+    i, gone = 0, set()
+    for number, line in enumerate(old, 1):  # `new` is `old` less some lines, each a mark
         if i < len(new) and new[i] == line:
             i += 1
-        elif not XFAIL_MARK.fullmatch(line.rstrip("\r\n")):
+        elif XFAIL_MARK.fullmatch(line.rstrip("\r\n")):
+            gone.add(number)
+        else:
             return False
-    return i == len(new)
+    return i == len(new) and gone <= decorator_lines(text)
+
+
+def decorator_lines(text):
+    """The lines of `text` (Python) that are a whole decorator of a function or class: none
+    where it does not parse here."""
+    import ast
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return set()
+    return {d.lineno for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            for d in node.decorator_list if d.lineno == d.end_lineno}
 
 
 def classify(tree, trees, base_runs):
