@@ -894,28 +894,95 @@ def test_attack_a_base_test_changed_beside_its_xfail_mark_is_a_base_test_changed
     red_both(repo, "base_test_changed")
 
 
-def test_only_a_mark_with_literal_arguments_may_be_taken_out():
+def lift(text, mark):
     from fablize_gate.rerun import only_marks_lifted
+    data = text.encode() if isinstance(text, str) else text
+    return only_marks_lifted(data, data.replace(mark.encode(), b"", 1))
+
+
+def test_only_a_mark_with_literal_arguments_may_be_taken_out():
     base = ("import pytest\n\n@pytest.mark.xfail({})\ndef test_a():\n    assert f()\n")
     for args in ("", "strict=True", "reason='x', strict=True", 'raises=ValueError, run=False'):
-        text = base.format(args).encode()
-        assert only_marks_lifted(text, text.replace(f"@pytest.mark.xfail({args})\n".encode(),
-                                                    b"")), args
+        assert lift(base.format(args), f"@pytest.mark.xfail({args})\n"), args
     for args in ("reason=setup()", "condition", "reason='x' if a else 'y'"):
-        text = base.format(args).encode()
-        assert not only_marks_lifted(text, text.replace(
-            f"@pytest.mark.xfail({args})\n".encode(), b"")), args
+        assert not lift(base.format(args), f"@pytest.mark.xfail({args})\n"), args
     # a line like a mark inside a string is the string's text, which a test may compare
-    quoted = (b'EXPECTED = """\n@pytest.mark.xfail\n"""\n\n\ndef test_render():\n'
-              b'    assert render() == EXPECTED\n')
-    assert not only_marks_lifted(quoted, quoted.replace(b"@pytest.mark.xfail\n", b""))
-    assert not only_marks_lifted(b"@pytest.mark.xfail\ndef test_a(:\n",
-                                 b"def test_a(:\n")  # what does not parse here: no
+    assert not lift('EXPECTED = """\n@pytest.mark.xfail\n"""\n\n\ndef test_render():\n'
+                    "    assert render() == EXPECTED\n", "@pytest.mark.xfail\n")
+    assert not lift("@pytest.mark.xfail\ndef test_a(:\n", "@pytest.mark.xfail\n")  # no parse
     text = base.format("").encode()
+    from fablize_gate.rerun import only_marks_lifted
     assert not only_marks_lifted(text, text)  # nothing taken out
     assert not only_marks_lifted(text, text.replace(b"    assert f()\n", b""))
     assert not only_marks_lifted(text + b"\n", text.replace(b"@pytest.mark.xfail()\n", b"")
                                  + b"\ndef test_b():\n    pass\n")
+
+
+MARKED = "import pytest\n{above}@pytest.mark.xfail(strict=True)\ndef test_a():\n    assert f()\n"
+
+
+@pytest.mark.parametrize("above, lifts", [
+    ("\x0c\n", True), ("# a \u2028 in a comment\n", True), ("", True),  # Python's own lines
+    ("from pytest import mark\n", True),
+], ids=["page-break", "u2028", "plain", "pytest-mark-imported"])
+def test_a_mark_is_counted_in_lines_as_python_counts_them(above, lifts):
+    """Found by a red-team pass: lines numbered by str.splitlines (which ends a line at a form
+    feed or U+2028) drifted from Python's, refusing honest lifts — and letting a line of a
+    string below pass for a decorator."""
+    assert lift(MARKED.format(above=above), "@pytest.mark.xfail(strict=True)\n") is lifts
+    assert lift(b"\xef\xbb\xbf" + MARKED.format(above="").encode(),
+                "@pytest.mark.xfail(strict=True)\n")  # a UTF-8 BOM, as Python reads it
+    drift = ("import pytest\n\x0c\n\x0c\nEXPECTED = \"\"\"header\n@pytest.mark.xfail\n\"\"\"\n"
+             "@pytest.mark.parametrize('n', [1])\ndef test_render(n):\n"
+             "    assert render() == EXPECTED\n")
+    assert not lift(drift, "@pytest.mark.xfail\n")  # the string's line, not a decorator
+
+
+@pytest.mark.parametrize("text, mark", [
+    ("import pytest\n\ndef test_a():\n    @pytest.mark.xfail(strict=True)\n    def sample():\n"
+     "        pass\n    assert known_bugs([sample]) == ['sample']\n",
+     "    @pytest.mark.xfail(strict=True)\n"),  # a function the test hands the code
+    ("import pytest\n\n@pytest.mark.xfail(strict=True)\ndef test_sample():\n    pass\n\n\n"
+     "def test_known():\n    assert known_bugs([test_sample]) == ['test_sample']\n",
+     "@pytest.mark.xfail(strict=True)\n"),  # a test another test names
+    ("import pytest\n\n@pytest.mark.xfail(strict=True)\ndef test_sample():\n    pass\n\n\n"
+     "def test_known():\n    assert known_bugs(globals()) == ['test_sample']\n",
+     "@pytest.mark.xfail(strict=True)\n"),  # a namespace read
+    ("import pytest\n\n@pytest.mark.xfail(strict=True)\ndef helper():\n    pass\n",
+     "@pytest.mark.xfail(strict=True)\n"),  # no test
+    ("import pytest\n@pytest.mark.xfail(\n    strict=True)\ndef test_a():\n    assert 0\n",
+     "@pytest.mark.xfail(\n"),  # half of a mark
+    ("from calc import mark\n@mark.xfail\ndef test_a():\n    assert 0\n",
+     "@mark.xfail\n"),  # a `mark` that is not pytest's
+    ("# -*- coding: utf-7 -*-\nimport pytest\n@pytest.mark.xfail\ndef test_a():\n    pass\n",
+     "@pytest.mark.xfail\n"),  # another encoding: Python would read other code
+], ids=["inner-function", "named-elsewhere", "globals", "helper", "half-a-mark", "not-pytest",
+        "utf-7"])
+def test_a_mark_that_may_be_another_tests_input_is_no_mark_to_lift(text, mark):
+    """Found by a red-team pass: a mark on a function a test hands the code under test (a tool
+    that reads marks) changed that test's input — CI green with the code still buggy."""
+    assert not lift(text, mark)
+    whole = "import pytest\n@pytest.mark.xfail(\n    strict=True)\ndef test_a():\n    assert 0\n"
+    assert lift(whole, "@pytest.mark.xfail(\n    strict=True)\n")  # a mark whole, on 2 lines
+
+
+KNOWN_BUGGY = ("def known_bugs(funcs):\n"
+               "    return [f.__name__ for f in funcs\n"
+               "            if not any(m.name == 'xfail' for m in getattr(f, 'pytestmark', []))]\n")
+KNOWN_TEST = ("import pytest\n\nfrom calc import known_bugs\n\n\n"
+              "def test_a_marked_function_is_a_known_bug():\n"
+              "    @pytest.mark.xfail(strict=True)\n    def sample():\n        pass\n"
+              "    assert known_bugs([sample]) == ['sample']\n")
+
+
+def test_attack_a_mark_on_the_function_a_test_hands_the_code_stays(tmp_path):
+    """The red-team pass's reproducer, end to end: the code under test reports which functions
+    carry an xfail mark (its bug inverts it); the branch leaves it buggy and takes out the mark
+    of the function the test hands it. Once green; now a change to a base test."""
+    repo = Repo(tmp_path, files={"calc.py": KNOWN_BUGGY, "tests/test_calc.py": KNOWN_TEST})
+    repo.branch(fix=False, change=lambda t: (t / "tests" / "test_calc.py").write_text(
+        KNOWN_TEST.replace("    @pytest.mark.xfail(strict=True)\n", "")))
+    red_both(repo, "base_test_changed")
 
 
 def test_without_a_rerun_a_lifted_xfail_mark_is_a_change_outside_the_scope(tmp_path):

@@ -21,6 +21,7 @@ Interface (for the trust room and `audit`):
   failures(result, opts)   every gate of the re-run that says no: [{code, message, fix}]
 """
 
+import collections
 import os
 import re
 import shutil
@@ -621,49 +622,102 @@ def held_out_checks(opts):
     return commands, [name]
 
 
-# a line that only marks a test as expected to fail, its arguments literals: taking it out makes
-# the test stricter (it must now pass), never weaker
-XFAIL_MARK = re.compile(
-    r"[ \t]*@(?:pytest\.)?mark\.xfail(?:\((?:\s*(?:strict\s*=\s*(?:True|False)|run\s*=\s*"
-    r"(?:True|False)|reason\s*=\s*(?:\"[^\"\\\n]*\"|'[^'\\\n]*')|raises\s*=\s*[A-Za-z_][\w.]*)"
-    r"\s*,?)*\s*\))?[ \t]*(?:#[^\n]*)?")
-
-
 def only_marks_lifted(base, head):
-    """Whether `head` (bytes) is `base` with lines taken out and nothing else, each an xfail
-    mark (XFAIL_MARK) that Python reads as a decorator of a test — never such a line inside a
-    string, whose text a test may compare: a base test the work fixes, its expected failure
-    lifted."""
+    """Whether `head` is `base` (a Python file's bytes) with lines taken out and nothing else,
+    those lines whole xfail marks of tests (xfail_marks): a base test the work fixes, its
+    expected failure lifted — stricter, never weaker. Lines as Python counts them (a form feed
+    or U+2028 ends none); a file Python would not read as UTF-8, or that does not parse here,
+    lifts nothing."""
     try:
-        text = base.decode("utf-8")
-        new = head.decode("utf-8").splitlines(True)
-    except (AttributeError, UnicodeDecodeError):  # a blob there is not, or not text
+        old, new = python_lines(base), python_lines(head)
+    except (TypeError, ValueError, SyntaxError):  # no blob, not UTF-8, another encoding
         return False
-    old = text.splitlines(True)
     if len(new) >= len(old):
         return False
     i, gone = 0, set()
-    for number, line in enumerate(old, 1):  # `new` is `old` less some lines, each a mark
+    for number, line in enumerate(old, 1):  # `new` is `old` less some lines
         if i < len(new) and new[i] == line:
             i += 1
-        elif XFAIL_MARK.fullmatch(line.rstrip("\r\n")):
-            gone.add(number)
         else:
-            return False
-    return i == len(new) and gone <= decorator_lines(text)
+            gone.add(number)
+    if i != len(new):
+        return False
+    spans = [span for span in xfail_marks(base) if span & gone]
+    return bool(spans) and all(span <= gone for span in spans) and gone <= set().union(*spans)
 
 
-def decorator_lines(text):
-    """The lines of `text` (Python) that are a whole decorator of a function or class: none
-    where it does not parse here."""
+def python_lines(data):
+    """`data`'s lines, each with its end, as Python's tokenizer splits them (\\n, \\r\\n,
+    \\r), decoded as Python would: UTF-8 (with or without its BOM) or refused."""
+    import io
+    import tokenize
+    encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    if encoding not in ("utf-8", "utf-8-sig"):
+        raise ValueError(encoding)
+    return re.findall(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+$", data.decode("utf-8-sig"))
+
+
+def xfail_marks(data):
+    """[set of line numbers] of each xfail mark of a test in `data` (a Python file): a decorator
+    `pytest.mark.xfail` (or `mark.xfail`, `mark` imported from pytest) whose arguments are
+    keywords with literal values (`strict`, `reason`, `run`; `raises` an exception's name), on a
+    test function or class pytest collects by default — `test*` at the top or in a `Test*`
+    class, a `Test*` class at the top — never a helper, nor a function inside a test: what a
+    test hands the code may be a marked function. So also none where the file names the test
+    elsewhere, or reads marks or namespaces (`globals()`, `getattr`, `iter_markers`, …): there a
+    test's marks may be another test's input. Nothing where it does not parse here."""
     import ast
     try:
-        tree = ast.parse(text)
+        tree = ast.parse(data)
     except (SyntaxError, ValueError, MemoryError, RecursionError):
-        return set()
-    return {d.lineno for node in ast.walk(tree)
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-            for d in node.decorator_list if d.lineno == d.end_lineno}
+        return []
+    bare = any(isinstance(node, ast.ImportFrom) and node.module == "pytest" and any(
+        n.name == "mark" and n.asname in (None, "mark") for n in node.names)
+        for node in tree.body)
+
+    def is_xfail(d):
+        call = d if isinstance(d, ast.Call) else None
+        target = call.func if call else d
+        named = (isinstance(target, ast.Attribute) and target.attr == "xfail"
+                 and isinstance(target.value, ast.Attribute) and target.value.attr == "mark"
+                 and isinstance(target.value.value, ast.Name)
+                 and target.value.value.id == "pytest") or (
+            bare and isinstance(target, ast.Attribute) and target.attr == "xfail"
+            and isinstance(target.value, ast.Name) and target.value.id == "mark")
+        if not named or call is None:
+            return named
+        return not call.args and all(
+            (k.arg in ("strict", "reason", "run") and isinstance(k.value, ast.Constant)) or (
+                k.arg == "raises" and isinstance(k.value, (ast.Name, ast.Attribute)))
+            for k in call.keywords)
+
+    names = collections.Counter()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            names[node.id] += 1
+        elif isinstance(node, ast.Attribute):
+            names[node.attr] += 1
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names[node.value] += 1
+    if any(names[n] for n in REFLECTION):
+        return []
+    tests = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                node.name.startswith("test"):
+            tests.append(node)
+        elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+            tests.append(node)
+            tests += [m for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
+                      and m.name.startswith("test")]
+    return [set(range(d.lineno, d.end_lineno + 1)) for node in tests if not names[node.name]
+            for d in node.decorator_list if is_xfail(d)]
+
+
+# what reads a test's marks or a module's namespace: a file that uses one lifts no mark
+REFLECTION = ("globals", "vars", "locals", "getattr", "__dict__", "modules", "inspect",
+              "pytestmark", "iter_markers", "get_closest_marker", "own_markers", "keywords",
+              "__import__", "import_module", "eval", "exec")
 
 
 def classify(tree, trees, base_runs):
