@@ -21,7 +21,6 @@ Interface (for the trust room and `audit`):
   failures(result, opts)   every gate of the re-run that says no: [{code, message, fix}]
 """
 
-import collections
 import os
 import re
 import shutil
@@ -29,7 +28,7 @@ import tempfile
 
 from .base import count_noun, one_line, refused, usage
 from .model import is_final, run_passed, run_result, touch
-from .reports import BROKEN, compare, PASSED
+from .reports import BROKEN, compare, PASSED, XFAILED
 from .runs import read_objects, run_command, tree_entries
 from .storage import within
 
@@ -271,17 +270,18 @@ class Trees:
         top = tree["top"]
         self.base = tree_entries(top, tree["base"])
         kept = [path for path, deleted in tree["take"] if not deleted]
-        kept += tree.get("marks_lifted") or []
+        kept += list(tree.get("marks_lifted") or ())
         self.head = tree_entries(top, "HEAD", kept) if kept else {}
         agent = tree.get("agent_tests") or []
         self.agent = tree_entries(top, "HEAD", agent) if agent else {}
         self.blobs = read_objects(top, [oid for _, oid in list(self.base.values())
                                         + list(self.head.values()) + list(self.agent.values())])
 
-    def entries(self, code, tests):
+    def entries(self, code, tests, lifted=False):
         """{path: (mode, oid)} of a tree: `code` "base" or "branch" (the base's, with the files
         the scope takes); `tests` "base" (as the base holds them) or "agent" (the base's test
-        files taken out, the agent's new ones put in)."""
+        files taken out, the agent's new ones put in); `lifted`: the branch's copies of the base
+        tests whose xfail marks it takes out (marks_lifted), else the base's."""
         entries = dict(self.base)
         if code == "branch":
             for path, deleted in self.tree["take"]:
@@ -290,18 +290,18 @@ class Trees:
                     del entries[other]  # a folder the branch turned into a file
                 if not deleted and path in self.head:
                     entries[path] = self.head[path]
-            for path in self.tree.get("marks_lifted") or ():  # the stricter copy
-                entries[path] = self.head[path]
+            for path in (self.tree.get("marks_lifted") or ()) if lifted else ():
+                entries[path] = self.head[path]  # the stricter copy
         if tests == "agent":
             for path in self.tree.get("base_test_modules") or ():
                 entries.pop(path, None)
             entries.update(self.agent)
         return entries
 
-    def protected(self, code, tests):
+    def protected(self, code, tests, lifted=False):
         """{path: object id} of the files of a tree the checks must not change: the base's tests
-        and harness, as the base holds them."""
-        entries = self.entries(code, tests)
+        and harness, as the base holds them (and the lifted copies, in a lifted run)."""
+        entries = self.entries(code, tests, lifted)
         keep = set(self.tree.get("base_tests") or ()) | set(self.tree.get("harness") or ())
         lifted = set(self.tree.get("marks_lifted") or ())
         return {p: v[1] for p, v in entries.items()
@@ -324,11 +324,12 @@ class Trees:
                 changed.append(path)
         return changed
 
-    def build(self, code="branch", tests="base"):
+    def build(self, code="branch", tests="base", lifted=False):
         folder = tempfile.mkdtemp(prefix="fablize-rerun-", dir=self.scratch)
         try:
-            write_tree(folder, self.entries(code, tests), self.blobs)
-            self.isolation.give(folder, self.protected(code, tests) if code == "branch" else ())
+            write_tree(folder, self.entries(code, tests, lifted), self.blobs)
+            self.isolation.give(folder, self.protected(code, tests, lifted)
+                                if code == "branch" else ())
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -475,12 +476,12 @@ class Runner:
         self.planted = []  # [(what ran, path)]: written above the trees by a check
         self.memo = {}
 
-    def run(self, cmd, code="branch", tests="base", trace=False):
+    def run(self, cmd, code="branch", tests="base", trace=False, lifted=False):
         """{record, report (reports.Report or None), root} of `cmd` on a tree of that kind."""
-        key = (cmd, code, tests, trace)
+        key = (cmd, code, tests, trace, lifted)
         if key in self.memo:
             return self.memo[key]
-        folder = None if self.trees is None else self.trees.build(code, tests)
+        folder = None if self.trees is None else self.trees.build(code, tests, lifted)
         try:
             top = self.store.root if folder is None else folder
             root = top if folder is None else os.path.join(folder, self.trees.tree["root"])
@@ -493,9 +494,9 @@ class Runner:
             record, report = run_command(cmd, root, self.timeout, None, log, popen=popen,
                                          trace=trace, detail=True, owner=self.isolation.user,
                                          reports=self.scratch, top=top)
-            known = self.trees.entries(code, tests) if self.trees is not None else {}
+            known = self.trees.entries(code, tests, lifted) if self.trees is not None else {}
             # the branch's code ran: the base's tests and harness must be as they were
-            tampered = (self.trees.tampered(folder, self.trees.protected(code, tests))
+            tampered = (self.trees.tampered(folder, self.trees.protected(code, tests, lifted))
                         if folder is not None and code == "branch" else [])
             self.memo[key] = {"record": record, "report": report, "top": top,
                               "files": test_files(report, top, known), "tampered": tampered,
@@ -583,16 +584,18 @@ def rerun(store, plan, trust, opts, timeout):
     result = {"where": "checkout" if tree is None else "tree", "checks": [],
               "isolation": isolation.words(), "shared": isolation.shared(),
               "held_out": len(held_out), "agent_tests": None, "tests_changed": [],
-              "marks_lifted": tree["marks_lifted"] if tree else []}
+              "marks_lifted": sorted(tree["marks_lifted"]) if tree else []}
     try:
         if tree is not None:
             base_runs = {c.cmd: runner.run(c.cmd, code="base", trace=True) for c in checks}
             classify(tree, trees, base_runs.values())
             result["tests_changed"] = tree["tests_changed"]
+        lifts = tree["marks_lifted"] if tree is not None else {}
         for c in checks:
             branch = runner.run(c.cmd)
             base = base_runs[c.cmd] if tree is not None else None
-            result["checks"].append(judged(c, branch, base, taken))
+            lifted = runner.run(c.cmd, lifted=True) if lifts else None
+            result["checks"].append(judged(c, branch, base, taken, lifted, lifts))
         if tree is not None and opts.get("agent_tests") == "prove" and tree["agent_tests"]:
             result["agent_tests"] = agent_tests(runner, [c for c in checks if c.final
                                                          and not c.held_out],
@@ -623,17 +626,17 @@ def held_out_checks(opts):
 
 
 def only_marks_lifted(base, head):
-    """Whether `head` is `base` (a Python file's bytes) with lines taken out and nothing else,
-    those lines whole xfail marks of tests (xfail_marks): a base test the work fixes, its
-    expected failure lifted — stricter, never weaker. Lines as Python counts them (a form feed
-    or U+2028 ends none); a file Python would not read as UTF-8, or that does not parse here,
-    lifts nothing."""
+    """The tests whose marks `head` lifts — [[class or None, test or None]] — when it is `base`
+    (a Python file's bytes) with lines taken out and nothing else, those lines whole xfail
+    marks of tests (xfail_marks): a base test the work fixes, its expected failure lifted.
+    Else [] (falsy). Lines as Python counts them (a form feed or U+2028 ends none); a file
+    Python would not read as UTF-8, or that does not parse here, lifts nothing."""
     try:
         old, new = python_lines(base), python_lines(head)
     except (TypeError, ValueError, SyntaxError):  # no blob, not UTF-8, another encoding
-        return False
+        return []
     if len(new) >= len(old):
-        return False
+        return []
     i, gone = 0, set()
     for number, line in enumerate(old, 1):  # `new` is `old` less some lines
         if i < len(new) and new[i] == line:
@@ -641,9 +644,29 @@ def only_marks_lifted(base, head):
         else:
             gone.add(number)
     if i != len(new):
-        return False
-    spans = [span for span in xfail_marks(base) if span & gone]
-    return bool(spans) and all(span <= gone for span in spans) and gone <= set().union(*spans)
+        return []
+    marks = [(span, test) for span, test in xfail_marks(base) if span & gone]
+    spans = [span for span, _ in marks] + unused_import(base, head)  # `import pytest`, unused
+    if not marks or not all(span <= gone for span in spans if span & gone) or \
+            not gone <= set().union(*spans):
+        return []
+    return [list(t) for t in dict.fromkeys(test for _, test in marks)]
+
+
+def unused_import(base, head):
+    """[the lines of `base`'s top-level `import pytest`] when `head` names pytest nowhere: a
+    linter asks for its removal once the last mark goes, and importing it does nothing under
+    pytest, which has."""
+    import ast
+    try:
+        old, new = ast.parse(base), ast.parse(head)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return []
+    if any(isinstance(n, ast.Name) and n.id == "pytest" for n in ast.walk(new)):
+        return []
+    return [set(range(n.lineno, n.end_lineno + 1)) for n in old.body
+            if isinstance(n, ast.Import) and [(a.name, a.asname) for a in n.names]
+            == [("pytest", None)]]
 
 
 def python_lines(data):
@@ -658,14 +681,15 @@ def python_lines(data):
 
 
 def xfail_marks(data):
-    """[set of line numbers] of each xfail mark of a test in `data` (a Python file): a decorator
-    `pytest.mark.xfail` (or `mark.xfail`, `mark` imported from pytest) whose arguments are
-    keywords with literal values (`strict`, `reason`, `run`; `raises` an exception's name), on a
+    """[(set of line numbers, (class or None, test or None))] of each xfail mark of a test in
+    `data` (a Python file): a decorator `pytest.mark.xfail` (or `mark.xfail`, `mark` imported
+    from pytest) whose arguments are keywords with literal values (`strict`, `reason`; `raises`
+    an exception's name — never `run=False`: a test its base never ran proves nothing), on a
     test function or class pytest collects by default — `test*` at the top or in a `Test*`
-    class, a `Test*` class at the top — never a helper, nor a function inside a test: what a
-    test hands the code may be a marked function. So also none where the file names the test
-    elsewhere, or reads marks or namespaces (`globals()`, `getattr`, `iter_markers`, …): there a
-    test's marks may be another test's input. Nothing where it does not parse here."""
+    class, a `Test*` class at the top — never a helper, nor a function inside a test. What else
+    may read a test's marks (another test, a hook) is judged where they stand: every test but
+    the lifted ones from a run with the base's copy (Runner.run's `lifted`). Nothing where it
+    does not parse here."""
     import ast
     try:
         tree = ast.parse(data)
@@ -687,37 +711,22 @@ def xfail_marks(data):
         if not named or call is None:
             return named
         return not call.args and all(
-            (k.arg in ("strict", "reason", "run") and isinstance(k.value, ast.Constant)) or (
+            (k.arg in ("strict", "reason") and isinstance(k.value, ast.Constant)) or (
                 k.arg == "raises" and isinstance(k.value, (ast.Name, ast.Attribute)))
             for k in call.keywords)
 
-    names = collections.Counter()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name):
-            names[node.id] += 1
-        elif isinstance(node, ast.Attribute):
-            names[node.attr] += 1
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            names[node.value] += 1
-    if any(names[n] for n in REFLECTION):
-        return []
-    tests = []
+    tests = []  # (node, (class, test))
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
                 node.name.startswith("test"):
-            tests.append(node)
+            tests.append((node, (None, node.name)))
         elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
-            tests.append(node)
-            tests += [m for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
+            tests.append((node, (node.name, None)))
+            tests += [(m, (node.name, m.name)) for m in node.body
+                      if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
                       and m.name.startswith("test")]
-    return [set(range(d.lineno, d.end_lineno + 1)) for node in tests if not names[node.name]
+    return [(set(range(d.lineno, d.end_lineno + 1)), test) for node, test in tests
             for d in node.decorator_list if is_xfail(d)]
-
-
-# what reads a test's marks or a module's namespace: a file that uses one lifts no mark
-REFLECTION = ("globals", "vars", "locals", "getattr", "__dict__", "modules", "inspect",
-              "pytestmark", "iter_markers", "get_closest_marker", "own_markers", "keywords",
-              "__import__", "import_module", "eval", "exec")
 
 
 def classify(tree, trees, base_runs):
@@ -756,10 +765,58 @@ def hosted_in(report, test_id, taken):
     return next((p for p in taken if p == host or p.endswith("/" + host.lstrip("./"))), None)
 
 
-def judged(check, branch, base, taken=()):
+def lifted_ids(run, lifts):
+    """The ids of the tests a run reports whose xfail marks the branch takes out (`lifts`:
+    {path: [[class or None, test or None]]}): the lifted test (any parameter of it), or every
+    test of a lifted class. A test's id names its class last before `::` (JUnit's classname)."""
+    found = set()
+    for test_id, path in run["files"].items():
+        holder, _, name = test_id.rpartition("::")
+        name, owner = name.split("[", 1)[0], holder.rsplit(".", 1)[-1]
+        cls_of = owner if owner.startswith("Test") else None
+        if any(cls == cls_of and test in (None, name) for cls, test in lifts.get(path, ())):
+            found.add(test_id)
+    return found
+
+
+def with_lifted(check, branch, lifted, lifts):
+    """The branch's run of `check` where its base tests' xfail marks are lifted: every test as
+    the run with the base's copies reported it (what the lifted marks might change of another
+    test is never read), but the lifted tests as the run with the branch's copies reported them
+    — that run must pass whole. (run, why not) — `why` a sentence when it cannot pass."""
+    ids = lifted_ids(lifted, lifts)
+    report, record = branch["report"], dict(branch["record"])
+    if report is None or lifted["report"] is None or not ids:
+        return branch, None
+    from .reports import Report, FAILED, ERROR
+    merged = Report(report.runners, report.roots)
+    for name in ("files", "hosts", "missing", "problems", "per_test", "extra"):
+        setattr(merged, name, getattr(report, name))
+    merged.tests = {t: (lifted["report"].tests.get(t, outcomes) if t in ids else outcomes)
+                    for t, outcomes in report.tests.items()}
+    others = [t for t, outcomes in report.tests.items() if t not in ids
+              and any(o in (FAILED, ERROR) for o in outcomes)]
+    why = None
+    if not run_passed(lifted["record"]):
+        why = "with the branch's copies of the tests whose xfail marks it takes out, " + \
+            run_result(lifted["record"])
+    elif record.get("exit_code") != 0 and not others and not record.get("timed_out") and \
+            not record.get("error") and not record.get("interrupted"):
+        # the run with the base's copies failed on the lifted tests alone (a strict xfail
+        # that passes): they are judged by the other run, which passed
+        record.update(exit_code=0, report=lifted["record"].get("report"))
+    return dict(branch, record=record, report=merged), why
+
+
+def judged(check, branch, base, taken=(), lifted=None, lifts=None):
     """One check's result: its run on the branch's tree (or the checkout), and, with the base's
     run beside it, the comparison test by test. A test fixed in a file the work changed counts
-    for nothing (hosted)."""
+    for nothing (hosted). `lifted`: the run with the branch's copies of the base tests whose
+    xfail marks it takes out (with_lifted)."""
+    why, lifted_set = None, set()
+    if lifted is not None:
+        branch, why = with_lifted(check, branch, lifted, lifts)
+        lifted_set = lifted_ids(lifted, lifts)
     record, report = branch["record"], branch["report"]
     out = {"tampered": branch.get("tampered") or [], "id": check.sid, "check": check.number,
            "cmd": check.cmd if not check.held_out else None, "held_out": check.held_out,
@@ -768,6 +825,9 @@ def judged(check, branch, base, taken=()):
            "tail": record["tail"] if not check.held_out else "",
            "report": record.get("report"), "passed": run_passed(record),
            "base": None, "compare": None}
+    out["tampered"] += (lifted or {}).get("tampered") or []
+    if why:
+        out["passed"], out["result"] = False, why
     out["ok"] = out["passed"] and not out["tampered"]
     if base is not None:
         brecord, breport = base["record"], base["report"]
@@ -776,7 +836,11 @@ def judged(check, branch, base, taken=()):
         if breport is not None and report is not None and breport.per_test and report.per_test:
             cmp = compare(breport, report)
             hosted = [t for t in cmp.fixed if hosted_in(breport, t, taken)]
-            cmp.fixed = [t for t in cmp.fixed if t not in hosted]
+            # a lifted test fixes something only where it ran and failed on the base (XFAIL): a
+            # strict one that passed there (XPASS) passes on the base's code without its mark
+            stale = [t for t in cmp.fixed if t in lifted_set
+                     and any(o != XFAILED for o in breport.tests.get(t, ()))]
+            cmp.fixed = [t for t in cmp.fixed if t not in hosted and t not in stale]
             out["compare"] = {k: getattr(cmp, k)[:MAX_IDS] for k in
                               ("fixed", "still_failing", "broken", "vanished")}
             out["compare"].update({f"{k}_count": len(getattr(cmp, k)) for k in
@@ -784,7 +848,10 @@ def judged(check, branch, base, taken=()):
             out["compare"]["words"] = cmp.words() + ([
                 f"{count_noun(len(hosted), 'test')} fixed inside a file the work "
                 f"changes count for nothing ({', '.join(one_line(t)[:60] for t in hosted[:3])}: a "
-                "doctest, a unit test inside the code)"] if hosted else [])
+                "doctest, a unit test inside the code)"] if hosted else []) + ([
+                f"{count_noun(len(stale), 'test')} whose xfail mark the branch takes out "
+                f"passed on the base already ({', '.join(one_line(t)[:60] for t in stale[:3])}): "
+                "no fix of the work"] if stale else [])
             out["compare"]["hosted"] = hosted[:MAX_IDS]
             out["ok"] = out["passed"] and cmp.ok() and not out["tampered"]
         elif not out["base"]["passed"] and out["passed"]:

@@ -978,7 +978,7 @@ def tree_plan(store, plan, base, opts):
     inside = scope_matcher(scope)
     named = set(check_paths(plan, store.root, top))  # what a check runs is the base's
     shadows = Shadows(top, full, plan)
-    take, left, harness, agent, shadow, lifted = [], [], [], [], [], []
+    take, left, harness, agent, shadow, lifted = [], [], [], [], [], {}
     for path, status in branch_changes(b):
         if path == state_rel or path.startswith(state_rel + "/") or path == POLICY_PATH:
             continue
@@ -987,8 +987,8 @@ def tree_plan(store, plan, base, opts):
         elif test_material(path, runners):
             if status == "A":
                 agent.append(path)
-            elif status == "M" and marks_lifted(b, path):
-                lifted.append(path)  # stricter, never weaker: the branch's copy runs
+            elif status == "M" and (tests := marks_lifted(b, path)):
+                lifted[path] = tests  # the branch's copy runs them
             else:
                 left.append(path)  # a base test changed: listed
         elif not inside(path) or re.search(ARTEFACT, path):
@@ -1007,15 +1007,15 @@ def tree_plan(store, plan, base, opts):
 
 
 def marks_lifted(base, path):
-    """Whether the branch's `path` is the base's with lines taken out and nothing else, each an
-    xfail mark with literal arguments (rerun.only_marks_lifted) — a base test the work fixes,
-    now required to pass: stricter, never weaker. Compared with the base as it is now, so that
-    nothing the base changed since the branch left it is undone."""
+    """The tests whose xfail marks the branch's `path` takes out — when it is the base's with
+    lines taken out and nothing else, each a whole mark (rerun.only_marks_lifted): base tests
+    the work fixes, now required to pass — else []. Compared with the base as it is now, so
+    that nothing the base changed since the branch left it is undone."""
     from .rerun import only_marks_lifted
     before = tree_entries(base.top, base.full, [path])
     after = tree_entries(base.top, "HEAD", [path])
     if path not in before or path not in after or before[path][0] != after[path][0]:
-        return False
+        return []
     blobs = read_objects(base.top, [before[path][1], after[path][1]])
     return only_marks_lifted(blobs.get(before[path][1]), blobs.get(after[path][1]))
 
@@ -1461,7 +1461,7 @@ def review(store, plan, scan, pin, base, opts):
     # the re-run runs its stricter copy; else it is one, listed
     reruns = opts["rerun"] or opts["fail_to_pass"] or opts["require_fail_to_pass"]
     trust["out_of_scope"] = (tree["left"] + ([] if opts.get("agent_tests") == "prove" else agent)
-                             + ([] if reruns else tree["marks_lifted"]) if tree else [])
+                             + ([] if reruns else sorted(tree["marks_lifted"])) if tree else [])
     trust["harness"] = tree["harness"] if tree else []
     trust["shadow"] = tree["shadow"] if tree else []
     trust["tripwires"] = tripwires(tree) if tree else []
