@@ -1048,3 +1048,55 @@ def test_attack_a_stale_xfail_taken_out_is_no_fix(tmp_path, args):
     repo.branch(fix=False, change=lambda t: (t / "tests" / "test_calc.py").write_text(
         STALE.format(args).replace(f"@pytest.mark.xfail({args})\n", "")))
     red_both(repo, "vacuous_check")
+
+
+TWO_BUGS = "def mul(a, b):\n    return a * b\n\n\ndef div(a, b):\n    return a * b\n"  # mul fixed
+DIV_MARK = '@pytest.mark.xfail(strict=True, reason="div multiplies")\n'
+TWO_BUGS_TEST = ("import pytest\n\nfrom calc import div, mul\n\n\n"
+                 "def test_mul():\n    assert mul(2, 3) == 6\n\n\n" + DIV_MARK +
+                 "def test_div():\n    assert div(6, 3) == 2\n")
+RUN_SH = f"#!/bin/sh\nexec env {PYTEST} tests\n"
+
+
+@pytest.mark.parametrize("layout", ["a-script-no-runner-reports-on", "a-monorepo-twin-file"])
+def test_attack_a_lifted_mark_whose_test_the_report_does_not_name_still_must_pass(tmp_path,
+                                                                                 layout):
+    """Found by a third red-team pass: the work fixes mul (a real fix), leaves div buggy and
+    takes out div's strict xfail mark, after its own runs. Where the run's report names no
+    lifted test — a check that is the project's own script, a monorepo whose other package holds
+    a test file of the same name — the run with the branch's copy was thrown away: green. That
+    run must pass whole, whatever its report names."""
+    if layout == "a-script-no-runner-reports-on":
+        files, check, where = {"calc.py": TWO_BUGS.replace("a * b\n\n", "a + b\n\n", 1),
+                               "tests/test_calc.py": TWO_BUGS_TEST, "run_tests.sh": RUN_SH}, \
+            "sh run_tests.sh", ""
+        scope = ("calc.py",)
+    else:
+        files = {"packages/a/calc.py": TWO_BUGS.replace("a * b\n\n", "a + b\n\n", 1),
+                 "packages/a/tests/test_calc.py": TWO_BUGS_TEST,
+                 "packages/b/calc.py": "def one():\n    return 1\n",
+                 "packages/b/tests/test_calc.py": "from calc import one\n\n\ndef test_one():\n"
+                                                  "    assert one() == 1\n"}
+        check, where, scope = f"cd packages/a && {PYTEST} tests", "packages/a/", ("packages/a/",)
+    repo = Repo(tmp_path, files=files, check=check, scope=scope)
+    repo.branch(fix=False, change=lambda t: (t / where / "calc.py").write_text(TWO_BUGS),
+                after=lambda t: (t / where / "tests" / "test_calc.py").write_text(
+                    TWO_BUGS_TEST.replace(DIV_MARK, "")))
+    red_both(repo, "with the branch's copies of the tests whose xfail marks it takes out")
+
+
+UNITTEST_MARKED = ("import unittest\n\nimport pytest\n\nfrom calc import mul\n\n\n"
+                   "class CalcTests(unittest.TestCase):\n"
+                   "    @pytest.mark.xfail(strict=True)\n"
+                   "    def test_mul(self):\n        self.assertEqual(mul(2, 3), 6)\n\n"
+                   "    def test_zero(self):\n        self.assertEqual(mul(0, 0), 0)\n")
+
+
+def test_honest_a_unittest_class_whatever_its_name_loses_a_mark(tmp_path):
+    """pytest collects a TestCase subclass whatever its name (a third red-team pass's honest
+    case): its method's strict xfail, taken out by the work that fixes it, lifts."""
+    repo = Repo(tmp_path, files={"calc.py": BUGGY, "tests/test_calc.py": UNITTEST_MARKED})
+    repo.branch(change=lambda t: (t / "tests" / "test_calc.py").write_text(
+        UNITTEST_MARKED.replace("    @pytest.mark.xfail(strict=True)\n", "")))
+    p, _ = green_both(repo, strictest=True)
+    assert "1 fixed (failed on the base, pass now)" in p.stdout, p

@@ -686,7 +686,8 @@ def xfail_marks(data):
     from pytest) whose arguments are keywords with literal values (`strict`, `reason`; `raises`
     an exception's name — never `run=False`: a test its base never ran proves nothing), on a
     test function or class pytest collects by default — `test*` at the top or in a `Test*`
-    class, a `Test*` class at the top — never a helper, nor a function inside a test. What else
+    class (or a unittest TestCase, whatever its name), such a class at the top — never a
+    helper, nor a function inside a test. What else
     may read a test's marks (another test, a hook) is judged where they stand: every test but
     the lifted ones from a run with the base's copy (Runner.run's `lifted`). Nothing where it
     does not parse here."""
@@ -720,7 +721,9 @@ def xfail_marks(data):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
                 node.name.startswith("test"):
             tests.append((node, (None, node.name)))
-        elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+        elif isinstance(node, ast.ClassDef) and (node.name.startswith("Test") or any(
+                (b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "")).endswith(
+                    "TestCase") for b in node.bases)):
             tests.append((node, (node.name, None)))
             tests += [(m, (node.name, m.name)) for m in node.body
                       if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
@@ -768,13 +771,15 @@ def hosted_in(report, test_id, taken):
 def lifted_ids(run, lifts):
     """The ids of the tests a run reports whose xfail marks the branch takes out (`lifts`:
     {path: [[class or None, test or None]]}): the lifted test (any parameter of it), or every
-    test of a lifted class. A test's id names its class last before `::` (JUnit's classname)."""
+    test of a lifted class. A test's id names its holder last before `::` (JUnit's classname:
+    the module, or the class)."""
     found = set()
     for test_id, path in run["files"].items():
         holder, _, name = test_id.rpartition("::")
         name, owner = name.split("[", 1)[0], holder.rsplit(".", 1)[-1]
-        cls_of = owner if owner.startswith("Test") else None
-        if any(cls == cls_of and test in (None, name) for cls, test in lifts.get(path, ())):
+        module = path.rsplit("/", 1)[-1][:-3]
+        if any((owner == cls if cls else owner == module) and test in (None, name)
+               for cls, test in lifts.get(path, ())):
             found.add(test_id)
     return found
 
@@ -783,27 +788,29 @@ def with_lifted(check, branch, lifted, lifts):
     """The branch's run of `check` where its base tests' xfail marks are lifted: every test as
     the run with the base's copies reported it (what the lifted marks might change of another
     test is never read), but the lifted tests as the run with the branch's copies reported them
-    — that run must pass whole. (run, why not) — `why` a sentence when it cannot pass."""
+    — and that run must pass whole, whatever its report names (a check no runner reports on, a
+    lifted test the report does not name). (run, why not) — `why` a sentence when it fails."""
+    why = None
+    if not run_passed(lifted["record"]):
+        why = "with the branch's copies of the tests whose xfail marks it takes out, " + \
+            run_result(lifted["record"])
     ids = lifted_ids(lifted, lifts)
     report, record = branch["report"], dict(branch["record"])
     if report is None or lifted["report"] is None or not ids:
-        return branch, None
+        return branch, why  # judged as the base's copies ran, the other run passing whole
     from .reports import Report, FAILED, ERROR
     merged = Report(report.runners, report.roots)
     for name in ("files", "hosts", "missing", "problems", "per_test", "extra"):
         setattr(merged, name, getattr(report, name))
     merged.tests = {t: (lifted["report"].tests.get(t, outcomes) if t in ids else outcomes)
                     for t, outcomes in report.tests.items()}
-    others = [t for t, outcomes in report.tests.items() if t not in ids
-              and any(o in (FAILED, ERROR) for o in outcomes)]
-    why = None
-    if not run_passed(lifted["record"]):
-        why = "with the branch's copies of the tests whose xfail marks it takes out, " + \
-            run_result(lifted["record"])
-    elif record.get("exit_code") != 0 and not others and not record.get("timed_out") and \
-            not record.get("error") and not record.get("interrupted"):
-        # the run with the base's copies failed on the lifted tests alone (a strict xfail
-        # that passes): they are judged by the other run, which passed
+    failing = {t for t, outcomes in report.tests.items()
+               if any(o in (FAILED, ERROR) for o in outcomes)}
+    if why is None and record.get("exit_code") == 1 and failing and failing <= ids and \
+            not record.get("timed_out") and not record.get("error") and \
+            not record.get("interrupted"):
+        # the run with the base's copies failed on lifted tests alone (a strict xfail that
+        # passes: pytest's exit 1): they are judged by the other run, which passed whole
         record.update(exit_code=0, report=lifted["record"].get("report"))
     return dict(branch, record=record, report=merged), why
 
