@@ -1100,3 +1100,23 @@ def test_honest_a_unittest_class_whatever_its_name_loses_a_mark(tmp_path):
         UNITTEST_MARKED.replace("    @pytest.mark.xfail(strict=True)\n", "")))
     p, _ = green_both(repo, strictest=True)
     assert "1 fixed (failed on the base, pass now)" in p.stdout, p
+
+
+@pytest.mark.parametrize("how", [
+    "from pytest import xfail as later\n",
+    "import unittest\nlater = getattr(unittest, 'Skip' + 'Test')\n",
+], ids=["xfail-at-run-time", "skip-assembled"])
+def test_attack_a_lifted_test_the_code_skips_at_run_time_does_not_pass(tmp_path, how):
+    """Found by a fourth red-team pass: mul fixed, div left buggy, its mark taken out — and
+    div turns its own test into an expected failure or a skip when called with the test's
+    arguments. Expected to fail on the base, skipped now: the comparison asked nothing of it.
+    Each lifted test must pass in the run with the branch's copy."""
+    code = (how + "\n\ndef mul(a, b):\n    return a * b\n\n\ndef div(a, b):\n"
+            "    if (a, b) == (6, 3):\n        raise_it = later('next time')\n"
+            "        raise raise_it\n    return a * b\n")
+    repo = Repo(tmp_path, files={"calc.py": TWO_BUGS.replace("a * b\n\n", "a + b\n\n", 1),
+                                 "tests/test_calc.py": TWO_BUGS_TEST})
+    repo.branch(fix=False, change=lambda t: (
+        (t / "calc.py").write_text(code),
+        (t / "tests" / "test_calc.py").write_text(TWO_BUGS_TEST.replace(DIV_MARK, ""))))
+    red_both(repo, "whose xfail mark the branch takes out does not pass")

@@ -799,6 +799,13 @@ def with_lifted(check, branch, lifted, lifts):
     if report is None or lifted["report"] is None or not ids:
         return branch, why  # judged as the base's copies ran, the other run passing whole
     from .reports import Report, FAILED, ERROR
+    # each lifted test must pass there: a test the code under test skips or xfails at run time
+    # was expected to fail on the base, so the comparison alone would ask nothing of it
+    short = sorted(t for t in ids if any(o != PASSED for o in lifted["report"].tests[t]))
+    if why is None and short:
+        why = (f"{count_noun(len(short), 'test')} whose xfail mark the branch takes out "
+               f"{'does' if len(short) == 1 else 'do'} not pass with the branch's copy ("
+               + ", ".join(one_line(t)[:60] for t in short[:3]) + ")")
     merged = Report(report.runners, report.roots)
     for name in ("files", "hosts", "missing", "problems", "per_test", "extra"):
         setattr(merged, name, getattr(report, name))
