@@ -1120,3 +1120,24 @@ def test_attack_a_lifted_test_the_code_skips_at_run_time_does_not_pass(tmp_path,
         (t / "calc.py").write_text(code),
         (t / "tests" / "test_calc.py").write_text(TWO_BUGS_TEST.replace(DIV_MARK, ""))))
     red_both(repo, "whose xfail mark the branch takes out does not pass")
+
+
+def test_attack_a_lifted_test_in_a_file_the_runner_names_ambiguously_is_no_lift(tmp_path):
+    """Found by a fifth red-team pass: in a monorepo whose other package holds a test file of
+    the same name, the check run from inside one, the runner's name for the file matches both:
+    no lifted test was found, so none had to pass — div, left buggy, xfailed its own test at
+    run time (green). Lifted tests that cannot be told apart fail the check."""
+    code = ("from pytest import xfail as later\n\n\ndef mul(a, b):\n    return a * b\n\n\n"
+            "def div(a, b):\n    if (a, b) == (6, 3):\n        later('next time')\n"
+            "    return a * b\n")
+    files = {"packages/a/calc.py": TWO_BUGS.replace("a * b\n\n", "a + b\n\n", 1),
+             "packages/a/tests/test_calc.py": TWO_BUGS_TEST,
+             "packages/b/calc.py": "def one():\n    return 1\n",
+             "packages/b/tests/test_calc.py": "from calc import one\n\n\ndef test_one():\n"
+                                              "    assert one() == 1\n"}
+    repo = Repo(tmp_path, files=files, check=f"cd packages/a && {PYTEST} tests",
+                scope=("packages/a/",))
+    repo.branch(fix=False, change=lambda t: (
+        (t / "packages/a/calc.py").write_text(code),
+        (t / "packages/a/tests/test_calc.py").write_text(TWO_BUGS_TEST.replace(DIV_MARK, ""))))
+    red_both(repo, "cannot be told apart")

@@ -796,6 +796,13 @@ def with_lifted(check, branch, lifted, lifts):
             run_result(lifted["record"])
     ids = lifted_ids(lifted, lifts)
     report, record = branch["report"], dict(branch["record"])
+    unsure = sorted({f for t, f in (lifted["report"].files if lifted["report"] else {}).items()
+                     if f and t not in lifted["files"] and not os.path.isabs(f)
+                     and any(p.endswith("/" + f.replace(os.sep, "/").lstrip("./"))
+                             for p in lifts)})
+    if why is None and unsure:  # the lifted tests cannot be told apart: none is taken as one
+        why = (f"the runner names {one_line(unsure[0])}, which more than one file of the tree "
+               "ends with: the tests whose xfail marks the branch takes out cannot be told apart")
     if report is None or lifted["report"] is None or not ids:
         return branch, why  # judged as the base's copies ran, the other run passing whole
     from .reports import Report, FAILED, ERROR
