@@ -13,8 +13,8 @@ VERMIN_FLAGS := --no-tips --violations -t=3.9- --eval-annotations
 
 # four workers on two cores: most tests wait on a subprocess (git, the engine); an idle worker
 # takes tests queued for another (worksteal). On this project's idle 2-core machine `make test`
-# takes about 3m05s (`time make test`: user+sys ~356 s of CPU, both cores busy throughout; the
-# end-to-end audits of tests/test_scope.py and tests/test_verdict.py are 40% of the tests' time)
+# takes about 2m50s (`time make test`: user+sys ~331 s of CPU, both cores busy throughout; the
+# end-to-end audits of tests/test_scope.py and tests/test_verdict.py are 46% of the tests' CPU)
 PYTEST_ARGS ?= -q -n 4 --dist worksteal tests
 # The oldest supported Python, proven rather than assumed: where a 3.9 is installed, `make test`
 # also runs the demo and the engine's subprocess tests on it (the test tools themselves need a
